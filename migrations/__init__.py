@@ -1,0 +1,1 @@
+"""Alembic migrations: numbered revisions in `versions/`, applied at server start."""

@@ -1,0 +1,112 @@
+"""Options, output and error helpers shared by every pwctl command."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from schemas import views
+
+from ..client import Client
+
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", "-s", help="Controller address HOST:PORT (default: $PWCTL_SERVER, config, 127.0.0.1:7070)",
+                 show_default=False),
+]
+
+
+class Format(StrEnum):
+    table = "table"
+    wide = "wide"
+    json = "json"
+    name = "name"
+
+
+OutputOpt = Annotated[Format, typer.Option("--output", "-o", help="Output format", case_sensitive=False)]
+
+
+def stdout() -> Console:
+    return Console(no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=False)
+
+
+def stderr() -> Console:
+    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or not sys.stderr.isatty())
+
+
+def hint(message: str) -> None:
+    """Hints and progress go to stderr, never mixed with data on stdout."""
+    stderr().print(message, highlight=False)
+
+
+def client(server: str | None, timeout: float = 30.0) -> Client:
+    return Client(server=server, timeout=timeout)
+
+
+def emit_list(
+    fmt: Format,
+    kind: str,
+    items: Sequence[BaseModel],
+    columns: Sequence[str],
+    row: Callable[[Any], Sequence[str]],
+    wide_columns: Sequence[str] = (),
+    wide_row: Callable[[Any], Sequence[str]] | None = None,
+    name: Callable[[Any], str] | None = None,
+) -> None:
+    if fmt == Format.json:
+        doc = views.ListDocument[Any](kind=kind, items=list(items))
+        sys.stdout.write(views.dump(doc) + "\n")
+        return
+    if fmt == Format.name:
+        for item in items:
+            sys.stdout.write((name(item) if name else str(getattr(item, "name", ""))) + "\n")
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    cols = list(columns) + (list(wide_columns) if fmt == Format.wide else [])
+    for c in cols:
+        table.add_column(c.upper(), overflow="fold")
+    for item in items:
+        cells = list(row(item))
+        if fmt == Format.wide and wide_row is not None:
+            cells += list(wide_row(item))
+        table.add_row(*cells)
+    stdout().print(table)
+    if not items:
+        hint(f"no {kind.removesuffix('List').lower()}s")
+
+
+def emit_item(fmt: Format, kind: str, item: BaseModel, render: Callable[[Any], None]) -> None:
+    if fmt == Format.json:
+        sys.stdout.write(views.dump(views.ItemDocument[Any](kind=kind, item=item)) + "\n")
+    elif fmt == Format.name:
+        sys.stdout.write(str(getattr(item, "name", "")) + "\n")
+    else:
+        render(item)
+
+
+def age(iso_ts: str) -> str:
+    """'3s', '5m', '2h' since an ISO timestamp ('' when unknown)."""
+    from datetime import UTC, datetime
+
+    if not iso_ts:
+        return "-"
+    try:
+        then = datetime.fromisoformat(iso_ts.replace("Z", "+00:00"))
+    except ValueError:
+        return iso_ts
+    s = max(0.0, (datetime.now(UTC) - then).total_seconds())
+    if s < 120:
+        return f"{s:.0f}s ago"
+    if s < 7200:
+        return f"{s / 60:.0f}m ago"
+    if s < 172800:
+        return f"{s / 3600:.0f}h ago"
+    return f"{s / 86400:.0f}d ago"

@@ -1,0 +1,25 @@
+"""`pwctl island ...`"""
+
+from __future__ import annotations
+
+import typer
+
+from schemas.views import IslandView
+
+from .common import Format, OutputOpt, ServerOpt, client, emit_list
+
+app = typer.Typer(help="Islands: devices joined by a fast interconnect.", no_args_is_help=True)
+
+
+@app.command("list")
+def list_(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
+    """List islands with their hosts and devices."""
+    with client(server) as c:
+        items = [IslandView.of(i) for i in c.islands()]
+    emit_list(output, "IslandList", items, ["island", "hosts", "devices", "available"],
+              lambda i: [i.name, str(i.hosts), str(i.devices), str(i.available_devices)],
+              ["created"], lambda i: [i.created_at])
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="island")

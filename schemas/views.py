@@ -1,0 +1,116 @@
+"""Pydantic models of the documented `-o json` views and the user-facing specs.
+
+Every JSON document pwctl prints is `{"apiVersion": "pathways/v1", "kind": ..., ...}`:
+lists carry `items`, single objects carry `item`. Timestamps are UTC ISO-8601.
+Field names are stable; new fields may be added, none renamed or removed within v1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+API_VERSION = "pathways/v1"
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class View(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ListDocument(BaseModel, Generic[T]):
+    api_version: str = Field(API_VERSION, serialization_alias="apiVersion")
+    kind: str
+    items: list[T]
+
+
+class ItemDocument(BaseModel, Generic[T]):
+    api_version: str = Field(API_VERSION, serialization_alias="apiVersion")
+    kind: str
+    item: T
+
+
+def dump(doc: BaseModel) -> str:
+    return doc.model_dump_json(by_alias=True, indent=2)
+
+
+def _enum_name(value: str, prefix: str) -> str:
+    return value.removeprefix(prefix).lower()
+
+
+class ServerInfoView(View):
+    version: str
+    address: str
+    database: str
+    uptime_s: float
+    started_at: str
+    pid: int
+    dispatch: str
+    islands: int
+    hosts: int
+    devices: int
+    slices: int
+    jobs: int
+
+    @classmethod
+    def of(cls, m: cpb.ServerInfo) -> ServerInfoView:
+        return cls(version=m.version, address=m.address, database=m.database, uptime_s=round(m.uptime_s, 3),
+                   started_at=m.started_at, pid=m.pid, dispatch=m.dispatch, islands=m.islands,
+                   hosts=m.hosts, devices=m.devices, slices=m.slices, jobs=m.jobs)
+
+
+class IslandView(View):
+    name: str
+    hosts: int
+    devices: int
+    available_devices: int
+    created_at: str
+
+    @classmethod
+    def of(cls, m: pb.Island) -> IslandView:
+        return cls(name=m.name, hosts=m.hosts, devices=m.devices, available_devices=m.available_devices,
+                   created_at=m.created_at)
+
+
+class HostView(View):
+    id: int
+    name: str
+    island: str
+    address: str
+    state: str
+    pid: int
+    devices: int
+    device_kind: str
+    last_heartbeat: str
+
+    @classmethod
+    def of(cls, m: pb.Host) -> HostView:
+        return cls(id=m.id, name=m.name, island=m.island, address=m.address,
+                   state=_enum_name(pb.HostState.Name(m.state), "HOST_STATE_"), pid=m.pid,
+                   devices=m.devices, device_kind=m.device_kind, last_heartbeat=m.last_heartbeat)
+
+
+class DeviceView(View):
+    id: int
+    island: str
+    host: str
+    local_index: int
+    kind: str
+    state: str
+    slices: int
+    last_heartbeat: str
+
+    @classmethod
+    def of(cls, m: pb.Device) -> DeviceView:
+        return cls(id=m.id, island=m.island, host=m.host, local_index=m.local_index, kind=m.kind,
+                   state=_enum_name(pb.DeviceState.Name(m.state), "DEVICE_STATE_"), slices=m.slices,
+                   last_heartbeat=m.last_heartbeat)
+
+
+def as_jsonable(doc: BaseModel) -> Any:
+    return doc.model_dump(by_alias=True, mode="json")

@@ -1,0 +1,38 @@
+"""`python -m server.controller`: the controller process (pwctl server start runs this)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from .. import paths
+from .app import configure_logging, serve
+from .core import ControllerConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m server.controller")
+    p.add_argument("--listen", default=paths.DEFAULT_ADDRESS)
+    p.add_argument("--db", default=None)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--dispatch", choices=["parallel", "sequential"], default="parallel")
+    p.add_argument("--hang-timeout", type=float, default=60.0)
+    p.add_argument("--pid-file", default=None)
+    p.add_argument("--log-level", default="INFO")
+    ns = p.parse_args()
+    configure_logging(ns.log_level)
+    config = ControllerConfig(
+        listen=ns.listen,
+        db_url=ns.db or paths.default_db_url(),
+        heartbeat_interval=ns.heartbeat_interval,
+        heartbeat_timeout=ns.heartbeat_timeout,
+        dispatch=ns.dispatch,
+        hang_timeout=ns.hang_timeout,
+    )
+    asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Runs the controller: migrate the database, serve gRPC, write the pid file, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+
+from .. import paths
+from ..db.engine import upgrade_to_head
+from .auth import TokenInterceptor, load_or_create_token
+from .core import Controller, ControllerConfig
+from .servicer import ControllerServicer
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 512 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 512 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def write_pid_file(path: Path, address: str, db: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "address": address, "db": db}))
+    tmp.replace(path)
+
+
+async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
+    host, _port = paths.split_address(config.listen)
+    upgrade_to_head(config.db_url)
+    interceptors: list[aio.ServerInterceptor] = []
+    if not paths.is_loopback(host):
+        token = config.token or load_or_create_token()
+        interceptors.append(TokenInterceptor(token))
+    server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    core = Controller(config)
+    cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+    bound = server.add_insecure_port(config.listen)
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {config.listen}: address in use or not available")
+    core.address = f"{host}:{bound}"
+    await core.start()
+    await server.start()
+    if pid_file is not None:
+        write_pid_file(pid_file, core.address, config.db_url)
+    log.info("controller listening on %s (database %s)", core.address, config.db_url)
+    print(f"controller listening on {core.address}", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, core.request_shutdown)
+    try:
+        await core.shutdown_event.wait()
+    finally:
+        log.info("controller shutting down")
+        await server.stop(grace=1.0)
+        await core.stop()
+        if pid_file is not None and pid_file.exists():
+            try:
+                if json.loads(pid_file.read_text()).get("pid") == os.getpid():
+                    pid_file.unlink()
+            except (OSError, ValueError):
+                pass
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+__all__ = ["GRPC_OPTIONS", "grpc", "serve"]

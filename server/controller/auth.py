@@ -1,0 +1,66 @@
+"""Bearer-token check for a controller listening beyond loopback."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from .. import paths
+
+
+def load_or_create_token(path: Path | None = None) -> str:
+    """Returns the server token, creating it (mode 0600) on first use."""
+    path = path or paths.token_path()
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token
+
+
+class TokenInterceptor(aio.ServerInterceptor):
+    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(_request: Any, context: aio.ServicerContext) -> None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong token: set PWCTL_TOKEN or copy the server's token file",
+            )
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_stream_both = grpc.stream_stream_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                raw = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(raw, self._expected):
+                    return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.request_streaming and handler.response_streaming:
+            return self._deny_stream_both
+        if handler.request_streaming:
+            return self._deny_stream_in
+        if handler.response_streaming:
+            return self._deny_stream_out
+        return self._deny_unary

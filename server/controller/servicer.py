@@ -1,0 +1,136 @@
+"""gRPC servicer: translates requests into calls on the controller's components.
+
+No business logic here; component errors map to status codes in one place (`_guard`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+
+from .. import __version__
+from ..db.engine import redact
+from .core import Controller
+from .errors import ControllerError
+from .links import WorkerLink
+
+T = TypeVar("T")
+
+
+def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Maps ControllerError to its status code with a one-line message."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> T:
+        try:
+            return await fn(self, request, context)
+        except ControllerError as e:
+            await context.abort(e.code, str(e))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+class ControllerServicer(cgrpc.ControllerServicer):
+    def __init__(self, core: Controller) -> None:
+        self.core = core
+
+    # ---- cluster ----
+    @_guard
+    async def GetInfo(self, request: cpb.GetInfoRequest, context: aio.ServicerContext) -> cpb.ServerInfo:
+        core = self.core
+        return cpb.ServerInfo(
+            version=__version__,
+            address=core.address,
+            database=redact(core.db_url),
+            uptime_s=time.monotonic() - core.started_mono,
+            islands=len(core.cluster.islands),
+            hosts=len(core.cluster.hosts),
+            devices=sum(len(h.device_ids) for h in core.cluster.hosts.values()),
+            slices=core.slice_count(),
+            jobs=core.job_count(),
+            pid=os.getpid(),
+            dispatch=core.dispatch,
+            started_at=core.started_at,
+        )
+
+    @_guard
+    async def Shutdown(self, request: cpb.ShutdownRequest, context: aio.ServicerContext) -> cpb.ShutdownResponse:
+        self.core.request_shutdown()
+        return cpb.ShutdownResponse()
+
+    @_guard
+    async def ListIslands(
+        self, request: cpb.ListIslandsRequest, context: aio.ServicerContext
+    ) -> cpb.ListIslandsResponse:
+        return cpb.ListIslandsResponse(islands=self.core.cluster.island_protos())
+
+    @_guard
+    async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
+        self.core.require_island(request.island)
+        return cpb.ListHostsResponse(hosts=self.core.cluster.host_protos(request.island))
+
+    @_guard
+    async def ListDevices(
+        self, request: cpb.ListDevicesRequest, context: aio.ServicerContext
+    ) -> cpb.ListDevicesResponse:
+        self.core.require_island(request.island)
+        return cpb.ListDevicesResponse(
+            devices=self.core.cluster.device_protos(request.island, self.core.device_slice_count)
+        )
+
+    # ---- workers ----
+    async def WorkerConnect(
+        self, request_iterator: AsyncIterator[cpb.WorkerToController], context: aio.ServicerContext
+    ) -> AsyncIterator[cpb.ControllerToWorker]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("msg") != "register":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a registration")
+            return
+        reg = first.register
+        if not reg.name or not reg.island or reg.device_count <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "registration needs a name, an island and devices")
+            return
+        link = WorkerLink(reg.name)
+        info = self.core.cluster.register(reg, link)
+        link.send(
+            cpb.ControllerToWorker(
+                registered=cpb.Registered(
+                    host_id=info.id,
+                    heartbeat_interval_s=self.core.cluster.heartbeat_interval,
+                    device_ids=info.device_ids,
+                )
+            )
+        )
+        self.core.host_connected(info)
+        reader = self.core.spawn(self._read_worker(reg.name, request_iterator, link))
+        try:
+            async for msg in link.messages():
+                yield msg
+        finally:
+            reader.cancel()
+            self.core.cluster.disconnected(reg.name, link)
+
+    async def _read_worker(
+        self, name: str, request_iterator: AsyncIterator[cpb.WorkerToController], link: WorkerLink
+    ) -> None:
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "heartbeat":
+                    self.core.cluster.heartbeat(name, msg.heartbeat)
+                elif kind == "node_events":
+                    self.core.node_events(name, msg.node_events)
+        except (aio.AioRpcError, aio.UsageError):
+            pass
+        finally:
+            link.close()

@@ -1,0 +1,1 @@
+"""Persistent state: SQLAlchemy models and the engine, upgraded by Alembic at start."""

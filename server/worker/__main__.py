@@ -1,0 +1,51 @@
+"""`python -m server.worker`: one worker process owning the devices of one host.
+
+The device count must be fixed before JAX starts its backend, so this module sets it
+from the command line before anything imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m server.worker")
+    p.add_argument("--server", default=os.environ.get("PWCTL_SERVER", "127.0.0.1:7070"))
+    p.add_argument("--island", required=True)
+    p.add_argument("--devices", default="1", help="number of virtual CPU devices, or 'all' for real accelerators")
+    p.add_argument("--name", default=None, help="stable host name (default: <hostname>-<island>)")
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--log-level", default="INFO")
+    ns = p.parse_args()
+    if ns.devices != "all":
+        if not ns.devices.isdigit() or int(ns.devices) <= 0:
+            p.error("--devices must be a positive number or 'all'")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax  # noqa: PLC0415  (after the environment is set)
+
+    if ns.devices != "all":
+        jax.config.update("jax_num_cpu_devices", int(ns.devices))
+    jax.config.update("jax_enable_x64", False)
+
+    from .process import run_worker
+    from .config import WorkerConfig
+
+    name = ns.name or f"{socket.gethostname()}-{ns.island}"
+    run_worker(
+        WorkerConfig(
+            server=ns.server,
+            island=ns.island,
+            devices=ns.devices,
+            name=name,
+            listen=ns.listen,
+            token=os.environ.get("PWCTL_TOKEN"),
+        ),
+        log_level=ns.log_level,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The worker's buffer store: futures of arrays, with reference counts and owners.
+
+A buffer is `pending` until its producer (a node on this worker, a client upload, a
+transfer from another worker) supplies it, then `ready` or `failed`. It is freed
+when nobody needs it any more: the client released it (or never held it: program
+intermediates) and no enqueued consumer still has to read it. A release that comes
+before the buffer exists leaves a tombstone so a late upload is dropped, not leaked.
+
+Thread-safe: the executor thread, the completion thread and the gRPC handlers share it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PENDING = "pending"
+READY = "ready"
+FAILED = "failed"
+
+
+class BufferFailed(Exception):
+    """The buffer's producer failed; the message is the cause."""
+
+
+@dataclass
+class _Entry:
+    state: str = PENDING
+    value: Any = None
+    error: str = ""
+    client_ref: bool = False  # held for the client until it releases
+    released: bool = False  # the client released it (maybe before it existed)
+    consumers: int = 0  # enqueued readers that have not finished
+    owner: str = ""
+    nbytes: int = 0
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+
+class BufferStore:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._entries: dict[int, _Entry] = {}
+
+    # ---- declaring ----
+    def expect(self, buffer_id: int, owner: str, visible: bool) -> None:
+        """An enqueued node will produce this buffer; `visible` keeps it for the client."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                e = self._entries[buffer_id] = _Entry(owner=owner)
+            if visible and not e.released:
+                e.client_ref = True
+            e.owner = e.owner or owner
+
+    def add_consumer(self, buffer_id: int, owner: str = "") -> None:
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                e = self._entries[buffer_id] = _Entry(owner=owner)
+            e.consumers += 1
+
+    def consumer_done(self, buffer_id: int) -> None:
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is not None:
+                e.consumers = max(0, e.consumers - 1)
+                self._maybe_free(buffer_id, e)
+
+    # ---- producing ----
+    def put(self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False) -> None:
+        """Supplies a buffer's value. Client uploads pass client_ref=True."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                e = self._entries[buffer_id] = _Entry(owner=owner)
+            if e.state == READY:
+                return  # a second copy of the same future: keep the first
+            if client_ref and not e.released:
+                e.client_ref = True
+            e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
+            callbacks, e.callbacks = e.callbacks, []
+            self._cond.notify_all()
+            self._maybe_free(buffer_id, e)
+        for cb in callbacks:
+            cb()
+
+    def fail(self, buffer_id: int, error: str) -> None:
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                e = self._entries[buffer_id] = _Entry()
+            if e.state != PENDING:
+                return
+            e.state, e.error, e.value = FAILED, error, None
+            callbacks, e.callbacks = e.callbacks, []
+            self._cond.notify_all()
+            self._maybe_free(buffer_id, e)
+        for cb in callbacks:
+            cb()
+
+    # ---- reading ----
+    def wait(self, buffer_id: int, timeout: float | None = None) -> Any:
+        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._settled(buffer_id), timeout)
+            if not ok:
+                raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
+            e = self._entries.get(buffer_id)
+            if e is None:
+                raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
+            if e.state == FAILED:
+                raise BufferFailed(e.error)
+            return e.value
+
+    def _settled(self, buffer_id: int) -> bool:
+        e = self._entries.get(buffer_id)
+        return e is None or e.state != PENDING
+
+    def exists(self, buffer_id: int) -> bool:
+        with self._lock:
+            return buffer_id in self._entries
+
+    def on_settled(self, buffer_id: int, cb: Callable[[], None]) -> None:
+        """Calls cb (from whichever thread settles it) once the buffer is ready or failed."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is not None and e.state == PENDING:
+                e.callbacks.append(cb)
+                return
+        cb()
+
+    # ---- releasing ----
+    def release(self, buffer_id: int) -> None:
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                self._entries[buffer_id] = _Entry(released=True)
+                return
+            e.released, e.client_ref = True, False
+            self._maybe_free(buffer_id, e)
+
+    def release_owner(self, owner: str) -> int:
+        """Drops every client reference held by `owner` (a client or job went away)."""
+        with self._lock:
+            ids = [i for i, e in self._entries.items() if e.owner == owner]
+            for i in ids:
+                e = self._entries[i]
+                e.released, e.client_ref = True, False
+                self._maybe_free(i, e)
+            return len(ids)
+
+    def _maybe_free(self, buffer_id: int, e: _Entry) -> None:
+        if e.client_ref or e.consumers > 0:
+            return
+        if e.state == PENDING and not e.released:
+            return  # produced later for a reader that has not been enqueued yet
+        if e.state == PENDING and e.released and not e.callbacks:
+            return  # tombstone: keep until the upload arrives, then drop it
+        del self._entries[buffer_id]
+
+    # ---- stats ----
+    def stats(self) -> tuple[int, int]:
+        """(live buffers, bytes), not counting tombstones."""
+        with self._lock:
+            live = [e for e in self._entries.values() if not (e.released and e.state == PENDING)]
+            return len(live), sum(e.nbytes for e in live)

@@ -1,0 +1,16 @@
+"""Worker process settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerConfig:
+    server: str
+    island: str
+    devices: str  # a count of virtual CPU devices, or "all" (every accelerator found)
+    name: str
+    listen: str = "127.0.0.1:0"
+    token: str | None = None
+    reconnect_max_s: float = 2.0

@@ -1,0 +1,249 @@
+"""The worker's executor: runs enqueued nodes in gang order on its devices.
+
+One thread launches nodes strictly in the order of their per-host sequence numbers
+(the island's gang order), never from gRPC handler threads (FACTS.md: JAX blocks the
+launching thread when ~32 computations are in flight). A launch waits only for its
+inputs; results are stored as JAX arrays still being computed, so computations
+without collectives pipeline through JAX's async dispatch. A computation with a
+collective starts only after everything in flight on its devices completed: on CPU,
+two collective computations in flight at once deadlock.
+
+A second thread waits for completions in launch order, sends outputs to consumers on
+other workers, and reports node events (batched by the caller of `report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .buffers import BufferFailed, BufferStore
+from .executable import ExecutableCache
+from .transfer import TransferSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    node: wpb.NodeExec
+    outputs: list[Any]
+    start_ns: int
+    devices: frozenset[int]
+
+
+class Executor:
+    def __init__(
+        self,
+        store: BufferStore,
+        devices: Sequence[Any],
+        report: Callable[[cpb.NodeEvent], None],
+        sender: TransferSender,
+        same_host_ok: bool = True,
+    ) -> None:
+        self.store = store
+        self.devices = list(devices)
+        self.report = report
+        self.sender = sender
+        self.cache = ExecutableCache()
+        self._functions: dict[str, wpb.FunctionBlob] = {}
+        self._cond = threading.Condition()
+        self._pending: dict[int, wpb.NodeExec] = {}
+        self._next_seq = 1
+        self._dropped: dict[int, str] = {}
+        self._epoch = 0
+        self._inflight: list[_Launched] = []
+        self._inflight_lock = threading.Lock()
+        self._done_q: queue.Queue[_Launched | None] = queue.Queue()
+        self._stop = False
+        self.nodes_executed = 0
+        self.recent_order: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._launch_loop, name="pw-executor", daemon=True),
+            threading.Thread(target=self._complete_loop, name="pw-completer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- called from the controller link (event loop thread) ----
+    def reset(self, reason: str) -> None:
+        """A new registration: sequence numbers restart; work of the old epoch fails."""
+        with self._cond:
+            stale = list(self._pending.values())
+            self._pending.clear()
+            self._next_seq = 1
+            self._epoch += 1
+            self._cond.notify_all()
+        for node in stale:
+            self._fail_node(node, reason, report=False)
+
+    def submit(self, enq: wpb.Enqueue) -> None:
+        for blob in enq.functions:
+            self._functions[blob.function_id] = blob
+        with self._cond:
+            for node in enq.nodes:
+                for i, out in enumerate(node.output_ids):
+                    visible = i < len(node.output_visible) and node.output_visible[i]
+                    self.store.expect(out, node.owner, visible)
+                for inp in node.input_ids:
+                    self.store.add_consumer(inp, node.owner)
+                for route in node.routes:
+                    self.store.add_consumer(node.output_ids[route.output_index], node.owner)
+                self._pending[node.seq] = node
+            self._cond.notify_all()
+        for send in enq.sends:
+            self.store.add_consumer(send.buffer_id)
+            self.store.on_settled(send.buffer_id, lambda s=send: self._send_buffer(s))
+
+    def drop(self, run_ids: Sequence[int], reason: str) -> None:
+        """Fails the nodes of these runs that have not run, unblocking any wait on them."""
+        with self._cond:
+            for r in run_ids:
+                self._dropped[r] = reason
+            victims = [n for n in self._pending.values() if n.run_id in self._dropped]
+            if len(self._dropped) > 10_000:
+                for r in list(self._dropped)[:5_000]:
+                    del self._dropped[r]
+        for node in victims:
+            for inp in node.input_ids:
+                self.store.fail(inp, reason)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._done_q.put(None)
+
+    # ---- launch thread ----
+    def _launch_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._next_seq in self._pending)
+                if self._stop:
+                    return
+                node = self._pending.pop(self._next_seq)
+                self._next_seq += 1
+                dropped = self._dropped.get(node.run_id)
+            if dropped is not None:
+                self._fail_node(node, dropped)
+                continue
+            try:
+                self._launch(node)
+            except Exception as e:  # a bug here must not kill the worker
+                log.exception("launching %s failed", node.label)
+                self._fail_node(node, f"{type(e).__name__}: {e}")
+
+    def _launch(self, node: wpb.NodeExec) -> None:
+        try:
+            inputs = [self.store.wait(i) for i in node.input_ids]
+        except BufferFailed as e:
+            self._fail_node(node, f"an input failed: {e}")
+            return
+        blob = self._functions.get(node.function_id)
+        if blob is None:
+            self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
+            return
+        devices = [self.devices[i] for i in node.local_devices]
+        try:
+            exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
+        except Exception as e:
+            self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
+            return
+        dev_set = frozenset(node.local_devices)
+        if node.collective:
+            self._drain(dev_set)
+        start = time.time_ns()
+        try:
+            outputs = exe(inputs)
+        except Exception as e:
+            self._fail_node(node, f"{type(e).__name__}: {e}")
+            return
+        for out_id, out in zip(node.output_ids, outputs, strict=False):
+            self.store.put(out_id, out, int(getattr(out, "nbytes", 0)))
+        for inp in node.input_ids:
+            self.store.consumer_done(inp)
+        launched = _Launched(node, list(outputs), start, dev_set)
+        with self._inflight_lock:
+            self._inflight.append(launched)
+        self._done_q.put(launched)
+        self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                                  start_ns=start, local_devices=node.local_devices))
+
+    def _drain(self, devices: frozenset[int]) -> None:
+        """Waits for every in-flight computation that touches these devices."""
+        with self._inflight_lock:
+            busy = [launched.outputs for launched in self._inflight if launched.devices & devices]
+        for outs in busy:
+            try:
+                jax.block_until_ready(outs)
+            except Exception:
+                pass  # its own completion reports the failure
+
+    def _fail_node(self, node: wpb.NodeExec, error: str, report: bool = True) -> None:
+        message = f"{node.label or f'node {node.node_index}'}: {error}" if not error.startswith(node.label) else error
+        for out in node.output_ids:
+            self.store.fail(out, message)
+        for inp in node.input_ids:
+            self.store.consumer_done(inp)
+        for route in node.routes:
+            out_id = node.output_ids[route.output_index]
+            self.sender.send_error(out_id, route, message)
+            self.store.consumer_done(out_id)
+        if report:
+            now = time.time_ns()
+            self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                                      start_ns=now, end_ns=now, ok=False, error=message,
+                                      local_devices=node.local_devices))
+
+    # ---- completion thread ----
+    def _complete_loop(self) -> None:
+        while True:
+            launched = self._done_q.get()
+            if launched is None:
+                return
+            node = launched.node
+            ok, error = True, ""
+            try:
+                jax.block_until_ready(launched.outputs)
+            except Exception as e:
+                ok, error = False, f"{node.label}: {type(e).__name__}: {e}"
+                for out in node.output_ids:
+                    self.store.fail(out, error)
+            end = time.time_ns()
+            with self._inflight_lock:
+                self._inflight.remove(launched)
+            for route in node.routes:
+                out_id = node.output_ids[route.output_index]
+                if ok:
+                    self.sender.send(out_id, launched.outputs[route.output_index], route.address,
+                                     route.same_host, lambda b=out_id: self.store.consumer_done(b))
+                else:
+                    self.sender.send_error(out_id, route, error)
+                    self.store.consumer_done(out_id)
+            self.nodes_executed += 1
+            self.recent_order.append(f"{node.run_id}:{node.node_index}@{node.seq}")
+            if len(self.recent_order) > 1000:
+                del self.recent_order[:500]
+            self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                                      start_ns=launched.start_ns, end_ns=end, ok=ok, error=error,
+                                      local_devices=node.local_devices))
+
+    def _send_buffer(self, send: wpb.BufferSend) -> None:
+        try:
+            value = self.store.wait(send.buffer_id, timeout=0)
+        except (BufferFailed, TimeoutError) as e:
+            self.sender.send_error(send.buffer_id, wpb.OutputRoute(address=send.address), str(e))
+            self.store.consumer_done(send.buffer_id)
+            return
+        self.sender.send(send.buffer_id, value, send.address, send.same_host,
+                         lambda: self.store.consumer_done(send.buffer_id))

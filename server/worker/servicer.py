@@ -1,0 +1,97 @@
+"""The Worker gRPC service: uploads from clients, fetches, peer transfers, stats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+from grpc import aio
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+from .arrays import array_to_numpy, dtype_name, numpy_from_bytes
+from .buffers import BufferFailed, BufferStore
+from .executor import Executor
+from .transfer import CHUNK, from_shared_memory
+
+
+def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
+    if first.shm_name:
+        return from_shared_memory(first.shm_name, first.dtype, list(first.shape))
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    return numpy_from_bytes(first.dtype, list(first.shape), data)
+
+
+class WorkerServicer(wgrpc.WorkerServicer):
+    def __init__(self, store: BufferStore, executor: Executor, host: str, island: str) -> None:
+        self.store = store
+        self.executor = executor
+        self.host = host
+        self.island = island
+
+    async def PutBuffers(
+        self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext
+    ) -> wpb.PutBuffersResponse:
+        count = 0
+        async for req in request_iterator:
+            arr = _assemble(req.array, [req.array.data])
+            self.store.put(req.buffer_id, arr, arr.nbytes, owner=req.owner, client_ref=True)
+            count += 1
+        return wpb.PutBuffersResponse(count=count)
+
+    async def Fetch(self, request: wpb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[wpb.FetchChunk]:
+        loop = asyncio.get_running_loop()
+        timeout = request.timeout_s or None
+        try:
+            value = await loop.run_in_executor(None, self.store.wait, request.buffer_id, timeout)
+            arr = await loop.run_in_executor(None, array_to_numpy, value)
+        except (BufferFailed, TimeoutError) as e:
+            yield wpb.FetchChunk(error=str(e), last=True)
+            return
+        except Exception as e:  # the computation behind the array failed
+            yield wpb.FetchChunk(error=f"{type(e).__name__}: {e}", last=True)
+            return
+        data = memoryview(np.ascontiguousarray(arr)).cast("B")
+        head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
+        if len(data) <= CHUNK:
+            head.data = bytes(data)
+            yield wpb.FetchChunk(array=head, last=True)
+            return
+        for off in range(0, len(data), CHUNK):
+            part = pb.ArrayProto(data=bytes(data[off : off + CHUNK]))
+            if off == 0:
+                part.dtype, part.shape[:] = head.dtype, head.shape
+            yield wpb.FetchChunk(array=part, last=off + CHUNK >= len(data))
+
+    async def Transfer(
+        self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext
+    ) -> wpb.TransferResponse:
+        first: wpb.TransferChunk | None = None
+        parts: list[bytes] = []
+        async for chunk in request_iterator:
+            if first is None:
+                first = chunk
+            if chunk.error:
+                self.store.fail(chunk.buffer_id, chunk.error)
+                return wpb.TransferResponse()
+            parts.append(chunk.array.data)
+        if first is None:
+            return wpb.TransferResponse()
+        arr = await asyncio.get_running_loop().run_in_executor(None, _assemble, first.array, parts)
+        self.store.put(first.buffer_id, arr, arr.nbytes)
+        return wpb.TransferResponse(bytes=arr.nbytes)
+
+    async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
+        buffers, nbytes = self.store.stats()
+        return wpb.WorkerStats(
+            host=self.host,
+            island=self.island,
+            buffers=buffers,
+            buffer_bytes=nbytes,
+            executables=len(self.executor.cache),
+            nodes_executed=self.executor.nodes_executed,
+            executed_order=list(self.executor.recent_order),
+        )

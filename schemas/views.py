@@ -112,5 +112,72 @@ class DeviceView(View):
                    last_heartbeat=m.last_heartbeat)
 
 
+class SliceSpecView(View):
+    """What was asked for; `mesh` is [] for a 1-D mesh, `island`/`kind` "" when left open."""
+
+    devices: int
+    mesh: list[int]
+    island: str
+    kind: str
+    exclusive: bool
+
+    @classmethod
+    def of(cls, m: cpb.SliceSpec) -> SliceSpecView:
+        return cls(devices=m.devices, mesh=list(m.mesh), island=m.island, kind=m.kind, exclusive=m.exclusive)
+
+
+class VirtualDeviceView(View):
+    """Virtual device `index` of a slice and the physical device it maps to now."""
+
+    index: int
+    device_id: int
+    island: str
+    host: str
+    address: str
+    local_index: int
+    kind: str
+
+    @classmethod
+    def of(cls, m: cpb.VirtualDevice) -> VirtualDeviceView:
+        return cls(index=m.index, device_id=m.device_id, island=m.island, host=m.host, address=m.address,
+                   local_index=m.local_index, kind=m.kind)
+
+
+class RemapView(View):
+    at: str
+    reason: str
+    old_devices: list[int]
+    new_devices: list[int]
+
+    @classmethod
+    def of(cls, m: cpb.Remap) -> RemapView:
+        return cls(at=m.at, reason=m.reason, old_devices=list(m.old_devices), new_devices=list(m.new_devices))
+
+
+class SliceView(View):
+    """A virtual slice. `state` is ready | remapped | degraded, or "preview" for a dry-run answer."""
+
+    name: str
+    state: str
+    reason: str
+    owner: str
+    created_at: str
+    generation: int
+    programs: int
+    spec: SliceSpecView
+    devices: list[VirtualDeviceView]
+    history: list[RemapView]
+
+    @classmethod
+    def of(cls, m: cpb.Slice) -> SliceView:
+        state = "preview" if m.state == cpb.SLICE_STATE_UNSPECIFIED else _enum_name(
+            cpb.SliceState.Name(m.state), "SLICE_STATE_"
+        )
+        return cls(name=m.name, state=state, reason=m.reason, owner=m.owner, created_at=m.created_at,
+                   generation=m.generation, programs=m.programs, spec=SliceSpecView.of(m.spec),
+                   devices=[VirtualDeviceView.of(d) for d in m.devices],
+                   history=[RemapView.of(r) for r in m.history])
+
+
 def as_jsonable(doc: BaseModel) -> Any:
     return doc.model_dump(by_alias=True, mode="json")

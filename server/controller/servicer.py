@@ -134,3 +134,66 @@ class ControllerServicer(cgrpc.ControllerServicer):
             pass
         finally:
             link.close()
+
+    # ---- slices (server/controller/slices.py) ----
+    @_guard
+    async def CreateSlice(
+        self, request: cpb.CreateSliceRequest, context: aio.ServicerContext
+    ) -> cpb.CreateSliceResponse:
+        return self.core.slices.create(request.spec, request.dry_run, request.owner)
+
+    @_guard
+    async def ListSlices(self, request: cpb.ListSlicesRequest, context: aio.ServicerContext) -> cpb.ListSlicesResponse:
+        return cpb.ListSlicesResponse(slices=self.core.slices.list(request.owner))
+
+    @_guard
+    async def GetSlice(self, request: cpb.GetSliceRequest, context: aio.ServicerContext) -> cpb.Slice:
+        return self.core.slices.get(request.name)
+
+    @_guard
+    async def DeleteSlice(
+        self, request: cpb.DeleteSliceRequest, context: aio.ServicerContext
+    ) -> cpb.DeleteSliceResponse:
+        self.core.slices.delete(request.name, request.force)
+        return cpb.DeleteSliceResponse()
+
+    # ---- programs (server/controller/sessions.py) ----
+    async def Session(
+        self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
+    ) -> AsyncIterator[cpb.SessionEvent]:
+        async for ev in self.core.sessions.serve(request_iterator, context):
+            yield ev
+
+    # ---- jobs (server/controller/jobs.py) ----
+    @_guard
+    async def SubmitJob(self, request: cpb.SubmitJobRequest, context: aio.ServicerContext) -> cpb.Job:
+        return await self.core.jobs.submit(request)
+
+    @_guard
+    async def ListJobs(self, request: cpb.ListJobsRequest, context: aio.ServicerContext) -> cpb.ListJobsResponse:
+        return cpb.ListJobsResponse(jobs=self.core.jobs.list(request.state, request.all))
+
+    @_guard
+    async def GetJob(self, request: cpb.GetJobRequest, context: aio.ServicerContext) -> cpb.Job:
+        return self.core.jobs.get(request.id)
+
+    @_guard
+    async def CancelJob(self, request: cpb.CancelJobRequest, context: aio.ServicerContext) -> cpb.Job:
+        return await self.core.jobs.cancel(request.id)
+
+    async def StreamLogs(
+        self, request: cpb.StreamLogsRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[cpb.LogChunk]:
+        async for chunk in self.core.jobs.stream_logs(request, context):
+            yield chunk
+
+    # ---- observe (server/controller/observe.py) ----
+    async def Watch(
+        self, request: cpb.WatchRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[cpb.ClusterStatus]:
+        async for status in self.core.observer.watch(request.interval_s or 1.0):
+            yield status
+
+    @_guard
+    async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
+        return cpb.TraceResponse(chrome_trace_json=self.core.observer.trace(request.job, request.program))

@@ -28,7 +28,7 @@ def main() -> None:
 
     if ns.devices != "all":
         jax.config.update("jax_num_cpu_devices", int(ns.devices))
-    jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_enable_x64", True)  # pw follows NumPy dtypes (float64 stays float64)
 
     from .process import run_worker
     from .config import WorkerConfig

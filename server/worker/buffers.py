@@ -35,6 +35,7 @@ class _Entry:
     consumers: int = 0  # enqueued readers that have not finished
     owner: str = ""
     nbytes: int = 0
+    hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -51,6 +52,7 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner)
+                self._cond.notify_all()  # a fetch may be waiting for it to exist
             if visible and not e.released:
                 e.client_ref = True
             e.owner = e.owner or owner
@@ -60,7 +62,9 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner)
+                self._cond.notify_all()
             e.consumers += 1
+            e.hold = False
 
     def consumer_done(self, buffer_id: int) -> None:
         with self._lock:
@@ -70,12 +74,16 @@ class BufferStore:
                 self._maybe_free(buffer_id, e)
 
     # ---- producing ----
-    def put(self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False) -> None:
-        """Supplies a buffer's value. Client uploads pass client_ref=True."""
+    def put(
+        self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False,
+        from_peer: bool = False,
+    ) -> None:
+        """Supplies a buffer's value. Client uploads pass client_ref=True; a transfer from
+        another worker (from_peer) may overtake the enqueue of its reader, so it is held."""
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
-                e = self._entries[buffer_id] = _Entry(owner=owner)
+                e = self._entries[buffer_id] = _Entry(owner=owner, hold=from_peer)
             if e.state == READY:
                 return  # a second copy of the same future: keep the first
             if client_ref and not e.released:
@@ -102,10 +110,14 @@ class BufferStore:
             cb()
 
     # ---- reading ----
-    def wait(self, buffer_id: int, timeout: float | None = None) -> Any:
-        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError."""
+    def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
+        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError.
+
+        With must_exist=False (a client fetch, which may overtake the enqueue that
+        declares the buffer) an unknown id is waited for instead of failing.
+        """
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._settled(buffer_id), timeout)
+            ok = self._cond.wait_for(lambda: self._settled(buffer_id, must_exist), timeout)
             if not ok:
                 raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
             e = self._entries.get(buffer_id)
@@ -115,9 +127,11 @@ class BufferStore:
                 raise BufferFailed(e.error)
             return e.value
 
-    def _settled(self, buffer_id: int) -> bool:
+    def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
         e = self._entries.get(buffer_id)
-        return e is None or e.state != PENDING
+        if e is None:
+            return must_exist
+        return e.state != PENDING
 
     def exists(self, buffer_id: int) -> bool:
         with self._lock:
@@ -153,7 +167,7 @@ class BufferStore:
             return len(ids)
 
     def _maybe_free(self, buffer_id: int, e: _Entry) -> None:
-        if e.client_ref or e.consumers > 0:
+        if e.client_ref or e.consumers > 0 or e.hold:
             return
         if e.state == PENDING and not e.released:
             return  # produced later for a reader that has not been enqueued yet

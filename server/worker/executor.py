@@ -33,6 +33,8 @@ from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
 
+_SKIP = wpb.NodeExec(label="skipped")  # placeholder for a seq that will never be sent
+
 
 @dataclass
 class _Launched:
@@ -79,7 +81,7 @@ class Executor:
     def reset(self, reason: str) -> None:
         """A new registration: sequence numbers restart; work of the old epoch fails."""
         with self._cond:
-            stale = list(self._pending.values())
+            stale = [n for n in self._pending.values() if n is not _SKIP]
             self._pending.clear()
             self._next_seq = 1
             self._epoch += 1
@@ -105,12 +107,19 @@ class Executor:
             self.store.add_consumer(send.buffer_id)
             self.store.on_settled(send.buffer_id, lambda s=send: self._send_buffer(s))
 
-    def drop(self, run_ids: Sequence[int], reason: str) -> None:
-        """Fails the nodes of these runs that have not run, unblocking any wait on them."""
+    def drop(self, run_ids: Sequence[int], reason: str, skipped_seqs: Sequence[int] = ()) -> None:
+        """Fails the nodes of these runs that have not run, unblocking any wait on them.
+
+        `skipped_seqs` were assigned to nodes that will never be sent: they count as done.
+        """
         with self._cond:
+            for seq in skipped_seqs:
+                if seq >= self._next_seq and seq not in self._pending:
+                    self._pending[seq] = _SKIP
+            self._cond.notify_all()
             for r in run_ids:
                 self._dropped[r] = reason
-            victims = [n for n in self._pending.values() if n.run_id in self._dropped]
+            victims = [n for n in self._pending.values() if n is not _SKIP and n.run_id in self._dropped]
             if len(self._dropped) > 10_000:
                 for r in list(self._dropped)[:5_000]:
                     del self._dropped[r]
@@ -133,6 +142,8 @@ class Executor:
                     return
                 node = self._pending.pop(self._next_seq)
                 self._next_seq += 1
+                if node is _SKIP:
+                    continue
                 dropped = self._dropped.get(node.run_id)
             if dropped is not None:
                 self._fail_node(node, dropped)
@@ -160,7 +171,7 @@ class Executor:
             self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
             return
         dev_set = frozenset(node.local_devices)
-        if node.collective:
+        if exe.has_collectives or node.collective:
             self._drain(dev_set)
         start = time.time_ns()
         try:

@@ -157,7 +157,7 @@ class WorkerProcess:
             elif msg.release.owner:
                 self.store.release_owner(msg.release.owner)
         elif kind == "drop":
-            self.executor.drop(list(msg.drop.run_ids), msg.drop.reason)
+            self.executor.drop(list(msg.drop.run_ids), msg.drop.reason, list(msg.drop.skipped_seqs))
         elif kind == "registered":
             self.executor.reset("the controller restarted")
             log.info("registered as host %d", msg.registered.host_id)

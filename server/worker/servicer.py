@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -31,6 +32,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.executor = executor
         self.host = host
         self.island = island
+        # fetches block until their buffer is computed: a pool of their own keeps them
+        # from starving the default executor that assembles transfers
+        self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch")
 
     async def PutBuffers(
         self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext
@@ -46,8 +50,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         timeout = request.timeout_s or None
         try:
-            value = await loop.run_in_executor(None, self.store.wait, request.buffer_id, timeout)
-            arr = await loop.run_in_executor(None, array_to_numpy, value)
+            value = await loop.run_in_executor(self._waiters, self.store.wait, request.buffer_id, timeout, False)
+            arr = await loop.run_in_executor(self._waiters, array_to_numpy, value)
         except (BufferFailed, TimeoutError) as e:
             yield wpb.FetchChunk(error=str(e), last=True)
             return
@@ -81,7 +85,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         if first is None:
             return wpb.TransferResponse()
         arr = await asyncio.get_running_loop().run_in_executor(None, _assemble, first.array, parts)
-        self.store.put(first.buffer_id, arr, arr.nbytes)
+        self.store.put(first.buffer_id, arr, arr.nbytes, from_peer=True)
         return wpb.TransferResponse(bytes=arr.nbytes)
 
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:

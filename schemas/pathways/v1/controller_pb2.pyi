@@ -502,24 +502,30 @@ Global___ControllerToWorker: _TypeAlias = ControllerToWorker  # noqa: Y015
 
 @_typing.final
 class Drop(_message.Message):
-    """Forget a run (its program failed elsewhere): fail its pending nodes."""
+    """Forget a run (its program failed elsewhere): fail its pending nodes. Seqs in
+    skipped_seqs were assigned to nodes never sent: the worker treats them as done.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_IDS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    SKIPPED_SEQS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     @_builtins.property
     def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def skipped_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         run_ids: _abc.Iterable[_builtins.int] | None = ...,
         reason: _builtins.str = ...,
+        skipped_seqs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_ids", b"run_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -573,6 +579,7 @@ class VirtualDevice(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     LOCAL_INDEX_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """virtual device index inside the slice"""
     device_id: _builtins.int
@@ -582,6 +589,8 @@ class VirtualDevice(_message.Message):
     address: _builtins.str
     """the host worker's address"""
     local_index: _builtins.int
+    kind: _builtins.str
+    """"cpu" | "gpu" """
     def __init__(
         self,
         *,
@@ -591,10 +600,11 @@ class VirtualDevice(_message.Message):
         host: _builtins.str = ...,
         address: _builtins.str = ...,
         local_index: _builtins.int = ...,
+        kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device_id", b"device_id", "host", b"host", "index", b"index", "island", b"island", "local_index", b"local_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device_id", b"device_id", "host", b"host", "index", b"index", "island", b"island", "kind", b"kind", "local_index", b"local_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -427,8 +427,11 @@ class ReleaseBuffers(_message.Message):
 
     BUFFER_IDS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """when set and buffer_ids empty: release everything of this owner"""
+    address: _builtins.str
+    """client -> controller only: the worker holding the buffers"""
     @_builtins.property
     def buffer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -436,10 +439,11 @@ class ReleaseBuffers(_message.Message):
         *,
         buffer_ids: _abc.Iterable[_builtins.int] | None = ...,
         owner: _builtins.str = ...,
+        address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "owner", b"owner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "buffer_ids", b"buffer_ids", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

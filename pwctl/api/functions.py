@@ -1,0 +1,103 @@
+"""Compiled functions placed on virtual slices: `pw.pmap` and `pw.jit`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..compile import ExportedFunction, export_jit, export_pmap, signature_key
+from ..errors import InvalidArgument
+from .devices import VirtualDevice, VirtualMesh, VirtualSlice
+from .programs import Registered, Trace, current_trace, execute, register_trace
+from .runtime import Runtime
+
+
+class CompiledFunction:
+    """A jitted function on a slice. Outside a program a call runs it as a one-node
+    program and returns futures at once; inside `@pw.program` it becomes a node."""
+
+    def __init__(self, fn: Callable[..., Any], slice_: VirtualSlice, exporter: Callable[[tuple[Any, ...]], ExportedFunction]):
+        self.fn = fn
+        self.slice = slice_
+        self.name = getattr(fn, "__name__", "fn")
+        self._exporter = exporter
+        self._exports: dict[Any, ExportedFunction] = {}
+        self._standalone: dict[str, Registered] = {}
+        self._lock = threading.Lock()
+
+    def export(self, args: tuple[Any, ...]) -> ExportedFunction:
+        with jax.enable_x64(True):
+            key = signature_key(args)
+            exp = self._exports.get(key)
+            if exp is None:
+                exp = self._exports[key] = self._exporter(args)
+        return exp
+
+    def __call__(self, *args: Any) -> Any:
+        trace = current_trace()
+        if trace is not None:
+            return trace.call(self, args)
+        rt = Runtime.get()
+        exp = self.export(args)
+        with self._lock:
+            reg = self._standalone.get(exp.function_id)
+            if reg is None:
+                reg = self._standalone[exp.function_id] = self._register_single(rt, exp, args)
+        flat, _ = jax.tree_util.tree_flatten(args)
+        return execute(rt, reg, flat)
+
+    def _register_single(self, rt: Runtime, exp: ExportedFunction, args: tuple[Any, ...]) -> Registered:
+        trace = Trace(self.name)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        traced = [trace.new_input(tuple(np.shape(x)), _dtype(x)) for x in leaves]
+        result = trace.call(self, jax.tree_util.tree_unflatten(treedef, traced))
+        return register_trace(rt, trace, result)
+
+    def __repr__(self) -> str:
+        return f"<compiled {self.name} on slice {self.slice.name!r}>"
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _slice_of(devices: Sequence[VirtualDevice]) -> VirtualSlice:
+    devices = list(devices)
+    if not devices:
+        raise InvalidArgument("pmap needs at least one virtual device (slice.devices)")
+    s = devices[0].slice
+    if any(d.slice is not s for d in devices) or [d.index for d in devices] != list(range(len(s.devices))):
+        raise InvalidArgument("pmap's devices must be all the devices of one slice, in order (slice.devices)")
+    return s
+
+
+def pmap(fn: Callable[..., Any], devices: Sequence[VirtualDevice], axis_name: str | None = None,
+         donate_argnums: int | Sequence[int] = ()) -> CompiledFunction:
+    """pmap semantics over a slice's virtual devices: the leading axis maps one element per device."""
+    s = _slice_of(devices)
+    n = len(s.devices)
+    name = getattr(fn, "__name__", "fn")
+    return CompiledFunction(
+        fn, s,
+        lambda args: export_pmap(fn, num_devices=n, axis_name=axis_name, args=args, platform=s.kind, name=name,
+                                 donate_argnums=donate_argnums),
+    )
+
+
+def jit(fn: Callable[..., Any], mesh: VirtualMesh, in_shardings: Any = None, out_shardings: Any = None,
+        donate_argnums: int | Sequence[int] = ()) -> CompiledFunction:
+    """jax.jit over a slice's virtual mesh, with PartitionSpecs as in/out shardings."""
+    if not isinstance(mesh, VirtualMesh):
+        raise InvalidArgument("pw.jit needs mesh=slice.mesh(axis_names)")
+    s = mesh.slice
+    name = getattr(fn, "__name__", "fn")
+    return CompiledFunction(
+        fn, s,
+        lambda args: export_jit(fn, mesh_shape=mesh.shape, axis_names=mesh.axis_names, args=args,
+                                in_shardings=in_shardings, out_shardings=out_shardings,
+                                donate_argnums=donate_argnums, platform=s.kind, name=name),
+    )

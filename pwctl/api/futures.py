@@ -1,0 +1,90 @@
+"""Futures: handles to arrays that exist, or will exist, in a worker's buffer store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProgramError
+from .runtime import Runtime
+
+FETCH_POLL_S = 1.0
+
+
+class Future:
+    """A (possibly sharded) array on a worker. Passing it to another call never moves its
+    bytes through the client; `result()`, `np.asarray(f)` and `print(f)` fetch the value.
+    Dropping the last reference releases the worker's buffer."""
+
+    __slots__ = ("__weakref__", "_rt", "_value", "dtype", "home", "id", "run_id", "shape")
+
+    def __init__(self, rt: Runtime, buffer_id: int, home: str, shape: tuple[int, ...], dtype: Any, run_id: int):
+        self._rt = rt
+        self.id = buffer_id
+        self.home = home
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.run_id = run_id
+        self._value: np.ndarray | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        """Fetches the value from the worker that owns it (cached afterwards)."""
+        if self._value is not None:
+            return self._value
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self._rt.worker(self.home)
+        while True:
+            failed = self._rt.run_failed(self.run_id)
+            if failed:
+                raise ProgramError(failed)
+            wait = FETCH_POLL_S if deadline is None else max(0.0, min(FETCH_POLL_S, deadline - time.monotonic()))
+            value, error = conn.fetch(self.id, max(wait, 0.001))
+            if error:
+                raise ProgramError(self._rt.run_failed(self.run_id) or error)
+            if value is not None:
+                value.flags.writeable = False
+                self._value = value
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"future {self.id:#x} not ready after {timeout} s")
+
+    def block_until_ready(self) -> Future:
+        self.result()
+        return self
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        value = self.result()
+        if dtype is not None and np.dtype(dtype) != value.dtype:
+            return value.astype(dtype)
+        return value.copy() if copy else value
+
+    def __repr__(self) -> str:
+        return repr(self.result())
+
+    def __str__(self) -> str:
+        return str(self.result())
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d future")
+        return self.shape[0]
+
+    def __del__(self) -> None:
+        try:
+            self._rt.release(self.id, self.home)
+        except Exception:
+            pass  # interpreter shutdown
+
+
+def is_future(x: Any) -> bool:
+    return isinstance(x, Future)

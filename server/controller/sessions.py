@@ -1,0 +1,176 @@
+"""Client sessions: one long-lived stream per client process (or job driver).
+
+The stream carries registrations, runs and releases from the client (often coalesced
+into one batch message) and run failures and slice changes back. When the stream ends,
+everything the client owned goes: its waiting runs, its buffers on every worker, the
+slices it made without a name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from grpc import aio
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .errors import ControllerError
+
+if TYPE_CHECKING:
+    from .core import Controller
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ClientSession:
+    client_id: str
+    id_prefix: int
+    name: str
+    job_id: str
+    priority: int
+    weight: float
+    sequential: bool
+    queue: asyncio.Queue[cpb.SessionEvent | None] = field(default_factory=asyncio.Queue)
+    programs: set[str] = field(default_factory=set)
+
+    @property
+    def owner(self) -> str:
+        return f"job:{self.job_id}" if self.job_id else f"client:{self.client_id}"
+
+    def send(self, ev: cpb.SessionEvent) -> None:
+        self.queue.put_nowait(ev)
+
+    def run_failed(self, run_id: int, error: str) -> None:
+        self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
+
+
+class SessionManager:
+    def __init__(self, core: Controller) -> None:
+        self.core = core
+        self.sessions: dict[str, ClientSession] = {}
+        base = random.randrange(1, 1 << 23)
+        self._prefixes = (((base + i) % ((1 << 24) - 1)) + 1 for i in itertools.count())
+        self._client_numbers = itertools.count(1)
+
+    async def serve(
+        self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
+    ) -> AsyncIterator[cpb.SessionEvent]:
+        it = aiter(request_iterator)
+        first = await anext(it, None)
+        if first is not None and first.WhichOneof("msg") == "batch" and first.batch.messages:
+            rest = list(first.batch.messages[1:])
+            first = first.batch.messages[0]
+        else:
+            rest = []
+        if first is None or first.WhichOneof("msg") != "hello":
+            yield cpb.SessionEvent(error="a session starts with a hello message")
+            return
+        hello = first.hello
+        dispatch = hello.dispatch or self.core.dispatch
+        if dispatch not in ("parallel", "sequential"):
+            yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
+            return
+        session = ClientSession(
+            client_id=f"c{next(self._client_numbers)}",
+            id_prefix=next(self._prefixes),
+            name=hello.client_name,
+            job_id=hello.job_id,
+            priority=hello.priority,
+            weight=hello.weight if hello.weight > 0 else 1.0,
+            sequential=dispatch == "sequential",
+        )
+        self.sessions[session.client_id] = session
+        log.info("session %s opened (%s%s)", session.client_id, session.name,
+                 f", job {session.job_id}" if session.job_id else "")
+        yield cpb.SessionEvent(welcome=cpb.Welcome(client_id=session.client_id, id_prefix=session.id_prefix))
+        for msg in rest:
+            self.handle(session, msg)
+        self.core.dispatcher.flush()
+        reader = asyncio.get_running_loop().create_task(self._read(session, it))
+        try:
+            while True:
+                ev = await session.queue.get()
+                if ev is None:
+                    break
+                yield ev
+        finally:
+            reader.cancel()
+            self.close(session)
+
+    async def _read(self, session: ClientSession, it: AsyncIterator[cpb.ClientMessage]) -> None:
+        try:
+            async for msg in it:
+                self.handle(session, msg)
+                self.core.dispatcher.flush()
+        except (aio.AioRpcError, aio.UsageError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("session %s failed", session.client_id)
+        finally:
+            session.queue.put_nowait(None)
+
+    def handle(self, session: ClientSession, msg: cpb.ClientMessage) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "batch":
+            for m in msg.batch.messages:
+                self.handle(session, m)
+        elif kind == "run":
+            self.core.dispatcher.submit(session, msg.run)
+        elif kind == "release":
+            self.core.dispatcher.release(msg.release.address, list(msg.release.buffer_ids))
+        elif kind == "register":
+            session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
+
+    def _register(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
+        reg = self.core.registry
+        try:
+            missing = reg.add_functions(list(req.functions))
+            if missing:
+                return cpb.ProgramRegistered(request_id=req.request_id, missing_functions=missing)
+            for name in sorted({n.slice for n in req.graph.nodes}):
+                self.core.slices.placement(name)  # fails early, naming the slice
+            rec = reg.register(req.graph, session.owner)
+        except ControllerError as e:
+            return cpb.ProgramRegistered(request_id=req.request_id, error=str(e))
+        session.programs.add(rec.program_id)
+        self.core.program_registered(session, rec)
+        return cpb.ProgramRegistered(request_id=req.request_id, program_id=rec.program_id)
+
+    def close(self, session: ClientSession) -> None:
+        if self.sessions.pop(session.client_id, None) is None:
+            return
+        log.info("session %s closed", session.client_id)
+        self.core.dispatcher.client_gone(session.client_id)
+        if not session.job_id:  # a job's resources go when the job ends, not its connection
+            self.release_owner(session.owner)
+
+    def release_owner(self, owner: str) -> None:
+        """Frees every buffer and unnamed slice of a client or job, on every worker."""
+        for host in self.core.cluster.ready_hosts():
+            if host.link is not None:
+                host.link.send(cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner=owner)))
+        self.core.registry.drop_owner(owner)
+        try:
+            self.core.slices.release_owner(owner)
+        except ControllerError as e:
+            log.warning("releasing the slices of %s: %s", owner, e)
+
+    # ---- used by the slice service ----
+    def slice_changed(self, info: cpb.Slice) -> None:
+        for s in self.sessions.values():
+            s.send(cpb.SessionEvent(slice_changed=cpb.SliceChanged(slice=info)))
+
+    def slice_in_use(self, name: str) -> str | None:
+        users = self.core.registry.slice_users(name)
+        if not users:
+            return None
+        owners = sorted({o for r in users for o in r.owners})
+        return f"{len(users)} registered program(s) use it (owners: {', '.join(owners)})"

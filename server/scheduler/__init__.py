@@ -1,0 +1,57 @@
+"""Gang scheduler: a pure, synchronous state machine (events in, actions out). See `state`."""
+
+from server.scheduler.events import (
+    Action,
+    ClientGone,
+    Dispatch,
+    DispatchedNode,
+    DropRun,
+    Event,
+    HangDetected,
+    HostLost,
+    HostUp,
+    NodeFinished,
+    NodeSpec,
+    NodeStarted,
+    Policy,
+    RunFinished,
+    RunSpec,
+    SetPolicy,
+    SkippedSeq,
+    Submit,
+    Tick,
+)
+from server.scheduler.records import InvalidTransition
+from server.scheduler.snapshot import ClientUsage, HostView, IslandView, RunView, SchedulerSnapshot
+from server.scheduler.state import GangScheduler, InvariantError, check_spec
+
+__all__ = [
+    "Action",
+    "ClientGone",
+    "ClientUsage",
+    "Dispatch",
+    "DispatchedNode",
+    "DropRun",
+    "Event",
+    "GangScheduler",
+    "HangDetected",
+    "HostLost",
+    "HostUp",
+    "HostView",
+    "InvalidTransition",
+    "InvariantError",
+    "IslandView",
+    "NodeFinished",
+    "NodeSpec",
+    "NodeStarted",
+    "Policy",
+    "RunFinished",
+    "RunSpec",
+    "RunView",
+    "SchedulerSnapshot",
+    "SetPolicy",
+    "SkippedSeq",
+    "Submit",
+    "Tick",
+    "check_spec",
+]

@@ -1,0 +1,176 @@
+"""Inputs and outputs of the gang scheduler: run specs, events (stimuli) and actions.
+
+Everything here is an immutable value. Time is never read from a clock: every event that needs it
+carries `now` (seconds, any monotonic origin chosen by the caller).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Policy(StrEnum):
+    """How an island interleaves the waiting runs of different clients."""
+
+    FIFO = "fifo"
+    PRIORITY = "priority"
+    FAIR = "fair"
+
+
+# --------------------------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """One compiled computation of a run, placed on `devices` of one island and executed by one host.
+
+    `deps` are indices of earlier nodes of the same run whose outputs this node reads.
+    """
+
+    index: int
+    host: str
+    island: str
+    devices: tuple[int, ...] = ()
+    collective: bool = False
+    deps: tuple[int, ...] = ()
+    label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One execution of a registered program. `nodes[i].index == i`, in topological order."""
+
+    run_id: int
+    program: str
+    client: str
+    job: str | None
+    nodes: tuple[NodeSpec, ...]
+    priority: int = 0
+    weight: float = 1.0
+    sequential: bool = False
+
+
+# -------------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    run: RunSpec
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStarted:
+    run_id: int
+    node_index: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFinished:
+    """A node completed (`ok`) or failed (`error`); `busy_s` is measured device time, charged to the
+    run's client for proportional share."""
+
+    run_id: int
+    node_index: int
+    ok: bool
+    error: str
+    busy_s: float
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class HostUp:
+    """A host (re)registered: its queue is empty and its seq counter restarts at 1."""
+
+    host: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class HostLost:
+    host: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    client: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Periodic; drives hang detection."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class SetPolicy:
+    """Change an island's policy; `now` only orders it among other events."""
+
+    island: str
+    policy: Policy
+    now: float = 0.0
+
+
+Event = Submit | NodeStarted | NodeFinished | HostUp | HostLost | ClientGone | Tick | SetPolicy
+
+
+# ------------------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchedNode:
+    run_id: int
+    node_index: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Every node decided for `host` in one `handle()` call, in seq order: one batched enqueue."""
+
+    host: str
+    nodes: tuple[DispatchedNode, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished:
+    """Emitted exactly once per submitted run: all nodes ok, or the first failure."""
+
+    run_id: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedSeq:
+    """A seq given to a node that was never dispatched (sequential mode); the host must treat it as
+    consumed, or its later seqs would wait for it forever."""
+
+    host: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropRun:
+    """Tell `hosts` to fail their unfinished nodes of the run (their seqs count as done)."""
+
+    run_id: int
+    hosts: tuple[str, ...]
+    reason: str
+    skipped: tuple[SkippedSeq, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HangDetected:
+    run_id: int
+    node_index: int
+    host: str
+    message: str
+
+
+Action = Dispatch | RunFinished | DropRun | HangDetected

@@ -1,0 +1,49 @@
+"""Admission order of the waiting runs of one island, and the wait reasons shown to users.
+
+Candidates are the heads of the clients' queues (a client's runs are never reordered among
+themselves), so every function here orders at most one run per client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from server.scheduler.events import Policy
+from server.scheduler.records import RunRecord, Share
+
+
+def _vtime(shares: Mapping[str, Share], client: str) -> float:
+    share = shares.get(client)
+    return share.vtime if share is not None else 0.0
+
+
+def order_candidates(
+    policy: Policy, candidates: Sequence[RunRecord], shares: Mapping[str, Share]
+) -> list[RunRecord]:
+    """Best candidate first. fifo: submit order; priority: highest first, then submit order;
+    fair: smallest used/weight first (stride / WFQ), then submit order."""
+    if policy is Policy.PRIORITY:
+        return sorted(candidates, key=lambda r: (-r.spec.priority, r.order))
+    if policy is Policy.FAIR:
+        return sorted(candidates, key=lambda r: (_vtime(shares, r.client), r.order))
+    return sorted(candidates, key=lambda r: r.order)
+
+
+def reason_behind(policy: Policy, run: RunRecord, first: RunRecord, shares: Mapping[str, Share]) -> str:
+    """Why `run` waits while `first` (the island's best candidate, itself blocked) goes before it."""
+    if policy is Policy.PRIORITY and first.spec.priority > run.spec.priority:
+        return f"behind higher-priority run {first.run_id}"
+    if policy is Policy.FAIR:
+        share = shares.get(run.client, Share())
+        return f"fair share: client {run.client} used {share.used:.1f} s at weight {share.weight:g}"
+    return f"behind earlier run {first.run_id}"
+
+
+def catch_up(shares: dict[str, Share], client: str, weight: float, active: set[str]) -> None:
+    """`client` becomes active with `weight`: it must not bank credit from being idle, so its virtual
+    time is raised to the smallest virtual time among the other active clients."""
+    share = shares.setdefault(client, Share())
+    share.weight = weight
+    others = [shares[c].vtime for c in active if c != client and c in shares]
+    if others:
+        share.used = max(share.used, min(others) * share.weight)

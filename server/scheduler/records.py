@@ -1,0 +1,149 @@
+"""Mutable per-run, per-node and per-host records of the scheduler, with their transition tables.
+
+Internal to the package: callers see only events, actions and snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from server.scheduler.events import NodeSpec, RunSpec
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the transition table does not allow: a scheduler bug, never a caller error."""
+
+
+class RunState(StrEnum):
+    WAITING = "waiting"  # queued; no seqs yet
+    ADMITTED = "admitted"  # every node has its seq; holds window room
+    DONE = "done"  # finished ok, failed or cancelled; forgotten right after
+
+
+class NodeState(StrEnum):
+    WAITING = "waiting"  # its run is not admitted
+    ASSIGNED = "assigned"  # has a seq, not sent (sequential mode: deps not finished)
+    DISPATCHED = "dispatched"  # sent to its host
+    STARTED = "started"  # host reported it started
+    DONE = "done"  # finished ok
+    DROPPED = "dropped"  # its run failed before it finished
+
+
+RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.WAITING: frozenset({RunState.ADMITTED, RunState.DONE}),
+    RunState.ADMITTED: frozenset({RunState.DONE}),
+    RunState.DONE: frozenset(),
+}
+
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    NodeState.WAITING: frozenset({NodeState.ASSIGNED, NodeState.DROPPED}),
+    NodeState.ASSIGNED: frozenset({NodeState.DISPATCHED, NodeState.DROPPED}),
+    NodeState.DISPATCHED: frozenset({NodeState.STARTED, NodeState.DONE, NodeState.DROPPED}),
+    NodeState.STARTED: frozenset({NodeState.DONE, NodeState.DROPPED}),
+    NodeState.DONE: frozenset(),
+    NodeState.DROPPED: frozenset(),
+}
+
+UNFINISHED = frozenset({NodeState.ASSIGNED, NodeState.DISPATCHED, NodeState.STARTED})
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    spec: NodeSpec
+    dependents: tuple[int, ...]
+    deps_left: int
+    state: NodeState = NodeState.WAITING
+    seq: int = 0
+    ready_at: float | None = None  # when its last dep finished (admission time if it has none)
+    dispatched_at: float | None = None
+    started_at: float | None = None
+
+    def to(self, new: NodeState) -> None:
+        if new not in NODE_TRANSITIONS[self.state]:
+            raise InvalidTransition(f"node {self.spec.index}: {self.state} -> {new}")
+        self.state = new
+
+
+@dataclass(slots=True)
+class RunRecord:
+    spec: RunSpec
+    order: int  # global submit order
+    submitted_at: float
+    nodes: list[NodeRecord]
+    islands: tuple[str, ...]  # islands touched, first node's island first
+    hosts: tuple[str, ...]  # hosts touched, in node order
+    nodes_per_island: dict[str, int]
+    state: RunState = RunState.WAITING
+    admit_order: int = 0
+    admitted_at: float | None = None
+    nodes_left: int = 0
+    wait_reason: str = ""
+
+    @classmethod
+    def create(cls, spec: RunSpec, order: int, now: float) -> RunRecord:
+        dependents: dict[int, list[int]] = {n.index: [] for n in spec.nodes}
+        for n in spec.nodes:
+            for d in dict.fromkeys(n.deps):
+                dependents[d].append(n.index)
+        nodes = [NodeRecord(n, tuple(dependents[n.index]), len(set(n.deps))) for n in spec.nodes]
+        per_island: dict[str, int] = {}
+        for n in spec.nodes:
+            per_island[n.island] = per_island.get(n.island, 0) + 1
+        hosts = tuple(dict.fromkeys(n.host for n in spec.nodes))
+        return cls(spec, order, now, nodes, tuple(per_island), hosts, per_island, nodes_left=len(nodes))
+
+    @property
+    def run_id(self) -> int:
+        return self.spec.run_id
+
+    @property
+    def client(self) -> str:
+        return self.spec.client
+
+    @property
+    def policy_island(self) -> str:
+        """The island whose policy orders this run: its first node's island."""
+        return self.islands[0]
+
+    def to(self, new: RunState) -> None:
+        if new not in RUN_TRANSITIONS[self.state]:
+            raise InvalidTransition(f"run {self.run_id}: {self.state} -> {new}")
+        self.state = new
+
+
+@dataclass(slots=True)
+class HostRecord:
+    name: str
+    up: bool = True
+    next_seq: int = 1
+    progress_at: float = 0.0  # last time one of its nodes finished or was dropped, or it registered
+    # seq -> (run_id, node_index) of unfinished nodes of admitted runs. Seqs are assigned increasing,
+    # so insertion order is seq order and the first key is the host's head.
+    live: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def head(self) -> tuple[int, int, int] | None:
+        for seq, (run_id, index) in self.live.items():
+            return seq, run_id, index
+        return None
+
+
+@dataclass(slots=True)
+class Share:
+    """A client's proportional-share account on one island.
+
+    `used` is measured device time of finished nodes. Nodes still in flight are charged an estimate
+    (the client's mean node time so far) so that a client is not picked again and again while its
+    admitted work has not been billed yet; the estimate is replaced by the measurement on finish.
+    """
+
+    used: float = 0.0
+    weight: float = 1.0
+    done_nodes: int = 0
+    inflight_nodes: int = 0
+
+    @property
+    def vtime(self) -> float:
+        """Virtual time: (used + estimated in-flight use) / weight."""
+        pending = self.inflight_nodes * self.used / self.done_nodes if self.done_nodes else 0.0
+        return (self.used + pending) / self.weight

@@ -1,0 +1,230 @@
+"""Worker side of shipped functions: ``jax.export`` bytes -> a compiled executable on given devices.
+
+Device order: virtual device ``i`` of the slice is ``devices[i]``. The concrete mesh has the shape
+and axis names of the abstract mesh the function was exported for (read from its named
+shardings), filled row-major from ``devices``; a function without named shardings gets a 1-D
+mesh. ``Exported.nr_devices`` reads 1 for ``shard_map`` exports, so it is only checked to be 1 or
+``len(devices)``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+__all__ = ["Executable", "ExecutableCache", "from_proto_bytes", "to_bytes", "to_numpy"]
+
+_DEFAULT_AXIS = "_pw_devices"
+# Collectives in compiled (post-partitioning) HLO text.
+_HLO_COLLECTIVE_RE = re.compile(
+    r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast"
+    r"|ragged-all-to-all)(?:-start)?\("
+)
+
+
+def _export_mesh(exp: jax.export.Exported) -> Any:
+    """The abstract mesh the function was exported for, or None (no named shardings recorded)."""
+    named = (*getattr(exp, "_in_named_shardings", ()), *getattr(exp, "_out_named_shardings", ()))
+    for s in named:
+        if s is not None:
+            return s.mesh
+    return None
+
+
+class Executable:
+    """A deserialized exported function compiled for ``devices`` (virtual device i -> devices[i])."""
+
+    def __init__(
+        self, exported: bytes, devices: Sequence[jax.Device], donate: tuple[int, ...] = ()
+    ) -> None:
+        devs = list(devices)
+        if not devs:
+            raise ValueError("an executable needs at least one device")
+        if len({d.id for d in devs}) != len(devs):
+            raise ValueError(f"duplicate devices in {[d.id for d in devs]}")
+        exp = jax.export.deserialize(bytearray(exported))
+        self.exported = exp
+        self.devices: tuple[jax.Device, ...] = tuple(devs)
+        self.donate = tuple(sorted(set(donate)))
+        if exp.nr_devices not in (1, len(devs)):
+            raise ValueError(
+                f"function {exp.fun_name!r} was exported for {exp.nr_devices} devices, got {len(devs)}"
+            )
+        amesh = _export_mesh(exp)
+        if amesh is not None:
+            if math.prod(amesh.axis_sizes) != len(devs):
+                raise ValueError(
+                    f"function {exp.fun_name!r} was exported for mesh {dict(amesh.shape)}"
+                    f" ({math.prod(amesh.axis_sizes)} devices), got {len(devs)} devices"
+                )
+            grid = np.array(devs, dtype=object).reshape(amesh.axis_sizes)
+            self.mesh = Mesh(grid, amesh.axis_names, axis_types=amesh.axis_types)
+        else:
+            self.mesh = Mesh(np.array(devs, dtype=object), (_DEFAULT_AXIS,))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        # Unspecified input shardings (None) become replicated so inputs land on this slice.
+        self.in_shardings: tuple[Sharding, ...] = tuple(
+            replicated if s is None else s for s in exp.in_shardings_jax(self.mesh)
+        )
+        outs = tuple(exp.out_shardings_jax(self.mesh))
+        if len(self.in_shardings) != len(exp.in_avals) or len(outs) != len(exp.out_avals):
+            raise ValueError(f"function {exp.fun_name!r}: shardings do not match its avals")
+        for s in (*self.in_shardings, *(o for o in outs if o is not None)):
+            if not set(s.device_set) <= set(devs):
+                raise ValueError(f"function {exp.fun_name!r}: a sharding uses devices outside the slice")
+        if any(not 0 <= i < len(exp.in_avals) for i in self.donate):
+            raise ValueError(f"donate indices {self.donate} out of range for {len(exp.in_avals)} inputs")
+        self.in_avals: tuple[jax.ShapeDtypeStruct, ...] = tuple(
+            jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in exp.in_avals
+        )
+        self.out_avals: tuple[jax.ShapeDtypeStruct, ...] = tuple(
+            jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in exp.out_avals
+        )
+
+        def flat(*leaves: Any) -> tuple[Any, ...]:
+            args, kwargs = jax.tree.unflatten(exp.in_tree, leaves)
+            return tuple(jax.tree.leaves(exp.call(*args, **kwargs)))
+
+        jitted = jax.jit(
+            flat, in_shardings=self.in_shardings, out_shardings=outs, donate_argnums=self.donate
+        )
+        specs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(self.in_avals, self.in_shardings, strict=True)
+        ]
+        self._compiled = jitted.lower(*specs).compile()
+        self.out_shardings: tuple[Sharding, ...] = tuple(jax.tree.leaves(self._compiled.output_shardings))
+        self.has_collectives = bool(_HLO_COLLECTIVE_RE.search(self._compiled.as_text() or ""))
+
+    @property
+    def name(self) -> str:
+        """The exported function's name."""
+        return str(self.exported.fun_name)
+
+    def _place(self, i: int, x: Any) -> jax.Array:
+        aval, sharding = self.in_avals[i], self.in_shardings[i]
+        if tuple(x.shape) != aval.shape:
+            raise ValueError(f"{self.name}: input {i} has shape {tuple(x.shape)}, expected {aval.shape}")
+        if isinstance(x, jax.Array):
+            if x.dtype != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            return jax.device_put(x, sharding)
+        a = np.asarray(x)
+        if a.dtype != aval.dtype:
+            if jax.dtypes.canonicalize_dtype(a.dtype) != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {a.dtype}, expected {aval.dtype}")
+            a = a.astype(aval.dtype)
+        return jax.device_put(a, sharding)
+
+    def __call__(self, inputs: Sequence[jax.Array | np.ndarray]) -> list[jax.Array]:
+        """Run on flat inputs (placed onto their shardings as needed); returns flat outputs."""
+        if len(inputs) != len(self.in_avals):
+            raise ValueError(f"{self.name}: expected {len(self.in_avals)} inputs, got {len(inputs)}")
+        placed = [self._place(i, x) for i, x in enumerate(inputs)]
+        return list(self._compiled(*placed))
+
+
+class ExecutableCache:
+    """Compiled executables keyed by (function_id, device ids, donate); compile once, LRU-bounded."""
+
+    def __init__(self, max_entries: int = 512) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[Any, ...], Executable] = OrderedDict()
+        self._pending: dict[tuple[Any, ...], threading.Lock] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def _lookup(self, key: tuple[Any, ...]) -> Executable | None:
+        ex = self._entries.get(key)
+        if ex is not None:
+            self._entries.move_to_end(key)
+        return ex
+
+    def get(
+        self, function_id: str, devices: Sequence[jax.Device], donate: tuple[int, ...] = ()
+    ) -> Executable | None:
+        """The cached executable, or None."""
+        with self._lock:
+            return self._lookup(self._key(function_id, devices, donate))
+
+    @staticmethod
+    def _key(function_id: str, devices: Sequence[jax.Device], donate: tuple[int, ...]) -> tuple[Any, ...]:
+        return (function_id, tuple(d.id for d in devices), tuple(sorted(set(donate))))
+
+    def get_or_compile(
+        self,
+        function_id: str,
+        exported: bytes,
+        devices: Sequence[jax.Device],
+        donate: tuple[int, ...] = (),
+    ) -> Executable:
+        """Return the executable for this key, compiling it (once, even under concurrency) on a miss."""
+        key = self._key(function_id, devices, donate)
+        with self._lock:
+            ex = self._lookup(key)
+            if ex is not None:
+                return ex
+            key_lock = self._pending.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                ex = self._lookup(key)
+            if ex is not None:
+                return ex
+            try:
+                ex = Executable(exported, devices, donate)
+                with self._lock:
+                    self._entries[key] = ex
+                    while len(self._entries) > self.max_entries:
+                        self._entries.popitem(last=False)
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
+        return ex
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    """The full global value of ``x`` as a numpy array (zero-copy read-only view on CPU)."""
+    return np.asarray(x)
+
+
+def _np_dtype(name: str) -> np.dtype[Any]:
+    try:
+        return np.dtype(jnp.dtype(name))
+    except TypeError as e:
+        raise ValueError(f"unknown dtype {name!r}") from e
+
+
+def from_proto_bytes(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> np.ndarray:
+    """Raw C-order bytes with a dtype name (incl. "bfloat16") and a shape -> a (read-only) ndarray."""
+    dt = _np_dtype(dtype)
+    shp = tuple(int(d) for d in shape)
+    n = math.prod(shp) * dt.itemsize
+    got = memoryview(data).nbytes
+    if got != n:
+        raise ValueError(f"{got} bytes for {dtype}{list(shp)}, expected {n}")
+    return np.frombuffer(data, dtype=dt).reshape(shp)
+
+
+def to_bytes(a: np.ndarray) -> tuple[str, list[int], bytes]:
+    """An array -> (dtype name, shape, raw C-order bytes); the inverse of ``from_proto_bytes``."""
+    arr = np.asarray(a)
+    return arr.dtype.name, [int(d) for d in arr.shape], arr.tobytes(order="C")

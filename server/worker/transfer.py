@@ -48,7 +48,9 @@ def to_shared_memory(arr: np.ndarray) -> str:
     arr = np.ascontiguousarray(arr)
     shm = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
     try:
-        np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
+        dst = np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)
+        dst[...] = arr
+        del dst
         return shm.name
     finally:
         shm.close()
@@ -59,10 +61,12 @@ def from_shared_memory(name: str, dtype: str, shape: list[int]) -> np.ndarray:
     shm = shared_memory.SharedMemory(name=name)
     try:
         view = numpy_from_bytes(dtype, shape, shm.buf)
-        return view.copy()
+        out = view.copy()
+        del view  # the segment cannot close while a view of it exists
+        return out
     finally:
         shm.close()
-        shm.unlink()
+        shm.unlink()  # also unregisters it from this process's resource tracker
 
 
 def _forget(name: str) -> None:
@@ -110,6 +114,7 @@ class TransferSender:
                 self._stub(address).Transfer(chunks(buffer_id, arr), metadata=self._metadata)
         except Exception as e:
             log.warning("transfer of buffer %d to %s failed: %s", buffer_id, address, e)
+            self.send_error(buffer_id, wpb.OutputRoute(address=address), f"transfer to {address} failed: {e}")
         finally:
             done()
 

@@ -28,7 +28,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..client import CHANNEL_OPTIONS, Client
 from ..errors import ConnectionFailed, PathwaysError, ProgramError
-from .arrays import dtype_name, numpy_from_bytes
+from .arrays import c_order, dtype_name, numpy_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class WorkerConn:
 
     def put(self, buffer_id: int, arr: np.ndarray, owner: str) -> None:
         """Queues an upload; returns at once (the consuming node waits for it)."""
-        arr = np.ascontiguousarray(arr)
+        arr = c_order(arr)
         req = wpb.PutBufferRequest(
             buffer_id=buffer_id,
             array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), data=arr.tobytes()),

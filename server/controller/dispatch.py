@@ -129,6 +129,7 @@ class Dispatcher:
         except ControllerError as e:
             session.run_failed(run.run_id, str(e))
             return
+        session.run_opened(run.run_id)
         buffers: list[list[int]] = []
         visible: list[list[bool]] = []
         out_index = {key: k for k, key in enumerate(prog.outputs)}
@@ -260,6 +261,8 @@ class Dispatcher:
             return
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
+        for address, ids in run.session.run_closed(a.run_id):
+            self.release(address, ids)
         for cb in self.run_listeners:
             cb(run, a.ok, a.error)
 

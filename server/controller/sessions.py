@@ -9,7 +9,9 @@ slices it made without a name.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
+from collections import deque
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -40,6 +42,13 @@ class ClientSession:
     sequential: bool
     queue: asyncio.Queue[cpb.SessionEvent | None] = field(default_factory=asyncio.Queue)
     programs: set[str] = field(default_factory=set)
+    # Release barrier: a release may not reach a worker before every run the client
+    # submitted earlier has finished (a waiting run's enqueue has not been sent yet, and
+    # it may read the released buffer).
+    submitted: int = 0
+    open_runs: dict[int, int] = field(default_factory=dict)  # run id -> ordinal
+    _open_heap: list[int] = field(default_factory=list)
+    held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
 
     @property
     def owner(self) -> str:
@@ -50,6 +59,31 @@ class ClientSession:
 
     def run_failed(self, run_id: int, error: str) -> None:
         self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
+
+    def run_opened(self, run_id: int) -> None:
+        self.open_runs[run_id] = self.submitted
+        heapq.heappush(self._open_heap, self.submitted)
+        self.submitted += 1
+
+    def run_closed(self, run_id: int) -> list[tuple[str, list[int]]]:
+        """Forgets a finished run; returns the releases that may go out now."""
+        self.open_runs.pop(run_id, None)
+        return self.releasable()
+
+    def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:
+        self.held_releases.append((self.submitted, address, ids))
+        return self.releasable()
+
+    def releasable(self) -> list[tuple[str, list[int]]]:
+        live = set(self.open_runs.values())
+        while self._open_heap and self._open_heap[0] not in live:
+            heapq.heappop(self._open_heap)
+        low = self._open_heap[0] if self._open_heap else self.submitted
+        out = []
+        while self.held_releases and self.held_releases[0][0] <= low:
+            _, address, ids = self.held_releases.popleft()
+            out.append((address, ids))
+        return out
 
 
 class SessionManager:
@@ -125,7 +159,8 @@ class SessionManager:
         elif kind == "run":
             self.core.dispatcher.submit(session, msg.run)
         elif kind == "release":
-            self.core.dispatcher.release(msg.release.address, list(msg.release.buffer_ids))
+            for address, ids in session.hold_release(msg.release.address, list(msg.release.buffer_ids)):
+                self.core.dispatcher.release(address, ids)
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
 

@@ -30,3 +30,9 @@ def numpy_from_bytes(dtype: str, shape: Any, data: Any) -> np.ndarray:
 def array_to_numpy(value: Any) -> np.ndarray:
     """The full (global) value of a JAX array or numpy array, zero-copy where JAX allows."""
     return np.asarray(value)
+
+
+def c_order(a: Any) -> np.ndarray:
+    """A C-contiguous array of the same shape (np.ascontiguousarray turns 0-d into 1-d)."""
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else np.array(a, order="C")

@@ -13,7 +13,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .arrays import array_to_numpy, dtype_name, numpy_from_bytes
+from .arrays import array_to_numpy, c_order, dtype_name, numpy_from_bytes
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
 from .transfer import CHUNK, from_shared_memory
@@ -58,7 +58,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         except Exception as e:  # the computation behind the array failed
             yield wpb.FetchChunk(error=f"{type(e).__name__}: {e}", last=True)
             return
-        data = memoryview(np.ascontiguousarray(arr)).cast("B")
+        data = memoryview(c_order(arr)).cast("B")
         head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
         if len(data) <= CHUNK:
             head.data = bytes(data)

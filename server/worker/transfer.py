@@ -17,7 +17,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .arrays import array_to_numpy, dtype_name, numpy_from_bytes
+from .arrays import array_to_numpy, c_order, dtype_name, numpy_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ CHANNEL_OPTIONS = [
 
 
 def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
-    data = memoryview(np.ascontiguousarray(arr)).cast("B")
+    data = memoryview(c_order(arr)).cast("B")
     n = len(data)
     head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
     if n <= CHUNK:
@@ -45,7 +45,7 @@ def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
 
 def to_shared_memory(arr: np.ndarray) -> str:
     """Copies the array into a new shared-memory segment; the receiver unlinks it."""
-    arr = np.ascontiguousarray(arr)
+    arr = c_order(arr)
     shm = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
     try:
         dst = np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import LocalCluster
 
 CLIENTS = Path(__file__).parent / "clients"
@@ -20,7 +19,9 @@ SEED = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed_progr
 pytestmark = pytest.mark.cluster(islands=2, devices=4)
 
 
-def run_client(cluster: LocalCluster, script: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+def run_client(
+    cluster: LocalCluster, script: Path, *args: str, timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(script), *args], env=cluster.env(), capture_output=True,
                           text=True, timeout=timeout, cwd=script.parent)
 

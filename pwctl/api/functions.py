@@ -20,7 +20,9 @@ class CompiledFunction:
     """A jitted function on a slice. Outside a program a call runs it as a one-node
     program and returns futures at once; inside `@pw.program` it becomes a node."""
 
-    def __init__(self, fn: Callable[..., Any], slice_: VirtualSlice, exporter: Callable[[tuple[Any, ...]], ExportedFunction]):
+    def __init__(
+        self, fn: Callable[..., Any], slice_: VirtualSlice, exporter: Callable[[tuple[Any, ...]], ExportedFunction]
+    ) -> None:
         self.fn = fn
         self.slice = slice_
         self.name = getattr(fn, "__name__", "fn")

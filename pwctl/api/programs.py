@@ -102,7 +102,9 @@ class Trace:
                             num_outputs=len(exp.out_avals), collective=exp.collective, name=exp.name)
         )
         self.node_slices.append(cf.slice.name)
-        outs = [TracedValue(tuple(a.shape), np.dtype(a.dtype), _node_ref(index, j)) for j, a in enumerate(exp.out_avals)]
+        outs = [
+            TracedValue(tuple(a.shape), np.dtype(a.dtype), _node_ref(index, j)) for j, a in enumerate(exp.out_avals)
+        ]
         del treedef
         return jax.tree_util.tree_unflatten(exp.out_tree, outs)
 

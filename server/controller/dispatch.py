@@ -141,7 +141,9 @@ class Dispatcher:
                 vis.append(k is not None)
             buffers.append(ids)
             visible.append(vis)
-        state = RunState(run.run_id, session, prog, plan, list(run.input_ids), list(run.input_homes), buffers, visible)
+        state = RunState(
+            run.run_id, session, prog, plan, list(run.input_ids), list(run.input_homes), buffers, visible
+        )
         self.runs[run.run_id] = state
         prog.runs += 1
         spec = RunSpec(
@@ -159,7 +161,9 @@ class Dispatcher:
     def _plan(self, prog: ProgramRecord) -> Plan:
         graph = prog.graph
         placements = {name: self.core.slices.placement(name) for name in sorted(prog.slices)}
-        key = tuple((n, p.generation, p.host.name, p.host.address, tuple(p.local_devices)) for n, p in placements.items())
+        key = tuple(
+            (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices)) for n, p in placements.items()
+        )
         plan = self._plans.get(prog.program_id)
         if plan is not None and plan.key == key:
             return plan

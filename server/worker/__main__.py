@@ -24,14 +24,14 @@ def main() -> None:
         if not ns.devices.isdigit() or int(ns.devices) <= 0:
             p.error("--devices must be a positive number or 'all'")
         os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax  # noqa: PLC0415  (after the environment is set)
+    import jax
 
     if ns.devices != "all":
         jax.config.update("jax_num_cpu_devices", int(ns.devices))
     jax.config.update("jax_enable_x64", True)  # pw follows NumPy dtypes (float64 stays float64)
 
-    from .process import run_worker
     from .config import WorkerConfig
+    from .process import run_worker
 
     name = ns.name or f"{socket.gethostname()}-{ns.island}"
     run_worker(

@@ -14,6 +14,7 @@ other workers, and reports node events (batched by the caller of `report`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -105,7 +106,7 @@ class Executor:
             self._cond.notify_all()
         for send in enq.sends:
             self.store.add_consumer(send.buffer_id)
-            self.store.on_settled(send.buffer_id, lambda s=send: self._send_buffer(s))
+            self.store.on_settled(send.buffer_id, functools.partial(self._send_buffer, send))
 
     def drop(self, run_ids: Sequence[int], reason: str, skipped_seqs: Sequence[int] = ()) -> None:
         """Fails the nodes of these runs that have not run, unblocking any wait on them.
@@ -237,7 +238,7 @@ class Executor:
                 out_id = node.output_ids[route.output_index]
                 if ok:
                     self.sender.send(out_id, launched.outputs[route.output_index], route.address,
-                                     route.same_host, lambda b=out_id: self.store.consumer_done(b))
+                                     route.same_host, functools.partial(self.store.consumer_done, out_id))
                 else:
                     self.sender.send_error(out_id, route, error)
                     self.store.consumer_done(out_id)

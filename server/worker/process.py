@@ -38,7 +38,8 @@ EVENT_FLUSH_S = 0.005
 def machine_id() -> str:
     """Workers with equal ids share /dev/shm (same boot, same mount namespace)."""
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
     except OSError:
         boot = uuid.getnode().__str__()
     try:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from grpc import aio
@@ -58,7 +58,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         except Exception as e:  # the computation behind the array failed
             yield wpb.FetchChunk(error=f"{type(e).__name__}: {e}", last=True)
             return
-        data = memoryview(c_order(arr)).cast("B")
+        data = memoryview(c_order(arr).data).cast("B")
         head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
         if len(data) <= CHUNK:
             head.data = bytes(data)

@@ -29,7 +29,7 @@ CHANNEL_OPTIONS = [
 
 
 def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
-    data = memoryview(c_order(arr)).cast("B")
+    data = memoryview(c_order(arr).data).cast("B")
     n = len(data)
     head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
     if n <= CHUNK:

@@ -23,7 +23,10 @@ def tree_fn(d):
 
 tree = pw.pmap(tree_fn, devices=s.devices)
 r = tree({"a": np.arange(2, dtype=np.float32), "b": np.ones(2, np.float32)})
-out["tree"] = {"sum": r["sum"].result().tolist(), "pair": [r["pair"][0].result().tolist(), r["pair"][1].result().tolist()]}
+out["tree"] = {
+    "sum": r["sum"].result().tolist(),
+    "pair": [r["pair"][0].result().tolist(), r["pair"][1].result().tolist()],
+}
 
 x = double(np.array([1.0, 1.0]))
 for _ in range(10):  # a loop of calls never waits for replies; values stay on the workers

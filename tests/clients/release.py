@@ -3,6 +3,7 @@
 import gc
 import json
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -37,8 +38,6 @@ vals = [f.result().tolist() for f in futs]
 held = buffers()
 del futs
 gc.collect()
-import time
-
 deadline = time.monotonic() + 20
 while buffers() and time.monotonic() < deadline:
     time.sleep(0.05)

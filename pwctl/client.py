@@ -15,7 +15,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from . import settings
-from .errors import from_rpc_error
+from .errors import ConnectionFailed, from_rpc_error
 
 R = TypeVar("R")
 
@@ -109,8 +109,19 @@ class Client:
         return self.stream(self.stub.StreamLogs, cpb.StreamLogsRequest(id=job_id, follow=follow, tail=tail))
 
     # ---- observe ----
-    def watch(self, interval_s: float = 1.0) -> Iterator[cpb.ClusterStatus]:
-        return self.stream(self.stub.Watch, cpb.WatchRequest(interval_s=interval_s))
+    def watch(self, interval_s: float = 1.0, timeout: float | None = None) -> Iterator[cpb.ClusterStatus]:
+        """The cluster's status now, then every `interval_s` (server-streamed) until closed."""
+        return self.stream(self.stub.Watch, cpb.WatchRequest(interval_s=interval_s), timeout)
+
+    def status(self) -> cpb.ClusterStatus:
+        """One snapshot: the first message of the Watch stream."""
+        stream = self.watch(timeout=self.timeout)
+        try:
+            for status in stream:
+                return status
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+        raise ConnectionFailed(f"the server at {self.address} closed the status stream without an update")
 
     def trace(self, job: str = "", program: str = "") -> str:
         return self.call(self.stub.GetTrace, cpb.GetTraceRequest(job=job, program=program)).chrome_trace_json

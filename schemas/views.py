@@ -24,13 +24,13 @@ class View(BaseModel):
 
 
 class ListDocument(BaseModel, Generic[T]):
-    api_version: str = Field(API_VERSION, serialization_alias="apiVersion")
+    api_version: str = Field(default=API_VERSION, serialization_alias="apiVersion")
     kind: str
     items: list[T]
 
 
 class ItemDocument(BaseModel, Generic[T]):
-    api_version: str = Field(API_VERSION, serialization_alias="apiVersion")
+    api_version: str = Field(default=API_VERSION, serialization_alias="apiVersion")
     kind: str
     item: T
 
@@ -179,5 +179,144 @@ class SliceView(View):
                    history=[RemapView.of(r) for r in m.history])
 
 
+class JobView(View):
+    """A job (`pwctl jobs list/describe -o json`, kinds "JobList" / "Job").
+
+    `state` is pending | running | succeeded | failed | cancelled; `exit_code` is null until the
+    driver exited by itself (a driver killed by a signal has none: `reason` names the signal).
+    Times are UTC ISO-8601, "" when not reached yet. `slices` are the slices the job owned or
+    used, `programs` the programs it registered, `runs` the runs of those that finished;
+    `pending_reason` says why its programs wait ("" when nothing waits)."""
+
+    id: str
+    name: str
+    state: str
+    entrypoint: str
+    args: list[str]
+    exit_code: int | None
+    reason: str
+    submitted_at: str
+    started_at: str
+    ended_at: str
+    priority: int
+    weight: float
+    pid: int | None
+    slices: list[str]
+    programs: int
+    runs: int
+    pending_reason: str
+
+    @classmethod
+    def of(cls, m: cpb.Job) -> JobView:
+        return cls(id=m.id, name=m.name, state=_enum_name(cpb.JobState.Name(m.state), "JOB_STATE_"),
+                   entrypoint=m.entrypoint, args=list(m.args),
+                   exit_code=m.exit_code if m.has_exit_code else None, reason=m.reason,
+                   submitted_at=m.submitted_at, started_at=m.started_at, ended_at=m.ended_at,
+                   priority=m.priority, weight=m.weight, pid=m.pid or None, slices=list(m.slices),
+                   programs=m.programs, runs=m.runs, pending_reason=m.pending_reason)
+
+
 def as_jsonable(doc: BaseModel) -> Any:
     return doc.model_dump(by_alias=True, mode="json")
+
+
+# ---- live status (`pwctl status`, the Watch stream) ----
+
+
+class DeviceStatusView(View):
+    """A device now: `utilization` is its busy fraction over the last ~5 s, `running` the label
+    ("program/node function") of the node on it now, "" when idle."""
+
+    device_id: int
+    island: str
+    host: str
+    local_index: int
+    state: str
+    utilization: float
+    running: str
+
+    @classmethod
+    def of(cls, m: cpb.DeviceStatus) -> DeviceStatusView:
+        return cls(device_id=m.device_id, island=m.island, host=m.host, local_index=m.local_index,
+                   state=_enum_name(pb.DeviceState.Name(m.state), "DEVICE_STATE_"),
+                   utilization=round(m.utilization, 4), running=m.running)
+
+
+class QueueEntryView(View):
+    """A run in an island's queue: `state` running | waiting; `reason` why it waits."""
+
+    run_id: int
+    program: str
+    client: str
+    job: str
+    state: str
+    priority: int
+    weight: float
+    reason: str
+
+    @classmethod
+    def of(cls, m: cpb.QueueEntry) -> QueueEntryView:
+        return cls(run_id=m.run_id, program=m.program, client=m.client, job=m.job, state=m.state,
+                   priority=m.priority, weight=m.weight, reason=m.reason)
+
+
+class IslandQueueView(View):
+    island: str
+    policy: str  # fifo | priority | fair
+    entries: list[QueueEntryView]
+
+    @classmethod
+    def of(cls, m: cpb.IslandQueue) -> IslandQueueView:
+        return cls(island=m.island, policy=m.policy, entries=[QueueEntryView.of(e) for e in m.entries])
+
+
+class JobStatusView(View):
+    """A job as the status view shows it (running and recent ones); `exit_code` null until it ends."""
+
+    id: str
+    name: str
+    state: str
+    submitted_at: str
+    started_at: str
+    ended_at: str
+    exit_code: int | None
+    reason: str
+    priority: int
+    weight: float
+
+    @classmethod
+    def of(cls, m: cpb.Job) -> JobStatusView:
+        return cls(id=m.id, name=m.name, state=_enum_name(cpb.JobState.Name(m.state), "JOB_STATE_"),
+                   submitted_at=m.submitted_at, started_at=m.started_at, ended_at=m.ended_at,
+                   exit_code=m.exit_code if m.has_exit_code else None, reason=m.reason or m.pending_reason,
+                   priority=m.priority, weight=m.weight)
+
+
+class ClusterStatusView(BaseModel):
+    """`pwctl status -o json` (and each line of `--watch -o json`): the cluster at `at` (UTC).
+
+    `computations_per_s` counts node runs finished per second over the last few seconds;
+    `computations_total` those since the controller started."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+    api_version: str = Field(default=API_VERSION, serialization_alias="apiVersion")
+    kind: str = "ClusterStatus"
+    at: str
+    islands: list[IslandView]
+    devices: list[DeviceStatusView]
+    slices: list[SliceView]
+    queues: list[IslandQueueView]
+    jobs: list[JobStatusView]
+    computations_per_s: float
+    computations_total: int
+
+    @classmethod
+    def of(cls, m: cpb.ClusterStatus) -> ClusterStatusView:
+        return cls(at=m.at, islands=[IslandView.of(i) for i in m.islands],
+                   devices=[DeviceStatusView.of(d) for d in m.devices],
+                   slices=[SliceView.of(s) for s in m.slices],
+                   queues=[IslandQueueView.of(q) for q in m.queues],
+                   jobs=[JobStatusView.of(j) for j in m.jobs],
+                   computations_per_s=round(m.computations_per_s, 2),
+                   computations_total=m.computations_total)

@@ -21,6 +21,8 @@ def main() -> None:
     p.add_argument("--hang-timeout", type=float, default=60.0)
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--require-token", action="store_true",
+                   help="require the token even on a loopback address (always required beyond loopback)")
     ns = p.parse_args()
     configure_logging(ns.log_level)
     config = ControllerConfig(
@@ -30,6 +32,7 @@ def main() -> None:
         heartbeat_timeout=ns.heartbeat_timeout,
         dispatch=ns.dispatch,
         hang_timeout=ns.hang_timeout,
+        require_token=ns.require_token,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

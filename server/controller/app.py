@@ -39,7 +39,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
     upgrade_to_head(config.db_url)
     interceptors: list[aio.ServerInterceptor] = []
-    if not paths.is_loopback(host):
+    if config.require_token or not paths.is_loopback(host):
         token = config.token or load_or_create_token()
         interceptors.append(TokenInterceptor(token))
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)

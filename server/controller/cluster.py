@@ -64,6 +64,9 @@ class Cluster:
         self.on_host_up: list[HostListener] = []
         self.on_host_lost: list[LostListener] = []
         self._dirty: set[str] = set()
+        # Set when the controller shuts down: its worker streams then close because it goes away,
+        # not because hosts died; marking them lost would remap slices and persist that.
+        self.closing = False
 
     # ---- start-up ----
     def load(self) -> None:
@@ -161,7 +164,7 @@ class Cluster:
 
     def mark_lost(self, name: str, reason: str) -> None:
         info = self.hosts.get(name)
-        if info is None or info.state == LOST:
+        if info is None or info.state == LOST or self.closing:
             return
         info.state = LOST
         info.lost_reason = reason
@@ -204,6 +207,12 @@ class Cluster:
                     row.last_heartbeat = info.last_heartbeat
 
     # ---- views ----
+    def host_by_address(self, address: str) -> HostInfo | None:
+        for h in self.hosts.values():
+            if h.address == address and h.state == READY:
+                return h
+        return None
+
     def ready_hosts(self) -> list[HostInfo]:
         return [h for h in self.hosts.values() if h.state == READY]
 

@@ -12,9 +12,16 @@ from typing import Any
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..db.engine import make_engine, session_factory
+from ..scheduler import GangScheduler
 from ..timeutil import now_iso
 from .cluster import Cluster, HostInfo
+from .dispatch import Dispatcher
 from .errors import NotFound
+from .jobs import JobManager
+from .observe import Observer
+from .programs import ProgramRecord, ProgramRegistry
+from .sessions import ClientSession, SessionManager
+from .slices import SliceService
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,7 @@ class ControllerConfig:
     dispatch: str = "parallel"  # or "sequential"
     hang_timeout: float = 60.0
     token: str | None = None
+    require_token: bool = False  # also on loopback (tests check rejection without a public address)
 
 
 class Controller:
@@ -39,22 +47,43 @@ class Controller:
         self.db_url = config.db_url
         self.dispatch = config.dispatch
         self.engine = make_engine(config.db_url)
-        self.sessions = session_factory(self.engine)
-        self.cluster = Cluster(self.sessions, config.heartbeat_interval, config.heartbeat_timeout)
+        self.db = session_factory(self.engine)
+        self.cluster = Cluster(self.db, config.heartbeat_interval, config.heartbeat_timeout)
+        self.slices = SliceService(self)
+        self.registry = ProgramRegistry()
+        self.scheduler = GangScheduler(hang_timeout_s=config.hang_timeout or None)
+        self.dispatcher = Dispatcher(self, self.scheduler)
+        self.sessions = SessionManager(self)
+        self.cluster.on_host_up.append(self.dispatcher.host_up)
+        self.cluster.on_host_lost.append(self.dispatcher.host_lost)
+        self.observer = Observer(self)
+        self.dispatcher.node_listeners.append(self.observer.on_node_event)
+        self.cluster.on_host_lost.append(self.observer.host_lost)
+        self.jobs = JobManager(self)  # after the dispatcher: it listens to finished runs
         self.started_mono = time.monotonic()
         self.started_at = now_iso()
         self.shutdown_event = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        self.slices.load()  # before any host event: the cluster's listeners feed the resource manager
         self.cluster.load()
+        self.jobs.load()  # after the slices: releases what jobs of a crashed controller owned
         self.spawn(self.cluster.monitor())
+        self.spawn(self._ticker())
 
     async def stop(self) -> None:
+        await self.jobs.stop()  # before the tasks go: the job watchers record how drivers ended
         for task in list(self._tasks):
             task.cancel()
         self.cluster.flush_heartbeats()
         self.engine.dispose()
+
+    async def _ticker(self) -> None:
+        """Drives time-based scheduler decisions (hang detection)."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.dispatcher.tick()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -68,6 +97,7 @@ class Controller:
             log.error("background task failed", exc_info=task.exception())
 
     def request_shutdown(self) -> None:
+        self.cluster.closing = True  # worker streams closing now do not mean hosts were lost
         self.shutdown_event.set()
 
     # ---- queries used by the servicer ----
@@ -77,17 +107,20 @@ class Controller:
             raise NotFound(f"no island named {island!r} (islands: {known})")
 
     def slice_count(self) -> int:
-        return 0
+        return self.slices.slice_count()
 
     def job_count(self) -> int:
-        return 0
+        return self.jobs.count()
 
     def device_slice_count(self, device_id: int) -> int:
-        return 0
+        return self.slices.device_slice_count(device_id)
 
     # ---- worker events ----
     def host_connected(self, info: HostInfo) -> None:
         pass
 
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:
-        pass
+        self.dispatcher.node_events(host, events)
+
+    def program_registered(self, session: ClientSession, program: ProgramRecord) -> None:
+        self.jobs.program_registered(session, program)

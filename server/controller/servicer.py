@@ -196,4 +196,4 @@ class ControllerServicer(cgrpc.ControllerServicer):
 
     @_guard
     async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
-        return cpb.TraceResponse(chrome_trace_json=self.core.observer.trace(request.job, request.program))
+        return cpb.TraceResponse(chrome_trace_json=await self.core.observer.trace_async(request.job, request.program))

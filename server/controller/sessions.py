@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections import deque
 import logging
 import random
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING

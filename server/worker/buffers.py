@@ -12,7 +12,7 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ class BufferStore:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[int, _Entry] = {}
+        self._waiters = 0  # threads blocked in wait(): notify only when someone listens
 
     # ---- declaring ----
     def expect(self, buffer_id: int, owner: str, visible: bool) -> None:
@@ -109,6 +110,49 @@ class BufferStore:
         for cb in callbacks:
             cb()
 
+    def launched(self, output_ids: Sequence[int], values: Sequence[Any], input_ids: Sequence[int]) -> None:
+        """A node was launched: its outputs exist (still computing) and it no longer needs
+        its inputs. One lock round trip for the whole node (the executor's hot path)."""
+        callbacks: list[Callable[[], None]] = []
+        with self._lock:
+            for buffer_id, value in zip(output_ids, values, strict=False):
+                e = self._entries.get(buffer_id)
+                if e is None:
+                    e = self._entries[buffer_id] = _Entry()
+                if e.state == READY:
+                    continue
+                e.state, e.value, e.nbytes, e.error = READY, value, int(getattr(value, "nbytes", 0)), ""
+                if e.callbacks:
+                    callbacks.extend(e.callbacks)
+                    e.callbacks = []
+                self._maybe_free(buffer_id, e)
+            for buffer_id in input_ids:
+                e = self._entries.get(buffer_id)
+                if e is not None:
+                    e.consumers = max(0, e.consumers - 1)
+                    self._maybe_free(buffer_id, e)
+            if self._waiters:
+                self._cond.notify_all()
+        for cb in callbacks:
+            cb()
+
+    def ready_values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
+        """The values when every buffer is ready now; None when one is still pending.
+        Raises BufferFailed when one failed or no longer exists."""
+        with self._lock:
+            out = []
+            for buffer_id in buffer_ids:
+                e = self._entries.get(buffer_id)
+                if e is None:
+                    raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
+                if e.state == READY:
+                    out.append(e.value)
+                elif e.state == FAILED:
+                    raise BufferFailed(e.error)
+                else:
+                    return None
+            return out
+
     # ---- reading ----
     def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
         """Blocks until the buffer is ready; raises BufferFailed or TimeoutError.
@@ -117,7 +161,11 @@ class BufferStore:
         declares the buffer) an unknown id is waited for instead of failing.
         """
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._settled(buffer_id, must_exist), timeout)
+            self._waiters += 1
+            try:
+                ok = self._cond.wait_for(lambda: self._settled(buffer_id, must_exist), timeout)
+            finally:
+                self._waiters -= 1
             if not ok:
                 raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
             e = self._entries.get(buffer_id)

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ class _Launched:
     outputs: list[Any]
     start_ns: int
     devices: frozenset[int]
+    reported_start: bool = False
 
 
 class Executor:
@@ -50,7 +52,7 @@ class Executor:
         self,
         store: BufferStore,
         devices: Sequence[Any],
-        report: Callable[[cpb.NodeEvent], None],
+        report: Callable[[list[cpb.NodeEvent]], None],
         sender: TransferSender,
         same_host_ok: bool = True,
     ) -> None:
@@ -65,12 +67,12 @@ class Executor:
         self._next_seq = 1
         self._dropped: dict[int, str] = {}
         self._epoch = 0
-        self._inflight: list[_Launched] = []
-        self._inflight_lock = threading.Lock()
+        self._inflight: dict[int, _Launched] = {}
+        self._exes: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
-        self.recent_order: list[str] = []
+        self.recent_order: deque[tuple[int, int, int]] = deque(maxlen=1000)  # (run, node, seq)
         self._threads = [
             threading.Thread(target=self._launch_loop, name="pw-executor", daemon=True),
             threading.Thread(target=self._complete_loop, name="pw-completer", daemon=True),
@@ -141,36 +143,61 @@ class Executor:
                 self._cond.wait_for(lambda: self._stop or self._next_seq in self._pending)
                 if self._stop:
                     return
-                node = self._pending.pop(self._next_seq)
-                self._next_seq += 1
+                batch = []  # every consecutive seq available now: one lock round trip
+                while self._next_seq in self._pending:
+                    batch.append(self._pending.pop(self._next_seq))
+                    self._next_seq += 1
+            for node in batch:
                 if node is _SKIP:
                     continue
                 dropped = self._dropped.get(node.run_id)
-            if dropped is not None:
-                self._fail_node(node, dropped)
-                continue
-            try:
-                self._launch(node)
-            except Exception as e:  # a bug here must not kill the worker
-                log.exception("launching %s failed", node.label)
-                self._fail_node(node, f"{type(e).__name__}: {e}")
+                if dropped is not None:
+                    self._fail_node(node, dropped)
+                    continue
+                try:
+                    self._launch(node)
+                except Exception as e:  # a bug here must not kill the worker
+                    log.exception("launching %s failed", node.label)
+                    self._fail_node(node, f"{type(e).__name__}: {e}")
+
+    def _inputs(self, node: wpb.NodeExec) -> list[Any]:
+        """The node's input values, waiting for those still pending (re-checking for a drop)."""
+        values = self.store.ready_values(node.input_ids)
+        while values is None:
+            for i in node.input_ids:
+                while True:
+                    try:
+                        self.store.wait(i, timeout=0.5)
+                        break
+                    except TimeoutError:
+                        reason = self._dropped.get(node.run_id)
+                        if reason is not None:
+                            raise BufferFailed(reason) from None
+            values = self.store.ready_values(node.input_ids)
+        return values
 
     def _launch(self, node: wpb.NodeExec) -> None:
         try:
-            inputs = [self.store.wait(i) for i in node.input_ids]
+            inputs = self._inputs(node)
         except BufferFailed as e:
             self._fail_node(node, f"an input failed: {e}")
             return
-        blob = self._functions.get(node.function_id)
-        if blob is None:
-            self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
-            return
-        devices = [self.devices[i] for i in node.local_devices]
-        try:
-            exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
-        except Exception as e:
-            self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
-            return
+        key = (node.function_id, tuple(node.local_devices))
+        exe = self._exes.get(key)
+        if exe is None:
+            blob = self._functions.get(node.function_id)
+            if blob is None:
+                self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
+                return
+            devices = [self.devices[i] for i in node.local_devices]
+            try:
+                exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
+            except Exception as e:
+                self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
+                return
+            self._exes[key] = exe
+            if len(self._exes) > 4096:
+                self._exes.clear()
         dev_set = frozenset(node.local_devices)
         if exe.has_collectives or node.collective:
             self._drain(dev_set)
@@ -180,29 +207,36 @@ class Executor:
         except Exception as e:
             self._fail_node(node, f"{type(e).__name__}: {e}")
             return
-        for out_id, out in zip(node.output_ids, outputs, strict=False):
-            self.store.put(out_id, out, int(getattr(out, "nbytes", 0)))
-        for inp in node.input_ids:
-            self.store.consumer_done(inp)
-        launched = _Launched(node, list(outputs), start, dev_set)
-        with self._inflight_lock:
-            self._inflight.append(launched)
+        self.store.launched(node.output_ids, outputs, node.input_ids)
+        launched = _Launched(node, outputs, start, dev_set)
+        self._inflight[id(launched)] = launched
         self._done_q.put(launched)
-        self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                                  start_ns=start, local_devices=node.local_devices))
 
     def _drain(self, devices: frozenset[int]) -> None:
         """Waits for every in-flight computation that touches these devices."""
-        with self._inflight_lock:
-            busy = [launched.outputs for launched in self._inflight if launched.devices & devices]
+        busy = [launched.outputs for launched in list(self._inflight.values()) if launched.devices & devices]
         for outs in busy:
             try:
                 jax.block_until_ready(outs)
             except Exception:
                 pass  # its own completion reports the failure
 
+    def stale_starts(self, older_than_s: float) -> list[cpb.NodeEvent]:
+        """'Started' events for nodes running longer than `older_than_s` (for hang
+        detection); quick nodes only ever report their completion."""
+        cutoff = time.time_ns() - int(older_than_s * 1e9)
+        out = []
+        for launched in list(self._inflight.values()):
+            if launched.start_ns < cutoff and not launched.reported_start:
+                launched.reported_start = True
+                n = launched.node
+                out.append(cpb.NodeEvent(run_id=n.run_id, node_index=n.node_index, seq=n.seq,
+                                         start_ns=launched.start_ns, local_devices=n.local_devices))
+        return out
+
     def _fail_node(self, node: wpb.NodeExec, error: str, report: bool = True) -> None:
-        message = f"{node.label or f'node {node.node_index}'}: {error}" if not error.startswith(node.label) else error
+        label = node.label or f"node {node.node_index}"
+        message = error if error.startswith(label) else f"{label}: {error}"
         for out in node.output_ids:
             self.store.fail(out, message)
         for inp in node.input_ids:
@@ -213,42 +247,62 @@ class Executor:
             self.store.consumer_done(out_id)
         if report:
             now = time.time_ns()
-            self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                                      start_ns=now, end_ns=now, ok=False, error=message,
-                                      local_devices=node.local_devices))
+            self.report([cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                                       start_ns=now, end_ns=now, ok=False, error=message,
+                                       local_devices=node.local_devices)])
 
     # ---- completion thread ----
     def _complete_loop(self) -> None:
         while True:
-            launched = self._done_q.get()
-            if launched is None:
+            first = self._done_q.get()
+            if first is None:
                 return
+            batch = [first]
+            while True:  # everything launched meanwhile completes with one wait
+                try:
+                    item = self._done_q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._finish(batch)
+                    return
+                batch.append(item)
+            self._finish(batch)
+
+    def _finish(self, batch: list[_Launched]) -> None:
+        try:
+            jax.block_until_ready([launched.outputs for launched in batch])
+            errors: list[str] = [""] * len(batch)
+        except Exception:
+            errors = []
+            for launched in batch:  # find which ones failed
+                try:
+                    jax.block_until_ready(launched.outputs)
+                    errors.append("")
+                except Exception as e:
+                    errors.append(f"{launched.node.label}: {type(e).__name__}: {e}")
+        end = time.time_ns()
+        events = []
+        for launched, error in zip(batch, errors, strict=True):
             node = launched.node
-            ok, error = True, ""
-            try:
-                jax.block_until_ready(launched.outputs)
-            except Exception as e:
-                ok, error = False, f"{node.label}: {type(e).__name__}: {e}"
+            self._inflight.pop(id(launched), None)
+            if error:
                 for out in node.output_ids:
                     self.store.fail(out, error)
-            end = time.time_ns()
-            with self._inflight_lock:
-                self._inflight.remove(launched)
             for route in node.routes:
                 out_id = node.output_ids[route.output_index]
-                if ok:
+                if not error:
                     self.sender.send(out_id, launched.outputs[route.output_index], route.address,
                                      route.same_host, functools.partial(self.store.consumer_done, out_id))
                 else:
                     self.sender.send_error(out_id, route, error)
                     self.store.consumer_done(out_id)
-            self.nodes_executed += 1
-            self.recent_order.append(f"{node.run_id}:{node.node_index}@{node.seq}")
-            if len(self.recent_order) > 1000:
-                del self.recent_order[:500]
-            self.report(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                                      start_ns=launched.start_ns, end_ns=end, ok=ok, error=error,
-                                      local_devices=node.local_devices))
+            self.recent_order.append((node.run_id, node.node_index, node.seq))
+            events.append(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                                        start_ns=launched.start_ns, end_ns=end, ok=not error, error=error,
+                                        local_devices=node.local_devices))
+        self.nodes_executed += len(batch)
+        self.report(events)
 
     def _send_buffer(self, send: wpb.BufferSend) -> None:
         try:

@@ -33,6 +33,7 @@ from .transfer import CHANNEL_OPTIONS, TransferSender
 log = logging.getLogger(__name__)
 
 EVENT_FLUSH_S = 0.005
+STALE_START_S = 0.25  # a node running longer than this reports that it started (hang detection)
 
 
 def machine_id() -> str:
@@ -64,10 +65,10 @@ class WorkerProcess:
         self.address = ""
         self.stopping = asyncio.Event()
 
-    def _report(self, event: cpb.NodeEvent) -> None:
+    def _report(self, events: list[cpb.NodeEvent]) -> None:
         with self._events_lock:
-            self._events.append(event)
-            first = len(self._events) == 1
+            first = not self._events
+            self._events.extend(events)
         if first and self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -129,6 +130,7 @@ class WorkerProcess:
         assert self._wake is not None
         interval = 1.0
         last_beat = 0.0
+        last_stale = 0.0
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -136,6 +138,12 @@ class WorkerProcess:
             except TimeoutError:
                 pass
             self._wake.clear()
+            now = loop.time()
+            if now - last_stale >= STALE_START_S / 2:
+                last_stale = now
+                stale = self.executor.stale_starts(STALE_START_S)
+                if stale:
+                    self._report(stale)
             with self._events_lock:
                 events, self._events = self._events, []
             if events:

@@ -97,5 +97,5 @@ class WorkerServicer(wgrpc.WorkerServicer):
             buffer_bytes=nbytes,
             executables=len(self.executor.cache),
             nodes_executed=self.executor.nodes_executed,
-            executed_order=list(self.executor.recent_order),
+            executed_order=[f"{r}:{n}@{q}" for r, n, q in list(self.executor.recent_order)],
         )

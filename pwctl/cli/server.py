@@ -1,0 +1,105 @@
+"""`pwctl server start|stop|info`"""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from schemas.views import ServerInfoView
+from server import paths
+
+from .. import local
+from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
+
+app = typer.Typer(help="The controller: start, stop, inspect.", no_args_is_help=True)
+
+
+class Dispatch(StrEnum):
+    parallel = "parallel"
+    sequential = "sequential"
+
+
+ListenOpt = Annotated[str, typer.Option("--listen", help="Address to serve on, HOST:PORT")]
+DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
+                                           help="Database URL (default: SQLite in the data directory)")]
+ForegroundOpt = Annotated[bool, typer.Option("--foreground", help="Run in this terminal, log to stderr")]
+DispatchOpt = Annotated[Dispatch, typer.Option("--dispatch", help="How programs are dispatched")]
+HeartbeatOpt = Annotated[float, typer.Option("--heartbeat-timeout",
+                                             help="Seconds without heartbeats before a host is lost")]
+TokenOpt = Annotated[bool, typer.Option("--require-token",
+                                        help="Require the token on loopback too (always beyond loopback)")]
+
+
+@app.command("start")
+def start(
+    listen: ListenOpt = paths.DEFAULT_ADDRESS,
+    db: DbOpt = None,
+    foreground: ForegroundOpt = False,
+    dispatch: DispatchOpt = Dispatch.parallel,
+    heartbeat_timeout: HeartbeatOpt = 5.0,
+    require_token: TokenOpt = False,
+) -> None:
+    """Start the controller (detached: pid file and log under the data directory)."""
+    if heartbeat_timeout <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
+    extra = ["--require-token"] if require_token else []
+    handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
+                                    heartbeat_timeout=heartbeat_timeout, extra_args=extra)
+    if handle.already_running:
+        sys.stderr.write(f"already running (pid {handle.pid} at {handle.address})\n")
+        return
+    sys.stdout.write(f"controller started (pid {handle.pid}) at {handle.address}\n")
+    hint(f"log: {handle.log_path}; stop with `pwctl server stop`")
+    host, _ = paths.split_address(handle.address)
+    if require_token or not paths.is_loopback(host):
+        hint(f"calls need the token in {paths.token_path()} (clients elsewhere: set PWCTL_TOKEN)")
+
+
+@app.command("stop")
+def stop() -> None:
+    """Stop the controller started from this data directory."""
+    pid = local.stop_controller()
+    if pid is None:
+        hint("no controller running")
+        return
+    sys.stdout.write(f"controller stopped (pid {pid})\n")
+
+
+@app.command("info")
+def info(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
+    """Version, address, database, uptime, and what the controller holds."""
+    with client(server, timeout=10.0) as c:
+        view = ServerInfoView.of(c.info())
+    emit_item(output, "ServerInfo", view, _render)
+
+
+def _render(v: ServerInfoView) -> None:
+    from rich.table import Table
+
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in [
+        ("version", v.version), ("address", v.address), ("database", v.database), ("pid", str(v.pid)),
+        ("started", v.started_at), ("uptime", _duration(v.uptime_s)), ("dispatch", v.dispatch),
+        ("islands", str(v.islands)), ("hosts", str(v.hosts)), ("devices", str(v.devices)),
+        ("slices", str(v.slices)), ("jobs", str(v.jobs)),
+    ]:
+        table.add_row(key, value)
+    stdout().print(table)
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.1f}s"
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="server")

@@ -1,0 +1,703 @@
+"""Jobs: driver scripts the controller runs as managed subprocesses (`pwctl submit`).
+
+A job is a user's Python script (plus an optional working directory) that the controller
+starts with `PWCTL_SERVER`/`PWCTL_JOB_ID` set, so every slice, buffer and program the driver
+makes belongs to the owner `job:<id>` and goes when the job ends. Its stdout and stderr go to
+`<jobs_dir>/<id>/output.log`, which outlives the job and the controller.
+
+States: pending -> running -> succeeded | failed | cancelled (pending -> failed/cancelled when the
+driver never started). Every transition is written to the database at once (jobs are rare);
+program registrations and run counters are kept in memory and flushed about once a second
+from a background task, never per run.
+
+Choices:
+- Drivers run in their own session (process group); cancel sends SIGTERM to the group and
+  SIGKILL after `KILL_AFTER_S`. When the driver ends, whatever is left of its group is killed.
+- A clean controller stop terminates the running drivers and marks them failed ("the controller
+  stopped"): a driver's session cannot outlive the controller, so letting it run on would only
+  produce errors. After a crash, `load()` marks jobs still pending/running as failed and kills
+  an orphaned driver if `/proc/<pid>/environ` proves it is that job's process.
+- Memory: no limit by default. JAX reserves large virtual address ranges, so RLIMIT_AS breaks
+  it; `PATHWAYS_JOB_MEMORY_MB` sets RLIMIT_DATA (heap) per driver, where a driver over it sees a
+  MemoryError. A driver the kernel's OOM killer ends (SIGKILL) fails with "killed by SIGKILL
+  (out of memory?)".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import codecs
+import contextlib
+import io
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import time
+import zipfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from grpc import aio
+from sqlalchemy import func, select
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from .. import paths
+from ..db.models import JobRow, ProgramRow, str_list, utcnow
+from ..timeutil import iso
+from .errors import InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    from .core import Controller
+    from .dispatch import RunState
+    from .programs import ProgramRecord
+    from .sessions import ClientSession
+
+log = logging.getLogger(__name__)
+
+MAX_SCRIPT_BYTES = 10 * 1024 * 1024
+MAX_ZIP_BYTES = 50 * 1024 * 1024
+MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # a zip bomb stops here
+MAX_PRIORITY = 1000
+KILL_AFTER_S = 5.0
+STOP_GRACE_S = 3.0
+RECENT_FINISHED = 20
+FLUSH_INTERVAL_S = 1.0
+LOG_POLL_S = 0.1
+LOG_CHUNK = 256 * 1024
+MEMORY_ENV = "PATHWAYS_JOB_MEMORY_MB"
+
+_SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+
+STATE_NAMES = {
+    cpb.JOB_STATE_PENDING: "pending",
+    cpb.JOB_STATE_RUNNING: "running",
+    cpb.JOB_STATE_SUCCEEDED: "succeeded",
+    cpb.JOB_STATE_FAILED: "failed",
+    cpb.JOB_STATE_CANCELLED: "cancelled",
+}
+STATES = {v: k for k, v in STATE_NAMES.items()}
+ACTIVE = {cpb.JOB_STATE_PENDING, cpb.JOB_STATE_RUNNING}
+
+# Sets the heap limit, then becomes the driver (argv: limit_bytes, python, entrypoint, args...).
+_LIMIT_BOOT = (
+    "import os, resource, sys\n"
+    "n = int(sys.argv[1])\n"
+    "resource.setrlimit(resource.RLIMIT_DATA, (n, n))\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(eq=False)
+class JobRecord:
+    """A job as the controller keeps it in memory (every job, also finished ones)."""
+
+    id: str
+    name: str
+    entrypoint: str
+    args: list[str]
+    priority: int
+    weight: float
+    state: cpb.JobState.ValueType
+    submitted_at: datetime
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    pid: int = 0
+    exit_code: int | None = None
+    reason: str = ""
+    slices: set[str] = field(default_factory=set)
+    programs: int = 0
+    runs: int = 0
+    # runtime only
+    proc: asyncio.subprocess.Process | None = None
+    cancel_requested: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def owner(self) -> str:
+        return f"job:{self.id}"
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+
+@dataclass
+class _ProgramDelta:
+    """What happened to one (program, owner) since the last flush."""
+
+    program_id: str
+    owner: str
+    name: str
+    nodes: int
+    slices: list[str]
+    registered_at: datetime | None = None
+    runs: int = 0
+    failures: int = 0
+    last_run: float | None = None
+
+
+def _now() -> datetime:
+    return utcnow()
+
+
+def exit_reason(returncode: int) -> str:
+    """A readable reason for a driver's exit status ('' for 0)."""
+    if returncode == 0:
+        return ""
+    if returncode > 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGKILL:
+        return f"killed by {name} (out of memory?)"
+    return f"killed by {name}"
+
+
+def check_relative_path(name: str, what: str) -> PurePosixPath:
+    """A relative path whose parts are plain names (no '..', no absolute path, no odd characters)."""
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or not p.parts or len(name) > 255:
+        raise InvalidArgument(f"invalid {what} {name!r}: give a relative path like train.py")
+    for part in p.parts:
+        if not _SAFE_PART.match(part):
+            raise InvalidArgument(
+                f"invalid {what} {name!r}: path parts may hold letters, digits, '_', '.', '+', '-' "
+                "and must not start with '.' or '-'"
+            )
+    return p
+
+
+def _safe_member(name: str) -> PurePosixPath | None:
+    """A zip member's path if it is safe to extract under the job dir (None: skip, e.g. a dir)."""
+    if name.endswith("/"):
+        return None
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or "\\" in name or not p.parts:
+        raise InvalidArgument(f"the working directory zip holds an unsafe path {name!r}")
+    return p
+
+
+def extract_zip(data: bytes, dest: Path) -> int:
+    """Extracts a working-directory zip under `dest`; returns the number of files."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as e:
+        raise InvalidArgument(f"the working directory is not a valid zip file: {e}") from None
+    with zf:
+        infos = zf.infolist()
+        total = sum(i.file_size for i in infos)
+        if total > MAX_UNZIPPED_BYTES:
+            raise InvalidArgument(
+                f"the working directory unpacks to {total / 2**20:.0f} MiB; the limit is "
+                f"{MAX_UNZIPPED_BYTES // 2**20} MiB"
+            )
+        members = []
+        for info in infos:
+            p = _safe_member(info.filename)
+            if p is None:
+                continue
+            if (info.external_attr >> 16) & 0o170000 == 0o120000:
+                raise InvalidArgument(f"the working directory zip holds a symlink {info.filename!r}")
+            members.append((info, p))
+        for info, p in members:
+            target = dest.joinpath(*p.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                os.chmod(target, mode | 0o600)
+    return len(members)
+
+
+def tail_offset(path: Path, lines: int) -> int:
+    """The byte offset where the last `lines` lines of the file start."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return 0
+    with open(path, "rb") as fh:
+        pos = size
+        count = 0
+        # a final newline ends the last line; it does not start another
+        fh.seek(max(0, size - 1))
+        if size and fh.read(1) == b"\n":
+            pos = size - 1
+        block = 64 * 1024
+        while pos > 0:
+            start = max(0, pos - block)
+            fh.seek(start)
+            data = fh.read(pos - start)
+            idx = len(data)
+            while True:
+                idx = data.rfind(b"\n", 0, idx)
+                if idx < 0:
+                    break
+                count += 1
+                if count == lines:
+                    return start + idx + 1
+            pos = start
+    return 0
+
+
+def _pid_is_job(pid: int, job_id: str) -> bool:
+    """True when /proc says `pid` is the driver of `job_id` (its environment names the job)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"PWCTL_JOB_ID={job_id}".encode() in env.split(b"\0")
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    if pid <= 0:
+        return
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+class JobManager:
+    """Runs, watches, cancels and remembers jobs; every method runs on the controller's loop."""
+
+    def __init__(self, core: Controller) -> None:
+        self.core = core
+        self.jobs: dict[str, JobRecord] = {}
+        self._dirty: dict[tuple[str, str], _ProgramDelta] = {}
+        self._seen_programs: set[tuple[str, str]] = set()
+        self._stopping = False
+        self._flush_task: asyncio.Task[Any] | None = None
+        core.dispatcher.run_listeners.append(self._run_finished)
+
+    # ---------------------------------------------------------------- lifecycle
+    def load(self) -> None:
+        """Reads every job; a job the previous controller left pending/running has failed."""
+        with self.core.db() as s:
+            rows = list(s.scalars(select(JobRow).order_by(JobRow.submitted_at)))
+            counts = {
+                owner: (int(n), int(runs or 0))
+                for owner, n, runs in s.execute(
+                    select(ProgramRow.owner, func.count(ProgramRow.id), func.sum(ProgramRow.runs))
+                    .where(ProgramRow.owner.like("job:%"))
+                    .group_by(ProgramRow.owner)
+                )
+            }
+        orphans = []
+        for row in rows:
+            rec = JobRecord(
+                id=row.id, name=row.name, entrypoint=row.entrypoint, args=str_list(row.args),
+                priority=row.priority, weight=row.weight, state=STATES.get(row.state, cpb.JOB_STATE_FAILED),
+                submitted_at=row.submitted_at, started_at=row.started_at, ended_at=row.ended_at,
+                pid=row.pid, exit_code=row.exit_code, reason=row.reason, slices=set(str_list(row.slices)),
+            )
+            rec.programs, rec.runs = counts.get(rec.owner, (0, 0))
+            self.jobs[rec.id] = rec
+            if rec.active:
+                orphans.append(rec)
+            else:
+                rec.done.set()
+        for rec in orphans:
+            if rec.pid and _pid_is_job(rec.pid, rec.id):
+                log.warning("killing driver pid %d of job %s, orphaned by the previous controller",
+                            rec.pid, rec.id)
+                _kill_group(rec.pid, signal.SIGKILL)
+            self._end(rec, cpb.JOB_STATE_FAILED, "the controller restarted while it was running", None)
+        if orphans:
+            log.warning("%d job(s) were running when the controller stopped; marked failed", len(orphans))
+        self._flush_task = self.core.spawn(self._flusher())
+
+    async def stop(self) -> None:
+        """Terminates running drivers (failed: "the controller stopped") and flushes counters."""
+        self._stopping = True
+        running = [r for r in self.jobs.values() if r.active]
+        for rec in running:
+            if rec.proc is not None:
+                _kill_group(rec.pid, signal.SIGTERM)
+        if running:
+            log.info("stopping %d running job(s)", len(running))
+            await self._wait_done(running, STOP_GRACE_S)
+            for rec in running:
+                if not rec.done.is_set():
+                    _kill_group(rec.pid, signal.SIGKILL)
+            await self._wait_done(running, 2.0)
+        for rec in running:
+            if not rec.done.is_set():
+                self._end(rec, cpb.JOB_STATE_FAILED, "the controller stopped", None)
+        if self._flush_task is not None:
+            self._flush_task.cancel()
+        self._write_programs(self._take_dirty())
+
+    @staticmethod
+    async def _wait_done(recs: builtins.list[JobRecord], timeout: float) -> None:
+        waits = [asyncio.ensure_future(r.done.wait()) for r in recs if not r.done.is_set()]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for w in pending:
+                w.cancel()
+
+    # ---------------------------------------------------------------- queries
+    def count(self) -> int:
+        """Jobs pending or running now."""
+        return sum(1 for r in self.jobs.values() if r.active)
+
+    def resolve(self, ref: str) -> JobRecord:
+        """The job `ref` names: its id, a unique prefix of it (with or without 'job-'), or its name."""
+        ref = ref.strip()
+        if not ref:
+            raise InvalidArgument("give a job id (see `pwctl jobs list`)")
+        rec = self.jobs.get(ref)
+        if rec is not None:
+            return rec
+        matches = [r for r in self.jobs.values()
+                   if r.id.startswith(ref) or r.id.removeprefix("job-").startswith(ref)]
+        if not matches:
+            matches = [r for r in self.jobs.values() if r.name == ref]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            several = ", ".join(r.id for r in matches[:8]) + (", ..." if len(matches) > 8 else "")
+            raise InvalidArgument(f"{ref!r} matches several jobs ({several}); give more of the id")
+        raise NotFound(f"no job matches {ref!r} (see `pwctl jobs list --all`)")
+
+    def get(self, ref: str) -> cpb.Job:
+        return self.proto(self.resolve(ref), self._wait_reasons())
+
+    def list(self, state: str = "", all: bool = False) -> list[cpb.Job]:
+        """Pending and running jobs plus the last finished ones; `all` everything; `state` filters."""
+        recs = sorted(self.jobs.values(), key=lambda r: r.submitted_at)
+        if state:
+            want = STATES.get(state.strip().lower().removeprefix("job_state_"))
+            if want is None:
+                raise InvalidArgument(f"unknown job state {state!r}: use one of {', '.join(STATES)}")
+            recs = [r for r in recs if r.state == want]
+        elif not all:
+            finished = [r for r in recs if not r.active]
+            keep = {id(r) for r in finished[-RECENT_FINISHED:]}
+            recs = [r for r in recs if r.active or id(r) in keep]
+        reasons = self._wait_reasons()
+        return [self.proto(r, reasons) for r in recs]
+
+    def _wait_reasons(self) -> dict[str, str]:
+        """job id -> why its first waiting run waits (from the gang schedulers)."""
+        if not any(r.state == cpb.JOB_STATE_RUNNING for r in self.jobs.values()):
+            return {}
+        reasons: dict[str, str] = {}
+        for island in self.core.scheduler.snapshot().islands:
+            for run in island.waiting:
+                if run.job and run.wait_reason and run.job not in reasons:
+                    reasons[run.job] = f"{island.island}: {run.wait_reason}"
+        return reasons
+
+    def _slices_of(self, rec: JobRecord) -> set[str]:
+        names = set(rec.slices)
+        if rec.active:
+            names.update(s.name for s in self.core.slices.list(rec.owner))
+        return names
+
+    def proto(self, rec: JobRecord, reasons: dict[str, str] | None = None) -> cpb.Job:
+        pending = ""
+        if rec.state == cpb.JOB_STATE_PENDING:
+            pending = "starting the driver"
+        elif rec.state == cpb.JOB_STATE_RUNNING and reasons:
+            pending = reasons.get(rec.id, "")
+        return cpb.Job(
+            id=rec.id, name=rec.name, state=rec.state, entrypoint=rec.entrypoint, args=rec.args,
+            exit_code=rec.exit_code or 0, has_exit_code=rec.exit_code is not None, reason=rec.reason,
+            submitted_at=iso(rec.submitted_at), started_at=iso(rec.started_at), ended_at=iso(rec.ended_at),
+            priority=rec.priority, weight=rec.weight, slices=sorted(self._slices_of(rec)),
+            programs=rec.programs, runs=rec.runs, pending_reason=pending, pid=rec.pid,
+        )
+
+    def log_path(self, job_id: str) -> Path:
+        return paths.jobs_dir() / job_id / "output.log"
+
+    # ---------------------------------------------------------------- submit
+    def _validate(self, req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
+        if not req.script:
+            raise InvalidArgument("the script is empty")
+        if len(req.script) > MAX_SCRIPT_BYTES:
+            raise InvalidArgument(f"the script is {len(req.script) / 2**20:.1f} MiB; the limit is "
+                                  f"{MAX_SCRIPT_BYTES // 2**20} MiB (put data in --working-dir)")
+        entry = check_relative_path(req.entrypoint, "entrypoint")
+        if len(req.working_dir_zip) > MAX_ZIP_BYTES:
+            raise InvalidArgument(
+                f"the working directory is {len(req.working_dir_zip) / 2**20:.1f} MiB zipped; the limit is "
+                f"{MAX_ZIP_BYTES // 2**20} MiB"
+            )
+        if abs(req.priority) > MAX_PRIORITY:
+            raise InvalidArgument(
+                f"priority {req.priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
+        weight = req.weight if req.weight != 0 else 1.0  # 0: not set
+        if not math.isfinite(weight) or weight <= 0 or weight > 1e6:
+            raise InvalidArgument(f"weight {req.weight:g} is invalid: it must be a number > 0")
+        if len(req.name) > 128 or any(not c.isprintable() for c in req.name):
+            raise InvalidArgument("the job name must be at most 128 printable characters")
+        for a in req.args:
+            if "\0" in a:
+                raise InvalidArgument("arguments must not contain NUL characters")
+        return entry, weight
+
+    def _new_id(self) -> str:
+        while True:
+            job_id = f"job-{secrets.token_hex(3)}"
+            if job_id not in self.jobs and not (paths.jobs_dir() / job_id).exists():
+                return job_id
+
+    async def submit(self, req: cpb.SubmitJobRequest) -> cpb.Job:
+        entry, weight = self._validate(req)
+        job_id = self._new_id()
+        rec = JobRecord(
+            id=job_id, name=req.name or entry.stem, entrypoint=str(entry), args=list(req.args),
+            priority=req.priority, weight=weight, state=cpb.JOB_STATE_PENDING, submitted_at=_now(),
+        )
+        job_dir = paths.jobs_dir() / job_id
+        job_dir.mkdir(parents=True)
+        try:
+            if req.working_dir_zip:
+                await asyncio.to_thread(extract_zip, req.working_dir_zip, job_dir)
+            script = job_dir.joinpath(*entry.parts)
+            script.parent.mkdir(parents=True, exist_ok=True)
+            script.write_bytes(req.script)
+        except BaseException:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise
+        self.jobs[job_id] = rec
+        self._save(rec)
+        log.info("job %s submitted: %s %s", job_id, rec.entrypoint, " ".join(rec.args))
+        await self._start(rec, job_dir)
+        return self.proto(rec)
+
+    def _driver_env(self, rec: JobRecord) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PWCTL_")}
+        host, _, port = self.core.address.rpartition(":")
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"
+        env.update(
+            PWCTL_SERVER=f"{host}:{port}",
+            PWCTL_JOB_ID=rec.id,
+            PWCTL_PRIORITY=str(rec.priority),
+            PWCTL_WEIGHT=repr(rec.weight),
+            PYTHONUNBUFFERED="1",
+            PATHWAYS_HOME=str(paths.data_dir()),
+        )
+        if self.core.config.token:
+            env["PWCTL_TOKEN"] = self.core.config.token
+        # `import pwctl` works in the driver even when the project is not installed
+        root = str(Path(__file__).resolve().parents[2])
+        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in parts:
+            env["PYTHONPATH"] = os.pathsep.join([*parts, root])
+        return env
+
+    def _command(self, rec: JobRecord) -> builtins.list[str]:
+        cmd = [sys.executable, rec.entrypoint, *rec.args]
+        limit_mb = os.environ.get(MEMORY_ENV, "").strip()
+        if limit_mb.isdigit() and int(limit_mb) > 0:
+            return [sys.executable, "-c", _LIMIT_BOOT, str(int(limit_mb) * 2**20), *cmd]
+        return cmd
+
+    async def _start(self, rec: JobRecord, job_dir: Path) -> None:
+        if rec.cancel_requested:
+            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled before it started", None)
+            return
+        try:
+            with open(job_dir / "output.log", "ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._command(rec), cwd=job_dir, env=self._driver_env(rec),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as e:
+            self._end(rec, cpb.JOB_STATE_FAILED, f"the driver could not start: {e}", None)
+            return
+        rec.proc = proc
+        rec.pid = proc.pid
+        rec.state = cpb.JOB_STATE_RUNNING
+        rec.started_at = _now()
+        self._save(rec)
+        log.info("job %s running (pid %d)", rec.id, proc.pid)
+        self.core.spawn(self._watch(rec, proc))
+        if rec.cancel_requested:  # cancelled while the process was starting
+            self._terminate(rec)
+
+    async def _watch(self, rec: JobRecord, proc: asyncio.subprocess.Process) -> None:
+        rc = await proc.wait()
+        _kill_group(proc.pid, signal.SIGKILL)  # whatever the driver left behind in its group
+        if rec.cancel_requested:
+            code = rc if rc >= 0 else None
+            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", code)
+        elif self._stopping:
+            self._end(rec, cpb.JOB_STATE_FAILED, "the controller stopped", rc if rc >= 0 else None)
+        elif rc == 0:
+            self._end(rec, cpb.JOB_STATE_SUCCEEDED, "", 0)
+        else:
+            self._end(rec, cpb.JOB_STATE_FAILED, exit_reason(rc), rc if rc >= 0 else None)
+
+    def _end(self, rec: JobRecord, state: cpb.JobState.ValueType, reason: str, exit_code: int | None) -> None:
+        """Final transition: persist, release everything the job owned, wake log followers."""
+        if rec.done.is_set():
+            return
+        rec.slices = self._slices_of(rec)
+        rec.state = state
+        rec.reason = reason
+        rec.exit_code = exit_code
+        rec.ended_at = _now()
+        rec.proc = None
+        try:
+            self.core.sessions.release_owner(rec.owner)
+        except Exception:
+            log.exception("releasing what job %s owned", rec.id)
+        self._save(rec)
+        rec.done.set()
+        log.info("job %s %s%s", rec.id, STATE_NAMES[state], f": {reason}" if reason else "")
+
+    # ---------------------------------------------------------------- cancel
+    def _terminate(self, rec: JobRecord) -> None:
+        _kill_group(rec.pid, signal.SIGTERM)
+        self.core.spawn(self._kill_later(rec))
+
+    async def _kill_later(self, rec: JobRecord) -> None:
+        try:
+            await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S)
+        except TimeoutError:
+            log.warning("job %s ignored SIGTERM for %g s; sending SIGKILL", rec.id, KILL_AFTER_S)
+            _kill_group(rec.pid, signal.SIGKILL)
+
+    async def cancel(self, ref: str) -> cpb.Job:
+        """Cancels a pending or running job and waits (up to ~KILL_AFTER_S) until it ended.
+
+        Cancelling a job that already ended changes nothing and returns it as it is."""
+        rec = self.resolve(ref)
+        if rec.active and not rec.cancel_requested:
+            rec.cancel_requested = True
+            log.info("cancelling job %s", rec.id)
+            if rec.proc is not None:
+                self._terminate(rec)
+        if rec.active:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S + 3.0)
+        return self.proto(rec, self._wait_reasons())
+
+    # ---------------------------------------------------------------- logs
+    async def stream_logs(
+        self, request: cpb.StreamLogsRequest, context: aio.ServicerContext | None = None
+    ) -> AsyncIterator[cpb.LogChunk]:
+        """The job's output (or its last `tail` lines), then with `follow` new output as it comes;
+        the last message carries the job (done=True once it ended: state and exit code)."""
+        rec = self.resolve(request.id)
+        path = self.log_path(rec.id)
+        pos = await asyncio.to_thread(tail_offset, path, request.tail) if request.tail > 0 else 0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            ended = rec.done.is_set()  # before reading: after the exit, the file is complete
+            while True:
+                data = self._read(path, pos)
+                if not data:
+                    break
+                pos += len(data)
+                text = decoder.decode(data)
+                if text:
+                    yield cpb.LogChunk(data=text)
+            if ended or not request.follow:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rec.done.wait(), LOG_POLL_S)
+        yield cpb.LogChunk(data=decoder.decode(b"", final=True), done=rec.done.is_set(), job=self.get(rec.id))
+
+    @staticmethod
+    def _read(path: Path, pos: int) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(pos)
+                return fh.read(LOG_CHUNK)
+        except FileNotFoundError:
+            return b""
+
+    # ---------------------------------------------------------------- programs and runs
+    def program_registered(self, session: ClientSession, program: ProgramRecord) -> None:
+        key = (program.program_id, session.owner)
+        d = self._delta(key, program)
+        if key not in self._seen_programs:
+            self._seen_programs.add(key)
+            d.registered_at = _now()
+            rec = self.jobs.get(session.job_id) if session.job_id else None
+            if rec is not None:
+                rec.programs += 1
+                rec.slices.update(program.slices)
+
+    def _run_finished(self, run: RunState, ok: bool, error: str) -> None:
+        d = self._delta((run.program.program_id, run.session.owner), run.program)
+        d.runs += 1
+        d.failures += 0 if ok else 1
+        d.last_run = time.time()
+        if run.session.job_id:
+            rec = self.jobs.get(run.session.job_id)
+            if rec is not None:
+                rec.runs += 1
+
+    def _delta(self, key: tuple[str, str], program: ProgramRecord) -> _ProgramDelta:
+        d = self._dirty.get(key)
+        if d is None:
+            d = self._dirty[key] = _ProgramDelta(
+                program_id=key[0], owner=key[1], name=program.name, nodes=len(program.graph.nodes),
+                slices=sorted(program.slices),
+            )
+        return d
+
+    def _take_dirty(self) -> builtins.list[_ProgramDelta]:
+        batch = list(self._dirty.values())
+        self._dirty = {}
+        return batch
+
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            batch = self._take_dirty()
+            if batch:
+                try:
+                    await asyncio.to_thread(self._write_programs, batch)
+                except Exception:
+                    log.exception("writing program statistics (%d programs)", len(batch))
+
+    def _write_programs(self, batch: builtins.list[_ProgramDelta]) -> None:
+        if not batch:
+            return
+        with self.core.db() as s, s.begin():
+            for d in batch:
+                row = s.scalar(select(ProgramRow).where(ProgramRow.program_id == d.program_id,
+                                                        ProgramRow.owner == d.owner))
+                if row is None:
+                    row = ProgramRow(program_id=d.program_id, owner=d.owner, name=d.name, nodes=d.nodes,
+                                     slices=d.slices, registered_at=d.registered_at or _now(),
+                                     runs=0, failures=0)
+                    s.add(row)
+                row.runs = (row.runs or 0) + d.runs
+                row.failures = (row.failures or 0) + d.failures
+                if d.last_run is not None:
+                    row.last_run_at = datetime.fromtimestamp(d.last_run, UTC).replace(tzinfo=None)
+
+    # ---------------------------------------------------------------- persistence
+    def _save(self, rec: JobRecord) -> None:
+        with self.core.db() as s, s.begin():
+            s.merge(JobRow(
+                id=rec.id, name=rec.name, state=STATE_NAMES[rec.state], entrypoint=rec.entrypoint,
+                args=list(rec.args), priority=rec.priority, weight=rec.weight, pid=rec.pid,
+                exit_code=rec.exit_code, reason=rec.reason, slices=sorted(rec.slices),
+                submitted_at=rec.submitted_at, started_at=rec.started_at, ended_at=rec.ended_at,
+            ))

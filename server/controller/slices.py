@@ -1,0 +1,395 @@
+"""Virtual slices: the I/O shell around the pure `ResourceManager`.
+
+Requests and host events become resource-manager events; the actions that come back become
+database writes (one transaction per event: slice operations are control plane, not hot path),
+protobuf replies, and `slice_changed` notices to connected clients. The resource manager's state
+is the truth while the controller runs; the database is its durable copy, read once at start.
+
+Every method runs on the controller's event loop, one at a time, so two creates racing for the
+last devices are decided in arrival order: exactly one wins.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from .. import resource_manager as rm
+from ..db.engine import session_factory
+from ..db.models import DeviceRow, HostRow, SliceDeviceRow, SliceRemapRow, SliceRow, int_list, utcnow
+from ..timeutil import iso
+from .cluster import READY, HostInfo
+from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
+
+if TYPE_CHECKING:
+    from .core import Controller
+
+log = logging.getLogger(__name__)
+
+_STATE = {
+    rm.SliceStatus.READY: cpb.SLICE_STATE_READY,
+    rm.SliceStatus.REMAPPED: cpb.SLICE_STATE_REMAPPED,
+    rm.SliceStatus.DEGRADED: cpb.SLICE_STATE_DEGRADED,
+}
+
+_ERRORS: dict[rm.RejectCode, type[ControllerError]] = {
+    rm.RejectCode.INVALID: InvalidArgument,
+    rm.RejectCode.NOT_FOUND: NotFound,
+    rm.RejectCode.CONFLICT: AlreadyExists,
+    rm.RejectCode.CAPACITY: Rejected,
+    rm.RejectCode.IN_USE: InUse,
+}
+
+
+# Actions that change state (everything but Rejected and PlacementPreview).
+_Change = rm.SliceCreated | rm.SliceDeleted | rm.SliceRemapped | rm.SliceDegraded | rm.SliceRestored
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a slice's work runs now, for the dispatcher.
+
+    `local_devices[i]` is the index, on `host`, of the physical device virtual device i maps to.
+    `generation` changes on every remap: executables compiled for an older one must be re-lowered.
+    """
+
+    slice: str
+    host: HostInfo
+    local_devices: list[int]
+    generation: int
+    island: str
+
+
+@dataclass
+class _Meta:
+    """What the database knows about a slice that the resource manager does not keep."""
+
+    created_at: datetime
+    remap_at: list[datetime]
+
+
+class SliceService:
+    """Owns the resource manager; see the module docstring."""
+
+    def __init__(self, core: Controller) -> None:
+        self.core = core
+        self.rm = rm.ResourceManager()
+        self._db: sessionmaker[Session] = session_factory(core.engine)
+        self._meta: dict[str, _Meta] = {}
+        # device id -> (host name, local index); kept for retired devices too, for display.
+        self._local: dict[int, tuple[str, int]] = {}
+        core.cluster.on_host_up.append(self._host_up)
+        core.cluster.on_host_lost.append(self._host_lost)
+
+    # ------------------------------------------------------------------------------------ start
+
+    def load(self, persist: bool = True) -> None:
+        """Rebuild the resource manager from the database, before any host event can arrive.
+
+        Devices are taken as the database left them: healthy when available on a ready host. Hosts
+        that do not come back are marked lost by the cluster monitor, which remaps their slices.
+        """
+        devices: list[tuple[rm.PhysicalDevice, bool]] = []
+        slices: list[rm.Slice] = []
+        with self._db() as s:
+            query = select(DeviceRow).options(selectinload(DeviceRow.host).selectinload(HostRow.island))
+            for d in s.scalars(query):
+                pd = rm.PhysicalDevice(id=d.id, island=d.host.island.name, host=d.host.name, kind=d.kind)
+                devices.append((pd, d.state == "available" and d.host.state == READY))
+                self._local[d.id] = (d.host.name, d.local_index)
+            rows = s.scalars(
+                select(SliceRow)
+                .options(selectinload(SliceRow.mapping), selectinload(SliceRow.remaps))
+                .order_by(SliceRow.id)
+            )
+            for row in rows:
+                slices.append(_slice_of(row))
+                self._meta[row.name] = _Meta(row.created_at, [r.at for r in row.remaps])
+        actions = self.rm.restore(devices, slices)
+        log.info("restored %d slices on %d devices", len(slices), len(devices))
+        if persist:
+            self._apply(actions)
+
+    # ---------------------------------------------------------------------------- host events
+
+    def _host_up(self, info: HostInfo) -> None:
+        for local, dev_id in enumerate(info.device_ids):
+            self._local[dev_id] = (info.name, local)
+        devices = tuple(rm.PhysicalDevice(d, info.island, info.name, info.kind) for d in info.device_ids)
+        self._handle_host_event(rm.HostUp(info.name, devices))
+
+    def _host_lost(self, info: HostInfo, reason: str) -> None:
+        self._handle_host_event(rm.HostLost(info.name))
+
+    def _handle_host_event(self, event: rm.HostUp | rm.HostLost) -> None:
+        try:
+            actions = self.rm.handle(event)
+            for a in actions:
+                if isinstance(a, rm.Rejected):
+                    log.warning("resource manager refused %s: %s", type(event).__name__, a.message)
+            self._apply(actions)
+        except Exception:  # a listener must not break registration or loss handling
+            log.exception("slice bookkeeping failed for %s", event)
+
+    # ---------------------------------------------------------------------------- requests
+
+    def create(self, spec: cpb.SliceSpec, dry_run: bool, owner: str) -> cpb.CreateSliceResponse:
+        request = rm.SliceRequest(
+            name=spec.name,
+            devices=spec.devices,
+            mesh=tuple(spec.mesh) if spec.mesh else None,
+            island=spec.island or None,
+            kind=spec.kind or None,
+            exclusive=spec.exclusive,
+        )
+        actions = self._handle(rm.CreateSlice(request, owner=owner, dry_run=dry_run))
+        first = actions[0]
+        if isinstance(first, rm.PlacementPreview):
+            preview = rm.Slice(name=first.name, request=replace(request, name=first.name), owner=owner,
+                               mapping=first.mapping)
+            proto = self._proto(preview, state=cpb.SLICE_STATE_UNSPECIFIED)
+            return cpb.CreateSliceResponse(slice=proto, explanation=first.explanation)
+        assert isinstance(first, rm.SliceCreated), first
+        log.info("slice %s created on devices %s (%s)", first.slice.name, list(first.slice.mapping),
+                 first.explanation)
+        return cpb.CreateSliceResponse(slice=self._proto(first.slice), explanation=first.explanation)
+
+    def list(self, owner: str = "") -> list[cpb.Slice]:
+        return [self._proto(s) for s in self.rm.slices.values() if not owner or s.owner == owner]
+
+    def get(self, name: str) -> cpb.Slice:
+        return self._proto(self.rm.slices[self.resolve(name)])
+
+    def resolve(self, name: str) -> str:
+        """The full name of the slice `name` names exactly or as a unique prefix."""
+        if name in self.rm.slices:
+            return name
+        matches = [n for n in self.rm.slices if name and n.startswith(name)]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            several = ", ".join(matches)
+            raise InvalidArgument(f"{name!r} matches several slices ({several}); give more of the name")
+        raise NotFound(f"no slice named {name!r} (see `pwctl slice list`)")
+
+    def delete(self, name: str, force: bool = False) -> None:
+        full = self.resolve(name)
+        in_use_fn: Callable[[str], str | None] | None = getattr(
+            getattr(self.core, "sessions", None), "slice_in_use", None
+        )
+        in_use = in_use_fn(full) if in_use_fn is not None else None
+        self._handle(rm.DeleteSlice(full, force=force, in_use=in_use))
+        log.info("slice %s deleted%s", full, " (forced)" if force and in_use else "")
+
+    def release_owner(self, owner: str) -> None:
+        """Delete every slice a client or job owned (it disconnected or finished)."""
+        self._handle(rm.ReleaseOwner(owner))
+
+    # ---------------------------------------------------------------------------- queries
+
+    def slice_count(self) -> int:
+        return len(self.rm.slices)
+
+    def device_slice_count(self, device_id: int) -> int:
+        return self.rm.device_load(device_id)
+
+    def placement(self, name: str) -> Placement:
+        """Where slice `name` runs now; raises NotFound or Rejected (degraded, or spans hosts)."""
+        s = self.rm.slices.get(name)
+        if s is None:
+            raise NotFound(f"slice {name!r} does not exist (deleted?)")
+        if s.status is rm.SliceStatus.DEGRADED:
+            raise Rejected(f"slice {name!r} is degraded: {s.reason}")
+        devices = [self.rm.devices[d] for d in s.mapping]
+        hosts = sorted({d.host for d in devices})
+        if len(hosts) != 1:
+            raise Rejected(
+                f"slice {name} spans hosts {', '.join(hosts)}; multi-host islands are not supported yet"
+            )
+        host = self.core.cluster.hosts.get(hosts[0])
+        if host is None:  # pragma: no cover - the resource manager only knows registered hosts
+            raise Rejected(f"slice {name!r} is on host {hosts[0]}, which is not registered")
+        index = {dev: local for local, dev in enumerate(host.device_ids)}
+        return Placement(
+            slice=name,
+            host=host,
+            local_devices=[index[d] for d in s.mapping],
+            generation=s.generation,
+            island=devices[0].island,
+        )
+
+    # ---------------------------------------------------------------------------- internals
+
+    def _handle(self, event: rm.Event) -> builtins.list[rm.Action]:
+        """Apply a request event; raise the mapped error if refused, else persist and notify."""
+        actions = self.rm.handle(event)
+        for a in actions:
+            if isinstance(a, rm.Rejected):
+                raise _ERRORS[a.code](a.message)
+        self._apply(actions)
+        return actions
+
+    def _apply(self, actions: Iterable[rm.Action]) -> None:
+        """Persist every action in one transaction, then tell clients about changed slices.
+
+        If the write fails the in-memory state is rebuilt from the database, so the two never
+        disagree for longer than the failing call.
+        """
+        todo: builtins.list[_Change] = [
+            a for a in actions if not isinstance(a, rm.Rejected | rm.PlacementPreview)
+        ]
+        if not todo:
+            return
+        changed: builtins.list[rm.Slice] = []
+        try:
+            with self._db.begin() as s:
+                for a in todo:
+                    if isinstance(a, rm.SliceDeleted):
+                        self._delete_row(s, a.name)
+                    else:
+                        self._save_row(s, a.slice)
+                        if not isinstance(a, rm.SliceCreated):
+                            changed.append(a.slice)
+        except Exception:
+            log.exception("could not persist slice changes; reloading slices from the database")
+            try:
+                self._meta.clear()
+                self.load(persist=False)
+            except Exception:
+                log.exception("could not reload slices from the database")
+            raise
+        for a in todo:
+            if isinstance(a, rm.SliceRemapped):
+                log.warning("slice %s remapped %s -> %s: %s",
+                            a.slice.name, list(a.old), list(a.slice.mapping), a.reason)
+            elif isinstance(a, rm.SliceDegraded):
+                log.warning("slice %s degraded: %s", a.slice.name, a.reason)
+            elif isinstance(a, rm.SliceRestored):
+                log.info("slice %s restored on devices %s", a.slice.name, list(a.slice.mapping))
+        notify: Callable[[cpb.Slice], None] | None = getattr(
+            getattr(self.core, "sessions", None), "slice_changed", None
+        )
+        if notify is not None:
+            for sl in changed:
+                try:
+                    notify(self._proto(sl))
+                except Exception:
+                    log.exception("slice_changed notification failed for %s", sl.name)
+
+    def _save_row(self, s: Session, sl: rm.Slice) -> None:
+        row = s.scalar(select(SliceRow).where(SliceRow.name == sl.name))
+        now = utcnow()
+        if row is None:
+            req = sl.request
+            row = SliceRow(
+                name=sl.name,
+                owner=sl.owner,
+                devices=req.devices,
+                mesh=list(req.mesh) if req.mesh is not None else None,
+                island=req.island or "",
+                kind=req.kind or "",
+                exclusive=req.exclusive,
+                created_at=now,
+            )
+            s.add(row)
+            self._meta[sl.name] = _Meta(now, [])
+        row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
+        by_index = {m.virtual_index: m for m in row.mapping}
+        for i, dev in enumerate(sl.mapping):
+            if i in by_index:
+                by_index[i].device_id = dev
+            else:
+                row.mapping.append(SliceDeviceRow(virtual_index=i, device_id=dev))
+        meta = self._meta[sl.name]
+        for rec in sl.history[len(row.remaps):]:
+            row.remaps.append(SliceRemapRow(at=now, reason=rec.reason, old_devices=list(rec.old),
+                                            new_devices=list(rec.new)))
+            meta.remap_at.append(now)
+
+    def _delete_row(self, s: Session, name: str) -> None:
+        row = s.scalar(select(SliceRow).where(SliceRow.name == name))
+        if row is not None:
+            s.delete(row)
+        self._meta.pop(name, None)
+
+    def _proto(self, sl: rm.Slice, state: cpb.SliceState.ValueType | None = None) -> cpb.Slice:
+        req = sl.request
+        meta = self._meta.get(sl.name)
+        devices = []
+        for i, dev_id in enumerate(sl.mapping):
+            dev = self.rm.devices.get(dev_id)
+            host_name, local = self._local.get(dev_id, (dev.host if dev else "", -1))
+            host = self.core.cluster.hosts.get(host_name)
+            devices.append(
+                cpb.VirtualDevice(
+                    index=i,
+                    device_id=dev_id,
+                    island=dev.island if dev else "",
+                    host=host_name,
+                    address=host.address if host else "",
+                    local_index=local,
+                    kind=dev.kind if dev else "",
+                )
+            )
+        history = [
+            cpb.Remap(
+                at=iso(meta.remap_at[i]) if meta and i < len(meta.remap_at) else "",
+                reason=rec.reason,
+                old_devices=list(rec.old),
+                new_devices=list(rec.new),
+            )
+            for i, rec in enumerate(sl.history)
+        ]
+        return cpb.Slice(
+            name=sl.name,
+            spec=cpb.SliceSpec(
+                name=sl.name,
+                devices=req.devices,
+                mesh=list(req.mesh) if req.mesh is not None else [],
+                island=req.island or "",
+                kind=req.kind or "",
+                exclusive=req.exclusive,
+            ),
+            state=_STATE[sl.status] if state is None else state,
+            reason=sl.reason,
+            devices=devices,
+            owner=sl.owner,
+            created_at=iso(meta.created_at) if meta else "",
+            history=history,
+            generation=sl.generation,
+        )
+
+
+def _slice_of(row: SliceRow) -> rm.Slice:
+    """The resource manager's slice from its database rows (JSON columns validated)."""
+    request = rm.SliceRequest(
+        name=row.name,
+        devices=row.devices,
+        mesh=row.mesh_shape(),
+        island=row.island or None,
+        kind=row.kind or None,
+        exclusive=row.exclusive,
+    )
+    history = tuple(
+        rm.RemapRecord(tuple(int_list(r.old_devices)), tuple(int_list(r.new_devices)), r.reason)
+        for r in row.remaps
+    )
+    return rm.Slice(
+        name=row.name,
+        request=request,
+        owner=row.owner,
+        mapping=tuple(m.device_id for m in row.mapping),
+        status=rm.SliceStatus(row.status),
+        reason=row.reason,
+        history=history,
+        generation=row.generation,
+    )

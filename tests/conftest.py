@@ -1,0 +1,366 @@
+"""Shared fixtures: an isolated data directory and a real local cluster of subprocesses.
+
+`LocalCluster` starts `python -m server.controller` and `python -m server.worker` processes on
+free loopback ports with a temporary SQLite database, waits by polling (never sleeping for a
+fixed time), and on teardown stops only the processes it started.
+
+Fixtures:
+- `pw_home`: a temporary PATHWAYS_HOME for this test (also set in the environment).
+- `cluster`: function-scoped cluster; workers from `@pytest.mark.cluster(islands=.., devices=..,
+  controller_args=[..])`, default 2 islands ("a", "b") x 2 devices, workers "w-a", "w-b".
+- `module_cluster`: the same, one per test module (read-only tests share it).
+- `make_cluster`: factory `make_cluster(islands=1, devices=2, controller_args=(), start=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from pwctl.client import Client
+from pwctl.errors import ConnectionFailed, PathwaysError
+from schemas.pathways.v1 import common_pb2 as pb
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+POLL_S = 0.05
+XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=20"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T | None], timeout: float = 30.0, what: str = "condition",
+             interval: float = POLL_S) -> T:
+    """Polls `predicate` until it returns something truthy; returns that value."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (PathwaysError, OSError) as e:
+            last_error = e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}"
+                               + (f" (last error: {last_error})" if last_error else ""))
+        time.sleep(interval)
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the user's real data directory, token or server setting."""
+    saved = {k: os.environ.get(k) for k in ("PATHWAYS_HOME", "PWCTL_SERVER", "PWCTL_TOKEN")}
+    os.environ["PATHWAYS_HOME"] = str(tmp_path_factory.mktemp("pw-session-home"))
+    os.environ.pop("PWCTL_SERVER", None)
+    os.environ.pop("PWCTL_TOKEN", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def pw_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh PATHWAYS_HOME for this test (pwctl.local and the CLI write their files there)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("PATHWAYS_HOME", str(home))
+    return home
+
+
+def base_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
+    env.update(PATHWAYS_HOME=str(home), XLA_FLAGS=XLA_FLAGS, NO_COLOR="1", COLUMNS="200",
+               PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_pwctl(*args: str, env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class WorkerProc:
+    name: str
+    island: str
+    devices: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class LocalCluster:
+    """A controller and workers as real subprocesses, on a free loopback port and a temp database.
+
+    Every process it starts is kept in `self.controller` / `self.workers`; `close()` stops those
+    and nothing else.
+    """
+
+    def __init__(self, home: Path, heartbeat_timeout: float = 2.0,
+                 controller_args: Sequence[str] = ()) -> None:
+        self.home = home
+        home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.db_url = f"sqlite:///{home / 'pw.db'}"
+        self.heartbeat_timeout = heartbeat_timeout
+        self.controller_args = list(controller_args)
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, WorkerProc] = {}
+        self._stopped: set[int] = set()  # SIGSTOPped pids, continued before teardown
+        self._restarts = 0
+
+    # ---- environment ----
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for processes of this cluster (PATHWAYS_HOME, PWCTL_SERVER, XLA_FLAGS)."""
+        return base_env(self.home, PWCTL_SERVER=self.address, **extra)
+
+    @property
+    def token(self) -> str | None:
+        try:
+            return (self.home / "token").read_text().strip() or None
+        except OSError:
+            return None
+
+    def client(self, timeout: float = 5.0) -> Client:
+        return Client(server=self.address, token=self.token, timeout=timeout)
+
+    # ---- controller ----
+    def start_controller(self, wait: bool = True) -> subprocess.Popen[bytes]:
+        assert self.controller is None or self.controller.poll() is not None, "controller already running"
+        log = self.home / f"controller-{self._restarts}.log"
+        self._restarts += 1
+        args = [sys.executable, "-m", "server.controller", "--listen", self.address, "--db", self.db_url,
+                "--heartbeat-timeout", f"{self.heartbeat_timeout:g}", "--log-level", "INFO",
+                *self.controller_args]
+        with open(log, "wb") as fh:
+            self.controller = subprocess.Popen(args, env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL,
+                                               stdout=fh, stderr=subprocess.STDOUT)
+        self._controller_log = log
+        if wait:
+            self.wait_controller()
+        return self.controller
+
+    def wait_controller(self, timeout: float = 30.0) -> None:
+        def answers() -> bool:
+            assert self.controller is not None
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited with {self.controller.returncode}:\n"
+                                   + log_tail(self._controller_log))
+            try:
+                with self.client(timeout=1.0) as c:
+                    c.info(timeout=1.0)
+                return True
+            except ConnectionFailed:
+                return False
+
+        wait_for(answers, timeout, f"the controller at {self.address}")
+
+    def stop_controller(self, kill: bool = False) -> None:
+        """SIGTERM (or SIGKILL) the controller and wait until it exited."""
+        if self.controller is None or self.controller.poll() is not None:
+            return
+        self.controller.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.controller.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.controller.kill()
+            self.controller.wait(timeout=10)
+
+    def restart_controller(self, kill: bool = False) -> None:
+        """Stops the controller and starts it again on the same port and database."""
+        self.stop_controller(kill=kill)
+        self.start_controller(wait=True)
+
+    # ---- workers ----
+    def add_worker(self, island: str, devices: int = 2, name: str | None = None,
+                   wait: bool = True) -> WorkerProc:
+        name = name or f"w-{island}"
+        assert name not in self.workers or self.workers[name].proc.poll() is not None, f"{name} is running"
+        log = self.home / f"worker-{name}-{self._restarts}-{len(self.workers)}.log"
+        args = [sys.executable, "-m", "server.worker", "--island", island, "--devices", str(devices),
+                "--server", self.address, "--name", name]
+        extra = {"PWCTL_TOKEN": self.token} if self.token else {}
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(args, env=self.env(**extra), cwd=REPO, stdin=subprocess.DEVNULL,
+                                    stdout=fh, stderr=subprocess.STDOUT)
+        worker = WorkerProc(name=name, island=island, devices=devices, proc=proc, log=log)
+        self.workers[name] = worker
+        if wait:
+            self.wait_ready([name])
+        return worker
+
+    def start(self, workers: Sequence[tuple[str, int]] = (("a", 2), ("b", 2))) -> LocalCluster:
+        """Starts the controller and the given (island, devices) workers at once; waits for all."""
+        # with a token the workers need it, and the controller creates it when it starts
+        self.start_controller(wait="--require-token" in self.controller_args)
+        for island, devices in workers:
+            self.add_worker(island, devices, wait=False)
+        self.wait_controller()
+        self.wait_ready()
+        return self
+
+    def hosts(self) -> dict[str, pb.Host]:
+        with self.client() as c:
+            return {h.name: h for h in c.hosts()}
+
+    def wait_ready(self, names: Sequence[str] | None = None, timeout: float = 60.0) -> dict[str, pb.Host]:
+        """Waits until the named workers (default: all started) are registered and ready, with
+        the pid of the process this cluster started."""
+        names = list(names if names is not None else self.workers)
+
+        def ready() -> dict[str, pb.Host] | None:
+            for n in names:
+                w = self.workers[n]
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"worker {n} exited with {w.proc.returncode}:\n{log_tail(w.log)}")
+            hosts = self.hosts()
+            ok = all(n in hosts and hosts[n].state == pb.HOST_STATE_READY
+                     and hosts[n].pid == self.workers[n].pid for n in names)
+            return hosts if ok else None
+
+        return wait_for(ready, timeout, f"workers {names} to be ready")
+
+    def wait_host_state(self, name: str, state: pb.HostState.ValueType, timeout: float = 30.0) -> pb.Host:
+        def in_state() -> pb.Host | None:
+            h = self.hosts().get(name)
+            return h if h is not None and h.state == state else None
+
+        return wait_for(in_state, timeout, f"host {name} in state {pb.HostState.Name(state)}")
+
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL the worker and reap it."""
+        w = self.workers[name]
+        self.cont_worker(name)
+        w.proc.kill()
+        w.proc.wait(timeout=10)
+
+    def stop_worker(self, name: str) -> None:
+        """SIGSTOP: the worker freezes (its heartbeats stop) but keeps its connection."""
+        pid = self.workers[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        self._stopped.add(pid)
+
+    def cont_worker(self, name: str) -> None:
+        pid = self.workers[name].pid
+        if pid in self._stopped:
+            os.kill(pid, signal.SIGCONT)
+            self._stopped.discard(pid)
+
+    # ---- the CLI, as a user runs it ----
+    def pwctl(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+              **extra_env: str) -> subprocess.CompletedProcess[str]:
+        """Runs `python -m pwctl.cli.main ARGS` against this cluster (PWCTL_SERVER in the env)."""
+        return run_pwctl(*args, env=env if env is not None else self.env(**extra_env), timeout=timeout)
+
+    def pwctl_json(self, *args: str, **extra_env: str) -> Any:
+        """Runs pwctl with `-o json`, asserts exit 0, returns the parsed document."""
+        r = self.pwctl(*args, "-o", "json", env=self.env(**extra_env))
+        assert r.returncode == 0, f"pwctl {' '.join(args)} exited {r.returncode}: {r.stderr}"
+        return json.loads(r.stdout)
+
+    # ---- teardown ----
+    def close(self) -> None:
+        """Stops only the processes this cluster started: SIGTERM, then SIGKILL after 5 s."""
+        for pid in list(self._stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._stopped.clear()
+        procs = [w.proc for w in self.workers.values()]
+        if self.controller is not None:
+            procs.append(self.controller)
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        deadline = time.monotonic() + 5.0
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cluster_from_marker(request: pytest.FixtureRequest, home: Path) -> Iterator[LocalCluster]:
+    marker = request.node.get_closest_marker("cluster")
+    kw: dict[str, Any] = dict(marker.kwargs) if marker else {}
+    islands = int(kw.get("islands", 2))
+    devices = int(kw.get("devices", 2))
+    names = [chr(ord("a") + i) for i in range(islands)]
+    with LocalCluster(home, heartbeat_timeout=float(kw.get("heartbeat_timeout", 2.0)),
+                      controller_args=kw.get("controller_args", ())) as c:
+        c.start([(n, devices) for n in names])
+        yield c
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
+    """A fresh cluster for this test; size via `@pytest.mark.cluster(islands=2, devices=2)`."""
+    yield from _cluster_from_marker(request, tmp_path / "cluster")
+
+
+@pytest.fixture(scope="module")
+def module_cluster(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One cluster shared by a module's tests (2 islands x 2 devices unless the module's
+    `pytestmark` carries `pytest.mark.cluster(...)`). Tests must leave it as they found it."""
+    yield from _cluster_from_marker(request, tmp_path_factory.mktemp("module-cluster"))
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """Factory for tests needing special clusters: make_cluster(islands=1, devices=2,
+    controller_args=(), heartbeat_timeout=2.0, start=True). All are closed at teardown."""
+    made: list[LocalCluster] = []
+
+    def make(islands: int = 1, devices: int = 2, controller_args: Sequence[str] = (),
+             heartbeat_timeout: float = 2.0, start: bool = True) -> LocalCluster:
+        c = LocalCluster(tmp_path / f"cluster-{len(made)}", heartbeat_timeout, controller_args)
+        made.append(c)
+        if start:
+            c.start([(chr(ord("a") + i), devices) for i in range(islands)])
+        return c
+
+    yield make
+    for c in made:
+        c.close()

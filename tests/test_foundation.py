@@ -1,0 +1,275 @@
+"""The foundation as a user meets it: real controller and worker processes, driven through pwctl.
+
+Registration, heartbeat loss and return, controller restart on the same database, the token,
+exit codes and one-line errors, `pwctl up`/`down`, `pwctl server start|info|stop`.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, base_env, free_port, run_pwctl, wait_for
+
+from pwctl import local
+from schemas.pathways.v1 import common_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+
+def _ts(iso: str) -> datetime:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
+def _assert_one_line_error(stderr: str, *fragments: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected a one-line error, got: {stderr!r}"
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture
+def pw_local(pw_home: Path) -> Iterator[Path]:
+    """pw_home for tests that start detached processes through pwctl; on teardown stops what
+    the pid files there name (identity-checked by pwctl.local), so a failing test leaks nothing."""
+    yield pw_home
+    local.down(grace=2.0)
+    local.stop_controller(timeout=2.0)
+    workers_dir = pw_home / "workers"
+    for pid_file in workers_dir.glob("*.pid") if workers_dir.exists() else []:
+        try:
+            local.stop_worker(pid_file.stem, grace=2.0)
+        except Exception:
+            pass
+
+
+# ---- registration and the read-only CLI (shared cluster) ----
+
+
+def test_registration_lists_islands_hosts_devices(module_cluster: LocalCluster) -> None:
+    c = module_cluster
+    islands = c.pwctl_json("island", "list")
+    assert islands["apiVersion"] == "pathways/v1"
+    assert islands["kind"] == "IslandList"
+    assert [(i["name"], i["hosts"], i["devices"], i["available_devices"]) for i in islands["items"]] == [
+        ("a", 1, 2, 2),
+        ("b", 1, 2, 2),
+    ]
+
+    hosts = c.pwctl_json("host", "list")
+    assert hosts["kind"] == "HostList"
+    by_name = {h["name"]: h for h in hosts["items"]}
+    assert set(by_name) == {"w-a", "w-b"}
+    for name, h in by_name.items():
+        assert h["state"] == "ready"
+        assert h["pid"] == c.workers[name].pid
+        assert h["devices"] == 2 and h["device_kind"] == "cpu"
+        assert _ts(h["last_heartbeat"]).tzinfo is not None
+
+    devices = c.pwctl_json("device", "list")
+    assert devices["kind"] == "DeviceList"
+    assert len(devices["items"]) == 4
+    assert len({d["id"] for d in devices["items"]}) == 4
+    assert {d["state"] for d in devices["items"]} == {"available"}
+    assert sorted((d["island"], d["host"], d["local_index"]) for d in devices["items"]) == [
+        ("a", "w-a", 0), ("a", "w-a", 1), ("b", "w-b", 0), ("b", "w-b", 1),
+    ]
+
+    only_a = c.pwctl_json("device", "list", "--island", "a")
+    assert {d["island"] for d in only_a["items"]} == {"a"} and len(only_a["items"]) == 2
+
+    table = c.pwctl("device", "list")
+    assert table.returncode == 0
+    assert "w-a" in table.stdout and "available" in table.stdout
+
+
+def test_server_info_json(module_cluster: LocalCluster) -> None:
+    doc = module_cluster.pwctl_json("server", "info")
+    assert doc["apiVersion"] == "pathways/v1" and doc["kind"] == "ServerInfo"
+    info = doc["item"]
+    assert info["address"] == module_cluster.address
+    assert info["pid"] == module_cluster.controller.pid  # type: ignore[union-attr]
+    assert (info["islands"], info["hosts"], info["devices"]) == (2, 2, 4)
+    assert info["version"] and info["uptime_s"] >= 0
+    assert info["database"].startswith("sqlite:///")
+    assert _ts(info["started_at"]).tzinfo is not None
+
+
+def test_cli_exit_codes(module_cluster: LocalCluster) -> None:
+    c = module_cluster
+    assert c.pwctl("island", "list").returncode == 0
+
+    usage = c.pwctl("island", "list", "-o", "bogus")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert c.pwctl("device", "list", "--no-such-flag").returncode == 2
+    assert c.pwctl("no-such-noun").returncode == 2
+
+    missing = c.pwctl("device", "list", "--island", "nope")
+    assert missing.returncode == 3
+    _assert_one_line_error(missing.stderr, "nope")
+    assert missing.stdout == ""
+
+
+def test_unreachable_server_is_one_line(pw_home: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    r = run_pwctl("island", "list", env=base_env(pw_home, PWCTL_SERVER=address))
+    assert r.returncode == 1
+    _assert_one_line_error(r.stderr, f"cannot reach the server at {address}", "try `pwctl up`")
+    # the flag wins over the environment
+    r = run_pwctl("device", "list", "--server", address, env=base_env(pw_home, PWCTL_SERVER="127.0.0.1:1"))
+    assert r.returncode == 1
+    _assert_one_line_error(r.stderr, f"cannot reach the server at {address}")
+
+
+# ---- failures and restarts (own cluster each) ----
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_heartbeat_loss_and_return(cluster: LocalCluster) -> None:
+    before = cluster.hosts()["w-a"]
+    cluster.stop_worker("w-a")  # frozen: the connection stays open, heartbeats stop
+    lost = cluster.wait_host_state("w-a", pb.HOST_STATE_LOST, timeout=15)
+    assert lost.id == before.id
+    devices = cluster.pwctl_json("device", "list")["items"]
+    assert devices and {d["state"] for d in devices} == {"lost"}
+    island = cluster.pwctl_json("island", "list")["items"][0]
+    assert (island["devices"], island["available_devices"]) == (2, 0)
+
+    cluster.cont_worker("w-a")
+    back = cluster.wait_host_state("w-a", pb.HOST_STATE_READY, timeout=15)
+    assert (back.id, back.pid) == (before.id, before.pid)  # re-registered as the same host
+    devices_after = cluster.pwctl_json("device", "list")["items"]
+    assert {d["state"] for d in devices_after} == {"available"}
+    assert sorted(d["id"] for d in devices_after) == sorted(d["id"] for d in devices)
+
+
+@pytest.mark.cluster(islands=2, devices=2)
+def test_controller_restart_keeps_state_and_workers_reconnect(cluster: LocalCluster) -> None:
+    hosts_before = cluster.pwctl_json("host", "list")["items"]
+    devices_before = cluster.pwctl_json("device", "list")["items"]
+
+    cluster.restart_controller(kill=True)  # a crash: nothing flushed on the way out
+    restarted_at = datetime.now(UTC)
+
+    # what the database knew is listed at once, before any worker reconnected
+    assert [i["name"] for i in cluster.pwctl_json("island", "list")["items"]] == ["a", "b"]
+    hosts = cluster.pwctl_json("host", "list")["items"]
+    assert [(h["id"], h["name"], h["island"]) for h in hosts] == [
+        (h["id"], h["name"], h["island"]) for h in hosts_before
+    ]
+    devices = cluster.pwctl_json("device", "list")["items"]
+    assert [(d["id"], d["host"], d["local_index"]) for d in devices] == [
+        (d["id"], d["host"], d["local_index"]) for d in devices_before
+    ]
+
+    # the same worker processes come back on their own and heartbeat again
+    def reconnected() -> bool:
+        now = cluster.hosts()
+        return all(
+            h.state == pb.HOST_STATE_READY and h.pid == cluster.workers[n].pid
+            and _ts(h.last_heartbeat) > restarted_at
+            for n, h in now.items()
+        ) and set(now) == {"w-a", "w-b"}
+
+    wait_for(reconnected, 30, "workers to reconnect to the restarted controller")
+    assert all(w.proc.poll() is None for w in cluster.workers.values())
+    ready = cluster.pwctl_json("device", "list")["items"]
+    assert {d["state"] for d in ready} == {"available"}
+    assert sorted(d["id"] for d in ready) == sorted(d["id"] for d in devices_before)
+
+
+def test_token_required_and_accepted(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
+    c = make_cluster(islands=1, devices=1, controller_args=["--require-token"])
+    token_file = c.home / "token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = c.token
+    assert token
+
+    # a client that has neither the token file nor PWCTL_TOKEN
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    no_token = base_env(elsewhere, PWCTL_SERVER=c.address)
+    r = run_pwctl("island", "list", env=no_token)
+    assert r.returncode == 4
+    _assert_one_line_error(r.stderr, "rejected", "PWCTL_TOKEN")
+
+    wrong = run_pwctl("island", "list", env={**no_token, "PWCTL_TOKEN": "not-the-token"})
+    assert wrong.returncode == 4
+
+    ok = run_pwctl("island", "list", "-o", "json", env={**no_token, "PWCTL_TOKEN": token})
+    assert ok.returncode == 0, ok.stderr
+    assert [i["name"] for i in json.loads(ok.stdout)["items"]] == ["a"]  # the worker got in with it
+
+    # on the server's own machine pwctl finds the token file by itself
+    assert c.pwctl("island", "list").returncode == 0
+
+
+# ---- pwctl server / up / down (detached processes under a temporary PATHWAYS_HOME) ----
+
+
+def test_server_start_twice_info_stop(pw_local: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_local, PWCTL_SERVER=address)
+    db = f"sqlite:///{pw_local / 'pw.db'}"
+
+    first = run_pwctl("server", "start", "--listen", address, "--db", db, env=env)
+    assert first.returncode == 0, first.stderr
+    pid_info = json.loads((pw_local / "server.pid").read_text())
+    assert pid_info["address"] == address
+    pid = pid_info["pid"]
+    assert local.runs_module(pid, "server.controller")
+    assert (pw_local / "server.log").exists()
+
+    second = run_pwctl("server", "start", "--listen", address, "--db", db, env=env)
+    assert second.returncode == 0
+    assert f"already running (pid {pid} at {address})" in second.stderr
+
+    doc = json.loads(run_pwctl("server", "info", "-o", "json", env=env).stdout)
+    assert doc["kind"] == "ServerInfo"
+    assert (doc["item"]["pid"], doc["item"]["address"]) == (pid, address)
+    assert doc["item"]["database"] == db
+    table = run_pwctl("server", "info", env=env)
+    assert table.returncode == 0 and "uptime" in table.stdout
+
+    stop = run_pwctl("server", "stop", env=env)
+    assert stop.returncode == 0, stop.stderr
+    assert not local.is_alive(pid)
+    assert not (pw_local / "server.pid").exists()
+    assert run_pwctl("island", "list", env=env).returncode == 1
+
+
+def test_up_down_stops_exactly_what_it_started(pw_local: Path, module_cluster: LocalCluster) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_local, PWCTL_SERVER=address)
+    r = run_pwctl("up", "--islands", "2", "--devices", "2", "--listen", address, env=env)
+    assert r.returncode == 0, r.stderr
+    assert address in r.stdout
+
+    state = json.loads((pw_local / "cluster.json").read_text())
+    assert state["address"] == address
+    assert set(state["worker_pids"]) == {"local-a", "local-b"}
+    pids = [state["controller_pid"], *state["worker_pids"].values()]
+    assert all(local.is_alive(p) for p in pids)
+
+    islands = json.loads(run_pwctl("island", "list", "-o", "json", env=env).stdout)
+    assert [(i["name"], i["devices"], i["available_devices"]) for i in islands["items"]] == [
+        ("a", 2, 2), ("b", 2, 2),
+    ]
+
+    again = run_pwctl("up", "--islands", "2", "--devices", "2", "--listen", address, env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((pw_local / "cluster.json").read_text()) == state  # idempotent: nothing new
+
+    down = run_pwctl("down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert not any(local.is_alive(p) for p in pids)
+    assert not (pw_local / "cluster.json").exists()
+    # processes it did not start are untouched
+    procs = [module_cluster.controller, *(w.proc for w in module_cluster.workers.values())]
+    assert all(p is not None and p.poll() is None for p in procs)

@@ -1,0 +1,412 @@
+"""Live status and traces.
+
+Unit tests feed synthetic NodeEvents to the Observer (no network): utilization math, the
+running node per device, computations per second, ring bounds, the trace builder and its
+filters. End-to-end tests run a small pw program from a subprocess client against a real
+local cluster, then drive `pwctl status`, `pwctl status --watch` and `pwctl trace` as a user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import REPO, LocalCluster, wait_for
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.views import ClusterStatusView
+from server.controller.errors import InvalidArgument, NotFound
+from server.controller.observe import BucketWindow, Observer, TraceBuilder, chrome_trace
+
+S = 1_000_000_000  # ns
+
+
+# ------------------------------------------------------------------ unit: a fake controller
+
+
+@dataclass
+class FakeHost:
+    name: str
+    island: str
+    device_ids: list[int]
+    state: str = "ready"
+
+
+@dataclass
+class FakeCluster:
+    hosts: dict[str, FakeHost] = field(default_factory=dict)
+    islands: dict[str, Any] = field(default_factory=dict)
+
+    def island_protos(self) -> list[Any]:
+        return []
+
+
+def fake_core() -> Any:
+    cluster = FakeCluster({"h0": FakeHost("h0", "a", [10, 11]), "h1": FakeHost("h1", "b", [20, 21])})
+    return SimpleNamespace(cluster=cluster)
+
+
+def fake_run(run_id: int, program: str, program_id: str, job: str = "", nodes: int = 2) -> Any:
+    session = SimpleNamespace(client_id="c-1", job_id=job, owner=f"job:{job}" if job else "client:c-1")
+    return SimpleNamespace(
+        run_id=run_id,
+        session=session,
+        program=SimpleNamespace(name=program, program_id=program_id),
+        plan=SimpleNamespace(labels=[f"{program}/{i} f{i}" for i in range(nodes)]),
+    )
+
+
+def started(run: Any, node: int, start: int, devices: list[int]) -> tuple[cpb.NodeEvent, Any]:
+    ev = cpb.NodeEvent(run_id=run.run_id, node_index=node, seq=node, start_ns=start, local_devices=devices)
+    return ev, run
+
+
+def finished(run: Any, node: int, start: int, end: int, devices: list[int], ok: bool = True,
+             error: str = "") -> tuple[cpb.NodeEvent, Any]:
+    return cpb.NodeEvent(run_id=run.run_id, node_index=node, seq=node, start_ns=start, end_ns=end, ok=ok,
+                         error=error, local_devices=devices), run
+
+
+def thread_names(doc: dict[str, Any]) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+
+
+def feed(obs: Observer, host: str, *events: tuple[cpb.NodeEvent, Any]) -> None:
+    for ev, run in events:
+        obs.on_node_event(host, ev, run)
+
+
+def test_bucket_window_spreads_spans_and_forgets_old_ones() -> None:
+    w = BucketWindow(window_s=1.0, bucket_s=0.1)
+    t0 = 100 * S
+    w.add_span(t0, t0 + S // 4)  # 0.25 s busy over three buckets
+    assert w.total(t0 + S // 2) == pytest.approx(S / 4)
+    assert w.total(t0 + 3 * S) == 0  # fell out of the window
+    w.add_span(t0 + 3 * S - 10 * S, t0 + 3 * S)  # longer than the window: only the window counts
+    assert w.total(t0 + 3 * S) <= w.span_ns(t0 + 3 * S)
+    w.add_point(t0 + 3 * S)
+    w.add_point(t0)  # too old to count, and must not clobber a newer bucket
+    assert w.total(t0 + 3 * S) == pytest.approx(w.span_ns(t0 + 3 * S) + 1, rel=0.2)
+
+
+def test_utilization_running_node_and_rate() -> None:
+    obs = Observer(fake_core(), ring_size=100)
+    run = fake_run(1, "step", "p-aaa")
+    now = 1_000 * S
+    # device 0 busy for 2 of the last 5 s (two 1 s nodes); device 1 idle
+    feed(obs, "h0",
+         started(run, 0, now - 4 * S, [0]), finished(run, 0, now - 4 * S, now - 3 * S, [0]),
+         started(run, 1, now - 2 * S, [0]), finished(run, 1, now - 2 * S, now - 1 * S, [0]))
+    assert obs.utilization("h0", 0, now) == pytest.approx(2 / 5, abs=0.03)
+    assert obs.utilization("h0", 1, now) == 0.0
+    assert obs.computations_total == 2
+    assert obs.devices[("h0", 0)].running() is None
+
+    # a pipelined launch: node 1 of run 2 was launched while node 0 still ran; its busy time
+    # starts where node 0 ended, so the device is never counted busy twice
+    run2 = fake_run(2, "step", "p-aaa")
+    t = now + 10 * S
+    feed(obs, "h0", started(run2, 0, t, [0, 1]), started(run2, 1, t, [0, 1]))
+    assert obs.devices[("h0", 0)].running().label == "step/0 f0"  # type: ignore[union-attr]
+    assert obs.utilization("h0", 0, t + S) == pytest.approx(1 / 5, abs=0.03)  # running node counts
+    feed(obs, "h0", finished(run2, 0, t, t + S, [0, 1]))
+    assert obs.devices[("h0", 0)].running().label == "step/1 f1"  # type: ignore[union-attr]
+    feed(obs, "h0", finished(run2, 1, t, t + 2 * S, [0, 1]))
+    assert obs.devices[("h0", 1)].running() is None
+    assert obs.utilization("h0", 0, t + 2 * S) == pytest.approx(2 / 5, abs=0.03)
+    assert obs.utilization("h0", 1, t + 2 * S) == pytest.approx(2 / 5, abs=0.03)
+    recs = obs.records()
+    assert [(r.start_ns, r.end_ns) for r in recs[-2:]] == [(t, t + S), (t + S, t + 2 * S)]  # clipped
+    assert obs.utilization("h0", 0, t + 100 * S) == 0.0
+
+    # computations per second: 30 finished nodes in the last 3 s
+    obs2 = Observer(fake_core(), ring_size=100)
+    base = 5_000 * S
+    for i in range(30):
+        end = base + i * (S // 10)
+        feed(obs2, "h1", finished(fake_run(100 + i, "p", "p-b"), 0, end - 1000, end, [0]))
+    assert obs2.computations_per_s(base + 3 * S) == pytest.approx(10.0, rel=0.15)
+    assert obs2.computations_per_s(base + 100 * S) == 0.0
+
+    # a lost host runs nothing any more
+    feed(obs, "h1", started(run, 0, t, [1]))
+    obs.host_lost(SimpleNamespace(name="h1"), "gone")
+    assert obs.devices[("h1", 1)].running() is None
+
+
+def test_ring_is_bounded_and_indexes_follow_it() -> None:
+    obs = Observer(fake_core(), ring_size=10)
+    t = 10 * S
+    for i in range(25):
+        old = i < 12
+        run = fake_run(i, "old" if old else "new", "p-old" if old else "p-new", job="j-1" if i < 5 else "")
+        feed(obs, "h0", finished(run, 0, t + i * 1000, t + i * 1000 + 500, [0]))
+    recs = obs.records()
+    assert len(recs) == 10 and [r.run_id for r in recs] == list(range(15, 25))
+    assert sum(len(q) for q in obs._by_program.keys.values()) == 10
+    assert "j-1" not in obs._by_job.keys and "p-old" not in obs._by_program.keys
+    with pytest.raises(NotFound, match="only the last 10 node runs"):
+        obs.select(job="j-1")
+    with pytest.raises(NotFound):
+        obs.select(program="old")
+    assert len(obs.select(program="new")) == 10
+
+
+def test_trace_builder_and_filters() -> None:
+    core = fake_core()
+    obs = Observer(core, ring_size=1000)
+    t = 50 * S
+    a = fake_run(1, "train_step", "p-1111", job="job-7")
+    b = fake_run(2, "train_step", "p-1111", job="job-7")
+    c = fake_run(3, "evaluate", "p-2222")
+    d = fake_run(4, "train_step", "p-3333")  # the same name, another signature
+    feed(obs, "h0", finished(a, 0, t, t + 1000_000, [0, 1]), finished(a, 1, t, t + 3000_000, [0, 1]))
+    feed(obs, "h1", finished(b, 0, t, t + 2000_000, [0]), finished(c, 0, t, t + 500_000, [1], ok=False,
+                                                                    error="boom"))
+    feed(obs, "h1", finished(d, 0, t + 5000_000, t + 6000_000, [0]))
+
+    doc = json.loads(obs.trace(job="job-7"))
+    assert doc["displayTimeUnit"] == "ms"
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 5  # two 2-device nodes on h0, one on h1
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(procs.values()) == ["a/h0", "b/h1"]
+    threads = thread_names(doc)
+    h0 = next(p for p, n in procs.items() if n == "a/h0")
+    assert threads[(h0, 0)] == "device 0 (id 10)" and threads[(h0, 1)] == "device 1 (id 11)"
+    first = min(xs, key=lambda e: (e["ts"], e["dur"]))
+    assert first["ts"] == 0 and first["dur"] == 1000.0 and first["name"] == "train_step/0 f0"
+    assert first["args"] == {"run_id": 1, "node": 0, "program": "train_step", "program_id": "p-1111",
+                             "job": "job-7", "client": "c-1", "seq": 0, "ok": True}
+    # node 1 of run 1 was launched with node 0: on the device it starts when node 0 ended
+    second = next(e for e in xs if e["args"]["run_id"] == 1 and e["args"]["node"] == 1 and e["tid"] == 0)
+    assert (second["ts"], second["dur"]) == (1000.0, 2000.0)
+
+    assert len(json.loads(obs.trace(job="job"))["traceEvents"]) > 0  # unique prefix
+    by_name = [e for e in json.loads(obs.trace(program="train_step"))["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["program_id"] for e in by_name} == {"p-1111", "p-3333"}  # every signature
+    by_id = [e for e in json.loads(obs.trace(program="p-3"))["traceEvents"] if e["ph"] == "X"]
+    assert [e["args"]["run_id"] for e in by_id] == [4]
+    failed = [e for e in json.loads(obs.trace(program="eval"))["traceEvents"] if e["ph"] == "X"]
+    assert failed[0]["args"]["ok"] is False and failed[0]["args"]["error"] == "boom"
+    assert failed[0]["cat"] == "node,failed"
+    both = [e for e in json.loads(obs.trace(job="job-7", program="p-1111"))["traceEvents"] if e["ph"] == "X"]
+    assert len(both) == 5
+    assert len([e for e in json.loads(obs.trace())["traceEvents"] if e["ph"] == "X"]) == 7
+
+    with pytest.raises(NotFound, match="no events recorded for job 'nope'"):
+        obs.trace(job="nope")
+    with pytest.raises(NotFound, match="program 'nope'"):
+        obs.trace(program="nope")
+    with pytest.raises(NotFound):
+        obs.trace(job="job-7", program="evaluate")  # both exist, nothing in common
+    with pytest.raises(InvalidArgument, match="several programs"):
+        obs.trace(program="p-")
+    assert chrome_trace([])["traceEvents"] == []
+
+    # the chunked encoder the servicer uses gives the same document, for every chunk size
+    recs = obs.select()
+    ids = {("h0", 0): 10, ("h0", 1): 11, ("h1", 0): 20, ("h1", 1): 21}
+    for chunk in (1, 2, 1000):
+        assert json.loads(asyncio.run(TraceBuilder(recs, ids).encode(chunk))) == chrome_trace(recs, ids)
+    assert json.loads(asyncio.run(obs.trace_async(job="job-7"))) == json.loads(obs.trace(job="job-7"))
+    assert json.loads(asyncio.run(TraceBuilder([]).encode()))["traceEvents"] == []
+
+
+def test_events_of_unknown_runs_are_kept() -> None:
+    obs = Observer(fake_core(), ring_size=10)
+    obs.on_node_event("h0", cpb.NodeEvent(run_id=9, node_index=3, start_ns=S, end_ns=2 * S, ok=False,
+                                          error="dropped", local_devices=[0]), None)
+    (rec,) = obs.records()
+    assert rec.label == "run 9 node 3" and rec.program_id == "" and rec.job == "" and rec.island == "a"
+
+
+# ------------------------------------------------------------------ end to end
+
+CLIENT = textwrap.dedent("""
+    import numpy as np
+    import pwctl as pw
+
+    s = pw.make_virtual_device_set().add_slice(2)
+
+    def double(x):
+        return x * 2.0
+
+    def add_one(x):
+        return x + 1.0
+
+    f = pw.pmap(double, s.devices)
+    g = pw.pmap(add_one, s.devices)
+
+    @pw.program
+    def step(x):
+        return g(f(x))
+
+    x = np.ones((2, 16), np.float32)
+    for _ in range({standalone}):
+        y = f(x)
+    y.result()
+    for _ in range({programs}):
+        z = step(x)
+    assert float(np.asarray(z.result())[0, 0]) == 3.0
+    print("done", flush=True)
+""")
+
+
+def run_client(c: LocalCluster, standalone: int = 300, programs: int = 5) -> None:
+    code = CLIENT.format(standalone=standalone, programs=programs)
+    r = subprocess.run([sys.executable, "-c", code], env=c.env(), cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def busy(module_cluster: LocalCluster) -> LocalCluster:
+    """The module's cluster after the client ran: 300 standalone calls + 5 programs x 2 nodes."""
+    run_client(module_cluster)
+
+    def all_reported() -> bool:  # workers report node events in batches, off the hot path
+        with module_cluster.client() as c:
+            return c.status().computations_total >= 310
+
+    wait_for(all_reported, 30, "the workers to report every node run")
+    return module_cluster
+
+
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_status_json_snapshot(busy: LocalCluster) -> None:
+    doc = busy.pwctl_json("status")
+    assert doc["apiVersion"] == "pathways/v1" and doc["kind"] == "ClusterStatus"
+    assert doc["at"].endswith("Z")
+    assert sorted(i["name"] for i in doc["islands"]) == ["a", "b"]
+    assert len(doc["devices"]) == 4
+    for d in doc["devices"]:
+        assert {"device_id", "island", "host", "local_index", "state", "utilization", "running"} <= set(d)
+        assert 0.0 <= d["utilization"] <= 1.0 and d["state"] == "available"
+    assert doc["computations_total"] >= 310  # 300 standalone + 5 programs x 2 nodes
+    assert doc["computations_per_s"] >= 0
+    assert sorted(q["island"] for q in doc["queues"]) == ["a", "b"]
+    assert all(q["policy"] and isinstance(q["entries"], list) for q in doc["queues"])
+    assert isinstance(doc["slices"], list) and isinstance(doc["jobs"], list)
+    ClusterStatusView.model_validate(doc)  # the documented shape
+
+    r = busy.pwctl("status")  # the table renders too
+    assert r.returncode == 0, r.stderr
+    assert "computations/s" in r.stdout and "UTILIZATION" in r.stdout and "queue of island a" in r.stdout
+
+
+def read_lines(proc: subprocess.Popen[str], n: int, deadline_s: float) -> Iterator[str]:
+    deadline = time.monotonic() + deadline_s
+    assert proc.stdout is not None
+    got = 0
+    while got < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            return
+        got += 1
+        yield line
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [["-o", "json"], []], ids=["json", "piped"])
+def test_watch_streams_json_lines(busy: LocalCluster, flags: list[str]) -> None:
+    args = [sys.executable, "-m", "pwctl.cli.main", "status", "--watch", "--interval", "0.2", *flags]
+    proc = subprocess.Popen(args, env=busy.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = list(read_lines(proc, 3, 60))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert len(lines) >= 2, proc.stderr.read() if proc.stderr else ""
+    docs = [json.loads(line) for line in lines]
+    assert all(d["kind"] == "ClusterStatus" and len(d["devices"]) == 4 for d in docs)
+    assert docs[0]["at"] < docs[-1]["at"]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_trace_of_a_program(busy: LocalCluster, tmp_path: Path) -> None:
+    out = tmp_path / "trace.json"
+    r = busy.pwctl("trace", "step", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "node runs" in r.stderr and "perfetto" in r.stderr.lower()
+    doc = json.loads(out.read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    # 5 runs x 2 nodes x 2 devices (pmap over a 2-device slice)
+    assert len(xs) == 20
+    assert {e["name"] for e in xs} == {"step/0 double", "step/1 add_one"}
+    assert all(e["dur"] >= 0 and e["args"]["program"] == "step" and e["args"]["ok"] for e in xs)
+    names = thread_names(doc)
+    assert len(names) == 2 and all(n.startswith("device ") for n in names.values())
+    assert {(e["pid"], e["tid"]) for e in xs} == set(names)
+    # every device's timeline is a sequence: no two node runs overlap on one device
+    for key in names:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in xs if (e["pid"], e["tid"]) == key)
+        assert all(a[1] <= b[0] + 1e-3 for a, b in itertools.pairwise(spans))
+
+    # by program id (a unique prefix of it), to stdout
+    pid = xs[0]["args"]["program_id"]
+    r = busy.pwctl("trace", pid[:10], "-o", "-")
+    assert r.returncode == 0, r.stderr
+    assert len([e for e in json.loads(r.stdout)["traceEvents"] if e["ph"] == "X"]) == 20
+
+    # the standalone calls are one-node programs named after their function
+    standalone = busy.pwctl("trace", "double", "-o", str(tmp_path / "double.json"))
+    assert standalone.returncode == 0, standalone.stderr
+    ds = [e for e in json.loads((tmp_path / "double.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(ds) == 600  # 300 calls x 2 devices
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_trace_of_an_unknown_id_exits_3(busy: LocalCluster, tmp_path: Path) -> None:
+    out = tmp_path / "nothing.json"
+    r = busy.pwctl("trace", "no-such-thing", "-o", str(out))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "no node runs recorded" in r.stderr and "no-such-thing" in r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_trace_and_status_of_a_job(busy: LocalCluster, tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(CLIENT.format(standalone=20, programs=3))
+    r = busy.pwctl("submit", str(script), "-d")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().splitlines()[-1]
+    r = busy.pwctl("wait", job, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    doc = busy.pwctl_json("status")
+    assert job in {j["id"] for j in doc["jobs"]}
+
+    # workers report node events in batches, off the hot path: the last may trail the job's end
+    out = tmp_path / "job.json"
+
+    def complete() -> list[dict[str, Any]] | None:
+        r = busy.pwctl("trace", job, "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        assert f"of job {job}" in r.stderr
+        xs = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+        return xs if len(xs) == (20 + 3 * 2) * 2 else None
+
+    xs = wait_for(complete, 30, "every node run of the job in its trace", interval=0.5)
+    assert {e["args"]["job"] for e in xs} == {job}
+    assert {e["args"]["program"] for e in xs} == {"double", "step"}

@@ -44,7 +44,7 @@ def stderr() -> Console:
 
 def hint(message: str) -> None:
     """Hints and progress go to stderr, never mixed with data on stdout."""
-    stderr().print(message, highlight=False)
+    stderr().print(message, highlight=False, soft_wrap=True)
 
 
 def client(server: str | None, timeout: float = 30.0) -> Client:

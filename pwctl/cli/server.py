@@ -22,6 +22,12 @@ class Dispatch(StrEnum):
     sequential = "sequential"
 
 
+class Policy(StrEnum):
+    fifo = "fifo"
+    priority = "priority"
+    fair = "fair"
+
+
 ListenOpt = Annotated[str, typer.Option("--listen", help="Address to serve on, HOST:PORT")]
 DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
                                            help="Database URL (default: SQLite in the data directory)")]
@@ -29,6 +35,9 @@ ForegroundOpt = Annotated[bool, typer.Option("--foreground", help="Run in this t
 DispatchOpt = Annotated[Dispatch, typer.Option("--dispatch", help="How programs are dispatched")]
 HeartbeatOpt = Annotated[float, typer.Option("--heartbeat-timeout",
                                              help="Seconds without heartbeats before a host is lost")]
+PolicyOpt = Annotated[Policy, typer.Option("--policy", help="How each island interleaves concurrent programs")]
+HangOpt = Annotated[float, typer.Option("--hang-timeout",
+                                        help="Seconds a gang node may hold its island before its program fails")]
 TokenOpt = Annotated[bool, typer.Option("--require-token",
                                         help="Require the token on loopback too (always beyond loopback)")]
 
@@ -40,12 +49,18 @@ def start(
     foreground: ForegroundOpt = False,
     dispatch: DispatchOpt = Dispatch.parallel,
     heartbeat_timeout: HeartbeatOpt = 5.0,
+    policy: PolicyOpt = Policy.fifo,
+    hang_timeout: HangOpt = 60.0,
     require_token: TokenOpt = False,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     if heartbeat_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
-    extra = ["--require-token"] if require_token else []
+    if hang_timeout <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
+    extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}"]
+    if require_token:
+        extra.append("--require-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
                                     heartbeat_timeout=heartbeat_timeout, extra_args=extra)
     if handle.already_running:

@@ -19,6 +19,8 @@ def main() -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--dispatch", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--hang-timeout", type=float, default=60.0)
+    p.add_argument("--policy", choices=["fifo", "priority", "fair"], default="fifo",
+                   help="how each island interleaves concurrent programs")
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--require-token", action="store_true",
@@ -32,6 +34,7 @@ def main() -> None:
         heartbeat_timeout=ns.heartbeat_timeout,
         dispatch=ns.dispatch,
         hang_timeout=ns.hang_timeout,
+        policy=ns.policy,
         require_token=ns.require_token,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))

@@ -45,7 +45,10 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
-    bound = server.add_insecure_port(config.listen)
+    try:
+        bound = server.add_insecure_port(config.listen)
+    except RuntimeError:  # grpcio raises instead of returning 0 when the port is taken
+        bound = 0
     if bound == 0:
         raise SystemExit(f"cannot listen on {config.listen}: address in use or not available")
     core.address = f"{host}:{bound}"

@@ -36,7 +36,7 @@ class TokenInterceptor(aio.ServerInterceptor):
         async def deny(_request: Any, context: aio.ServicerContext) -> None:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong token: set PWCTL_TOKEN or copy the server's token file",
+                "missing or wrong token",
             )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)

@@ -12,7 +12,7 @@ from typing import Any
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..db.engine import make_engine, session_factory
-from ..scheduler import GangScheduler
+from ..scheduler import GangScheduler, Policy
 from ..timeutil import now_iso
 from .cluster import Cluster, HostInfo
 from .dispatch import Dispatcher
@@ -34,6 +34,7 @@ class ControllerConfig:
     heartbeat_timeout: float = 5.0
     dispatch: str = "parallel"  # or "sequential"
     hang_timeout: float = 60.0
+    policy: str = "fifo"  # default time-multiplexing policy of every island: fifo | priority | fair
     token: str | None = None
     require_token: bool = False  # also on loopback (tests check rejection without a public address)
 
@@ -51,7 +52,9 @@ class Controller:
         self.cluster = Cluster(self.db, config.heartbeat_interval, config.heartbeat_timeout)
         self.slices = SliceService(self)
         self.registry = ProgramRegistry()
-        self.scheduler = GangScheduler(hang_timeout_s=config.hang_timeout or None)
+        self.scheduler = GangScheduler(
+            hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy)
+        )
         self.dispatcher = Dispatcher(self, self.scheduler)
         self.sessions = SessionManager(self)
         self.cluster.on_host_up.append(self.dispatcher.host_up)

@@ -11,6 +11,19 @@ import os
 import socket
 
 
+def _token() -> str | None:
+    """$PWCTL_TOKEN, else the token file a controller on this machine wrote."""
+    token = os.environ.get("PWCTL_TOKEN")
+    if token:
+        return token
+    from .. import paths
+
+    try:
+        return paths.token_path().read_text().strip() or None
+    except OSError:
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m server.worker")
     p.add_argument("--server", default=os.environ.get("PWCTL_SERVER", "127.0.0.1:7070"))
@@ -41,7 +54,7 @@ def main() -> None:
             devices=ns.devices,
             name=name,
             listen=ns.listen,
-            token=os.environ.get("PWCTL_TOKEN"),
+            token=_token(),
         ),
         log_level=ns.log_level,
     )

@@ -4,6 +4,7 @@ chunked gRPC stream otherwise. The controller never carries these bytes."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,9 @@ class TransferSender:
         self._stubs: dict[str, wgrpc.WorkerStub] = {}
         self._lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # PATHWAYS_TRANSFER=grpc sends over the network path even between workers of one
+        # host (tests and benchmarks of the cross-host path on one machine)
+        self.network_only = os.environ.get("PATHWAYS_TRANSFER", "auto") == "grpc"
 
     def _stub(self, address: str) -> wgrpc.WorkerStub:
         with self._lock:
@@ -97,7 +101,7 @@ class TransferSender:
             return stub
 
     def send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
-        self._pool.submit(self._send, buffer_id, value, address, same_host, done)
+        self._pool.submit(self._send, buffer_id, value, address, same_host and not self.network_only, done)
 
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:

@@ -12,6 +12,7 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +43,9 @@ class _Entry:
 class BufferStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._entries: dict[int, _Entry] = {}
-        self._waiters = 0  # threads blocked in wait(): notify only when someone listens
+        # threads blocked in wait(), per buffer: only a change of that buffer wakes them
+        self._waiters: dict[int, list[threading.Event]] = {}
 
     # ---- declaring ----
     def expect(self, buffer_id: int, owner: str, visible: bool) -> None:
@@ -53,7 +54,7 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner)
-                self._cond.notify_all()  # a fetch may be waiting for it to exist
+                self._wake(buffer_id)  # a fetch may be waiting for it to exist
             if visible and not e.released:
                 e.client_ref = True
             e.owner = e.owner or owner
@@ -63,7 +64,7 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner)
-                self._cond.notify_all()
+                self._wake(buffer_id)
             e.consumers += 1
             e.hold = False
 
@@ -91,7 +92,7 @@ class BufferStore:
                 e.client_ref = True
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
             callbacks, e.callbacks = e.callbacks, []
-            self._cond.notify_all()
+            self._wake(buffer_id)
             self._maybe_free(buffer_id, e)
         for cb in callbacks:
             cb()
@@ -105,7 +106,7 @@ class BufferStore:
                 return
             e.state, e.error, e.value = FAILED, error, None
             callbacks, e.callbacks = e.callbacks, []
-            self._cond.notify_all()
+            self._wake(buffer_id)
             self._maybe_free(buffer_id, e)
         for cb in callbacks:
             cb()
@@ -125,16 +126,28 @@ class BufferStore:
                 if e.callbacks:
                     callbacks.extend(e.callbacks)
                     e.callbacks = []
+                if self._waiters:
+                    self._wake(buffer_id)
                 self._maybe_free(buffer_id, e)
             for buffer_id in input_ids:
                 e = self._entries.get(buffer_id)
                 if e is not None:
                     e.consumers = max(0, e.consumers - 1)
                     self._maybe_free(buffer_id, e)
-            if self._waiters:
-                self._cond.notify_all()
         for cb in callbacks:
             cb()
+
+    def consumer_counts(self, buffer_ids: Sequence[int]) -> dict[int, int]:
+        with self._lock:
+            return {b: e.consumers for b in buffer_ids if (e := self._entries.get(b)) is not None}
+
+    def discard(self, buffer_ids: Sequence[int]) -> None:
+        """Forgets buffers a fused segment consumed internally (never materialized)."""
+        with self._lock:
+            for b in buffer_ids:
+                e = self._entries.get(b)
+                if e is not None and not e.client_ref and not e.callbacks:
+                    del self._entries[b]
 
     def ready_values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
         """The values when every buffer is ready now; None when one is still pending.
@@ -160,20 +173,34 @@ class BufferStore:
         With must_exist=False (a client fetch, which may overtake the enqueue that
         declares the buffer) an unknown id is waited for instead of failing.
         """
-        with self._cond:
-            self._waiters += 1
-            try:
-                ok = self._cond.wait_for(lambda: self._settled(buffer_id, must_exist), timeout)
-            finally:
-                self._waiters -= 1
-            if not ok:
-                raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
-            e = self._entries.get(buffer_id)
-            if e is None:
-                raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
-            if e.state == FAILED:
-                raise BufferFailed(e.error)
-            return e.value
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._settled(buffer_id, must_exist):
+                    e = self._entries.get(buffer_id)
+                    if e is None:
+                        raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
+                    if e.state == FAILED:
+                        raise BufferFailed(e.error)
+                    return e.value
+                event = threading.Event()
+                self._waiters.setdefault(buffer_id, []).append(event)
+            left = None if deadline is None else deadline - time.monotonic()
+            woken = event.wait(left) if left is None or left > 0 else False
+            if not woken:
+                with self._lock:
+                    waiting = self._waiters.get(buffer_id)
+                    if waiting is not None and event in waiting:
+                        waiting.remove(event)
+                        if not waiting:
+                            del self._waiters[buffer_id]
+                    if not self._settled(buffer_id, must_exist):
+                        raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
+
+    def _wake(self, buffer_id: int) -> None:
+        """Wakes the threads waiting on this buffer (call with the lock held)."""
+        for event in self._waiters.pop(buffer_id, ()):
+            event.set()
 
     def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
         e = self._entries.get(buffer_id)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-__all__ = ["Executable", "ExecutableCache", "from_proto_bytes", "to_bytes", "to_numpy"]
+__all__ = ["Executable", "ExecutableCache", "Runnable", "from_proto_bytes", "to_bytes", "to_numpy"]
 
 _DEFAULT_AXIS = "_pw_devices"
 # Collectives in compiled (post-partitioning) HLO text.
@@ -40,7 +40,62 @@ def _export_mesh(exp: jax.export.Exported) -> Any:
     return None
 
 
-class Executable:
+class Runnable:
+    """The call path shared by single and fused executables: flat inputs are checked and
+    placed onto the input shardings (skipped when an input's sharding object was accepted
+    before), then the jitted function runs through jit's C++ fast path."""
+
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    in_shardings: tuple[Sharding, ...]
+    out_shardings: tuple[Sharding, ...]
+    has_collectives: bool
+    _jitted: Any
+
+    def _init_call_path(self) -> None:
+        self._shapes = [a.shape for a in self.in_avals]
+        self._dtypes = [a.dtype for a in self.in_avals]
+        self._ok_shardings: list[Any] = [None] * len(self.in_avals)
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def _place(self, i: int, x: Any) -> jax.Array:
+        aval, sharding = self.in_avals[i], self.in_shardings[i]
+        if tuple(x.shape) != aval.shape:
+            raise ValueError(f"{self.name}: input {i} has shape {tuple(x.shape)}, expected {aval.shape}")
+        if isinstance(x, jax.Array):
+            if x.dtype != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
+            xs = x.sharding
+            if xs is sharding or xs == sharding or xs.is_equivalent_to(sharding, x.ndim):
+                return x
+            return jax.device_put(x, sharding)
+        a = np.asarray(x)
+        if a.dtype != aval.dtype:
+            if jax.dtypes.canonicalize_dtype(a.dtype) != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {a.dtype}, expected {aval.dtype}")
+            a = a.astype(aval.dtype)
+        return jax.device_put(a, sharding)
+
+    def __call__(self, inputs: Sequence[jax.Array | np.ndarray]) -> list[jax.Array]:
+        """Run on flat inputs (placed onto their shardings as needed); returns flat outputs."""
+        if len(inputs) != len(self.in_avals):
+            raise ValueError(f"{self.name}: expected {len(self.in_avals)} inputs, got {len(inputs)}")
+        placed = list(inputs)
+        ok = self._ok_shardings
+        for i, x in enumerate(placed):
+            # fast path: an array whose sharding object was accepted before, with the right aval
+            s = getattr(x, "sharding", None)
+            if s is None or s is not ok[i] or x.shape != self._shapes[i] or x.dtype != self._dtypes[i]:
+                placed[i] = self._place(i, x)
+                ok[i] = getattr(placed[i], "sharding", None)
+        return list(self._jitted(*placed))
+
+
+
+
+class Executable(Runnable):
     """A deserialized exported function compiled for ``devices`` (virtual device i -> devices[i])."""
 
     def __init__(
@@ -99,13 +154,11 @@ class Executable:
         self._jitted = jax.jit(
             flat, in_shardings=self.in_shardings, out_shardings=outs, donate_argnums=self.donate
         )
-        self._shapes = [a.shape for a in self.in_avals]
-        self._dtypes = [a.dtype for a in self.in_avals]
-        self._ok_shardings: list[Any] = [None] * len(self.in_avals)
+        self._init_call_path()
         if len(devs) == 1:
             # one device: nothing to communicate with, and no second compilation needed
             self.has_collectives = False
-            self.out_shardings: tuple[Sharding, ...] = tuple(
+            self.out_shardings = tuple(
                 NamedSharding(self.mesh, PartitionSpec()) if o is None else o for o in outs
             )
         else:
@@ -122,39 +175,6 @@ class Executable:
     def name(self) -> str:
         """The exported function's name."""
         return str(self.exported.fun_name)
-
-    def _place(self, i: int, x: Any) -> jax.Array:
-        aval, sharding = self.in_avals[i], self.in_shardings[i]
-        if tuple(x.shape) != aval.shape:
-            raise ValueError(f"{self.name}: input {i} has shape {tuple(x.shape)}, expected {aval.shape}")
-        if isinstance(x, jax.Array):
-            if x.dtype != aval.dtype:
-                raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
-            xs = x.sharding
-            if xs is sharding or xs == sharding or xs.is_equivalent_to(sharding, x.ndim):
-                return x
-            return jax.device_put(x, sharding)
-        a = np.asarray(x)
-        if a.dtype != aval.dtype:
-            if jax.dtypes.canonicalize_dtype(a.dtype) != aval.dtype:
-                raise ValueError(f"{self.name}: input {i} has dtype {a.dtype}, expected {aval.dtype}")
-            a = a.astype(aval.dtype)
-        return jax.device_put(a, sharding)
-
-    def __call__(self, inputs: Sequence[jax.Array | np.ndarray]) -> list[jax.Array]:
-        """Run on flat inputs (placed onto their shardings as needed); returns flat outputs."""
-        if len(inputs) != len(self.in_avals):
-            raise ValueError(f"{self.name}: expected {len(self.in_avals)} inputs, got {len(inputs)}")
-        placed = list(inputs)
-        ok = self._ok_shardings
-        for i, x in enumerate(placed):
-            # fast path: an array whose sharding object was accepted before, with the right aval
-            s = getattr(x, "sharding", None)
-            if s is None or s is not ok[i] or x.shape != self._shapes[i] or x.dtype != self._dtypes[i]:
-                placed[i] = self._place(i, x)
-                ok[i] = getattr(placed[i], "sharding", None)
-        return list(self._jitted(*placed))
-
 
 class ExecutableCache:
     """Compiled executables keyed by (function_id, device ids, donate); compile once, LRU-bounded."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,7 +31,8 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferFailed, BufferStore
-from .executable import ExecutableCache
+from .executable import Executable, ExecutableCache
+from .fusion import MAX_SEGMENT, FusedExecutable, Segment, fusable, plan_segment
 from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,10 @@ _SKIP = wpb.NodeExec(label="skipped")  # placeholder for a seq that will never b
 
 @dataclass
 class _Launched:
-    node: wpb.NodeExec
-    outputs: list[Any]
+    """One launch: a single node, or a fused segment of consecutive nodes of one run."""
+
+    nodes: list[wpb.NodeExec]
+    values: dict[int, Any]  # output buffer id -> array (what was stored or must be sent)
     start_ns: int
     devices: frozenset[int]
     reported_start: bool = False
@@ -68,7 +72,12 @@ class Executor:
         self._dropped: dict[int, str] = {}
         self._epoch = 0
         self._inflight: dict[int, _Launched] = {}
-        self._exes: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._exes: dict[tuple[str, tuple[int, ...]], Executable] = {}
+        self._fused: dict[Segment, FusedExecutable] = {}
+        self._fused_ok: set[Segment] = set()
+        self._unfusable: set[Segment] = set()
+        # PATHWAYS_FUSE=0 launches every node on its own (debugging, benchmarks)
+        self.fuse = os.environ.get("PATHWAYS_FUSE", "1") != "0"
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
@@ -147,33 +156,49 @@ class Executor:
                 while self._next_seq in self._pending:
                     batch.append(self._pending.pop(self._next_seq))
                     self._next_seq += 1
-            for node in batch:
+            i = 0
+            while i < len(batch):
+                node = batch[i]
+                i += 1
                 if node is _SKIP:
                     continue
                 dropped = self._dropped.get(node.run_id)
                 if dropped is not None:
                     self._fail_node(node, dropped)
                     continue
+                segment = [node]
+                if self.fuse:
+                    while (i < len(batch) and len(segment) < MAX_SEGMENT and batch[i] is not _SKIP
+                           and fusable(node, batch[i]) and self._blob_ok(batch[i])):
+                        segment.append(batch[i])
+                        i += 1
                 try:
-                    self._launch(node)
+                    if len(segment) > 1 and self._blob_ok(node) and self._launch_segment(segment):
+                        continue
+                    for n in segment:
+                        self._launch(n)
                 except Exception as e:  # a bug here must not kill the worker
                     log.exception("launching %s failed", node.label)
-                    self._fail_node(node, f"{type(e).__name__}: {e}")
+                    for n in segment:
+                        self._fail_node(n, f"{type(e).__name__}: {e}")
 
     def _inputs(self, node: wpb.NodeExec) -> list[Any]:
-        """The node's input values, waiting for those still pending (re-checking for a drop)."""
-        values = self.store.ready_values(node.input_ids)
+        return self._inputs_of(node.run_id, node.input_ids)
+
+    def _inputs_of(self, run_id: int, input_ids: Sequence[int]) -> list[Any]:
+        """Input values, waiting for those still pending (re-checking for a drop)."""
+        values = self.store.ready_values(input_ids)
         while values is None:
-            for i in node.input_ids:
+            for i in input_ids:
                 while True:
                     try:
                         self.store.wait(i, timeout=0.5)
                         break
                     except TimeoutError:
-                        reason = self._dropped.get(node.run_id)
+                        reason = self._dropped.get(run_id)
                         if reason is not None:
                             raise BufferFailed(reason) from None
-            values = self.store.ready_values(node.input_ids)
+            values = self.store.ready_values(input_ids)
         return values
 
     def _launch(self, node: wpb.NodeExec) -> None:
@@ -182,22 +207,15 @@ class Executor:
         except BufferFailed as e:
             self._fail_node(node, f"an input failed: {e}")
             return
-        key = (node.function_id, tuple(node.local_devices))
-        exe = self._exes.get(key)
-        if exe is None:
-            blob = self._functions.get(node.function_id)
-            if blob is None:
-                self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
-                return
-            devices = [self.devices[i] for i in node.local_devices]
-            try:
-                exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
-            except Exception as e:
-                self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
-                return
-            self._exes[key] = exe
-            if len(self._exes) > 4096:
-                self._exes.clear()
+        blob = self._functions.get(node.function_id)
+        if blob is None:
+            self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
+            return
+        try:
+            exe = self._executable(node)
+        except Exception as e:
+            self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
+            return
         dev_set = frozenset(node.local_devices)
         if exe.has_collectives or node.collective:
             self._drain(dev_set)
@@ -208,13 +226,76 @@ class Executor:
             self._fail_node(node, f"{type(e).__name__}: {e}")
             return
         self.store.launched(node.output_ids, outputs, node.input_ids)
-        launched = _Launched(node, outputs, start, dev_set)
+        launched = _Launched([node], dict(zip(node.output_ids, outputs, strict=False)), start, dev_set)
         self._inflight[id(launched)] = launched
         self._done_q.put(launched)
 
+    def _blob_ok(self, node: wpb.NodeExec) -> bool:
+        blob = self._functions.get(node.function_id)
+        return blob is not None and not blob.donate
+
+    def _executable(self, node: wpb.NodeExec) -> Executable:
+        key = (node.function_id, tuple(node.local_devices))
+        exe = self._exes.get(key)
+        if exe is None:
+            blob = self._functions[node.function_id]
+            devices = [self.devices[i] for i in node.local_devices]
+            exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
+            if len(self._exes) > 4096:
+                self._exes.clear()
+            self._exes[key] = exe
+        return exe
+
+    def _launch_segment(self, nodes: list[wpb.NodeExec]) -> bool:
+        """Runs consecutive nodes of one run as one computation. False: run them one by one."""
+        outputs = [o for n in nodes for o in n.output_ids]
+        plan = plan_segment(nodes, self.store.consumer_counts(outputs))
+        fused = self._fused.get(plan.segment)
+        if fused is None:
+            if plan.segment in self._unfusable:
+                return False
+            try:
+                fused = FusedExecutable(plan.segment, [self._executable(n) for n in nodes])
+            except Exception as e:
+                log.info("not fusing %d nodes of %s: %s", len(nodes), nodes[0].label, e)
+                self._unfusable.add(plan.segment)
+                return False
+            self._fused[plan.segment] = fused
+            if len(self._fused) > 1024:
+                self._fused.clear()
+        try:
+            inputs = self._inputs_of(nodes[0].run_id, plan.external_ids)
+        except BufferFailed as e:
+            for n in nodes:
+                self._fail_node(n, f"an input failed: {e}")
+            return True
+        dev_set = frozenset(nodes[0].local_devices)
+        if fused.has_collectives or any(n.collective for n in nodes):
+            self._drain(dev_set)
+        start = time.time_ns()
+        try:
+            values = fused(inputs)
+        except Exception as e:
+            if plan.segment not in self._fused_ok:  # first use: maybe it does not fuse
+                log.info("fused segment of %s failed (%s); running its nodes one by one", nodes[0].label, e)
+                self._fused.pop(plan.segment, None)
+                self._unfusable.add(plan.segment)
+                return False
+            for n in nodes:
+                self._fail_node(n, f"{type(e).__name__}: {e}")
+            return True
+        self._fused_ok.add(plan.segment)
+        self.store.discard(plan.internal_ids)
+        self.store.launched(plan.kept_ids, values, plan.reads)
+        launched = _Launched(list(nodes), dict(zip(plan.kept_ids, values, strict=True)), start, dev_set)
+        self._inflight[id(launched)] = launched
+        self._done_q.put(launched)
+        return True
+
     def _drain(self, devices: frozenset[int]) -> None:
         """Waits for every in-flight computation that touches these devices."""
-        busy = [launched.outputs for launched in list(self._inflight.values()) if launched.devices & devices]
+        busy = [list(launched.values.values()) for launched in list(self._inflight.values())
+                if launched.devices & devices]
         for outs in busy:
             try:
                 jax.block_until_ready(outs)
@@ -229,9 +310,9 @@ class Executor:
         for launched in list(self._inflight.values()):
             if launched.start_ns < cutoff and not launched.reported_start:
                 launched.reported_start = True
-                n = launched.node
-                out.append(cpb.NodeEvent(run_id=n.run_id, node_index=n.node_index, seq=n.seq,
-                                         start_ns=launched.start_ns, local_devices=n.local_devices))
+                for n in launched.nodes:
+                    out.append(cpb.NodeEvent(run_id=n.run_id, node_index=n.node_index, seq=n.seq,
+                                             start_ns=launched.start_ns, local_devices=n.local_devices))
         return out
 
     def _fail_node(self, node: wpb.NodeExec, error: str, report: bool = True) -> None:
@@ -271,37 +352,41 @@ class Executor:
 
     def _finish(self, batch: list[_Launched]) -> None:
         try:
-            jax.block_until_ready([launched.outputs for launched in batch])
+            jax.block_until_ready([list(launched.values.values()) for launched in batch])
             errors: list[str] = [""] * len(batch)
         except Exception:
             errors = []
             for launched in batch:  # find which ones failed
                 try:
-                    jax.block_until_ready(launched.outputs)
+                    jax.block_until_ready(list(launched.values.values()))
                     errors.append("")
                 except Exception as e:
-                    errors.append(f"{launched.node.label}: {type(e).__name__}: {e}")
+                    errors.append(f"{launched.nodes[0].label}: {type(e).__name__}: {e}")
         end = time.time_ns()
         events = []
         for launched, error in zip(batch, errors, strict=True):
-            node = launched.node
             self._inflight.pop(id(launched), None)
-            if error:
-                for out in node.output_ids:
-                    self.store.fail(out, error)
-            for route in node.routes:
-                out_id = node.output_ids[route.output_index]
-                if not error:
-                    self.sender.send(out_id, launched.outputs[route.output_index], route.address,
-                                     route.same_host, functools.partial(self.store.consumer_done, out_id))
-                else:
-                    self.sender.send_error(out_id, route, error)
-                    self.store.consumer_done(out_id)
-            self.recent_order.append((node.run_id, node.node_index, node.seq))
-            events.append(cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                                        start_ns=launched.start_ns, end_ns=end, ok=not error, error=error,
-                                        local_devices=node.local_devices))
-        self.nodes_executed += len(batch)
+            nodes = launched.nodes
+            step = (end - launched.start_ns) / len(nodes)  # a fused segment's time, split evenly
+            for k, node in enumerate(nodes):
+                if error:
+                    for out in node.output_ids:
+                        self.store.fail(out, error)
+                for route in node.routes:
+                    out_id = node.output_ids[route.output_index]
+                    value = launched.values.get(out_id)
+                    if not error and value is not None:
+                        self.sender.send(out_id, value, route.address, route.same_host,
+                                         functools.partial(self.store.consumer_done, out_id))
+                    else:
+                        self.sender.send_error(out_id, route, error or "output missing")
+                        self.store.consumer_done(out_id)
+                self.recent_order.append((node.run_id, node.node_index, node.seq))
+                events.append(cpb.NodeEvent(
+                    run_id=node.run_id, node_index=node.node_index, seq=node.seq,
+                    start_ns=launched.start_ns + int(k * step), end_ns=launched.start_ns + int((k + 1) * step),
+                    ok=not error, error=error, local_devices=node.local_devices))
+            self.nodes_executed += len(nodes)
         self.report(events)
 
     def _send_buffer(self, send: wpb.BufferSend) -> None:

@@ -567,6 +567,7 @@ def test_public_api_is_pinned() -> None:
         "HostUp",
         "HostView",
         "InvalidTransition",
+        "Batch",
         "InvariantError",
         "IslandView",
         "NodeFinished",

@@ -23,6 +23,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..scheduler import (
     Action,
+    Batch,
     ClientGone,
     Dispatch,
     DropRun,
@@ -295,21 +296,27 @@ class Dispatcher:
 
     # ---- worker events ----
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:
+        """A worker's batch of node reports: one scheduler pass for all of them."""
         now = time.monotonic()
+        batch: list[NodeStarted | NodeFinished] = []
+        last_end = self._last_end
         for ev in events.events:
-            run = self.runs.get(ev.run_id)
-            for cb in self.node_listeners:
-                cb(host, ev, run)
+            if self.node_listeners:
+                run = self.runs.get(ev.run_id)
+                for cb in self.node_listeners:
+                    cb(host, ev, run)
             if ev.end_ns == 0:
-                self.handle(NodeStarted(ev.run_id, ev.node_index, now))
+                batch.append(NodeStarted(ev.run_id, ev.node_index, now))
                 continue
             busy_from = ev.start_ns
             for d in ev.local_devices:
-                busy_from = max(busy_from, self._last_end.get((host, d), 0))
-                self._last_end[(host, d)] = ev.end_ns
-            busy_s = max(0, ev.end_ns - busy_from) / 1e9
+                key = (host, d)
+                busy_from = max(busy_from, last_end.get(key, 0))
+                last_end[key] = ev.end_ns
             self.computations += 1
-            self.handle(NodeFinished(ev.run_id, ev.node_index, ev.ok, ev.error, busy_s, now))
+            batch.append(NodeFinished(ev.run_id, ev.node_index, ev.ok, ev.error,
+                                      max(0, ev.end_ns - busy_from) / 1e9, now))
+        self.handle(Batch(tuple(batch), now))
         self.flush()
 
     def host_up(self, host: HostInfo) -> None:

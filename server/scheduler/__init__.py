@@ -2,6 +2,7 @@
 
 from server.scheduler.events import (
     Action,
+    Batch,
     ClientGone,
     Dispatch,
     DispatchedNode,
@@ -27,6 +28,7 @@ from server.scheduler.state import GangScheduler, InvariantError, check_spec
 
 __all__ = [
     "Action",
+    "Batch",
     "ClientGone",
     "ClientUsage",
     "Dispatch",

@@ -116,7 +116,16 @@ class SetPolicy:
     now: float = 0.0
 
 
-Event = Submit | NodeStarted | NodeFinished | HostUp | HostLost | ClientGone | Tick | SetPolicy
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Several events applied in order with ONE admission pass at the end: a worker's report
+    of many node completions, or a client's batch of runs, costs one pass, not one each."""
+
+    events: tuple[Submit | NodeStarted | NodeFinished, ...]
+    now: float
+
+
+Event = Submit | NodeStarted | NodeFinished | HostUp | HostLost | ClientGone | Tick | SetPolicy | Batch
 
 
 # ------------------------------------------------------------------------------------------- actions

@@ -44,6 +44,7 @@ from collections import OrderedDict, deque
 
 from server.scheduler.events import (
     Action,
+    Batch,
     ClientGone,
     Dispatch,
     DispatchedNode,
@@ -136,6 +137,24 @@ class GangScheduler:
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions it causes, `Dispatch`es last (one per host)."""
         self._now = max(self._now, event.now)  # a late-stamped event must not move time back
+        if isinstance(event, Batch):
+            for sub in event.events:
+                self._apply(sub)
+        else:
+            self._apply(event)
+        self._admit()
+        actions = self._actions
+        for host, nodes in self._outbox.items():
+            if nodes:
+                actions.append(Dispatch(host, tuple(sorted(nodes, key=lambda d: d.seq))))
+        self._actions = []
+        self._outbox = {}
+        if self.debug:
+            self.validate()
+        return actions
+
+    def _apply(self, event: Event) -> None:
+        self._now = max(self._now, event.now)
         match event:
             case Submit():
                 self._on_submit(event)
@@ -153,16 +172,6 @@ class GangScheduler:
                 self._on_tick(event)
             case SetPolicy():
                 self._policies[event.island] = Policy(event.policy)
-        self._admit()
-        actions = self._actions
-        for host, nodes in self._outbox.items():
-            if nodes:
-                actions.append(Dispatch(host, tuple(sorted(nodes, key=lambda d: d.seq))))
-        self._actions = []
-        self._outbox = {}
-        if self.debug:
-            self.validate()
-        return actions
 
     def _on_submit(self, event: Submit) -> None:
         spec = event.run

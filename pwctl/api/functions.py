@@ -12,6 +12,7 @@ import numpy as np
 from ..compile import ExportedFunction, export_jit, export_pmap, signature_key
 from ..errors import InvalidArgument
 from .devices import VirtualDevice, VirtualMesh, VirtualSlice
+from .futures import Future
 from .programs import Registered, Trace, current_trace, execute, register_trace
 from .runtime import Runtime
 
@@ -29,6 +30,7 @@ class CompiledFunction:
         self._exporter = exporter
         self._exports: dict[Any, ExportedFunction] = {}
         self._standalone: dict[str, Registered] = {}
+        self._by_fast_key: dict[tuple[Any, ...], Registered] = {}
         self._lock = threading.Lock()
 
     def export(self, args: tuple[Any, ...]) -> ExportedFunction:
@@ -44,13 +46,19 @@ class CompiledFunction:
         if trace is not None:
             return trace.call(self, args)
         rt = Runtime.get()
-        exp = self.export(args)
-        with self._lock:
-            reg = self._standalone.get(exp.function_id)
-            if reg is None:
-                reg = self._standalone[exp.function_id] = self._register_single(rt, exp, args)
-        flat, _ = jax.tree_util.tree_flatten(args)
-        return execute(rt, reg, flat)
+        key = fast_key(args)
+        reg = self._by_fast_key.get(key) if key is not None else None
+        if reg is None:
+            exp = self.export(args)
+            with self._lock:
+                reg = self._standalone.get(exp.function_id)
+                if reg is None:
+                    reg = self._standalone[exp.function_id] = self._register_single(rt, exp, args)
+                if key is not None:
+                    self._by_fast_key[key] = reg
+            flat, _ = jax.tree_util.tree_flatten(args)
+            return execute(rt, reg, flat)
+        return execute(rt, reg, list(args))
 
     def _register_single(self, rt: Runtime, exp: ExportedFunction, args: tuple[Any, ...]) -> Registered:
         trace = Trace(self.name)
@@ -61,6 +69,18 @@ class CompiledFunction:
 
     def __repr__(self) -> str:
         return f"<compiled {self.name} on slice {self.slice.name!r}>"
+
+
+def fast_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A cheap signature for the common case (every argument a future or a numpy array):
+    skips pytree flattening and dtype canonicalization on the op-by-op hot path."""
+    key = []
+    for a in args:
+        if type(a) is Future or type(a) is np.ndarray:
+            key.append((a.shape, a.dtype))
+        else:
+            return None
+    return tuple(key)
 
 
 def _dtype(x: Any) -> Any:

@@ -225,6 +225,7 @@ class Program:
         self.fn = fn
         self.name = getattr(fn, "__name__", "program")
         self._cache: dict[Any, Registered] = {}
+        self._quick: dict[Any, Registered] = {}
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
 
@@ -232,6 +233,12 @@ class Program:
         if current_trace() is not None:
             return self.fn(*args)  # a program called inside another: inline it
         rt = Runtime.get()
+        from .functions import fast_key  # (functions imports this module)
+
+        quick = fast_key(args)
+        reg = self._quick.get(quick) if quick is not None else None
+        if reg is not None:
+            return execute(rt, reg, list(args))
         flat, _ = jax.tree_util.tree_flatten(args)
         with jax.enable_x64(True):
             key = signature_key(args)
@@ -239,6 +246,8 @@ class Program:
             reg = self._cache.get(key)
             if reg is None:
                 reg = self._cache[key] = self._trace(rt, args)
+            if quick is not None:
+                self._quick[quick] = reg
         return execute(rt, reg, flat)
 
     def _trace(self, rt: Runtime, args: tuple[Any, ...]) -> Registered:

@@ -93,7 +93,11 @@ class Outbox:
         return self._last(host, "enqueue").enqueue
 
     def release(self, host: str, ids: list[int]) -> None:
-        self._last(host, "release").release.buffer_ids.extend(ids)
+        q = self.msgs.get(host)
+        if q and q[-1].WhichOneof("msg") == "enqueue":
+            q[-1].enqueue.release_ids.extend(ids)  # applied after that message's nodes
+        else:
+            self._last(host, "release").release.buffer_ids.extend(ids)
 
     def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
         self.msgs.setdefault(host, []).append(msg)

@@ -159,6 +159,8 @@ class WorkerProcess:
         kind = msg.WhichOneof("msg")
         if kind == "enqueue":
             self.executor.submit(msg.enqueue)
+            for b in msg.enqueue.release_ids:
+                self.store.release(b)
         elif kind == "release":
             if msg.release.buffer_ids:
                 for b in msg.release.buffer_ids:

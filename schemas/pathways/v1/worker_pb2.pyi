@@ -396,6 +396,7 @@ class Enqueue(_message.Message):
     FUNCTIONS_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     SENDS_FIELD_NUMBER: _builtins.int
+    RELEASE_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def functions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FunctionBlob]:
         """bytes this worker has not seen yet"""
@@ -406,16 +407,23 @@ class Enqueue(_message.Message):
 
     @_builtins.property
     def sends(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferSend]: ...
+    @_builtins.property
+    def release_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Client releases applied after this message's nodes were registered (a release and the
+        enqueues before it travel in one message instead of two).
+        """
+
     def __init__(
         self,
         *,
         functions: _abc.Iterable[Global___FunctionBlob] | None = ...,
         nodes: _abc.Iterable[Global___NodeExec] | None = ...,
         sends: _abc.Iterable[Global___BufferSend] | None = ...,
+        release_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["functions", b"functions", "nodes", b"nodes", "sends", b"sends"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["functions", b"functions", "nodes", b"nodes", "release_ids", b"release_ids", "sends", b"sends"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,7 @@ order, so a release never overtakes the enqueue that reads the buffer.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 import logging
 import random
 import time
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from .sessions import ClientSession
 
 log = logging.getLogger(__name__)
+
+RECENT_RUNS = 10_000
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Dispatcher:
         self.node_listeners: list[Callable[[str, cpb.NodeEvent, RunState | None], None]] = []
         self.run_listeners: list[Callable[[RunState, bool, str], None]] = []
         self.computations = 0
+        self._recent: OrderedDict[int, RunState] = OrderedDict()
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram) -> None:
@@ -268,6 +272,11 @@ class Dispatcher:
         run = self.runs.pop(a.run_id, None)
         if run is None:
             return
+        # reports of its nodes may still be on their way (a client that exits right after
+        # its last fetch cancels runs the workers already ran): keep it for attribution
+        self._recent[a.run_id] = run
+        if len(self._recent) > RECENT_RUNS:
+            self._recent.popitem(last=False)
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
         for address, ids in run.session.run_closed(a.run_id):
@@ -306,7 +315,7 @@ class Dispatcher:
         last_end = self._last_end
         for ev in events.events:
             if self.node_listeners:
-                run = self.runs.get(ev.run_id)
+                run = self.runs.get(ev.run_id) or self._recent.get(ev.run_id)
                 for cb in self.node_listeners:
                     cb(host, ev, run)
             if ev.end_ns == 0:

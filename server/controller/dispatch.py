@@ -11,10 +11,10 @@ order, so a release never overtakes the enqueue that reads the buffer.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any

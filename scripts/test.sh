@@ -4,7 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" > .venv/install.log 2>&1; then
+  cat .venv/install.log >&2
+  exit 1
+fi
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,174 @@
+"""`python -m bench [--only NAME ...] [--quick] [--out bench/results]`: starts a local cluster
+(controller + workers on islands a and b, 4 virtual CPU devices each), runs the benchmarks, writes
+one JSON line per result to `<out>/<UTC timestamp>.jsonl` and `<out>/latest.jsonl`, a markdown
+table to `<out>/latest.md`, and prints a table."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import jax
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "os": platform.platform(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        a = abs(v)
+        if unit == "abs" or (a and a < 0.01):
+            return f"{v:.2e}"
+        if a >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if a < 100 else f"{v:.0f}"
+    return str(v)
+
+
+COLUMNS = ["bench", "variant", "metric", "pathways", "jax", "ratio", "target", "meets"]
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for r in results:
+        unit = r.get("unit", "")
+        cells = [
+            r.get("bench", ""), r.get("variant", ""),
+            f"{r.get('metric', '')} ({unit})" if unit else r.get("metric", ""),
+            fmt(r.get("pathways"), unit), fmt(r.get("jax"), unit),
+            (f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), float) else ""),
+            r.get("target", ""),
+            "ERROR" if "error" in r else fmt(r.get("meets")),
+        ]
+        out.append([str(c) for c in cells])
+    return out
+
+
+def write_markdown(path: Path, results: list[dict[str, Any]], info: dict[str, Any], wall_s: float,
+                   quick: bool) -> None:
+    lines = [
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM; Python {info['python']}, "
+        f"jax {info['jax']}; {info['date']}; {'quick' if quick else 'full'} run, {wall_s / 60:.1f} min.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for cells in table_rows(results):
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    errors = [r for r in results if "error" in r]
+    if errors:
+        lines += ["", "Errors:", ""]
+        lines += [f"- {r['bench']} {r.get('variant', '')}: {str(r['error']).splitlines()[0][:300]}" for r in errors]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Pathways vs plain JAX (same run, same devices)")
+    for c in COLUMNS:
+        t.add_column(c, justify="right" if c in ("pathways", "jax", "ratio") else "left")
+    for cells, r in zip(table_rows(results), results, strict=True):
+        style = "red" if ("error" in r or r.get("meets") is False) else None
+        t.add_row(*cells, style=style)
+    Console(width=200).print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import suites
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--only", nargs="+", choices=list(suites.BENCHES), help="run only these benchmarks")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 3 minutes)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ns = p.parse_args(argv)
+    names = ns.only or list(suites.BENCHES)
+    out_dir = Path(ns.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    info = machine()
+    t_start = time.perf_counter()
+
+    from bench.cluster import BenchCluster
+
+    results: list[dict[str, Any]] = []
+    with BenchCluster() as cluster:
+        cluster.start()
+        # this process is a pw client of its own cluster (1 CPU device of its own)
+        for k in ("PWCTL_DISPATCH", "PWCTL_WEIGHT", "PWCTL_PRIORITY", "PWCTL_TOKEN"):
+            os.environ.pop(k, None)
+        os.environ["PWCTL_SERVER"] = cluster.address
+        os.environ["PATHWAYS_HOME"] = str(cluster.home)
+        ctx = suites.Ctx(cluster=cluster, quick=ns.quick)
+        ctx.notes["pss_idle_gib"] = suites.idle_pss_gib(cluster)
+        run_file = out_dir / f"{stamp}.jsonl"
+        with open(run_file, "w") as fh:
+            for name in names:
+                t0 = time.perf_counter()
+                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+                try:
+                    for r in suites.BENCHES[name](ctx):
+                        results.append(r)
+                        fh.write(json.dumps(r) + "\n")
+                        fh.flush()
+                except Exception as e:
+                    traceback.print_exc()
+                    r = {"bench": name, "variant": "", "metric": "", "unit": "", "pathways": None, "jax": None,
+                         "ratio": None, "target": "", "meets": None, "notes": "",
+                         "error": f"{type(e).__name__}: {e}"}
+                    results.append(r)
+                    fh.write(json.dumps(r) + "\n")
+                    fh.flush()
+                print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            fh.write(json.dumps({"machine": info, "quick": ns.quick, "wall_s": time.perf_counter() - t_start}) + "\n")
+        try:
+            from pwctl.api.runtime import Runtime
+
+            if Runtime._instance is not None:
+                Runtime._instance.close()
+        except Exception:
+            pass
+    wall = time.perf_counter() - t_start
+    (out_dir / "latest.jsonl").write_text(run_file.read_text())
+    write_markdown(out_dir / "latest.md", results, info, wall, ns.quick)
+    print_table(results)
+    print(f"wrote {run_file}, {out_dir / 'latest.md'} ({wall / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Plain in-process JAX baselines, run as `python -m bench.jaxrun TASK JSON` in a subprocess with
+4 virtual CPU devices (the same count a Pathways slice has). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import defs  # noqa: E402
+
+
+def dispatch(variant: str, budget_s: float, count: int, repeats: int) -> dict[str, Any]:
+    devs = jax.devices()
+    if variant == "allreduce4":
+        step = jax.pmap(defs.allreduce_step, axis_name=defs.AXIS, devices=devs[:4])
+        fused = jax.pmap(defs.allreduce_fused, axis_name=defs.AXIS, devices=devs[:4])
+        x0 = jax.pmap(lambda v: v, devices=devs[:4])(np.zeros((4,), np.float32))
+        block_each = True  # collectives must not be pipelined on CPU (FACTS.md): block every call
+    else:
+        step = jax.jit(defs.inc_step)
+        fused = jax.jit(defs.inc_fused)
+        x0 = jax.device_put(np.zeros((1,), np.float32), devs[0])
+        block_each = False
+    step(x0).block_until_ready()
+    fused(x0).block_until_ready()
+
+    def loop(fn: Any, k: int) -> None:
+        x = x0
+        for _ in range(k):
+            x = fn(x)
+            if block_each:
+                x.block_until_ready()
+        x.block_until_ready()
+
+    def measure(fn: Any, per_call: int, n: int) -> float:
+        return defs.throughput(lambda k: loop(fn, k), n, budget_s) * per_call
+
+    out = {
+        "opbyop": defs.median(defs.repeat(lambda: measure(step, 1, count), repeats, budget_s * 3)),
+        # Chained in plain JAX is the same loop of dependent calls from Python
+        "chained": defs.median(defs.repeat(lambda: measure(step, 1, count), repeats, budget_s * 3)),
+        "fused": defs.median(defs.repeat(lambda: measure(fused, defs.CHAIN, max(1, count // defs.CHAIN)),
+                                          repeats, budget_s * 3)),
+    }
+    return out
+
+
+def _per_call_ms(fn: Any, x: Any, w: Any, budget_s: float) -> float:
+    fn(x, w).block_until_ready()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn(x, w).block_until_ready()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() > deadline and len(times) >= 3:
+            break
+    return defs.median(times) * 1e3
+
+
+def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any]:
+    """Calibrates loop counts so one computation takes about each target, then measures the
+    pipelined throughput of a loop of dependent calls at each size."""
+    dev = jax.devices()[0]
+    xn, wn = defs.sweep_inputs()
+    x, w = jax.device_put(xn, dev), jax.device_put(wn, dev)
+    t1 = _per_call_ms(jax.jit(defs.matmul_loop(1)), x, w, 0.3)
+    t64 = _per_call_ms(jax.jit(defs.matmul_loop(64)), x, w, 0.5)
+    per_loop = max((t64 - t1) / 63, 1e-6)
+    base = max(t1 - per_loop, 0.0)
+    sizes: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for target in targets_ms:
+        loops = max(1, round((target - base) / per_loop))
+        if loops in seen:
+            continue
+        seen.add(loops)
+        fn = jax.jit(defs.matmul_loop(loops))
+        ms = _per_call_ms(fn, x, w, min(budget_s, 1.0))
+
+        def run(k: int, fn: Any = fn) -> None:
+            y = x
+            for _ in range(k):
+                y = fn(y, w)
+            y.block_until_ready()
+
+        n = max(3, min(count, int(budget_s * 1e3 / max(ms, 1e-3))))
+        def measure(run: Any = run, n: int = n) -> float:
+            return defs.throughput(run, n, budget_s)
+
+        per_s = defs.median(defs.repeat(measure, 3, budget_s * 3))
+        sizes.append({"loops": loops, "target_ms": target, "ms": ms, "per_s": per_s})
+    return {"per_loop_ms": per_loop, "base_ms": base, "sizes": sizes}
+
+
+def pipeline(stages_list: list[int], micro_batches: int, repeats: int) -> dict[str, Any]:
+    """The same stages back to back in one process: stage s on device s % 2 (the two islands)."""
+    devs = jax.devices()[:2]
+    fn = jax.jit(defs.stage)
+    out: dict[str, Any] = {}
+    for stages in stages_list:
+        xs, ws = defs.pipeline_inputs(stages, micro_batches)
+        wd = [jax.device_put(w, devs[s % 2]) for s, w in enumerate(ws)]
+        xd = [jax.device_put(x, devs[0]) for x in xs]
+
+        def once(xd: list[Any] = xd, wd: list[Any] = wd, stages: int = stages) -> float:
+            t0 = time.perf_counter()
+            outs = []
+            for x in xd:
+                h = x
+                for s in range(stages):
+                    h = fn(jax.device_put(h, devs[s % 2]), wd[s])
+                outs.append(h)
+            for o in outs:
+                o.block_until_ready()
+            return micro_batches / (time.perf_counter() - t0)
+
+        once()  # compile, warm up
+        out[str(stages)] = defs.median(defs.repeat(once, repeats, 10.0))
+    return out
+
+
+def transformer(cfg: dict[str, Any], steps: int, timed_steps: int) -> dict[str, Any]:
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bench import model
+
+    c = model.Config(**cfg)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    rep = NamedSharding(mesh, P())
+    dat = NamedSharding(mesh, P("data"))
+    opt = model.optimizer(c)
+    params = model.init_params(c)
+    state = opt.init(params)
+    step = jax.jit(model.make_train_step(c, opt), in_shardings=(rep, rep, dat), out_shardings=(rep, rep, rep))
+    params, state = jax.device_put(params, rep), jax.device_put(state, rep)
+    losses = []
+    for i in range(steps):
+        params, state, loss = step(params, state, jax.device_put(model.batch(c, i), dat))
+        losses.append(float(loss))
+    t0 = time.perf_counter()
+    loss = jnp.zeros(())
+    for i in range(timed_steps):
+        params, state, loss = step(params, state, jax.device_put(model.batch(c, steps + i), dat))
+    loss.block_until_ready()
+    dt = time.perf_counter() - t0
+    return {"losses": losses, "tokens_per_s": timed_steps * c.batch * c.seq / dt, "step_ms": dt / timed_steps * 1e3,
+            "params": model.param_count(params)}
+
+
+TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline": pipeline, "transformer": transformer}
+
+
+def main() -> None:
+    task, args = sys.argv[1], json.loads(sys.argv[2])
+    result = TASKS[task](**args)
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

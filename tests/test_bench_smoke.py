@@ -1,0 +1,33 @@
+"""Smoke test of the benchmark package: one cheap benchmark (dispatch, inc1, OpByOp, a handful of
+calls) against a real cluster, in a client subprocess. Checks the result row's fields, never timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.cluster(islands=1, devices=1), pytest.mark.timeout(60)]
+
+SNIPPET = """
+import json
+from bench import pwside, suites
+v = pwside.dispatch("inc1", "opbyop", budget_s=0.05, count=8, repeats=1)
+print(json.dumps(suites.row("dispatch", "inc1/opbyop", "computations/s", "1/s", v, 1.0, ">= 5,000/s", v >= 5000)))
+"""
+
+
+def test_dispatch_row_has_the_fields(module_cluster: LocalCluster) -> None:
+    r = subprocess.run([sys.executable, "-c", SNIPPET], env=module_cluster.env(PYTHONPATH=str(REPO)), cwd=REPO,
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("bench", "variant", "metric", "unit", "pathways", "jax", "ratio", "target", "meets", "notes"):
+        assert key in out
+    assert out["bench"] == "dispatch" and out["pathways"] > 0 and isinstance(out["meets"], bool)

@@ -73,20 +73,31 @@ class WorkerServicer(wgrpc.WorkerServicer):
     async def Transfer(
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext
     ) -> wpb.TransferResponse:
-        first: wpb.TransferChunk | None = None
-        parts: list[bytes] = []
+        """A peer's stream of buffers, each one chunk or several (the last marked `last`)."""
+        loop = asyncio.get_running_loop()
+        heads: dict[int, wpb.TransferChunk] = {}
+        parts: dict[int, list[bytes]] = {}
+        total = 0
         async for chunk in request_iterator:
-            if first is None:
-                first = chunk
+            bid = chunk.buffer_id
             if chunk.error:
-                self.store.fail(chunk.buffer_id, chunk.error)
-                return wpb.TransferResponse()
-            parts.append(chunk.array.data)
-        if first is None:
-            return wpb.TransferResponse()
-        arr = await asyncio.get_running_loop().run_in_executor(None, _assemble, first.array, parts)
-        self.store.put(first.buffer_id, arr, arr.nbytes, from_peer=True)
-        return wpb.TransferResponse(bytes=arr.nbytes)
+                heads.pop(bid, None)
+                parts.pop(bid, None)
+                self.store.fail(bid, chunk.error)
+                continue
+            head = heads.setdefault(bid, chunk)
+            parts.setdefault(bid, []).append(chunk.array.data)
+            if not chunk.last:
+                continue
+            del heads[bid]
+            data = parts.pop(bid)
+            if head.array.shm_name or len(data) > 1:
+                arr = await loop.run_in_executor(None, _assemble, head.array, data)
+            else:
+                arr = _assemble(head.array, data)
+            self.store.put(bid, arr, arr.nbytes, from_peer=True)
+            total += arr.nbytes
+        return wpb.TransferResponse(bytes=total)
 
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()

@@ -7,7 +7,8 @@ fixed time), and on teardown stops only the processes it started.
 Fixtures:
 - `pw_home`: a temporary PATHWAYS_HOME for this test (also set in the environment).
 - `cluster`: function-scoped cluster; workers from `@pytest.mark.cluster(islands=.., devices=..,
-  controller_args=[..])`, default 2 islands ("a", "b") x 2 devices, workers "w-a", "w-b".
+  controller_args=[..], heartbeat_timeout=.., worker_env={..})`, default 2 islands ("a", "b") x 2
+  devices, workers "w-a", "w-b". `worker_env` is extra environment for every worker process.
 - `module_cluster`: the same, one per test module (read-only tests share it).
 - `make_cluster`: factory `make_cluster(islands=1, devices=2, controller_args=(), start=True)`.
 """
@@ -130,7 +131,7 @@ class LocalCluster:
     """
 
     def __init__(self, home: Path, heartbeat_timeout: float = 2.0,
-                 controller_args: Sequence[str] = ()) -> None:
+                 controller_args: Sequence[str] = (), worker_env: dict[str, str] | None = None) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -138,6 +139,7 @@ class LocalCluster:
         self.db_url = f"sqlite:///{home / 'pw.db'}"
         self.heartbeat_timeout = heartbeat_timeout
         self.controller_args = list(controller_args)
+        self.worker_env = dict(worker_env or {})  # extra environment of every worker process
         self.controller: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, WorkerProc] = {}
         self._stopped: set[int] = set()  # SIGSTOPped pids, continued before teardown
@@ -207,13 +209,16 @@ class LocalCluster:
 
     # ---- workers ----
     def add_worker(self, island: str, devices: int = 2, name: str | None = None,
-                   wait: bool = True) -> WorkerProc:
+                   wait: bool = True, env: dict[str, str] | None = None) -> WorkerProc:
+        """Starts a worker; `env` adds to the cluster's `worker_env` for this one."""
         name = name or f"w-{island}"
         assert name not in self.workers or self.workers[name].proc.poll() is not None, f"{name} is running"
         log = self.home / f"worker-{name}-{self._restarts}-{len(self.workers)}.log"
         args = [sys.executable, "-m", "server.worker", "--island", island, "--devices", str(devices),
                 "--server", self.address, "--name", name]
         extra = {"PWCTL_TOKEN": self.token} if self.token else {}
+        extra.update(self.worker_env)
+        extra.update(env or {})
         with open(log, "wb") as fh:
             proc = subprocess.Popen(args, env=self.env(**extra), cwd=REPO, stdin=subprocess.DEVNULL,
                                     stdout=fh, stderr=subprocess.STDOUT)
@@ -328,7 +333,7 @@ def _cluster_from_marker(request: pytest.FixtureRequest, home: Path) -> Iterator
     devices = int(kw.get("devices", 2))
     names = [chr(ord("a") + i) for i in range(islands)]
     with LocalCluster(home, heartbeat_timeout=float(kw.get("heartbeat_timeout", 2.0)),
-                      controller_args=kw.get("controller_args", ())) as c:
+                      controller_args=kw.get("controller_args", ()), worker_env=kw.get("worker_env")) as c:
         c.start([(n, devices) for n in names])
         yield c
 

@@ -45,3 +45,10 @@ def test_only_one_run_on_the_same_devices_fuses() -> None:
     assert fusable(head, node(1, [1], [2]))
     assert not fusable(head, node(1, [1], [2], run=2))
     assert not fusable(head, node(1, [1], [2], devices=(1,)))
+
+
+def test_nodes_with_a_node_elsewhere_between_them_do_not_fuse() -> None:
+    # a -> b -> a: nodes 0 and 2 have consecutive seqs here, but node 2 waits for node 1 (elsewhere)
+    n0, n2 = node(0, [100], [1], routes=[0]), node(2, [2], [3], visible=[True])
+    assert not fusable(n0, n2)
+    assert fusable(n0, node(1, [1], [2]))

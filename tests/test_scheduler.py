@@ -338,7 +338,14 @@ def test_fair_share_returning_client_is_caught_up() -> None:
     s.handle(Submit(chain(3, 1, client="busy"), now=50.0))  # in flight, estimated at 49 s
     s.handle(Submit(chain(4, 1, client="idle"), now=50.0))
     usage = {c.client: c.used_s for c in s.snapshot().islands[0].clients}
-    assert usage == {"busy": 49.0, "idle": 98.0}  # idle starts level with busy's virtual time
+    # busy's run 2 ended the island's busy period (nobody had a live run): its 49 s and its node-time
+    # estimate are forgotten (a warm-up run charged with its compilation must not weigh on the next
+    # busy period), so idle starts level with busy's virtual time, 0
+    assert usage == {"busy": 0.0, "idle": 0.0}
+    s.handle(fin(3, 0, now=60.0, busy=10.0))
+    s.handle(Submit(chain(5, 1, client="busy"), now=60.0))  # same busy period: no reset
+    usage = {c.client: c.used_s for c in s.snapshot().islands[0].clients}
+    assert usage == {"busy": 10.0, "idle": 0.0}
 
 
 # -------------------------------------------------------------------------------------- failures

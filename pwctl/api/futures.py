@@ -48,7 +48,7 @@ class Future:
             if failed:
                 raise ProgramError(failed)
             wait = FETCH_POLL_S if deadline is None else max(0.0, min(FETCH_POLL_S, deadline - time.monotonic()))
-            value, error = conn.fetch(self.id, max(wait, 0.001))
+            value, error = conn.fetch(self.id, max(wait, 0.001), self.size * self.dtype.itemsize)
             if error:
                 raise ProgramError(self._rt.run_failed(self.run_id) or error)
             if value is not None:

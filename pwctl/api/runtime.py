@@ -69,13 +69,18 @@ class WorkerConn:
                 self._put_call = self.stub.PutBuffers.future(self._put_iter(), metadata=self.metadata)
         self._puts.put(req)
 
-    def fetch(self, buffer_id: int, timeout_s: float) -> tuple[np.ndarray | None, str]:
-        """(array, "") when ready, (None, error) when failed, (None, "") on timeout."""
+    def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
+        """(array, "") when ready, (None, error) when failed, (None, "") on timeout.
+
+        The call's deadline is the worker's wait plus time to stream `nbytes` at a slow 50 MB/s: a
+        worker that stalls (stopped, wedged) then costs the caller seconds, not a fixed 30, before
+        it looks again whether the run failed (hang detection fails it on the controller)."""
         head: pb.ArrayProto | None = None
         parts: list[bytes] = []
+        deadline = timeout_s + 5.0 + nbytes / 50e6
         try:
             for chunk in self.stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
-                                         metadata=self.metadata, timeout=timeout_s + 30):
+                                         metadata=self.metadata, timeout=deadline):
                 if chunk.error:
                     if "not ready after" in chunk.error:
                         return None, ""
@@ -86,6 +91,8 @@ class WorkerConn:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 return None, f"the worker at {self.address} is unreachable (host lost?)"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None, ""  # not ready in time: the caller checks the run and asks again
             raise
         if head is None:
             return None, f"empty reply from {self.address}"

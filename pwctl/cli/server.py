@@ -38,6 +38,9 @@ HeartbeatOpt = Annotated[float, typer.Option("--heartbeat-timeout",
 PolicyOpt = Annotated[Policy, typer.Option("--policy", help="How each island interleaves concurrent programs")]
 HangOpt = Annotated[float, typer.Option("--hang-timeout",
                                         help="Seconds a gang node may hold its island before its program fails")]
+WindowOpt = Annotated[int, typer.Option("--window",
+                                        help="Admitted unfinished nodes per island; beyond it runs wait and the "
+                                             "policy picks the next (smaller: priority and fair share bite sooner)")]
 TokenOpt = Annotated[bool, typer.Option("--require-token",
                                         help="Require the token on loopback too (always beyond loopback)")]
 
@@ -51,6 +54,7 @@ def start(
     heartbeat_timeout: HeartbeatOpt = 5.0,
     policy: PolicyOpt = Policy.fifo,
     hang_timeout: HangOpt = 60.0,
+    window: WindowOpt = 256,
     require_token: TokenOpt = False,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
@@ -58,7 +62,9 @@ def start(
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
     if hang_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
-    extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}"]
+    if window < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--window")
+    extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window)]
     if require_token:
         extra.append("--require-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

@@ -21,11 +21,17 @@ def main() -> None:
     p.add_argument("--hang-timeout", type=float, default=60.0)
     p.add_argument("--policy", choices=["fifo", "priority", "fair"], default="fifo",
                    help="how each island interleaves concurrent programs")
+    p.add_argument("--window", type=int, default=256,
+                   help="admitted, unfinished nodes per island (default 256); runs beyond it wait and the "
+                        "policy picks which goes next: a smaller window makes priority and fair share bite "
+                        "sooner, a larger one keeps more work queued on the workers")
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--require-token", action="store_true",
                    help="require the token even on a loopback address (always required beyond loopback)")
     ns = p.parse_args()
+    if ns.window < 1:
+        p.error("--window must be at least 1")
     configure_logging(ns.log_level)
     config = ControllerConfig(
         listen=ns.listen,
@@ -35,6 +41,7 @@ def main() -> None:
         dispatch=ns.dispatch,
         hang_timeout=ns.hang_timeout,
         policy=ns.policy,
+        window=ns.window,
         require_token=ns.require_token,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))

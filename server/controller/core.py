@@ -35,6 +35,7 @@ class ControllerConfig:
     dispatch: str = "parallel"  # or "sequential"
     hang_timeout: float = 60.0
     policy: str = "fifo"  # default time-multiplexing policy of every island: fifo | priority | fair
+    window: int = 256  # admitted unfinished nodes per island; the policy orders only what waits beyond it
     token: str | None = None
     require_token: bool = False  # also on loopback (tests check rejection without a public address)
 
@@ -53,7 +54,8 @@ class Controller:
         self.slices = SliceService(self)
         self.registry = ProgramRegistry()
         self.scheduler = GangScheduler(
-            hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy)
+            hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
+            max_inflight_nodes=config.window,
         )
         self.dispatcher = Dispatcher(self, self.scheduler)
         self.sessions = SessionManager(self)

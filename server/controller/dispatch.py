@@ -77,6 +77,10 @@ class RunState:
     buffers: list[list[int]]  # node -> its output buffer ids
     visible: list[list[bool]]
     submitted: float = field(default_factory=time.monotonic)
+    # sequential dispatch: intermediates a later node on the same host reads are kept by the worker
+    # (its reader is not enqueued yet, so the worker would free them); released when the run ends
+    held: list[list[bool]] | None = None
+    held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
 
 
 class Outbox:
@@ -153,6 +157,13 @@ class Dispatcher:
         state = RunState(
             run.run_id, session, prog, plan, list(run.input_ids), list(run.input_homes), buffers, visible
         )
+        if session.sequential:
+            state.held = [
+                [not visible[i][o] and any(plan.hosts[r].name == plan.hosts[i].name
+                                           for r in prog.consumers.get((i, o), ()))
+                 for o in range(node.num_outputs)]
+                for i, node in enumerate(graph.nodes)
+            ]
         self.runs[run.run_id] = state
         prog.runs += 1
         spec = RunSpec(
@@ -255,7 +266,7 @@ class Dispatcher:
                     output_ids=run.buffers[d.node_index],
                     routes=run.plan.routes[d.node_index],
                     collective=node.collective,
-                    output_visible=run.visible[d.node_index],
+                    output_visible=_keep(run, d.node_index, host.address),
                     owner=run.session.owner,
                     label=run.plan.labels[d.node_index],
                 )
@@ -280,6 +291,8 @@ class Dispatcher:
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
         for address, ids in run.session.run_closed(a.run_id):
+            self.release(address, ids)
+        for address, ids in run.held_ids.items():
             self.release(address, ids)
         for cb in self.run_listeners:
             cb(run, a.ok, a.error)
@@ -349,6 +362,16 @@ class Dispatcher:
     def tick(self) -> None:
         self.handle(Tick(time.monotonic()))
         self.flush()
+
+
+def _keep(run: RunState, index: int, address: str) -> list[bool]:
+    """The outputs the worker keeps after the node ran: the client's, and in sequential dispatch
+    those a later node on the same worker reads (recorded, to release when the run ends)."""
+    if run.held is None or not any(run.held[index]):
+        return run.visible[index]
+    held = run.held[index]
+    run.held_ids.setdefault(address, []).extend(b for b, h in zip(run.buffers[index], held, strict=True) if h)
+    return [v or h for v, h in zip(run.visible[index], held, strict=True)]
 
 
 def _same_machine(a: HostInfo, b: HostInfo) -> bool:

@@ -39,11 +39,19 @@ def reason_behind(policy: Policy, run: RunRecord, first: RunRecord, shares: Mapp
     return f"behind earlier run {first.run_id}"
 
 
-def catch_up(shares: dict[str, Share], client: str, weight: float, active: set[str]) -> None:
-    """`client` becomes active with `weight`: it must not bank credit from being idle, so its virtual
-    time is raised to the smallest virtual time among the other active clients."""
+def catch_up(shares: dict[str, Share], client: str, weight: float, active: set[str], period: int) -> None:
+    """`client` becomes active with `weight` in the island's busy `period` (a stretch during which some
+    client always had live runs there): it must not bank credit from being idle, so its virtual time is
+    raised to the smallest virtual time among the other active clients. Debt from an earlier busy
+    period is forgotten: then it starts level with them (or from zero on an idle island), so that a
+    client charged for its warm-up long ago is not starved while the others pay the same again."""
     share = shares.setdefault(client, Share())
     share.weight = weight
     others = [shares[c].vtime for c in active if c != client and c in shares]
-    if others:
-        share.used = max(share.used, min(others) * share.weight)
+    level = min(others) * share.weight if others else 0.0
+    if share.period != period:
+        share.used = level
+        share.node_time, share.done_nodes = 0.0, 0  # its in-flight estimate starts afresh too
+    else:
+        share.used = max(share.used, level)
+    share.period = period

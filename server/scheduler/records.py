@@ -133,17 +133,26 @@ class Share:
     """A client's proportional-share account on one island.
 
     `used` is measured device time of finished nodes. Nodes still in flight are charged an estimate
-    (the client's mean node time so far) so that a client is not picked again and again while its
-    admitted work has not been billed yet; the estimate is replaced by the measurement on finish.
+    (the client's recent node time: a moving average, so that one slow first run does not inflate the
+    estimate for long) so that a client is not picked again and again while its admitted work has not
+    been billed yet; the estimate is replaced by the measurement on finish.
     """
 
     used: float = 0.0
     weight: float = 1.0
+    node_time: float = 0.0  # moving average of its nodes' device time (`used` also moves on catch-up)
+    period: int = 0  # the island's busy period in which it was last active
     done_nodes: int = 0
     inflight_nodes: int = 0
+
+    def charge(self, busy_s: float) -> None:
+        """A node of this client finished after `busy_s` of device time."""
+        busy_s = max(busy_s, 0.0)
+        self.used += busy_s
+        self.node_time = busy_s if self.done_nodes == 0 else self.node_time + 0.2 * (busy_s - self.node_time)
+        self.done_nodes += 1
 
     @property
     def vtime(self) -> float:
         """Virtual time: (used + estimated in-flight use) / weight."""
-        pending = self.inflight_nodes * self.used / self.done_nodes if self.done_nodes else 0.0
-        return (self.used + pending) / self.weight
+        return (self.used + self.inflight_nodes * self.node_time) / self.weight

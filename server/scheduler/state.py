@@ -126,6 +126,7 @@ class GangScheduler:
         self._policies: dict[str, Policy] = {}
         self._shares: dict[str, dict[str, Share]] = {}  # island -> client -> account
         self._active: dict[tuple[str, str], int] = {}  # (policy island, client) -> live runs
+        self._periods: dict[str, int] = {}  # island -> busy periods begun (fair-share accounting)
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._submit_counter = 0
         self._admit_counter = 0
@@ -201,7 +202,9 @@ class GangScheduler:
         shares = self._shares.setdefault(island, {})
         if self._active.get((island, spec.client), 0) == 0:
             active = {c for (i, c), n in self._active.items() if i == island and n > 0}
-            catch_up(shares, spec.client, spec.weight, active)
+            if not active:
+                self._periods[island] = self._periods.get(island, 0) + 1  # the island was idle
+            catch_up(shares, spec.client, spec.weight, active, self._periods[island])
         else:
             self._share(island, spec.client).weight = spec.weight
         self._active[(island, spec.client)] = self._active.get((island, spec.client), 0) + 1
@@ -222,8 +225,7 @@ class GangScheduler:
             return
         run = self._runs[event.run_id]
         share = self._share(node.spec.island, run.client)
-        share.used += max(event.busy_s, 0.0)
-        share.done_nodes += 1
+        share.charge(event.busy_s)
         node.to(NodeState.DONE)
         self._release(run, node)
         run.nodes_left -= 1

@@ -78,6 +78,7 @@ class Executor:
         self._unfusable: set[Segment] = set()
         # PATHWAYS_FUSE=0 launches every node on its own (debugging, benchmarks)
         self.fuse = os.environ.get("PATHWAYS_FUSE", "1") != "0"
+        self._busy_until: dict[frozenset[int], int] = {}  # device set -> end of its last batch (ns)
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
@@ -169,7 +170,7 @@ class Executor:
                 segment = [node]
                 if self.fuse:
                     while (i < len(batch) and len(segment) < MAX_SEGMENT and batch[i] is not _SKIP
-                           and fusable(node, batch[i]) and self._blob_ok(batch[i])):
+                           and fusable(segment[-1], batch[i]) and self._blob_ok(batch[i])):
                         segment.append(batch[i])
                         i += 1
                 try:
@@ -363,12 +364,28 @@ class Executor:
                 except Exception as e:
                     errors.append(f"{launched.nodes[0].label}: {type(e).__name__}: {e}")
         end = time.time_ns()
+        # One wait completed the whole batch, so per-node times are not known: split the time the
+        # batch's devices were busy evenly over its nodes, in launch order, per device set (the
+        # controller charges device time from these spans; giving it all to the batch's first
+        # node would bill one client for everyone's work and break proportional share).
+        span_start: dict[frozenset[int], int] = {}
+        counts: dict[frozenset[int], int] = {}
+        for launched in batch:
+            d = launched.devices
+            span_start[d] = min(span_start.get(d, launched.start_ns), launched.start_ns)
+            counts[d] = counts.get(d, 0) + len(launched.nodes)
+        cursor: dict[frozenset[int], float] = {}
+        steps: dict[frozenset[int], float] = {}
+        for d, first in span_start.items():
+            cursor[d] = max(first, self._busy_until.get(d, 0))
+            steps[d] = max(0, end - cursor[d]) / counts[d]
+            self._busy_until[d] = end
         events = []
         for launched, error in zip(batch, errors, strict=True):
             self._inflight.pop(id(launched), None)
             nodes = launched.nodes
-            step = (end - launched.start_ns) / len(nodes)  # a fused segment's time, split evenly
-            for k, node in enumerate(nodes):
+            step = steps[launched.devices]
+            for node in nodes:
                 if error:
                     for out in node.output_ids:
                         self.store.fail(out, error)
@@ -384,8 +401,9 @@ class Executor:
                 self.recent_order.append((node.run_id, node.node_index, node.seq))
                 events.append(cpb.NodeEvent(
                     run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                    start_ns=launched.start_ns + int(k * step), end_ns=launched.start_ns + int((k + 1) * step),
+                    start_ns=int(cursor[launched.devices]), end_ns=int(cursor[launched.devices] + step),
                     ok=not error, error=error, local_devices=node.local_devices))
+                cursor[launched.devices] += step
             self.nodes_executed += len(nodes)
         self.report(events)
 

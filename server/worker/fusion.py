@@ -132,5 +132,10 @@ class FusedExecutable(Runnable):
         return f"fused[{len(self.exes)}]"
 
 
-def fusable(head: wpb.NodeExec, node: wpb.NodeExec) -> bool:
-    return node.run_id == head.run_id and node.local_devices == head.local_devices
+def fusable(prev: wpb.NodeExec, node: wpb.NodeExec) -> bool:
+    """Whether `node` may join a segment ending with `prev`: the next node of the same run (by node
+    index, not only by seq) on the same devices. Consecutive seqs are not enough: with nodes 0 and 2
+    of a run on this host and node 1 elsewhere (a -> b -> a), node 2 waits for node 1, which waits
+    for node 0; fused, the segment would wait for an input that only its own first node produces."""
+    return (node.run_id == prev.run_id and node.local_devices == prev.local_devices
+            and node.node_index == prev.node_index + 1)

@@ -1,0 +1,274 @@
+"""Gang scheduling, dispatch modes, time-multiplexing policies, hang detection, transfers and
+remapping, against a real local cluster. Client programs run as their own processes (as users'
+would), print one JSON line, and meet at a start barrier (a `go` file) so that they really overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import LocalCluster, wait_for
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+CLIENTS = Path(__file__).parent / "clients"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class ClientProc:
+    """A client program running in its own process."""
+
+    def __init__(self, cluster: LocalCluster, script: str, *args: str, **env: str) -> None:
+        self.script = script
+        self.proc = subprocess.Popen([sys.executable, str(CLIENTS / script), *args], env=cluster.env(**env),
+                                     cwd=CLIENTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, timeout: float = 60) -> dict[str, Any]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"{self.script} did not finish in {timeout:g} s:\n{err[-3000:]}") from None
+        assert self.proc.returncode == 0, f"{self.script} exited {self.proc.returncode}:\n{err[-3000:]}"
+        return json.loads(out.strip().splitlines()[-1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def start_together(clients: Sequence[ClientProc], workdir: Path, names: Sequence[str],
+                   timeout: float = 60, cluster: LocalCluster | None = None) -> None:
+    """Waits until every client wrote workdir/ready-NAME (warmed up), then writes workdir/go.
+    With `cluster`, first also until its islands' queues are empty (the warm-up runs are over)."""
+
+    def ready() -> bool:
+        for c in clients:
+            if c.proc.poll() is not None:
+                c.result(timeout=1)  # raises with its stderr
+        return all((workdir / f"ready-{n}").exists() for n in names)
+
+    wait_for(ready, timeout, f"clients {list(names)} to be ready", interval=0.02)
+    if cluster is not None:
+        wait_for(lambda: all(not q["entries"] for q in cluster.pwctl_json("status")["queues"]), 30,
+                 "the islands' queues to drain")
+    (workdir / "go").write_text("go")
+
+
+def read_file(path: Path) -> str:
+    """The file's text, "" while it does not exist (a writer may have created it but not written yet)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def run_one(cluster: LocalCluster, script: str, *args: str, timeout: float = 60, **env: str) -> dict[str, Any]:
+    return ClientProc(cluster, script, *args, **env).result(timeout)
+
+
+def worker_stats(cluster: LocalCluster, name: str) -> wpb.WorkerStats:
+    address = cluster.hosts()[name].address
+    with grpc.insecure_channel(address) as ch:
+        return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+
+
+def seqs(order: Sequence[str]) -> list[int]:
+    """The seqs of a worker's executed_order entries ("run:node@seq")."""
+    return [int(e.rsplit("@", 1)[1]) for e in order]
+
+
+def count_at(log: Sequence[Sequence[float]], t: float) -> float:
+    """Completed runs at time t, interpolated linearly in a client's (time, completed) log."""
+    prev_t, prev_n = log[0]
+    if t <= prev_t:
+        return float(prev_n)
+    for when, n in log[1:]:
+        if when >= t:
+            return prev_n + (n - prev_n) * (t - prev_t) / max(when - prev_t, 1e-9)
+        prev_t, prev_n = when, n
+    return float(prev_n)
+
+
+# ------------------------------------------------------------------------------------ gang order
+
+
+@pytest.mark.cluster(islands=1, devices=4)
+def test_concurrent_collectives_keep_one_gang_order(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Two client processes, slices over the same 4 devices, psum programs at once: no deadlock,
+    exact results, and the worker executed every node in strictly increasing seq (gang) order."""
+    last = 0
+    for round_ in range(3):
+        workdir = tmp_path / f"round-{round_}"
+        workdir.mkdir()
+        names = ["one", "two"]
+        clients = [ClientProc(cluster, "load.py", "psum", str(workdir), n, "100") for n in names]
+        try:
+            start_together(clients, workdir, names)
+            results = [c.result(timeout=60) for c in clients]
+        finally:
+            for c in clients:
+                c.kill()
+        for r in results:
+            assert r["runs"] == 100 and r["wrong"] == [], r
+        order = worker_stats(cluster, "w-a").executed_order
+        got = seqs(order)
+        assert got == sorted(got) and len(set(got)) == len(got), f"gang order broken: {list(order)[-50:]}"
+        assert got[-1] >= last + 2 * 2 * 100  # both clients' 2 nodes x 100 runs went through
+        last = got[-1]
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+
+@pytest.mark.cluster(islands=2, devices=4)
+def test_parallel_and_sequential_dispatch_give_identical_results(cluster: LocalCluster) -> None:
+    par = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="parallel")
+    seq = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="sequential")
+    assert par["dispatch"] == "parallel" and seq["dispatch"] == "sequential"
+    assert par["dtypes"] == seq["dtypes"] == ["float64"] * 10
+    assert par["sha256"] == seq["sha256"]
+    assert par["values"] == seq["values"]
+
+
+# ------------------------------------------------------------------------------- proportional share
+
+WEIGHTS = (1, 2, 4, 8)
+
+
+@pytest.mark.cluster(islands=1, devices=1, controller_args=["--policy", "fair", "--window", "16"])
+def test_fair_share_follows_weights(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Four busy clients with weights 1:2:4:8 on one device: completed computations in the common
+    window (all started, all still backlogged) are within 10% (relative) of 1/15, 2/15, 4/15, 8/15."""
+    names = [f"w{w}" for w in WEIGHTS]
+    clients = [ClientProc(cluster, "load.py", "busy", str(tmp_path), n, "4", PWCTL_WEIGHT=str(w))
+               for n, w in zip(names, WEIGHTS, strict=True)]
+    try:
+        # a common busy period: warm-ups (first runs, charged with their compilation) are over
+        start_together(clients, tmp_path, names, cluster=cluster)
+        results = [c.result(timeout=60) for c in clients]
+    finally:
+        for c in clients:
+            c.kill()
+    assert all(r["ok"] for r in results)
+    t0 = max(r["go"] for r in results) + 1.0  # everyone submitting, queues full
+    t1 = min(r["stop"] for r in results)  # nobody has stopped submitting yet
+    assert t1 - t0 > 2.0
+    done = [count_at(r["log"], t1) - count_at(r["log"], t0) for r in results]
+    total = sum(done)
+    shares = [d / total for d in done]
+    want = [w / sum(WEIGHTS) for w in WEIGHTS]
+    report = ", ".join(f"w={w}: {d:.0f} runs {s:.3f} (want {x:.3f})"
+                       for w, d, s, x in zip(WEIGHTS, done, shares, want, strict=True))
+    assert total > 200, report
+    for s, x in zip(shares, want, strict=True):
+        assert abs(s - x) <= 0.10 * x, report
+
+
+# ------------------------------------------------------------------------------------ priority
+
+
+@pytest.mark.cluster(islands=1, devices=1, controller_args=["--policy", "priority"])
+def test_high_priority_runs_overtake_a_saturating_low_priority_client(cluster: LocalCluster,
+                                                                      tmp_path: Path) -> None:
+    low_dir, high_dir = tmp_path / "low", tmp_path / "high"
+    low_dir.mkdir()
+    high_dir.mkdir()
+    low = ClientProc(cluster, "load.py", "burst", str(low_dir), "low", "3000", PWCTL_PRIORITY="0")
+    high = ClientProc(cluster, "load.py", "burst", str(high_dir), "high", "24", PWCTL_PRIORITY="10")
+    try:
+        wait_for(lambda: (low_dir / "ready-low").exists() and (high_dir / "ready-high").exists(), 60,
+                 "both clients warmed up", interval=0.02)
+        (low_dir / "go").write_text("go")
+        wait_for(lambda: (low_dir / "submitted-low").exists(), 60, "the low client's runs submitted",
+                 interval=0.01)
+        (high_dir / "go").write_text("go")
+        lo, hi = low.result(timeout=90), high.result(timeout=90)
+    finally:
+        low.kill()
+        high.kill()
+    assert lo["ok"] and hi["ok"]
+    assert lo["submitted_at"] < hi["start"], "the low client had not submitted everything yet"
+    high_done = hi["log"][-1][0]
+    low_done_then = count_at(lo["log"], high_done)
+    # FIFO would finish all 3000 low runs first; priority lets the high runs in at the next
+    # free window slot, so most low runs submitted before them finish after them
+    assert low_done_then < 3000 - 1000, (low_done_then, hi["log"][-1], lo["log"][-1])
+
+
+# ------------------------------------------------------------------------------------ hang detection
+
+
+@pytest.mark.cluster(islands=2, devices=2, controller_args=["--hang-timeout", "2"], heartbeat_timeout=30)
+def test_a_stalled_worker_fails_the_program_naming_node_and_host(cluster: LocalCluster, tmp_path: Path) -> None:
+    client = ClientProc(cluster, "hang.py", str(tmp_path))
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists() or client.proc.poll() is not None, 60, "hang.py warmed up")
+        cluster.stop_worker("w-b")  # frozen, but its connection (and, for 30 s, its heartbeat) stay
+        (tmp_path / "go").write_text("go")
+        wait_for(lambda: (tmp_path / "failed").exists() or client.proc.poll() is not None, 30,
+                 "the stalled run to fail")
+        cluster.cont_worker("w-b")
+        (tmp_path / "go2").write_text("go")
+        out = client.result(timeout=60)
+    finally:
+        cluster.cont_worker("w-b")
+        client.kill()
+    hung = out["hung"]
+    assert hung.startswith("ProgramError"), hung
+    assert "hang detected" in hung and "node 0 of program stalls" in hung, hung
+    assert "host w-b never started it" in hung or ("host w-b started it" in hung and "has not finished" in hung)
+    assert out["seconds"] < 15  # the deadline (2 s), not the heartbeat (30 s) or a fetch timeout
+    assert out["after"] == [6.0, 6.0]  # the worker came back and the cluster still works
+
+
+# ------------------------------------------------------------------------------------ transfers
+
+
+@pytest.mark.cluster(islands=3, devices=1)
+def test_big_arrays_cross_islands_by_grpc_stream_and_shared_memory(cluster: LocalCluster) -> None:
+    """12 MB (three 4 MiB chunks) a -> b -> c: w-a sends over chunked gRPC streams
+    (PATHWAYS_TRANSFER=grpc), w-b over shared memory (the default between workers of one host)."""
+    cluster.kill_worker("w-a")
+    cluster.add_worker("a", 1, env={"PATHWAYS_TRANSFER": "grpc"})
+    out = run_one(cluster, "transfer.py")
+    assert out == {"exact": True, "nbytes": 12_000_000, "dtype": "float32", "shape": [1, 3_000_000]}
+
+
+# ------------------------------------------------------------------------------------ remapping
+
+
+@pytest.mark.cluster(islands=2, devices=2)
+def test_a_remapped_slice_keeps_working_for_its_compiled_functions(cluster: LocalCluster,
+                                                                    tmp_path: Path) -> None:
+    client = ClientProc(cluster, "remap.py", str(tmp_path))
+    try:
+        name = wait_for(lambda: read_file(tmp_path / "ready") or client.proc.poll() is not None, 60, "remap.py ready")
+        assert isinstance(name, str), client.result(timeout=1)
+        cluster.kill_worker("w-b")
+
+        def remapped() -> bool:
+            doc = cluster.pwctl_json("slice", "list")
+            return any(s["name"] == name and s["state"] == "remapped" for s in doc["items"])
+
+        wait_for(remapped, 30, f"slice {name} remapped")
+        described = cluster.pwctl("slice", "describe", name)  # while its owner (the client) lives
+        (tmp_path / "go").write_text("go")
+        out = client.result(timeout=60)
+    finally:
+        client.kill()
+    assert out["island_before"] == "b" and out["island_after"] == "a" and out["generation"] >= 1
+    assert out["before"] == out["after"] == [4.0, 5.0]
+    assert out["prog_before"] == out["prog_after"] == [13.0, 14.0]
+    assert described.returncode == 0 and "remapped" in described.stdout, described.stdout + described.stderr

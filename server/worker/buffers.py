@@ -149,6 +149,17 @@ class BufferStore:
                 if e is not None and not e.client_ref and not e.callbacks:
                     del self._entries[b]
 
+    def pending_of(self, buffer_ids: Sequence[int]) -> list[int]:
+        """The ids among these that exist and are still pending (unknown ids count as settled:
+        the launch reports them)."""
+        with self._lock:
+            out = []
+            for b in buffer_ids:
+                e = self._entries.get(b)
+                if e is not None and e.state == PENDING and b not in out:
+                    out.append(b)
+            return out
+
     def ready_values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
         """The values when every buffer is ready now; None when one is still pending.
         Raises BufferFailed when one failed or no longer exists."""

@@ -78,7 +78,10 @@ class Executor:
         self._unfusable: set[Segment] = set()
         # PATHWAYS_FUSE=0 launches every node on its own (debugging, benchmarks)
         self.fuse = os.environ.get("PATHWAYS_FUSE", "1") != "0"
-        self._busy_until: dict[frozenset[int], int] = {}  # device set -> end of its last batch (ns)
+        self._busy_until: dict[frozenset[int], int] = {}
+        self._deferred: dict[int, list[wpb.NodeExec]] = {}  # units waiting for an input (launch thread only)
+        self._ready: list[int] = []  # deferred units whose inputs all arrived (under _cond)
+        self._next_token = 0  # device set -> end of its last batch (ns)
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
@@ -95,6 +98,8 @@ class Executor:
         """A new registration: sequence numbers restart; work of the old epoch fails."""
         with self._cond:
             stale = [n for n in self._pending.values() if n is not _SKIP]
+            stale += [n for unit in list(self._deferred.values()) for n in unit]
+            self._deferred.clear()
             self._pending.clear()
             self._next_seq = 1
             self._epoch += 1
@@ -133,6 +138,7 @@ class Executor:
             for r in run_ids:
                 self._dropped[r] = reason
             victims = [n for n in self._pending.values() if n is not _SKIP and n.run_id in self._dropped]
+            victims += [n for unit in list(self._deferred.values()) for n in unit if n.run_id in self._dropped]
             if len(self._dropped) > 10_000:
                 for r in list(self._dropped)[:5_000]:
                     del self._dropped[r]
@@ -150,13 +156,18 @@ class Executor:
     def _launch_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._next_seq in self._pending)
+                self._cond.wait_for(lambda: self._stop or self._next_seq in self._pending or bool(self._ready))
                 if self._stop:
                     return
+                ready, self._ready = self._ready, []
                 batch = []  # every consecutive seq available now: one lock round trip
                 while self._next_seq in self._pending:
                     batch.append(self._pending.pop(self._next_seq))
                     self._next_seq += 1
+            for token in ready:  # deferred units whose inputs arrived
+                unit = self._deferred.pop(token, None)
+                if unit is not None:
+                    self._launch_unit(unit)
             i = 0
             while i < len(batch):
                 node = batch[i]
@@ -167,21 +178,86 @@ class Executor:
                 if dropped is not None:
                     self._fail_node(node, dropped)
                     continue
-                segment = [node]
+                unit = [node]
                 if self.fuse:
-                    while (i < len(batch) and len(segment) < MAX_SEGMENT and batch[i] is not _SKIP
-                           and fusable(segment[-1], batch[i]) and self._blob_ok(batch[i])):
-                        segment.append(batch[i])
+                    while (i < len(batch) and len(unit) < MAX_SEGMENT and batch[i] is not _SKIP
+                           and fusable(unit[-1], batch[i]) and self._blob_ok(batch[i])):
+                        unit.append(batch[i])
                         i += 1
-                try:
-                    if len(segment) > 1 and self._blob_ok(node) and self._launch_segment(segment):
-                        continue
-                    for n in segment:
-                        self._launch(n)
-                except Exception as e:  # a bug here must not kill the worker
-                    log.exception("launching %s failed", node.label)
-                    for n in segment:
-                        self._fail_node(n, f"{type(e).__name__}: {e}")
+                if self._communicates(unit):
+                    self._barrier()  # collectives keep the gang order exactly
+                    self._launch_unit(unit)
+                elif not self._defer_if_waiting(unit):
+                    self._launch_unit(unit)
+
+    def _launch_unit(self, unit: list[wpb.NodeExec]) -> None:
+        try:
+            if len(unit) > 1 and self._blob_ok(unit[0]) and self._launch_segment(unit):
+                return
+            for n in unit:
+                self._launch(n)
+        except Exception as e:  # a bug here must not kill the worker
+            log.exception("launching %s failed", unit[0].label)
+            for n in unit:
+                self._fail_node(n, f"{type(e).__name__}: {e}")
+
+    # Gang order binds computations that communicate: a unit with a collective starts only
+    # after every earlier unit was launched (and, in _drain, completed on its devices). A
+    # unit without one only reads buffers, so when an input has not arrived yet (a transfer
+    # from another island) it is set aside and launched when the input lands, and the
+    # units behind it go on: micro-batches of a pipeline overlap instead of queueing behind
+    # each other's transfers. Every wait still points to an earlier unit of the global
+    # order, so this cannot deadlock either.
+    def _communicates(self, unit: list[wpb.NodeExec]) -> bool:
+        for n in unit:
+            if n.collective:
+                return True
+            if n.function_id not in self._functions:
+                continue
+            try:
+                if self._executable(n).has_collectives:
+                    return True
+            except Exception:
+                continue  # its launch reports the compile error
+        return False
+
+    def _defer_if_waiting(self, unit: list[wpb.NodeExec]) -> bool:
+        produced = {o for n in unit for o in n.output_ids}
+        needed = [b for n in unit for b in n.input_ids if b not in produced]
+        missing = self.store.pending_of(needed)
+        if not missing:
+            return False
+        token = self._next_token
+        self._next_token += 1
+        self._deferred[token] = unit
+        left = [len(missing)]
+        lock = threading.Lock()
+
+        def arrived() -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done:
+                with self._cond:
+                    self._ready.append(token)
+                    self._cond.notify_all()
+
+        for b in missing:
+            self.store.on_settled(b, arrived)
+        return True
+
+    def _barrier(self) -> None:
+        """Launches every deferred unit (waiting for their inputs) before a collective."""
+        while self._deferred:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or bool(self._ready))
+                if self._stop:
+                    return
+                ready, self._ready = self._ready, []
+            for token in ready:
+                unit = self._deferred.pop(token, None)
+                if unit is not None:
+                    self._launch_unit(unit)
 
     def _inputs(self, node: wpb.NodeExec) -> list[Any]:
         return self._inputs_of(node.run_id, node.input_ids)

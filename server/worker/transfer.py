@@ -24,7 +24,7 @@ from .arrays import array_to_numpy, c_order, dtype_name, numpy_from_bytes
 log = logging.getLogger(__name__)
 
 CHUNK = 4 * 1024 * 1024
-SHM_MIN_BYTES = 256 * 1024  # smaller arrays travel inline: a segment costs more than copying them
+SHM_MIN_BYTES = 1024 * 1024  # smaller arrays travel inline: a segment costs more than copying them
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),

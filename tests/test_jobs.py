@@ -19,9 +19,7 @@ from tests.conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [pytest.mark.cluster(islands=1, devices=2), pytest.mark.timeout(60)]
 
-SEED = Path("/work/shared/examples/seed_program.py")
-if not SEED.exists():
-    SEED = REPO / "examples" / "seed_program.py"
+SEED = REPO / "examples" / "seed_program.py"
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
 

@@ -14,7 +14,8 @@ import pytest
 from conftest import LocalCluster
 
 CLIENTS = Path(__file__).parent / "clients"
-SEED = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed_program.py"
+SEED = Path(__file__).resolve().parents[1] / "examples" / "seed_program.py"
+SHARED_SEED = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed_program.py"
 
 pytestmark = pytest.mark.cluster(islands=2, devices=4)
 
@@ -30,6 +31,11 @@ def client_json(cluster: LocalCluster, name: str, *args: str) -> dict:
     r = run_client(cluster, CLIENTS / name, *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not SHARED_SEED.exists(), reason="no ../shared checkout beside the repository")
+def test_the_example_is_the_seed_program_unchanged() -> None:
+    assert SEED.read_text() == SHARED_SEED.read_text()
 
 
 def test_seed_program_prints_exactly(module_cluster: LocalCluster) -> None:

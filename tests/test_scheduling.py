@@ -152,7 +152,7 @@ def test_fair_share_follows_weights(cluster: LocalCluster, tmp_path: Path) -> No
     """Four busy clients with weights 1:2:4:8 on one device: completed computations in the common
     window (all started, all still backlogged) are within 10% (relative) of 1/15, 2/15, 4/15, 8/15."""
     names = [f"w{w}" for w in WEIGHTS]
-    clients = [ClientProc(cluster, "load.py", "busy", str(tmp_path), n, "4", PWCTL_WEIGHT=str(w))
+    clients = [ClientProc(cluster, "load.py", "busy", str(tmp_path), n, "5", PWCTL_WEIGHT=str(w))
                for n, w in zip(names, WEIGHTS, strict=True)]
     try:
         # a common busy period: warm-ups (first runs, charged with their compilation) are over

@@ -1,7 +1,7 @@
 """Load generators for the scheduling tests; each prints one JSON line at the end.
 
     load.py psum DIR NAME RUNS        psum program on a 4-device slice of island a, RUNS runs, exact check
-    load.py busy DIR NAME SECONDS     ~0.5 ms matmul loop on a 1-device slice of island a, as fast as it can
+    load.py busy DIR NAME SECONDS     ~1.5 ms matmul loop on a 1-device slice of island a, as fast as it can
                                       for SECONDS, up to OUTSTANDING runs in flight; logs (time, completed)
     load.py burst DIR NAME RUNS       RUNS busy calls submitted at once, then logs when each chunk completed
 
@@ -38,7 +38,7 @@ def barrier() -> float:
 
 
 def work(x):
-    return jax.lax.fori_loop(0, 14, lambda i, y: jnp.tanh(y @ x), x)  # pmap: x is one device's (96, 96)
+    return jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x), x)  # pmap: x is one device's (96, 96)
 
 
 vds = pw.make_virtual_device_set()

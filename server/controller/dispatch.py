@@ -64,6 +64,7 @@ class Plan:
     specs: tuple[NodeSpec, ...]
     routes: list[list[wpb.OutputRoute]]
     labels: list[str]
+    epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
 
 
 @dataclass
@@ -125,9 +126,11 @@ class Dispatcher:
         self.run_listeners: list[Callable[[RunState, bool, str], None]] = []
         self.computations = 0
         self._recent: OrderedDict[int, RunState] = OrderedDict()
+        self._host_epoch = 0
 
     # ---- runs ----
-    def submit(self, session: ClientSession, run: cpb.RunProgram) -> None:
+    def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
+        """Starts a run; with `batch`, its Submit is collected for one scheduler pass."""
         prog = self.core.registry.programs.get(run.program_id)
         try:
             if prog is None:
@@ -176,16 +179,24 @@ class Dispatcher:
             weight=session.weight,
             sequential=session.sequential,
         )
-        self.handle(Submit(spec, time.monotonic()))
+        event = Submit(spec, time.monotonic())
+        if batch is None:
+            self.handle(event)
+        else:
+            batch.append(event)
 
     def _plan(self, prog: ProgramRecord) -> Plan:
+        epoch = (self.core.slices.epoch, self._host_epoch)
+        plan = self._plans.get(prog.program_id)
+        if plan is not None and plan.epoch == epoch:
+            return plan  # nothing about slices or hosts changed since it was made
         graph = prog.graph
         placements = {name: self.core.slices.placement(name) for name in sorted(prog.slices)}
         key = tuple(
             (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices)) for n, p in placements.items()
         )
-        plan = self._plans.get(prog.program_id)
         if plan is not None and plan.key == key:
+            plan.epoch = epoch
             return plan
         hosts = [placements[n.slice].host for n in graph.nodes]
         devices = [list(placements[n.slice].local_devices) for n in graph.nodes]
@@ -208,7 +219,7 @@ class Dispatcher:
                         node_routes.append(wpb.OutputRoute(output_index=o, address=h.address,
                                                            same_host=_same_machine(h, hosts[i])))
             routes.append(node_routes)
-        plan = Plan(key, hosts, devices, tuple(specs), routes, labels)
+        plan = Plan(key, hosts, devices, tuple(specs), routes, labels, epoch)
         self._plans[prog.program_id] = plan
         return plan
 
@@ -346,11 +357,13 @@ class Dispatcher:
         self.flush()
 
     def host_up(self, host: HostInfo) -> None:
+        self._host_epoch += 1
         self._host_functions.pop(host.name, None)
         self.handle(HostUp(host.name, time.monotonic()))
         self.flush()
 
     def host_lost(self, host: HostInfo, reason: str) -> None:
+        self._host_epoch += 1
         self._host_functions.pop(host.name, None)
         self.handle(HostLost(host.name, time.monotonic()))
         self.flush()

@@ -6,6 +6,7 @@ id. Function bytes are kept once per content hash and sent to each worker once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -39,9 +40,9 @@ class ProgramRecord:
     def name(self) -> str:
         return self.graph.name or self.program_id
 
-    @property
-    def slices(self) -> set[str]:
-        return {n.slice for n in self.graph.nodes}
+    @functools.cached_property
+    def slices(self) -> frozenset[str]:
+        return frozenset(n.slice for n in self.graph.nodes)
 
 
 def analyze(program_id: str, graph: cpb.ProgramGraph) -> ProgramRecord:

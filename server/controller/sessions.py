@@ -23,6 +23,7 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..scheduler import Batch, Submit
 from .errors import ControllerError
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ClientSession:
     submitted: int = 0
     open_runs: dict[int, int] = field(default_factory=dict)  # run id -> ordinal
     _open_heap: list[int] = field(default_factory=list)
+    _closed: set[int] = field(default_factory=set)  # ordinals closed but still in the heap
     held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
 
     @property
@@ -67,7 +69,9 @@ class ClientSession:
 
     def run_closed(self, run_id: int) -> list[tuple[str, list[int]]]:
         """Forgets a finished run; returns the releases that may go out now."""
-        self.open_runs.pop(run_id, None)
+        ordinal = self.open_runs.pop(run_id, None)
+        if ordinal is not None:
+            self._closed.add(ordinal)
         return self.releasable()
 
     def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:
@@ -75,9 +79,11 @@ class ClientSession:
         return self.releasable()
 
     def releasable(self) -> list[tuple[str, list[int]]]:
-        live = set(self.open_runs.values())
-        while self._open_heap and self._open_heap[0] not in live:
-            heapq.heappop(self._open_heap)
+        heap, closed = self._open_heap, self._closed
+        while heap and heap[0] in closed:
+            closed.discard(heapq.heappop(heap))
+        if not self.held_releases:
+            return []
         low = self._open_heap[0] if self._open_heap else self.submitted
         out = []
         while self.held_releases and self.held_releases[0][0] <= low:
@@ -153,9 +159,15 @@ class SessionManager:
 
     def handle(self, session: ClientSession, msg: cpb.ClientMessage) -> None:
         kind = msg.WhichOneof("msg")
-        if kind == "batch":
+        if kind == "batch":  # the runs of a batch go to the scheduler in one pass
+            submits: list[Submit] = []
             for m in msg.batch.messages:
-                self.handle(session, m)
+                if m.WhichOneof("msg") == "run":
+                    self.core.dispatcher.submit(session, m.run, submits)
+                else:
+                    self.handle(session, m)
+            if submits:
+                self.core.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
         elif kind == "run":
             self.core.dispatcher.submit(session, msg.run)
         elif kind == "release":

@@ -84,6 +84,7 @@ class SliceService:
         self.core = core
         self.rm = rm.ResourceManager()
         self._db: sessionmaker[Session] = session_factory(core.engine)
+        self.epoch = 0  # bumps on every change of any slice
         self._meta: dict[str, _Meta] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
@@ -249,6 +250,7 @@ class SliceService:
         ]
         if not todo:
             return
+        self.epoch += 1  # the dispatcher's cached placements are stale now
         changed: builtins.list[rm.Slice] = []
         try:
             with self._db.begin() as s:

@@ -29,7 +29,9 @@ def free_port() -> int:
 
 
 class BenchCluster:
-    def __init__(self, islands: tuple[str, ...] = ("a", "b"), devices: int = 4) -> None:
+    def __init__(self, islands: tuple[str, ...] = ("a", "b"), devices: int = 4,
+                 controller_args: tuple[str, ...] = ()) -> None:
+        self.controller_args = list(controller_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="pw-bench-")
         self.home = Path(self._tmp.name)
         self.address = f"127.0.0.1:{free_port()}"
@@ -56,7 +58,8 @@ class BenchCluster:
     def start(self, timeout: float = 90.0) -> BenchCluster:
         self.controller = self._spawn(
             [sys.executable, "-m", "server.controller", "--listen", self.address, "--db",
-             f"sqlite:///{self.home / 'pw.db'}", "--log-level", "WARNING"], "controller.log")
+             f"sqlite:///{self.home / 'pw.db'}", "--log-level", "WARNING", *self.controller_args],
+            "controller.log")
         for island in self.islands:
             self.workers[island] = self._spawn(
                 [sys.executable, "-m", "server.worker", "--island", island, "--devices", str(self.devices),

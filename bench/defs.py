@@ -114,3 +114,9 @@ def throughput(run_batch: Callable[[int], None], count: int, budget_s: float) ->
             return k / dt if dt > 0 else float("inf")
         # aim the next batch at about a third of the budget
         k = min(count, max(k * 2, int(k * (budget_s / 3) / max(dt, 1e-6))))
+
+
+def weights_work(x: Any) -> Any:
+    """~1.5 ms of device time per call (one device's (96, 96) block): device time, not client
+    overhead, must dominate for proportional share to be visible."""
+    return jax.lax.fori_loop(0, 40, lambda _, y: jnp.tanh(y @ x), x)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,33 @@ def tenant(variant: str, seconds: float, chunk: int, ready_file: str, go_file: s
     return {"done": done, "seconds": dt, "per_s": done / dt, "weight": float(os.environ.get("PWCTL_WEIGHT", "1"))}
 
 
+def weighted_tenant(seconds: float, ready_file: str, go_file: str) -> dict[str, Any]:
+    """A backlogged client for the proportional-share measurement: keeps up to 64 runs of ~1.5 ms
+    in flight on the shared slice and logs (time, completed) as they finish (a client's runs on one
+    device complete in order)."""
+    s = slice_(1, "a", name="bench-weights")
+    f = pw.pmap(defs.weights_work, devices=s.devices)
+    x = pw.pmap(lambda v: v + 0.0, devices=s.devices)(np.full((1, 96, 96), 0.01, np.float32))  # on the worker
+    f(x).result(timeout=120)
+    Path(ready_file).write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not Path(go_file).exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    go = time.time()
+    inflight: deque[Any] = deque()
+    done, log = 0, [(go, 0)]
+    while time.time() - go < seconds:
+        inflight.append(f(x))
+        if len(inflight) >= 64:
+            for _ in range(7):
+                inflight.popleft()
+            inflight.popleft().block_until_ready()  # runs of one client on one device finish in order
+            done += 8
+            log.append((time.time(), done))
+    stop = time.time()
+    return {"go": go, "stop": stop, "log": log, "weight": float(os.environ.get("PWCTL_WEIGHT", "1"))}
+
+
 # ---------------------------------------------------------------------------------- transformer
 
 def transformer_spmd(cfg: dict[str, Any], steps: int, timed_steps: int) -> dict[str, Any]:
@@ -249,7 +277,8 @@ def transformer_pipeline(cfg: dict[str, Any], steps: int, timed_steps: int, micr
     return {"losses": losses, "tokens_per_s": timed_steps * c.batch * c.seq / dt, "step_ms": dt / timed_steps * 1e3}
 
 
-TASKS: dict[str, Any] = {"pipeline": pipeline, "tenant": tenant, "dispatch": dispatch}
+TASKS: dict[str, Any] = {"pipeline": pipeline, "tenant": tenant, "dispatch": dispatch,
+                         "weighted_tenant": weighted_tenant}
 
 
 def main() -> None:

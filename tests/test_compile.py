@@ -26,7 +26,7 @@ from pwctl.compile import (
     export_pmap,
     signature_key,
 )
-from server.worker.executable import from_proto_bytes, to_bytes
+from schemas.arrays import from_bytes, to_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,9 @@ WORKER = textwrap.dedent(
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
-    from server.worker.executable import ExecutableCache, from_proto_bytes, to_bytes, to_numpy
+    from schemas.arrays import from_bytes
+    from schemas.arrays import to_bytes, to_numpy
+    from server.worker.executable import ExecutableCache
 
     full = json.load(open(sys.argv[1]))
     spec = full["cases"]
@@ -97,7 +99,7 @@ WORKER = textwrap.dedent(
         ds = [devs[i] for i in case["devices"]]
         ex = cache.get_or_compile(case["id"], exported, ds, tuple(case["donate"]))
         assert cache.get_or_compile(case["id"], exported, ds, tuple(case["donate"])) is ex
-        inputs = [from_proto_bytes(dt, shape, bytes.fromhex(h)) for dt, shape, h in case["inputs"]]
+        inputs = [from_bytes(dt, shape, bytes.fromhex(h)) for dt, shape, h in case["inputs"]]
         placed = [jax.device_put(x, s) for x, s in zip(inputs, ex.in_shardings)]
         in_shards = [[s.device.id, [[i.start, i.stop] for i in s.index]]
                      for s in placed[0].addressable_shards]
@@ -116,7 +118,7 @@ WORKER = textwrap.dedent(
     b = cache.get_or_compile(spec["x2"]["id"], open(spec["x2"]["file"], "rb").read(), [devs[1], devs[0]])
     r = b(a([np.array([1.0, 2.0], np.float32)]))[0]
     out["chain"] = {"value": to_numpy(r).tolist(), "devices": sorted(d.id for d in r.devices())}
-    bf = jax.device_put(from_proto_bytes(*full["bf16"][:2], bytes.fromhex(full["bf16"][2])), devs[3])
+    bf = jax.device_put(from_bytes(*full["bf16"][:2], bytes.fromhex(full["bf16"][2])), devs[3])
     dt, shape, data = to_bytes(to_numpy(bf * 2))
     out["bf16"] = [dt, shape, data.hex()]
     out["cache_len"] = len(cache)
@@ -218,7 +220,7 @@ def test_cache_and_bf16_on_worker(worker_run):
     # one entry per (function, devices, donate); x2 on two extra slices for the chain check
     assert res["cache_len"] == len(fns) + 1
     dt, shape, data = res["bf16"]
-    got = from_proto_bytes(dt, shape, bytes.fromhex(data))
+    got = from_bytes(dt, shape, bytes.fromhex(data))
     assert dt == "bfloat16" and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got.astype(np.float32), [[3.0, -4.0], [6.0, 0.5]])
 
@@ -278,10 +280,10 @@ def test_bytes_round_trip():
     for arr in (np.array([[1.5, -2.0, 3.25]], dtype=jnp.bfloat16), np.arange(6, dtype=np.int8).reshape(2, 3),
                 np.array(True), np.zeros((0, 3), np.float32)):
         dt, shape, data = to_bytes(arr)
-        back = from_proto_bytes(dt, shape, memoryview(data))
+        back = from_bytes(dt, shape, memoryview(data))
         assert back.dtype == arr.dtype and back.shape == arr.shape
         np.testing.assert_array_equal(back, arr)
     with pytest.raises(ValueError, match="expected 8"):
-        from_proto_bytes("float32", [2], b"\x00" * 4)
+        from_bytes("float32", [2], b"\x00" * 4)
     with pytest.raises(ValueError, match="unknown dtype"):
-        from_proto_bytes("float99", [1], b"\x00")
+        from_bytes("float99", [1], b"\x00")

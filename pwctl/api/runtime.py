@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from schemas.arrays import c_order, dtype_name, from_bytes
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -28,7 +29,6 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..client import CHANNEL_OPTIONS, Client
 from ..errors import ConnectionFailed, PathwaysError, ProgramError
-from .arrays import c_order, dtype_name, numpy_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class WorkerConn:
         if head is None:
             return None, f"empty reply from {self.address}"
         data = parts[0] if len(parts) == 1 else b"".join(parts)
-        return numpy_from_bytes(head.dtype, list(head.shape), data).copy(), ""
+        return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
     def close(self) -> None:
         self._puts.put(_STOP)

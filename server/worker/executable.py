@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-__all__ = ["Executable", "ExecutableCache", "Runnable", "from_proto_bytes", "to_bytes", "to_numpy"]
+__all__ = ["Executable", "ExecutableCache", "Runnable"]
 
 _DEFAULT_AXIS = "_pw_devices"
 # Collectives in compiled (post-partitioning) HLO text.
@@ -240,32 +239,3 @@ class ExecutableCache:
         """Drop every entry."""
         with self._lock:
             self._entries.clear()
-
-
-def to_numpy(x: jax.Array) -> np.ndarray:
-    """The full global value of ``x`` as a numpy array (zero-copy read-only view on CPU)."""
-    return np.asarray(x)
-
-
-def _np_dtype(name: str) -> np.dtype[Any]:
-    try:
-        return np.dtype(jnp.dtype(name))
-    except TypeError as e:
-        raise ValueError(f"unknown dtype {name!r}") from e
-
-
-def from_proto_bytes(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> np.ndarray:
-    """Raw C-order bytes with a dtype name (incl. "bfloat16") and a shape -> a (read-only) ndarray."""
-    dt = _np_dtype(dtype)
-    shp = tuple(int(d) for d in shape)
-    n = math.prod(shp) * dt.itemsize
-    got = memoryview(data).nbytes
-    if got != n:
-        raise ValueError(f"{got} bytes for {dtype}{list(shp)}, expected {n}")
-    return np.frombuffer(data, dtype=dt).reshape(shp)
-
-
-def to_bytes(a: np.ndarray) -> tuple[str, list[int], bytes]:
-    """An array -> (dtype name, shape, raw C-order bytes); the inverse of ``from_proto_bytes``."""
-    arr = np.asarray(a)
-    return arr.dtype.name, [int(d) for d in arr.shape], arr.tobytes(order="C")

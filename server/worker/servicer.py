@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from grpc import aio
 
+from schemas.arrays import c_order, dtype_name, from_bytes, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .arrays import array_to_numpy, c_order, dtype_name, numpy_from_bytes
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
 from .transfer import CHUNK, from_shared_memory
@@ -23,7 +23,7 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     if first.shm_name:
         return from_shared_memory(first.shm_name, first.dtype, list(first.shape))
     data = parts[0] if len(parts) == 1 else b"".join(parts)
-    return numpy_from_bytes(first.dtype, list(first.shape), data)
+    return from_bytes(first.dtype, list(first.shape), data)
 
 
 class WorkerServicer(wgrpc.WorkerServicer):
@@ -51,7 +51,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         timeout = request.timeout_s or None
         try:
             value = await loop.run_in_executor(self._waiters, self.store.wait, request.buffer_id, timeout, False)
-            arr = await loop.run_in_executor(self._waiters, array_to_numpy, value)
+            arr = await loop.run_in_executor(self._waiters, to_numpy, value)
         except (BufferFailed, TimeoutError) as e:
             yield wpb.FetchChunk(error=str(e), last=True)
             return

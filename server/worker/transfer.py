@@ -15,11 +15,10 @@ from typing import Any
 import grpc
 import numpy as np
 
+from schemas.arrays import c_order, dtype_name, from_bytes, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
-
-from .arrays import array_to_numpy, c_order, dtype_name, numpy_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def to_shared_memory(arr: np.ndarray) -> str:
 def from_shared_memory(name: str, dtype: str, shape: list[int]) -> np.ndarray:
     shm = shared_memory.SharedMemory(name=name)
     try:
-        view = numpy_from_bytes(dtype, shape, shm.buf)
+        view = from_bytes(dtype, shape, shm.buf)
         out = view.copy()
         del view  # the segment cannot close while a view of it exists
         return out
@@ -138,7 +137,7 @@ class TransferSender:
 
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:
-            arr = array_to_numpy(value)
+            arr = to_numpy(value)
             if same_host and arr.nbytes >= SHM_MIN_BYTES:
                 name = to_shared_memory(arr)
                 msg = wpb.TransferChunk(

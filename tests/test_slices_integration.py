@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, LocalCluster, wait_for
 
 from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import controller_pb2 as cpb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -217,3 +218,14 @@ def test_lost_worker_remaps_or_degrades_and_recovers(lc: LocalCluster) -> None:
     assert mapping(s["big"]) == ids["a"] and s["big"]["state"] == "ready"
     assert s["pinned"]["state"] == "ready" and set(mapping(s["pinned"])) <= set(ids["b"])
     assert lc.hosts()["w-b"].state == pb.HOST_STATE_READY
+
+
+def test_client_owned_slices_go_with_a_controller_restart(cluster: LocalCluster) -> None:
+    """A client's session cannot survive a controller restart, so neither do its unnamed slices;
+    named slices stay."""
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(devices=1), owner="client:c9")
+        c.create_slice(cpb.SliceSpec(name="keep", devices=1))
+    cluster.restart_controller()
+    names = {s["name"] for s in cluster.pwctl_json("slice", "list")["items"]}
+    assert names == {"keep"}

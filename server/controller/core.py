@@ -72,6 +72,7 @@ class Controller:
 
     async def start(self) -> None:
         self.slices.load()  # before any host event: the cluster's listeners feed the resource manager
+        self.slices.release_clients()
         self.cluster.load()
         self.jobs.load()  # after the slices: releases what jobs of a crashed controller owned
         self.spawn(self.cluster.monitor())

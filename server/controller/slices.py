@@ -195,6 +195,16 @@ class SliceService:
         """Delete every slice a client or job owned (it disconnected or finished)."""
         self._handle(rm.ReleaseOwner(owner))
 
+    def release_clients(self) -> int:
+        """At start: client sessions do not survive a controller restart (and client ids start
+        over), so the slices they owned go. Job-owned slices are the job manager's to judge."""
+        owners = sorted({s.owner for s in self.rm.slices.values() if s.owner.startswith("client:")})
+        for owner in owners:
+            self.release_owner(owner)
+        if owners:
+            log.info("released the slices of %d client(s) of the previous controller", len(owners))
+        return len(owners)
+
     # ---------------------------------------------------------------------------- queries
 
     def slice_count(self) -> int:

@@ -15,8 +15,8 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import paths
+from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import upgrade_to_head
-from .auth import TokenInterceptor, load_or_create_token
 from .core import Controller, ControllerConfig
 from .servicer import ControllerServicer
 

@@ -24,6 +24,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import paths
+from ..auth import TokenInterceptor
 from .buffers import BufferStore
 from .config import WorkerConfig
 from .executor import Executor
@@ -75,11 +76,15 @@ class WorkerProcess:
     async def serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        server = aio.server(options=CHANNEL_OPTIONS)
+        host, _ = paths.split_address(self.config.listen)
+        # beyond loopback, uploads, fetches and peer transfers need the cluster's token too
+        interceptors = (
+            [TokenInterceptor(self.config.token)] if self.config.token and not paths.is_loopback(host) else []
+        )
+        server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         wgrpc.add_WorkerServicer_to_server(
             WorkerServicer(self.store, self.executor, self.config.name, self.config.island), server
         )
-        host, _ = paths.split_address(self.config.listen)
         port = server.add_insecure_port(self.config.listen)
         if port == 0:
             raise SystemExit(f"cannot listen on {self.config.listen}")

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from .. import paths
+from . import paths
 
 
 def load_or_create_token(path: Path | None = None) -> str:

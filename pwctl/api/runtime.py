@@ -28,7 +28,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..client import CHANNEL_OPTIONS, Client
-from ..errors import ConnectionFailed, PathwaysError, ProgramError
+from ..errors import ConnectionFailed, PathwaysError, ProgramError, from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +211,9 @@ class Runtime:
                 elif kind == "error":
                     self._session_error = ev.error
         except grpc.RpcError as e:
-            if not self.closed:
-                err = Client.__new__(Client)  # only for the address in the message
-                err.address = self.client.address
+            if not self._welcome.done():  # never connected: the usual one-line advice
+                self._session_error = str(from_rpc_error(e, self.client.address))
+            elif not self.closed:
                 self._session_error = (
                     f"lost the session with the server at {self.client.address}: {e.code().name.lower()} "
                     f"{e.details() or ''}".strip()

@@ -9,7 +9,7 @@ import traceback
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
-from . import devices, islands
+from . import cluster, devices, islands, jobs, server, slices, status, worker
 
 app = typer.Typer(
     name="pwctl",
@@ -32,25 +32,8 @@ def _root(
         os.environ["PWCTL_DEBUG"] = "1"
 
 
-islands.register(app)
-devices.register(app)
-
-
-def _register_optional() -> None:
-    """Nouns added module by module; each exposes register(app)."""
-    import importlib
-
-    for name in ("server", "worker", "cluster", "slices", "jobs", "status"):
-        try:
-            mod = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{name}":
-                raise
-            continue
-        mod.register(app)
-
-
-_register_optional()
+for noun in (cluster, jobs, status, islands, devices, server, worker, slices):
+    noun.register(app)  # one module per noun; the order is the help's
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from ..db.engine import make_engine, session_factory
 from ..scheduler import GangScheduler, Policy
 from ..timeutil import now_iso
-from .cluster import Cluster, HostInfo
+from .cluster import Cluster
 from .dispatch import Dispatcher
 from .errors import NotFound
 from .jobs import JobManager
@@ -122,9 +122,6 @@ class Controller:
         return self.slices.device_slice_count(device_id)
 
     # ---- worker events ----
-    def host_connected(self, info: HostInfo) -> None:
-        pass
-
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:
         self.dispatcher.node_events(host, events)
 

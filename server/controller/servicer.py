@@ -111,7 +111,6 @@ class ControllerServicer(cgrpc.ControllerServicer):
                 )
             )
         )
-        self.core.host_connected(info)
         reader = self.core.spawn(self._read_worker(reg.name, request_iterator, link))
         try:
             async for msg in link.messages():

@@ -219,10 +219,6 @@ class BufferStore:
             return must_exist
         return e.state != PENDING
 
-    def exists(self, buffer_id: int) -> bool:
-        with self._lock:
-            return buffer_id in self._entries
-
     def on_settled(self, buffer_id: int, cb: Callable[[], None]) -> None:
         """Calls cb (from whichever thread settles it) once the buffer is ready or failed."""
         with self._lock:

@@ -58,7 +58,6 @@ class Executor:
         devices: Sequence[Any],
         report: Callable[[list[cpb.NodeEvent]], None],
         sender: TransferSender,
-        same_host_ok: bool = True,
     ) -> None:
         self.store = store
         self.devices = list(devices)
@@ -70,7 +69,6 @@ class Executor:
         self._pending: dict[int, wpb.NodeExec] = {}
         self._next_seq = 1
         self._dropped: dict[int, str] = {}
-        self._epoch = 0
         self._inflight: dict[int, _Launched] = {}
         self._exes: dict[tuple[str, tuple[int, ...]], Executable] = {}
         self._fused: dict[Segment, FusedExecutable] = {}
@@ -102,7 +100,6 @@ class Executor:
             self._deferred.clear()
             self._pending.clear()
             self._next_seq = 1
-            self._epoch += 1
             self._cond.notify_all()
         for node in stale:
             self._fail_node(node, reason, report=False)

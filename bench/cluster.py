@@ -16,6 +16,7 @@ from typing import Any
 
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
+from pwctl.local import stop_children
 from schemas.pathways.v1 import common_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,17 +103,7 @@ class BenchCluster:
         return ""
 
     def close(self) -> None:
-        procs = [p for p in [*self.workers.values(), self.controller] if p is not None and p.poll() is None]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-        deadline = time.monotonic() + 5.0
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        stop_children(p for p in [*self.workers.values(), self.controller] if p is not None)
         for fh in self._logs:
             fh.close()
         self._tmp.cleanup()

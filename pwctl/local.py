@@ -130,6 +130,22 @@ def terminate(pids: Sequence[int], grace: float = STOP_GRACE_S) -> None:
     _wait_gone(left, 5.0)
 
 
+def stop_children(procs: Iterable[subprocess.Popen[Any]], grace: float = STOP_GRACE_S) -> None:
+    """Stops child processes started here: SIGTERM the live ones, SIGKILL what is left after
+    `grace` seconds, and reap them all (no zombies)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())

@@ -32,6 +32,7 @@ import pytest
 
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
+from pwctl.local import stop_children
 from schemas.pathways.v1 import common_pb2 as pb
 
 T = TypeVar("T")
@@ -307,17 +308,7 @@ class LocalCluster:
         procs = [w.proc for w in self.workers.values()]
         if self.controller is not None:
             procs.append(self.controller)
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-        deadline = time.monotonic() + 5.0
-        for p in live:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+        stop_children(procs)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -1,54 +1,106 @@
-"""Pure tests of how a run's consecutive nodes are planned into one fused segment."""
+"""Pure tests of how a placed program is cut into segments (the units of gang order) and of the
+structure a worker derives from a segment's definition to fuse it."""
 
 from __future__ import annotations
 
-from schemas.pathways.v1 import worker_pb2 as wpb
-from server.worker.fusion import fusable, plan_segment
+from schemas.pathways.v1 import controller_pb2 as cpb
+from server.controller.cluster import HostInfo
+from server.controller.programs import analyze
+from server.controller.segments import PROGRAM_INPUT, cut
+from server.worker.fusion import Segment
 
 
-def node(i: int, inputs: list[int], outputs: list[int], visible: list[bool] | None = None,
-         routes: list[int] | None = None, run: int = 1, devices: tuple[int, ...] = (0,)) -> wpb.NodeExec:
-    return wpb.NodeExec(run_id=run, node_index=i, seq=i + 1, function_id=f"f{i % 2}", local_devices=devices,
-                        input_ids=inputs, output_ids=outputs, output_visible=visible or [False] * len(outputs),
-                        routes=[wpb.OutputRoute(output_index=r, address="peer") for r in routes or []])
+def host(name: str, address: str, machine: str = "m") -> HostInfo:
+    return HostInfo(id=0, name=name, island=name, address=address, pid=1, kind="cpu", machine_id=machine,
+                    device_ids=[10, 11, 12, 13], state="ready")
 
 
-def test_chain_keeps_only_the_visible_output() -> None:
-    nodes = [node(0, [100], [1]), node(1, [1], [2]), node(2, [2], [3], visible=[True])]
-    plan = plan_segment(nodes, {1: 1, 2: 1, 3: 0})
-    assert plan.external_ids == [100]
-    assert plan.kept_ids == [3]
-    assert plan.internal_ids == [1, 2]
-    assert plan.reads == [100]
-    assert plan.segment.wiring == (((0, 0),), ((1, 0, 0),), ((1, 1, 0),))
-    assert plan.segment.keep == ((2, 0),)
+A, B = host("a", "a:1"), host("b", "b:1")
 
 
-def test_outputs_read_outside_or_routed_are_kept_and_their_internal_reads_released() -> None:
-    # node 0's output is read by node 1 (inside) and by a later node outside the segment
-    nodes = [node(0, [100, 101], [1]), node(1, [1, 100], [2], routes=[0])]
-    plan = plan_segment(nodes, {1: 2, 2: 1})
-    assert plan.external_ids == [100, 101]
-    assert plan.kept_ids == [1, 2]
-    assert plan.internal_ids == []
-    assert sorted(plan.reads) == [1, 100, 100, 101]
+def out(node: int, output: int = 0) -> cpb.ValueRef:
+    return cpb.ValueRef(node_output=cpb.NodeOutput(node=node, output=output))
 
 
-def test_structure_is_independent_of_buffer_ids() -> None:
-    a = plan_segment([node(0, [100], [1]), node(1, [1], [2], visible=[True])], {1: 1})
-    b = plan_segment([node(0, [900], [7]), node(1, [7], [8], visible=[True])], {7: 1})
-    assert a.segment == b.segment  # every run of a program reuses one fused executable
+def inp(i: int) -> cpb.ValueRef:
+    return cpb.ValueRef(program_input=i)
 
 
-def test_only_one_run_on_the_same_devices_fuses() -> None:
-    head = node(0, [100], [1])
-    assert fusable(head, node(1, [1], [2]))
-    assert not fusable(head, node(1, [1], [2], run=2))
-    assert not fusable(head, node(1, [1], [2], devices=(1,)))
+def graph(nodes: list[tuple[list[cpb.ValueRef], int]], outputs: list[cpb.ValueRef], num_inputs: int = 1,
+          collective: tuple[int, ...] = ()) -> cpb.ProgramGraph:
+    return cpb.ProgramGraph(
+        name="p", num_inputs=num_inputs, outputs=outputs,
+        nodes=[cpb.ProgramNode(function_id=f"f{i % 2}", slice="s", inputs=ins, num_outputs=n, name=f"n{i}",
+                               collective=i in collective) for i, (ins, n) in enumerate(nodes)])
 
 
-def test_nodes_with_a_node_elsewhere_between_them_do_not_fuse() -> None:
-    # a -> b -> a: nodes 0 and 2 have consecutive seqs here, but node 2 waits for node 1 (elsewhere)
-    n0, n2 = node(0, [100], [1], routes=[0]), node(2, [2], [3], visible=[True])
-    assert not fusable(n0, n2)
-    assert fusable(n0, node(1, [1], [2]))
+def plan(g: cpb.ProgramGraph, hosts: list[HostInfo], devices: list[list[int]] | None = None) -> list:
+    prog = analyze("p-1", g)
+    devices = devices or [[0]] * len(hosts)
+    return cut(prog, hosts, devices, [h.island for h in hosts])
+
+
+def test_a_chain_on_one_device_is_one_segment_returning_only_the_program_output() -> None:
+    g = graph([([inp(0)], 1), ([out(0)], 1), ([out(1)], 1)], [out(2)])
+    (seg,) = plan(g, [A, A, A])
+    assert (seg.first, seg.last, seg.size) == (0, 2, 3)
+    assert seg.inputs == [(PROGRAM_INPUT, 0)]
+    assert seg.outputs == [(2, 0)] and seg.client_outputs == [0] and seg.visible == [True]
+    assert seg.spec.index == 0 and seg.spec.deps == () and seg.spec.devices == (10,)
+    assert seg.definition.label == "p/0-2 (n0, n1, n2)"
+    s = Segment.of(seg.definition)
+    assert s.wiring == (((0, 0),), ((1, 0, 0),), ((1, 1, 0),))
+    assert s.keep == ((2, 0),) and s.num_inputs == 1 and not s.is_identity()
+
+
+def test_structure_is_independent_of_the_program() -> None:
+    g1 = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)])
+    g2 = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)])
+    g2.name = "other"
+    a, b = plan(g1, [A, A])[0], plan(g2, [A, A])[0]
+    assert Segment.of(a.definition) == Segment.of(b.definition)  # one fused executable for both
+
+
+def test_outputs_read_elsewhere_are_returned_and_routed() -> None:
+    # n0 (a) -> n1 (a) -> n2 (b) reads n0 and n1; n3 (a) reads n2 and n0
+    g = graph([([inp(0)], 1), ([out(0), inp(0)], 1), ([out(1), out(0)], 1), ([out(2), out(0)], 1)], [out(3)])
+    s0, s1, s2 = plan(g, [A, A, B, A])
+    assert (s0.first, s0.last, s1.first, s2.first) == (0, 1, 2, 3)
+    assert s0.outputs == [(0, 0), (1, 0)]
+    assert s0.client_outputs == [-1, -1] and s0.read_later_here == [True, False]
+    assert [(r.output_index, r.address) for r in s0.definition.routes] == [(0, "b:1"), (1, "b:1")]
+    assert all(r.same_host for r in s0.definition.routes)  # same machine id
+    assert s1.inputs == [(0, 1), (0, 0)] and s1.spec.deps == (0,)
+    assert s2.inputs == [(1, 0), (0, 0)] and s2.spec.deps == (0, 1)
+    # node 1 reads node 0 (inside) and the program input (external 0)
+    wiring = Segment.of(s0.definition).wiring
+    assert wiring == (((0, 0),), ((1, 0, 0), (0, 0)))
+
+
+def test_nodes_with_a_node_elsewhere_between_them_are_not_one_segment() -> None:
+    # a -> b -> a: one segment {0, 2} would wait for node 1, which waits for node 0 inside it
+    g = graph([([inp(0)], 1), ([out(0)], 1), ([out(1)], 1)], [out(2)])
+    assert [(s.first, s.last) for s in plan(g, [A, B, A])] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_other_devices_of_the_same_worker_start_a_new_segment() -> None:
+    g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)], collective=(1,))
+    s0, s1 = plan(g, [A, A], [[0], [0, 1]])
+    assert s1.spec.collective and not s0.spec.collective
+    assert s1.spec.devices == (10, 11) and s1.spec.deps == (0,)
+
+
+def test_a_single_node_reading_its_inputs_in_order_runs_as_its_executable() -> None:
+    g = graph([([inp(0), inp(1)], 2)], [out(0, 0), out(0, 1)], num_inputs=2)
+    (seg,) = plan(g, [A])
+    s = Segment.of(seg.definition)
+    assert s.is_identity() and seg.client_outputs == [0, 1]
+    # the same input twice is one external input read twice: not the executable's own signature
+    g2 = graph([([inp(0), inp(0)], 1)], [out(0)])
+    assert not Segment.of(plan(g2, [A])[0].definition).is_identity()
+
+
+def test_unused_outputs_are_not_returned() -> None:
+    g = graph([([inp(0)], 2), ([out(0, 0)], 1)], [out(1)])
+    (seg,) = plan(g, [A, A])
+    assert seg.outputs == [(1, 0)]

@@ -63,18 +63,19 @@ def fake_run(run_id: int, program: str, program_id: str, job: str = "", nodes: i
         run_id=run_id,
         session=session,
         program=SimpleNamespace(name=program, program_id=program_id),
-        plan=SimpleNamespace(labels=[f"{program}/{i} f{i}" for i in range(nodes)]),
+        plan=SimpleNamespace(segments=[SimpleNamespace(definition=SimpleNamespace(label=f"{program}/{i} f{i}"),
+                                                       size=1) for i in range(nodes)]),
     )
 
 
 def started(run: Any, node: int, start: int, devices: list[int]) -> tuple[cpb.NodeEvent, Any]:
-    ev = cpb.NodeEvent(run_id=run.run_id, node_index=node, seq=node, start_ns=start, local_devices=devices)
+    ev = cpb.NodeEvent(run_id=run.run_id, segment=node, seq=node, start_ns=start, local_devices=devices)
     return ev, run
 
 
 def finished(run: Any, node: int, start: int, end: int, devices: list[int], ok: bool = True,
              error: str = "") -> tuple[cpb.NodeEvent, Any]:
-    return cpb.NodeEvent(run_id=run.run_id, node_index=node, seq=node, start_ns=start, end_ns=end, ok=ok,
+    return cpb.NodeEvent(run_id=run.run_id, segment=node, seq=node, start_ns=start, end_ns=end, ok=ok,
                          error=error, local_devices=devices), run
 
 
@@ -187,10 +188,10 @@ def test_trace_builder_and_filters() -> None:
     assert threads[(h0, 0)] == "device 0 (id 10)" and threads[(h0, 1)] == "device 1 (id 11)"
     first = min(xs, key=lambda e: (e["ts"], e["dur"]))
     assert first["ts"] == 0 and first["dur"] == 1000.0 and first["name"] == "train_step/0 f0"
-    assert first["args"] == {"run_id": 1, "node": 0, "program": "train_step", "program_id": "p-1111",
+    assert first["args"] == {"run_id": 1, "segment": 0, "nodes": 1, "program": "train_step", "program_id": "p-1111",
                              "job": "job-7", "client": "c-1", "seq": 0, "ok": True}
     # node 1 of run 1 was launched with node 0: on the device it starts when node 0 ended
-    second = next(e for e in xs if e["args"]["run_id"] == 1 and e["args"]["node"] == 1 and e["tid"] == 0)
+    second = next(e for e in xs if e["args"]["run_id"] == 1 and e["args"]["segment"] == 1 and e["tid"] == 0)
     assert (second["ts"], second["dur"]) == (1000.0, 2000.0)
 
     assert len(json.loads(obs.trace(job="job"))["traceEvents"]) > 0  # unique prefix
@@ -226,10 +227,10 @@ def test_trace_builder_and_filters() -> None:
 
 def test_events_of_unknown_runs_are_kept() -> None:
     obs = Observer(fake_core(), ring_size=10)
-    obs.on_node_event("h0", cpb.NodeEvent(run_id=9, node_index=3, start_ns=S, end_ns=2 * S, ok=False,
+    obs.on_node_event("h0", cpb.NodeEvent(run_id=9, segment=3, start_ns=S, end_ns=2 * S, ok=False,
                                           error="dropped", local_devices=[0]), None)
     (rec,) = obs.records()
-    assert rec.label == "run 9 node 3" and rec.program_id == "" and rec.job == "" and rec.island == "a"
+    assert rec.label == "run 9 segment 3" and rec.program_id == "" and rec.job == "" and rec.island == "a"
 
 
 # ------------------------------------------------------------------ end to end
@@ -348,9 +349,11 @@ def test_trace_of_a_program(busy: LocalCluster, tmp_path: Path) -> None:
     assert "node runs" in r.stderr and "perfetto" in r.stderr.lower()
     doc = json.loads(out.read_text())
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    # 5 runs x 2 nodes x 2 devices (pmap over a 2-device slice)
-    assert len(xs) == 20
-    assert {e["name"] for e in xs} == {"step/0 double", "step/1 add_one"}
+    # 5 runs x 2 devices (pmap over a 2-device slice): a run's 2 nodes share their devices, so they
+    # run as one segment (one fused computation) and show as one span naming both
+    assert len(xs) == 10
+    assert {e["name"] for e in xs} == {"step/0-1 (double, add_one)"}
+    assert all(e["args"]["nodes"] == 2 for e in xs)
     assert all(e["dur"] >= 0 and e["args"]["program"] == "step" and e["args"]["ok"] for e in xs)
     names = thread_names(doc)
     assert len(names) == 2 and all(n.startswith("device ") for n in names.values())
@@ -364,7 +367,7 @@ def test_trace_of_a_program(busy: LocalCluster, tmp_path: Path) -> None:
     pid = xs[0]["args"]["program_id"]
     r = busy.pwctl("trace", pid[:10], "-o", "-")
     assert r.returncode == 0, r.stderr
-    assert len([e for e in json.loads(r.stdout)["traceEvents"] if e["ph"] == "X"]) == 20
+    assert len([e for e in json.loads(r.stdout)["traceEvents"] if e["ph"] == "X"]) == 10
 
     # the standalone calls are one-node programs named after their function
     standalone = busy.pwctl("trace", "double", "-o", str(tmp_path / "double.json"))
@@ -405,7 +408,7 @@ def test_trace_and_status_of_a_job(busy: LocalCluster, tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert f"of job {job}" in r.stderr
         xs = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
-        return xs if len(xs) == (20 + 3 * 2) * 2 else None
+        return xs if len(xs) == (20 + 3) * 2 else None  # a program's 2 nodes are one segment
 
     xs = wait_for(complete, 30, "every node run of the job in its trace", interval=0.5)
     assert {e["args"]["job"] for e in xs} == {job}

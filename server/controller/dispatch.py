@@ -1,11 +1,12 @@
 """The dispatcher: the I/O around the gang scheduler.
 
-A run of a registered program becomes a scheduler `RunSpec` (one node per sharded
-computation, whatever its number of shards). The scheduler's actions become worker
-messages: every node a worker takes part in, with its input and output buffer ids and
-where to send its outputs, leaves as ONE batched Enqueue per worker per flush, before
-any predecessor ran (parallel asynchronous dispatch). Messages to one worker keep their
-order, so a release never overtakes the enqueue that reads the buffer.
+A registered program, once placed, is cut into segments (`segments.py`: consecutive nodes on
+the same devices of one worker); each segment is registered on its worker once. A run becomes
+a scheduler `RunSpec` with one node per segment, and the scheduler's actions become worker
+messages: every segment a worker runs, as a `Task` naming the segment and the run's buffer
+ids, leaves as ONE batched Enqueue per worker per flush, before any predecessor ran (parallel
+asynchronous dispatch). Per-run work is per segment, not per program node. Messages to one
+worker keep their order, so a release never overtakes the enqueue that reads the buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..scheduler import (
 from .cluster import HostInfo
 from .errors import ControllerError
 from .programs import ProgramRecord
+from .segments import PROGRAM_INPUT, SegmentPlan, cut, same_machine
 
 if TYPE_CHECKING:
     from .core import Controller
@@ -56,14 +58,11 @@ RECENT_RUNS = 10_000
 
 @dataclass
 class Plan:
-    """Where a program's nodes run for one placement of its slices (cached per program)."""
+    """A program's segments for one placement of its slices (cached per program)."""
 
     key: tuple[Any, ...]
-    hosts: list[HostInfo]
-    devices: list[list[int]]
+    segments: list[SegmentPlan]
     specs: tuple[NodeSpec, ...]
-    routes: list[list[wpb.OutputRoute]]
-    labels: list[str]
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
 
 
@@ -75,12 +74,10 @@ class RunState:
     plan: Plan
     input_ids: list[int]
     input_homes: list[str]
-    buffers: list[list[int]]  # node -> its output buffer ids
-    visible: list[list[bool]]
+    buffers: list[list[int]]  # segment -> ids of its outputs
     submitted: float = field(default_factory=time.monotonic)
-    # sequential dispatch: intermediates a later node on the same host reads are kept by the worker
-    # (its reader is not enqueued yet, so the worker would free them); released when the run ends
-    held: list[list[bool]] | None = None
+    # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
+    # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
 
 
@@ -117,7 +114,9 @@ class Dispatcher:
         self.scheduler = scheduler
         self.runs: dict[int, RunState] = {}
         self._plans: dict[str, Plan] = {}
-        self._host_functions: dict[str, set[str]] = {}
+        self._host_functions: dict[str, set[str]] = {}  # host -> function ids it has
+        self._host_segments: dict[str, set[int]] = {}  # host -> segment ids registered there
+        self._segment_ids = itertools.count(1)
         self._ids = itertools.count(1)
         self._id_base = random.getrandbits(20) << 40 | (1 << 62)  # controller ids never meet client ids
         self._outbox = Outbox()
@@ -146,28 +145,11 @@ class Dispatcher:
             session.run_failed(run.run_id, str(e))
             return
         session.run_opened(run.run_id)
-        buffers: list[list[int]] = []
-        visible: list[list[bool]] = []
-        out_index = {key: k for k, key in enumerate(prog.outputs)}
-        for i, node in enumerate(graph.nodes):
-            ids, vis = [], []
-            for o in range(node.num_outputs):
-                k = out_index.get((i, o))
-                ids.append(run.output_ids[k] if k is not None else self._id_base | next(self._ids))
-                vis.append(k is not None)
-            buffers.append(ids)
-            visible.append(vis)
-        state = RunState(
-            run.run_id, session, prog, plan, list(run.input_ids), list(run.input_homes), buffers, visible
-        )
-        if session.sequential:
-            state.held = [
-                [not visible[i][o] and any(plan.hosts[r].name == plan.hosts[i].name
-                                           for r in prog.consumers.get((i, o), ()))
-                 for o in range(node.num_outputs)]
-                for i, node in enumerate(graph.nodes)
-            ]
-        self.runs[run.run_id] = state
+        out_ids = run.output_ids
+        buffers = [[out_ids[k] if k >= 0 else self._id_base | next(self._ids) for k in seg.client_outputs]
+                   for seg in plan.segments]
+        self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
+                                         list(run.input_homes), buffers)
         prog.runs += 1
         spec = RunSpec(
             run_id=run.run_id,
@@ -198,30 +180,30 @@ class Dispatcher:
         if plan is not None and plan.key == key:
             plan.epoch = epoch
             return plan
-        hosts = [placements[n.slice].host for n in graph.nodes]
-        devices = [list(placements[n.slice].local_devices) for n in graph.nodes]
-        specs = []
-        routes: list[list[wpb.OutputRoute]] = []
-        labels = []
-        for i, node in enumerate(graph.nodes):
-            label = f"{prog.name}/{i} {node.name}".strip()
-            labels.append(label)
-            specs.append(NodeSpec(index=i, host=hosts[i].name, island=placements[node.slice].island,
-                                  devices=tuple(hosts[i].device_ids[d] for d in devices[i]), collective=node.collective,
-                                  deps=prog.deps[i], label=label))
-            node_routes = []
-            for o in range(node.num_outputs):
-                seen = set()
-                for reader in prog.consumers.get((i, o), []):
-                    h = hosts[reader]
-                    if h.name != hosts[i].name and h.name not in seen:
-                        seen.add(h.name)
-                        node_routes.append(wpb.OutputRoute(output_index=o, address=h.address,
-                                                           same_host=_same_machine(h, hosts[i])))
-            routes.append(node_routes)
-        plan = Plan(key, hosts, devices, tuple(specs), routes, labels, epoch)
+        if plan is not None:
+            self._forget(plan)
+        nodes = [placements[n.slice] for n in graph.nodes]
+        segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
+                       self._segment_ids)
+        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch)
         self._plans[prog.program_id] = plan
         return plan
+
+    def forget_programs(self, program_ids: list[str]) -> None:
+        """Programs no client uses any more: their segments leave the workers."""
+        for pid in program_ids:
+            plan = self._plans.pop(pid, None)
+            if plan is not None:
+                self._forget(plan)
+        self.flush()
+
+    def _forget(self, plan: Plan) -> None:
+        for seg in plan.segments:
+            sid = seg.definition.segment_id
+            known = self._host_segments.get(seg.host.name)
+            if known is not None and sid in known:
+                known.discard(sid)
+                self._outbox.enqueue(seg.host.name).forget_segments.append(sid)
 
     # ---- scheduler I/O ----
     def handle(self, event: Event) -> None:
@@ -243,52 +225,50 @@ class Dispatcher:
         if host is None:
             return
         enq = self._outbox.enqueue(host.name)
-        known = self._host_functions.setdefault(host.name, set())
+        functions = self._host_functions.setdefault(host.name, set())
+        segments = self._host_segments.setdefault(host.name, set())
         sends: dict[str, list[tuple[int, str]]] = {}
         for d in action.nodes:
             run = self.runs.get(d.run_id)
             if run is None:
                 continue
-            graph = run.program.graph
-            node = graph.nodes[d.node_index]
-            if node.function_id not in known:
-                f = self.core.registry.functions[node.function_id]
-                enq.functions.append(wpb.FunctionBlob(function_id=f.function_id, exported=f.exported,
-                                                      name=f.name, donate=list(f.donate)))
-                known.add(node.function_id)
+            seg = run.plan.segments[d.node_index]
+            definition = seg.definition
+            if definition.segment_id not in segments:
+                for n in definition.nodes:
+                    if n.function_id not in functions:
+                        f = self.core.registry.functions[n.function_id]
+                        enq.functions.append(wpb.FunctionBlob(function_id=f.function_id, exported=f.exported,
+                                                              name=f.name, donate=list(f.donate)))
+                        functions.add(n.function_id)
+                enq.segments.append(definition)
+                segments.add(definition.segment_id)
             inputs = []
-            for ref in node.inputs:
-                if ref.WhichOneof("source") == "program_input":
-                    bid = run.input_ids[ref.program_input]
-                    home = run.input_homes[ref.program_input]
+            for source, k in seg.inputs:
+                if source == PROGRAM_INPUT:
+                    bid = run.input_ids[k]
+                    home = run.input_homes[k]
                     if home and home != host.address:
                         sends.setdefault(home, []).append((bid, host.address))
                     inputs.append(bid)
                 else:
-                    inputs.append(run.buffers[ref.node_output.node][ref.node_output.output])
-            enq.nodes.append(
-                wpb.NodeExec(
-                    run_id=d.run_id,
-                    node_index=d.node_index,
-                    seq=d.seq,
-                    function_id=node.function_id,
-                    local_devices=run.plan.devices[d.node_index],
-                    input_ids=inputs,
-                    output_ids=run.buffers[d.node_index],
-                    routes=run.plan.routes[d.node_index],
-                    collective=node.collective,
-                    output_visible=_keep(run, d.node_index, host.address),
-                    owner=run.session.owner,
-                    label=run.plan.labels[d.node_index],
-                )
-            )
+                    inputs.append(run.buffers[source][k])
+            outputs = run.buffers[d.node_index]
+            visible = seg.visible
+            if run.session.sequential and any(seg.read_later_here):
+                visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
+                run.held_ids.setdefault(host.address, []).extend(
+                    b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
+            enq.tasks.append(wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
+                                      segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
+                                      output_visible=visible, owner=run.session.owner))
         for home, items in sends.items():
             src = self.core.cluster.host_by_address(home)
             if src is None:
                 continue
             out = self._outbox.enqueue(src.name)
             for bid, dest in dict.fromkeys(items):
-                out.sends.append(wpb.BufferSend(buffer_id=bid, address=dest, same_host=_same_machine(src, host)))
+                out.sends.append(wpb.BufferSend(buffer_id=bid, address=dest, same_host=same_machine(src, host)))
 
     def _finished(self, a: RunFinished) -> None:
         run = self.runs.pop(a.run_id, None)
@@ -343,15 +323,15 @@ class Dispatcher:
                 for cb in self.node_listeners:
                     cb(host, ev, run)
             if ev.end_ns == 0:
-                batch.append(NodeStarted(ev.run_id, ev.node_index, now))
+                batch.append(NodeStarted(ev.run_id, ev.segment, now))
                 continue
             busy_from = ev.start_ns
             for d in ev.local_devices:
                 key = (host, d)
                 busy_from = max(busy_from, last_end.get(key, 0))
                 last_end[key] = ev.end_ns
-            self.computations += 1
-            batch.append(NodeFinished(ev.run_id, ev.node_index, ev.ok, ev.error,
+            self.computations += segment_size(self.runs.get(ev.run_id), ev.segment)
+            batch.append(NodeFinished(ev.run_id, ev.segment, ev.ok, ev.error,
                                       max(0, ev.end_ns - busy_from) / 1e9, now))
         self.handle(Batch(tuple(batch), now))
         self.flush()
@@ -359,12 +339,14 @@ class Dispatcher:
     def host_up(self, host: HostInfo) -> None:
         self._host_epoch += 1
         self._host_functions.pop(host.name, None)
+        self._host_segments.pop(host.name, None)
         self.handle(HostUp(host.name, time.monotonic()))
         self.flush()
 
     def host_lost(self, host: HostInfo, reason: str) -> None:
         self._host_epoch += 1
         self._host_functions.pop(host.name, None)
+        self._host_segments.pop(host.name, None)
         self.handle(HostLost(host.name, time.monotonic()))
         self.flush()
 
@@ -377,15 +359,8 @@ class Dispatcher:
         self.flush()
 
 
-def _keep(run: RunState, index: int, address: str) -> list[bool]:
-    """The outputs the worker keeps after the node ran: the client's, and in sequential dispatch
-    those a later node on the same worker reads (recorded, to release when the run ends)."""
-    if run.held is None or not any(run.held[index]):
-        return run.visible[index]
-    held = run.held[index]
-    run.held_ids.setdefault(address, []).extend(b for b, h in zip(run.buffers[index], held, strict=True) if h)
-    return [v or h for v, h in zip(run.visible[index], held, strict=True)]
-
-
-def _same_machine(a: HostInfo, b: HostInfo) -> bool:
-    return bool(a.machine_id) and a.machine_id == b.machine_id
+def segment_size(run: RunState | None, segment: int) -> int:
+    """Program nodes in a run's segment (1 when the run is gone)."""
+    if run is None or not 0 <= segment < len(run.plan.segments):
+        return 1
+    return run.plan.segments[segment].size

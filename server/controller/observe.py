@@ -36,6 +36,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import now_iso
 from .cluster import READY
+from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
 
 if TYPE_CHECKING:
@@ -150,7 +151,8 @@ class NodeRun:
     island: str
     devices: tuple[int, ...]  # local device indexes on `host`
     run_id: int
-    node_index: int
+    segment: int  # the run's segment (one or more program nodes on the same devices)
+    size: int  # program nodes in it
     seq: int
     program_id: str
     program: str
@@ -214,10 +216,10 @@ class Observer:
         try:
             self._node_event(host, ev, run)
         except Exception:
-            log.exception("observer: cannot record node event %s/%s from %s", ev.run_id, ev.node_index, host)
+            log.exception("observer: cannot record node event %s/%s from %s", ev.run_id, ev.segment, host)
 
     def _node_event(self, host: str, ev: cpb.NodeEvent, run: RunState | None) -> None:
-        key = (ev.run_id, ev.node_index)
+        key = (ev.run_id, ev.segment)
         label = _label(ev, run)
         acts = [self._device(host, d) for d in ev.local_devices]
         if ev.end_ns == 0:
@@ -227,8 +229,9 @@ class Observer:
         busy_from = max([ev.start_ns] + [a.last_end_ns for a in acts])
         for a in acts:
             a.finished(key, busy_from, ev.end_ns)
-        self.computations_total += 1
-        self._rate.add_point(ev.end_ns)
+        size = segment_size(run, ev.segment)
+        self.computations_total += size
+        self._rate.add_point(ev.end_ns, size)
         h = self.core.cluster.hosts.get(host)
         session = run.session if run is not None else None
         rec = NodeRun(
@@ -236,7 +239,8 @@ class Observer:
             island=h.island if h is not None else "",
             devices=tuple(ev.local_devices),
             run_id=ev.run_id,
-            node_index=ev.node_index,
+            segment=ev.segment,
+            size=size,
             seq=ev.seq,
             program_id=run.program.program_id if run is not None else "",
             program=run.program.name if run is not None else "",
@@ -428,9 +432,9 @@ class Observer:
 
 
 def _label(ev: cpb.NodeEvent, run: RunState | None) -> str:
-    if run is not None and 0 <= ev.node_index < len(run.plan.labels):
-        return run.plan.labels[ev.node_index]
-    return f"run {ev.run_id} node {ev.node_index}"
+    if run is not None and 0 <= ev.segment < len(run.plan.segments):
+        return run.plan.segments[ev.segment].definition.label
+    return f"run {ev.run_id} segment {ev.segment}"
 
 
 def _resolve(name: str, candidates: list[str], what: str) -> str | None:
@@ -465,7 +469,7 @@ class TraceBuilder:
             pid = self.pids.setdefault((r.island, r.host), len(self.pids) + 1)
             ts = round((r.start_ns - origin) / 1000, 3)
             dur = round(max(0, r.end_ns - r.start_ns) / 1000, 3)
-            args: dict[str, Any] = {"run_id": r.run_id, "node": r.node_index, "program": r.program,
+            args: dict[str, Any] = {"run_id": r.run_id, "segment": r.segment, "nodes": r.size, "program": r.program,
                                     "program_id": r.program_id, "job": r.job, "client": r.client,
                                     "seq": r.seq, "ok": r.ok}
             if r.error:

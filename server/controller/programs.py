@@ -120,12 +120,16 @@ class ProgramRegistry:
         rec.owners.add(owner)
         return rec
 
-    def drop_owner(self, owner: str) -> None:
+    def drop_owner(self, owner: str) -> list[str]:
+        """Forgets `owner`; returns the ids of the programs nobody owns any more (dropped)."""
+        dropped = []
         for pid in [p for p, r in self.programs.items() if owner in r.owners]:
             rec = self.programs[pid]
             rec.owners.discard(owner)
             if not rec.owners:
                 del self.programs[pid]
+                dropped.append(pid)
+        return dropped
 
     def slice_users(self, slice_name: str) -> list[ProgramRecord]:
         return [r for r in self.programs.values() if slice_name in r.slices]

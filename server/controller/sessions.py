@@ -204,7 +204,7 @@ class SessionManager:
         for host in self.core.cluster.ready_hosts():
             if host.link is not None:
                 host.link.send(cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner=owner)))
-        self.core.registry.drop_owner(owner)
+        self.core.dispatcher.forget_programs(self.core.registry.drop_owner(owner))
         try:
             self.core.slices.release_owner(owner)
         except ControllerError as e:

@@ -1,15 +1,16 @@
-"""The worker's executor: runs enqueued nodes in gang order on its devices.
+"""The worker's executor: runs enqueued tasks in gang order on its devices.
 
-One thread launches nodes strictly in the order of their per-host sequence numbers
-(the island's gang order), never from gRPC handler threads (FACTS.md: JAX blocks the
-launching thread when ~32 computations are in flight). A launch waits only for its
-inputs; results are stored as JAX arrays still being computed, so computations
-without collectives pipeline through JAX's async dispatch. A computation with a
-collective starts only after everything in flight on its devices completed: on CPU,
-two collective computations in flight at once deadlock.
+A task is one run's execution of a registered segment (consecutive program nodes on the same
+devices; see server/controller/segments.py) and holds one seq of this worker's gang order.
+One thread launches tasks strictly in seq order (the island's gang order), never from gRPC
+handler threads (FACTS.md: JAX blocks the launching thread when ~32 computations are in
+flight). A launch waits only for its inputs; results are stored as JAX arrays still being
+computed, so computations without collectives pipeline through JAX's async dispatch. A
+computation with a collective starts only after everything in flight on its devices
+completed: on CPU, two collective computations in flight at once deadlock.
 
-A second thread waits for completions in launch order, sends outputs to consumers on
-other workers, and reports node events (batched by the caller of `report`).
+A second thread waits for completions in launch order, sends outputs to consumers on other
+workers, and reports one event per task (batched by the caller of `report`).
 """
 
 from __future__ import annotations
@@ -32,20 +33,61 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferFailed, BufferStore
 from .executable import Executable, ExecutableCache
-from .fusion import MAX_SEGMENT, FusedExecutable, Segment, fusable, plan_segment
+from .fusion import FusedExecutable, NodeFailed, Segment, run_unfused
 from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
 
-_SKIP = wpb.NodeExec(label="skipped")  # placeholder for a seq that will never be sent
+
+class _Skip:
+    """A seq given to a task that will never be sent: it counts as done."""
+
+
+_SKIP = _Skip()
+
+
+@dataclass
+class SegmentInfo:
+    """A registered segment and what the worker derives from it once."""
+
+    definition: wpb.SegmentDef
+    structure: Segment
+    labels: list[str]
+    routes: list[wpb.OutputRoute]
+    communicates: bool | None = None  # known once its executables exist
+    runner: Callable[[Sequence[Any]], list[Any]] | None = None
+    fused: bool = False  # runner is a fused executable whose first launch has not succeeded yet
+    error: str = ""  # why it cannot run (compile error), once known
+
+    @classmethod
+    def of(cls, d: wpb.SegmentDef) -> SegmentInfo:
+        return cls(d, Segment.of(d), [n.label for n in d.nodes], list(d.routes))
+
+    @property
+    def label(self) -> str:
+        return self.definition.label
+
+    @property
+    def size(self) -> int:
+        return len(self.definition.nodes)
+
+
+@dataclass
+class _Task:
+    run_id: int
+    segment: int
+    seq: int
+    input_ids: list[int]
+    output_ids: list[int]
+    info: SegmentInfo | None  # None: the segment was never registered here (reported at launch)
+    label: str
 
 
 @dataclass
 class _Launched:
-    """One launch: a single node, or a fused segment of consecutive nodes of one run."""
-
-    nodes: list[wpb.NodeExec]
-    values: dict[int, Any]  # output buffer id -> array (what was stored or must be sent)
+    task: _Task
+    info: SegmentInfo
+    values: list[Any]  # one per output id
     start_ns: int
     devices: frozenset[int]
     reported_start: bool = False
@@ -65,25 +107,24 @@ class Executor:
         self.sender = sender
         self.cache = ExecutableCache()
         self._functions: dict[str, wpb.FunctionBlob] = {}
+        self._segments: dict[int, SegmentInfo] = {}
         self._cond = threading.Condition()
-        self._pending: dict[int, wpb.NodeExec] = {}
+        self._pending: dict[int, _Task | _Skip] = {}
         self._next_seq = 1
         self._dropped: dict[int, str] = {}
         self._inflight: dict[int, _Launched] = {}
         self._exes: dict[tuple[str, tuple[int, ...]], Executable] = {}
         self._fused: dict[Segment, FusedExecutable] = {}
-        self._fused_ok: set[Segment] = set()
-        self._unfusable: set[Segment] = set()
-        # PATHWAYS_FUSE=0 launches every node on its own (debugging, benchmarks)
+        # PATHWAYS_FUSE=0 runs a segment's nodes one by one (debugging, benchmarks)
         self.fuse = os.environ.get("PATHWAYS_FUSE", "1") != "0"
-        self._busy_until: dict[frozenset[int], int] = {}
-        self._deferred: dict[int, list[wpb.NodeExec]] = {}  # units waiting for an input (launch thread only)
-        self._ready: list[int] = []  # deferred units whose inputs all arrived (under _cond)
-        self._next_token = 0  # device set -> end of its last batch (ns)
+        self._busy_until: dict[frozenset[int], int] = {}  # device set -> end of its last batch (ns)
+        self._deferred: dict[int, _Task] = {}  # tasks waiting for an input (launch thread only)
+        self._ready: list[int] = []  # deferred tasks whose inputs all arrived (under _cond)
+        self._next_token = 0
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
-        self.recent_order: deque[tuple[int, int, int]] = deque(maxlen=1000)  # (run, node, seq)
+        self.recent_order: deque[tuple[int, int, int]] = deque(maxlen=1000)  # (run, segment, seq)
         self._threads = [
             threading.Thread(target=self._launch_loop, name="pw-executor", daemon=True),
             threading.Thread(target=self._complete_loop, name="pw-completer", daemon=True),
@@ -93,39 +134,54 @@ class Executor:
 
     # ---- called from the controller link (event loop thread) ----
     def reset(self, reason: str) -> None:
-        """A new registration: sequence numbers restart; work of the old epoch fails."""
+        """A new registration: sequence numbers restart, segment ids are the new controller's;
+        work of the old epoch fails."""
         with self._cond:
-            stale = [n for n in self._pending.values() if n is not _SKIP]
-            stale += [n for unit in list(self._deferred.values()) for n in unit]
+            stale = [t for t in self._pending.values() if isinstance(t, _Task)]
+            stale += list(self._deferred.values())
             self._deferred.clear()
             self._pending.clear()
+            self._segments.clear()
             self._next_seq = 1
             self._cond.notify_all()
-        for node in stale:
-            self._fail_node(node, reason, report=False)
+        for task in stale:
+            self._fail(task, reason, report=False)
 
     def submit(self, enq: wpb.Enqueue) -> None:
         for blob in enq.functions:
             self._functions[blob.function_id] = blob
+        for d in enq.segments:
+            try:
+                self._segments[d.segment_id] = SegmentInfo.of(d)
+            except ValueError as e:
+                log.error("bad segment definition: %s", e)
         with self._cond:
-            for node in enq.nodes:
-                for i, out in enumerate(node.output_ids):
-                    visible = i < len(node.output_visible) and node.output_visible[i]
-                    self.store.expect(out, node.owner, visible)
-                for inp in node.input_ids:
-                    self.store.add_consumer(inp, node.owner)
-                for route in node.routes:
-                    self.store.add_consumer(node.output_ids[route.output_index], node.owner)
-                self._pending[node.seq] = node
+            for t in enq.tasks:
+                info = self._segments.get(t.segment_id)
+                task = _Task(t.run_id, t.segment, t.seq, list(t.input_ids), list(t.output_ids), info,
+                             info.label if info is not None else f"segment {t.segment}")
+                owner = t.owner
+                visible = t.output_visible
+                for i, out in enumerate(task.output_ids):
+                    self.store.expect(out, owner, i < len(visible) and visible[i])
+                for inp in task.input_ids:
+                    self.store.add_consumer(inp, owner)
+                if info is not None:
+                    for route in info.routes:
+                        if route.output_index < len(task.output_ids):
+                            self.store.add_consumer(task.output_ids[route.output_index], owner)
+                self._pending[t.seq] = task
             self._cond.notify_all()
+        for sid in enq.forget_segments:  # after the tasks above took their definitions
+            self._segments.pop(sid, None)
         for send in enq.sends:
             self.store.add_consumer(send.buffer_id)
             self.store.on_settled(send.buffer_id, functools.partial(self._send_buffer, send))
 
     def drop(self, run_ids: Sequence[int], reason: str, skipped_seqs: Sequence[int] = ()) -> None:
-        """Fails the nodes of these runs that have not run, unblocking any wait on them.
+        """Fails the tasks of these runs that have not run, unblocking any wait on them.
 
-        `skipped_seqs` were assigned to nodes that will never be sent: they count as done.
+        `skipped_seqs` were assigned to tasks that will never be sent: they count as done.
         """
         with self._cond:
             for seq in skipped_seqs:
@@ -134,13 +190,13 @@ class Executor:
             self._cond.notify_all()
             for r in run_ids:
                 self._dropped[r] = reason
-            victims = [n for n in self._pending.values() if n is not _SKIP and n.run_id in self._dropped]
-            victims += [n for unit in list(self._deferred.values()) for n in unit if n.run_id in self._dropped]
+            victims = [t for t in self._pending.values() if isinstance(t, _Task) and t.run_id in self._dropped]
+            victims += [t for t in list(self._deferred.values()) if t.run_id in self._dropped]
             if len(self._dropped) > 10_000:
                 for r in list(self._dropped)[:5_000]:
                     del self._dropped[r]
-        for node in victims:
-            for inp in node.input_ids:
+        for task in victims:
+            for inp in task.input_ids:
                 self.store.fail(inp, reason)
 
     def stop(self) -> None:
@@ -161,72 +217,58 @@ class Executor:
                 while self._next_seq in self._pending:
                     batch.append(self._pending.pop(self._next_seq))
                     self._next_seq += 1
-            for token in ready:  # deferred units whose inputs arrived
-                unit = self._deferred.pop(token, None)
-                if unit is not None:
-                    self._launch_unit(unit)
-            i = 0
-            while i < len(batch):
-                node = batch[i]
-                i += 1
-                if node is _SKIP:
+            for token in ready:  # deferred tasks whose inputs arrived
+                deferred = self._deferred.pop(token, None)
+                if deferred is not None:
+                    self._launch_safely(deferred)
+            for task in batch:
+                if not isinstance(task, _Task):
                     continue
-                dropped = self._dropped.get(node.run_id)
+                dropped = self._dropped.get(task.run_id)
                 if dropped is not None:
-                    self._fail_node(node, dropped)
-                    continue
-                unit = [node]
-                if self.fuse:
-                    while (i < len(batch) and len(unit) < MAX_SEGMENT and batch[i] is not _SKIP
-                           and fusable(unit[-1], batch[i]) and self._blob_ok(batch[i])):
-                        unit.append(batch[i])
-                        i += 1
-                if self._communicates(unit):
+                    self._fail(task, dropped)
+                elif self._communicates(task):
                     self._barrier()  # collectives keep the gang order exactly
-                    self._launch_unit(unit)
-                elif not self._defer_if_waiting(unit):
-                    self._launch_unit(unit)
+                    self._launch_safely(task)
+                elif not self._defer_if_waiting(task):
+                    self._launch_safely(task)
 
-    def _launch_unit(self, unit: list[wpb.NodeExec]) -> None:
+    def _launch_safely(self, task: _Task) -> None:
         try:
-            if len(unit) > 1 and self._blob_ok(unit[0]) and self._launch_segment(unit):
-                return
-            for n in unit:
-                self._launch(n)
+            self._launch(task)
         except Exception as e:  # a bug here must not kill the worker
-            log.exception("launching %s failed", unit[0].label)
-            for n in unit:
-                self._fail_node(n, f"{type(e).__name__}: {e}")
+            log.exception("launching %s failed", task.label)
+            self._fail(task, f"{type(e).__name__}: {e}")
 
-    # Gang order binds computations that communicate: a unit with a collective starts only
-    # after every earlier unit was launched (and, in _drain, completed on its devices). A
-    # unit without one only reads buffers, so when an input has not arrived yet (a transfer
-    # from another island) it is set aside and launched when the input lands, and the
-    # units behind it go on: micro-batches of a pipeline overlap instead of queueing behind
-    # each other's transfers. Every wait still points to an earlier unit of the global
-    # order, so this cannot deadlock either.
-    def _communicates(self, unit: list[wpb.NodeExec]) -> bool:
-        for n in unit:
-            if n.collective:
-                return True
-            if n.function_id not in self._functions:
-                continue
-            try:
-                if self._executable(n).has_collectives:
-                    return True
-            except Exception:
-                continue  # its launch reports the compile error
-        return False
+    # Gang order binds computations that communicate: a task with a collective starts only
+    # after every earlier task was launched (and, in _drain, completed on its devices). A task
+    # without one only reads buffers, so when an input has not arrived yet (a transfer from
+    # another island) it is set aside and launched when the input lands, and the tasks behind
+    # it go on: micro-batches of a pipeline overlap instead of queueing behind each other's
+    # transfers. Every wait still points to an earlier task of the global order, so this
+    # cannot deadlock either.
+    def _communicates(self, task: _Task) -> bool:
+        info = task.info
+        if info is None:
+            return False
+        if info.communicates is None:
+            if info.definition.collective:
+                info.communicates = True
+            else:
+                try:
+                    info.communicates = any(self._executable(fid, info.structure.devices).has_collectives
+                                            for fid in info.structure.function_ids)
+                except Exception:
+                    return False  # its launch reports the compile error
+        return info.communicates
 
-    def _defer_if_waiting(self, unit: list[wpb.NodeExec]) -> bool:
-        produced = {o for n in unit for o in n.output_ids}
-        needed = [b for n in unit for b in n.input_ids if b not in produced]
-        missing = self.store.pending_of(needed)
+    def _defer_if_waiting(self, task: _Task) -> bool:
+        missing = self.store.pending_of(task.input_ids)
         if not missing:
             return False
         token = self._next_token
         self._next_token += 1
-        self._deferred[token] = unit
+        self._deferred[token] = task
         left = [len(missing)]
         lock = threading.Lock()
 
@@ -244,7 +286,7 @@ class Executor:
         return True
 
     def _barrier(self) -> None:
-        """Launches every deferred unit (waiting for their inputs) before a collective."""
+        """Launches every deferred task (waiting for their inputs) before a collective."""
         while self._deferred:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or bool(self._ready))
@@ -252,12 +294,9 @@ class Executor:
                     return
                 ready, self._ready = self._ready, []
             for token in ready:
-                unit = self._deferred.pop(token, None)
-                if unit is not None:
-                    self._launch_unit(unit)
-
-    def _inputs(self, node: wpb.NodeExec) -> list[Any]:
-        return self._inputs_of(node.run_id, node.input_ids)
+                task = self._deferred.pop(token, None)
+                if task is not None:
+                    self._launch_safely(task)
 
     def _inputs_of(self, run_id: int, input_ids: Sequence[int]) -> list[Any]:
         """Input values, waiting for those still pending (re-checking for a drop)."""
@@ -275,101 +314,99 @@ class Executor:
             values = self.store.ready_values(input_ids)
         return values
 
-    def _launch(self, node: wpb.NodeExec) -> None:
+    def _launch(self, task: _Task) -> None:
+        info = task.info
+        if info is None:
+            self._fail(task, "its segment was never registered on this worker")
+            return
+        if len(task.input_ids) != info.structure.num_inputs or len(task.output_ids) != len(info.structure.keep):
+            self._fail(task, f"the task has {len(task.input_ids)} inputs and {len(task.output_ids)} outputs; "
+                             f"its segment takes {info.structure.num_inputs} and gives {len(info.structure.keep)}")
+            return
         try:
-            inputs = self._inputs(node)
+            inputs = self._inputs_of(task.run_id, task.input_ids)
         except BufferFailed as e:
-            self._fail_node(node, f"an input failed: {e}")
-            return
-        blob = self._functions.get(node.function_id)
-        if blob is None:
-            self._fail_node(node, f"function {node.function_id[:12]} was never sent to this worker")
+            self._fail(task, f"an input failed: {e}")
             return
         try:
-            exe = self._executable(node)
+            runner = self._runner(info)
         except Exception as e:
-            self._fail_node(node, f"cannot compile {blob.name or node.function_id[:12]}: {e}")
+            self._fail(task, str(e))
             return
-        dev_set = frozenset(node.local_devices)
-        if exe.has_collectives or node.collective:
-            self._drain(dev_set)
+        devices = frozenset(info.structure.devices)
+        if info.communicates:
+            self._drain(devices)
         start = time.time_ns()
         try:
-            outputs = exe(inputs)
+            values = runner(inputs)
         except Exception as e:
-            self._fail_node(node, f"{type(e).__name__}: {e}")
+            if info.fused:  # its first launch: maybe it does not fuse; run its nodes one by one
+                log.info("fused segment %s failed (%s); running its nodes one by one", info.label, e)
+                self._fused.pop(info.structure, None)
+                info.runner, info.fused = self._unfused_runner(info), False
+                self._launch(task)
+                return
+            self._fail(task, str(e) if isinstance(e, NodeFailed) else f"{type(e).__name__}: {e}")
             return
-        self.store.launched(node.output_ids, outputs, node.input_ids)
-        launched = _Launched([node], dict(zip(node.output_ids, outputs, strict=False)), start, dev_set)
+        info.fused = False  # it launched: from now on a failure is the computation's, not fusion's
+        self.store.launched(task.output_ids, values, task.input_ids)
+        launched = _Launched(task, info, values, start, devices)
         self._inflight[id(launched)] = launched
         self._done_q.put(launched)
 
-    def _blob_ok(self, node: wpb.NodeExec) -> bool:
-        blob = self._functions.get(node.function_id)
-        return blob is not None and not blob.donate
+    def _runner(self, info: SegmentInfo) -> Callable[[Sequence[Any]], list[Any]]:
+        """How the segment runs: its node's executable, a fused executable, or node by node."""
+        if info.runner is not None:
+            return info.runner
+        seg = info.structure
+        exes = []
+        for fid, label in zip(seg.function_ids, info.labels, strict=True):
+            blob = self._functions.get(fid)
+            if blob is None:
+                raise RuntimeError(f"{label}: function {fid[:12]} was never sent to this worker")
+            try:
+                exes.append(self._executable(fid, seg.devices))
+            except Exception as e:
+                raise RuntimeError(f"{label}: cannot compile {blob.name or fid[:12]}: {e}") from e
+        if len(exes) == 1 and seg.is_identity() and len(seg.keep) == len(exes[0].out_avals):
+            info.runner = exes[0]
+        elif self.fuse and len(exes) > 1 and not any(e.donate for e in exes):
+            fused = self._fused.get(seg)
+            if fused is None:
+                try:
+                    fused = FusedExecutable(seg, exes)
+                except Exception as e:
+                    log.info("not fusing %s: %s", info.label, e)
+            if fused is not None:
+                if len(self._fused) > 1024:
+                    self._fused.clear()
+                self._fused[seg] = fused
+                info.runner, info.fused = fused, True
+        if info.runner is None:
+            info.runner = self._unfused_runner(info, exes)
+        return info.runner
 
-    def _executable(self, node: wpb.NodeExec) -> Executable:
-        key = (node.function_id, tuple(node.local_devices))
+    def _unfused_runner(self, info: SegmentInfo, exes: list[Executable] | None = None
+                        ) -> Callable[[Sequence[Any]], list[Any]]:
+        if exes is None:
+            exes = [self._executable(fid, info.structure.devices) for fid in info.structure.function_ids]
+        return functools.partial(run_unfused, info.structure, exes, info.labels)
+
+    def _executable(self, function_id: str, local_devices: tuple[int, ...]) -> Executable:
+        key = (function_id, local_devices)
         exe = self._exes.get(key)
         if exe is None:
-            blob = self._functions[node.function_id]
-            devices = [self.devices[i] for i in node.local_devices]
-            exe = self.cache.get_or_compile(node.function_id, blob.exported, devices, tuple(blob.donate))
+            blob = self._functions[function_id]
+            devices = [self.devices[i] for i in local_devices]
+            exe = self.cache.get_or_compile(function_id, blob.exported, devices, tuple(blob.donate))
             if len(self._exes) > 4096:
                 self._exes.clear()
             self._exes[key] = exe
         return exe
 
-    def _launch_segment(self, nodes: list[wpb.NodeExec]) -> bool:
-        """Runs consecutive nodes of one run as one computation. False: run them one by one."""
-        outputs = [o for n in nodes for o in n.output_ids]
-        plan = plan_segment(nodes, self.store.consumer_counts(outputs))
-        fused = self._fused.get(plan.segment)
-        if fused is None:
-            if plan.segment in self._unfusable:
-                return False
-            try:
-                fused = FusedExecutable(plan.segment, [self._executable(n) for n in nodes])
-            except Exception as e:
-                log.info("not fusing %d nodes of %s: %s", len(nodes), nodes[0].label, e)
-                self._unfusable.add(plan.segment)
-                return False
-            self._fused[plan.segment] = fused
-            if len(self._fused) > 1024:
-                self._fused.clear()
-        try:
-            inputs = self._inputs_of(nodes[0].run_id, plan.external_ids)
-        except BufferFailed as e:
-            for n in nodes:
-                self._fail_node(n, f"an input failed: {e}")
-            return True
-        dev_set = frozenset(nodes[0].local_devices)
-        if fused.has_collectives or any(n.collective for n in nodes):
-            self._drain(dev_set)
-        start = time.time_ns()
-        try:
-            values = fused(inputs)
-        except Exception as e:
-            if plan.segment not in self._fused_ok:  # first use: maybe it does not fuse
-                log.info("fused segment of %s failed (%s); running its nodes one by one", nodes[0].label, e)
-                self._fused.pop(plan.segment, None)
-                self._unfusable.add(plan.segment)
-                return False
-            for n in nodes:
-                self._fail_node(n, f"{type(e).__name__}: {e}")
-            return True
-        self._fused_ok.add(plan.segment)
-        self.store.discard(plan.internal_ids)
-        self.store.launched(plan.kept_ids, values, plan.reads)
-        launched = _Launched(list(nodes), dict(zip(plan.kept_ids, values, strict=True)), start, dev_set)
-        self._inflight[id(launched)] = launched
-        self._done_q.put(launched)
-        return True
-
     def _drain(self, devices: frozenset[int]) -> None:
         """Waits for every in-flight computation that touches these devices."""
-        busy = [list(launched.values.values()) for launched in list(self._inflight.values())
-                if launched.devices & devices]
+        busy = [launched.values for launched in list(self._inflight.values()) if launched.devices & devices]
         for outs in busy:
             try:
                 jax.block_until_ready(outs)
@@ -377,34 +414,35 @@ class Executor:
                 pass  # its own completion reports the failure
 
     def stale_starts(self, older_than_s: float) -> list[cpb.NodeEvent]:
-        """'Started' events for nodes running longer than `older_than_s` (for hang
-        detection); quick nodes only ever report their completion."""
+        """'Started' events for tasks running longer than `older_than_s` (for hang
+        detection); quick tasks only ever report their completion."""
         cutoff = time.time_ns() - int(older_than_s * 1e9)
         out = []
         for launched in list(self._inflight.values()):
             if launched.start_ns < cutoff and not launched.reported_start:
                 launched.reported_start = True
-                for n in launched.nodes:
-                    out.append(cpb.NodeEvent(run_id=n.run_id, node_index=n.node_index, seq=n.seq,
-                                             start_ns=launched.start_ns, local_devices=n.local_devices))
+                t = launched.task
+                out.append(cpb.NodeEvent(run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=launched.start_ns,
+                                         local_devices=launched.info.structure.devices))
         return out
 
-    def _fail_node(self, node: wpb.NodeExec, error: str, report: bool = True) -> None:
-        label = node.label or f"node {node.node_index}"
-        message = error if error.startswith(label) else f"{label}: {error}"
-        for out in node.output_ids:
+    def _fail(self, task: _Task, error: str, report: bool = True) -> None:
+        message = error if error.startswith(task.label) or _names_a_node(task, error) else f"{task.label}: {error}"
+        for out in task.output_ids:
             self.store.fail(out, message)
-        for inp in node.input_ids:
+        for inp in task.input_ids:
             self.store.consumer_done(inp)
-        for route in node.routes:
-            out_id = node.output_ids[route.output_index]
-            self.sender.send_error(out_id, route, message)
-            self.store.consumer_done(out_id)
+        routes = task.info.routes if task.info is not None else []
+        for route in routes:
+            if route.output_index < len(task.output_ids):
+                out_id = task.output_ids[route.output_index]
+                self.sender.send_error(out_id, route, message)
+                self.store.consumer_done(out_id)
         if report:
             now = time.time_ns()
-            self.report([cpb.NodeEvent(run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                                       start_ns=now, end_ns=now, ok=False, error=message,
-                                       local_devices=node.local_devices)])
+            devices = task.info.structure.devices if task.info is not None else ()
+            self.report([cpb.NodeEvent(run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=now,
+                                       end_ns=now, ok=False, error=message, local_devices=devices)])
 
     # ---- completion thread ----
     def _complete_loop(self) -> None:
@@ -426,27 +464,27 @@ class Executor:
 
     def _finish(self, batch: list[_Launched]) -> None:
         try:
-            jax.block_until_ready([list(launched.values.values()) for launched in batch])
+            jax.block_until_ready([launched.values for launched in batch])
             errors: list[str] = [""] * len(batch)
         except Exception:
             errors = []
             for launched in batch:  # find which ones failed
                 try:
-                    jax.block_until_ready(list(launched.values.values()))
+                    jax.block_until_ready(launched.values)
                     errors.append("")
                 except Exception as e:
-                    errors.append(f"{launched.nodes[0].label}: {type(e).__name__}: {e}")
+                    errors.append(f"{launched.task.label}: {type(e).__name__}: {e}")
         end = time.time_ns()
-        # One wait completed the whole batch, so per-node times are not known: split the time the
-        # batch's devices were busy evenly over its nodes, in launch order, per device set (the
-        # controller charges device time from these spans; giving it all to the batch's first
-        # node would bill one client for everyone's work and break proportional share).
+        # One wait completed the whole batch, so per-task times are not known: split the time the
+        # batch's devices were busy over its tasks by their node counts, in launch order, per device
+        # set (the controller charges device time from these spans; giving it all to the batch's first
+        # task would bill one client for everyone's work and break proportional share).
         span_start: dict[frozenset[int], int] = {}
         counts: dict[frozenset[int], int] = {}
         for launched in batch:
             d = launched.devices
             span_start[d] = min(span_start.get(d, launched.start_ns), launched.start_ns)
-            counts[d] = counts.get(d, 0) + len(launched.nodes)
+            counts[d] = counts.get(d, 0) + launched.info.size
         cursor: dict[frozenset[int], float] = {}
         steps: dict[frozenset[int], float] = {}
         for d, first in span_start.items():
@@ -456,28 +494,27 @@ class Executor:
         events = []
         for launched, error in zip(batch, errors, strict=True):
             self._inflight.pop(id(launched), None)
-            nodes = launched.nodes
-            step = steps[launched.devices]
-            for node in nodes:
-                if error:
-                    for out in node.output_ids:
-                        self.store.fail(out, error)
-                for route in node.routes:
-                    out_id = node.output_ids[route.output_index]
-                    value = launched.values.get(out_id)
-                    if not error and value is not None:
-                        self.sender.send(out_id, value, route.address, route.same_host,
-                                         functools.partial(self.store.consumer_done, out_id))
-                    else:
-                        self.sender.send_error(out_id, route, error or "output missing")
-                        self.store.consumer_done(out_id)
-                self.recent_order.append((node.run_id, node.node_index, node.seq))
-                events.append(cpb.NodeEvent(
-                    run_id=node.run_id, node_index=node.node_index, seq=node.seq,
-                    start_ns=int(cursor[launched.devices]), end_ns=int(cursor[launched.devices] + step),
-                    ok=not error, error=error, local_devices=node.local_devices))
-                cursor[launched.devices] += step
-            self.nodes_executed += len(nodes)
+            task, info = launched.task, launched.info
+            if error:
+                for out in task.output_ids:
+                    self.store.fail(out, error)
+            for route in info.routes:
+                out_id = task.output_ids[route.output_index]
+                value = launched.values[route.output_index]
+                if not error:
+                    self.sender.send(out_id, value, route.address, route.same_host,
+                                     functools.partial(self.store.consumer_done, out_id))
+                else:
+                    self.sender.send_error(out_id, route, error)
+                    self.store.consumer_done(out_id)
+            self.recent_order.append((task.run_id, task.segment, task.seq))
+            d = launched.devices
+            span = steps[d] * info.size
+            events.append(cpb.NodeEvent(
+                run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=int(cursor[d]),
+                end_ns=int(cursor[d] + span), ok=not error, error=error, local_devices=info.structure.devices))
+            cursor[d] += span
+            self.nodes_executed += info.size
         self.report(events)
 
     def _send_buffer(self, send: wpb.BufferSend) -> None:
@@ -489,3 +526,7 @@ class Executor:
             return
         self.sender.send(send.buffer_id, value, send.address, send.same_host,
                          lambda: self.store.consumer_done(send.buffer_id))
+
+
+def _names_a_node(task: _Task, error: str) -> bool:
+    return task.info is not None and any(error.startswith(label + ":") for label in task.info.labels)

@@ -1,12 +1,12 @@
-"""Fusing a run's consecutive nodes into one XLA computation.
+"""Running a registered segment: its nodes' exported functions, fused or one by one.
 
-A run is admitted atomically, so the nodes it has on one host occupy consecutive seqs of
-that host's gang order. When consecutive nodes of one run also share their devices, the
-worker may execute them as ONE computation (each node's exported function called in
-order inside one jit) without changing what any device sees or in which order: one
-launch instead of one per node, and intermediates that never leave the segment are never
-materialized as buffers. Fused executables are cached by the segment's structure
-(functions and wiring), so every run of a program reuses the same one.
+A segment (see server/controller/segments.py) is consecutive nodes of a program on the same
+devices; it holds one seq of the worker's gang order. The worker executes it as ONE XLA
+computation (each node's exported function called in order inside one jit): one launch
+instead of one per node, and values that never leave the segment are never materialized.
+Fused executables are cached by the segment's structure (functions and wiring), so every run
+of a program, and every program with the same structure, reuses the same one. A segment
+that cannot be fused (a node donates an input, or fusing fails) runs its nodes one by one.
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .executable import Executable, Runnable
 
-MAX_SEGMENT = 512
-
 
 @dataclass(frozen=True)
 class Segment:
-    """The wiring of consecutive nodes of one run, in buffer-id-free terms.
+    """A segment's structure, free of buffer ids and of the program it came from.
 
     `wiring[k]` lists node k's inputs: (0, i) = external input i, (1, m, j) = output j of
-    segment node m. `keep` lists the (node, output) pairs the segment returns: outputs the
-    client holds, that go to other workers, or that later nodes outside it read.
+    segment node m. `keep` lists the (node, output) pairs the segment returns.
     """
 
     function_ids: tuple[str, ...]
@@ -38,61 +35,50 @@ class Segment:
     keep: tuple[tuple[int, int], ...]
     devices: tuple[int, ...]
 
+    @property
+    def num_inputs(self) -> int:
+        return 1 + max((w[1] for ws in self.wiring for w in ws if w[0] == 0), default=-1)
 
-@dataclass
-class SegmentPlan:
-    segment: Segment
-    external_ids: list[int]  # buffer ids of the external inputs, in order
-    reads: list[int]  # buffer ids whose consumer count the segment's launch releases
-    internal_ids: list[int]  # outputs used only inside the segment (never stored)
-    kept_ids: list[int]
+    @classmethod
+    def of(cls, d: wpb.SegmentDef) -> Segment:
+        wiring = []
+        for n in d.nodes:
+            if len(n.input_outputs) != len(n.inputs):
+                raise ValueError(f"segment {d.label!r}: malformed wiring")
+            wiring.append(tuple((0, i) if i >= 0 else (1, -1 - i, j)
+                                for i, j in zip(n.inputs, n.input_outputs, strict=True)))
+        for k, ws in enumerate(wiring):
+            if any(w[0] == 1 and not 0 <= w[1] < k for w in ws):
+                raise ValueError(f"segment {d.label!r}: node {k} reads a node that is not before it")
+        return cls(
+            function_ids=tuple(n.function_id for n in d.nodes),
+            wiring=tuple(wiring),
+            keep=tuple((o.node, o.output) for o in d.outputs),
+            devices=tuple(d.local_devices),
+        )
+
+    def is_identity(self) -> bool:
+        """One node that reads the external inputs in order and returns all its outputs in order:
+        the node's executable is the segment (checked against its output count by the caller)."""
+        return (len(self.wiring) == 1 and self.wiring[0] == tuple((0, i) for i in range(len(self.wiring[0])))
+                and [j for _, j in self.keep] == list(range(len(self.keep))))
 
 
-def plan_segment(nodes: Sequence[wpb.NodeExec], consumers: dict[int, int]) -> SegmentPlan:
-    """Derives a segment's structure. `consumers[b]` is how many enqueued readers buffer b
-    has in the store: an output read more often than inside the segment must be kept."""
-    produced: dict[int, tuple[int, int]] = {}
-    ext_pos: dict[int, int] = {}
-    external: list[int] = []
-    internal_reads: dict[int, int] = {}
-    wiring = []
-    reads: list[int] = []
-    for k, n in enumerate(nodes):
-        w: list[tuple[int, ...]] = []
-        for b in n.input_ids:
-            if b in produced:
-                w.append((1, *produced[b]))
-                internal_reads[b] = internal_reads.get(b, 0) + 1
-            else:
-                if b not in ext_pos:
-                    ext_pos[b] = len(external)
-                    external.append(b)
-                w.append((0, ext_pos[b]))
-                reads.append(b)
-        wiring.append(tuple(w))
-        for j, o in enumerate(n.output_ids):
-            produced[o] = (k, j)
-    keep: list[tuple[int, int]] = []
-    kept: list[int] = []
-    internal: list[int] = []
-    for k, n in enumerate(nodes):
-        routed = {r.output_index for r in n.routes}
-        for j, o in enumerate(n.output_ids):
-            visible = j < len(n.output_visible) and n.output_visible[j]
-            inside = internal_reads.get(o, 0)
-            if visible or j in routed or consumers.get(o, 0) > inside:
-                keep.append((k, j))
-                kept.append(o)
-                reads.extend([o] * inside)  # its internal reads were counted as consumers
-            else:
-                internal.append(o)
-    seg = Segment(
-        function_ids=tuple(n.function_id for n in nodes),
-        wiring=tuple(wiring),
-        keep=tuple(keep),
-        devices=tuple(nodes[0].local_devices),
-    )
-    return SegmentPlan(seg, external, reads, internal, kept)
+def run_unfused(segment: Segment, exes: Sequence[Executable], labels: Sequence[str],
+                ext: Sequence[Any]) -> list[Any]:
+    """Calls the nodes one by one (each launch asynchronous); errors name the failing node."""
+    outs: list[list[Any]] = []
+    for exe, ws, label in zip(exes, segment.wiring, labels, strict=True):
+        args = [ext[w[1]] if w[0] == 0 else outs[w[1]][w[2]] for w in ws]
+        try:
+            outs.append(exe(args))
+        except Exception as e:
+            raise NodeFailed(f"{label}: {type(e).__name__}: {e}") from e
+    return [outs[k][j] for k, j in segment.keep]
+
+
+class NodeFailed(RuntimeError):
+    """A node of an unfused segment failed to launch; the message names it."""
 
 
 class FusedExecutable(Runnable):
@@ -101,7 +87,7 @@ class FusedExecutable(Runnable):
     def __init__(self, segment: Segment, exes: Sequence[Executable]) -> None:
         self.segment = segment
         self.exes = list(exes)
-        n_ext = 1 + max((w[1] for ws in segment.wiring for w in ws if w[0] == 0), default=-1)
+        n_ext = segment.num_inputs
         in_avals: list[Any] = [None] * n_ext
         in_shardings: list[Any] = [None] * n_ext
         for k, ws in enumerate(segment.wiring):
@@ -130,12 +116,3 @@ class FusedExecutable(Runnable):
     @property
     def name(self) -> str:
         return f"fused[{len(self.exes)}]"
-
-
-def fusable(prev: wpb.NodeExec, node: wpb.NodeExec) -> bool:
-    """Whether `node` may join a segment ending with `prev`: the next node of the same run (by node
-    index, not only by seq) on the same devices. Consecutive seqs are not enough: with nodes 0 and 2
-    of a run on this host and node 1 elsewhere (a -> b -> a), node 2 waits for node 1, which waits
-    for node 0; fused, the segment would wait for an input that only its own first node produces."""
-    return (node.run_id == prev.run_id and node.local_devices == prev.local_devices
-            and node.node_index == prev.node_index + 1)

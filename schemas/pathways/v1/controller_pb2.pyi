@@ -346,12 +346,12 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class NodeEvent(_message.Message):
-    """A node's execution as the worker saw it (batched, off the hot path)."""
+    """A segment's execution (one Task) as the worker saw it (batched, off the hot path)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
-    NODE_INDEX_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     START_NS_FIELD_NUMBER: _builtins.int
     END_NS_FIELD_NUMBER: _builtins.int
@@ -359,7 +359,8 @@ class NodeEvent(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     LOCAL_DEVICES_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
-    node_index: _builtins.int
+    segment: _builtins.int
+    """Task.segment"""
     seq: _builtins.int
     start_ns: _builtins.int
     """wall clock (time.time_ns)"""
@@ -372,7 +373,7 @@ class NodeEvent(_message.Message):
         self,
         *,
         run_id: _builtins.int = ...,
-        node_index: _builtins.int = ...,
+        segment: _builtins.int = ...,
         seq: _builtins.int = ...,
         start_ns: _builtins.int = ...,
         end_ns: _builtins.int = ...,
@@ -382,7 +383,7 @@ class NodeEvent(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_ns", b"end_ns", "error", b"error", "local_devices", b"local_devices", "node_index", b"node_index", "ok", b"ok", "run_id", b"run_id", "seq", b"seq", "start_ns", b"start_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_ns", b"end_ns", "error", b"error", "local_devices", b"local_devices", "ok", b"ok", "run_id", b"run_id", "segment", b"segment", "seq", b"seq", "start_ns", b"start_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -205,9 +205,10 @@ class WorkerStats(_message.Message):
     executables: _builtins.int
     """compiled functions cached"""
     nodes_executed: _builtins.int
+    """program nodes (a segment counts its nodes)"""
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """recent "run_id:node_index@seq", oldest first"""
+        """recent "run_id:segment@seq", oldest first"""
 
     def __init__(
         self,
@@ -261,72 +262,175 @@ class OutputRoute(_message.Message):
 Global___OutputRoute: _TypeAlias = OutputRoute  # noqa: Y015
 
 @_typing.final
-class NodeExec(_message.Message):
-    """One computation to run, with its place in the island's gang order."""
+class SegmentDef(_message.Message):
+    """A segment: consecutive nodes of a program that run on the same devices of one worker
+    (often the whole program). It is the unit of the island's gang order (one seq per run),
+    registered on the worker once per program placement; a run then names it by id, so the
+    per-run message and the per-run bookkeeping do not grow with the number of nodes.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    RUN_ID_FIELD_NUMBER: _builtins.int
-    NODE_INDEX_FIELD_NUMBER: _builtins.int
-    SEQ_FIELD_NUMBER: _builtins.int
-    FUNCTION_ID_FIELD_NUMBER: _builtins.int
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
     LOCAL_DEVICES_FIELD_NUMBER: _builtins.int
-    INPUT_IDS_FIELD_NUMBER: _builtins.int
-    OUTPUT_IDS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
     COLLECTIVE_FIELD_NUMBER: _builtins.int
-    OUTPUT_VISIBLE_FIELD_NUMBER: _builtins.int
-    OWNER_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
-    run_id: _builtins.int
-    node_index: _builtins.int
-    seq: _builtins.int
-    """position in the island's gang order"""
-    function_id: _builtins.str
-    """content hash of the jax.export bytes"""
+    segment_id: _builtins.int
+    """controller-chosen, unique per worker registration"""
     collective: _builtins.bool
-    """must not be pipelined (FACTS.md)"""
-    owner: _builtins.str
-    """"client:<id>" or "job:<id>" """
+    """a node communicates: must not be pipelined (FACTS.md)"""
     label: _builtins.str
-    """human name, e.g. "p-3/node 2 (mlp_stage)" """
+    """human name, e.g. "train/0-3 (fwd, bwd, ...)" """
     @_builtins.property
     def local_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """worker-local device indices, in slice order"""
 
     @_builtins.property
-    def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentNode]:
+        """in program order"""
+
     @_builtins.property
-    def output_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentOutput]:
+        """what the segment returns: the rest stays inside"""
+
     @_builtins.property
-    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___OutputRoute]: ...
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___OutputRoute]:
+        """output_index indexes `outputs`"""
+
+    def __init__(
+        self,
+        *,
+        segment_id: _builtins.int = ...,
+        local_devices: _abc.Iterable[_builtins.int] | None = ...,
+        nodes: _abc.Iterable[Global___SegmentNode] | None = ...,
+        outputs: _abc.Iterable[Global___SegmentOutput] | None = ...,
+        routes: _abc.Iterable[Global___OutputRoute] | None = ...,
+        collective: _builtins.bool = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "label", b"label", "local_devices", b"local_devices", "nodes", b"nodes", "outputs", b"outputs", "routes", b"routes", "segment_id", b"segment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentDef: _TypeAlias = SegmentDef  # noqa: Y015
+
+@_typing.final
+class SegmentNode(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FUNCTION_ID_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    INPUT_OUTPUTS_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    function_id: _builtins.str
+    """content hash of the jax.export bytes"""
+    label: _builtins.str
+    """"program/index name" """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per flat input: >= 0 is the segment's external input of that index; < 0 is
+        output `input_outputs[k]` of the segment's node `-1 - inputs[k]`.
+        """
+
+    @_builtins.property
+    def input_outputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        function_id: _builtins.str = ...,
+        inputs: _abc.Iterable[_builtins.int] | None = ...,
+        input_outputs: _abc.Iterable[_builtins.int] | None = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_id", b"function_id", "input_outputs", b"input_outputs", "inputs", b"inputs", "label", b"label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentNode: _TypeAlias = SegmentNode  # noqa: Y015
+
+@_typing.final
+class SegmentOutput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    node: _builtins.int
+    """index within the segment"""
+    output: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.int = ...,
+        output: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "output", b"output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentOutput: _TypeAlias = SegmentOutput  # noqa: Y015
+
+@_typing.final
+class Task(_message.Message):
+    """One run's execution of a registered segment, with its place in the gang order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    INPUT_IDS_FIELD_NUMBER: _builtins.int
+    OUTPUT_IDS_FIELD_NUMBER: _builtins.int
+    OUTPUT_VISIBLE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.int
+    segment: _builtins.int
+    """the segment's index within its run's plan"""
+    seq: _builtins.int
+    """position in this worker's gang order"""
+    segment_id: _builtins.int
+    owner: _builtins.str
+    """"client:<id>" or "job:<id>" """
+    @_builtins.property
+    def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the segment's external inputs"""
+
+    @_builtins.property
+    def output_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one per SegmentDef.outputs"""
+
     @_builtins.property
     def output_visible(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """per output: held for the client until released"""
+        """per output: held (for the client) until released"""
 
     def __init__(
         self,
         *,
         run_id: _builtins.int = ...,
-        node_index: _builtins.int = ...,
+        segment: _builtins.int = ...,
         seq: _builtins.int = ...,
-        function_id: _builtins.str = ...,
-        local_devices: _abc.Iterable[_builtins.int] | None = ...,
+        segment_id: _builtins.int = ...,
         input_ids: _abc.Iterable[_builtins.int] | None = ...,
         output_ids: _abc.Iterable[_builtins.int] | None = ...,
-        routes: _abc.Iterable[Global___OutputRoute] | None = ...,
-        collective: _builtins.bool = ...,
         output_visible: _abc.Iterable[_builtins.bool] | None = ...,
         owner: _builtins.str = ...,
-        label: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "function_id", b"function_id", "input_ids", b"input_ids", "label", b"label", "local_devices", b"local_devices", "node_index", b"node_index", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "routes", b"routes", "run_id", b"run_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "run_id", b"run_id", "segment", b"segment", "segment_id", b"segment_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___NodeExec: _TypeAlias = NodeExec  # noqa: Y015
+Global___Task: _TypeAlias = Task  # noqa: Y015
 
 @_typing.final
 class FunctionBlob(_message.Message):
@@ -394,16 +498,14 @@ class Enqueue(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FUNCTIONS_FIELD_NUMBER: _builtins.int
-    NODES_FIELD_NUMBER: _builtins.int
     SENDS_FIELD_NUMBER: _builtins.int
     RELEASE_IDS_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    FORGET_SEGMENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def functions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FunctionBlob]:
         """bytes this worker has not seen yet"""
-
-    @_builtins.property
-    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeExec]:
-        """in gang order"""
 
     @_builtins.property
     def sends(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferSend]: ...
@@ -413,17 +515,31 @@ class Enqueue(_message.Message):
         enqueues before it travel in one message instead of two).
         """
 
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentDef]:
+        """definitions this worker has not seen yet"""
+
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
+        """in gang order"""
+
+    @_builtins.property
+    def forget_segments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """definitions no program uses any more"""
+
     def __init__(
         self,
         *,
         functions: _abc.Iterable[Global___FunctionBlob] | None = ...,
-        nodes: _abc.Iterable[Global___NodeExec] | None = ...,
         sends: _abc.Iterable[Global___BufferSend] | None = ...,
         release_ids: _abc.Iterable[_builtins.int] | None = ...,
+        segments: _abc.Iterable[Global___SegmentDef] | None = ...,
+        tasks: _abc.Iterable[Global___Task] | None = ...,
+        forget_segments: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["functions", b"functions", "nodes", b"nodes", "release_ids", b"release_ids", "sends", b"sends"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_segments", b"forget_segments", "functions", b"functions", "release_ids", b"release_ids", "segments", b"segments", "sends", b"sends", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -130,6 +130,8 @@ def test_concurrent_collectives_keep_one_gang_order(cluster: LocalCluster, tmp_p
         assert got[-1] >= last + 2 * 100
         last = got[-1]
         assert worker_stats(cluster, "w-a").nodes_executed >= 2 * 2 * 100 * (round_ + 1)
+    # the clients are gone, so are their programs: the worker forgets their segments
+    wait_for(lambda: worker_stats(cluster, "w-a").segments == 0, 30, "the worker to forget the segments")
 
 
 # ------------------------------------------------------------------------------------ dispatch

@@ -178,6 +178,10 @@ class Executor:
             self.store.add_consumer(send.buffer_id)
             self.store.on_settled(send.buffer_id, functools.partial(self._send_buffer, send))
 
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
     def drop(self, run_ids: Sequence[int], reason: str, skipped_seqs: Sequence[int] = ()) -> None:
         """Fails the tasks of these runs that have not run, unblocking any wait on them.
 

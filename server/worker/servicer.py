@@ -109,4 +109,5 @@ class WorkerServicer(wgrpc.WorkerServicer):
             executables=len(self.executor.cache),
             nodes_executed=self.executor.nodes_executed,
             executed_order=[f"{r}:{n}@{q}" for r, n, q in list(self.executor.recent_order)],
+            segments=self.executor.segment_count,
         )

@@ -197,6 +197,7 @@ class WorkerStats(_message.Message):
     EXECUTABLES_FIELD_NUMBER: _builtins.int
     NODES_EXECUTED_FIELD_NUMBER: _builtins.int
     EXECUTED_ORDER_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -206,6 +207,8 @@ class WorkerStats(_message.Message):
     """compiled functions cached"""
     nodes_executed: _builtins.int
     """program nodes (a segment counts its nodes)"""
+    segments: _builtins.int
+    """registered segments (programs in use place them)"""
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -220,10 +223,11 @@ class WorkerStats(_message.Message):
         executables: _builtins.int = ...,
         nodes_executed: _builtins.int = ...,
         executed_order: _abc.Iterable[_builtins.str] | None = ...,
+        segments: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

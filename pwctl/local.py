@@ -38,6 +38,7 @@ from .errors import ConnectionFailed, InvalidArgument, NotFound, PathwaysError, 
 CONTROLLER_MODULE = "server.controller"
 WORKER_MODULE = "server.worker"
 POLL_S = 0.05
+READY_POLL_S = 0.02  # waiting for a starting controller or workers: every poll is cheap
 CONTROLLER_START_TIMEOUT_S = 20.0
 WORKER_READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
@@ -285,7 +286,7 @@ def _wait_controller(proc: subprocess.Popen[bytes], log_offset: int, db: str,
             raise PathwaysError(
                 f"the controller (pid {proc.pid}) did not answer within {timeout:g} s (log: {log_path})"
             )
-        time.sleep(POLL_S)
+        time.sleep(READY_POLL_S)
 
 
 def start_controller(
@@ -492,7 +493,7 @@ def wait_workers_ready(
                     f"workers not ready after {timeout:g} s: {names} (logs in {paths.logs_dir()})"
                 )
             if pending:
-                time.sleep(POLL_S)
+                time.sleep(READY_POLL_S)
     finally:
         if client is not None:
             client.close()

@@ -122,6 +122,21 @@ WORKER = textwrap.dedent(
     dt, shape, data = to_bytes(to_numpy(bf * 2))
     out["bf16"] = [dt, shape, data.hex()]
     out["cache_len"] = len(cache)
+    # Unloading drops every compiled program; the next call compiles it again, same results.
+    from server.worker.executable import unload_unused
+    live = [cache.get(c["id"], [devs[i] for i in c["devices"]], tuple(c["donate"])) for c in spec.values()]
+    out["unloaded"] = unload_unused(0.0)
+    out["all_unloaded"] = not any(ex.loaded for ex in live)
+    again = {}
+    for name, case in spec.items():
+        ex = cache.get_or_compile(case["id"], open(case["file"], "rb").read(), [devs[i] for i in case["devices"]],
+                                  tuple(case["donate"]))
+        inputs = [from_bytes(dt, shape, bytes.fromhex(h)) for dt, shape, h in case["inputs"]]
+        placed = [jax.device_put(x, s) for x, s in zip(inputs, ex.in_shardings)]
+        again[name] = [to_numpy(r).tolist() for r in ex(placed if ex.donate else inputs)]
+    out["same_after_unload"] = all(again[k] == out[k]["outputs"] for k in spec)
+    out["reloaded"] = all(ex.loaded for ex in live)
+    out["unused_now"] = unload_unused(3600.0)
     print(json.dumps(out))
     """
 )
@@ -223,6 +238,14 @@ def test_cache_and_bf16_on_worker(worker_run):
     got = from_bytes(dt, shape, bytes.fromhex(data))
     assert dt == "bfloat16" and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got.astype(np.float32), [[3.0, -4.0], [6.0, 0.5]])
+
+
+def test_unload_and_recompile_on_worker(worker_run):
+    _fns, res = worker_run
+    # every cached executable was unloaded, ran again with the same results, and is loaded again
+    assert res["unloaded"] >= res["cache_len"]
+    assert res["all_unloaded"] and res["reloaded"] and res["same_after_unload"]
+    assert res["unused_now"] == 0  # all of them ran within the hour
 
 
 def test_exported_metadata():

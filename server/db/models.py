@@ -6,11 +6,15 @@ checks that the models and the migrated database agree.
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
-from pydantic import TypeAdapter
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
 
 
 def utcnow() -> datetime:
@@ -68,14 +72,19 @@ class DeviceRow(Base):
     host: Mapped[HostRow] = relationship(back_populates="devices")
 
 
-# JSON columns hold plain lists of ints; every read goes through this adapter so a malformed
-# value fails loudly instead of flowing into the resource manager.
-_INT_LIST = TypeAdapter(list[int])
+# JSON columns hold plain lists; every read goes through a pydantic adapter so a malformed value
+# fails loudly instead of flowing into the resource manager. The adapters are built on first use:
+# pydantic is about a tenth of the controller's start-up imports, and a fresh database has no rows.
+@functools.cache
+def _list_adapter(item: type) -> TypeAdapter[list[Any]]:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(list[item])  # type: ignore[valid-type]
 
 
 def int_list(value: object) -> list[int]:
     """Validates a JSON column value as a list of ints (pydantic, strict about shape)."""
-    return _INT_LIST.validate_python(value)
+    return _list_adapter(int).validate_python(value)
 
 
 class SliceRow(Base):
@@ -141,12 +150,9 @@ class SliceRemapRow(Base):
     slice: Mapped[SliceRow] = relationship(back_populates="remaps")
 
 
-_STR_LIST = TypeAdapter(list[str])
-
-
 def str_list(value: object) -> list[str]:
     """Validates a JSON column value as a list of strings."""
-    return _STR_LIST.validate_python(value)
+    return _list_adapter(str).validate_python(value)
 
 
 class JobRow(Base):

@@ -31,6 +31,9 @@ def main() -> None:
     p.add_argument("--devices", default="1", help="number of virtual CPU devices, or 'all' for real accelerators")
     p.add_argument("--name", default=None, help="stable host name (default: <hostname>-<island>)")
     p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--unload-after", type=float, default=60.0, metavar="SECONDS",
+                   help="unload compiled programs not run for this long once the worker is idle; they "
+                        "compile again when called (default 60; 0 keeps them)")
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
     if ns.devices != "all":
@@ -55,6 +58,7 @@ def main() -> None:
             name=name,
             listen=ns.listen,
             token=_token(),
+            unload_after_s=ns.unload_after,
         ),
         log_level=ns.log_level,
     )

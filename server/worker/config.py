@@ -14,3 +14,4 @@ class WorkerConfig:
     listen: str = "127.0.0.1:0"
     token: str | None = None
     reconnect_max_s: float = 2.0
+    unload_after_s: float = 60.0  # compiled programs not run this long are unloaded when idle (0: never)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-__all__ = ["Executable", "ExecutableCache", "Runnable"]
+__all__ = ["Executable", "ExecutableCache", "Runnable", "unload_unused"]
 
 _DEFAULT_AXIS = "_pw_devices"
 # Collectives in compiled (post-partitioning) HLO text.
@@ -54,6 +56,16 @@ class Runnable:
         self._shapes = [a.shape for a in self.in_avals]
         self._dtypes = [a.dtype for a in self.in_avals]
         self._ok_shardings: list[Any] = [None] * len(self.in_avals)
+        self.last_used = time.monotonic()
+        self.loaded = True  # its compiled program is held (by jit's cache); see unload()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def unload(self) -> None:
+        """Drops the compiled program (often MiBs, tens of MiBs for a long fused segment); the
+        next call compiles it again, so this only trades memory for a later compilation."""
+        self.loaded = False
+        self._jitted.clear_cache()
 
     @property
     def name(self) -> str:
@@ -81,6 +93,8 @@ class Runnable:
         """Run on flat inputs (placed onto their shardings as needed); returns flat outputs."""
         if len(inputs) != len(self.in_avals):
             raise ValueError(f"{self.name}: expected {len(self.in_avals)} inputs, got {len(inputs)}")
+        self.last_used = time.monotonic()
+        self.loaded = True
         placed = list(inputs)
         ok = self._ok_shardings
         for i, x in enumerate(placed):
@@ -92,6 +106,24 @@ class Runnable:
         return list(self._jitted(*placed))
 
 
+# Every single and fused executable alive in this process, for unload_unused().
+_LIVE: weakref.WeakSet[Runnable] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def unload_unused(idle_s: float, now: float | None = None) -> int:
+    """Unloads the compiled program of every executable (single or fused, cached anywhere) not
+    called for `idle_s` seconds; returns how many it unloaded.
+
+    Caches keep executables by key for as long as they might be called again, but a compiled
+    program nobody ran for minutes only holds memory; it compiles again if it is called.
+    """
+    now = time.monotonic() if now is None else now
+    with _LIVE_LOCK:
+        stale = [r for r in _LIVE if r.loaded and now - r.last_used >= idle_s]
+    for r in stale:
+        r.unload()
+    return len(stale)
 
 
 class Executable(Runnable):

@@ -25,9 +25,12 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import paths
 from ..auth import TokenInterceptor
+from . import memory
 from .buffers import BufferStore
 from .config import WorkerConfig
+from .executable import unload_unused
 from .executor import Executor
+from .reconnect import Reconnect
 from .servicer import WorkerServicer
 from .transfer import CHANNEL_OPTIONS, TransferSender
 
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 
 EVENT_FLUSH_S = 0.005
 STALE_START_S = 0.25  # a node running longer than this reports that it started (hang detection)
+TRIM_IDLE_S = 1.0  # idle this long after some work: free heap memory goes back to the OS
 
 
 def machine_id() -> str:
@@ -95,30 +99,59 @@ class WorkerProcess:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stopping.set)
         link = asyncio.create_task(self._controller_loop())
+        trimmer = asyncio.create_task(self._release_memory_when_idle())
         await self.stopping.wait()
         link.cancel()
+        trimmer.cancel()
         self.executor.stop()
         self.sender.close()
         await server.stop(grace=0.5)
 
     async def _controller_loop(self) -> None:
-        backoff = 0.1
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None
+        loop = asyncio.get_running_loop()
+        retry = Reconnect(self.config.reconnect_max_s)
         while not self.stopping.is_set():
+            rejected = False
             async with aio.insecure_channel(self.config.server, options=CHANNEL_OPTIONS) as channel:
                 stub = cgrpc.ControllerStub(channel)
                 try:
                     call = stub.WorkerConnect(self._upstream(), metadata=metadata)
                     async for msg in call:
-                        backoff = 0.1
+                        retry.connected()
                         self._handle(msg)
                 except aio.AioRpcError as e:
+                    rejected = e.code() != grpc.StatusCode.UNAVAILABLE
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                         log.error("the controller rejected this worker: %s", e.details())
-                    elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                    elif rejected:
                         log.warning("controller stream ended: %s %s", e.code().name, e.details())
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.config.reconnect_max_s)
+            await asyncio.sleep(retry.delay(loop.time(), rejected))
+
+    def _activity(self) -> tuple[int, int, int]:
+        """Changes whenever the worker ran something or its buffers changed."""
+        return (self.executor.nodes_executed, *self.store.stats())
+
+    async def _release_memory_when_idle(self) -> None:
+        """Once the worker has been idle for TRIM_IDLE_S: unloads the compiled programs nobody
+        ran for `unload_after_s` and hands freed heap memory back to the OS (memory.py). XLA's
+        buffers and compilations leave hundreds of MiB in malloc's arenas after a burst of work."""
+        idle = memory.IdleTrimmer(self._activity, idle_s=TRIM_IDLE_S)
+        while True:
+            await asyncio.sleep(TRIM_IDLE_S / 2)
+            due = idle.due()
+            if due or (idle.quiet() and self.config.unload_after_s > 0):
+                await asyncio.to_thread(self._release_memory, due)
+
+    def _release_memory(self, trim: bool) -> None:
+        unloaded = 0
+        if self.config.unload_after_s > 0:
+            unloaded = unload_unused(self.config.unload_after_s)
+            if unloaded:
+                log.info("unloaded %d compiled program(s) not run for %g s", unloaded,
+                         self.config.unload_after_s)
+        if trim or unloaded:
+            memory.trim()
 
     async def _upstream(self) -> AsyncIterator[cpb.WorkerToController]:
         yield cpb.WorkerToController(

@@ -1,0 +1,90 @@
+"""Giving freed heap memory back to the operating system when the worker goes quiet.
+
+XLA allocates every buffer and compilation scratch space with malloc, from many threads. glibc
+keeps freed memory in its per-thread arenas for reuse instead of returning it, so after a burst of
+large computations (a training step frees hundreds of MiB of inputs, outputs and temporaries) the
+process keeps that memory resident although nothing uses it (measured: a worker at 1.3 GiB after
+a few transformer steps, 0.6 GiB after a trim). `malloc_trim(0)` hands the free pages of every
+arena back. Done once the worker has been idle for a moment, it costs nothing while work flows and
+one thread for a few milliseconds (up to a few hundred when GiBs come back) when it stops.
+
+Without glibc (musl, macOS) `trim()` does nothing and returns False.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["IdleTrimmer", "trim", "trim_available"]
+
+
+def _load_malloc_trim() -> Any:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # the libc this process already uses
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def trim_available() -> bool:
+    return _malloc_trim is not None
+
+
+def trim() -> bool:
+    """Returns free heap memory to the OS (glibc `malloc_trim(0)`); True when some was released.
+
+    ctypes drops the GIL for the call, so other Python threads keep running meanwhile.
+    """
+    if _malloc_trim is None:
+        return False
+    return bool(_malloc_trim(0))
+
+
+_NEVER = object()
+
+
+class IdleTrimmer:
+    """Decides when to trim: after something happened (`activity()` changed) and then nothing
+    for `idle_s` seconds; once per quiet period. Call `due()` periodically (it is cheap when
+    nothing changed); trim when it returns True.
+
+    `activity` returns a value that changes whenever the worker did work or freed memory, e.g.
+    (nodes executed, live buffers, buffer bytes).
+    """
+
+    def __init__(self, activity: Callable[[], Hashable], idle_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.activity = activity
+        self.idle_s = idle_s
+        self.clock = clock
+        self._last = activity()
+        self._changed_at = clock()
+        self._trimmed: object = _NEVER  # the first quiet period trims too (start-up garbage)
+        self.trims = 0
+
+    def due(self) -> bool:
+        now = self.clock()
+        current = self.activity()
+        if current != self._last:
+            self._last, self._changed_at = current, now
+            return False
+        if current == self._trimmed or now - self._changed_at < self.idle_s:
+            return False
+        self._trimmed = current
+        self.trims += 1
+        return True
+
+    def quiet(self) -> bool:
+        """Whether nothing happened for `idle_s` seconds, as of the last `due()`."""
+        return self.clock() - self._changed_at >= self.idle_s

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECENT_RUNS = 10_000
+RECENT_RUNS = 4_000  # finished runs kept to attribute their late node events
 
 
 @dataclass

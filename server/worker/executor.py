@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,8 +114,9 @@ class Executor:
         self._next_seq = 1
         self._dropped: dict[int, str] = {}
         self._inflight: dict[int, _Launched] = {}
-        self._exes: dict[tuple[str, tuple[int, ...]], Executable] = {}
-        self._fused: dict[Segment, FusedExecutable] = {}
+        # fused executables by structure, while a registered segment still uses them (segments
+        # of different programs with one structure share one)
+        self._fused: weakref.WeakValueDictionary[Segment, FusedExecutable] = weakref.WeakValueDictionary()
         # PATHWAYS_FUSE=0 runs a segment's nodes one by one (debugging, benchmarks)
         self.fuse = os.environ.get("PATHWAYS_FUSE", "1") != "0"
         self._busy_until: dict[frozenset[int], int] = {}  # device set -> end of its last batch (ns)
@@ -382,8 +384,6 @@ class Executor:
                 except Exception as e:
                     log.info("not fusing %s: %s", info.label, e)
             if fused is not None:
-                if len(self._fused) > 1024:
-                    self._fused.clear()
                 self._fused[seg] = fused
                 info.runner, info.fused = fused, True
         if info.runner is None:
@@ -397,16 +397,10 @@ class Executor:
         return functools.partial(run_unfused, info.structure, exes, info.labels)
 
     def _executable(self, function_id: str, local_devices: tuple[int, ...]) -> Executable:
-        key = (function_id, local_devices)
-        exe = self._exes.get(key)
-        if exe is None:
-            blob = self._functions[function_id]
-            devices = [self.devices[i] for i in local_devices]
-            exe = self.cache.get_or_compile(function_id, blob.exported, devices, tuple(blob.donate))
-            if len(self._exes) > 4096:
-                self._exes.clear()
-            self._exes[key] = exe
-        return exe
+        """Looked up once per registered segment (its runner keeps what it needs)."""
+        blob = self._functions[function_id]
+        devices = [self.devices[i] for i in local_devices]
+        return self.cache.get_or_compile(function_id, blob.exported, devices, tuple(blob.donate))
 
     def _drain(self, devices: frozenset[int]) -> None:
         """Waits for every in-flight computation that touches these devices."""
@@ -465,6 +459,9 @@ class Executor:
                     return
                 batch.append(item)
             self._finish(batch)
+            # the store decides when outputs are freed: hold no reference while idle
+            first = item = None
+            batch = []
 
     def _finish(self, batch: list[_Launched]) -> None:
         try:

@@ -70,6 +70,18 @@ def sweep_inputs() -> tuple[np.ndarray, np.ndarray]:
 
 PIPE_N = 256
 MICRO_BATCHES = 32
+PIPE_DEVICES = 8  # 2 islands x 4 devices
+
+
+def stage_device(s: int, stages: int, layout: str) -> int:
+    """The device (0-7; 0-3 island a, 4-7 island b) stage `s` of `stages` runs on.
+
+    "blocks": contiguous blocks of stages per device, as a pipeline is partitioned (GPipe): one
+    hop between islands per micro-batch. "alternate": stage s on device 0 of island a or b by
+    parity, so every hop crosses islands (the transfer path's worst case)."""
+    if layout == "alternate":
+        return 0 if s % 2 == 0 else PIPE_DEVICES // 2
+    return s * PIPE_DEVICES // stages
 
 
 def stage(h: Any, w: Any) -> Any:

@@ -1,17 +1,19 @@
 """Plain in-process JAX baselines, run as `python -m bench.jaxrun TASK JSON` in a subprocess with
-4 virtual CPU devices (the same count a Pathways slice has). Prints one JSON object.
+4 virtual CPU devices (the same count a Pathways slice has; BENCH_JAX_DEVICES overrides it: the
+pipeline baseline uses the 8 devices of the two islands). Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_JAX_DEVICES", "4")))
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -103,23 +105,25 @@ def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any
     return {"per_loop_ms": per_loop, "base_ms": base, "sizes": sizes}
 
 
-def pipeline(stages_list: list[int], micro_batches: int, repeats: int) -> dict[str, Any]:
-    """The same stages back to back in one process: stage s on device s % 2 (the two islands)."""
-    devs = jax.devices()[:2]
+def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: str = "blocks") -> dict[str, Any]:
+    """The same stages back to back in one process, each on the device it has in Pathways
+    (`defs.stage_device`; run with BENCH_JAX_DEVICES=8)."""
+    devs = jax.devices()
     fn = jax.jit(defs.stage)
     out: dict[str, Any] = {}
     for stages in stages_list:
         xs, ws = defs.pipeline_inputs(stages, micro_batches)
-        wd = [jax.device_put(w, devs[s % 2]) for s, w in enumerate(ws)]
-        xd = [jax.device_put(x, devs[0]) for x in xs]
+        place = [devs[defs.stage_device(s, stages, layout) % len(devs)] for s in range(stages)]
+        wd = [jax.device_put(w, place[s]) for s, w in enumerate(ws)]
+        xd = [jax.device_put(x, place[0]) for x in xs]
 
-        def once(xd: list[Any] = xd, wd: list[Any] = wd, stages: int = stages) -> float:
+        def once(xd: list[Any] = xd, wd: list[Any] = wd, stages: int = stages, place: list[Any] = place) -> float:
             t0 = time.perf_counter()
             outs = []
             for x in xd:
                 h = x
                 for s in range(stages):
-                    h = fn(jax.device_put(h, devs[s % 2]), wd[s])
+                    h = fn(jax.device_put(h, place[s]), wd[s])
                 outs.append(h)
             for o in outs:
                 o.block_until_ready()
@@ -130,42 +134,80 @@ def pipeline(stages_list: list[int], micro_batches: int, repeats: int) -> dict[s
     return out
 
 
-def transformer(cfg: dict[str, Any], steps: int, timed_steps: int) -> dict[str, Any]:
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+class Trainer:
+    """The transformer's training step as one jit over 4 devices (params and optimizer state
+    replicated, the batch split: data parallel); `run(i)` runs step i on batch i."""
 
-    from bench import model
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-    c = model.Config(**cfg)
-    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
-    rep = NamedSharding(mesh, P())
-    dat = NamedSharding(mesh, P("data"))
-    opt = model.optimizer(c)
-    params = model.init_params(c)
-    state = opt.init(params)
-    step = jax.jit(model.make_train_step(c, opt), in_shardings=(rep, rep, dat), out_shardings=(rep, rep, rep))
-    params, state = jax.device_put(params, rep), jax.device_put(state, rep)
-    losses = []
-    for i in range(steps):
-        params, state, loss = step(params, state, jax.device_put(model.batch(c, i), dat))
-        losses.append(float(loss))
-    t0 = time.perf_counter()
-    loss = jnp.zeros(())
-    for i in range(timed_steps):
-        params, state, loss = step(params, state, jax.device_put(model.batch(c, steps + i), dat))
-    loss.block_until_ready()
-    dt = time.perf_counter() - t0
-    return {"losses": losses, "tokens_per_s": timed_steps * c.batch * c.seq / dt, "step_ms": dt / timed_steps * 1e3,
-            "params": model.param_count(params)}
+        from bench import model
+
+        self.model = model
+        self.c = c = model.Config(**cfg)
+        mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+        rep = NamedSharding(mesh, P())
+        self.dat = NamedSharding(mesh, P("data"))
+        opt = model.optimizer(c)
+        params = model.init_params(c)
+        self.params_count = model.param_count(params)
+        self.step = jax.jit(model.make_train_step(c, opt), in_shardings=(rep, rep, self.dat),
+                            out_shardings=(rep, rep, rep))
+        self.state = (jax.device_put(params, rep), jax.device_put(opt.init(params), rep))
+
+    def run(self, i: int) -> Any:
+        params, state, loss = self.step(*self.state, jax.device_put(self.model.batch(self.c, i), self.dat))
+        self.state = (params, state)
+        return loss
+
+    def window(self, first: int, steps: int) -> float:
+        """Step `first` (a warm-up, untimed), then tokens/s of the next `steps` steps dispatched
+        back to back, waiting for the last loss."""
+        self.run(first).block_until_ready()
+        t0 = time.perf_counter()
+        loss = jnp.zeros(())
+        for i in range(first + 1, first + 1 + steps):
+            loss = self.run(i)
+        loss.block_until_ready()
+        return steps * self.c.batch * self.c.seq / (time.perf_counter() - t0)
 
 
-TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline": pipeline, "transformer": transformer}
+def transformer(cfg: dict[str, Any], steps: int, timed_steps: int, windows: int = 1) -> dict[str, Any]:
+    """`steps` steps reading every loss, then `windows` timed windows of `timed_steps` steps."""
+    t = Trainer(cfg)
+    losses = [float(t.run(i)) for i in range(steps)]
+    rates = [t.window(steps + w * (timed_steps + 1), timed_steps) for w in range(windows)]
+    return {"losses": losses, "tokens_per_s": max(rates), "windows": rates, "params": t.params_count}
+
+
+def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
+    """For measurements interleaved with another process's: `steps` steps reading every loss,
+    printed as one JSON line ({"losses", "params"}); then for each line N read from stdin, a
+    window (a warm-up step, then N timed steps), printed as {"tokens_per_s": ...}; ends at end of
+    input."""
+    t = Trainer(cfg)
+    losses = [float(t.run(i)) for i in range(steps)]
+    sys.stdout.write(json.dumps({"losses": losses, "params": t.params_count}) + "\n")
+    sys.stdout.flush()
+    first = steps
+    for line in sys.stdin:
+        n = int(line)
+        rate = t.window(first, n)
+        first += n + 1
+        sys.stdout.write(json.dumps({"tokens_per_s": rate}) + "\n")
+        sys.stdout.flush()
+
+
+TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline": pipeline, "transformer": transformer,
+                         "transformer_serve": transformer_serve}
 
 
 def main() -> None:
     task, args = sys.argv[1], json.loads(sys.argv[2])
     result = TASKS[task](**args)
-    sys.stdout.write(json.dumps(result) + "\n")
+    if result is not None:
+        sys.stdout.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

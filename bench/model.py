@@ -143,26 +143,116 @@ def flat_state(fn: Any, treedef: Any, state_arg: int, state_out: int) -> Any:
     return wrapped
 
 
-# ---- the two pipeline stages (GPipe-style micro-batches, gradients averaged) ----
+# ---- the two pipeline stages ----
+#
+# Every function below is the code of ONE device, pmap style: `pw.pmap` maps it over a stage's
+# slice, with parameters and optimizer state kept as one copy per device, stacked along a leading
+# axis (as a replicated array is). With more than one device per stage, the stage is data
+# parallel; the per-micro-batch computations still never communicate (each device returns its own
+# partial gradients) and only the once-per-step update sums them over the devices. Workers launch
+# a computation without collectives as soon as its inputs land, so stage 1 works on micro-batch
+# k+1 while stage 2 works on micro-batch k; one with collectives first waits for everything
+# before it on its devices. (`pw.jit` would not do here: it marks every partitioned function as
+# possibly communicating, so workers would serialize the stages again.)
+#
+# Stage 1's backward does not recompute its forward: the forward also returns the residuals of
+# its VJP (the activations the backward needs), which stay on stage 1's island, and the backward
+# rebuilds the VJP from them (`StageVJP`).
 
-def make_stage_fns(c: Config, opt: optax.GradientTransformation) -> dict[str, Any]:
+DATA = "data"
+
+
+class StageVJP:
+    """`jax.vjp` of `fwd(params, *args)` with respect to `params`, split into two computations.
+
+    `forward` returns the output and the VJP's residuals as a flat list of arrays, leaving out
+    those that are just the parameters (the backward gets the parameters as an input anyway, so
+    they are not copied); `backward` rebuilds the VJP (a pytree: the residuals are its leaves)
+    from the parameters and the residuals and applies it to a cotangent. The VJP's structure is
+    kept from the forward's trace, per residual signature: trace the forward first.
+    """
+
+    def __init__(self, fwd: Any) -> None:
+        self.fwd = fwd
+        self._plans: dict[Any, tuple[Any, list[int]]] = {}
+
+    def _vjp_leaves(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, list[Any], Any]:
+        out, vjp = jax.vjp(lambda p: self.fwd(p, *args), params)
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        return out, leaves, tree
+
+    def _param_positions(self, params: Any, args: tuple[Any, ...]) -> list[int]:
+        """Per VJP leaf: the index of the parameter leaf it is, or -1 (a computed residual)."""
+        # traced from the same values (tracers included), so in the same context (sharding, dtypes)
+        closed = jax.make_jaxpr(lambda p, a: self._vjp_leaves(p, a)[1])(params, args)
+        n = len(jax.tree_util.tree_leaves(params))
+        invars = {id(v): i for i, v in enumerate(closed.jaxpr.invars[:n])}
+        return [invars.get(id(v), -1) for v in closed.jaxpr.outvars]
+
+    @staticmethod
+    def _key(residuals: list[Any]) -> tuple[Any, ...]:
+        return tuple((tuple(r.shape), str(r.dtype)) for r in residuals)
+
+    def forward(self, params: Any, *args: Any) -> tuple[Any, list[Any]]:
+        out, leaves, tree = self._vjp_leaves(params, args)
+        positions = self._param_positions(params, args)
+        if len(positions) != len(leaves):
+            raise RuntimeError("the VJP's structure differs between two traces of the same function")
+        residuals = [x for x, k in zip(leaves, positions, strict=True) if k < 0]
+        self._plans[self._key(residuals)] = (tree, positions)
+        return out, residuals
+
+    def backward(self, params: Any, residuals: list[Any], cotangent: Any) -> Any:
+        plan = self._plans.get(self._key(residuals))
+        if plan is None:
+            raise RuntimeError("StageVJP.backward before a forward with these shapes was traced")
+        tree, positions = plan
+        p = jax.tree_util.tree_leaves(params)
+        it = iter(residuals)
+        vjp = jax.tree_util.tree_unflatten(tree, [p[k] if k >= 0 else next(it) for k in positions])
+        return vjp(cotangent)[0]
+
+
+def make_pipeline_fns(c: Config, opt: optax.GradientTransformation, devices: int) -> dict[str, Any]:
+    """Per-device code of a 2-stage pipeline step over `devices` devices per stage (map each with
+    axis name "data"):
+
+    - s1_fwd(p1, tokens) -> (h, residuals)                      stage 1, per micro-batch
+    - s2_step(p2, h, tokens) -> (loss, g2, dh)                  stage 2, per micro-batch
+    - s1_bwd(p1, residuals, dh) -> g1                           stage 1, per micro-batch
+    - update(params, state, [g, ...]) -> (params, state)        stage 1, once per step
+    - update_loss(params, state, [g, ...], [loss, ...]) -> (params, state, mean loss)   stage 2
+
+    A device's loss is the mean over its tokens of the micro-batch; the updates average the
+    gradients over devices and micro-batches (equal shares): the gradient of the batch's mean loss."""
+    s1 = StageVJP(lambda p1, tokens: stage1_forward(c, p1, tokens))
+
     def s1_fwd(p1: Any, tokens: Any) -> Any:
-        return stage1_forward(c, p1, tokens)
+        return s1.forward(p1, tokens)
 
     def s2_step(p2: Any, h: Any, tokens: Any) -> Any:
         loss, (g2, dh) = jax.value_and_grad(lambda p, x: stage2_loss(c, p, x, tokens), argnums=(0, 1))(p2, h)
         return loss, g2, dh
 
-    def s1_bwd(p1: Any, tokens: Any, dh: Any) -> Any:
-        _, vjp = jax.vjp(lambda p: stage1_forward(c, p, tokens), p1)
-        return vjp(dh)[0]
+    def s1_bwd(p1: Any, residuals: list[Any], dh: Any) -> Any:
+        return s1.backward(p1, residuals, dh)
 
-    def update(params: Any, state: Any, grads: Any) -> Any:
-        g = jax.tree_util.tree_map(lambda *gs: sum(gs[1:], gs[0]) / F32(len(gs)), *grads)
-        updates, state = opt.update(g, state, params)
+    def mean_grads(grads: list[Any]) -> Any:
+        # add this device's micro-batches first: one all-reduce per parameter
+        scale = F32(devices * len(grads))
+        return jax.tree_util.tree_map(lambda *gs: jax.lax.psum(sum(gs[1:], gs[0]), DATA) / scale, *grads)
+
+    def update(params: Any, state: Any, grads: list[Any]) -> Any:
+        updates, state = opt.update(mean_grads(grads), state, params)
         return optax.apply_updates(params, updates), state
 
-    def mean_loss(losses: Any) -> Any:
-        return sum(losses[1:], losses[0]) / F32(len(losses))
+    def update_loss(params: Any, state: Any, grads: list[Any], losses: list[Any]) -> Any:
+        params, state = update(params, state, grads)
+        return params, state, jax.lax.psum(sum(losses[1:], losses[0]), DATA) / F32(devices * len(losses))
 
-    return {"s1_fwd": s1_fwd, "s2_step": s2_step, "s1_bwd": s1_bwd, "update": update, "mean_loss": mean_loss}
+    return {"s1_fwd": s1_fwd, "s2_step": s2_step, "s1_bwd": s1_bwd, "update": update, "update_loss": update_loss}
+
+
+def per_device(tree: Any, devices: int) -> Any:
+    """One copy per device, stacked along a new leading axis (what pmap-style code maps over)."""
+    return jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (devices, *np.shape(x))), tree)

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,25 +111,27 @@ def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) 
 
 # ------------------------------------------------------------------------------------ pipelines
 
-def pipeline(stages_list: list[int], micro_batches: int, repeats: int) -> dict[str, Any]:
-    """Micro-batches/s of an S-stage pipeline alternating over islands a and b (1 device each):
-    one program per micro-batch, all micro-batches submitted before blocking."""
-    sa, sb = slice_(1, "a"), slice_(1, "b")
-    fa = pw.jit(defs.stage, mesh=sa.mesh(("d",)))
-    fb = pw.jit(defs.stage, mesh=sb.mesh(("d",)))
-    put_a = pw.jit(lambda v: v * 1.0, mesh=sa.mesh(("d",)))
-    put_b = pw.jit(lambda v: v * 1.0, mesh=sb.mesh(("d",)))
+def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: str = "blocks") -> dict[str, Any]:
+    """Micro-batches/s of an S-stage pipeline over the 8 devices of islands a and b (one 1-device
+    slice per device; stage s on `defs.stage_device`): one program per micro-batch, all
+    micro-batches submitted before blocking."""
+    vds = pw.make_virtual_device_set()
+    half = defs.PIPE_DEVICES // 2
+    slices = [vds.add_slice(devices=1, island="a" if d < half else "b") for d in range(defs.PIPE_DEVICES)]
+    fns = [pw.jit(defs.stage, mesh=s.mesh(("d",))) for s in slices]
+    puts = [pw.jit(lambda v: v * 1.0, mesh=s.mesh(("d",))) for s in slices]
     out: dict[str, Any] = {}
     for stages in stages_list:
         xs_np, ws_np = defs.pipeline_inputs(stages, micro_batches)
-        ws = [(put_a if s % 2 == 0 else put_b)(w) for s, w in enumerate(ws_np)]
-        xs = [put_a(x) for x in xs_np]
+        dev = [defs.stage_device(s, stages, layout) for s in range(stages)]
+        ws = [puts[dev[s]](w) for s, w in enumerate(ws_np)]
+        xs = [puts[dev[0]](x) for x in xs_np]
 
         @pw.program
-        def micro_batch(x: Any, ws: list[Any], stages: int = stages) -> Any:
+        def micro_batch(x: Any, ws: list[Any], stages: int = stages, dev: list[int] = dev) -> Any:
             h = x
             for s in range(stages):
-                h = (fa if s % 2 == 0 else fb)(h, ws[s])
+                h = fns[dev[s]](h, ws[s])
             return h
 
         def once(xs: list[Any] = xs, ws: list[Any] = ws, micro_batch: Any = micro_batch) -> float:
@@ -195,8 +198,14 @@ def weighted_tenant(seconds: float, ready_file: str, go_file: str) -> dict[str, 
 
 
 # ---------------------------------------------------------------------------------- transformer
+#
+# Each variant builds a `step(i) -> [loss, ...]` that runs training step i on batch i and returns
+# futures: the loss first, and whatever else must be waited for so that the step is complete. The
+# parameters and optimizer state live in the closure as futures: every step's outputs are the
+# next step's inputs and stay on the workers; only the tokens (and the losses read) cross the client.
 
-def transformer_spmd(cfg: dict[str, Any], steps: int, timed_steps: int) -> dict[str, Any]:
+def spmd_trainer(cfg: dict[str, Any]) -> Callable[[int], list[Any]]:
+    """The whole training step as one `pw.jit` on a 4-device slice (data parallel, like plain JAX)."""
     from bench import model
 
     c = model.Config(**cfg)
@@ -205,76 +214,130 @@ def transformer_spmd(cfg: dict[str, Any], steps: int, timed_steps: int) -> dict[
     params = model.init_params(c)
     state = opt.init(params)
     treedef = jax.tree_util.tree_structure(state)
-    state = jax.tree_util.tree_leaves(state)
-    step = pw.jit(model.flat_state(model.make_train_step(c, opt), treedef, 1, 1), mesh=s.mesh(("data",)),
-                  in_shardings=(P(), P(), P("data")), out_shardings=(P(), P(), P()))
-    losses = []
-    for i in range(steps):
-        params, state, loss = step(params, state, model.batch(c, i))
-        losses.append(float(loss.result(timeout=300)))
-    t0 = time.perf_counter()
-    for i in range(timed_steps):
-        params, state, loss = step(params, state, model.batch(c, steps + i))
-    loss.result(timeout=300)
-    dt = time.perf_counter() - t0
-    return {"losses": losses, "tokens_per_s": timed_steps * c.batch * c.seq / dt, "step_ms": dt / timed_steps * 1e3}
+    train_step = pw.jit(model.flat_state(model.make_train_step(c, opt), treedef, 1, 1), mesh=s.mesh(("data",)),
+                        in_shardings=(P(), P(), P("data")), out_shardings=(P(), P(), P()))
+    st = [params, jax.tree_util.tree_leaves(state)]
+
+    def step(i: int) -> list[Any]:
+        st[0], st[1], loss = train_step(st[0], st[1], model.batch(c, i))
+        return [loss]  # one computation: done when its loss is
+
+    return step
 
 
-def transformer_pipeline(cfg: dict[str, Any], steps: int, timed_steps: int, micro_batches: int) -> dict[str, Any]:
-    """Stage 1 (embedding + first half of the layers) on island a, stage 2 on island b, each a
-    4-device data-parallel slice; one program per training step over `micro_batches`."""
+def pipeline_trainer(cfg: dict[str, Any], micro_batches: int = 2, devices: int = 1) -> Callable[[int], list[Any]]:
+    """Stage 1 (embedding + first half of the layers) on island a, stage 2 on island b, each on a
+    `devices`-device slice (data parallel when more than one); ONE program per training step
+    (traced and registered once, called again every step) over `micro_batches` micro-batches,
+    GPipe-style.
+
+    The stage computations are per-device code mapped with `pw.pmap` (model.make_pipeline_fns): the
+    per-micro-batch ones have no collectives, so workers launch each as soon as its inputs land,
+    and stage 1 works on micro-batch k+1 while stage 2 works on micro-batch k."""
     from bench import model
 
     c = model.Config(**cfg)
-    sa, sb = slice_(4, "a"), slice_(4, "b")
-    ma, mb = sa.mesh(("data",)), sb.mesh(("data",))
+    if c.batch % (micro_batches * devices):
+        raise ValueError(f"batch {c.batch} does not split into {micro_batches} micro-batches over {devices} devices")
+    sa, sb = slice_(devices, "a"), slice_(devices, "b")
     opt = model.optimizer(c)
-    fns = model.make_stage_fns(c, opt)
-    s1_fwd = pw.jit(fns["s1_fwd"], mesh=ma, in_shardings=(P(), P("data")), out_shardings=P("data"))
-    s2_step = pw.jit(fns["s2_step"], mesh=mb, in_shardings=(P(), P("data"), P("data")),
-                     out_shardings=(P(), P(), P("data")))
-    s1_bwd = pw.jit(fns["s1_bwd"], mesh=ma, in_shardings=(P(), P("data"), P("data")), out_shardings=P())
+    fns = model.make_pipeline_fns(c, opt, devices)
     p1, p2 = model.split(c, model.init_params(c))
     o1, o2 = opt.init(p1), opt.init(p2)
     t1, t2 = jax.tree_util.tree_structure(o1), jax.tree_util.tree_structure(o2)
-    o1, o2 = jax.tree_util.tree_leaves(o1), jax.tree_util.tree_leaves(o2)
-    upd1 = pw.jit(model.flat_state(fns["update"], t1, 1, 1), mesh=ma, in_shardings=P(), out_shardings=P())
-    upd2 = pw.jit(model.flat_state(fns["update"], t2, 1, 1), mesh=mb, in_shardings=P(), out_shardings=P())
-    mean_loss = pw.jit(fns["mean_loss"], mesh=mb, in_shardings=P(), out_shardings=P())
-    # tokens go to both islands: stage 2 needs the targets
-    put_a = pw.jit(lambda v: v, mesh=ma, in_shardings=P("data"), out_shardings=P("data"))
-    put_b = pw.jit(lambda v: v, mesh=mb, in_shardings=P("data"), out_shardings=P("data"))
+
+    def place(name: str, s: Any, wrap: Any = None) -> Any:
+        fn = fns[name] if wrap is None else wrap(fns[name])
+        fn.__name__ = name
+        return pw.pmap(fn, devices=s.devices, axis_name=model.DATA)
+
+    s1_fwd, s1_bwd = place("s1_fwd", sa), place("s1_bwd", sa)
+    s2_step = place("s2_step", sb)
+    update1 = place("update", sa, lambda f: model.flat_state(f, t1, 1, 1))
+    update2 = place("update_loss", sb, lambda f: model.flat_state(f, t2, 1, 1))
 
     @pw.program
     def train_step(p1: Any, o1: Any, p2: Any, o2: Any, toks_a: list[Any], toks_b: list[Any]) -> Any:
-        losses, g1s, g2s = [], [], []
+        # The node order matters: a program's index-consecutive nodes on the same devices run as
+        # one computation (one launch, all outputs at its end). Alternating the islands keeps each
+        # micro-batch's stage computations apart, so each output leaves as soon as it is computed:
+        #   order F0 S0 F1 S1 ... B0 U2 B1 ... U1;  island a runs F0 F1 ... B0 B1 ... U1, b S0 S1 ... U2
+        # (with more than 2 micro-batches, B1 ... U1 are consecutive: they run as one computation)
+        fwd, s2 = [], []
         for ta, tb in zip(toks_a, toks_b, strict=True):
-            h = s1_fwd(p1, ta)
-            loss, g2, dh = s2_step(p2, h, tb)
-            g1s.append(s1_bwd(p1, ta, dh))
-            g2s.append(g2)
-            losses.append(loss)
-        p1, o1 = upd1(p1, o1, g1s)
-        p2, o2 = upd2(p2, o2, g2s)
-        return p1, o1, p2, o2, mean_loss(losses)
+            h, res = s1_fwd(p1, ta)
+            fwd.append(res)
+            s2.append(s2_step(p2, h, tb))
+        g1 = [s1_bwd(p1, fwd[0], s2[0][2])]
+        p2, o2, loss = update2(p2, o2, [g for _, g, _ in s2], [lo for lo, _, _ in s2])
+        g1 += [s1_bwd(p1, res, out[2]) for res, out in zip(fwd[1:], s2[1:], strict=True)]
+        p1, o1 = update1(p1, o1, g1)
+        return p1, o1, p2, o2, loss
 
+    # one copy per device (a replicated value, pmap style); optimizer state as a flat list
+    st = [model.per_device(p1, devices), jax.tree_util.tree_leaves(model.per_device(o1, devices)),
+          model.per_device(p2, devices), jax.tree_util.tree_leaves(model.per_device(o2, devices))]
     m = c.batch // micro_batches
 
-    def tokens(i: int) -> tuple[list[Any], list[Any]]:
+    def step(i: int) -> list[Any]:
         b = model.batch(c, i)
-        parts = [b[j * m:(j + 1) * m] for j in range(micro_batches)]
-        return [put_a(t) for t in parts], [put_b(t) for t in parts]
+        parts = [b[j * m:(j + 1) * m].reshape(devices, m // devices, -1) for j in range(micro_batches)]
+        st[0], st[1], st[2], st[3], loss = train_step(*st, parts, list(parts))  # tokens to both islands
+        return [loss, min(st[1], key=lambda f: f.size)]  # the loss (stage 2) and stage 1's update
 
-    losses = []
+    return step
+
+
+def loss_curve(step: Callable[[int], list[Any]], steps: int) -> list[float]:
+    """Steps 0..steps-1, reading every loss (every device of a data-parallel stage holds the mean)."""
+    out = []
     for i in range(steps):
-        p1, o1, p2, o2, loss = train_step(p1, o1, p2, o2, *tokens(i))
-        losses.append(float(loss.result(timeout=300)))
-    t0 = time.perf_counter()
-    for i in range(timed_steps):
-        p1, o1, p2, o2, loss = train_step(p1, o1, p2, o2, *tokens(steps + i))
-    loss.result(timeout=300)
-    dt = time.perf_counter() - t0
-    return {"losses": losses, "tokens_per_s": timed_steps * c.batch * c.seq / dt, "step_ms": dt / timed_steps * 1e3}
+        futures = step(i)
+        out.append(float(np.asarray(futures[0].result(timeout=300)).reshape(-1)[0]))
+        for f in futures[1:]:
+            f.result(timeout=300)
+    return out
+
+
+def throughput(step: Callable[[int], list[Any]], c: Any, first: int, timed_steps: int, windows: int) -> list[float]:
+    """Tokens/s of `windows` windows from step `first`, as the plain-JAX baseline measures them: a
+    warm-up step (untimed; a worker idle for a while has handed its free memory back to the OS),
+    then `timed_steps` steps submitted back to back, waiting until the last one is complete."""
+    rates = []
+    i = first
+    for _ in range(windows):
+        for f in step(i):
+            f.result(timeout=300)
+        i += 1
+        t0 = time.perf_counter()
+        futures: list[Any] = []
+        for _ in range(timed_steps):
+            futures = step(i)
+            i += 1
+        for f in futures:
+            f.result(timeout=300)
+        rates.append(timed_steps * c.batch * c.seq / (time.perf_counter() - t0))
+    return rates
+
+
+def _measure(step: Callable[[int], list[Any]], cfg: dict[str, Any], steps: int, timed_steps: int,
+             windows: int) -> dict[str, Any]:
+    from bench import model
+
+    losses = loss_curve(step, steps)
+    rates = throughput(step, model.Config(**cfg), steps, timed_steps, windows)
+    return {"losses": losses, "tokens_per_s": max(rates), "windows": rates}
+
+
+def transformer_spmd(cfg: dict[str, Any], steps: int, timed_steps: int, windows: int = 1) -> dict[str, Any]:
+    """One-off measurement (suites.bench_transformer alternates windows with plain JAX instead)."""
+    return _measure(spmd_trainer(cfg), cfg, steps, timed_steps, windows)
+
+
+def transformer_pipeline(cfg: dict[str, Any], steps: int, timed_steps: int, micro_batches: int = 2,
+                         devices: int = 1, windows: int = 1) -> dict[str, Any]:
+    """One-off measurement (suites.bench_transformer alternates windows with plain JAX instead)."""
+    return _measure(pipeline_trainer(cfg, micro_batches, devices), cfg, steps, timed_steps, windows)
 
 
 TASKS: dict[str, Any] = {"pipeline": pipeline, "tenant": tenant, "dispatch": dispatch,

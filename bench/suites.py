@@ -18,7 +18,7 @@ import grpc
 import psutil
 
 from bench import defs
-from bench.cluster import REPO, BenchCluster, free_port, jax_baseline, run_json
+from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, jax_baseline, run_json
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
@@ -124,19 +124,28 @@ def bench_sweep(ctx: Ctx) -> Iterator[Row]:
 def bench_pipeline(ctx: Ctx) -> Iterator[Row]:
     stages = [4, 8] if ctx.quick else [4, 8, 16]
     mbs = 16 if ctx.quick else defs.MICRO_BATCHES
-    args = json.dumps({"stages_list": stages, "micro_batches": mbs, "repeats": ctx.repeats})
-    jx = jax_baseline("pipeline", ctx.env(), stages_list=stages, micro_batches=mbs, repeats=ctx.repeats)
-    par = run_json(["-m", "bench.pwside", "pipeline", args], ctx.env(), 300)
-    seq = run_json(["-m", "bench.pwside", "pipeline", args], ctx.env(PWCTL_DISPATCH="sequential"), 300)
+    jax_env = ctx.env(BENCH_JAX_DEVICES=str(defs.PIPE_DEVICES))
+    jx = jax_baseline("pipeline", jax_env, stages_list=stages, micro_batches=mbs, repeats=ctx.repeats)
+    args: dict[str, Any] = {"stages_list": stages, "micro_batches": mbs, "repeats": ctx.repeats}
+    par = run_json(["-m", "bench.pwside", "pipeline", json.dumps(args)], ctx.env(), 300)
+    seq = run_json(["-m", "bench.pwside", "pipeline", json.dumps(args)], ctx.env(PWCTL_DISPATCH="sequential"), 300)
+    note = (f"{mbs} micro-batches of 256x256 matmuls; stages in contiguous blocks over the 8 devices of islands "
+            "a and b (one hop between islands per micro-batch)")
     for s in stages:
         k = str(s)
-        note = f"{mbs} micro-batches of 256x256 matmuls, stages alternate islands a/b (1 device each)"
         yield row("pipeline", f"{s} stages/parallel", "micro-batches/s", "1/s", par[k], jx[k], ">= 0.8x one process",
-                  par[k] >= 0.8 * jx[k], note + "; JAX: same stages back to back in one process (devices 0/1)")
+                  par[k] >= 0.8 * jx[k], note + "; JAX: same stages on the same devices back to back in one process")
         yield row("pipeline", f"{s} stages/sequential", "micro-batches/s", "1/s", seq[k], jx[k],
                   notes="a client with PWCTL_DISPATCH=sequential")
         yield row("pipeline", f"{s} stages/parallel vs sequential", "speed-up", "x", par[k] / seq[k], None,
                   ">= 3x" if s == 16 else "", par[k] / seq[k] >= 3 if s == 16 else None, ratio=None)
+    # every hop between islands: what one transfer costs
+    s = stages[-1]
+    alt: dict[str, Any] = {**args, "stages_list": [s], "layout": "alternate"}
+    jxa = jax_baseline("pipeline", jax_env, 300.0, **alt)
+    para = run_json(["-m", "bench.pwside", "pipeline", json.dumps(alt)], ctx.env(), 300)
+    yield row("pipeline", f"{s} stages alternating islands/parallel", "micro-batches/s", "1/s", para[str(s)],
+              jxa[str(s)], notes=f"stage s on island a or b by parity: {s - 1} hops between islands per micro-batch")
 
 
 # ---------------------------------------------------------------------------------- 4. tenancy
@@ -224,31 +233,111 @@ def _count_at(log: list[list[float]], t: float) -> float:
 
 # ------------------------------------------------------------------------------------ 5. model
 
+class JaxTrainer:
+    """The plain-JAX transformer step in its own process (`python -m bench.jaxrun transformer_serve`,
+    4 virtual CPU devices), kept alive so that its timed windows can alternate with Pathways'."""
+
+    def __init__(self, env: dict[str, str], cfg: dict[str, Any], steps: int) -> None:
+        env = {**env, "XLA_FLAGS": XLA_FLAGS}
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.jaxrun", "transformer_serve", json.dumps({"cfg": cfg, "steps": steps})],
+            env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self._first: dict[str, Any] | None = None
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            self._err.seek(0)
+            tail = self._err.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"bench.jaxrun transformer_serve exited {self.proc.returncode}: {tail}")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def first(self) -> dict[str, Any]:
+        """The loss curve and parameter count (waits for compilation and the first steps)."""
+        if self._first is None:
+            self._first = self._reply()
+        return self._first
+
+    def window(self, steps: int) -> float:
+        self.first()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return float(self._reply()["tokens_per_s"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
 def bench_transformer(ctx: Ctx) -> Iterator[Row]:
+    """Plain-JAX SPMD vs the same step through `pw.jit` vs a 2-stage pipeline over the two islands.
+
+    Every side runs the same steps on the same batches. Throughput is measured in windows (one
+    untimed warm-up step, then timed steps submitted back to back, waiting until the last one is
+    complete), the sides taking turns window by window, and each side's figure is the median of its
+    windows: the same statistic over the same number of windows, interleaved in time, so that load
+    from elsewhere on this shared machine penalizes no side in particular, and one lucky or
+    unlucky window moves nothing."""
     from bench import model, pwside
 
     cfg = model.Config(layers=2, d=128, ff=512).to_dict() if ctx.quick else model.Config().to_dict()
-    steps, timed = 10, (3 if ctx.quick else 8)
-    jx = jax_baseline("transformer", ctx.env(), cfg=cfg, steps=steps, timed_steps=timed)
-    spmd = pwside.transformer_spmd(cfg, steps, timed)
-    pipe = pwside.transformer_pipeline(cfg, steps, timed, 2)
-    # this machine is noisy: measure plain JAX again after, and compare with its better figure
-    jx2 = jax_baseline("transformer", ctx.env(), cfg=cfg, steps=2, timed_steps=timed)
-    jax_runs = [jx["tokens_per_s"], jx2["tokens_per_s"]]
-    jx["tokens_per_s"] = max(jax_runs)
-    desc = (f"decoder-only, {jx['params'] / 1e6:.1f}M params, d={cfg['d']}, {cfg['layers']} layers, "
-            f"batch {cfg['batch']}x{cfg['seq']} tokens, optax adamw")
-    yield row("transformer", "pw.jit SPMD (4 devices)", "tokens/s", "1/s", spmd["tokens_per_s"], jx["tokens_per_s"],
-              ">= 0.97x JAX", spmd["tokens_per_s"] >= 0.97 * jx["tokens_per_s"],
-              desc + "; JAX: jit with NamedSharding over 4 devices, data parallel; JAX tokens/s before/after: "
-              + "/".join(f"{v:,.0f}" for v in jax_runs))
-    yield row("transformer", "2-stage pipeline (2 islands x 4)", "tokens/s", "1/s", pipe["tokens_per_s"],
-              jx["tokens_per_s"], ">= 0.9x JAX SPMD", pipe["tokens_per_s"] >= 0.9 * jx["tokens_per_s"],
-              "one program per step: 2 micro-batches, stage 1 on island a, stage 2 on island b")
-    for name, r in (("pw.jit SPMD (4 devices)", spmd), ("2-stage pipeline (2 islands x 4)", pipe)):
-        diff = max(abs(a - b) for a, b in zip(r["losses"], jx["losses"], strict=True))
-        yield row("transformer", name, "loss curve max |diff| (10 steps)", "abs", diff, None, "<= 1e-3",
-                  diff <= 1e-3, "losses: " + ", ".join(f"{v:.4f}" for v in r["losses"]), ratio=None)
+    c = model.Config(**cfg)
+    steps, timed, windows = 10, (3 if ctx.quick else 8), (2 if ctx.quick else 6)
+    micro_batches = 2
+    spmd_name = "pw.jit SPMD (4 devices)"
+    pipe_name = "2-stage pipeline (2 islands x 1 device)"
+    dp_name = "2-stage pipeline (2 islands x 4 devices)"
+    jx = JaxTrainer(ctx.env(), cfg, steps)  # compiles while the Pathways side traces and registers
+    try:
+        trainers = {spmd_name: pwside.spmd_trainer(cfg),
+                    pipe_name: pwside.pipeline_trainer(cfg, micro_batches, devices=1)}
+        if not ctx.quick:  # the same pipeline, each stage data parallel over its island's 4 devices
+            trainers[dp_name] = pwside.pipeline_trainer(cfg, micro_batches, devices=4)
+        curves = {name: pwside.loss_curve(step, steps) for name, step in trainers.items()}
+        rates: dict[str, list[float]] = {name: [] for name in ["jax", *trainers]}
+        for w in range(windows):
+            rates["jax"].append(jx.window(timed))
+            for name, step in trainers.items():
+                rates[name] += pwside.throughput(step, c, steps + w * (timed + 1), timed, 1)
+        first = jx.first()
+    finally:
+        jx.close()
+    med = {name: defs.median(v) for name, v in rates.items()}
+
+    def spread(name: str) -> str:
+        return (f"median of {len(rates[name])} windows of {timed} steps alternating with JAX's (best "
+                f"{max(rates[name]):,.0f}/s vs JAX {max(rates['jax']):,.0f}/s): "
+                + "/".join(f"{v:,.0f}" for v in rates[name]) + " vs JAX " + "/".join(f"{v:,.0f}" for v in rates["jax"]))
+
+    desc = (f"decoder-only, {first['params'] / 1e6:.1f}M params, d={cfg['d']}, {cfg['layers']} layers, "
+            f"batch {cfg['batch']}x{cfg['seq']} tokens, optax adamw; JAX: jit with NamedSharding over 4 devices, "
+            f"data parallel (params and optimizer update replicated)")
+    pipe_desc = (f"one program per step (registered once), {micro_batches} micro-batches GPipe-style; stage 1 "
+                 f"(embedding, first half of the layers) on island a, stage 2 on island b")
+    yield row("transformer", spmd_name, "tokens/s", "1/s", med[spmd_name], med["jax"], ">= 0.97x JAX",
+              med[spmd_name] >= 0.97 * med["jax"], f"{desc}; {spread(spmd_name)}")
+    yield row("transformer", pipe_name, "tokens/s", "1/s", med[pipe_name], med["jax"], ">= 0.9x JAX SPMD",
+              med[pipe_name] >= 0.9 * med["jax"], f"{pipe_desc}, 1 device each; {spread(pipe_name)}")
+    if dp_name in trainers:
+        yield row("transformer", dp_name, "tokens/s", "1/s", med[dp_name], med["jax"], "", None,
+                  f"{pipe_desc}, each data parallel over its island's 4 devices (parameters and optimizer "
+                  f"update replicated per device, as in the JAX step); {spread(dp_name)}")
+    for name, losses in curves.items():
+        diff = max(abs(a - b) for a, b in zip(losses, first["losses"], strict=True))
+        yield row("transformer", name, f"loss curve max |diff| ({steps} steps)", "abs", diff, None, "<= 1e-3",
+                  diff <= 1e-3, "losses: " + ", ".join(f"{v:.4f}" for v in losses), ratio=None)
 
 
 # ------------------------------------------------------------------------------------- 6. costs
@@ -358,7 +447,8 @@ def bench_costs(ctx: Ctx) -> Iterator[Row]:
     pss = _pss(pids)
     gib = sum(pss.values()) / 2**30
     yield row("costs", "controller + 2 workers", "PSS memory", "GiB", gib, None, "<= 0.7 GiB", gib <= 0.7,
-              "at the end of the run (executables of every benchmark cached); "
+              "at the end of the run (idle workers unload programs not run for a minute and return freed "
+              "heap memory to the OS); "
               + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in pss.items())
               + (f"; idle after start: {ctx.notes['pss_idle_gib']:.2f} GiB" if "pss_idle_gib" in ctx.notes else ""))
 

@@ -137,18 +137,6 @@ class BufferStore:
         for cb in callbacks:
             cb()
 
-    def consumer_counts(self, buffer_ids: Sequence[int]) -> dict[int, int]:
-        with self._lock:
-            return {b: e.consumers for b in buffer_ids if (e := self._entries.get(b)) is not None}
-
-    def discard(self, buffer_ids: Sequence[int]) -> None:
-        """Forgets buffers a fused segment consumed internally (never materialized)."""
-        with self._lock:
-            for b in buffer_ids:
-                e = self._entries.get(b)
-                if e is not None and not e.client_ref and not e.callbacks:
-                    del self._entries[b]
-
     def pending_of(self, buffer_ids: Sequence[int]) -> list[int]:
         """The ids among these that exist and are still pending (unknown ids count as settled:
         the launch reports them)."""

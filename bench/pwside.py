@@ -69,7 +69,7 @@ def dispatch(variant: str, mode: str, budget_s: float, count: int, repeats: int)
         x = start
         for _ in range(k):
             x = fn(x)
-        x.result(timeout=300)
+        x.block_until_ready(timeout=300)
 
     calls = max(1, count // per_call)
     return defs.median(defs.repeat(lambda: defs.throughput(run, calls, budget_s) * per_call, repeats, budget_s * 3))
@@ -99,7 +99,7 @@ def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) 
             x = x0
             for _ in range(k):
                 x = fn(x, w)
-            x.result(timeout=300)
+            x.block_until_ready(timeout=300)
 
         n = max(1, min(count, int(budget_s * 1e3 / max(ms, 1e-3))) // per)
         def measure(run: Any = run, n: int = n, per: int = per) -> float:
@@ -137,8 +137,7 @@ def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: s
         def once(xs: list[Any] = xs, ws: list[Any] = ws, micro_batch: Any = micro_batch) -> float:
             t0 = time.perf_counter()
             outs = [micro_batch(x, ws) for x in xs]
-            for o in outs:
-                o.result(timeout=300)
+            pw.block_until_ready(outs, timeout=300)
             return len(xs) / (time.perf_counter() - t0)
 
         once()  # trace, register, compile
@@ -164,7 +163,7 @@ def tenant(variant: str, seconds: float, chunk: int, ready_file: str, go_file: s
     while time.perf_counter() - t0 < seconds:
         for _ in range(chunk):
             x = f(x)
-        x.result(timeout=120)
+        x.block_until_ready(timeout=120)
         done += chunk
     dt = time.perf_counter() - t0
     return {"done": done, "seconds": dt, "per_s": done / dt, "weight": float(os.environ.get("PWCTL_WEIGHT", "1"))}
@@ -314,8 +313,7 @@ def throughput(step: Callable[[int], list[Any]], c: Any, first: int, timed_steps
         for _ in range(timed_steps):
             futures = step(i)
             i += 1
-        for f in futures:
-            f.result(timeout=300)
+        pw.block_until_ready(futures, timeout=300)
         rates.append(timed_steps * c.batch * c.seq / (time.perf_counter() - t0))
     return rates
 

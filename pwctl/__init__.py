@@ -17,6 +17,7 @@ __all__ = [
     "VirtualDevice",
     "VirtualMesh",
     "VirtualSlice",
+    "block_until_ready",
     "jit",
     "make_virtual_device_set",
     "pmap",
@@ -29,6 +30,7 @@ _LAZY = {
     "VirtualMesh": "pwctl.api.devices",
     "VirtualSlice": "pwctl.api.devices",
     "make_virtual_device_set": "pwctl.api.devices",
+    "block_until_ready": "pwctl.api.futures",
     "jit": "pwctl.api.functions",
     "pmap": "pwctl.api.functions",
     "program": "pwctl.api.programs",
@@ -39,7 +41,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from .api.devices import VirtualDevice, VirtualMesh, VirtualSlice, make_virtual_device_set
     from .api.functions import jit, pmap
-    from .api.futures import Future
+    from .api.futures import Future, block_until_ready
     from .api.programs import program
     from .errors import PathwaysError, ProgramError
 

@@ -48,6 +48,7 @@ def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> 
     out = client_json(module_cluster, "basics.py")
     assert out["shape"] == [2] and out["dtype"] == "float64"
     assert out["chained"] == [4.0, 8.0] and out["ready"] is True
+    assert out["waited"] is True and out["after_wait"] == [16.0, 32.0]
     assert out["tree"] == {"sum": [1.0, 2.0], "pair": [[0.0, 2.0], [0.0, 0.0]]}
     assert out["loop"] == [2048.0, 2048.0]
     assert out["prog"] == [[2.0, 4.0], [12.0, 16.0], [10.0, 12.0], [28.0, 32.0]]
@@ -67,6 +68,7 @@ def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:
     assert "boom from user code" in out["user_exception"]
     assert out["failed_node"].startswith("ProgramError") and "bad" in out["failed_node"]
     assert out["dependent"].startswith("ProgramError") and "input failed" in out["dependent"]
+    assert out["wait_failed"].startswith("ProgramError") and "bad" in out["wait_failed"]
     assert out["still_fine"] == [2.0, 4.0]
     assert out["slice_name"] in out["deleted_slice"] and out["deleted_slice"].startswith("ProgramError")
 

@@ -58,8 +58,10 @@ class Future:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"future {self.id:#x} not ready after {timeout} s")
 
-    def block_until_ready(self) -> Future:
-        self.result()
+    def block_until_ready(self, timeout: float | None = None) -> Future:
+        """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
+        if self._value is None:
+            _wait_computed(self._rt, self.home, [self], timeout)
         return self
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -88,3 +90,37 @@ class Future:
 
 def is_future(x: Any) -> bool:
     return isinstance(x, Future)
+
+
+def block_until_ready(x: Any, timeout: float | None = None) -> Any:
+    """Waits until every future in the pytree `x` is computed (one call per worker, no bytes
+    moved) and returns `x`, as `jax.block_until_ready`; raises ProgramError if one failed."""
+    import jax
+
+    by_home: dict[tuple[int, str], list[Future]] = {}
+    for leaf in jax.tree_util.tree_leaves(x):
+        if isinstance(leaf, Future) and leaf._value is None:
+            by_home.setdefault((id(leaf._rt), leaf.home), []).append(leaf)
+    for (_, home), futures in by_home.items():
+        _wait_computed(futures[0]._rt, home, futures, timeout)
+    return x
+
+
+def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    conn = rt.worker(home)
+    ids = [f.id for f in futures]
+    while True:
+        for f in futures:
+            failed = rt.run_failed(f.run_id)
+            if failed:
+                raise ProgramError(failed)
+        wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))
+        ready, error = conn.wait(ids, wait)
+        if ready:
+            return
+        if error:
+            failed = next((rt.run_failed(f.run_id) for f in futures if rt.run_failed(f.run_id)), "")
+            raise ProgramError(failed or error)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"not computed after {timeout:g} s")

@@ -99,6 +99,20 @@ class WorkerConn:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
+    def wait(self, buffer_ids: list[int], timeout_s: float) -> tuple[bool, str]:
+        """(True, "") once every buffer is computed, (False, error) when one failed, (False, "")
+        on timeout; no bytes move."""
+        try:
+            reply = self.stub.Wait(wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s),
+                                   metadata=self.metadata, timeout=timeout_s + 5.0)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                return False, f"the worker at {self.address} is unreachable (host lost?)"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return False, ""
+            raise
+        return reply.ready, reply.error
+
     def close(self) -> None:
         self._puts.put(_STOP)
         self.channel.close()

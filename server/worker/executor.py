@@ -464,17 +464,23 @@ class Executor:
             batch = []
 
     def _finish(self, batch: list[_Launched]) -> None:
+        # Tasks whose outputs travel to other workers are waited for one by one, in launch order,
+        # and their outputs leave as soon as they are ready: a pipeline stage's micro-batch k goes
+        # to the next stage while micro-batch k+1 still computes (waiting for the whole batch
+        # would make stages take turns). The rest complete with one wait.
+        errors: list[str] = [""] * len(batch)
+        sent = [False] * len(batch)
+        for i, launched in enumerate(batch):
+            if launched.info.routes:
+                errors[i] = _wait(launched)
+                self._send_outputs(launched, errors[i])
+                sent[i] = True
         try:
-            jax.block_until_ready([launched.values for launched in batch])
-            errors: list[str] = [""] * len(batch)
+            jax.block_until_ready([launched.values for i, launched in enumerate(batch) if not sent[i]])
         except Exception:
-            errors = []
-            for launched in batch:  # find which ones failed
-                try:
-                    jax.block_until_ready(launched.values)
-                    errors.append("")
-                except Exception as e:
-                    errors.append(f"{launched.task.label}: {type(e).__name__}: {e}")
+            for i, launched in enumerate(batch):  # find which ones failed
+                if not sent[i]:
+                    errors[i] = _wait(launched)
         end = time.time_ns()
         # One wait completed the whole batch, so per-task times are not known: split the time the
         # batch's devices were busy over its tasks by their node counts, in launch order, per device
@@ -499,15 +505,6 @@ class Executor:
             if error:
                 for out in task.output_ids:
                     self.store.fail(out, error)
-            for route in info.routes:
-                out_id = task.output_ids[route.output_index]
-                value = launched.values[route.output_index]
-                if not error:
-                    self.sender.send(out_id, value, route.address, route.same_host,
-                                     functools.partial(self.store.consumer_done, out_id))
-                else:
-                    self.sender.send_error(out_id, route, error)
-                    self.store.consumer_done(out_id)
             self.recent_order.append((task.run_id, task.segment, task.seq))
             d = launched.devices
             span = steps[d] * info.size
@@ -518,6 +515,17 @@ class Executor:
             self.nodes_executed += info.size
         self.report(events)
 
+    def _send_outputs(self, launched: _Launched, error: str) -> None:
+        task = launched.task
+        for route in launched.info.routes:
+            out_id = task.output_ids[route.output_index]
+            if not error:
+                self.sender.send(out_id, launched.values[route.output_index], route.address, route.same_host,
+                                 functools.partial(self.store.consumer_done, out_id))
+            else:
+                self.sender.send_error(out_id, route, error)
+                self.store.consumer_done(out_id)
+
     def _send_buffer(self, send: wpb.BufferSend) -> None:
         try:
             value = self.store.wait(send.buffer_id, timeout=0)
@@ -527,6 +535,15 @@ class Executor:
             return
         self.sender.send(send.buffer_id, value, send.address, send.same_host,
                          lambda: self.store.consumer_done(send.buffer_id))
+
+
+def _wait(launched: _Launched) -> str:
+    """Blocks until the task's outputs are computed; its error, or ''."""
+    try:
+        jax.block_until_ready(launched.values)
+        return ""
+    except Exception as e:
+        return f"{launched.task.label}: {type(e).__name__}: {e}"
 
 
 def _names_a_node(task: _Task, error: str) -> bool:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 from grpc import aio
 
@@ -69,6 +71,25 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if off == 0:
                 part.dtype, part.shape[:] = head.dtype, head.shape
             yield wpb.FetchChunk(array=part, last=off + CHUNK >= len(data))
+
+    async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
+        loop = asyncio.get_running_loop()
+        ids, timeout = list(request.buffer_ids), request.timeout_s or None
+        return await loop.run_in_executor(self._waiters, self._wait, ids, timeout)
+
+    def _wait(self, buffer_ids: list[int], timeout: float | None) -> wpb.WaitReply:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for bid in buffer_ids:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                jax.block_until_ready(self.store.wait(bid, left, False))
+        except TimeoutError:
+            return wpb.WaitReply(ready=False)
+        except BufferFailed as e:
+            return wpb.WaitReply(error=str(e))
+        except Exception as e:  # the computation behind the array failed
+            return wpb.WaitReply(error=f"{type(e).__name__}: {e}")
+        return wpb.WaitReply(ready=True)
 
     async def Transfer(
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext

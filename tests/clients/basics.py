@@ -15,6 +15,10 @@ out["shape"], out["dtype"] = list(f.shape), str(f.dtype)  # known without fetchi
 g = double(f)  # a future as input: its bytes never come to the client
 out["chained"] = np.asarray(g).tolist()
 out["ready"] = g.block_until_ready() is g
+h = double(g)
+tree_in = {"h": h, "more": [double(h), 3]}
+out["waited"] = pw.block_until_ready(tree_in) is tree_in and h._value is None  # waited, fetched nothing
+out["after_wait"] = np.asarray(tree_in["more"][0]).tolist()
 
 
 def tree_fn(d):

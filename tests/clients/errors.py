@@ -39,6 +39,11 @@ for key, fut in (("failed_node", y), ("dependent", z)):
         out[key] = "no error"
     except Exception as e:
         out[key] = f"{type(e).__name__}: {e}"
+try:  # waiting (without fetching) reports the failure the same way
+    pw.block_until_ready([z, double(np.ones(2))], timeout=60)
+    out["wait_failed"] = "no error"
+except Exception as e:
+    out["wait_failed"] = f"{type(e).__name__}: {e}"
 out["still_fine"] = np.asarray(double(np.array([1.0, 2.0]))).tolist()
 
 # a function on a deleted slice fails with the slice's name

@@ -92,6 +92,54 @@ class FetchRequest(_message.Message):
 Global___FetchRequest: _TypeAlias = FetchRequest  # noqa: Y015
 
 @_typing.final
+class WaitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUFFER_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    timeout_s: _builtins.float
+    """0: wait forever"""
+    @_builtins.property
+    def buffer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        buffer_ids: _abc.Iterable[_builtins.int] | None = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitRequest: _TypeAlias = WaitRequest  # noqa: Y015
+
+@_typing.final
+class WaitReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    """every buffer is computed"""
+    error: _builtins.str
+    """a buffer failed: the cause (ready is false)"""
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitReply: _TypeAlias = WaitReply  # noqa: Y015
+
+@_typing.final
 class FetchChunk(_message.Message):
     """The first chunk carries dtype and shape; later chunks only data."""
 

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchRequest.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchChunk.FromString,
                 _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/pathways.v1.Worker/Wait',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
+                _registered_method=True)
         self.Transfer = channel.stream_unary(
                 '/pathways.v1.Worker/Transfer',
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.TransferChunk.SerializeToString,
@@ -68,6 +73,14 @@ class WorkerServicer:
 
     def Fetch(self, request, context):
         """Client -> worker: read a buffer; waits until it is ready or failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """Client -> worker: wait until buffers are computed, without moving their bytes
+        (`block_until_ready`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +112,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchRequest.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchChunk.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.SerializeToString,
             ),
             'Transfer': grpc.stream_unary_rpc_method_handler(
                     servicer.Transfer,
@@ -165,6 +183,33 @@ class Worker:
             '/pathways.v1.Worker/Fetch',
             schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchRequest.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.v1.Worker/Wait',
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,10 @@ class WorkerStub:
     """Client -> worker: upload input arrays under client-chosen buffer ids."""
     Fetch: _grpc.UnaryStreamMultiCallable[_worker_pb2.FetchRequest, _worker_pb2.FetchChunk]
     """Client -> worker: read a buffer; waits until it is ready or failed."""
+    Wait: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]
+    """Client -> worker: wait until buffers are computed, without moving their bytes
+    (`block_until_ready`).
+    """
     Transfer: _grpc.StreamUnaryMultiCallable[_worker_pb2.TransferChunk, _worker_pb2.TransferResponse]
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]
@@ -50,6 +54,10 @@ class WorkerAsyncStub(WorkerStub):
     """Client -> worker: upload input arrays under client-chosen buffer ids."""
     Fetch: _aio.UnaryStreamMultiCallable[_worker_pb2.FetchRequest, _worker_pb2.FetchChunk]  # type: ignore[assignment]
     """Client -> worker: read a buffer; waits until it is ready or failed."""
+    Wait: _aio.UnaryUnaryMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]  # type: ignore[assignment]
+    """Client -> worker: wait until buffers are computed, without moving their bytes
+    (`block_until_ready`).
+    """
     Transfer: _aio.StreamUnaryMultiCallable[_worker_pb2.TransferChunk, _worker_pb2.TransferResponse]  # type: ignore[assignment]
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]  # type: ignore[assignment]
@@ -71,6 +79,16 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.FetchChunk], _abc.AsyncIterator[_worker_pb2.FetchChunk]]:
         """Client -> worker: read a buffer; waits until it is ready or failed."""
+
+    @_abc_1.abstractmethod
+    def Wait(
+        self,
+        request: _worker_pb2.WaitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.WaitReply, _abc.Awaitable[_worker_pb2.WaitReply]]:
+        """Client -> worker: wait until buffers are computed, without moving their bytes
+        (`block_until_ready`).
+        """
 
     @_abc_1.abstractmethod
     def Transfer(

@@ -46,7 +46,7 @@ class CompiledFunction:
         if trace is not None:
             return trace.call(self, args)
         rt = Runtime.get()
-        key = fast_key(args)
+        key, flat = fast_key(args)
         reg = self._by_fast_key.get(key) if key is not None else None
         if reg is None:
             exp = self.export(args)
@@ -56,9 +56,7 @@ class CompiledFunction:
                     reg = self._standalone[exp.function_id] = self._register_single(rt, exp, args)
                 if key is not None:
                     self._by_fast_key[key] = reg
-            flat, _ = jax.tree_util.tree_flatten(args)
-            return execute(rt, reg, flat)
-        return execute(rt, reg, list(args))
+        return execute(rt, reg, flat)
 
     def _register_single(self, rt: Runtime, exp: ExportedFunction, args: tuple[Any, ...]) -> Registered:
         trace = Trace(self.name)
@@ -71,16 +69,27 @@ class CompiledFunction:
         return f"<compiled {self.name} on slice {self.slice.name!r}>"
 
 
-def fast_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """A cheap signature for the common case (every argument a future or a numpy array):
-    skips pytree flattening and dtype canonicalization on the op-by-op hot path."""
-    key = []
+def fast_key(args: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, list[Any]]:
+    """(a cheap signature, the flat arguments) when every leaf is a future or a NumPy array: the
+    tree structure plus each leaf's shape and dtype, without the canonicalized avals of
+    `signature_key`. None for other leaves (scalars, JAX arrays), which take the full path. Flat
+    arguments skip even the flattening (the op-by-op hot path)."""
+    key: list[Any] = []
     for a in args:
         if type(a) is Future or type(a) is np.ndarray:
             key.append((a.shape, a.dtype))
         else:
-            return None
-    return tuple(key)
+            break
+    else:
+        return tuple(key), list(args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    key = [treedef]
+    for a in leaves:
+        if type(a) is Future or type(a) is np.ndarray:
+            key.append((a.shape, a.dtype))
+        else:
+            return None, leaves
+    return tuple(key), leaves
 
 
 def _dtype(x: Any) -> Any:

@@ -235,11 +235,10 @@ class Program:
         rt = Runtime.get()
         from .functions import fast_key  # (functions imports this module)
 
-        quick = fast_key(args)
+        quick, flat = fast_key(args)
         reg = self._quick.get(quick) if quick is not None else None
         if reg is not None:
-            return execute(rt, reg, list(args))
-        flat, _ = jax.tree_util.tree_flatten(args)
+            return execute(rt, reg, flat)
         with jax.enable_x64(True):
             key = signature_key(args)
         with self._lock:

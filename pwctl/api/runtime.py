@@ -200,9 +200,21 @@ class Runtime:
 
     @staticmethod
     def _pack(batch: list[cpb.ClientMessage]) -> cpb.ClientMessage:
+        """One message for a batch; adjacent releases of one worker's buffers become one release
+        (a training step drops every parameter future of the step before: one message, not 85)."""
         if len(batch) == 1:
             return batch[0]
-        return cpb.ClientMessage(batch=cpb.ClientBatch(messages=batch))
+        merged: list[cpb.ClientMessage] = []
+        for msg in batch:
+            prev = merged[-1] if merged else None
+            if (prev is not None and msg.HasField("release") and prev.HasField("release")
+                    and prev.release.address == msg.release.address and not (msg.release.owner or prev.release.owner)):
+                prev.release.buffer_ids.extend(msg.release.buffer_ids)
+            else:
+                merged.append(msg)
+        if len(merged) == 1:
+            return merged[0]
+        return cpb.ClientMessage(batch=cpb.ClientBatch(messages=merged))
 
     # ---- incoming ----
     def _read(self) -> None:

@@ -1,0 +1,46 @@
+"""The client's per-call path without a server: call signatures and session message packing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pwctl.api.functions import fast_key
+from pwctl.api.runtime import Runtime
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+
+def test_fast_key_flat_and_pytree_arguments() -> None:
+    a, b = np.zeros((2, 3), np.float32), np.ones(4, np.int32)
+    key, flat = fast_key((a, b))
+    assert key == (((2, 3), np.dtype(np.float32)), ((4,), np.dtype(np.int32)))
+    assert flat[0] is a and flat[1] is b
+
+    tree_key, leaves = fast_key(({"w": a, "b": [b, b]}, a))
+    assert tree_key is not None and len(leaves) == 4
+    # same structure and leaf types: same key; another structure or dtype: another key
+    assert fast_key(({"w": a, "b": [b, b]}, a))[0] == tree_key
+    assert fast_key(({"w": a, "b": [b]}, a))[0] != tree_key
+    assert fast_key(({"w": a, "b": [b, b.astype(np.int64)]}, a))[0] != tree_key
+    # scalars (and JAX arrays) need the full signature: no key, but the flat leaves
+    key, leaves = fast_key(({"w": a}, 3.0))
+    assert key is None and leaves == [a, 3.0]
+
+
+def _release(address: str, *ids: int, owner: str = "") -> cpb.ClientMessage:
+    return cpb.ClientMessage(release=wpb.ReleaseBuffers(buffer_ids=list(ids), address=address, owner=owner))
+
+
+def test_adjacent_releases_of_one_worker_travel_as_one_message() -> None:
+    run = cpb.ClientMessage(run=cpb.RunProgram(run_id=9, program_id="p"))
+    packed = Runtime._pack([_release("w1", 1), _release("w1", 2, 3), _release("w2", 4), run, _release("w1", 5),
+                            _release("w1", owner="client:1"), _release("w1", 6)])
+    msgs = packed.batch.messages
+    kinds = [(m.WhichOneof("msg"), m.release.address if m.HasField("release") else "") for m in msgs]
+    # a release never moves across a run (it may free a buffer that run reads) nor merges into an
+    # owner-wide release
+    assert kinds == [("release", "w1"), ("release", "w2"), ("run", ""), ("release", "w1"), ("release", "w1"),
+                     ("release", "w1")]
+    assert list(msgs[0].release.buffer_ids) == [1, 2, 3]
+    assert list(msgs[3].release.buffer_ids) == [5]
+    assert Runtime._pack([_release("w1", 1), _release("w1", 2)]).release.buffer_ids == [1, 2]

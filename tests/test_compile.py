@@ -192,6 +192,13 @@ def test_jit_sharded_reduction(worker_run):
     assert shards == {7: (0, 2), 6: (2, 4), 5: (4, 6), 4: (6, 8)}
 
 
+def test_worker_knows_a_sharded_elementwise_function_does_not_communicate(worker_run):
+    fns, res = worker_run
+    # the client cannot tell before SPMD partitioning and says it may communicate; the compiled
+    # program has no collective, and that is what the worker's executor goes by
+    assert fns["donate"].collective and not res["donate"]["has_collectives"]
+
+
 def test_2x2_mesh_order(worker_run):
     _, res = worker_run
     grid = np.arange(16, dtype=np.float32).reshape(4, 4)

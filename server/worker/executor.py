@@ -253,19 +253,20 @@ class Executor:
     # it go on: micro-batches of a pipeline overlap instead of queueing behind each other's
     # transfers. Every wait still points to an earlier task of the global order, so this
     # cannot deadlock either.
+    #
+    # Whether a task communicates is read from its compiled programs (the client's flag is a
+    # conservative guess made before SPMD partitioning: a data-sharded elementwise pw.jit has no
+    # collective once compiled, and need not wait for everything in flight on its devices).
     def _communicates(self, task: _Task) -> bool:
         info = task.info
         if info is None:
             return False
         if info.communicates is None:
-            if info.definition.collective:
-                info.communicates = True
-            else:
-                try:
-                    info.communicates = any(self._executable(fid, info.structure.devices).has_collectives
-                                            for fid in info.structure.function_ids)
-                except Exception:
-                    return False  # its launch reports the compile error
+            try:
+                info.communicates = any(self._executable(fid, info.structure.devices).has_collectives
+                                        for fid in info.structure.function_ids)
+            except Exception:
+                return info.definition.collective  # its launch reports the compile error
         return info.communicates
 
     def _defer_if_waiting(self, task: _Task) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,24 +40,20 @@ class Future:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Fetches the value from the worker that owns it (cached afterwards)."""
-        if self._value is not None:
-            return self._value
-        deadline = None if timeout is None else time.monotonic() + timeout
-        conn = self._rt.worker(self.home)
-        while True:
-            failed = self._rt.run_failed(self.run_id)
-            if failed:
-                raise ProgramError(failed)
-            wait = FETCH_POLL_S if deadline is None else max(0.0, min(FETCH_POLL_S, deadline - time.monotonic()))
-            value, error = conn.fetch(self.id, max(wait, 0.001), self.size * self.dtype.itemsize)
-            if error:
-                raise ProgramError(self._rt.run_failed(self.run_id) or error)
-            if value is not None:
-                value.flags.writeable = False
-                self._value = value
-                return value
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"future {self.id:#x} not ready after {timeout} s")
+        if self._value is None:
+            conn = self._rt.worker(self.home)
+            nbytes = self.size * self.dtype.itemsize
+
+            def fetch(wait_s: float) -> tuple[bool, str]:
+                value, error = conn.fetch(self.id, wait_s, nbytes)
+                if value is not None:
+                    value.flags.writeable = False
+                    self._value = value
+                return value is not None, error
+
+            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready")
+        assert self._value is not None
+        return self._value
 
     def block_until_ready(self, timeout: float | None = None) -> Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
@@ -107,20 +104,25 @@ def block_until_ready(x: Any, timeout: float | None = None) -> Any:
 
 
 def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
-    deadline = None if timeout is None else time.monotonic() + timeout
     conn = rt.worker(home)
     ids = [f.id for f in futures]
+    _poll(rt, {f.run_id for f in futures}, timeout, lambda wait_s: conn.wait(ids, wait_s), "not computed")
+
+
+def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callable[[float], tuple[bool, str]],
+          what: str) -> None:
+    """Calls `attempt(wait_s)` (a worker call that waits up to wait_s: (done, error)) until it is
+    done, checking between calls whether one of the runs failed (the controller says why)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        for f in futures:
-            failed = rt.run_failed(f.run_id)
-            if failed:
-                raise ProgramError(failed)
+        failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
+        if failed:
+            raise ProgramError(failed)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))
-        ready, error = conn.wait(ids, wait)
-        if ready:
+        done, error = attempt(wait)
+        if done:
             return
         if error:
-            failed = next((rt.run_failed(f.run_id) for f in futures if rt.run_failed(f.run_id)), "")
-            raise ProgramError(failed or error)
+            raise ProgramError(next((msg for msg in map(rt.run_failed, run_ids) if msg), "") or error)
         if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"not computed after {timeout:g} s")
+            raise TimeoutError(f"{what} after {timeout:g} s")

@@ -470,17 +470,15 @@ class Executor:
         # to the next stage while micro-batch k+1 still computes (waiting for the whole batch
         # would make stages take turns). The rest complete with one wait.
         errors: list[str] = [""] * len(batch)
-        sent = [False] * len(batch)
         for i, launched in enumerate(batch):
             if launched.info.routes:
                 errors[i] = _wait(launched)
                 self._send_outputs(launched, errors[i])
-                sent[i] = True
         try:
-            jax.block_until_ready([launched.values for i, launched in enumerate(batch) if not sent[i]])
+            jax.block_until_ready([launched.values for launched in batch if not launched.info.routes])
         except Exception:
             for i, launched in enumerate(batch):  # find which ones failed
-                if not sent[i]:
+                if not launched.info.routes:
                     errors[i] = _wait(launched)
         end = time.time_ns()
         # One wait completed the whole batch, so per-task times are not known: split the time the

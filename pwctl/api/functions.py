@@ -74,22 +74,22 @@ def fast_key(args: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, list[Any]]:
     tree structure plus each leaf's shape and dtype, without the canonicalized avals of
     `signature_key`. None for other leaves (scalars, JAX arrays), which take the full path. Flat
     arguments skip even the flattening (the op-by-op hot path)."""
-    key: list[Any] = []
-    for a in args:
-        if type(a) is Future or type(a) is np.ndarray:
-            key.append((a.shape, a.dtype))
-        else:
-            break
-    else:
-        return tuple(key), list(args)
+    flat = _leaf_keys(args)
+    if flat is not None:
+        return tuple(flat), list(args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    key = [treedef]
-    for a in leaves:
-        if type(a) is Future or type(a) is np.ndarray:
-            key.append((a.shape, a.dtype))
-        else:
-            return None, leaves
-    return tuple(key), leaves
+    keys = _leaf_keys(leaves)
+    return (None if keys is None else (treedef, *keys)), leaves
+
+
+def _leaf_keys(xs: Sequence[Any]) -> list[tuple[Any, Any]] | None:
+    """(shape, dtype) of each item when all are futures or NumPy arrays, else None."""
+    out = []
+    for a in xs:
+        if type(a) is not Future and type(a) is not np.ndarray:
+            return None
+        out.append((a.shape, a.dtype))
+    return out
 
 
 def _dtype(x: Any) -> Any:

@@ -89,11 +89,7 @@ class WorkerConn:
                     head = chunk.array
                 parts.append(chunk.array.data)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                return None, f"the worker at {self.address} is unreachable (host lost?)"
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return None, ""  # not ready in time: the caller checks the run and asks again
-            raise
+            return None, self._wait_error(e)
         if head is None:
             return None, f"empty reply from {self.address}"
         data = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -106,12 +102,17 @@ class WorkerConn:
             reply = self.stub.Wait(wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s),
                                    metadata=self.metadata, timeout=timeout_s + 5.0)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                return False, f"the worker at {self.address} is unreachable (host lost?)"
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return False, ""
-            raise
+            return False, self._wait_error(e)
         return reply.ready, reply.error
+
+    def _wait_error(self, e: grpc.RpcError) -> str:
+        """A failed fetch or wait: the error to report, or "" when it only ran out of time (the
+        caller checks the run and asks again); anything else is raised."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return f"the worker at {self.address} is unreachable (host lost?)"
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ""
+        raise e
 
     def close(self) -> None:
         self._puts.put(_STOP)

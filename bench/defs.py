@@ -114,6 +114,15 @@ def repeat(fn: Callable[[], float], repeats: int, budget_s: float) -> list[float
     return out
 
 
+def window_rate(one_pass: Callable[[], None], budget_s: float) -> float:
+    """Passes/s over one window of as many whole passes as fill about `budget_s`."""
+    def run(k: int) -> None:
+        for _ in range(k):
+            one_pass()
+
+    return throughput(run, 10_000, budget_s * 3)
+
+
 def throughput(run_batch: Callable[[int], None], count: int, budget_s: float) -> float:
     """Items/s of `run_batch(k)` (runs k items and blocks), doubling k from 1 until the batch
     takes at least a third of `budget_s` or reaches `count` items. Bounded by time and count."""

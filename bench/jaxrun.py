@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -105,33 +106,45 @@ def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any
     return {"per_loop_ms": per_loop, "base_ms": base, "sizes": sizes}
 
 
-def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: str = "blocks") -> dict[str, Any]:
-    """The same stages back to back in one process, each on the device it has in Pathways
-    (`defs.stage_device`; run with BENCH_JAX_DEVICES=8)."""
+def pipeline_pass(stages: int, micro_batches: int, layout: str = "blocks") -> Callable[[], None]:
+    """One pass of the pipeline: the same stages back to back in one process, each on the device
+    it has in Pathways (`defs.stage_device`; run with BENCH_JAX_DEVICES=8), all micro-batches
+    dispatched before blocking."""
     devs = jax.devices()
     fn = jax.jit(defs.stage)
-    out: dict[str, Any] = {}
-    for stages in stages_list:
-        xs, ws = defs.pipeline_inputs(stages, micro_batches)
-        place = [devs[defs.stage_device(s, stages, layout) % len(devs)] for s in range(stages)]
-        wd = [jax.device_put(w, place[s]) for s, w in enumerate(ws)]
-        xd = [jax.device_put(x, place[0]) for x in xs]
+    xs, ws = defs.pipeline_inputs(stages, micro_batches)
+    place = [devs[defs.stage_device(s, stages, layout) % len(devs)] for s in range(stages)]
+    wd = [jax.device_put(w, place[s]) for s, w in enumerate(ws)]
+    xd = [jax.device_put(x, place[0]) for x in xs]
 
-        def once(xd: list[Any] = xd, wd: list[Any] = wd, stages: int = stages, place: list[Any] = place) -> float:
-            t0 = time.perf_counter()
-            outs = []
-            for x in xd:
-                h = x
-                for s in range(stages):
-                    h = fn(jax.device_put(h, place[s]), wd[s])
-                outs.append(h)
-            for o in outs:
-                o.block_until_ready()
-            return micro_batches / (time.perf_counter() - t0)
+    def once() -> None:
+        outs = []
+        for x in xd:
+            h = x
+            for s in range(stages):
+                h = fn(jax.device_put(h, place[s]), wd[s])
+            outs.append(h)
+        for o in outs:
+            o.block_until_ready()
 
-        once()  # compile, warm up
-        out[str(stages)] = defs.median(defs.repeat(once, repeats, 10.0))
-    return out
+    once()  # compile, warm up
+    return once
+
+
+def pipeline_serve(variants: list[list[Any]], micro_batches: int) -> None:
+    """For windows interleaved with Pathways' (bench_pipeline): prepares every [stages, layout]
+    variant, prints {"ready": true}; then for each line "INDEX BUDGET_S" read from stdin, the
+    micro-batches/s of variant INDEX over one window (`defs.window_rate`), as {"per_s": ...}."""
+    passes = [pipeline_pass(int(stages), micro_batches, str(layout)) for stages, layout in variants]
+    for once in passes:
+        once()
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        index, budget = line.split()
+        rate = defs.window_rate(passes[int(index)], float(budget)) * micro_batches
+        sys.stdout.write(json.dumps({"per_s": rate}) + "\n")
+        sys.stdout.flush()
 
 
 class Trainer:
@@ -199,8 +212,8 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
         sys.stdout.flush()
 
 
-TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline": pipeline, "transformer": transformer,
-                         "transformer_serve": transformer_serve}
+TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline_serve": pipeline_serve,
+                         "transformer": transformer, "transformer_serve": transformer_serve}
 
 
 def main() -> None:

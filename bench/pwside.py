@@ -111,17 +111,18 @@ def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) 
 
 # ------------------------------------------------------------------------------------ pipelines
 
-def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: str = "blocks") -> dict[str, Any]:
-    """Micro-batches/s of an S-stage pipeline over the 8 devices of islands a and b (one 1-device
-    slice per device; stage s on `defs.stage_device`): one program per micro-batch, all
-    micro-batches submitted before blocking."""
+def pipeline_passes(variants: list[tuple[int, str]], micro_batches: int) -> list[Callable[[], None]]:
+    """Per (stages, layout) variant, one pass of an S-stage pipeline over the 8 devices of islands
+    a and b (one 1-device slice per device; stage s on `defs.stage_device`): one program per
+    micro-batch, all micro-batches submitted before blocking. Each is traced, registered and
+    compiled (one pass) before it is returned."""
     vds = pw.make_virtual_device_set()
     half = defs.PIPE_DEVICES // 2
     slices = [vds.add_slice(devices=1, island="a" if d < half else "b") for d in range(defs.PIPE_DEVICES)]
     fns = [pw.jit(defs.stage, mesh=s.mesh(("d",))) for s in slices]
     puts = [pw.jit(lambda v: v * 1.0, mesh=s.mesh(("d",))) for s in slices]
-    out: dict[str, Any] = {}
-    for stages in stages_list:
+    out: list[Callable[[], None]] = []
+    for stages, layout in variants:
         xs_np, ws_np = defs.pipeline_inputs(stages, micro_batches)
         dev = [defs.stage_device(s, stages, layout) for s in range(stages)]
         ws = [puts[dev[s]](w) for s, w in enumerate(ws_np)]
@@ -134,14 +135,23 @@ def pipeline(stages_list: list[int], micro_batches: int, repeats: int, layout: s
                 h = fns[dev[s]](h, ws[s])
             return h
 
-        def once(xs: list[Any] = xs, ws: list[Any] = ws, micro_batch: Any = micro_batch) -> float:
-            t0 = time.perf_counter()
+        def once(xs: list[Any] = xs, ws: list[Any] = ws, micro_batch: Any = micro_batch) -> None:
             outs = [micro_batch(x, ws) for x in xs]
             pw.block_until_ready(outs, timeout=300)
-            return len(xs) / (time.perf_counter() - t0)
 
         once()  # trace, register, compile
-        out[str(stages)] = defs.median(defs.repeat(once, repeats, 10.0))
+        out.append(once)
+    return out
+
+
+def pipeline(stages_list: list[int], micro_batches: int, windows: int, budget_s: float) -> dict[str, float]:
+    """Micro-batches/s per stage count (blocks layout): the median of `windows` windows (a client
+    process of its own, for PWCTL_DISPATCH=sequential)."""
+    passes = pipeline_passes([(s, "blocks") for s in stages_list], micro_batches)
+    out = {}
+    for stages, once in zip(stages_list, passes, strict=True):
+        once()
+        out[str(stages)] = defs.median([defs.window_rate(once, budget_s) * micro_batches for _ in range(windows)])
     return out
 
 

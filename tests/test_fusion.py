@@ -83,11 +83,36 @@ def test_nodes_with_a_node_elsewhere_between_them_are_not_one_segment() -> None:
     assert [(s.first, s.last) for s in plan(g, [A, B, A])] == [(0, 0), (1, 1), (2, 2)]
 
 
-def test_other_devices_of_the_same_worker_start_a_new_segment() -> None:
+def test_other_devices_of_the_same_worker_join_the_segment_as_another_part() -> None:
     g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)], collective=(1,))
-    s0, s1 = plan(g, [A, A], [[0], [0, 1]])
-    assert s1.spec.collective and not s0.spec.collective
-    assert s1.spec.devices == (10, 11) and s1.spec.deps == (0,)
+    (seg,) = plan(g, [A, A], [[0], [0, 1]])
+    assert seg.spec.collective and seg.spec.devices == (10, 11) and seg.spec.deps == ()
+    s = Segment.of(seg.definition)
+    assert s.devices == (0, 1) and s.node_devices == ((0,), (0, 1))
+    p0, p1 = s.parts()
+    assert (p0.first, p0.sources, p0.produces) == (0, ((0, 0),), ((0, 0),))
+    assert p0.segment.devices == (0,) and p0.segment.keep == ((0, 0),)
+    assert (p1.first, p1.sources, p1.produces) == (1, ((1, 0, 0),), ((1, 0),))
+    assert p1.segment.devices == (0, 1) and p1.segment.wiring == (((0, 0),),) and p1.segment.is_identity()
+    # sequential dispatch (each computation waits for the one before) keeps them apart
+    s0, s1 = cut(analyze("p-1", g), [A, A], [[0], [0, 1]], ["a", "a"], across_devices=False)
+    assert s0.spec.devices == (10,) and s1.spec.devices == (10, 11) and s1.spec.deps == (0,)
+
+
+def test_parts_read_the_segment_inputs_and_earlier_parts_and_return_what_is_kept() -> None:
+    # stage 0 on device 0 (two nodes), stage 1 on device 1 reads both of them and input 1
+    g = graph([([inp(0)], 1), ([out(0)], 2), ([out(1, 1), inp(1), out(0)], 1)], [out(2), out(1, 0)],
+              num_inputs=2)
+    (seg,) = plan(g, [A, A, A], [[0], [0], [1]])
+    s = Segment.of(seg.definition)
+    p0, p1 = s.parts()
+    assert p0.segment.function_ids == ("f0", "f1") and p0.segment.wiring == (((0, 0),), ((1, 0, 0),))
+    assert p0.produces == ((0, 0), (1, 0), (1, 1)) and p0.segment.keep == ((0, 0), (1, 0), (1, 1))
+    assert p1.sources == ((1, 1, 1), (0, 1), (1, 0, 0)) and p1.segment.wiring == (((0, 0), (0, 1), (0, 2)),)
+    assert s.keep == ((1, 0), (2, 0)) and p1.produces == ((2, 0),)
+    # a segment on one device set is its own single part
+    (one,) = Segment.of(plan(g, [A, A, A])[0].definition).parts()
+    assert one.segment == Segment.of(plan(g, [A, A, A])[0].definition) and one.first == 0
 
 
 def test_a_single_node_reading_its_inputs_in_order_runs_as_its_executable() -> None:

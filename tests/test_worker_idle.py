@@ -58,3 +58,9 @@ def test_idle_trimmer_fires_once_per_quiet_period() -> None:
 def test_trim_is_safe_everywhere() -> None:
     assert memory.trim_available() == (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
     assert isinstance(memory.trim(), bool)
+
+
+def test_workers_keep_freed_memory_until_trimmed() -> None:
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert memory.keep_freed_memory() == glibc  # glibc took both thresholds
+    assert isinstance(memory.trim(), bool)

@@ -1,7 +1,7 @@
 """The dispatcher: the I/O around the gang scheduler.
 
 A registered program, once placed, is cut into segments (`segments.py`: consecutive nodes on
-the same devices of one worker); each segment is registered on its worker once. A run becomes
+one worker); each segment is registered on its worker once. A run becomes
 a scheduler `RunSpec` with one node per segment, and the scheduler's actions become worker
 messages: every segment a worker runs, as a `Task` naming the segment and the run's buffer
 ids, leaves as ONE batched Enqueue per worker per flush, before any predecessor ran (parallel
@@ -113,7 +113,7 @@ class Dispatcher:
         self.core = core
         self.scheduler = scheduler
         self.runs: dict[int, RunState] = {}
-        self._plans: dict[str, Plan] = {}
+        self._plans: dict[tuple[str, bool], Plan] = {}  # (program, sequential) -> its plan
         self._host_functions: dict[str, set[str]] = {}  # host -> function ids it has
         self._host_segments: dict[str, set[int]] = {}  # host -> segment ids registered there
         self._segment_ids = itertools.count(1)
@@ -140,7 +140,7 @@ class Dispatcher:
                     f"program {prog.name!r} takes {graph.num_inputs} inputs and gives {len(prog.outputs)} outputs; "
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
-            plan = self._plan(prog)
+            plan = self._plan(prog, session.sequential)
         except ControllerError as e:
             session.run_failed(run.run_id, str(e))
             return
@@ -167,9 +167,12 @@ class Dispatcher:
         else:
             batch.append(event)
 
-    def _plan(self, prog: ProgramRecord) -> Plan:
+    def _plan(self, prog: ProgramRecord, sequential: bool) -> Plan:
+        """The program's segments under its slices' current placement. Sequential dispatch
+        (the baseline that waits for each computation before sending the next) keeps the nodes
+        on different devices of a worker in segments of their own."""
         epoch = (self.core.slices.epoch, self._host_epoch)
-        plan = self._plans.get(prog.program_id)
+        plan = self._plans.get((prog.program_id, sequential))
         if plan is not None and plan.epoch == epoch:
             return plan  # nothing about slices or hosts changed since it was made
         graph = prog.graph
@@ -184,17 +187,18 @@ class Dispatcher:
             self._forget(plan)
         nodes = [placements[n.slice] for n in graph.nodes]
         segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
-                       self._segment_ids)
+                       self._segment_ids, across_devices=not sequential)
         plan = Plan(key, segments, tuple(s.spec for s in segments), epoch)
-        self._plans[prog.program_id] = plan
+        self._plans[(prog.program_id, sequential)] = plan
         return plan
 
     def forget_programs(self, program_ids: list[str]) -> None:
         """Programs no client uses any more: their segments leave the workers."""
         for pid in program_ids:
-            plan = self._plans.pop(pid, None)
-            if plan is not None:
-                self._forget(plan)
+            for sequential in (False, True):
+                plan = self._plans.pop((pid, sequential), None)
+                if plan is not None:
+                    self._forget(plan)
         self.flush()
 
     def _forget(self, plan: Plan) -> None:

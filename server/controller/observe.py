@@ -151,7 +151,7 @@ class NodeRun:
     island: str
     devices: tuple[int, ...]  # local device indexes on `host`
     run_id: int
-    segment: int  # the run's segment (one or more program nodes on the same devices)
+    segment: int  # the run's segment (one or more consecutive program nodes on one worker)
     size: int  # program nodes in it
     seq: int
     program_id: str

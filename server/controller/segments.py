@@ -1,11 +1,13 @@
 """Cutting a placed program into segments: the units of gang order.
 
-A segment is a maximal run of consecutive nodes (by index) placed on the same devices of one
-worker. A run is admitted atomically, so the nodes it has on one worker take consecutive seqs
-there anyway: giving the whole segment ONE seq changes no device's order, and it lets the
-scheduler, the wire and the worker handle a run of a 128-node program on one slice as one
-computation instead of 128. The worker may execute a segment as one fused XLA computation;
-values that never leave it are never materialized.
+A segment is a maximal run of consecutive nodes (by index) placed on one worker, whatever
+devices of it each node uses. A run is admitted atomically, so the nodes it has on one worker
+take consecutive seqs there anyway: giving the whole segment ONE seq changes no device's order,
+and it lets the scheduler, the wire and the worker handle a run of a 128-node program on one
+slice as one computation instead of 128, and the stages of a pipeline that share a worker as
+one task whose hops between devices are JAX's, not the controller's. The worker executes each
+run of consecutive nodes on the same devices as one fused XLA computation; values that never
+leave it are never materialized.
 
 Only index-consecutive nodes join (not merely nodes that end up with consecutive seqs): with
 nodes 0 and 2 on worker A and node 1 elsewhere (a -> b -> a), a segment {0, 2} would wait for
@@ -55,18 +57,19 @@ class SegmentPlan:
 
 
 def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequence[int]],
-        islands: Sequence[str], ids: Iterator[int] | None = None) -> list[SegmentPlan]:
+        islands: Sequence[str], ids: Iterator[int] | None = None, across_devices: bool = True) -> list[SegmentPlan]:
     """Segments of `prog` when node i runs on `devices[i]` (worker-local) of `hosts[i]` in `islands[i]`.
 
-    `ids` yields the segment ids to register under (default 1, 2, ...)."""
+    `ids` yields the segment ids to register under (default 1, 2, ...). Without `across_devices`,
+    a node on other devices than the one before it starts a new segment."""
     ids = ids if ids is not None else itertools.count(1)
     graph = prog.graph
     bounds: list[tuple[int, int]] = []
     for i in range(len(graph.nodes)):
         if bounds:
             first, last = bounds[-1]
-            if (hosts[i].name == hosts[last].name and list(devices[i]) == list(devices[last])
-                    and last - first + 1 < MAX_SEGMENT_NODES):
+            if (hosts[i].name == hosts[last].name and last - first + 1 < MAX_SEGMENT_NODES
+                    and (across_devices or list(devices[i]) == list(devices[last]))):
                 bounds[-1] = (first, i)
                 continue
         bounds.append((i, i))
@@ -85,10 +88,13 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
         nodes: list[wpb.SegmentNode] = []
         deps: set[int] = set()
         collective = False
+        used: dict[int, None] = {}  # the devices of its nodes, first seen first
         for i in range(first, last + 1):
             node = graph.nodes[i]
             collective = collective or node.collective
-            sn = wpb.SegmentNode(function_id=node.function_id, label=_node_label(prog, i))
+            used.update(dict.fromkeys(devices[i]))
+            sn = wpb.SegmentNode(function_id=node.function_id, label=_node_label(prog, i),
+                                 local_devices=list(devices[i]))
             for ref in node.inputs:
                 if ref.WhichOneof("source") == "program_input":
                     source = (PROGRAM_INPUT, ref.program_input)
@@ -127,11 +133,11 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
                                                   same_host=same_machine(reader, host)))
         label = _segment_label(prog, first, last)
         definition = wpb.SegmentDef(
-            segment_id=next(ids), local_devices=list(devices[first]), nodes=nodes,
+            segment_id=next(ids), local_devices=list(used), nodes=nodes,
             outputs=[wpb.SegmentOutput(node=i - first, output=o) for i, o in outputs],
             routes=routes, collective=collective, label=label)
         spec = NodeSpec(index=s, host=host.name, island=islands[first],
-                        devices=tuple(host.device_ids[d] for d in devices[first]), collective=collective,
+                        devices=tuple(host.device_ids[d] for d in used), collective=collective,
                         deps=tuple(sorted(deps)), label=label)
         plans.append(SegmentPlan(s, host, first, last, definition, spec, inputs, outputs, client_outputs,
                                  [k >= 0 for k in client_outputs], read_later_here))

@@ -1,7 +1,7 @@
 """The worker's executor: runs enqueued tasks in gang order on its devices.
 
-A task is one run's execution of a registered segment (consecutive program nodes on the same
-devices; see server/controller/segments.py) and holds one seq of this worker's gang order.
+A task is one run's execution of a registered segment (consecutive program nodes on this
+worker; see server/controller/segments.py) and holds one seq of this worker's gang order.
 One thread launches tasks strictly in seq order (the island's gang order), never from gRPC
 handler threads (FACTS.md: JAX blocks the launching thread when ~32 computations are in
 flight). A launch waits only for its inputs; results are stored as JAX arrays still being
@@ -34,7 +34,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferFailed, BufferStore
 from .executable import Executable, ExecutableCache
-from .fusion import FusedExecutable, NodeFailed, Segment, run_unfused
+from .fusion import FusedExecutable, NodeFailed, Runner, Segment, run_parts, run_unfused
 from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class SegmentInfo:
     labels: list[str]
     routes: list[wpb.OutputRoute]
     communicates: bool | None = None  # known once its executables exist
-    runner: Callable[[Sequence[Any]], list[Any]] | None = None
-    fused: bool = False  # runner is a fused executable whose first launch has not succeeded yet
+    runner: Runner | None = None
+    fused: bool = False  # its runner fuses nodes and its first launch has not succeeded yet
     error: str = ""  # why it cannot run (compile error), once known
 
     @classmethod
@@ -263,8 +263,9 @@ class Executor:
             return False
         if info.communicates is None:
             try:
-                info.communicates = any(self._executable(fid, info.structure.devices).has_collectives
-                                        for fid in info.structure.function_ids)
+                seg = info.structure
+                info.communicates = any(self._executable(fid, devs).has_collectives
+                                        for fid, devs in zip(seg.function_ids, seg.node_devices, strict=True))
             except Exception:
                 return info.definition.collective  # its launch reports the compile error
         return info.communicates
@@ -349,7 +350,8 @@ class Executor:
         except Exception as e:
             if info.fused:  # its first launch: maybe it does not fuse; run its nodes one by one
                 log.info("fused segment %s failed (%s); running its nodes one by one", info.label, e)
-                self._fused.pop(info.structure, None)
+                for part in info.structure.parts():
+                    self._fused.pop(part.segment, None)
                 info.runner, info.fused = self._unfused_runner(info), False
                 self._launch(task)
                 return
@@ -361,41 +363,57 @@ class Executor:
         self._inflight[id(launched)] = launched
         self._done_q.put(launched)
 
-    def _runner(self, info: SegmentInfo) -> Callable[[Sequence[Any]], list[Any]]:
-        """How the segment runs: its node's executable, a fused executable, or node by node."""
+    def _runner(self, info: SegmentInfo) -> Runner:
+        """How the segment runs: per part (nodes on the same devices), its node's executable, a
+        fused executable, or node by node; the parts one after the other."""
         if info.runner is not None:
             return info.runner
         seg = info.structure
         exes = []
-        for fid, label in zip(seg.function_ids, info.labels, strict=True):
+        for fid, devs, label in zip(seg.function_ids, seg.node_devices, info.labels, strict=True):
             blob = self._functions.get(fid)
             if blob is None:
                 raise RuntimeError(f"{label}: function {fid[:12]} was never sent to this worker")
             try:
-                exes.append(self._executable(fid, seg.devices))
+                exes.append(self._executable(fid, devs))
             except Exception as e:
                 raise RuntimeError(f"{label}: cannot compile {blob.name or fid[:12]}: {e}") from e
+        parts = seg.parts()
+        runners = []
+        for part in parts:
+            n = len(part.segment.function_ids)
+            runner, fused = self._part_runner(part.segment, exes[part.first:part.first + n],
+                                              info.labels[part.first:part.first + n])
+            runners.append(runner)
+            info.fused = info.fused or fused
+        if len(parts) == 1:
+            info.runner = runners[0]
+        else:
+            collective = [any(e.has_collectives for e in exes[p.first:p.first + len(p.segment.function_ids)])
+                          for p in parts]
+            info.runner = functools.partial(run_parts, seg, parts, runners, collective)
+        return info.runner
+
+    def _part_runner(self, seg: Segment, exes: list[Executable], labels: list[str]) -> tuple[Runner, bool]:
+        """(runner, fused) for nodes on the same devices."""
         if len(exes) == 1 and seg.is_identity() and len(seg.keep) == len(exes[0].out_avals):
-            info.runner = exes[0]
-        elif self.fuse and len(exes) > 1 and not any(e.donate for e in exes):
+            return exes[0], False
+        if self.fuse and len(exes) > 1 and not any(e.donate for e in exes):
             fused = self._fused.get(seg)
             if fused is None:
                 try:
                     fused = FusedExecutable(seg, exes)
                 except Exception as e:
-                    log.info("not fusing %s: %s", info.label, e)
+                    log.info("not fusing %s: %s", ", ".join(labels), e)
             if fused is not None:
                 self._fused[seg] = fused
-                info.runner, info.fused = fused, True
-        if info.runner is None:
-            info.runner = self._unfused_runner(info, exes)
-        return info.runner
+                return fused, True
+        return functools.partial(run_unfused, seg, exes, labels), False
 
-    def _unfused_runner(self, info: SegmentInfo, exes: list[Executable] | None = None
-                        ) -> Callable[[Sequence[Any]], list[Any]]:
-        if exes is None:
-            exes = [self._executable(fid, info.structure.devices) for fid in info.structure.function_ids]
-        return functools.partial(run_unfused, info.structure, exes, info.labels)
+    def _unfused_runner(self, info: SegmentInfo) -> Runner:
+        seg = info.structure
+        exes = [self._executable(fid, devs) for fid, devs in zip(seg.function_ids, seg.node_devices, strict=True)]
+        return functools.partial(run_unfused, seg, exes, info.labels)
 
     def _executable(self, function_id: str, local_devices: tuple[int, ...]) -> Executable:
         """Looked up once per registered segment (its runner keeps what it needs)."""

@@ -1,17 +1,20 @@
 """Running a registered segment: its nodes' exported functions, fused or one by one.
 
-A segment (see server/controller/segments.py) is consecutive nodes of a program on the same
-devices; it holds one seq of the worker's gang order. The worker executes it as ONE XLA
-computation (each node's exported function called in order inside one jit): one launch
-instead of one per node, and values that never leave the segment are never materialized.
-Fused executables are cached by the segment's structure (functions and wiring), so every run
-of a program, and every program with the same structure, reuses the same one. A segment
-that cannot be fused (a node donates an input, or fusing fails) runs its nodes one by one.
+A segment (see server/controller/segments.py) is consecutive nodes of a program on one worker;
+it holds one seq of the worker's gang order. Its *parts* are its maximal runs of consecutive
+nodes on the same devices (most segments are one part). The worker executes each part as ONE
+XLA computation (each node's exported function called in order inside one jit): one launch
+instead of one per node, and values that never leave the part are never materialized. Parts
+follow each other through JAX's async dispatch (an input on other devices of the worker is a
+device-to-device copy), as the same calls would in one JAX process. Fused executables are
+cached by the part's structure (functions, wiring, devices), so every run of a program, and
+every program with the same structure, reuses the same one. A part that cannot be fused (a
+node donates an input, or fusing fails) runs its nodes one by one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +30,15 @@ class Segment:
     """A segment's structure, free of buffer ids and of the program it came from.
 
     `wiring[k]` lists node k's inputs: (0, i) = external input i, (1, m, j) = output j of
-    segment node m. `keep` lists the (node, output) pairs the segment returns.
+    segment node m. `keep` lists the (node, output) pairs the segment returns. Node k runs on
+    the worker-local devices `node_devices[k]`; `devices` is all of them, first seen first.
     """
 
     function_ids: tuple[str, ...]
     wiring: tuple[tuple[tuple[int, ...], ...], ...]
     keep: tuple[tuple[int, int], ...]
     devices: tuple[int, ...]
+    node_devices: tuple[tuple[int, ...], ...]
 
     @property
     def num_inputs(self) -> int:
@@ -50,12 +55,49 @@ class Segment:
         for k, ws in enumerate(wiring):
             if any(w[0] == 1 and not 0 <= w[1] < k for w in ws):
                 raise ValueError(f"segment {d.label!r}: node {k} reads a node that is not before it")
+        node_devices = tuple(tuple(n.local_devices) or tuple(d.local_devices) for n in d.nodes)
+        if any(not devs for devs in node_devices):
+            raise ValueError(f"segment {d.label!r}: a node has no devices")
         return cls(
             function_ids=tuple(n.function_id for n in d.nodes),
             wiring=tuple(wiring),
             keep=tuple((o.node, o.output) for o in d.outputs),
-            devices=tuple(d.local_devices),
+            devices=tuple(dict.fromkeys(x for devs in node_devices for x in devs)),
+            node_devices=node_devices,
         )
+
+    def parts(self) -> list[Part]:
+        """Its maximal runs of consecutive nodes on the same devices, each as a segment of its
+        own; one part (the segment itself) when every node shares its devices."""
+        bounds: list[tuple[int, int]] = []
+        for k, devs in enumerate(self.node_devices):
+            if bounds and self.node_devices[bounds[-1][0]] == devs:
+                bounds[-1] = (bounds[-1][0], k + 1)
+            else:
+                bounds.append((k, k + 1))
+        if len(bounds) == 1:
+            return [Part(self, tuple((0, i) for i in range(self.num_inputs)), self.keep, 0)]
+        read_after: list[set[tuple[int, int]]] = []  # per part: (node, output)s read by later parts
+        for _, end in bounds:
+            read_after.append({(w[1], w[2]) for ws in self.wiring[end:] for w in ws if w[0] == 1 and w[1] < end})
+        parts = []
+        for (start, end), later in zip(bounds, read_after, strict=True):
+            sources: dict[tuple[int, ...], int] = {}
+            wiring = []
+            for ws in self.wiring[start:end]:
+                local: list[tuple[int, ...]] = []
+                for w in ws:
+                    if w[0] == 1 and w[1] >= start:
+                        local.append((1, w[1] - start, w[2]))
+                    else:
+                        local.append((0, sources.setdefault(w, len(sources))))
+                wiring.append(tuple(local))
+            kept = sorted({(n, o) for n, o in later | set(self.keep) if start <= n < end})
+            devs = self.node_devices[start]
+            sub = Segment(self.function_ids[start:end], tuple(wiring), tuple((n - start, o) for n, o in kept),
+                          devs, (devs,) * (end - start))
+            parts.append(Part(sub, tuple(sources), tuple(kept), start))
+        return parts
 
     def is_identity(self) -> bool:
         """One node that reads the external inputs in order and returns all its outputs in order:
@@ -64,12 +106,48 @@ class Segment:
                 and [j for _, j in self.keep] == list(range(len(self.keep))))
 
 
+@dataclass(frozen=True)
+class Part:
+    """Consecutive nodes of a segment on the same devices, as a segment of its own (`segment`).
+
+    `sources[i]` is where its external input i comes from in the whole segment: (0, i) = the
+    segment's external input i, (1, m, j) = output j of segment node m (an earlier part's).
+    `produces` names, as segment-wide (node, output) pairs, what it returns, in order.
+    """
+
+    segment: Segment
+    sources: tuple[tuple[int, ...], ...]
+    produces: tuple[tuple[int, int], ...]
+    first: int  # its first node's index in the segment
+
+
+Runner = Callable[[Sequence[Any]], list[Any]]
+
+
+def run_parts(segment: Segment, parts: Sequence[Part], runners: Sequence[Runner],
+              collective: Sequence[bool], ext: Sequence[Any]) -> list[Any]:
+    """Launches the parts in order, each reading the segment's inputs and earlier parts' outputs.
+
+    A part with a collective waits for the earlier parts first: on CPU, a collective computation
+    launched while another computation is in flight can deadlock (FACTS.md)."""
+    values: dict[tuple[int, int], Any] = {}
+    for part, run, waits in zip(parts, runners, collective, strict=True):
+        if waits and values:
+            jax.block_until_ready(list(values.values()))
+        args = [ext[s[1]] if s[0] == 0 else values[(s[1], s[2])] for s in part.sources]
+        values.update(zip(part.produces, run(args), strict=True))
+    return [values[k] for k in segment.keep]
+
+
 def run_unfused(segment: Segment, exes: Sequence[Executable], labels: Sequence[str],
                 ext: Sequence[Any]) -> list[Any]:
-    """Calls the nodes one by one (each launch asynchronous); errors name the failing node."""
+    """Calls the nodes one by one (each launch asynchronous; one with a collective after the
+    earlier ones completed); errors name the failing node."""
     outs: list[list[Any]] = []
     for exe, ws, label in zip(exes, segment.wiring, labels, strict=True):
         args = [ext[w[1]] if w[0] == 0 else outs[w[1]][w[2]] for w in ws]
+        if exe.has_collectives and outs:
+            jax.block_until_ready(outs)  # an earlier node's failure surfaces as its own
         try:
             outs.append(exe(args))
         except Exception as e:

@@ -58,6 +58,7 @@ def machine_id() -> str:
 class WorkerProcess:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        memory.keep_freed_memory()  # no fresh pages per buffer while work flows; trimmed when idle
         self.devices = jax.devices()
         self.kind = "gpu" if self.devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
         self.store = BufferStore()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,13 +13,14 @@ import jax
 import numpy as np
 from grpc import aio
 
-from schemas.arrays import c_order, dtype_name, from_bytes, to_numpy
+from schemas.arrays import c_order, dtype_name, from_bytes, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
+from .shmring import RingReader
 from .transfer import CHUNK, from_shared_memory
 
 
@@ -98,6 +101,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         heads: dict[int, wpb.TransferChunk] = {}
         parts: dict[int, list[bytes]] = {}
+        ring = RingReader()  # the sender's shared-memory ring of this stream, if on this host
         total = 0
         async for chunk in request_iterator:
             bid = chunk.buffer_id
@@ -105,6 +109,18 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 heads.pop(bid, None)
                 parts.pop(bid, None)
                 self.store.fail(bid, chunk.error)
+                continue
+            if chunk.ring:
+                a = chunk.array
+                take = functools.partial(ring.take, chunk.ring, chunk.ring_offset, chunk.ring_release,
+                                         resolve_dtype(a.dtype), tuple(a.shape))
+                try:  # one at a time, in stream order (the ring's release count relies on it)
+                    arr = take() if math.prod(a.shape) < 262_144 else await loop.run_in_executor(None, take)
+                except (OSError, ValueError) as e:
+                    self.store.fail(bid, f"shared-memory transfer failed: {e}")
+                    continue
+                self.store.put(bid, arr, arr.nbytes, from_peer=True)
+                total += arr.nbytes
                 continue
             head = heads.setdefault(bid, chunk)
             parts.setdefault(bid, []).append(chunk.array.data)

@@ -176,10 +176,19 @@ class TransferChunk(_message.Message):
     ARRAY_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RING_FIELD_NUMBER: _builtins.int
+    RING_OFFSET_FIELD_NUMBER: _builtins.int
+    RING_RELEASE_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     last: _builtins.bool
     error: _builtins.str
     """the producer failed: the consumer's buffer fails with this"""
+    ring: _builtins.str
+    """Same host: the bytes sit in the sender's shared-memory ring of this stream (named `ring`)
+    at `ring_offset`; once copied out, the receiver marks the ring consumed up to `ring_release`.
+    """
+    ring_offset: _builtins.int
+    ring_release: _builtins.int
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto:
         """dtype/shape on the first chunk; data or shm_name"""
@@ -191,10 +200,13 @@ class TransferChunk(_message.Message):
         array: _common_pb2.ArrayProto | None = ...,
         last: _builtins.bool = ...,
         error: _builtins.str = ...,
+        ring: _builtins.str = ...,
+        ring_offset: _builtins.int = ...,
+        ring_release: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "error", b"error", "last", b"last"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "error", b"error", "last", b"last", "ring", b"ring", "ring_offset", b"ring_offset", "ring_release", b"ring_release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -315,10 +327,10 @@ Global___OutputRoute: _TypeAlias = OutputRoute  # noqa: Y015
 
 @_typing.final
 class SegmentDef(_message.Message):
-    """A segment: consecutive nodes of a program that run on the same devices of one worker
-    (often the whole program). It is the unit of the island's gang order (one seq per run),
-    registered on the worker once per program placement; a run then names it by id, so the
-    per-run message and the per-run bookkeeping do not grow with the number of nodes.
+    """A segment: consecutive nodes of a program that run on one worker (often the whole program).
+    It is the unit of the island's gang order (one seq per run), registered on the worker once
+    per program placement; a run then names it by id, so the per-run message and the per-run
+    bookkeeping do not grow with the number of nodes.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -338,7 +350,7 @@ class SegmentDef(_message.Message):
     """human name, e.g. "train/0-3 (fwd, bwd, ...)" """
     @_builtins.property
     def local_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """worker-local device indices, in slice order"""
+        """worker-local devices of all its nodes (union, first seen first)"""
 
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentNode]:
@@ -379,6 +391,7 @@ class SegmentNode(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     INPUT_OUTPUTS_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
+    LOCAL_DEVICES_FIELD_NUMBER: _builtins.int
     function_id: _builtins.str
     """content hash of the jax.export bytes"""
     label: _builtins.str
@@ -391,6 +404,10 @@ class SegmentNode(_message.Message):
 
     @_builtins.property
     def input_outputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def local_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """worker-local device indices of this node, in slice order"""
+
     def __init__(
         self,
         *,
@@ -398,10 +415,11 @@ class SegmentNode(_message.Message):
         inputs: _abc.Iterable[_builtins.int] | None = ...,
         input_outputs: _abc.Iterable[_builtins.int] | None = ...,
         label: _builtins.str = ...,
+        local_devices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_id", b"function_id", "input_outputs", b"input_outputs", "inputs", b"inputs", "label", b"label"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_id", b"function_id", "input_outputs", b"input_outputs", "inputs", b"inputs", "label", b"label", "local_devices", b"local_devices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

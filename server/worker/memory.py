@@ -12,7 +12,7 @@ While work flows the opposite holds: glibc serves a block of 128 KiB or more wit
 unless its adaptive threshold has grown past it, and trims the heap top as soon as 128 KiB there is
 free, so a pipeline stage's 256 KiB buffers came back as new pages each time (measured: ~80 page
 faults per micro-batch per worker, a tenth of a worker's CPU). `keep_freed_memory()` makes the heap
-serve blocks up to 16 MiB and keep up to 256 MiB of free memory at its top between trims; the idle
+serve blocks up to 16 MiB and keep up to 64 MiB of free memory at its top between trims; the idle
 trim still returns all of it.
 
 Without glibc (musl, macOS) `trim()` does nothing and returns False.
@@ -31,7 +31,7 @@ __all__ = ["IdleTrimmer", "keep_freed_memory", "trim", "trim_available"]
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 16 * 1024 * 1024
-TRIM_THRESHOLD = 256 * 1024 * 1024
+TRIM_THRESHOLD = 64 * 1024 * 1024
 
 
 def _glibc_function(name: str, argtypes: list[Any]) -> Any:

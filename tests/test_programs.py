@@ -79,3 +79,13 @@ def test_buffers_are_released_when_futures_are_dropped(module_cluster: LocalClus
     assert out["values_ok"]
     assert out["held"] >= 100  # the outputs were held for the client
     assert out["after"] == 0
+
+
+def test_a_loop_that_never_waits_is_bounded_by_the_runs_in_flight(module_cluster: LocalCluster) -> None:
+    r = subprocess.run([sys.executable, str(CLIENTS / "inflight.py")], env=module_cluster.env(PWCTL_MAX_IN_FLIGHT="4"),
+                       capture_output=True, text=True, timeout=90, cwd=CLIENTS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # the calls filled the bound and then waited for the controller to report runs over
+    assert out["cap"] == 4 and out["most"] == 4
+    assert abs(out["value"] - out["expected"]) < 1e-4

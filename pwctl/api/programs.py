@@ -178,7 +178,9 @@ def register_trace(rt: Runtime, trace: Trace, result: Any) -> Registered:
 
 
 def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
-    """Runs a registered program: upload array inputs, send one run message, return futures."""
+    """Runs a registered program: upload array inputs, send one run message, return futures.
+    Waits first while the process has `rt.max_in_flight` runs in flight (uploads included)."""
+    rt.wait_for_room()
     values: list[Any] = list(flat_args) + [None] * (reg.num_inputs - len(flat_args))
     for i, v in reg.captured:
         values[i] = v
@@ -203,8 +205,8 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
         uploads.append((bid, address))
     run_id = rt.new_id()
     out_ids = [rt.new_id() for _ in reg.outputs]
-    rt.send(cpb.ClientMessage(run=cpb.RunProgram(run_id=run_id, program_id=reg.program_id, input_ids=input_ids,
-                                                 output_ids=out_ids, input_homes=homes)))
+    rt.send_run(cpb.ClientMessage(run=cpb.RunProgram(
+        run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=out_ids, input_homes=homes)))
     for bid, address in uploads:  # the run holds them now; ours go (ordered after the run)
         rt.release(bid, address)
     futures = [

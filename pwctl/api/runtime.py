@@ -33,6 +33,10 @@ from ..errors import ConnectionFailed, PathwaysError, ProgramError, from_rpc_err
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 4096
+# Runs sent but not known to be over, before a call blocks (PWCTL_MAX_IN_FLIGHT; 0: no bound). A
+# loop that calls without ever waiting would otherwise queue work (and its inputs) without limit;
+# JAX blocks its async dispatch the same way.
+MAX_IN_FLIGHT = 1024
 _STOP = object()
 
 
@@ -141,6 +145,10 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self._failed_runs: dict[int, str] = {}
+        self.max_in_flight = int(os.environ.get("PWCTL_MAX_IN_FLIGHT", "") or MAX_IN_FLIGHT)
+        self._runs_sent = 0
+        self._runs_done = 0  # as the controller last reported (RunsDone)
+        self._progress = threading.Condition()
         self._session_error = ""
         self._workers: dict[str, WorkerConn] = {}
         self._workers_lock = threading.Lock()
@@ -179,6 +187,24 @@ class Runtime:
         if self._session_error:
             raise ConnectionFailed(self._session_error)
         self._out.put(msg)
+
+    def wait_for_room(self) -> None:
+        """Blocks while `max_in_flight` runs are in flight (until the controller reports some over)."""
+        if self.max_in_flight <= 0 or self._runs_sent - self._runs_done < self.max_in_flight:
+            return
+        with self._progress:
+            while (self.max_in_flight <= self._runs_sent - self._runs_done and not self._session_error
+                   and not self.closed):
+                self._progress.wait(timeout=1.0)
+
+    def send_run(self, msg: cpb.ClientMessage) -> None:
+        with self._progress:
+            self._runs_sent += 1
+        self.send(msg)
+
+    def in_flight(self) -> int:
+        """Runs sent whose end the controller has not reported yet."""
+        return self._runs_sent - self._runs_done
 
     def _requests(self) -> Iterator[cpb.ClientMessage]:
         while True:
@@ -231,6 +257,10 @@ class Runtime:
                 elif kind == "finished":
                     if not ev.finished.ok:
                         self._failed_runs[ev.finished.run_id] = ev.finished.error
+                elif kind == "runs_done":
+                    with self._progress:
+                        self._runs_done = ev.runs_done.count
+                        self._progress.notify_all()
                 elif kind == "slice_changed":
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
@@ -246,6 +276,8 @@ class Runtime:
                     f"{e.details() or ''}".strip()
                 )
         finally:
+            with self._progress:  # calls waiting for room see the session's end
+                self._progress.notify_all()
             if not self._welcome.done():
                 self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
             for fut in list(self._pending.values()):

@@ -126,6 +126,7 @@ class Dispatcher:
         self.computations = 0
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
+        self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
@@ -142,7 +143,8 @@ class Dispatcher:
                 )
             plan = self._plan(prog, session.sequential)
         except ControllerError as e:
-            session.run_failed(run.run_id, str(e))
+            session.run_refused(run.run_id, str(e))
+            self._progressed.add(session)
             return
         session.run_opened(run.run_id)
         out_ids = run.output_ids
@@ -287,6 +289,7 @@ class Dispatcher:
             run.session.run_failed(a.run_id, a.error)
         for address, ids in run.session.run_closed(a.run_id):
             self.release(address, ids)
+        self._progressed.add(run.session)
         for address, ids in run.held_ids.items():
             self.release(address, ids)
         for cb in self.run_listeners:
@@ -306,8 +309,12 @@ class Dispatcher:
             self._outbox.release(host.name, ids)
 
     def flush(self) -> None:
-        """Sends everything decided since the last flush: one message per host and kind."""
+        """Sends everything decided since the last flush: one message per host and kind, and to
+        each client whose runs finished meanwhile, how many of its runs are over."""
         outbox, self._outbox = self._outbox, Outbox()
+        progressed, self._progressed = self._progressed, set()
+        for session in progressed:
+            session.report_finished()
         for name, msgs in outbox.msgs.items():
             host = self.core.cluster.hosts.get(name)
             if host is None or host.link is None:

@@ -1,7 +1,8 @@
 """Client sessions: one long-lived stream per client process (or job driver).
 
 The stream carries registrations, runs and releases from the client (often coalesced
-into one batch message) and run failures and slice changes back. When the stream ends,
+into one batch message) and run failures, the count of finished runs (the client's bound on
+runs in flight) and slice changes back. When the stream ends,
 everything the client owned goes: its waiting runs, its buffers on every worker, the
 slices it made without a name.
 """
@@ -51,6 +52,8 @@ class ClientSession:
     _open_heap: list[int] = field(default_factory=list)
     _closed: set[int] = field(default_factory=set)  # ordinals closed but still in the heap
     held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
+    finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
+    _reported: int = 0
 
     @property
     def owner(self) -> str:
@@ -62,6 +65,17 @@ class ClientSession:
     def run_failed(self, run_id: int, error: str) -> None:
         self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
 
+    def run_refused(self, run_id: int, error: str) -> None:
+        """A run that never started (unknown program, wrong arity): failed, and over."""
+        self.run_failed(run_id, error)
+        self.finished += 1
+
+    def report_finished(self) -> None:
+        """Tells the client how many of its runs are over, if that changed since last time."""
+        if self.finished != self._reported:
+            self._reported = self.finished
+            self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished)))
+
     def run_opened(self, run_id: int) -> None:
         self.open_runs[run_id] = self.submitted
         heapq.heappush(self._open_heap, self.submitted)
@@ -72,6 +86,7 @@ class ClientSession:
         ordinal = self.open_runs.pop(run_id, None)
         if ordinal is not None:
             self._closed.add(ordinal)
+            self.finished += 1
         return self.releasable()
 
     def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:

@@ -1257,6 +1257,7 @@ class SessionEvent(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     SLICE_CHANGED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RUNS_DONE_FIELD_NUMBER: _builtins.int
     error: _builtins.str
     """session-level error, the stream ends after it"""
     @_builtins.property
@@ -1267,6 +1268,8 @@ class SessionEvent(_message.Message):
     def finished(self) -> Global___RunFinished: ...
     @_builtins.property
     def slice_changed(self) -> Global___SliceChanged: ...
+    @_builtins.property
+    def runs_done(self) -> Global___RunsDone: ...
     def __init__(
         self,
         *,
@@ -1275,16 +1278,41 @@ class SessionEvent(_message.Message):
         finished: Global___RunFinished | None = ...,
         slice_changed: Global___SliceChanged | None = ...,
         error: _builtins.str = ...,
+        runs_done: Global___RunsDone | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error", "runs_done"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
+
+@_typing.final
+class RunsDone(_message.Message):
+    """How many of this session's runs are over (ran, failed or refused), sent when it changed
+    (at most once per controller flush): the client bounds its runs in flight with it, as JAX
+    bounds its async dispatch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunsDone: _TypeAlias = RunsDone  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):

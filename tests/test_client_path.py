@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pwctl.api.functions import fast_key
 from pwctl.api.runtime import Runtime
@@ -44,3 +45,13 @@ def test_adjacent_releases_of_one_worker_travel_as_one_message() -> None:
     assert list(msgs[0].release.buffer_ids) == [1, 2, 3]
     assert list(msgs[3].release.buffer_ids) == [5]
     assert Runtime._pack([_release("w1", 1), _release("w1", 2)]).release.buffer_ids == [1, 2]
+
+
+def test_the_bound_on_runs_in_flight_comes_from_the_environment() -> None:
+    from pwctl.api.runtime import MAX_IN_FLIGHT, _max_in_flight
+    from pwctl.errors import InvalidArgument
+
+    assert _max_in_flight("") == MAX_IN_FLIGHT and _max_in_flight("8") == 8 and _max_in_flight("0") == 0
+    for bad in ("many", "-3"):
+        with pytest.raises(InvalidArgument, match="PWCTL_MAX_IN_FLIGHT"):
+            _max_in_flight(bad)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import LocalCluster
 
@@ -58,6 +59,7 @@ def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> 
 def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalCluster) -> None:
     out = client_json(module_cluster, "spmd.py")
     assert out["spmd_max_err"] < 1e-6
+    assert np.allclose(out["across"], out["across_want"])
     assert out["psum"] == [6.0, 7.0, 8.0, 9.0]
     assert out["pipeline_max_err"] < 1e-6
 

@@ -190,7 +190,9 @@ def test_high_priority_runs_overtake_a_saturating_low_priority_client(cluster: L
     low_dir, high_dir = tmp_path / "low", tmp_path / "high"
     low_dir.mkdir()
     high_dir.mkdir()
-    low = ClientProc(cluster, "load.py", "burst", str(low_dir), "low", "3000", PWCTL_PRIORITY="0")
+    # all 3000 low runs queued at the controller at once (no client-side bound on runs in flight)
+    low = ClientProc(cluster, "load.py", "burst", str(low_dir), "low", "3000", PWCTL_PRIORITY="0",
+                     PWCTL_MAX_IN_FLIGHT="0")
     high = ClientProc(cluster, "load.py", "burst", str(high_dir), "high", "24", PWCTL_PRIORITY="10")
     try:
         wait_for(lambda: (low_dir / "ready-low").exists() and (high_dir / "ready-high").exists(), 60,

@@ -28,7 +28,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..client import CHANNEL_OPTIONS, Client
-from ..errors import ConnectionFailed, PathwaysError, ProgramError, from_rpc_error
+from ..errors import ConnectionFailed, InvalidArgument, PathwaysError, ProgramError, from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,18 @@ MAX_BATCH = 4096
 # JAX blocks its async dispatch the same way.
 MAX_IN_FLIGHT = 1024
 _STOP = object()
+
+
+def _max_in_flight(value: str) -> int:
+    if not value.strip():
+        return MAX_IN_FLIGHT
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise InvalidArgument(f"PWCTL_MAX_IN_FLIGHT={value!r}: expected a number of runs (0: no bound)")
+    return n
 
 
 class WorkerConn:
@@ -145,7 +157,7 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self._failed_runs: dict[int, str] = {}
-        self.max_in_flight = int(os.environ.get("PWCTL_MAX_IN_FLIGHT", "") or MAX_IN_FLIGHT)
+        self.max_in_flight = _max_in_flight(os.environ.get("PWCTL_MAX_IN_FLIGHT", ""))
         self._runs_sent = 0
         self._runs_done = 0  # as the controller last reported (RunsDone)
         self._progress = threading.Condition()

@@ -54,4 +54,22 @@ xb = rng.standard_normal((4, 8), np.float32)
 got = np.asarray(mlp(xb, w1, w2))
 want = np.asarray(stage2(stage1(xb, w1), w2))
 out["pipeline_max_err"] = float(np.max(np.abs(got - want)))
+
+# one worker, two device sets: a segment of three parts (4 devices with a collective, 1 device,
+# the 4 devices again with a collective that must wait for the part before it)
+mixer = pw.pmap(lambda v: jax.lax.psum(v, "i") * 0.5 + v, devices=s4.devices, axis_name="i")
+scan = pw.jit(lambda v: jnp.cumsum(v) * 2.0, mesh=sa.mesh(("d",)))
+
+
+@pw.program
+def across(v):
+    b = scan(mixer(v))
+    return mixer(b), b
+
+
+v = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+c, b = across(v)
+b_np = np.cumsum(v.sum() * 0.5 + v) * 2.0
+out["across"] = [np.asarray(c).tolist(), np.asarray(b).tolist()]
+out["across_want"] = [(b_np.sum() * 0.5 + b_np).tolist(), b_np.tolist()]
 print(json.dumps(out))

@@ -1,12 +1,16 @@
-"""The shared-memory ring that carries peer transfers between workers of one host."""
+"""The shared-memory ring and the Unix-socket notices that carry peer transfers between workers
+of one host."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
 import pytest
 
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.worker import locallink
 from server.worker.shmring import ALIGN, RingReader, RingWriter, aligned_copy
 
 
@@ -63,3 +67,38 @@ def test_aligned_copy_keeps_values_shape_and_dtype() -> None:
     out = aligned_copy(src)
     assert out.ctypes.data % ALIGN == 0 and out.dtype == src.dtype and out.shape == src.shape
     np.testing.assert_array_equal(out, src)
+
+
+@pytest.mark.skipif(not locallink.available(), reason="abstract Unix sockets are Linux only")
+def test_same_host_notices_arrive_in_order_with_their_arrays() -> None:
+    address = f"127.0.0.1:test-{os.getpid()}"
+    got: list[tuple[int, np.ndarray]] = []
+
+    def deliver(ring: RingReader, notice: wpb.TransferChunk) -> None:
+        a = notice.array
+        got.append((notice.buffer_id, ring.take(notice.ring, notice.ring_offset, notice.ring_release,
+                                                np.dtype(a.dtype), tuple(a.shape))))
+
+    async def main() -> None:
+        receiver = locallink.LocalReceiver(address, deliver)
+        assert receiver.start(asyncio.get_running_loop())
+        peers = locallink.LocalPeers()
+        try:
+            peer = peers.get(address)
+            assert peer is not None and peers.get(address) is peer
+            for i in range(50):  # 50 x 256 KiB through a 4 MiB ring: it must be released as read
+                arr = np.full((256, 256), i, np.float32)
+                while not await asyncio.to_thread(peer.send, i, arr):
+                    await asyncio.sleep(0.01)  # full: the receiver reads on this loop
+            for _ in range(500):
+                if len(got) == 50:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            peers.close()
+            receiver.close()
+        assert peers.get("127.0.0.1:nobody-listens") is None  # the caller falls back to gRPC
+
+    asyncio.run(main())
+    assert [b for b, _ in got] == list(range(50))
+    assert all(float(arr[0, 0]) == i and float(arr[-1, -1]) == i for i, arr in got)

@@ -30,6 +30,7 @@ from .buffers import BufferStore
 from .config import WorkerConfig
 from .executable import unload_unused
 from .executor import Executor
+from .locallink import LocalReceiver
 from .reconnect import Reconnect
 from .servicer import WorkerServicer
 from .transfer import CHANNEL_OPTIONS, TransferSender
@@ -87,14 +88,15 @@ class WorkerProcess:
             [TokenInterceptor(self.config.token)] if self.config.token and not paths.is_loopback(host) else []
         )
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
-        wgrpc.add_WorkerServicer_to_server(
-            WorkerServicer(self.store, self.executor, self.config.name, self.config.island), server
-        )
+        servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island)
+        wgrpc.add_WorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port(self.config.listen)
         if port == 0:
             raise SystemExit(f"cannot listen on {self.config.listen}")
         self.address = f"{host}:{port}"
         await server.start()
+        local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
+        local.start(self._loop)
         log.info("worker %s (island %s, %d %s devices) serving at %s",
                  self.config.name, self.config.island, len(self.devices), self.kind, self.address)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,6 +108,7 @@ class WorkerProcess:
         trimmer.cancel()
         self.executor.stop()
         self.sender.close()
+        local.close()
         await server.stop(grace=0.5)
 
     async def _controller_loop(self) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +99,6 @@ class WorkerServicer(wgrpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         heads: dict[int, wpb.TransferChunk] = {}
         parts: dict[int, list[bytes]] = {}
-        ring = RingReader()  # the sender's shared-memory ring of this stream, if on this host
         total = 0
         async for chunk in request_iterator:
             bid = chunk.buffer_id
@@ -109,18 +106,6 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 heads.pop(bid, None)
                 parts.pop(bid, None)
                 self.store.fail(bid, chunk.error)
-                continue
-            if chunk.ring:
-                a = chunk.array
-                take = functools.partial(ring.take, chunk.ring, chunk.ring_offset, chunk.ring_release,
-                                         resolve_dtype(a.dtype), tuple(a.shape))
-                try:  # one at a time, in stream order (the ring's release count relies on it)
-                    arr = take() if math.prod(a.shape) < 262_144 else await loop.run_in_executor(None, take)
-                except (OSError, ValueError) as e:
-                    self.store.fail(bid, f"shared-memory transfer failed: {e}")
-                    continue
-                self.store.put(bid, arr, arr.nbytes, from_peer=True)
-                total += arr.nbytes
                 continue
             head = heads.setdefault(bid, chunk)
             parts.setdefault(bid, []).append(chunk.array.data)
@@ -135,6 +120,21 @@ class WorkerServicer(wgrpc.WorkerServicer):
             self.store.put(bid, arr, arr.nbytes, from_peer=True)
             total += arr.nbytes
         return wpb.TransferResponse(bytes=total)
+
+    def deliver_local(self, ring: RingReader, notice: wpb.TransferChunk) -> None:
+        """A same-host peer's array, in its shared-memory ring (locallink.py); called in the event
+        loop, one notice at a time in the peer's order (the ring's release count relies on it)."""
+        if notice.error:
+            self.store.fail(notice.buffer_id, notice.error)
+            return
+        a = notice.array
+        try:
+            arr = ring.take(notice.ring, notice.ring_offset, notice.ring_release, resolve_dtype(a.dtype),
+                            tuple(a.shape))
+        except (OSError, ValueError) as e:
+            self.store.fail(notice.buffer_id, f"shared-memory transfer failed: {e}")
+            return
+        self.store.put(notice.buffer_id, arr, arr.nbytes, from_peer=True)
 
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()

@@ -3,10 +3,10 @@
 A pipeline hop moves hundreds of small arrays a second between two workers. Through gRPC each
 costs copies into and out of protobuf and HTTP/2 flow control (~0.6 ms of CPU per 256 KiB array
 on each side, measured); a fresh shared-memory segment per array costs shm_open, mmap and a page
-fault per 4 KiB. Instead, each Transfer stream to a peer on the same host carries one ring: the
-sender copies an array into the ring and sends only where it is; the receiver copies it out and
-marks the ring consumed up to there. Messages of one stream arrive in the order they were
-written, so consumption is a running byte count (`released`, in the ring's header, written only
+fault per 4 KiB. Instead, each connection to a peer on the same host (locallink.py) carries one ring:
+the sender copies an array into the ring and sends only where it is; the receiver copies it out and
+marks it read. Notices of one connection arrive in the order they were written, so what was read
+is one number (`released`, the seq of the last array read, in the ring's header, written only
 by the receiver) and the sender never blocks: a full ring sends the array the old way.
 
 The receiver unlinks the segment's name as soon as it maps it, so no crash of either side leaves
@@ -20,6 +20,7 @@ import mmap
 import os
 import secrets
 import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 __all__ = ["RingReader", "RingWriter", "aligned_copy"]
 
 RING_BYTES = 4 * 1024 * 1024  # arrays up to a quarter (1 MiB; larger ones get a segment each)
-HEADER = 64  # released: uint64 at offset 8
+HEADER = 64  # released (the seq of the last array read): uint64 at offset 8
 ALIGN = 64  # each array starts on a cache line (and XLA on CPU can alias it without a copy)
 
 
@@ -79,29 +80,44 @@ class RingWriter:
         self.name, self._map = _create(HEADER + capacity)
         self._closed = False
         self._counters = np.ndarray((2,), np.uint64, buffer=self._map)
-        self._head = 0  # running count of bytes handed out (with skipped tails)
+        self._seq = 0  # arrays put so far
+        self._pos = 0  # where the next array goes
+        self._live: deque[tuple[int, int]] = deque()  # (seq, offset) of arrays not read yet, oldest first
         self._lock = threading.Lock()
 
     def released(self) -> int:
+        """The seq of the last array the reader copied out (they are read in order)."""
         return int(self._counters[1])
 
     def put(self, arr: np.ndarray) -> tuple[int, int] | None:
-        """(offset, release) with the array's bytes copied in at `offset`; `release` is what the
-        reader marks consumed once it copied them out. None when the ring has no room now."""
+        """(offset, seq) with the array's bytes copied in at `offset`; the reader marks `seq` read
+        once it copied them out. None when the ring has no room now."""
         n = -(-max(arr.nbytes, 1) // ALIGN) * ALIGN
         with self._lock:
             if self._closed or n > self.capacity // 4:
                 return None
-            pos = self._head % self.capacity
-            # arrays never wrap; and an empty ring starts over at 0, so that light traffic keeps
-            # using (and keeping resident) its first pages only
-            skip = self.capacity - pos if pos and (pos + n > self.capacity or self._head == self.released()) else 0
-            if self._head + skip + n - self.released() > self.capacity:
+            offset = self._place(n)
+            if offset is None:
                 return None
-            offset = 0 if skip else pos
             np.ndarray(arr.shape, arr.dtype, buffer=self._map, offset=HEADER + offset)[...] = arr
-            self._head += skip + n
-            return offset, self._head
+            self._seq += 1
+            self._live.append((self._seq, offset))
+            self._pos = offset + n
+            return offset, self._seq
+
+    def _place(self, n: int) -> int | None:
+        """Where n bytes fit after the live arrays (which never wrap), or None."""
+        done = self.released()
+        while self._live and self._live[0][0] <= done:
+            self._live.popleft()
+        if not self._live:
+            return 0  # an empty ring starts over: light traffic keeps to (and keeps resident) its first pages
+        oldest, newest = self._live[0][1], self._live[-1][1]
+        if newest >= oldest:  # live bytes are [oldest, pos): free are [pos, end) and [0, oldest)
+            if self._pos + n <= self.capacity:
+                return self._pos
+            return 0 if n <= oldest else None
+        return self._pos if self._pos + n <= oldest else None  # live wrapped: free is [pos, oldest)
 
     def close(self) -> None:
         """Unlinks the ring if its reader never did; the mapping goes with this object."""
@@ -120,7 +136,7 @@ class RingReader:
         self._counters: np.ndarray[Any, Any] | None = None
 
     def take(self, name: str, offset: int, release: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
-        """A copy of the array at `offset` of ring `name`; marks the ring consumed to `release`."""
+        """A copy of the array at `offset` of ring `name`; marks it read (`release`: its seq)."""
         if self._map is None or name != self._name:
             self._map, self._name = _open(name), name
             _unlink(name)  # mapped on both sides now: nothing is left behind whoever dies

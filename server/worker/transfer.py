@@ -1,6 +1,6 @@
-"""Worker -> worker array transfer, chosen per edge: on one host the stream's shared-memory
-ring (a segment of its own for an array too big for it), a chunked gRPC stream otherwise. The
-controller never carries these bytes."""
+"""Worker -> worker array transfer, chosen per edge: on one host a shared-memory ring with a
+notice on a Unix socket (locallink.py; a segment of its own for an array too big for the ring),
+a chunked gRPC stream otherwise. The controller never carries these bytes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .shmring import RingWriter
+from .locallink import LocalPeers
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,12 @@ def _forget(name: str) -> None:
 
 class _PeerStream:
     """One long-lived Transfer stream to a peer worker: buffers go out in order as messages
-    of one call instead of one call each (~0.5 ms a call on loopback, FACTS.md). To a peer on
-    the same host, each call has a shared-memory ring (shmring.py) that carries the bytes."""
+    of one call instead of one call each (~0.5 ms a call on loopback, FACTS.md)."""
 
     def __init__(self, stub: wgrpc.WorkerStub, metadata: Any, address: str) -> None:
         self.stub, self.metadata, self.address = stub, metadata, address
         self._queue: queue.SimpleQueue[wpb.TransferChunk | None] = queue.SimpleQueue()
         self._call: Any = None
-        self._ring: RingWriter | None = None
         self._lock = threading.Lock()
 
     def _messages(self) -> Iterator[wpb.TransferChunk]:
@@ -103,46 +101,18 @@ class _PeerStream:
                 return
             yield msg
 
-    def _ensure_call(self) -> None:
-        if self._call is None or self._call.done():
-            if self._call is not None and self._call.exception() is not None:
-                log.warning("transfer stream to %s ended: %s", self.address, self._call.exception())
-                self._queue = queue.SimpleQueue()
-            if self._ring is not None:  # it belonged to the call that ended
-                self._ring.close()
-                self._ring = None
-            self._call = self.stub.Transfer.future(self._messages(), metadata=self.metadata)
-
     def send(self, msgs: Iterable[wpb.TransferChunk]) -> None:
         with self._lock:
-            self._ensure_call()
+            if self._call is None or self._call.done():
+                if self._call is not None and self._call.exception() is not None:
+                    log.warning("transfer stream to %s ended: %s", self.address, self._call.exception())
+                    self._queue = queue.SimpleQueue()
+                self._call = self.stub.Transfer.future(self._messages(), metadata=self.metadata)
             for m in msgs:
                 self._queue.put(m)
 
-    def send_via_ring(self, buffer_id: int, arr: np.ndarray) -> bool:
-        """Copies the array into this stream's ring and sends where it is; False when the ring
-        is full (or cannot be made): then the caller sends it another way."""
-        with self._lock:  # ring order = stream order: the reader releases a running count
-            self._ensure_call()
-            if self._ring is None:
-                try:
-                    self._ring = RingWriter()
-                except OSError as e:
-                    log.warning("no shared-memory ring to %s: %s", self.address, e)
-                    return False
-            slot = self._ring.put(arr)
-            if slot is None:
-                return False
-            self._queue.put(wpb.TransferChunk(
-                buffer_id=buffer_id, array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape)),
-                last=True, ring=self._ring.name, ring_offset=slot[0], ring_release=slot[1]))
-            return True
-
     def close(self) -> None:
         self._queue.put(None)
-        with self._lock:
-            if self._ring is not None:
-                self._ring.close()
 
 
 class TransferSender:
@@ -151,6 +121,7 @@ class TransferSender:
     def __init__(self, token: str | None = None, threads: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pw-transfer")
         self._peers: dict[str, _PeerStream] = {}
+        self._local = LocalPeers()  # same-host peers: shared-memory ring + Unix socket
         self._lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         # PATHWAYS_TRANSFER=grpc sends over the network path even between workers of one
@@ -171,7 +142,8 @@ class TransferSender:
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:
             arr = to_numpy(value)
-            if same_host and self._peer(address).send_via_ring(buffer_id, c_order(arr)):
+            local = self._local.get(address) if same_host else None
+            if local is not None and local.send(buffer_id, c_order(arr)):
                 pass
             elif same_host and arr.nbytes >= SHM_MIN_BYTES:
                 name = to_shared_memory(arr)
@@ -196,6 +168,7 @@ class TransferSender:
             log.warning("failure notice for buffer %d to %s failed: %s", buffer_id, route.address, e)
 
     def close(self) -> None:
+        self._local.close()
         for peer in list(self._peers.values()):
             peer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

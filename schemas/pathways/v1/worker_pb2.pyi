@@ -184,8 +184,9 @@ class TransferChunk(_message.Message):
     error: _builtins.str
     """the producer failed: the consumer's buffer fails with this"""
     ring: _builtins.str
-    """Same host: the bytes sit in the sender's shared-memory ring of this stream (named `ring`)
-    at `ring_offset`; once copied out, the receiver marks the ring consumed up to `ring_release`.
+    """Same host (a notice on the peers' Unix socket, server/worker/locallink.py): the bytes sit in
+    the sender's shared-memory ring `ring` at `ring_offset`; once they are copied out, the
+    receiver marks array `ring_release` (its seq in the ring) read.
     """
     ring_offset: _builtins.int
     ring_release: _builtins.int

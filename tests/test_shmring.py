@@ -11,7 +11,7 @@ import pytest
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server.worker import locallink
-from server.worker.shmring import ALIGN, RingReader, RingWriter, aligned_copy
+from server.worker.shmring import ALIGN, RingReader, RingWriter, aligned_copy, put_segment, take_segment
 
 
 def test_arrays_cross_the_ring_and_their_space_comes_back_once_read() -> None:
@@ -102,3 +102,15 @@ def test_same_host_notices_arrive_in_order_with_their_arrays() -> None:
     asyncio.run(main())
     assert [b for b, _ in got] == list(range(50))
     assert all(float(arr[0, 0]) == i and float(arr[-1, -1]) == i for i, arr in got)
+
+
+def test_an_array_too_big_for_a_ring_travels_in_a_segment_of_its_own() -> None:
+    src = np.arange(300_000, dtype=np.float32).reshape(3, -1)
+    name = put_segment(src)
+    out = take_segment(name, src.dtype, src.shape)
+    np.testing.assert_array_equal(out, src)
+    with pytest.raises(FileNotFoundError):  # taken once: the receiver unlinked it
+        take_segment(name, src.dtype, src.shape)
+    small = put_segment(np.zeros(4, np.uint8))
+    with pytest.raises(ValueError, match="bytes for"):
+        take_segment(small, np.dtype(np.float64), (100,))

@@ -18,13 +18,13 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
-from .shmring import RingReader
-from .transfer import CHUNK, from_shared_memory
+from .shmring import RingReader, take_segment
+from .transfer import CHUNK
 
 
 def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     if first.shm_name:
-        return from_shared_memory(first.shm_name, first.dtype, list(first.shape))
+        return take_segment(first.shm_name, resolve_dtype(first.dtype), tuple(first.shape))
     data = parts[0] if len(parts) == 1 else b"".join(parts)
     return from_bytes(first.dtype, list(first.shape), data)
 

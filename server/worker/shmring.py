@@ -1,16 +1,18 @@
 """A shared-memory ring from one worker to another on the same host, for peer transfers.
 
 A pipeline hop moves hundreds of small arrays a second between two workers. Through gRPC each
-costs copies into and out of protobuf and HTTP/2 flow control (~0.6 ms of CPU per 256 KiB array
-on each side, measured); a fresh shared-memory segment per array costs shm_open, mmap and a page
-fault per 4 KiB. Instead, each connection to a peer on the same host (locallink.py) carries one ring:
-the sender copies an array into the ring and sends only where it is; the receiver copies it out and
-marks it read. Notices of one connection arrive in the order they were written, so what was read
-is one number (`released`, the seq of the last array read, in the ring's header, written only
-by the receiver) and the sender never blocks: a full ring sends the array the old way.
+costs copies into and out of protobuf and HTTP/2 flow control (0.3-0.6 ms of CPU per 256 KiB
+array on each side, measured in a pipeline); a fresh shared-memory segment per array costs
+shm_open, mmap and a page fault per 4 KiB (it still carries arrays too big for a ring:
+`put_segment`). Instead, each connection to a peer on the same host (locallink.py) carries one
+ring: the sender copies an array into the ring and sends only where it is; the receiver copies
+it out and marks it read. Notices of one connection arrive in the order they were written, so
+what was read is one number (`released`, the seq of the last array read, in the ring's header,
+written only by the receiver) and the sender never blocks: a full ring sends the array the old
+way.
 
-The receiver unlinks the segment's name as soon as it maps it, so no crash of either side leaves
-it behind; a ring nobody opened is unlinked by its writer when the stream ends.
+The receiver unlinks a segment's name as soon as it maps it, so no crash of either side leaves
+it behind; a ring nobody opened is unlinked by its writer when its connection closes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RingReader", "RingWriter", "aligned_copy"]
+__all__ = ["RingReader", "RingWriter", "aligned_copy", "put_segment", "take_segment"]
 
 RING_BYTES = 4 * 1024 * 1024  # arrays up to a quarter (1 MiB; larger ones get a segment each)
 HEADER = 64  # released (the seq of the last array read): uint64 at offset 8
@@ -61,6 +63,30 @@ def _unlink(name: str) -> None:
         _posixshmem.shm_unlink(name)
     except FileNotFoundError:
         pass  # the reader mapped it and unlinked the name already
+
+
+def put_segment(arr: np.ndarray) -> str:
+    """A new segment holding a copy of `arr` (one array too big for a ring); its name. The
+    receiver unlinks it (`take_segment`)."""
+    name, m = _create(max(1, arr.nbytes))
+    dst = np.ndarray(arr.shape, arr.dtype, buffer=m)
+    dst[...] = arr
+    del dst  # the map cannot close while a view of it exists
+    m.close()
+    return name
+
+
+def take_segment(name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+    """A copy of the array in segment `name`, which it unlinks; ValueError when it is too small."""
+    m = _open(name)
+    try:
+        _unlink(name)
+        if len(m) < int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"segment {name}: {len(m)} bytes for {dtype}{list(shape)}")
+        out = aligned_copy(np.ndarray(shape, dtype, buffer=m))
+    finally:
+        m.close()
+    return out
 
 
 def aligned_copy(src: np.ndarray) -> np.ndarray:

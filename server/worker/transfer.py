@@ -10,18 +10,18 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from typing import Any
 
 import grpc
 import numpy as np
 
-from schemas.arrays import c_order, dtype_name, from_bytes, to_numpy
+from schemas.arrays import c_order, dtype_name, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .locallink import LocalPeers
+from .shmring import put_segment
 
 log = logging.getLogger(__name__)
 
@@ -46,42 +46,6 @@ def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
         if off == 0:
             part.dtype, part.shape[:] = head.dtype, head.shape
         yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + CHUNK >= n)
-
-
-def to_shared_memory(arr: np.ndarray) -> str:
-    """Copies the array into a new shared-memory segment; the receiver unlinks it."""
-    arr = c_order(arr)
-    shm = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
-    try:
-        dst = np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)
-        dst[...] = arr
-        del dst
-        return shm.name
-    finally:
-        shm.close()
-        _forget(shm.name)
-
-
-def from_shared_memory(name: str, dtype: str, shape: list[int]) -> np.ndarray:
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        view = from_bytes(dtype, shape, shm.buf)
-        out = view.copy()
-        del view  # the segment cannot close while a view of it exists
-        return out
-    finally:
-        shm.close()
-        shm.unlink()  # also unregisters it from this process's resource tracker
-
-
-def _forget(name: str) -> None:
-    """The creating side must not unlink at exit: the receiver owns the segment now."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister("/" + name if not name.startswith("/") else name, "shared_memory")
-    except Exception:  # pragma: no cover - best effort
-        pass
 
 
 class _PeerStream:
@@ -146,7 +110,7 @@ class TransferSender:
             if local is not None and local.send(buffer_id, c_order(arr)):
                 pass
             elif same_host and arr.nbytes >= SHM_MIN_BYTES:
-                name = to_shared_memory(arr)
+                name = put_segment(c_order(arr))
                 msg = wpb.TransferChunk(
                     buffer_id=buffer_id,
                     array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), shm_name=name),

@@ -38,6 +38,7 @@ __all__ = ["LocalPeer", "LocalPeers", "LocalReceiver", "available", "socket_name
 
 MAX_NOTICE = 64 * 1024  # a notice is ~100 bytes; a longer datagram is malformed
 RETRY_S = 10.0  # a peer that refused a connection is tried again after this long
+SEND_TIMEOUT_S = 30.0
 
 
 def available() -> bool:
@@ -136,6 +137,7 @@ class LocalPeer:
     def __init__(self, address: str) -> None:
         self.address = address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(SEND_TIMEOUT_S)  # a receiver that stopped reading breaks the link
         try:
             self._sock.connect(socket_name(address))
             self._ring = RingWriter()

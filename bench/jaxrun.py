@@ -71,9 +71,11 @@ def _per_call_ms(fn: Any, x: Any, w: Any, budget_s: float) -> float:
     return defs.median(times) * 1e3
 
 
-def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any]:
-    """Calibrates loop counts so one computation takes about each target, then measures the
-    pipelined throughput of a loop of dependent calls at each size."""
+def sweep_serve(targets_ms: list[float], count: int) -> None:
+    """For windows interleaved with Pathways' (bench_sweep): calibrates loop counts so that one
+    computation takes about each target and prints {"sizes": [{"loops", "target_ms", "ms"}]};
+    then for each line "INDEX BUDGET_S" read from stdin, the pipelined throughput of a loop of
+    dependent calls of size INDEX over one window, as {"per_s": ...}."""
     dev = jax.devices()[0]
     xn, wn = defs.sweep_inputs()
     x, w = jax.device_put(xn, dev), jax.device_put(wn, dev)
@@ -82,14 +84,13 @@ def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any
     per_loop = max((t64 - t1) / 63, 1e-6)
     base = max(t1 - per_loop, 0.0)
     sizes: list[dict[str, Any]] = []
-    seen: set[int] = set()
+    runs: list[Callable[[int], None]] = []
     for target in targets_ms:
         loops = max(1, round((target - base) / per_loop))
-        if loops in seen:
+        if any(s["loops"] == loops for s in sizes):
             continue
-        seen.add(loops)
         fn = jax.jit(defs.matmul_loop(loops))
-        ms = _per_call_ms(fn, x, w, min(budget_s, 1.0))
+        sizes.append({"loops": loops, "target_ms": target, "ms": _per_call_ms(fn, x, w, 0.5)})
 
         def run(k: int, fn: Any = fn) -> None:
             y = x
@@ -97,13 +98,15 @@ def sweep(targets_ms: list[float], budget_s: float, count: int) -> dict[str, Any
                 y = fn(y, w)
             y.block_until_ready()
 
-        n = max(3, min(count, int(budget_s * 1e3 / max(ms, 1e-3))))
-        def measure(run: Any = run, n: int = n) -> float:
-            return defs.throughput(run, n, budget_s)
-
-        per_s = defs.median(defs.repeat(measure, 3, budget_s * 3))
-        sizes.append({"loops": loops, "target_ms": target, "ms": ms, "per_s": per_s})
-    return {"per_loop_ms": per_loop, "base_ms": base, "sizes": sizes}
+        runs.append(run)
+    sys.stdout.write(json.dumps({"sizes": sizes, "per_loop_ms": per_loop, "base_ms": base}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        index, budget = line.split()
+        i, budget_s = int(index), float(budget)
+        n = max(3, min(count, int(budget_s * 1e3 / max(sizes[i]["ms"], 1e-3))))
+        sys.stdout.write(json.dumps({"per_s": defs.throughput(runs[i], n, budget_s * 3)}) + "\n")
+        sys.stdout.flush()
 
 
 def pipeline_pass(stages: int, micro_batches: int, layout: str = "blocks") -> Callable[[], None]:
@@ -212,7 +215,7 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
         sys.stdout.flush()
 
 
-TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep": sweep, "pipeline_serve": pipeline_serve,
+TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep_serve": sweep_serve, "pipeline_serve": pipeline_serve,
                          "transformer": transformer, "transformer_serve": transformer_serve}
 
 

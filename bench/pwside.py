@@ -77,8 +77,9 @@ def dispatch(variant: str, mode: str, budget_s: float, count: int, repeats: int)
 
 # --------------------------------------------------------------------------------------- sweep
 
-def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) -> dict[str, float]:
-    """OpByOp and Chained (a program of `chain` dependent calls) computations/s at one size."""
+def sweep_point(loops: int, chain: int, count: int, ms: float) -> dict[str, Callable[[float], float]]:
+    """Per mode, OpByOp and Chained (a program of `chain` dependent calls), a function that
+    measures computations/s over one window of about the budget it is given."""
     s = slice_(1, "a")
     f = pw.jit(defs.matmul_loop(loops), mesh=s.mesh(("d",)))
 
@@ -93,7 +94,7 @@ def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) 
     x0 = f(xn, w)
     x0.result(timeout=120)
     prog(x0, w).result(timeout=120)
-    out = {}
+    out: dict[str, Callable[[float], float]] = {}
     for mode, fn, per in (("opbyop", f, 1), ("chained", prog, chain)):
         def run(k: int, fn: Any = fn) -> None:
             x = x0
@@ -101,11 +102,11 @@ def sweep_point(loops: int, chain: int, budget_s: float, count: int, ms: float) 
                 x = fn(x, w)
             x.block_until_ready(timeout=300)
 
-        n = max(1, min(count, int(budget_s * 1e3 / max(ms, 1e-3))) // per)
-        def measure(run: Any = run, n: int = n, per: int = per) -> float:
-            return defs.throughput(run, n, budget_s) * per
+        def window(budget_s: float, run: Any = run, per: int = per) -> float:
+            n = max(1, min(count, int(budget_s * 1e3 / max(ms, 1e-3))) // per)
+            return defs.throughput(run, n, budget_s * 3) * per
 
-        out[mode] = defs.median(defs.repeat(measure, 3, budget_s * 3))
+        out[mode] = window
     return out
 
 

@@ -95,23 +95,37 @@ def bench_dispatch(ctx: Ctx) -> Iterator[Row]:
 # ------------------------------------------------------------------------- 2. smallest computation
 
 def bench_sweep(ctx: Ctx) -> Iterator[Row]:
+    """OpByOp and Chained against plain JAX at computation sizes from 0.05 to 10 ms; at each size
+    the three take turns window by window (as in bench_pipeline), each figure its median window."""
     from bench import pwside
 
     targets = [0.05, 0.1, 0.3, 1.0, 3.0] if ctx.quick else [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
-    budget = 0.3 if ctx.quick else 0.6
-    jx = jax_baseline("sweep", ctx.env(), targets_ms=targets, budget_s=budget, count=100000)
-    smallest: dict[str, float | None] = {"opbyop": None, "chained": None}
-    for size in jx["sizes"]:
-        ms = float(size["ms"])
-        chain = int(min(defs.CHAIN, max(4, 300 / max(ms, 1e-3))))
-        pw_vals = pwside.sweep_point(int(size["loops"]), chain, budget, 100000, ms)
-        for mode in ("opbyop", "chained"):
-            ratio = pw_vals[mode] / size["per_s"]
-            if ratio >= 0.95 and smallest[mode] is None:
-                smallest[mode] = ms
-            yield row("sweep", f"{mode}/{ms:.3g}ms", "computations/s", "1/s", pw_vals[mode], size["per_s"],
-                      notes=f"{defs.SWEEP_N}x{defs.SWEEP_N} matmul x{size['loops']} on 1 device"
-                      + (f"; program of {chain} calls" if mode == "chained" else ""))
+    window_s = 0.1 if ctx.quick else 0.25
+    windows = 2 if ctx.quick else 3
+    jx = JaxServer(ctx.env(), "sweep_serve", {"targets_ms": targets, "count": 100000})
+    try:
+        sizes = jx.first()["sizes"]
+        smallest: dict[str, float | None] = {"opbyop": None, "chained": None}
+        for i, size in enumerate(sizes):
+            ms = float(size["ms"])
+            chain = int(min(defs.CHAIN, max(4, 300 / max(ms, 1e-3))))
+            pw_windows = pwside.sweep_point(int(size["loops"]), chain, 100000, ms)
+            rates: dict[str, list[float]] = {"jax": [], "opbyop": [], "chained": []}
+            for _ in range(windows):
+                rates["jax"].append(float(jx.ask(f"{i} {window_s}")["per_s"]))
+                for mode, window in pw_windows.items():
+                    rates[mode].append(window(window_s))
+            jax_rate = defs.median(rates["jax"])
+            for mode in ("opbyop", "chained"):
+                rate = defs.median(rates[mode])
+                if rate / jax_rate >= 0.95 and smallest[mode] is None:
+                    smallest[mode] = ms
+                yield row("sweep", f"{mode}/{ms:.3g}ms", "computations/s", "1/s", rate, jax_rate,
+                          notes=f"{defs.SWEEP_N}x{defs.SWEEP_N} matmul x{size['loops']} on 1 device"
+                          + (f"; program of {chain} calls" if mode == "chained" else "")
+                          + f"; median of {windows} windows alternating with JAX's")
+    finally:
+        jx.close()
     for mode, bound in (("opbyop", 1.0), ("chained", 0.1)):
         v = smallest[mode]
         yield row("sweep", f"{mode}/smallest", "smallest computation >= 0.95x JAX", "ms", v, None,

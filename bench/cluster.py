@@ -125,10 +125,3 @@ def run_json(args: list[str], env: dict[str, str], timeout: float) -> dict[str, 
         raise RuntimeError(f"{' '.join(args[:3])} printed nothing: {r.stderr[-1500:]}")
     out: dict[str, Any] = json.loads(lines[-1])
     return out
-
-
-def jax_baseline(task: str, env: dict[str, str], timeout: float = 300.0, **kwargs: Any) -> dict[str, Any]:
-    """A plain-JAX measurement in a fresh subprocess with 4 virtual CPU devices."""
-    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = XLA_FLAGS
-    return run_json(["-m", "bench.jaxrun", task, json.dumps(kwargs)], env, timeout)

@@ -22,7 +22,11 @@ import numpy as np  # noqa: E402
 from bench import defs  # noqa: E402
 
 
-def dispatch(variant: str, budget_s: float, count: int, repeats: int) -> dict[str, Any]:
+def dispatch_serve(variant: str, count: int) -> None:
+    """For windows interleaved with Pathways' (bench_dispatch): prepares the variant's step and
+    fused functions, prints {"ready": true}; then for each line "MODE BUDGET_S" read from stdin
+    (opbyop, chained or fused), computations/s over one window, as {"per_s": ...}. Chained in
+    plain JAX is the same loop of dependent calls from Python as OpByOp."""
     devs = jax.devices()
     if variant == "allreduce4":
         step = jax.pmap(defs.allreduce_step, axis_name=defs.AXIS, devices=devs[:4])
@@ -45,17 +49,19 @@ def dispatch(variant: str, budget_s: float, count: int, repeats: int) -> dict[st
                 x.block_until_ready()
         x.block_until_ready()
 
-    def measure(fn: Any, per_call: int, n: int) -> float:
-        return defs.throughput(lambda k: loop(fn, k), n, budget_s) * per_call
+    modes = {"opbyop": (step, 1), "chained": (step, 1), "fused": (fused, defs.CHAIN)}
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        mode, budget = line.split()
+        fn, per_call = modes[mode]
 
-    out = {
-        "opbyop": defs.median(defs.repeat(lambda: measure(step, 1, count), repeats, budget_s * 3)),
-        # Chained in plain JAX is the same loop of dependent calls from Python
-        "chained": defs.median(defs.repeat(lambda: measure(step, 1, count), repeats, budget_s * 3)),
-        "fused": defs.median(defs.repeat(lambda: measure(fused, defs.CHAIN, max(1, count // defs.CHAIN)),
-                                          repeats, budget_s * 3)),
-    }
-    return out
+        def run(k: int, fn: Any = fn) -> None:
+            loop(fn, k)
+
+        rate = defs.throughput(run, max(1, count // per_call), float(budget) * 3) * per_call
+        sys.stdout.write(json.dumps({"per_s": rate}) + "\n")
+        sys.stdout.flush()
 
 
 def _per_call_ms(fn: Any, x: Any, w: Any, budget_s: float) -> float:
@@ -215,7 +221,7 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
         sys.stdout.flush()
 
 
-TASKS: dict[str, Any] = {"dispatch": dispatch, "sweep_serve": sweep_serve, "pipeline_serve": pipeline_serve,
+TASKS: dict[str, Any] = {"dispatch_serve": dispatch_serve, "sweep_serve": sweep_serve, "pipeline_serve": pipeline_serve,
                          "transformer": transformer, "transformer_serve": transformer_serve}
 
 

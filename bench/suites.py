@@ -18,7 +18,7 @@ import grpc
 import psutil
 
 from bench import defs
-from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, jax_baseline, run_json
+from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, run_json
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.process import TRIM_IDLE_S
@@ -69,27 +69,50 @@ DISPATCH_TARGETS: dict[tuple[str, str], tuple[str, Callable[[float, float], bool
 
 
 def bench_dispatch(ctx: Ctx) -> Iterator[Row]:
+    """Per variant, JAX and the three Pathways modes take turns window by window (a JAX process
+    kept alive, as in bench_pipeline); each figure is its median window."""
     from bench import pwside
 
     count = 20000 if ctx.quick else 200000
+    windows = 2 if ctx.quick else 5
+    window_s = ctx.budget / 3
+    modes = ("opbyop", "chained", "fused")
     for variant in ("allreduce4", "inc1"):
-        jx = jax_baseline("dispatch", ctx.env(), variant=variant, budget_s=ctx.budget, count=count,
-                          repeats=ctx.repeats)
-        for mode in ("opbyop", "chained", "fused"):
-            try:
-                pw_val = pwside.dispatch(variant, mode, ctx.budget, count, ctx.repeats)
-            except Exception as e:
-                yield {**row("dispatch", f"{variant}/{mode}", "computations/s", "1/s", None, jx[mode]),
-                       "error": f"{type(e).__name__}: {e}"}
+        jx = JaxServer(ctx.env(), "dispatch_serve", {"variant": variant, "count": count})
+        jrates: dict[str, list[float]] = {m: [] for m in modes}
+        prates: dict[str, list[float]] = {m: [] for m in modes}
+        errors: dict[str, str] = {}
+        try:
+            jx.first()
+            for _ in range(windows):
+                for mode in modes:
+                    jrates[mode].append(float(jx.ask(f"{mode} {window_s}")["per_s"]))
+                    if mode in errors:
+                        continue
+                    try:
+                        prates[mode].append(pwside.dispatch(variant, mode, window_s, count))
+                    except Exception as e:
+                        errors[mode] = f"{type(e).__name__}: {e}"
+        finally:
+            jx.close()
+        for mode in modes:
+            jx_val = defs.median(jrates[mode])
+            if mode in errors:
+                yield {**row("dispatch", f"{variant}/{mode}", "computations/s", "1/s", None, jx_val),
+                       "error": errors[mode]}
                 continue
+            pw_val = defs.median(prates[mode])
             target, ok = DISPATCH_TARGETS.get((variant, mode), ("", None))
             notes = ""
             if variant == "allreduce4":
                 notes = "JAX blocks every collective call (pipelining collectives deadlocks on CPU)"
             if mode == "chained":
                 notes += ("; " if notes else "") + f"program of {defs.CHAIN} calls; JAX: the same Python loop"
-            yield row("dispatch", f"{variant}/{mode}", "computations/s", "1/s", pw_val, jx[mode], target,
-                      ok(pw_val, jx[mode]) if ok else None, notes)
+            notes += (f"; median of {windows} windows alternating with JAX's: "
+                      + "/".join(f"{v:,.0f}" for v in prates[mode]) + " vs JAX "
+                      + "/".join(f"{v:,.0f}" for v in jrates[mode]))
+            yield row("dispatch", f"{variant}/{mode}", "computations/s", "1/s", pw_val, jx_val, target,
+                      ok(pw_val, jx_val) if ok else None, notes.lstrip("; "))
 
 
 # ------------------------------------------------------------------------- 2. smallest computation

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cluster(islands=1, devices=1), pytest.mark.timeout(60)
 SNIPPET = """
 import json
 from bench import pwside, suites
-v = pwside.dispatch("inc1", "opbyop", budget_s=0.05, count=8, repeats=1)
+v = pwside.dispatch("inc1", "opbyop", budget_s=0.05, count=8)
 print(json.dumps(suites.row("dispatch", "inc1/opbyop", "computations/s", "1/s", v, 1.0, ">= 5,000/s", v >= 5000)))
 """
 

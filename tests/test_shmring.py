@@ -81,7 +81,7 @@ def test_same_host_notices_arrive_in_order_with_their_arrays() -> None:
 
     async def main() -> None:
         receiver = locallink.LocalReceiver(address, deliver)
-        assert receiver.start(asyncio.get_running_loop())
+        assert receiver.start()
         peers = locallink.LocalPeers()
         try:
             peer = peers.get(address)

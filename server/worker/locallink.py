@@ -4,7 +4,7 @@ Between two workers of one host the array bytes travel through the sender's shar
 (shmring.py); what remains is a ~100-byte notice per array. Over a gRPC stream that notice still
 cost a thread hand-off and HTTP/2 framing on each side (~0.2-0.3 ms of CPU per array, measured in
 a pipeline). Here it is one `send` on a SOCK_SEQPACKET Unix socket (message boundaries, order kept)
-and one `recv` in the receiver's event loop. Each connection owns one ring, so the ring's arrays are
+and one blocking `recv` on the receiver's thread for that peer. Each connection owns one ring, so the ring's arrays are
 read in the order they were written.
 
 The receiver listens on an abstract socket named after its gRPC address (Linux; no file to clean
@@ -14,7 +14,7 @@ namespace), the sender falls back to the gRPC stream.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -51,17 +51,18 @@ def socket_name(address: str) -> bytes:
 
 
 class LocalReceiver:
-    """Accepts same-host peers; hands every notice, with the connection's ring, to `deliver`
-    (called in the event loop, in the order the peer sent them)."""
+    """Accepts same-host peers; hands every notice, with the connection's ring, to `deliver`, in
+    the order the peer sent them, from a thread of the connection's own (a blocking `recv`: no
+    event-loop round per notice)."""
 
     def __init__(self, address: str, deliver: Callable[[RingReader, wpb.TransferChunk], None]) -> None:
         self.address = address
         self._deliver = deliver
         self._sock: socket.socket | None = None
-        self._conns: dict[socket.socket, RingReader] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def start(self) -> bool:
         if not available():
             return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -72,60 +73,60 @@ class LocalReceiver:
             log.info("no same-host transfer socket (%s): peers use gRPC", e)
             sock.close()
             return False
-        sock.setblocking(False)
-        self._sock, self._loop = sock, loop
-        loop.add_reader(sock, self._accept)
+        self._sock = sock
+        threading.Thread(target=self._accept_loop, args=(sock,), name="pw-local-accept", daemon=True).start()
         return True
 
-    def _accept(self) -> None:
-        assert self._sock is not None and self._loop is not None
-        try:
-            conn, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        if uid != os.getuid():
-            log.warning("refused a transfer connection from user id %d", uid)
-            conn.close()
-            return
-        conn.setblocking(False)
-        self._conns[conn] = RingReader()
-        self._loop.add_reader(conn, self._readable, conn)
-
-    def _readable(self, conn: socket.socket) -> None:
-        ring = self._conns.get(conn)
-        if ring is None:
-            return
+    def _accept_loop(self, sock: socket.socket) -> None:
         while True:
             try:
-                data = conn.recv(MAX_NOTICE)
-            except (BlockingIOError, InterruptedError):
-                return
+                conn, _ = sock.accept()
             except OSError:
-                data = b""
-            if not data:  # the peer closed: its ring goes with this reader
-                self._drop(conn)
-                return
-            notice = wpb.TransferChunk()
-            try:
-                notice.ParseFromString(data)
-            except Exception:
-                log.warning("malformed transfer notice (%d bytes) dropped", len(data))
+                return  # closed
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                log.warning("refused a transfer connection from user id %d", uid)
+                conn.close()
                 continue
-            self._deliver(ring, notice)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._read_loop, args=(conn,), name="pw-local-recv", daemon=True).start()
 
-    def _drop(self, conn: socket.socket) -> None:
-        self._conns.pop(conn, None)
-        if self._loop is not None:
-            self._loop.remove_reader(conn)
-        conn.close()
+    def _read_loop(self, conn: socket.socket) -> None:
+        ring = RingReader()  # the peer's ring: it goes when the peer does
+        try:
+            while True:
+                try:
+                    data = conn.recv(MAX_NOTICE)
+                except OSError:
+                    return
+                if not data:
+                    return
+                notice = wpb.TransferChunk()
+                try:
+                    notice.ParseFromString(data)
+                except Exception:
+                    log.warning("malformed transfer notice (%d bytes) dropped", len(data))
+                    continue
+                try:
+                    self._deliver(ring, notice)
+                except Exception:  # a bug here must not end the link
+                    log.exception("delivering transfer notice for buffer %d failed", notice.buffer_id)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
 
     def close(self) -> None:
-        for conn in list(self._conns):
-            self._drop(conn)
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its reader thread
         if self._sock is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._sock)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
             self._sock = None
 

@@ -96,7 +96,7 @@ class WorkerProcess:
         self.address = f"{host}:{port}"
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
-        local.start(self._loop)
+        local.start()
         log.info("worker %s (island %s, %d %s devices) serving at %s",
                  self.config.name, self.config.island, len(self.devices), self.kind, self.address)
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -122,8 +122,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
         return wpb.TransferResponse(bytes=total)
 
     def deliver_local(self, ring: RingReader, notice: wpb.TransferChunk) -> None:
-        """A same-host peer's array, in its shared-memory ring (locallink.py); called in the event
-        loop, one notice at a time in the peer's order (the ring's release count relies on it)."""
+        """A same-host peer's array, in its shared-memory ring (locallink.py); called from the
+        thread of that peer's link, one notice at a time in the peer's order (the ring relies on it)."""
         if notice.error:
             self.store.fail(notice.buffer_id, notice.error)
             return

@@ -317,3 +317,20 @@ def test_bytes_round_trip():
         from_bytes("float32", [2], b"\x00" * 4)
     with pytest.raises(ValueError, match="unknown dtype"):
         from_bytes("float99", [1], b"\x00")
+
+
+def test_64_bit_types_only_when_an_argument_has_one():
+    from pwctl.api.functions import CompiledFunction
+
+    def body(x):
+        return x + jnp.zeros(x.shape), jnp.arange(3)  # constants take JAX's default widths
+
+    def exporter(args):
+        return export_jit(body, mesh_shape=(1,), axis_names=("d",), args=args)
+
+    f = CompiledFunction(body, None, exporter)  # type: ignore[arg-type]
+    narrow = f.export((np.ones(2, np.float32),))  # as in plain JAX: 32-bit constants
+    assert [a.dtype for a in narrow.out_avals] == [jnp.float32, jnp.int32]
+    wide = f.export((np.ones(2, np.float64),))  # a float64 input computes in float64, as NumPy would
+    assert [a.dtype for a in wide.out_avals] == [jnp.float64, jnp.int64]
+    assert [a.dtype for a in f.export((2.0,)).out_avals] == [jnp.float64, jnp.int64]  # a Python float is

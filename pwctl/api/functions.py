@@ -16,6 +16,19 @@ from .futures import Future
 from .programs import Registered, Trace, current_trace, execute, register_trace
 from .runtime import Runtime
 
+_WIDE = frozenset(np.dtype(t) for t in (np.float64, np.int64, np.uint64, np.complex128))
+
+
+def _has_64_bit(args: tuple[Any, ...]) -> bool:
+    """Whether a leaf is 64-bit the NumPy way (a Python int or float is)."""
+    for leaf in jax.tree.leaves(args):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            dtype = np.asarray(leaf).dtype
+        if np.dtype(dtype) in _WIDE:
+            return True
+    return False
+
 
 class CompiledFunction:
     """A jitted function on a slice. Outside a program a call runs it as a one-node
@@ -34,10 +47,14 @@ class CompiledFunction:
         self._lock = threading.Lock()
 
     def export(self, args: tuple[Any, ...]) -> ExportedFunction:
+        """Exported for these arguments' signature, once. 64-bit types are on while it traces
+        only when an argument has one (a float64 input computes in float64, as NumPy would);
+        otherwise the function traces as in plain JAX, whose constants default to 32 bits."""
         with jax.enable_x64(True):
             key = signature_key(args)
-            exp = self._exports.get(key)
-            if exp is None:
+        exp = self._exports.get(key)
+        if exp is None:
+            with jax.enable_x64(_has_64_bit(args)):
                 exp = self._exports[key] = self._exporter(args)
         return exp
 

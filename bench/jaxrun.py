@@ -1,6 +1,8 @@
 """Plain in-process JAX baselines, run as `python -m bench.jaxrun TASK JSON` in a subprocess with
 4 virtual CPU devices (the same count a Pathways slice has; BENCH_JAX_DEVICES overrides it: the
-pipeline baseline uses the 8 devices of the two islands). Prints one JSON object.
+pipeline baseline uses the 8 devices of the two islands). Each task stays alive: it prints one
+JSON line when ready, then one per request line it reads from stdin, so that its windows can
+alternate with Pathways' (bench/suites.py `JaxServer`).
 """
 
 from __future__ import annotations
@@ -195,14 +197,6 @@ class Trainer:
         return steps * self.c.batch * self.c.seq / (time.perf_counter() - t0)
 
 
-def transformer(cfg: dict[str, Any], steps: int, timed_steps: int, windows: int = 1) -> dict[str, Any]:
-    """`steps` steps reading every loss, then `windows` timed windows of `timed_steps` steps."""
-    t = Trainer(cfg)
-    losses = [float(t.run(i)) for i in range(steps)]
-    rates = [t.window(steps + w * (timed_steps + 1), timed_steps) for w in range(windows)]
-    return {"losses": losses, "tokens_per_s": max(rates), "windows": rates, "params": t.params_count}
-
-
 def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
     """For measurements interleaved with another process's: `steps` steps reading every loss,
     printed as one JSON line ({"losses", "params"}); then for each line N read from stdin, a
@@ -222,14 +216,12 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
 
 
 TASKS: dict[str, Any] = {"dispatch_serve": dispatch_serve, "sweep_serve": sweep_serve, "pipeline_serve": pipeline_serve,
-                         "transformer": transformer, "transformer_serve": transformer_serve}
+                         "transformer_serve": transformer_serve}
 
 
 def main() -> None:
     task, args = sys.argv[1], json.loads(sys.argv[2])
-    result = TASKS[task](**args)
-    if result is not None:
-        sys.stdout.write(json.dumps(result) + "\n")
+    TASKS[task](**args)
 
 
 if __name__ == "__main__":

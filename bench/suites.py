@@ -37,10 +37,6 @@ class Ctx:
         """Seconds one throughput measurement aims at."""
         return 0.4 if self.quick else 1.0
 
-    @property
-    def repeats(self) -> int:
-        return 1 if self.quick else 3
-
     def env(self, **extra: str) -> dict[str, str]:
         return self.cluster.env(**extra)
 

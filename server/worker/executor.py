@@ -263,9 +263,7 @@ class Executor:
             return False
         if info.communicates is None:
             try:
-                seg = info.structure
-                info.communicates = any(self._executable(fid, devs).has_collectives
-                                        for fid, devs in zip(seg.function_ids, seg.node_devices, strict=True))
+                info.communicates = any(e.has_collectives for e in self._node_executables(info))
             except Exception:
                 return info.definition.collective  # its launch reports the compile error
         return info.communicates
@@ -369,6 +367,24 @@ class Executor:
         if info.runner is not None:
             return info.runner
         seg = info.structure
+        exes = self._node_executables(info)
+        parts = seg.parts()
+        runners, collective = [], []
+        for part in parts:
+            nodes = slice(part.first, part.first + len(part.segment.function_ids))
+            runner, fused = self._part_runner(part.segment, exes[nodes], info.labels[nodes])
+            runners.append(runner)
+            collective.append(any(e.has_collectives for e in exes[nodes]))
+            info.fused = info.fused or fused
+        if len(parts) == 1:
+            info.runner = runners[0]
+        else:
+            info.runner = functools.partial(run_parts, seg, parts, runners, collective)
+        return info.runner
+
+    def _node_executables(self, info: SegmentInfo) -> list[Executable]:
+        """Each node's executable on its devices; errors name the node."""
+        seg = info.structure
         exes = []
         for fid, devs, label in zip(seg.function_ids, seg.node_devices, info.labels, strict=True):
             blob = self._functions.get(fid)
@@ -378,21 +394,7 @@ class Executor:
                 exes.append(self._executable(fid, devs))
             except Exception as e:
                 raise RuntimeError(f"{label}: cannot compile {blob.name or fid[:12]}: {e}") from e
-        parts = seg.parts()
-        runners = []
-        for part in parts:
-            n = len(part.segment.function_ids)
-            runner, fused = self._part_runner(part.segment, exes[part.first:part.first + n],
-                                              info.labels[part.first:part.first + n])
-            runners.append(runner)
-            info.fused = info.fused or fused
-        if len(parts) == 1:
-            info.runner = runners[0]
-        else:
-            collective = [any(e.has_collectives for e in exes[p.first:p.first + len(p.segment.function_ids)])
-                          for p in parts]
-            info.runner = functools.partial(run_parts, seg, parts, runners, collective)
-        return info.runner
+        return exes
 
     def _part_runner(self, seg: Segment, exes: list[Executable], labels: list[str]) -> tuple[Runner, bool]:
         """(runner, fused) for nodes on the same devices."""
@@ -411,9 +413,7 @@ class Executor:
         return functools.partial(run_unfused, seg, exes, labels), False
 
     def _unfused_runner(self, info: SegmentInfo) -> Runner:
-        seg = info.structure
-        exes = [self._executable(fid, devs) for fid, devs in zip(seg.function_ids, seg.node_devices, strict=True)]
-        return functools.partial(run_unfused, seg, exes, info.labels)
+        return functools.partial(run_unfused, info.structure, self._node_executables(info), info.labels)
 
     def _executable(self, function_id: str, local_devices: tuple[int, ...]) -> Executable:
         """Looked up once per registered segment (its runner keeps what it needs)."""

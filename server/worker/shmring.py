@@ -81,12 +81,20 @@ def take_segment(name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.
     m = _open(name)
     try:
         _unlink(name)
-        if len(m) < int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        out = _copy_from(m, 0, dtype, shape)
+        if out is None:
             raise ValueError(f"segment {name}: {len(m)} bytes for {dtype}{list(shape)}")
-        out = aligned_copy(np.ndarray(shape, dtype, buffer=m))
     finally:
         m.close()
     return out
+
+
+def _copy_from(m: mmap.mmap, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray | None:
+    """An aligned copy of the array at `offset` of `m`, or None when it does not fit there."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if offset < 0 or offset + nbytes > len(m):
+        return None
+    return aligned_copy(np.ndarray(shape, dtype, buffer=m, offset=offset))
 
 
 def aligned_copy(src: np.ndarray) -> np.ndarray:
@@ -168,9 +176,8 @@ class RingReader:
             _unlink(name)  # mapped on both sides now: nothing is left behind whoever dies
             self._counters = np.ndarray((2,), np.uint64, buffer=self._map)
         assert self._counters is not None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if offset < 0 or HEADER + offset + nbytes > len(self._map):
+        out = _copy_from(self._map, HEADER + offset, dtype, shape)
+        if out is None:
             raise ValueError(f"ring {name}: {dtype}{list(shape)} at {offset} is past its end")
-        out = aligned_copy(np.ndarray(shape, dtype, buffer=self._map, offset=HEADER + offset))
         self._counters[1] = release
         return out

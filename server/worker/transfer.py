@@ -105,12 +105,12 @@ class TransferSender:
 
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:
-            arr = to_numpy(value)
+            arr = c_order(to_numpy(value))
             local = self._local.get(address) if same_host else None
-            if local is not None and local.send(buffer_id, c_order(arr)):
-                pass
-            elif same_host and arr.nbytes >= SHM_MIN_BYTES:
-                name = put_segment(c_order(arr))
+            if local is not None and local.send(buffer_id, arr):
+                return  # through the ring
+            if same_host and arr.nbytes >= SHM_MIN_BYTES:
+                name = put_segment(arr)
                 msg = wpb.TransferChunk(
                     buffer_id=buffer_id,
                     array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), shm_name=name),

@@ -62,5 +62,5 @@ def test_trim_is_safe_everywhere() -> None:
 
 def test_workers_keep_freed_memory_until_trimmed() -> None:
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert memory.keep_freed_memory() == glibc  # glibc took both thresholds
+    assert memory.keep_freed_memory() == glibc  # glibc took every setting
     assert isinstance(memory.trim(), bool)

@@ -15,6 +15,13 @@ faults per micro-batch per worker, a tenth of a worker's CPU). `keep_freed_memor
 serve blocks up to 16 MiB and keep up to 64 MiB of free memory at its top between trims; the idle
 trim still returns all of it.
 
+It also caps glibc's arenas at two. By default a process gets up to eight per core, one per thread
+that allocates, and an arena's pages stay resident while any small block on them lives: XLA's and
+gRPC's threads each kept a partly used 64 MiB arena, so after a transformer run and a trim a worker
+held ~100 MiB more than with two arenas (measured: worker PSS 250-360 MiB vs 200-240 MiB). The
+threads that allocate on the hot path are few (launch, completion, event loop, XLA's), so sharing
+two arenas costs no measurable time.
+
 Without glibc (musl, macOS) `trim()` does nothing and returns False.
 """
 
@@ -30,8 +37,10 @@ __all__ = ["IdleTrimmer", "keep_freed_memory", "trim", "trim_available"]
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD = 16 * 1024 * 1024
 TRIM_THRESHOLD = 64 * 1024 * 1024
+ARENA_MAX = 2
 
 
 def _glibc_function(name: str, argtypes: list[Any]) -> Any:
@@ -52,10 +61,12 @@ _mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
 
 def keep_freed_memory() -> bool:
     """Buffers up to 16 MiB come from the heap and freed memory stays there until `trim()`
-    (fixed glibc thresholds instead of adaptive ones); True when glibc took both settings."""
+    (fixed glibc thresholds instead of adaptive ones), in at most two arenas; True when glibc
+    took every setting. Call it before threads start allocating (before JAX's backend starts)."""
     if _mallopt is None:
         return False
-    return bool(_mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(_mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    settings = ((_M_ARENA_MAX, ARENA_MAX), (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return all([bool(_mallopt(param, value)) for param, value in settings])
 
 
 def trim_available() -> bool:

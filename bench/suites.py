@@ -21,7 +21,7 @@ from bench import defs
 from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, run_json
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
-from server.worker.process import TRIM_IDLE_S
+from server.worker.process import IDLE_POLL_S, TRIM_IDLE_S
 
 Row = dict[str, Any]
 
@@ -510,11 +510,12 @@ def bench_costs(ctx: Ctx) -> Iterator[Row]:
     yield row("costs", f"after {done:,} runs", "worker buffer bytes", "B", float(last[2]), None, "flat", flat)
 
     busy = _pss(pids)  # right after the last runs
-    time.sleep(TRIM_IDLE_S + 1.0)  # idle workers hand freed heap memory back (server/worker/memory.py)
+    idle_s = TRIM_IDLE_S + IDLE_POLL_S + 1.0
+    time.sleep(idle_s)  # idle workers hand freed heap memory back (server/worker/memory.py)
     pss = _pss(pids)
     gib = sum(pss.values()) / 2**30
     yield row("costs", "controller + 2 workers", "PSS memory", "GiB", gib, None, "<= 0.7 GiB", gib <= 0.7,
-              f"at the end of the run, idle for {TRIM_IDLE_S + 1.0:g} s (idle workers return freed heap memory to "
+              f"at the end of the run, idle for {idle_s:g} s (idle workers return freed heap memory to "
               "the OS and unload programs not run for a minute): "
               + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in pss.items())
               + f"; right after the last runs {sum(busy.values()) / 2**30:.2f} GiB ("

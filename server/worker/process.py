@@ -39,7 +39,11 @@ log = logging.getLogger(__name__)
 
 EVENT_FLUSH_S = 0.005
 STALE_START_S = 0.25  # a node running longer than this reports that it started (hang detection)
-TRIM_IDLE_S = 1.0  # idle this long after some work: free heap memory goes back to the OS
+# Idle this long after some work: free heap memory goes back to the OS. Not sooner: the next burst
+# faults every page back in, and a pause of a second between bursts is common (a client's host-side
+# work between steps; the bench's windows alternating with plain JAX's lost 10-20% to trims at 1 s).
+TRIM_IDLE_S = 5.0
+IDLE_POLL_S = 0.5
 
 
 def machine_id() -> str:
@@ -142,7 +146,7 @@ class WorkerProcess:
         buffers and compilations leave hundreds of MiB in malloc's arenas after a burst of work."""
         idle = memory.IdleTrimmer(self._activity, idle_s=TRIM_IDLE_S)
         while True:
-            await asyncio.sleep(TRIM_IDLE_S / 2)
+            await asyncio.sleep(IDLE_POLL_S)
             due = idle.due()
             if due or (idle.quiet() and self.config.unload_after_s > 0):
                 await asyncio.to_thread(self._release_memory, due)

@@ -14,7 +14,7 @@ from grpc import aio
 
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
-from .. import paths
+from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import upgrade_to_head
 from .core import Controller, ControllerConfig
@@ -54,6 +54,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     core.address = f"{host}:{bound}"
     await core.start()
     await server.start()
+    heap.settle()  # start-up objects (SQLAlchemy, protobuf, modules) stay out of later collections
     if pid_file is not None:
         write_pid_file(pid_file, core.address, config.db_url)
     log.info("controller listening on %s (database %s)", core.address, config.db_url)

@@ -23,7 +23,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .. import paths
+from .. import heap, paths
 from ..auth import TokenInterceptor
 from . import memory
 from .buffers import BufferStore
@@ -101,6 +101,7 @@ class WorkerProcess:
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
+        heap.settle()  # JAX's and the server's objects stay out of later collections
         log.info("worker %s (island %s, %d %s devices) serving at %s",
                  self.config.name, self.config.island, len(self.devices), self.kind, self.address)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,6 +160,7 @@ class WorkerProcess:
                 log.info("unloaded %d compiled program(s) not run for %g s", unloaded,
                          self.config.unload_after_s)
         if trim or unloaded:
+            heap.settle()  # what the work left behind, collected while nothing runs
             memory.trim()
 
     async def _upstream(self) -> AsyncIterator[cpb.WorkerToController]:

@@ -120,7 +120,7 @@ def bench_sweep(ctx: Ctx) -> Iterator[Row]:
 
     targets = [0.05, 0.1, 0.3, 1.0, 3.0] if ctx.quick else [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
     window_s = 0.1 if ctx.quick else 0.25
-    windows = 2 if ctx.quick else 3
+    windows = 2 if ctx.quick else 5
     jx = JaxServer(ctx.env(), "sweep_serve", {"targets_ms": targets, "count": 100000})
     try:
         sizes = jx.first()["sizes"]

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RING_SIZE = 50_000  # finished segment runs kept for traces (~300 bytes each)
+RING_SIZE = 20_000  # finished segment runs kept for traces (~0.6 KiB each with their index entries)
 MAX_INDEX_KEYS = 4096  # jobs / programs with an index into the ring
 MAX_INFLIGHT_PER_DEVICE = 4096  # started, unfinished nodes remembered per device
 UTIL_WINDOW_S = 5.0

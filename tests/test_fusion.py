@@ -1,13 +1,19 @@
 """Pure tests of how a placed program is cut into segments (the units of gang order) and of the
-structure a worker derives from a segment's definition to fuse it."""
+structure a worker derives from a segment's definition to fuse it; one in-process JAX test of a
+fused chain."""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.cluster import HostInfo
 from server.controller.programs import analyze
 from server.controller.segments import PROGRAM_INPUT, cut
-from server.worker.fusion import Segment
+from server.worker.executable import Executable
+from server.worker.fusion import FusedExecutable, Segment
 
 
 def host(name: str, address: str, machine: str = "m") -> HostInfo:
@@ -129,3 +135,50 @@ def test_unused_outputs_are_not_returned() -> None:
     g = graph([([inp(0)], 2), ([out(0, 0)], 1)], [out(1)])
     (seg,) = plan(g, [A, A])
     assert seg.outputs == [(1, 0)]
+
+
+def chain_of(n: int, fns: str = "f", keep: tuple[tuple[int, int], ...] | None = None,
+             extra: dict[int, tuple[tuple[int, ...], ...]] | None = None) -> Segment:
+    """n calls, call k > 0 reading (output 0 of call k-1, external input 1)."""
+    wiring = [((0, 0), (0, 1))] + [((1, k - 1, 0), (0, 1)) for k in range(1, n)]
+    for k, ws in (extra or {}).items():
+        wiring[k] = ws
+    ids = tuple(fns[k % len(fns)] for k in range(n))
+    return Segment(ids, tuple(wiring), keep if keep is not None else ((n - 1, 0),), (0,), ((0,),) * n)
+
+
+def test_a_chain_of_calls_of_one_function_loops_from_its_first_call() -> None:
+    assert chain_of(6).chains() == {0: (6, ((2, 0), (0, 1)))}
+    assert chain_of(3).chains() == {}  # shorter than CHAIN_MIN: inlined
+    assert chain_of(6, fns="fg").chains() == {}  # alternating functions
+
+
+def test_a_chain_stops_where_an_intermediate_output_is_read_elsewhere() -> None:
+    # call 3's output is returned too: calls 0-3 could loop only up to it, 4-7 are a chain of their own
+    s = chain_of(8, keep=((3, 0), (7, 0)))
+    assert s.chains() == {0: (4, ((2, 0), (0, 1))), 4: (8, ((2, 0), (0, 1)))}
+    # call 6 reads call 4 besides call 5: the first run ends with call 4, and call 6 (wired
+    # differently) starts the next
+    s = chain_of(10, extra={6: ((1, 5, 0), (1, 4, 0))})
+    assert s.chains() == {0: (5, ((2, 0), (0, 1))), 6: (10, ((2, 0), (0, 1)))}
+
+
+def test_a_fused_chain_compiles_to_one_loop_and_computes_what_the_calls_do() -> None:
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)
+    w = (np.eye(4, dtype=np.float32) * 0.9 + 0.05).astype(np.float32)
+    spec = jax.ShapeDtypeStruct((4, 4), np.float32)
+    blob = jax.export.export(jax.jit(lambda h, w: jnp.tanh(h @ w)))(spec, spec).serialize()
+    dev = jax.devices()[:1]
+    n = 12
+    seg = chain_of(n, keep=((5, 0), (n - 1, 0)))  # call 5 returned too: two loops
+    assert seg.chains() == {0: (6, ((2, 0), (0, 1))), 6: (n, ((2, 0), (0, 1)))}
+    fused = FusedExecutable(seg, [Executable(bytes(blob), dev) for _ in range(n)])
+    mid, last = fused([x, w])
+    want, h = [], x
+    for _ in range(n):
+        h = np.tanh(h @ w)
+        want.append(h)
+    np.testing.assert_allclose(np.asarray(mid), want[5], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(last), want[-1], rtol=1e-6, atol=1e-6)
+    hlo = fused._jitted.lower(x, w).as_text()
+    assert hlo.count("stablehlo.while") == 2

@@ -62,6 +62,8 @@ def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalClu
     assert np.allclose(out["across"], out["across_want"])
     assert out["psum"] == [6.0, 7.0, 8.0, 9.0]
     assert out["pipeline_max_err"] < 1e-6
+    assert out["chain_max_err"] < 1e-5
+    assert np.allclose(*out["chain_psum"])
 
 
 def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:

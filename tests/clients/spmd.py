@@ -72,4 +72,35 @@ c, b = across(v)
 b_np = np.cumsum(v.sum() * 0.5 + v) * 2.0
 out["across"] = [np.asarray(c).tolist(), np.asarray(b).tolist()]
 out["across_want"] = [(b_np.sum() * 0.5 + b_np).tolist(), b_np.tolist()]
+
+# long chains of one function: a fused segment runs them as a loop (server/worker/fusion.py)
+layer = pw.jit(lambda h, w: jnp.tanh(h @ w), mesh=sa.mesh(("d",)))
+step = pw.pmap(lambda v: jax.lax.psum(v, "i") * 0.25 + 1.0, devices=s4.devices, axis_name="i")
+wc = (rng.standard_normal((8, 8)) / 3).astype(np.float32)
+hc = rng.standard_normal((2, 8)).astype(np.float32)
+
+
+@pw.program
+def chains(h, w, v):
+    mids = []
+    for k in range(16):
+        h = layer(h, w)
+        if k in (5, 11):
+            mids.append(h)  # read outside the chain: the loops end there
+    for _ in range(8):
+        v = step(v)
+    return h, mids, v
+
+
+h_got, mids_got, v_got = chains(hc, wc, v)
+h_want, mids_want, v_want = hc, [], v.astype(np.float64)
+for k in range(16):
+    h_want = np.asarray(jnp.tanh(h_want @ wc))
+    if k in (5, 11):
+        mids_want.append(h_want)
+for _ in range(8):
+    v_want = np.full(4, v_want.sum() * 0.25) + 1.0
+out["chain_max_err"] = max(float(np.max(np.abs(np.asarray(a) - b)))
+                           for a, b in zip([h_got, *mids_got], [h_want, *mids_want], strict=True))
+out["chain_psum"] = [np.asarray(v_got).tolist(), v_want.tolist()]
 print(json.dumps(out))

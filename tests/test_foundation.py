@@ -184,6 +184,29 @@ def test_controller_restart_keeps_state_and_workers_reconnect(cluster: LocalClus
     assert sorted(d["id"] for d in ready) == sorted(d["id"] for d in devices_before)
 
 
+@pytest.mark.cluster(islands=2, devices=2)
+def test_restored_host_is_reconnecting_until_it_registers(cluster: LocalCluster) -> None:
+    """After a restart the database's hosts are not shown ready before their workers are back:
+    one that cannot come back (frozen here) is reconnecting, then lost after the timeout."""
+    cluster.stop_controller()
+    cluster.stop_worker("w-b")  # frozen while the controller is down: it cannot reconnect
+    cluster.start_controller()
+
+    hosts = cluster.hosts()
+    assert hosts["w-b"].state == pb.HOST_STATE_RECONNECTING
+    devices = cluster.pwctl_json("device", "list", "--island", "b")["items"]
+    assert {d["state"] for d in devices} == {"reconnecting"}
+    island_b = {i["name"]: i for i in cluster.pwctl_json("island", "list")["items"]}["b"]
+    assert (island_b["devices"], island_b["available_devices"]) == (2, 0)
+    table = cluster.pwctl("host", "list")
+    assert "reconnecting" in table.stdout
+
+    cluster.wait_host_state("w-a", pb.HOST_STATE_READY, timeout=15)  # the live one registers again
+    cluster.wait_host_state("w-b", pb.HOST_STATE_LOST, timeout=15)  # the frozen one times out
+    cluster.cont_worker("w-b")
+    cluster.wait_host_state("w-b", pb.HOST_STATE_READY, timeout=15)
+
+
 def test_token_required_and_accepted(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
     c = make_cluster(islands=1, devices=1, controller_args=["--require-token"])
     token_file = c.home / "token"

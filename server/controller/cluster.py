@@ -27,6 +27,21 @@ log = logging.getLogger(__name__)
 
 READY = "ready"
 LOST = "lost"
+# In memory only: a host the database knew as ready when this controller started, whose worker
+# has not registered with it yet (the database keeps "ready", so its slices keep their devices).
+RECONNECTING = "reconnecting"
+
+_HOST_STATES = {READY: pb.HOST_STATE_READY, RECONNECTING: pb.HOST_STATE_RECONNECTING}
+_DEVICE_STATES = {READY: pb.DEVICE_STATE_AVAILABLE, RECONNECTING: pb.DEVICE_STATE_RECONNECTING}
+
+
+def host_state(state: str) -> pb.HostState.ValueType:
+    return _HOST_STATES.get(state, pb.HOST_STATE_LOST)
+
+
+def device_state(state: str) -> pb.DeviceState.ValueType:
+    """A device's state, from its host's."""
+    return _DEVICE_STATES.get(state, pb.DEVICE_STATE_LOST)
 
 
 @dataclass
@@ -70,7 +85,8 @@ class Cluster:
 
     # ---- start-up ----
     def load(self) -> None:
-        """Restores what the database knew; hosts get one heartbeat timeout to reconnect."""
+        """Restores what the database knew; hosts it knew as ready are reconnecting and get one
+        heartbeat timeout to register again."""
         with self._sessions() as s:
             for island in s.scalars(select(IslandRow)):
                 self.islands[island.name] = island.created_at
@@ -84,7 +100,7 @@ class Cluster:
                     kind=row.device_kind,
                     machine_id=row.machine_id,
                     device_ids=[d.id for d in row.devices if d.state != "removed"],
-                    state=row.state,
+                    state=RECONNECTING if row.state == READY else row.state,
                     last_heartbeat=row.last_heartbeat,
                 )
 
@@ -193,6 +209,9 @@ class Cluster:
             for info in list(self.hosts.values()):
                 if info.state == READY and now - info.last_seen > self.heartbeat_timeout:
                     self.mark_lost(info.name, f"no heartbeat for {self.heartbeat_timeout:g} s")
+                elif info.state == RECONNECTING and now - info.last_seen > self.heartbeat_timeout:
+                    self.mark_lost(info.name, f"did not reconnect within {self.heartbeat_timeout:g} s "
+                                              "of the controller's start")
             if self._dirty and now - last_flush > 2.0:
                 self.flush_heartbeats()
                 last_flush = now
@@ -241,7 +260,7 @@ class Cluster:
                 name=h.name,
                 island=h.island,
                 address=h.address,
-                state=pb.HOST_STATE_READY if h.state == READY else pb.HOST_STATE_LOST,
+                state=host_state(h.state),
                 pid=h.pid,
                 last_heartbeat=iso(h.last_heartbeat),
                 devices=len(h.device_ids),
@@ -264,7 +283,7 @@ class Cluster:
                         host=h.name,
                         local_index=local,
                         kind=h.kind,
-                        state=pb.DEVICE_STATE_AVAILABLE if h.state == READY else pb.DEVICE_STATE_LOST,
+                        state=device_state(h.state),
                         last_heartbeat=iso(h.last_heartbeat),
                         slices=slice_count(dev_id) if slice_count else 0,
                     )

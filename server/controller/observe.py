@@ -31,11 +31,10 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import now_iso
-from .cluster import READY
+from .cluster import READY, device_state
 from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
 
@@ -311,7 +310,7 @@ class Observer:
                 head = act.running() if act is not None and h.state == READY else None
                 devices.append(cpb.DeviceStatus(
                     device_id=dev_id, island=h.island, host=h.name, local_index=local,
-                    state=pb.DEVICE_STATE_AVAILABLE if h.state == READY else pb.DEVICE_STATE_LOST,
+                    state=device_state(h.state),
                     utilization=round(act.utilization(now_ns), 4) if act is not None else 0.0,
                     running=head.label if head is not None else "",
                 ))

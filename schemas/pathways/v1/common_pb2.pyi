@@ -28,12 +28,20 @@ class _HostStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HostState.V
     HOST_STATE_UNSPECIFIED: _HostState.ValueType  # 0
     HOST_STATE_READY: _HostState.ValueType  # 1
     HOST_STATE_LOST: _HostState.ValueType  # 2
+    HOST_STATE_RECONNECTING: _HostState.ValueType  # 3
+    """Known from the database after a controller restart; its worker has not registered again
+    yet. It becomes ready when it does, lost when it has not within the heartbeat timeout.
+    """
 
 class HostState(_HostState, metaclass=_HostStateEnumTypeWrapper): ...
 
 HOST_STATE_UNSPECIFIED: HostState.ValueType  # 0
 HOST_STATE_READY: HostState.ValueType  # 1
 HOST_STATE_LOST: HostState.ValueType  # 2
+HOST_STATE_RECONNECTING: HostState.ValueType  # 3
+"""Known from the database after a controller restart; its worker has not registered again
+yet. It becomes ready when it does, lost when it has not within the heartbeat timeout.
+"""
 Global___HostState: _TypeAlias = HostState  # noqa: Y015
 
 class _DeviceState:
@@ -45,12 +53,16 @@ class _DeviceStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeviceSta
     DEVICE_STATE_UNSPECIFIED: _DeviceState.ValueType  # 0
     DEVICE_STATE_AVAILABLE: _DeviceState.ValueType  # 1
     DEVICE_STATE_LOST: _DeviceState.ValueType  # 2
+    DEVICE_STATE_RECONNECTING: _DeviceState.ValueType  # 3
+    """its host is reconnecting (HOST_STATE_RECONNECTING)"""
 
 class DeviceState(_DeviceState, metaclass=_DeviceStateEnumTypeWrapper): ...
 
 DEVICE_STATE_UNSPECIFIED: DeviceState.ValueType  # 0
 DEVICE_STATE_AVAILABLE: DeviceState.ValueType  # 1
 DEVICE_STATE_LOST: DeviceState.ValueType  # 2
+DEVICE_STATE_RECONNECTING: DeviceState.ValueType  # 3
+"""its host is reconnecting (HOST_STATE_RECONNECTING)"""
 Global___DeviceState: _TypeAlias = DeviceState  # noqa: Y015
 
 @_typing.final

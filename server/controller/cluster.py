@@ -207,11 +207,10 @@ class Cluster:
             await asyncio.sleep(min(0.25, self.heartbeat_interval))
             now = time.monotonic()
             for info in list(self.hosts.values()):
-                if info.state == READY and now - info.last_seen > self.heartbeat_timeout:
-                    self.mark_lost(info.name, f"no heartbeat for {self.heartbeat_timeout:g} s")
-                elif info.state == RECONNECTING and now - info.last_seen > self.heartbeat_timeout:
-                    self.mark_lost(info.name, f"did not reconnect within {self.heartbeat_timeout:g} s "
-                                              "of the controller's start")
+                if info.state in (READY, RECONNECTING) and now - info.last_seen > self.heartbeat_timeout:
+                    t = self.heartbeat_timeout
+                    self.mark_lost(info.name, f"no heartbeat for {t:g} s" if info.state == READY
+                                   else f"did not reconnect within {t:g} s of the controller's start")
             if self._dirty and now - last_flush > 2.0:
                 self.flush_heartbeats()
                 last_flush = now

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-__all__ = ["Executable", "ExecutableCache", "Runnable", "unload_unused"]
+__all__ = ["Executable", "ExecutableCache", "Runnable", "call_exported", "unload_unused"]
 
 _DEFAULT_AXIS = "_pw_devices"
 # Collectives in compiled (post-partitioning) HLO text.
@@ -39,6 +39,12 @@ def _export_mesh(exp: jax.export.Exported) -> Any:
         if s is not None:
             return s.mesh
     return None
+
+
+def call_exported(exp: jax.export.Exported, leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """Calls an exported function (while tracing) on its flat inputs; returns its flat outputs."""
+    args, kwargs = jax.tree.unflatten(exp.in_tree, leaves)
+    return tuple(jax.tree.leaves(exp.call(*args, **kwargs)))
 
 
 class Runnable:
@@ -179,8 +185,7 @@ class Executable(Runnable):
         )
 
         def flat(*leaves: Any) -> tuple[Any, ...]:
-            args, kwargs = jax.tree.unflatten(exp.in_tree, leaves)
-            return tuple(jax.tree.leaves(exp.call(*args, **kwargs)))
+            return call_exported(exp, leaves)
 
         # Called through jit's C++ fast path (~8 us a call) rather than the AOT `Compiled`
         # object (~15 us); the first call compiles.

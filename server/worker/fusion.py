@@ -23,7 +23,7 @@ import jax
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from .executable import Executable, Runnable
+from .executable import Executable, Runnable, call_exported
 
 CHAIN_MIN = 4  # identical chained calls from which a fused part loops instead of inlining
 
@@ -220,16 +220,12 @@ class FusedExecutable(Runnable):
         wiring, keep = segment.wiring, segment.keep
         chains = segment.chains()
 
-        def call(exp: Any, leaves: list[Any]) -> tuple[Any, ...]:
-            args, kwargs = jax.tree.unflatten(exp.in_tree, leaves)
-            return tuple(jax.tree.leaves(exp.call(*args, **kwargs)))
-
         def fused(*ext: Any) -> tuple[Any, ...]:
             outs: list[tuple[Any, ...]] = []
             k = 0
             while k < len(wiring):
                 exp = exported[k]
-                outs.append(call(exp, [ext[w[1]] if w[0] == 0 else outs[w[1]][w[2]] for w in wiring[k]]))
+                outs.append(call_exported(exp, [ext[w[1]] if w[0] == 0 else outs[w[1]][w[2]] for w in wiring[k]]))
                 if k not in chains:
                     k += 1
                     continue
@@ -237,7 +233,7 @@ class FusedExecutable(Runnable):
                 fixed = [None if w[0] == 2 else ext[w[1]] if w[0] == 0 else outs[w[1]][w[2]] for w in rel]
 
                 def step(_: Any, prev: tuple[Any, ...], exp: Any = exp, rel: Any = rel, fixed: Any = fixed) -> Any:
-                    return call(exp, [prev[w[1]] if w[0] == 2 else x for w, x in zip(rel, fixed, strict=True)])
+                    return call_exported(exp, [prev[w[1]] if w[0] == 2 else x for w, x in zip(rel, fixed, strict=True)])
 
                 last = jax.lax.fori_loop(0, end - k - 1, step, outs[k])
                 outs += [()] * (end - k - 2) + [last]  # the calls in between: read by nothing else

@@ -267,7 +267,8 @@ class Dispatcher:
                     b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
             enq.tasks.append(wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
                                       segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
-                                      output_visible=visible, owner=run.session.owner))
+                                      output_visible=visible, owner=run.session.owner,
+                                      report_promptly=run.session.sequential))
         for home, items in sends.items():
             src = self.core.cluster.host_by_address(home)
             if src is None:

@@ -82,6 +82,7 @@ class _Task:
     output_ids: list[int]
     info: SegmentInfo | None  # None: the segment was never registered here (reported at launch)
     label: str
+    prompt: bool = False  # the controller waits for its end (sequential dispatch)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Executor:
         self,
         store: BufferStore,
         devices: Sequence[Any],
-        report: Callable[[list[cpb.NodeEvent]], None],
+        report: Callable[[list[cpb.NodeEvent], bool, int | None], None],
         sender: TransferSender,
     ) -> None:
         self.store = store
@@ -126,6 +127,12 @@ class Executor:
         self._done_q: queue.Queue[_Launched | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
+        # tasks received and tasks over, for the backlog: each counter has one writer (the event
+        # loop; the completion thread; failures, under their lock)
+        self._received = 0
+        self._completed = 0
+        self._failed = 0
+        self._failed_lock = threading.Lock()
         self.recent_order: deque[tuple[int, int, int]] = deque(maxlen=1000)  # (run, segment, seq)
         self._threads = [
             threading.Thread(target=self._launch_loop, name="pw-executor", daemon=True),
@@ -161,7 +168,7 @@ class Executor:
             for t in enq.tasks:
                 info = self._segments.get(t.segment_id)
                 task = _Task(t.run_id, t.segment, t.seq, list(t.input_ids), list(t.output_ids), info,
-                             info.label if info is not None else f"segment {t.segment}")
+                             info.label if info is not None else f"segment {t.segment}", t.report_promptly)
                 owner = t.owner
                 visible = t.output_visible
                 for i, out in enumerate(task.output_ids):
@@ -173,12 +180,17 @@ class Executor:
                         if route.output_index < len(task.output_ids):
                             self.store.add_consumer(task.output_ids[route.output_index], owner)
                 self._pending[t.seq] = task
+            self._received += len(enq.tasks)
             self._cond.notify_all()
         for sid in enq.forget_segments:  # after the tasks above took their definitions
             self._segments.pop(sid, None)
         for send in enq.sends:
             self.store.add_consumer(send.buffer_id)
             self.store.on_settled(send.buffer_id, functools.partial(self._send_buffer, send))
+
+    def backlog(self) -> int:
+        """Tasks received and not over yet: queued, waiting for inputs, or computing."""
+        return max(0, self._received - self._completed - self._failed)
 
     @property
     def segment_count(self) -> int:
@@ -445,6 +457,8 @@ class Executor:
 
     def _fail(self, task: _Task, error: str, report: bool = True) -> None:
         message = error if error.startswith(task.label) or _names_a_node(task, error) else f"{task.label}: {error}"
+        with self._failed_lock:
+            self._failed += 1
         for out in task.output_ids:
             self.store.fail(out, message)
         for inp in task.input_ids:
@@ -459,7 +473,8 @@ class Executor:
             now = time.time_ns()
             devices = task.info.structure.devices if task.info is not None else ()
             self.report([cpb.NodeEvent(run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=now,
-                                       end_ns=now, ok=False, error=message, local_devices=devices)])
+                                       end_ns=now, ok=False, error=message, local_devices=devices)],
+                        task.prompt, self.backlog())
 
     # ---- completion thread ----
     def _complete_loop(self) -> None:
@@ -530,7 +545,8 @@ class Executor:
                 end_ns=int(cursor[d] + span), ok=not error, error=error, local_devices=info.structure.devices))
             cursor[d] += span
             self.nodes_executed += info.size
-        self.report(events)
+        self._completed += len(batch)
+        self.report(events, any(launched.task.prompt for launched in batch), self.backlog())
 
     def _send_outputs(self, launched: _Launched, error: str) -> None:
         task = launched.task

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 import uuid
 from collections.abc import AsyncIterator
 
@@ -32,12 +31,12 @@ from .executable import unload_unused
 from .executor import Executor
 from .locallink import LocalReceiver
 from .reconnect import Reconnect
+from .reporting import EventBuffer
 from .servicer import WorkerServicer
 from .transfer import CHANNEL_OPTIONS, TransferSender
 
 log = logging.getLogger(__name__)
 
-EVENT_FLUSH_S = 0.005
 STALE_START_S = 0.25  # a node running longer than this reports that it started (hang detection)
 # Idle this long after some work: free heap memory goes back to the OS. Not sooner: the next burst
 # faults every page back in, and a pause of a second between bursts is common (a client's host-side
@@ -68,19 +67,16 @@ class WorkerProcess:
         self.kind = "gpu" if self.devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
         self.store = BufferStore()
         self.sender = TransferSender(token=config.token)
-        self._events: list[cpb.NodeEvent] = []
-        self._events_lock = threading.Lock()
+        self._events = EventBuffer()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.executor = Executor(self.store, self.devices, self._report, self.sender)
         self.address = ""
         self.stopping = asyncio.Event()
 
-    def _report(self, events: list[cpb.NodeEvent]) -> None:
-        with self._events_lock:
-            first = not self._events
-            self._events.extend(events)
-        if first and self._loop is not None and self._wake is not None:
+    def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None) -> None:
+        """Events for the controller, sent when due (reporting.py)."""
+        if self._events.add(events, prompt, backlog) and self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def serve(self) -> None:
@@ -181,10 +177,13 @@ class WorkerProcess:
         last_stale = 0.0
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=interval / 2)
-            except TimeoutError:
-                pass
+            due = self._events.due_in()
+            timeout = interval / 2 if due is None else min(due, interval / 2)
+            if timeout > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                except TimeoutError:
+                    pass
             self._wake.clear()
             now = loop.time()
             if now - last_stale >= STALE_START_S / 2:
@@ -192,11 +191,8 @@ class WorkerProcess:
                 stale = self.executor.stale_starts(STALE_START_S)
                 if stale:
                     self._report(stale)
-            with self._events_lock:
-                events, self._events = self._events, []
-            if events:
-                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=events))
-                await asyncio.sleep(EVENT_FLUSH_S)  # let a burst of events coalesce
+            if self._events.due_in() == 0:
+                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=self._events.take()))
             now = loop.time()
             if now - last_beat >= interval * 0.9:
                 last_beat = now

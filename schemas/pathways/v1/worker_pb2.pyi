@@ -463,6 +463,7 @@ class Task(_message.Message):
     OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     OUTPUT_VISIBLE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    REPORT_PROMPTLY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     segment: _builtins.int
     """the segment's index within its run's plan"""
@@ -471,6 +472,8 @@ class Task(_message.Message):
     segment_id: _builtins.int
     owner: _builtins.str
     """"client:<id>" or "job:<id>" """
+    report_promptly: _builtins.bool
+    """the controller waits for this task's end (sequential dispatch)"""
     @_builtins.property
     def input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the segment's external inputs"""
@@ -494,10 +497,11 @@ class Task(_message.Message):
         output_ids: _abc.Iterable[_builtins.int] | None = ...,
         output_visible: _abc.Iterable[_builtins.bool] | None = ...,
         owner: _builtins.str = ...,
+        report_promptly: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "run_id", b"run_id", "segment", b"segment", "segment_id", b"segment_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "report_promptly", b"report_promptly", "run_id", b"run_id", "segment", b"segment", "segment_id", b"segment_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

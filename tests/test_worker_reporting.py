@@ -7,7 +7,7 @@ import pytest
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.worker.reporting import EventBuffer, ReportPolicy
 
-POLICY = ReportPolicy(max_delay_s=0.05, max_events=4, low_water=2, min_interval_s=0.005)
+POLICY = ReportPolicy(max_delay_s=0.05, max_events=4, low_water=2, min_interval_s=0.005, max_bytes=1000)
 
 
 class _Clock:
@@ -45,7 +45,7 @@ def test_a_busy_worker_holds_its_events_until_the_first_is_max_delay_old() -> No
     assert buf.due_in() is None and len(buf) == 0
 
 
-@pytest.mark.parametrize("why", ["low backlog", "prompt", "failure", "max events"])
+@pytest.mark.parametrize("why", ["low backlog", "prompt", "failure", "max events", "big outputs"])
 def test_events_go_at_once_when_someone_may_be_waiting(why: str) -> None:
     buf, clock = buffer()
     assert buf.add([done(1)], backlog=10)
@@ -56,10 +56,13 @@ def test_events_go_at_once_when_someone_may_be_waiting(why: str) -> None:
         woke = buf.add([done(2)], prompt=True, backlog=10)
     elif why == "failure":
         woke = buf.add([done(2, ok=False)], backlog=10)
+    elif why == "big outputs":  # what the client dropped meanwhile is freed only after the report
+        assert not buf.add([done(2)], backlog=10, nbytes=600)
+        woke = buf.add([done(3)], backlog=10, nbytes=400)
     else:
         woke = buf.add([done(2), done(3), done(4)], backlog=10)
     assert woke and buf.due_in() == 0
-    assert len(buf.take()) == (4 if why == "max events" else 2)
+    assert len(buf.take()) == {"max events": 4, "big outputs": 3}.get(why, 2)
 
 
 def test_started_events_and_unknown_backlog_are_not_urgent() -> None:
@@ -82,12 +85,12 @@ def test_sends_are_min_interval_apart_even_when_urgent() -> None:
 
 def test_urgency_ends_with_the_send() -> None:
     buf, clock = buffer()
-    buf.add([done(1)], prompt=True)
+    buf.add([done(1)], prompt=True, nbytes=900)
     buf.take()
     clock.t += 1.0
-    assert buf.add([done(2)], backlog=10)
+    assert buf.add([done(2)], backlog=10, nbytes=500)  # the bytes sent before count no more
     assert buf.due_in() == pytest.approx(0.05)
-    assert not buf.add([done(3)], backlog=10)
+    assert not buf.add([done(3)], backlog=10, nbytes=400)
     assert buf.add([done(4)], backlog=1)  # became urgent: wake the sender again
     assert not buf.add([done(5)], backlog=0)  # already urgent
     assert buf.due_in() == 0

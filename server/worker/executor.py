@@ -100,7 +100,7 @@ class Executor:
         self,
         store: BufferStore,
         devices: Sequence[Any],
-        report: Callable[[list[cpb.NodeEvent], bool, int | None], None],
+        report: Callable[[list[cpb.NodeEvent], bool, int | None, int], None],
         sender: TransferSender,
     ) -> None:
         self.store = store
@@ -474,7 +474,7 @@ class Executor:
             devices = task.info.structure.devices if task.info is not None else ()
             self.report([cpb.NodeEvent(run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=now,
                                        end_ns=now, ok=False, error=message, local_devices=devices)],
-                        task.prompt, self.backlog())
+                        task.prompt, self.backlog(), 0)
 
     # ---- completion thread ----
     def _complete_loop(self) -> None:
@@ -546,7 +546,8 @@ class Executor:
             cursor[d] += span
             self.nodes_executed += info.size
         self._completed += len(batch)
-        self.report(events, any(launched.task.prompt for launched in batch), self.backlog())
+        nbytes = sum(getattr(v, "nbytes", 0) for launched in batch for v in launched.values)
+        self.report(events, any(launched.task.prompt for launched in batch), self.backlog(), nbytes)
 
     def _send_outputs(self, launched: _Launched, error: str) -> None:
         task = launched.task

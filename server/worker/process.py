@@ -74,9 +74,10 @@ class WorkerProcess:
         self.address = ""
         self.stopping = asyncio.Event()
 
-    def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None) -> None:
+    def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
+                nbytes: int = 0) -> None:
         """Events for the controller, sent when due (reporting.py)."""
-        if self._events.add(events, prompt, backlog) and self._loop is not None and self._wake is not None:
+        if self._events.add(events, prompt, backlog, nbytes) and self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def serve(self) -> None:

@@ -16,7 +16,10 @@ busy. It sends them at once when someone may be waiting:
     then);
   - the worker is about to run dry: the controller must learn in time to admit more work (a
     small `--window`, or a run waiting for an empty island);
-  - `max_events` are held, which bounds how far the controller's view of the window lags.
+  - `max_events` are held, which bounds how far the controller's view of the window lags;
+  - the held tasks' outputs reach `max_bytes`: a buffer the client drops is freed only once the
+    controller knows that every run submitted before the drop has finished, so holding reports
+    of big outputs would hold memory.
 Otherwise it sends them `max_delay_s` after the first one. Two sends are at least
 `min_interval_s` apart, so that a burst of completions leaves as one message.
 """
@@ -37,6 +40,7 @@ class ReportPolicy:
     max_events: int = 64
     low_water: int = 2  # tasks left on the worker (queued, waiting or computing) at or below which events go now
     min_interval_s: float = 0.005
+    max_bytes: int = 64 << 20
 
 
 class EventBuffer:
@@ -48,16 +52,19 @@ class EventBuffer:
         self.clock = clock
         self._lock = threading.Lock()
         self._events: list[cpb.NodeEvent] = []
+        self._bytes = 0
         self._first_at = 0.0
         self._urgent = False
         self._last_sent = float("-inf")
 
-    def add(self, events: Sequence[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None) -> bool:
+    def add(self, events: Sequence[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
+            nbytes: int = 0) -> bool:
         """Holds `events`; True when the sender should look now (the buffer was empty, so its
         deadline is new, or the events became urgent).
 
         `prompt`: someone waits for these (a sequential-dispatch run). `backlog`: tasks the
-        worker still has (None: unknown, e.g. 'started' events for hang detection)."""
+        worker still has (None: unknown, e.g. 'started' events for hang detection). `nbytes`:
+        the size of the finished tasks' outputs."""
         if not events:
             return False
         p = self.policy
@@ -68,8 +75,9 @@ class EventBuffer:
             if first:
                 self._first_at = self.clock()
             self._events.extend(events)
+            self._bytes += nbytes
             was_urgent = self._urgent
-            self._urgent = was_urgent or urgent or len(self._events) >= p.max_events
+            self._urgent = was_urgent or urgent or len(self._events) >= p.max_events or self._bytes >= p.max_bytes
             return first or (self._urgent and not was_urgent)
 
     def due_in(self) -> float | None:
@@ -87,6 +95,7 @@ class EventBuffer:
         """Everything held, now sent."""
         with self._lock:
             events, self._events = self._events, []
+            self._bytes = 0
             self._urgent = False
             self._last_sent = self.clock()
             return events

@@ -40,7 +40,7 @@ class ReportPolicy:
     max_events: int = 64
     low_water: int = 2  # tasks left on the worker (queued, waiting or computing) at or below which events go now
     min_interval_s: float = 0.005
-    max_bytes: int = 64 << 20
+    max_bytes: int = 4 << 20
 
 
 class EventBuffer:

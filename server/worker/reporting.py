@@ -10,7 +10,7 @@ lands just as the next computation starts. A back-to-back run of 12 ms all-reduc
 
 Nobody waits for a report while the worker still has work queued. Clients wait on the worker
 itself (Wait, Fetch), and arrays move worker to worker. So the worker holds events while it is
-busy. It sends them at once when someone may be waiting:
+busy. It sends them at once when someone may be waiting, or when holding them would cost:
   - a task failed (its run fails everywhere now, not later);
   - a task of a sequential-dispatch run finished (the controller sends the run's next node only
     then);

@@ -58,7 +58,7 @@ def fmt(v: Any, unit: str = "") -> str:
     return str(v)
 
 
-COLUMNS = ["bench", "variant", "metric", "pathways", "jax", "ratio", "target", "meets"]
+COLUMNS = ["bench", "variant", "metric", "pathways", "jax", "ratio", "paired", "target", "meets"]
 
 
 def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
@@ -70,6 +70,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             f"{r.get('metric', '')} ({unit})" if unit else r.get("metric", ""),
             fmt(r.get("pathways"), unit), fmt(r.get("jax"), unit),
             (f"{r['ratio']:.2f}x" if isinstance(r.get("ratio"), float) else ""),
+            (f"{r['paired']:.2f}x" if isinstance(r.get("paired"), float) else ""),
             r.get("target", ""),
             "ERROR" if "error" in r else fmt(r.get("meets")),
         ]
@@ -101,7 +102,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
     t = Table(title="Pathways vs plain JAX (same run, same devices)")
     for c in COLUMNS:
-        t.add_column(c, justify="right" if c in ("pathways", "jax", "ratio") else "left")
+        t.add_column(c, justify="right" if c in ("pathways", "jax", "ratio", "paired") else "left")
     for cells, r in zip(table_rows(results), results, strict=True):
         style = "red" if ("error" in r or r.get("meets") is False) else None
         t.add_row(*cells, style=style)

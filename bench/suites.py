@@ -42,11 +42,23 @@ class Ctx:
 
 
 def row(bench: str, variant: str, metric: str, unit: str, pathways: float | None, jax: float | None = None,
-        target: str = "", meets: bool | None = None, notes: str = "", ratio: float | None = None) -> Row:
+        target: str = "", meets: bool | None = None, notes: str = "", ratio: float | None = None,
+        paired: float | None = None) -> Row:
+    """One result. `ratio` is pathways / jax (each usually the median of its windows); `paired`,
+    where the two sides took turns window by window, is the median of the per-window ratios (each
+    Pathways window over the JAX window just before it): this machine's speed drifts by tens of
+    percent over seconds, and a pair shares most of that drift, so it is the steadier figure of the
+    two. Targets are judged on `ratio`."""
     if ratio is None and pathways is not None and jax:
         ratio = pathways / jax
     return {"bench": bench, "variant": variant, "metric": metric, "unit": unit, "pathways": pathways, "jax": jax,
-            "ratio": ratio, "target": target, "meets": meets, "notes": notes}
+            "ratio": ratio, "paired": paired, "target": target, "meets": meets, "notes": notes}
+
+
+def paired_ratio(pw_windows: list[float], jax_windows: list[float]) -> float | None:
+    """The median over window pairs of Pathways / JAX (see `row`); None without a complete pair."""
+    ratios = [p / j for p, j in zip(pw_windows, jax_windows, strict=False) if j > 0]
+    return defs.median(ratios) if ratios else None
 
 
 def _at_least(value: float | None, bound: float) -> bool | None:
@@ -108,7 +120,8 @@ def bench_dispatch(ctx: Ctx) -> Iterator[Row]:
                       + "/".join(f"{v:,.0f}" for v in prates[mode]) + " vs JAX "
                       + "/".join(f"{v:,.0f}" for v in jrates[mode]))
             yield row("dispatch", f"{variant}/{mode}", "computations/s", "1/s", pw_val, jx_val, target,
-                      ok(pw_val, jx_val) if ok else None, notes.lstrip("; "))
+                      ok(pw_val, jx_val) if ok else None, notes.lstrip("; "),
+                      paired=paired_ratio(prates[mode], jrates[mode]))
 
 
 # ------------------------------------------------------------------------- 2. smallest computation
@@ -141,6 +154,7 @@ def bench_sweep(ctx: Ctx) -> Iterator[Row]:
                 if rate / jax_rate >= 0.95 and smallest[mode] is None:
                     smallest[mode] = size_ms
                 yield row("sweep", f"{mode}/{size_ms:.3g}ms", "computations/s", "1/s", rate, jax_rate,
+                          paired=paired_ratio(rates[mode], rates["jax"]),
                           notes=f"{defs.SWEEP_N}x{defs.SWEEP_N} matmul x{size['loops']} on 1 device"
                           + (f"; program of {chain} calls" if mode == "chained" else "")
                           + f"; median of {windows} windows alternating with JAX's")
@@ -200,7 +214,7 @@ def bench_pipeline(ctx: Ctx) -> Iterator[Row]:
         k = str(s)
         yield row("pipeline", f"{s} stages/parallel", "micro-batches/s", "1/s", par[i], jxr[i], ">= 0.8x one process",
                   par[i] >= 0.8 * jxr[i], f"{note}; JAX: same stages on the same devices back to back in one "
-                  f"process; {spread(i)}")
+                  f"process; {spread(i)}", paired=paired_ratio(prates[i], jrates[i]))
         yield row("pipeline", f"{s} stages/sequential", "micro-batches/s", "1/s", seq[k], jxr[i],
                   notes="a client with PWCTL_DISPATCH=sequential (each computation sent when its inputs are done)")
         yield row("pipeline", f"{s} stages/parallel vs sequential", "speed-up", "x", par[i] / seq[k], None,
@@ -208,7 +222,8 @@ def bench_pipeline(ctx: Ctx) -> Iterator[Row]:
     # every hop between islands: what one transfer costs
     s = stages[-1]
     yield row("pipeline", f"{s} stages alternating islands/parallel", "micro-batches/s", "1/s", par[-1], jxr[-1],
-              notes=f"stage s on island a or b by parity: {s - 1} hops between islands per micro-batch; {spread(-1)}")
+              notes=f"stage s on island a or b by parity: {s - 1} hops between islands per micro-batch; {spread(-1)}",
+              paired=paired_ratio(prates[-1], jrates[-1]))
 
 
 # ---------------------------------------------------------------------------------- 4. tenancy
@@ -392,13 +407,16 @@ def bench_transformer(ctx: Ctx) -> Iterator[Row]:
     pipe_desc = (f"one program per step (registered once), {micro_batches} micro-batches GPipe-style; stage 1 "
                  f"(embedding, first half of the layers) on island a, stage 2 on island b")
     yield row("transformer", spmd_name, "tokens/s", "1/s", med[spmd_name], med["jax"], ">= 0.97x JAX",
-              med[spmd_name] >= 0.97 * med["jax"], f"{desc}; {spread(spmd_name)}")
+              med[spmd_name] >= 0.97 * med["jax"], f"{desc}; {spread(spmd_name)}",
+              paired=paired_ratio(rates[spmd_name], rates["jax"]))
     yield row("transformer", pipe_name, "tokens/s", "1/s", med[pipe_name], med["jax"], ">= 0.9x JAX SPMD",
-              med[pipe_name] >= 0.9 * med["jax"], f"{pipe_desc}, 1 device each; {spread(pipe_name)}")
+              med[pipe_name] >= 0.9 * med["jax"], f"{pipe_desc}, 1 device each; {spread(pipe_name)}",
+              paired=paired_ratio(rates[pipe_name], rates["jax"]))
     if dp_name in trainers:
         yield row("transformer", dp_name, "tokens/s", "1/s", med[dp_name], med["jax"], "", None,
                   f"{pipe_desc}, each data parallel over its island's 4 devices (parameters and optimizer "
-                  f"update replicated per device, as in the JAX step); {spread(dp_name)}")
+                  f"update replicated per device, as in the JAX step); {spread(dp_name)}",
+                  paired=paired_ratio(rates[dp_name], rates["jax"]))
     for name, losses in curves.items():
         diff = max(abs(a - b) for a, b in zip(losses, first["losses"], strict=True))
         yield row("transformer", name, f"loss curve max |diff| ({steps} steps)", "abs", diff, None, "<= 1e-3",

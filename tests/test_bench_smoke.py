@@ -28,6 +28,21 @@ def test_dispatch_row_has_the_fields(module_cluster: LocalCluster) -> None:
                        capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    for key in ("bench", "variant", "metric", "unit", "pathways", "jax", "ratio", "target", "meets", "notes"):
+    for key in ("bench", "variant", "metric", "unit", "pathways", "jax", "ratio", "paired", "target", "meets", "notes"):
         assert key in out
     assert out["bench"] == "dispatch" and out["pathways"] > 0 and isinstance(out["meets"], bool)
+
+
+def test_paired_ratio_pairs_each_window_with_the_jax_window_beside_it() -> None:
+    from bench import suites
+    from bench.__main__ import COLUMNS, table_rows
+
+    # a slow second pair (the machine slowed down for both sides) moves the median of the per-pair
+    # ratios less than it moves the ratio of the medians
+    assert suites.paired_ratio([90.0, 45.0, 92.0], [100.0, 50.0, 100.0]) == pytest.approx(0.9)
+    assert suites.paired_ratio([1.0], [0.0]) is None  # no usable pair
+    assert suites.paired_ratio([], []) is None
+    r = suites.row("pipeline", "4 stages/parallel", "micro-batches/s", "1/s", 90.0, 100.0, paired=0.93)
+    cells = dict(zip(COLUMNS, table_rows([r])[0], strict=True))
+    assert cells["ratio"] == "0.90x" and cells["paired"] == "0.93x"
+    assert dict(zip(COLUMNS, table_rows([suites.row("costs", "x", "m", "s", 1.0)])[0], strict=True))["paired"] == ""

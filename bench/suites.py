@@ -82,7 +82,7 @@ def bench_dispatch(ctx: Ctx) -> Iterator[Row]:
     from bench import pwside
 
     count = 20000 if ctx.quick else 200000
-    windows = 2 if ctx.quick else 5
+    windows = 2 if ctx.quick else 9
     window_s = ctx.budget / 3
     modes = ("opbyop", "chained", "fused")
     for variant in ("allreduce4", "inc1"):
@@ -133,7 +133,7 @@ def bench_sweep(ctx: Ctx) -> Iterator[Row]:
 
     targets = [0.05, 0.1, 0.3, 1.0, 3.0] if ctx.quick else [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
     window_s = 0.1 if ctx.quick else 0.25
-    windows = 2 if ctx.quick else 5
+    windows = 2 if ctx.quick else 9
     jx = JaxServer(ctx.env(), "sweep_serve", {"targets_ms": targets, "count": 100000})
     try:
         sizes = jx.first()["sizes"]
@@ -179,7 +179,7 @@ def bench_pipeline(ctx: Ctx) -> Iterator[Row]:
 
     stages = [4, 8] if ctx.quick else [4, 8, 16]
     mbs = 16 if ctx.quick else defs.MICRO_BATCHES
-    windows = 2 if ctx.quick else 5
+    windows = 2 if ctx.quick else 9
     window_s = ctx.budget / 3
     variants = [(s, "blocks") for s in stages] + [(stages[-1], "alternate")]
     jax_env = ctx.env(BENCH_JAX_DEVICES=str(defs.PIPE_DEVICES))
@@ -373,7 +373,7 @@ def bench_transformer(ctx: Ctx) -> Iterator[Row]:
 
     cfg = model.Config(layers=2, d=128, ff=512).to_dict() if ctx.quick else model.Config().to_dict()
     c = model.Config(**cfg)
-    steps, timed, windows = 10, (3 if ctx.quick else 8), (2 if ctx.quick else 6)
+    steps, timed, windows = 10, (3 if ctx.quick else 8), (2 if ctx.quick else 10)
     micro_batches = 2
     spmd_name = "pw.jit SPMD (4 devices)"
     pipe_name = "2-stage pipeline (2 islands x 1 device)"

@@ -70,6 +70,7 @@ def _cases() -> dict[str, tuple[ExportedFunction, list[int], list[np.ndarray]]]:
         [2, 3],
         [*flat_tree, np.asarray(3.0, np.float32)],
     )
+    c["inc_1dev"] = (export_jit(lambda x: x + 1.0, mesh_shape=(1,), axis_names=("d",), args=(two,)), [2], [two])
     c["donate"] = (
         export_jit(lambda x, y: x + y, mesh_shape=(2,), axis_names=("d",), in_shardings=P("d"),
                    out_shardings=P("d"), donate_argnums=0, args=(x4, x4)),
@@ -118,6 +119,13 @@ WORKER = textwrap.dedent(
     b = cache.get_or_compile(spec["x2"]["id"], open(spec["x2"]["file"], "rb").read(), [devs[1], devs[0]])
     r = b(a([np.array([1.0, 2.0], np.float32)]))[0]
     out["chain"] = {"value": to_numpy(r).tolist(), "devices": sorted(d.id for d in r.devices())}
+    # The same between two 1-device slices (a pipeline's hop between stages): moved onto the device.
+    inc = open(spec["inc_1dev"]["file"], "rb").read()
+    a1 = cache.get_or_compile(spec["inc_1dev"]["id"], inc, [devs[2]])
+    b1 = cache.get_or_compile(spec["inc_1dev"]["id"], inc, [devs[6]])
+    r = b1(a1([np.array([1.0, 2.0], np.float32)]))[0]
+    out["chain_1dev"] = {"value": to_numpy(r).tolist(), "devices": sorted(d.id for d in r.devices()),
+                         "moves_onto": [d.id for d in b1._one_device], "multi": [repr(d) for d in b._one_device]}
     bf = jax.device_put(from_bytes(*full["bf16"][:2], bytes.fromhex(full["bf16"][2])), devs[3])
     dt, shape, data = to_bytes(to_numpy(bf * 2))
     out["bf16"] = [dt, shape, data.hex()]
@@ -172,6 +180,7 @@ def test_seed_functions(worker_run):
     assert res["half"]["outputs"] == [[0.5, 1.0]]
     assert res["x2"]["out_devices"] == [4, 5]
     assert res["chain"] == {"value": [4.0, 8.0], "devices": [0, 1]}
+    assert res["chain_1dev"] == {"value": [3.0, 4.0], "devices": [6], "moves_onto": [6], "multi": ["None"]}
 
 
 def test_pmap_psum(worker_run):
@@ -239,8 +248,9 @@ def test_donation(worker_run):
 
 def test_cache_and_bf16_on_worker(worker_run):
     fns, res = worker_run
-    # one entry per (function, devices, donate); x2 on two extra slices for the chain check
-    assert res["cache_len"] == len(fns) + 1
+    # one entry per (function, devices, donate); x2 and inc_1dev on one extra slice each for the
+    # chain checks
+    assert res["cache_len"] == len(fns) + 2
     dt, shape, data = res["bf16"]
     got = from_bytes(dt, shape, bytes.fromhex(data))
     assert dt == "bfloat16" and got.dtype == jnp.bfloat16

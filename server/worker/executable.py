@@ -62,6 +62,10 @@ class Runnable:
         self._shapes = [a.shape for a in self.in_avals]
         self._dtypes = [a.dtype for a in self.in_avals]
         self._ok_shardings: list[Any] = [None] * len(self.in_avals)
+        # an input sharding on one device, as that device: an array from another device moves with
+        # device_put(x, device), which costs (with the call that reads it) half of device_put onto
+        # the sharding (a pipeline stage's input from the stage before it, on another device)
+        self._one_device: list[jax.Device | None] = [_only_device(s) for s in self.in_shardings]
         self.last_used = time.monotonic()
         self.loaded = True  # its compiled program is held (by jit's cache); see unload()
         with _LIVE_LOCK:
@@ -87,7 +91,8 @@ class Runnable:
             xs = x.sharding
             if xs is sharding or xs == sharding or xs.is_equivalent_to(sharding, x.ndim):
                 return x
-            return jax.device_put(x, sharding)
+            device = self._one_device[i]
+            return jax.device_put(x, device if device is not None else sharding)
         a = np.asarray(x)
         if a.dtype != aval.dtype:
             if jax.dtypes.canonicalize_dtype(a.dtype) != aval.dtype:
@@ -112,6 +117,15 @@ class Runnable:
                 placed[i] = self._place(i, x)
                 ok[i] = getattr(placed[i], "sharding", None)
         return list(self._jitted(*placed))
+
+
+def _only_device(sharding: Sharding) -> jax.Device | None:
+    """The device of a sharding that places the whole array on one device (unpinned memory),
+    else None."""
+    devices = sharding.device_set
+    if len(devices) != 1 or getattr(sharding, "memory_kind", None) not in (None, "device"):
+        return None
+    return next(iter(devices))
 
 
 # Every single and fused executable alive in this process, for unload_unused().

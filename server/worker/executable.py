@@ -63,8 +63,8 @@ class Runnable:
         self._dtypes = [a.dtype for a in self.in_avals]
         self._ok_shardings: list[Any] = [None] * len(self.in_avals)
         # an input sharding on one device, as that device: an array from another device moves with
-        # device_put(x, device), which costs (with the call that reads it) half of device_put onto
-        # the sharding (a pipeline stage's input from the stage before it, on another device)
+        # device_put(x, device), which costs (with the call that reads it) about two thirds of
+        # device_put onto the sharding (a pipeline stage's input from the stage before it)
         self._one_device: list[jax.Device | None] = [_only_device(s) for s in self.in_shardings]
         self.last_used = time.monotonic()
         self.loaded = True  # its compiled program is held (by jit's cache); see unload()

@@ -85,6 +85,7 @@ def medians(windows: Iterable[PerCall]) -> PerCall:
 
 def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
     from bench.cluster import BenchCluster
+    from bench.suites import paired_ratio
 
     with BenchCluster() as cluster:
         cluster.start()
@@ -132,7 +133,8 @@ def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
         jax_walls, pw_walls = sides["jax"][2], sides["pathways"][2]
         result: dict[str, Any] = {
             "loops": loops, "calls": calls, "windows": windows,
-            "paired": statistics.median(j / p for j, p in zip(jax_walls, pw_walls, strict=True)),
+            # Pathways / JAX calls per second, each Pathways window against the JAX window before it
+            "paired": paired_ratio([1 / w for w in pw_walls], [1 / w for w in jax_walls]),
         }
         for side, (_, _, walls, stats) in sides.items():
             rows = sorted(medians(stats).items(), key=lambda kv: -kv[1][0])
@@ -146,7 +148,7 @@ def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
 
 def _print(result: dict[str, Any]) -> None:
     print(f"op-by-op calls of a {result['loops']}-matmul loop, {result['calls']} calls x {result['windows']} windows "
-          f"per side; paired JAX/Pathways wall time per call: {result['paired']:.3f}")
+          f"per side; paired Pathways/JAX calls per second: {result['paired']:.3f}")
     for side in ("pathways", "jax"):
         s = result[side]
         total_run = sum(t["run_us"] for t in s["threads"])

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,16 @@ def medians(windows: Iterable[PerCall]) -> PerCall:
                 statistics.median(v[2] for v in vs)) for k, vs in cols.items()}
 
 
+@dataclass
+class _Side:
+    """One side's timed window, the processes whose threads it reads, and what its windows gave."""
+
+    window: Callable[[], None]
+    pids: dict[str, int]
+    walls_us: list[float] = field(default_factory=list)  # per call
+    stats: list[PerCall] = field(default_factory=list)
+
+
 def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
     from bench.cluster import BenchCluster
     from bench.suites import paired_ratio
@@ -94,13 +104,13 @@ def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
 
         jax.config.update("jax_num_cpu_devices", 4)  # the same devices as bench.jaxrun's side
         import pwctl as pw
-        from bench import defs
+        from bench import defs, pwside
 
         xn, wn = defs.sweep_inputs()
         f = jax.jit(defs.matmul_loop(loops))
         xj, wj = jax.device_put(xn), jax.device_put(wn)
         f(xj, wj).block_until_ready()
-        mesh = pw.make_virtual_device_set().add_slice(devices=1, island="a").mesh(("d",))
+        mesh = pwside.slice_(1, "a").mesh(("d",))
         pf = pw.jit(defs.matmul_loop(loops), mesh=mesh)
         wp = pw.jit(lambda v: v * 1.0, mesh=mesh)(wn)
         x0 = pf(xn, wp)
@@ -118,28 +128,25 @@ def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
                 y = pf(y, wp)
             y.block_until_ready(timeout=300)
 
-        pids = {**cluster.pids(), "client": os.getpid()}
-        sides: dict[str, tuple[Callable[[], None], dict[str, int], list[float], list[Any]]] = {
-            "jax": (jax_window, {"client": os.getpid()}, [], []),
-            "pathways": (pw_window, pids, [], []),
-        }
+        sides = {"jax": _Side(jax_window, {"client": os.getpid()}),
+                 "pathways": _Side(pw_window, {**cluster.pids(), "client": os.getpid()})}
         for _ in range(windows):
-            for window, procs, walls, stats in sides.values():
-                before = snapshot(procs)
+            for side in sides.values():
+                before = snapshot(side.pids)
                 t0 = time.perf_counter()
-                window()
-                walls.append((time.perf_counter() - t0) / calls * 1e6)
-                stats.append(per_call(before, snapshot(procs), calls))
-        jax_walls, pw_walls = sides["jax"][2], sides["pathways"][2]
+                side.window()
+                side.walls_us.append((time.perf_counter() - t0) / calls * 1e6)
+                side.stats.append(per_call(before, snapshot(side.pids), calls))
         result: dict[str, Any] = {
             "loops": loops, "calls": calls, "windows": windows,
             # Pathways / JAX calls per second, each Pathways window against the JAX window before it
-            "paired": paired_ratio([1 / w for w in pw_walls], [1 / w for w in jax_walls]),
+            "paired": paired_ratio([1 / w for w in sides["pathways"].walls_us],
+                                   [1 / w for w in sides["jax"].walls_us]),
         }
-        for side, (_, _, walls, stats) in sides.items():
-            rows = sorted(medians(stats).items(), key=lambda kv: -kv[1][0])
-            result[side] = {
-                "wall_us_per_call": statistics.median(walls),
+        for name, side in sides.items():
+            rows = sorted(medians(side.stats).items(), key=lambda kv: -kv[1][0])
+            result[name] = {
+                "wall_us_per_call": statistics.median(side.walls_us),
                 "threads": [{"process": k[0], "tid": k[1], "name": k[2], "run_us": v[0],
                              "wait_us": v[1], "slices": v[2]} for k, v in rows if v[0] >= 1 or v[1] >= 1],
             }

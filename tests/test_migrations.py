@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
-from server.db.engine import alembic_config, current_revision, head_revision, make_engine, upgrade_to_head
+from server.db.engine import make_engine
+from server.db.migrate import alembic_config, current_revision, head_revision, upgrade_to_head
 from server.db.models import Base
 
 
@@ -71,3 +75,25 @@ def test_each_revision_downgrades_one_step(db_url: str) -> None:
 def test_models_match_the_migrated_schema(db_url: str) -> None:
     upgrade_to_head(db_url)
     assert _tables(db_url) == set(Base.metadata.tables)
+
+
+def test_the_controller_upgrades_in_a_child_without_loading_alembic(db_url: str, tmp_path: Path) -> None:
+    """`upgrade_schema` (what the controller runs at start) migrates in a forked child: the
+    database reaches head while this process never imports Alembic; a failure is one line."""
+    code = textwrap.dedent(f"""
+        import sys
+        from server.db.engine import SchemaUpgradeFailed, upgrade_schema
+        upgrade_schema({db_url!r})
+        upgrade_schema({db_url!r})  # at head already: nothing to do
+        assert not [m for m in sys.modules if m.split(".")[0] in ("alembic", "mako")], "alembic loaded"
+        try:
+            upgrade_schema("postgresql://nobody@127.0.0.1:1/none")
+        except SchemaUpgradeFailed as e:
+            print("FAILED:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert current_revision(db_url) == head_revision()
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAILED:")]
+    assert line.startswith("FAILED: cannot upgrade the database postgresql://nobody@127.0.0.1:1/none: ")

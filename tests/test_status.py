@@ -27,7 +27,7 @@ from conftest import REPO, LocalCluster, wait_for
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import ClusterStatusView
 from server.controller.errors import InvalidArgument, NotFound
-from server.controller.observe import BucketWindow, Observer, TraceBuilder, chrome_trace
+from server.controller.observe import BucketWindow, NodeRun, Observer, TraceBuilder, _Ring, chrome_trace
 
 S = 1_000_000_000  # ns
 
@@ -63,8 +63,8 @@ def fake_run(run_id: int, program: str, program_id: str, job: str = "", nodes: i
         run_id=run_id,
         session=session,
         program=SimpleNamespace(name=program, program_id=program_id),
-        plan=SimpleNamespace(segments=[SimpleNamespace(definition=SimpleNamespace(label=f"{program}/{i} f{i}"),
-                                                       size=1) for i in range(nodes)]),
+        plan=SimpleNamespace(segments=[SimpleNamespace(spec=SimpleNamespace(label=f"{program}/{i} f{i}"), size=1)
+                                       for i in range(nodes)]),
     )
 
 
@@ -146,7 +146,7 @@ def test_utilization_running_node_and_rate() -> None:
     assert obs.devices[("h1", 1)].running() is None
 
 
-def test_ring_is_bounded_and_indexes_follow_it() -> None:
+def test_ring_is_bounded_and_selection_follows_it() -> None:
     obs = Observer(fake_core(), ring_size=10)
     t = 10 * S
     for i in range(25):
@@ -155,13 +155,26 @@ def test_ring_is_bounded_and_indexes_follow_it() -> None:
         feed(obs, "h0", finished(run, 0, t + i * 1000, t + i * 1000 + 500, [0]))
     recs = obs.records()
     assert len(recs) == 10 and [r.run_id for r in recs] == list(range(15, 25))
-    assert sum(len(q) for q in obs._by_program.keys.values()) == 10
-    assert "j-1" not in obs._by_job.keys and "p-old" not in obs._by_program.keys
+    assert all(r.program_id == "p-new" and r.job == "" for r in recs)
+    assert [r.run_id for r in obs.select(program="p-new")] == list(range(15, 25))
     with pytest.raises(NotFound, match="only the last 10 node runs"):
         obs.select(job="j-1")
     with pytest.raises(NotFound):
         obs.select(program="old")
     assert len(obs.select(program="new")) == 10
+
+
+def test_ring_gives_back_every_field() -> None:
+    ring = _Ring(3)
+    for k in range(5):  # wraps around
+        ring.append((f"h{k}", "isl", (0, k), f"p-{k}", f"prog{k}", f"job{k}", f"c{k}", f"label{k}", f"err{k}"),
+                    (1 << 50 | k, k + 1, k + 2, k + 3, 10**18 + k, 2 * 10**18 + k, k % 2))
+    assert [ring.record(s) for s in ring.slots()][-1] == NodeRun(
+        host="h4", island="isl", devices=(0, 4), run_id=1 << 50 | 4, segment=5, size=6, seq=7, program_id="p-4",
+        program="prog4", job="job4", client="c4", label="label4", start_ns=10**18 + 4, end_ns=2 * 10**18 + 4,
+        ok=False, error="err4")
+    assert [ring.record(s).run_id & 0xFF for s in ring.slots()] == [2, 3, 4]
+    assert ring.shared_devices((0, 1)) is ring.shared_devices(tuple([0, 1]))
 
 
 def test_trace_builder_and_filters() -> None:

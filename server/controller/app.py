@@ -16,7 +16,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
-from ..db.engine import upgrade_to_head
+from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from .core import Controller, ControllerConfig
 from .servicer import ControllerServicer
 
@@ -37,7 +37,10 @@ def write_pid_file(path: Path, address: str, db: str) -> None:
 
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
-    upgrade_to_head(config.db_url)
+    try:
+        upgrade_schema(config.db_url)  # first: it forks, and no thread has started yet
+    except SchemaUpgradeFailed as e:
+        raise SystemExit(str(e)) from None
     interceptors: list[aio.ServerInterceptor] = []
     if config.require_token or not paths.is_loopback(host):
         token = config.token or load_or_create_token()

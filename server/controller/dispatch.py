@@ -66,7 +66,7 @@ class Plan:
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
 
 
-@dataclass
+@dataclass(slots=True)
 class RunState:
     run_id: int
     session: ClientSession

@@ -6,8 +6,8 @@ keeps, in memory only and bounded whatever the load:
 - per device (host, local index): the nodes started there and not yet finished (the oldest
   is the one running: a worker executes a device's nodes in gang order), and busy time in
   100 ms buckets over the last ~5 s, from which utilization is read;
-- a ring of the last `ring_size` finished node runs, with per-job and per-program indexes of
-  their positions, for Chrome/Perfetto traces;
+- a ring of the last `ring_size` finished node runs, column by column, for Chrome/Perfetto
+  traces (a trace selects its job's or program's records by scanning it: rare, ~1 ms);
 - finished-node counts in buckets, for computations per second.
 
 Nothing here touches the database: the hot path never waits on it, and per-node events are
@@ -26,10 +26,11 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -44,8 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RING_SIZE = 20_000  # finished segment runs kept for traces (~0.6 KiB each with their index entries)
-MAX_INDEX_KEYS = 4096  # jobs / programs with an index into the ring
+RING_SIZE = 20_000  # finished segment runs kept for traces (~0.12 KiB each)
 MAX_INFLIGHT_PER_DEVICE = 4096  # started, unfinished nodes remembered per device
 UTIL_WINDOW_S = 5.0
 RATE_WINDOW_S = 3.0
@@ -142,9 +142,8 @@ class DeviceActivity:
         return min(1.0, busy / self.busy.span_ns(now_ns))
 
 
-@dataclass(frozen=True, slots=True)
-class NodeRun:
-    """One finished node run, as kept for traces."""
+class NodeRun(NamedTuple):
+    """One finished node run, as read from the ring for a trace."""
 
     host: str
     island: str
@@ -164,33 +163,54 @@ class NodeRun:
     error: str
 
 
-class _Index:
-    """key -> ring positions of its records, ascending. Positions leave as the ring overwrites
-    them (`forget`), so all keys together never hold more than the ring; keys are capped too."""
+class _Ring:
+    """The last `size` finished node runs, stored column by column: the integers in one array,
+    the strings and device tuples as references to objects shared with the run's program,
+    session and plan (~0.12 KiB a record; as `NodeRun` objects with their integers and an
+    index by job and program they took ~0.5 KiB). Records become `NodeRun`s when read."""
 
-    def __init__(self, max_keys: int) -> None:
-        self.max_keys = max_keys
-        self.keys: OrderedDict[str, deque[int]] = OrderedDict()
+    REFS = ("host", "island", "devices", "program_id", "program", "job", "client", "label", "error")
+    INTS = ("run_id", "segment", "size", "seq", "start_ns", "end_ns", "ok")
+    PROGRAM_ID, PROGRAM, JOB = 3, 4, 5
 
-    def add(self, key: str, pos: int) -> None:
-        if not key:
-            return
-        q = self.keys.get(key)
-        if q is None:
-            q = self.keys[key] = deque()
-            while len(self.keys) > self.max_keys:
-                self.keys.popitem(last=False)
-        else:
-            self.keys.move_to_end(key)
-        q.append(pos)
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.count = 0  # records ever appended: record p is at slot p % size while p >= count - size
+        self._refs: list[Any] = [None] * (len(self.REFS) * size)
+        self._ints = array("q", bytes(8 * len(self.INTS) * size))
+        self._devices: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per device set
 
-    def forget(self, key: str, pos: int) -> None:
-        """The ring overwrote position `pos` (the oldest of all, so the left end of its key)."""
-        q = self.keys.get(key)
-        if q is not None and q and q[0] == pos:
-            q.popleft()
-            if not q:
-                del self.keys[key]
+    def append(self, refs: tuple[Any, ...], ints: tuple[int, ...]) -> None:
+        slot = self.count % self.size
+        nr, ni = len(self.REFS), len(self.INTS)
+        self._refs[slot * nr:(slot + 1) * nr] = refs
+        self._ints[slot * ni:(slot + 1) * ni] = array("q", ints)
+        self.count += 1
+
+    def shared_devices(self, devices: tuple[int, ...]) -> tuple[int, ...]:
+        d = self._devices.get(devices)
+        if d is None:
+            if len(self._devices) >= 4096:
+                return devices
+            d = self._devices[devices] = devices
+        return d
+
+    def slots(self) -> list[int]:
+        """Slots holding records, oldest first."""
+        if self.count <= self.size:
+            return list(range(self.count))
+        head = self.count % self.size
+        return list(range(head, self.size)) + list(range(head))
+
+    def column(self, field: int) -> list[Any]:
+        """One reference column, by slot (`REFS[field]`)."""
+        return self._refs[field::len(self.REFS)]
+
+    def record(self, slot: int) -> NodeRun:
+        r, b = self._refs, slot * len(self.REFS)
+        i, k = self._ints, slot * len(self.INTS)
+        return NodeRun(r[b], r[b + 1], r[b + 2], i[k], i[k + 1], i[k + 2], i[k + 3], r[b + 3], r[b + 4], r[b + 5],
+                       r[b + 6], r[b + 7], i[k + 4], i[k + 5], bool(i[k + 6]), r[b + 8])
 
 
 class Observer:
@@ -199,10 +219,7 @@ class Observer:
     def __init__(self, core: Controller, ring_size: int = RING_SIZE) -> None:
         self.core = core
         self.ring_size = ring_size
-        self._ring: list[NodeRun | None] = [None] * ring_size
-        self._next = 0  # position of the next record; record p lives at _ring[p % ring_size]
-        self._by_job = _Index(MAX_INDEX_KEYS)
-        self._by_program = _Index(MAX_INDEX_KEYS)
+        self._ring = _Ring(ring_size)
         self.devices: dict[DeviceKey, DeviceActivity] = {}
         self._rate = BucketWindow(RATE_WINDOW_S)
         self.computations_total = 0
@@ -233,25 +250,14 @@ class Observer:
         self._rate.add_point(ev.end_ns, size)
         h = self.core.cluster.hosts.get(host)
         session = run.session if run is not None else None
-        rec = NodeRun(
-            host=host,
-            island=h.island if h is not None else "",
-            devices=tuple(ev.local_devices),
-            run_id=ev.run_id,
-            segment=ev.segment,
-            size=size,
-            seq=ev.seq,
-            program_id=run.program.program_id if run is not None else "",
-            program=run.program.name if run is not None else "",
-            job=session.job_id if session is not None else "",
-            client=session.client_id if session is not None else "",
-            label=label,
-            start_ns=min(busy_from, ev.end_ns),
-            end_ns=ev.end_ns,
-            ok=ev.ok,
-            error=ev.error,
+        program = run.program if run is not None else None
+        self._ring.append(
+            (host, h.island if h is not None else "", self._ring.shared_devices(tuple(ev.local_devices)),
+             program.program_id if program is not None else "", program.name if program is not None else "",
+             session.job_id if session is not None else "", session.client_id if session is not None else "",
+             label, ev.error),
+            (ev.run_id, ev.segment, size, ev.seq, min(busy_from, ev.end_ns), ev.end_ns, int(ev.ok)),
         )
-        self._append(rec)
 
     def host_lost(self, host: object, reason: str = "") -> None:
         """Cluster listener: a lost host runs nothing any more."""
@@ -266,30 +272,9 @@ class Observer:
             act = self.devices[(host, local)] = DeviceActivity()
         return act
 
-    def _append(self, rec: NodeRun) -> None:
-        pos = self._next
-        slot = pos % self.ring_size
-        old = self._ring[slot]
-        if old is not None:
-            self._by_job.forget(old.job, pos - self.ring_size)
-            self._by_program.forget(old.program_id, pos - self.ring_size)
-        self._ring[slot] = rec
-        self._next += 1
-        self._by_job.add(rec.job, pos)
-        self._by_program.add(rec.program_id, pos)
-
-    def records(self, positions: Iterable[int] | None = None) -> list[NodeRun]:
-        """Records still in the ring, oldest first (all of them, or those at `positions`)."""
-        oldest = max(0, self._next - self.ring_size)
-        if positions is None:
-            positions = range(oldest, self._next)
-        out = []
-        for p in positions:
-            if p >= oldest:
-                rec = self._ring[p % self.ring_size]
-                if rec is not None:
-                    out.append(rec)
-        return out
+    def records(self) -> list[NodeRun]:
+        """Every record still in the ring, oldest first."""
+        return [self._ring.record(slot) for slot in self._ring.slots()]
 
     # ------------------------------------------------------------------ live status
     def utilization(self, host: str, local: int, now_ns: int | None = None) -> float:
@@ -380,42 +365,42 @@ class Observer:
     def select(self, job: str = "", program: str = "") -> list[NodeRun]:
         """Records of a job (id or unique prefix) and/or a program (id, name, or a unique
         prefix of either); everything kept when both are empty. Raises NotFound."""
-        positions: set[int] | None = None
+        ring = self._ring
+        slots = ring.slots()
+        kept = f"(only the last {self.ring_size} node runs are kept)"
         if job:
-            jid = _resolve(job, list(self._by_job.keys), "job")
+            jobs = ring.column(ring.JOB)
+            jid = _resolve(job, sorted({j for j in jobs if j}), "job")
             if jid is None:
-                raise NotFound(f"no events recorded for job {job!r} (only the last {self.ring_size} "
-                               "node runs are kept)")
-            positions = set(self._by_job.keys[jid])
+                raise NotFound(f"no events recorded for job {job!r} {kept}")
+            slots = [s for s in slots if jobs[s] == jid]
         if program:
             pids = self._program_ids(program)
             if not pids:
-                raise NotFound(f"no events recorded for program {program!r} (only the last {self.ring_size} "
-                               "node runs are kept)")
-            ppos = {p for pid in pids for p in self._by_program.keys.get(pid, ())}
-            positions = ppos if positions is None else positions & ppos
-        recs = self.records(sorted(positions) if positions is not None else None)
-        if not recs:
+                raise NotFound(f"no events recorded for program {program!r} {kept}")
+            ids = ring.column(ring.PROGRAM_ID)
+            slots = [s for s in slots if ids[s] in pids]
+        if not slots:
             what = " and ".join(f"{k} {v!r}" for k, v in (("job", job), ("program", program)) if v)
-            raise NotFound(f"no events recorded{' for ' + what if what else ''} (only the last "
-                           f"{self.ring_size} node runs are kept)")
-        return recs
+            raise NotFound(f"no events recorded{' for ' + what if what else ''} {kept}")
+        return [ring.record(s) for s in slots]
 
-    def _program_ids(self, name: str) -> list[str]:
+    def _program_ids(self, name: str) -> set[str]:
         """Program ids `name` selects: an id, a name (every signature registered under it),
         a unique prefix of an id, or else of a name."""
-        index = self._by_program.keys
-        if name in index:
-            return [name]
-        names = {pid: rec.program for pid, q in index.items() if (rec := self._ring[q[-1] % self.ring_size])}
-        by_name = [p for p, n in names.items() if n == name]
+        ring = self._ring
+        names = {pid: n for pid, n in zip(ring.column(ring.PROGRAM_ID), ring.column(ring.PROGRAM), strict=True)
+                 if pid}
+        if name in names:
+            return {name}
+        by_name = {p for p, n in names.items() if n == name}
         if by_name:
             return by_name
-        pid = _resolve(name, list(index), "program")
+        pid = _resolve(name, sorted(names), "program")
         if pid is not None:
-            return [pid]
+            return {pid}
         full = _resolve(name, sorted({n for n in names.values() if n}), "program")
-        return [p for p, n in names.items() if full is not None and n == full]
+        return {p for p, n in names.items() if full is not None and n == full}
 
     def trace(self, job: str = "", program: str = "") -> str:
         """The Chrome trace JSON of the selected node runs (see `TraceBuilder`)."""
@@ -432,7 +417,7 @@ class Observer:
 
 def _label(ev: cpb.NodeEvent, run: RunState | None) -> str:
     if run is not None and 0 <= ev.segment < len(run.plan.segments):
-        return run.plan.segments[ev.segment].definition.label
+        return run.plan.segments[ev.segment].spec.label  # one str shared by every run of the plan
     return f"run {ev.run_id} segment {ev.segment}"
 
 

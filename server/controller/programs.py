@@ -36,9 +36,9 @@ class ProgramRecord:
     outputs: list[tuple[int, int]] = field(default_factory=list)
     runs: int = 0
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        return self.graph.name or self.program_id
+        return self.graph.name or self.program_id  # one str (a proto field read makes a new one each time)
 
     @functools.cached_property
     def slices(self) -> frozenset[str]:

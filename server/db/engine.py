@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import fcntl
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+import logging
+import os
+import sys
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-import migrations
 
-from .. import paths
-
-MIGRATIONS_DIR = Path(migrations.__file__).parent
-
-
-def alembic_config(url: str) -> Config:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return cfg
+class SchemaUpgradeFailed(RuntimeError):
+    """The database could not be brought to the newest schema (the message says why)."""
 
 
 def make_engine(url: str) -> Engine:
@@ -44,42 +30,43 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-@contextmanager
-def _upgrade_lock(url: str) -> Iterator[None]:
-    """One process migrates at a time (two servers started together on one file)."""
-    u = make_url(url)
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
-        lock_path = Path(u.database).with_suffix(".migrate.lock")
-    else:
-        lock_path = paths.data_dir() / "migrate.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+def upgrade_schema(url: str) -> None:
+    """Applies every pending migration (`migrate.upgrade_to_head`) in a forked child, so that
+    Alembic is never loaded into this process; the upgrade costs what it would in-process (the
+    child shares the modules already imported). Call it before starting any thread. Raises
+    SchemaUpgradeFailed with the child's one-line reason."""
+    if not hasattr(os, "fork"):
+        from .migrate import upgrade_to_head
+
+        upgrade_to_head(url)
+        return
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: upgrade, report, and leave without running the parent's exit handlers
+        os.close(read_fd)
+        code = 1
         try:
-            yield
+            from .migrate import upgrade_to_head
+
+            upgrade_to_head(url)
+            code = 0
+        except BaseException as e:  # every failure is reported to the parent, in one line
+            logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
+            os.write(write_fd, f"{type(e).__name__}: {e}".splitlines()[0].encode()[:2000])
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def upgrade_to_head(url: str) -> str:
-    """Applies every pending migration; returns the revision the database is at."""
-    with _upgrade_lock(url):
-        command.upgrade(alembic_config(url), "head")
-    return current_revision(url)
-
-
-def current_revision(url: str) -> str:
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision() or ""
-    finally:
-        engine.dispose()
-
-
-def head_revision() -> str:
-    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
-    return head or ""
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as fh:
+        reason = fh.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SchemaUpgradeFailed(
+            f"cannot upgrade the database {redact(url)}: {reason or f'the migration exited with code {code}'}")
 
 
 def redact(url: str) -> str:

@@ -75,7 +75,7 @@ from server.scheduler.records import (
 )
 from server.scheduler.snapshot import ClientUsage, HostView, IslandView, RunView, SchedulerSnapshot
 
-_FINISHED_MEMORY = 65_536  # finished run ids remembered so that a duplicate Submit is ignored
+_FINISHED_MEMORY = 16_384  # finished run ids remembered so that a repeated Submit is ignored (~0.1 KiB each)
 
 
 class InvariantError(AssertionError):

@@ -7,7 +7,8 @@ keeps, in memory only and bounded whatever the load:
   is the one running: a worker executes a device's nodes in gang order), and busy time in
   100 ms buckets over the last ~5 s, from which utilization is read;
 - a ring of the last `ring_size` finished node runs, column by column, for Chrome/Perfetto
-  traces (a trace selects its job's or program's records by scanning it: rare, ~1 ms);
+  traces (a trace selects its job's or program's records by scanning it: ~50 ms for a full
+  ring, once per trace asked for);
 - finished-node counts in buckets, for computations per second.
 
 Nothing here touches the database: the hot path never waits on it, and per-node events are
@@ -171,7 +172,7 @@ class _Ring:
 
     REFS = ("host", "island", "devices", "program_id", "program", "job", "client", "label", "error")
     INTS = ("run_id", "segment", "size", "seq", "start_ns", "end_ns", "ok")
-    PROGRAM_ID, PROGRAM, JOB = 3, 4, 5
+    PROGRAM_ID, PROGRAM, JOB = REFS.index("program_id"), REFS.index("program"), REFS.index("job")
 
     def __init__(self, size: int) -> None:
         self.size = size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -97,3 +98,19 @@ def test_the_controller_upgrades_in_a_child_without_loading_alembic(db_url: str,
     assert current_revision(db_url) == head_revision()
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("FAILED:")]
     assert line.startswith("FAILED: cannot upgrade the database postgresql://nobody@127.0.0.1:1/none: ")
+
+
+def test_without_fork_the_upgrade_runs_in_process_and_fails_in_one_line(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `os.fork` is missing (Windows), `upgrade_schema` migrates in the calling process,
+    with the same one-line failure."""
+    from server.db.engine import SchemaUpgradeFailed, upgrade_schema
+
+    monkeypatch.delattr(os, "fork")
+    upgrade_schema(db_url)
+    assert current_revision(db_url) == head_revision()
+    with pytest.raises(SchemaUpgradeFailed) as failed:
+        upgrade_schema("postgresql://nobody:secret@127.0.0.1:1/none")
+    message = str(failed.value)
+    assert message.startswith("cannot upgrade the database postgresql://nobody:***@127.0.0.1:1/none: ")
+    assert "\n" not in message and "secret" not in message

@@ -35,10 +35,14 @@ def upgrade_schema(url: str) -> None:
     Alembic is never loaded into this process; the upgrade costs what it would in-process (the
     child shares the modules already imported). Call it before starting any thread. Raises
     SchemaUpgradeFailed with the child's one-line reason."""
-    if not hasattr(os, "fork"):
+    if not hasattr(os, "fork"):  # no fork (not Linux or macOS): in this process, failing the same way
         from .migrate import upgrade_to_head
 
-        upgrade_to_head(url)
+        try:
+            upgrade_to_head(url)
+        except Exception as e:
+            logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
+            raise SchemaUpgradeFailed(f"cannot upgrade the database {redact(url)}: {_one_line(e)}") from None
         return
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
@@ -54,7 +58,7 @@ def upgrade_schema(url: str) -> None:
             code = 0
         except BaseException as e:  # every failure is reported to the parent, in one line
             logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
-            os.write(write_fd, f"{type(e).__name__}: {e}".splitlines()[0].encode()[:2000])
+            os.write(write_fd, _one_line(e).encode()[:2000])
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -67,6 +71,10 @@ def upgrade_schema(url: str) -> None:
     if code != 0:
         raise SchemaUpgradeFailed(
             f"cannot upgrade the database {redact(url)}: {reason or f'the migration exited with code {code}'}")
+
+
+def _one_line(e: BaseException) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
 
 
 def redact(url: str) -> str:

@@ -30,7 +30,7 @@ Key = tuple[str, int, str]  # (process, thread id, thread name)
 
 @dataclass(frozen=True)
 class ThreadStat:
-    name: str  # the thread's comm (XLA's pool threads are "tf_XLAEigen"; most others "python")
+    name: str  # its comm: "tf_XLAEigen" (XLA's pool), "pw-executor" etc. (server/threadnames.py), else "python"
     run_ns: int  # time on a CPU
     wait_ns: int  # time runnable, waiting on a run queue
     slices: int  # times it was switched in

@@ -251,6 +251,19 @@ def test_big_arrays_cross_islands_by_grpc_stream_and_shared_memory(cluster: Loca
     cluster.add_worker("a", 1, env={"PATHWAYS_TRANSFER": "grpc"})
     out = run_one(cluster, "transfer.py")
     assert out == {"exact": True, "nbytes": 12_000_000, "dtype": "float32", "shape": [1, 3_000_000]}
+    # the workers' threads carry their names in the kernel too (top -H, perf, bench.threads)
+    assert {"pw-executor", "pw-completer", "pw-transfer_0"} <= thread_names(cluster.workers["w-b"].pid)
+    assert "pw-local-recv" in thread_names(cluster.workers["w-c"].pid)
+
+
+def thread_names(pid: int) -> set[str]:
+    names = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.add((task / "comm").read_text().strip())
+        except OSError:
+            pass  # the thread ended
+    return names
 
 
 # ------------------------------------------------------------------------------------ remapping

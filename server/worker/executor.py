@@ -32,6 +32,7 @@ import jax
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..threadnames import name_native_thread
 from .buffers import BufferFailed, BufferStore
 from .executable import Executable, ExecutableCache
 from .fusion import FusedExecutable, NodeFailed, Runner, Segment, run_parts, run_unfused
@@ -225,6 +226,7 @@ class Executor:
 
     # ---- launch thread ----
     def _launch_loop(self) -> None:
+        name_native_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or self._next_seq in self._pending or bool(self._ready))
@@ -478,6 +480,7 @@ class Executor:
 
     # ---- completion thread ----
     def _complete_loop(self) -> None:
+        name_native_thread()
         while True:
             first = self._done_q.get()
             if first is None:

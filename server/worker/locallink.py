@@ -30,6 +30,7 @@ from schemas.arrays import dtype_name
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..threadnames import name_native_thread
 from .shmring import RingReader, RingWriter
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class LocalReceiver:
         return True
 
     def _accept_loop(self, sock: socket.socket) -> None:
+        name_native_thread()
         while True:
             try:
                 conn, _ = sock.accept()
@@ -94,6 +96,7 @@ class LocalReceiver:
             threading.Thread(target=self._read_loop, args=(conn,), name="pw-local-recv", daemon=True).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
+        name_native_thread()
         ring = RingReader()  # the peer's ring: it goes when the peer does
         try:
             while True:

@@ -16,6 +16,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from ..threadnames import name_native_thread
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
 from .shmring import RingReader, take_segment
@@ -37,7 +38,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.island = island
         # fetches block until their buffer is computed: a pool of their own keeps them
         # from starving the default executor that assembles transfers
-        self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch")
+        self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch",
+                                            initializer=name_native_thread)
 
     async def PutBuffers(
         self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext

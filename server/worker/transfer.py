@@ -20,6 +20,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from ..threadnames import name_native_thread
 from .locallink import LocalPeers
 from .shmring import put_segment
 
@@ -83,7 +84,8 @@ class TransferSender:
     """Sends buffers to peers from a small thread pool, over one stream per peer."""
 
     def __init__(self, token: str | None = None, threads: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pw-transfer")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pw-transfer",
+                                        initializer=name_native_thread)
         self._peers: dict[str, _PeerStream] = {}
         self._local = LocalPeers()  # same-host peers: shared-memory ring + Unix socket
         self._lock = threading.Lock()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 
 
-def name_native_thread(name: str | None = None) -> None:
-    """Gives the calling thread its Python name (or `name`) in the kernel; a no-op without /proc."""
-    label = (name or threading.current_thread().name)[:15]
+def name_native_thread() -> None:
+    """Gives the calling thread its Python name in the kernel; a no-op without /proc."""
+    label = threading.current_thread().name[:15]
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as fh:
             fh.write(label)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from conftest import LocalCluster, wait_for
 
+from bench.threads import read_threads
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
@@ -257,13 +258,7 @@ def test_big_arrays_cross_islands_by_grpc_stream_and_shared_memory(cluster: Loca
 
 
 def thread_names(pid: int) -> set[str]:
-    names = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            names.add((task / "comm").read_text().strip())
-        except OSError:
-            pass  # the thread ended
-    return names
+    return {t.name for t in read_threads(pid).values()}
 
 
 # ------------------------------------------------------------------------------------ remapping

@@ -36,13 +36,9 @@ def upgrade_schema(url: str) -> None:
     child shares the modules already imported). Call it before starting any thread. Raises
     SchemaUpgradeFailed with the child's one-line reason."""
     if not hasattr(os, "fork"):  # no fork (not Linux or macOS): in this process, failing the same way
-        from .migrate import upgrade_to_head
-
-        try:
-            upgrade_to_head(url)
-        except Exception as e:
-            logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
-            raise SchemaUpgradeFailed(f"cannot upgrade the database {redact(url)}: {_one_line(e)}") from None
+        reason = _upgrade(url)
+        if reason:
+            raise _failed(url, reason)
         return
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
@@ -52,13 +48,11 @@ def upgrade_schema(url: str) -> None:
         os.close(read_fd)
         code = 1
         try:
-            from .migrate import upgrade_to_head
-
-            upgrade_to_head(url)
-            code = 0
-        except BaseException as e:  # every failure is reported to the parent, in one line
-            logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
-            os.write(write_fd, _one_line(e).encode()[:2000])
+            reason = _upgrade(url)
+            if reason:
+                os.write(write_fd, reason.encode()[:2000])
+            else:
+                code = 0
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -69,12 +63,23 @@ def upgrade_schema(url: str) -> None:
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        raise SchemaUpgradeFailed(
-            f"cannot upgrade the database {redact(url)}: {reason or f'the migration exited with code {code}'}")
+        raise _failed(url, reason or f"the migration exited with code {code}")
 
 
-def _one_line(e: BaseException) -> str:
-    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
+def _upgrade(url: str) -> str:
+    """Migrates to head in this process: "" when done, else why not, in one line."""
+    try:
+        from .migrate import upgrade_to_head
+
+        upgrade_to_head(url)
+    except BaseException as e:  # every failure is reported, in one line
+        logging.getLogger(__name__).debug("schema upgrade failed", exc_info=True)
+        return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0]
+    return ""
+
+
+def _failed(url: str, reason: str) -> SchemaUpgradeFailed:
+    return SchemaUpgradeFailed(f"cannot upgrade the database {redact(url)}: {reason}")
 
 
 def redact(url: str) -> str:

@@ -60,3 +60,39 @@ def test_release_owner_drops_every_reference_a_departed_client_held() -> None:
     s.launched([3], [np.zeros(1)], input_ids=[])
     assert s.release_owner("client:9") == 2
     assert live(s) == 1
+
+
+def test_a_wait_for_many_buffers_returns_their_values_once_the_last_settles() -> None:
+    s = BufferStore()
+    got: list[list[object]] = []
+    t = threading.Thread(target=lambda: got.append(s.wait_all([1, 2, 3], timeout=10, must_exist=False)))
+    t.start()
+    s.expect([1, 2], owner="", visible=[True, True])  # 3 is not even declared yet
+    s.launched([2], [np.full(1, 2.0)], input_ids=[])
+    s.launched([1], [np.full(1, 1.0)], input_ids=[])
+    assert t.is_alive() and not got  # one still pending: no early return
+    s.put(3, np.full(1, 3.0), 8, client_ref=True)
+    t.join(timeout=10)
+    assert [float(v[0]) for v in got[0]] == [1.0, 2.0, 3.0]  # type: ignore[index]
+
+
+def test_a_timed_out_wait_leaves_no_waiter_behind_and_a_failure_reaches_a_wait_for_many() -> None:
+    s = BufferStore()
+    s.expect([1, 2], owner="", visible=[True, True])
+    s.launched([1], [np.zeros(1)], input_ids=[])
+    with pytest.raises(TimeoutError, match="buffer 2"):
+        s.wait_all([1, 2], timeout=0.05)
+    assert not s._waiters  # the timed-out wait unregistered itself
+    errors: list[Exception] = []
+
+    def wait() -> None:
+        try:
+            s.wait_all([1, 2], timeout=10)
+        except BufferFailed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    s.fail(2, "node 2 failed")
+    t.join(timeout=10)
+    assert [str(e) for e in errors] == ["node 2 failed"]

@@ -12,7 +12,6 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +39,29 @@ class _Entry:
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
 
+class _Latch:
+    """What a thread blocked in `wait_all` waits on: set when the last of its buffers settles, so
+    a wait for many buffers (a pipeline pass's outputs, a training step's parameters) wakes its
+    thread once, not once per buffer. Counted down under the store's lock."""
+
+    __slots__ = ("event", "left")
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.event = threading.Event()
+
+    def settled(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.event.set()
+
+
 class BufferStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
-        # threads blocked in wait(), per buffer: only a change of that buffer wakes them
-        self._waiters: dict[int, list[threading.Event]] = {}
+        # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
+        self._waiters: dict[int, list[_Latch]] = {}
 
     # ---- declaring ----
     # A task declares every output and input at once, under one lock round trip: a training step
@@ -58,8 +74,6 @@ class BufferStore:
                 e = self._entries.get(buffer_id)
                 if e is None:
                     e = self._entries[buffer_id] = _Entry(owner=owner)
-                    if self._waiters:
-                        self._wake(buffer_id)  # a fetch may be waiting for it to exist
                 if i < len(visible) and visible[i] and not e.released:
                     e.client_ref = True
                 e.owner = e.owner or owner
@@ -71,8 +85,6 @@ class BufferStore:
                 e = self._entries.get(buffer_id)
                 if e is None:
                     e = self._entries[buffer_id] = _Entry(owner=owner)
-                    if self._waiters:
-                        self._wake(buffer_id)
                 e.consumers += 1
                 e.hold = False
 
@@ -183,39 +195,53 @@ class BufferStore:
 
     # ---- reading ----
     def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
-        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError.
+        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError (see `wait_all`)."""
+        return self.wait_all((buffer_id,), timeout, must_exist)[0]
 
-        With must_exist=False (a client fetch, which may overtake the enqueue that
-        declares the buffer) an unknown id is waited for instead of failing.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if self._settled(buffer_id, must_exist):
-                    e = self._entries.get(buffer_id)
-                    if e is None:
-                        raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
-                    if e.state == FAILED:
-                        raise BufferFailed(e.error)
-                    return e.value
-                event = threading.Event()
-                self._waiters.setdefault(buffer_id, []).append(event)
-            left = None if deadline is None else deadline - time.monotonic()
-            woken = event.wait(left) if left is None or left > 0 else False
-            if not woken:
-                with self._lock:
-                    waiting = self._waiters.get(buffer_id)
-                    if waiting is not None and event in waiting:
-                        waiting.remove(event)
+    def wait_all(self, buffer_ids: Sequence[int], timeout: float | None = None, must_exist: bool = True) -> list[Any]:
+        """Blocks until every buffer is ready; their values. Raises BufferFailed when one failed or
+        does not exist (any more), TimeoutError when one is still pending after `timeout`.
+
+        With must_exist=False (a client fetch, which may overtake the enqueue that declares the
+        buffer) an unknown id is waited for instead of failing."""
+        with self._lock:
+            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
+            if not pending:
+                return self._values(buffer_ids)
+            latch = _Latch(len(pending))
+            for b in pending:
+                self._waiters.setdefault(b, []).append(latch)
+        latch.event.wait(timeout)
+        with self._lock:
+            if latch.left > 0:
+                for b in pending:
+                    waiting = self._waiters.get(b)
+                    if waiting is not None and latch in waiting:
+                        waiting.remove(latch)
                         if not waiting:
-                            del self._waiters[buffer_id]
-                    if not self._settled(buffer_id, must_exist):
-                        raise TimeoutError(f"buffer {buffer_id} is not ready after {timeout} s")
+                            del self._waiters[b]
+                late = next((b for b in pending if not self._settled(b, must_exist)), None)
+                if late is not None:
+                    raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
+            return self._values(buffer_ids)
+
+    def _values(self, buffer_ids: Sequence[int]) -> list[Any]:
+        """The settled buffers' values (call with the lock held); BufferFailed for the first that
+        failed or does not exist."""
+        out = []
+        for buffer_id in buffer_ids:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
+            if e.state == FAILED:
+                raise BufferFailed(e.error)
+            out.append(e.value)
+        return out
 
     def _wake(self, buffer_id: int) -> None:
-        """Wakes the threads waiting on this buffer (call with the lock held)."""
-        for event in self._waiters.pop(buffer_id, ()):
-            event.set()
+        """Counts down the waits on this buffer, which just settled (call with the lock held)."""
+        for latch in self._waiters.pop(buffer_id, ()):
+            latch.settled()
 
     def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
         e = self._entries.get(buffer_id)

@@ -320,16 +320,12 @@ class Executor:
         """Input values, waiting for those still pending (re-checking for a drop)."""
         values = self.store.ready_values(input_ids)
         while values is None:
-            for i in input_ids:
-                while True:
-                    try:
-                        self.store.wait(i, timeout=0.5)
-                        break
-                    except TimeoutError:
-                        reason = self._dropped.get(run_id)
-                        if reason is not None:
-                            raise BufferFailed(reason) from None
-            values = self.store.ready_values(input_ids)
+            try:
+                values = self.store.wait_all(input_ids, timeout=0.5)
+            except TimeoutError:
+                reason = self._dropped.get(run_id)
+                if reason is not None:
+                    raise BufferFailed(reason) from None
         return values
 
     def _launch(self, task: _Task) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,11 +80,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
         return await loop.run_in_executor(self._waiters, self._wait, ids, timeout)
 
     def _wait(self, buffer_ids: list[int], timeout: float | None) -> wpb.WaitReply:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # one wake for all the buffers (launched), then one wait for their computations
         try:
-            for bid in buffer_ids:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                jax.block_until_ready(self.store.wait(bid, left, False))
+            jax.block_until_ready(self.store.wait_all(buffer_ids, timeout, must_exist=False))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:

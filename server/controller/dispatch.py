@@ -123,7 +123,6 @@ class Dispatcher:
         self._last_end: dict[tuple[str, int], int] = {}
         self.node_listeners: list[Callable[[str, cpb.NodeEvent, RunState | None], None]] = []
         self.run_listeners: list[Callable[[RunState, bool, str], None]] = []
-        self.computations = 0
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
@@ -342,7 +341,6 @@ class Dispatcher:
                 key = (host, d)
                 busy_from = max(busy_from, last_end.get(key, 0))
                 last_end[key] = ev.end_ns
-            self.computations += segment_size(self.runs.get(ev.run_id), ev.segment)
             batch.append(NodeFinished(ev.run_id, ev.segment, ev.ok, ev.error,
                                       max(0, ev.end_ns - busy_from) / 1e9, now))
         self.handle(Batch(tuple(batch), now))

@@ -180,18 +180,7 @@ class BufferStore:
         """The values when every buffer is ready now; None when one is still pending.
         Raises BufferFailed when one failed or no longer exists."""
         with self._lock:
-            out = []
-            for buffer_id in buffer_ids:
-                e = self._entries.get(buffer_id)
-                if e is None:
-                    raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
-                if e.state == READY:
-                    out.append(e.value)
-                elif e.state == FAILED:
-                    raise BufferFailed(e.error)
-                else:
-                    return None
-            return out
+            return self._values(buffer_ids)
 
     # ---- reading ----
     def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
@@ -207,7 +196,7 @@ class BufferStore:
         with self._lock:
             pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
             if not pending:
-                return self._values(buffer_ids)
+                return self._settled_values(buffer_ids)
             latch = _Latch(len(pending))
             for b in pending:
                 self._waiters.setdefault(b, []).append(latch)
@@ -220,14 +209,14 @@ class BufferStore:
                         waiting.remove(latch)
                         if not waiting:
                             del self._waiters[b]
-                late = next((b for b in pending if not self._settled(b, must_exist)), None)
-                if late is not None:
-                    raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
-            return self._values(buffer_ids)
+            late = next((b for b in pending if not self._settled(b, must_exist)), None)
+            if late is not None:
+                raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
+            return self._settled_values(buffer_ids)
 
-    def _values(self, buffer_ids: Sequence[int]) -> list[Any]:
-        """The settled buffers' values (call with the lock held); BufferFailed for the first that
-        failed or does not exist."""
+    def _values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
+        """The buffers' values, or None when one is still pending (call with the lock held);
+        BufferFailed for the first that failed or does not exist before that."""
         out = []
         for buffer_id in buffer_ids:
             e = self._entries.get(buffer_id)
@@ -235,8 +224,15 @@ class BufferStore:
                 raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
             if e.state == FAILED:
                 raise BufferFailed(e.error)
+            if e.state == PENDING:
+                return None
             out.append(e.value)
         return out
+
+    def _settled_values(self, buffer_ids: Sequence[int]) -> list[Any]:
+        values = self._values(buffer_ids)
+        assert values is not None, "called once every buffer settled, under the same lock"
+        return values
 
     def _wake(self, buffer_id: int) -> None:
         """Counts down the waits on this buffer, which just settled (call with the lock held)."""

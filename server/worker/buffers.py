@@ -176,12 +176,6 @@ class BufferStore:
                     out.append(b)
             return out
 
-    def ready_values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
-        """The values when every buffer is ready now; None when one is still pending.
-        Raises BufferFailed when one failed or no longer exists."""
-        with self._lock:
-            return self._values(buffer_ids)
-
     # ---- reading ----
     def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
         """Blocks until the buffer is ready; raises BufferFailed or TimeoutError (see `wait_all`)."""
@@ -196,7 +190,7 @@ class BufferStore:
         with self._lock:
             pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
             if not pending:
-                return self._settled_values(buffer_ids)
+                return self._values(buffer_ids)
             latch = _Latch(len(pending))
             for b in pending:
                 self._waiters.setdefault(b, []).append(latch)
@@ -212,11 +206,11 @@ class BufferStore:
             late = next((b for b in pending if not self._settled(b, must_exist)), None)
             if late is not None:
                 raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
-            return self._settled_values(buffer_ids)
+            return self._values(buffer_ids)
 
-    def _values(self, buffer_ids: Sequence[int]) -> list[Any] | None:
-        """The buffers' values, or None when one is still pending (call with the lock held);
-        BufferFailed for the first that failed or does not exist before that."""
+    def _values(self, buffer_ids: Sequence[int]) -> list[Any]:
+        """The values of settled buffers (call with the lock held); BufferFailed for the first
+        that failed or does not exist."""
         out = []
         for buffer_id in buffer_ids:
             e = self._entries.get(buffer_id)
@@ -224,15 +218,9 @@ class BufferStore:
                 raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
             if e.state == FAILED:
                 raise BufferFailed(e.error)
-            if e.state == PENDING:
-                return None
+            assert e.state == READY, "read only once every buffer settled, under the same lock"
             out.append(e.value)
         return out
-
-    def _settled_values(self, buffer_ids: Sequence[int]) -> list[Any]:
-        values = self._values(buffer_ids)
-        assert values is not None, "called once every buffer settled, under the same lock"
-        return values
 
     def _wake(self, buffer_id: int) -> None:
         """Counts down the waits on this buffer, which just settled (call with the lock held)."""

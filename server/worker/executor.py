@@ -318,15 +318,13 @@ class Executor:
 
     def _inputs_of(self, run_id: int, input_ids: Sequence[int]) -> list[Any]:
         """Input values, waiting for those still pending (re-checking for a drop)."""
-        values = self.store.ready_values(input_ids)
-        while values is None:
+        while True:
             try:
-                values = self.store.wait_all(input_ids, timeout=0.5)
+                return self.store.wait_all(input_ids, timeout=0.5)  # no wait when they are all ready
             except TimeoutError:
                 reason = self._dropped.get(run_id)
                 if reason is not None:
                     raise BufferFailed(reason) from None
-        return values
 
     def _launch(self, task: _Task) -> None:
         info = task.info

@@ -13,6 +13,7 @@ import grpc
 from grpc import aio
 
 from . import paths
+from .health import is_health_method
 
 
 def load_or_create_token(path: Path | None = None) -> str:
@@ -28,7 +29,8 @@ def load_or_create_token(path: Path | None = None) -> str:
 
 
 class TokenInterceptor(aio.ServerInterceptor):
-    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+    """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED, except the
+    standard health service's (probes carry no token; it tells only whether the server is up)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -49,6 +51,8 @@ class TokenInterceptor(aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        if is_health_method(handler_call_details.method):
+            return await continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 raw = value.encode() if isinstance(value, str) else value

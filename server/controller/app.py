@@ -17,6 +17,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
+from ..health import Health
 from .core import Controller, ControllerConfig
 from .servicer import ControllerServicer
 
@@ -48,6 +49,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+    health = Health("pathways.v1.Controller")
+    await health.attach(server)
     try:
         bound = server.add_insecure_port(config.listen)
     except RuntimeError:  # grpcio raises instead of returning 0 when the port is taken
@@ -57,6 +60,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     core.address = f"{host}:{bound}"
     await core.start()
     await server.start()
+    await health.serving()
     heap.settle()  # start-up objects (SQLAlchemy, protobuf, modules) stay out of later collections
     if pid_file is not None:
         write_pid_file(pid_file, core.address, config.db_url)
@@ -69,6 +73,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         await core.shutdown_event.wait()
     finally:
         log.info("controller shutting down")
+        await health.shutting_down()
         core.end_streams()
         await server.stop(grace=1.0)
         await core.stop()

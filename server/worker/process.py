@@ -24,6 +24,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import heap, paths
 from ..auth import TokenInterceptor
+from ..health import Health
 from . import memory
 from .buffers import BufferStore
 from .config import WorkerConfig
@@ -91,6 +92,8 @@ class WorkerProcess:
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island)
         wgrpc.add_WorkerServicer_to_server(servicer, server)
+        health = Health("pathways.v1.Worker")
+        await health.attach(server)
         port = server.add_insecure_port(self.config.listen)
         if port == 0:
             raise SystemExit(f"cannot listen on {self.config.listen}")
@@ -98,6 +101,7 @@ class WorkerProcess:
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
+        await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections
         log.info("worker %s (island %s, %d %s devices) serving at %s",
                  self.config.name, self.config.island, len(self.devices), self.kind, self.address)
@@ -106,6 +110,7 @@ class WorkerProcess:
         link = asyncio.create_task(self._controller_loop())
         trimmer = asyncio.create_task(self._release_memory_when_idle())
         await self.stopping.wait()
+        await health.shutting_down()
         link.cancel()
         trimmer.cancel()
         self.executor.stop()

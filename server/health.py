@@ -1,0 +1,48 @@
+"""The standard gRPC health service (`grpc.health.v1.Health`) on the controller's and each worker's port.
+
+Load balancers and Kubernetes' `grpc:` probes ask it whether a server is up without a token
+(server/auth.py lets exactly this service through). A server reports NOT_SERVING from the moment it
+is built until `serving()`, and NOT_SERVING again, for good, from `shutting_down()`: called before
+the gRPC server stops, so a watcher sees NOT_SERVING before its stream ends.
+
+The status is kept for the whole server ("") and for the server's own service name.
+"""
+
+from __future__ import annotations
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer  # grpc_health.v1.health.aio, typed
+
+SERVICE_PREFIX = "/grpc.health.v1.Health/"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+__all__ = ["NOT_SERVING", "SERVICE_PREFIX", "SERVING", "Health", "is_health_method"]
+
+
+def is_health_method(method: str) -> bool:
+    """True for the health service's RPCs (answered without authentication)."""
+    return method.startswith(SERVICE_PREFIX)
+
+
+class Health:
+    """The health servicer of one gRPC server, with the two transitions a server makes."""
+
+    def __init__(self, service: str) -> None:
+        self.services = ("", service)
+        self._servicer = HealthServicer()
+
+    async def attach(self, server: aio.Server) -> None:
+        """Registers the service on `server`, NOT_SERVING until `serving()`."""
+        for name in self.services:
+            await self._servicer.set(name, NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+
+    async def serving(self) -> None:
+        for name in self.services:
+            await self._servicer.set(name, SERVING)
+
+    async def shutting_down(self) -> None:
+        """NOT_SERVING from now on; later `serving()` calls are ignored."""
+        await self._servicer.enter_graceful_shutdown()

@@ -80,6 +80,12 @@ class _PeerStream:
         self._queue.put(None)
 
 
+# the transports of a peer transfer, as logged on first use per peer
+RING = "shared-memory ring"
+SEGMENT = "shared-memory segment"
+STREAM = "gRPC stream"
+
+
 class TransferSender:
     """Sends buffers to peers from a small thread pool, over one stream per peer."""
 
@@ -93,6 +99,9 @@ class TransferSender:
         # PATHWAYS_TRANSFER=grpc sends over the network path even between workers of one
         # host (tests and benchmarks of the cross-host path on one machine)
         self.network_only = os.environ.get("PATHWAYS_TRANSFER", "auto") == "grpc"
+        # peers already sent to, per transport: the first send of each kind to a peer is logged
+        # ("first transfer to ADDRESS by KIND"), which is how tests see which transport an edge used
+        self._used: dict[str, set[str]] = {RING: set(), SEGMENT: set(), STREAM: set()}
 
     def _peer(self, address: str) -> _PeerStream:
         with self._lock:
@@ -110,6 +119,7 @@ class TransferSender:
             arr = c_order(to_numpy(value))
             local = self._local.get(address) if same_host else None
             if local is not None and local.send(buffer_id, arr):
+                self._note(RING, address)
                 return  # through the ring
             if same_host and arr.nbytes >= SHM_MIN_BYTES:
                 name = put_segment(arr)
@@ -119,13 +129,21 @@ class TransferSender:
                     last=True,
                 )
                 self._peer(address).send([msg])
+                self._note(SEGMENT, address)
             else:
                 self._peer(address).send(chunks(buffer_id, arr))
+                self._note(STREAM, address)
         except Exception as e:
             log.warning("transfer of buffer %d to %s failed: %s", buffer_id, address, e)
             self.send_error(buffer_id, wpb.OutputRoute(address=address), f"transfer to {address} failed: {e}")
         finally:
             done()
+
+    def _note(self, kind: str, address: str) -> None:
+        seen = self._used[kind]
+        if address not in seen:  # a race adds it twice at worst: one more log line
+            seen.add(address)
+            log.info("first transfer to %s by %s", address, kind)
 
     def send_error(self, buffer_id: int, route: wpb.OutputRoute, error: str) -> None:
         try:

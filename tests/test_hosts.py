@@ -1,0 +1,158 @@
+"""A cluster across separate hosts (tests/hosts.py): the controller on host 0, a worker on each of
+hosts 1 and 2, every client inside the hosts.
+
+(a) a program from host 0 whose arrays go from host 1's island to host 2's (worker to worker,
+across hosts) gives NumPy's answer, and that edge went by the gRPC stream: the hosts share no
+/dev/shm, so shared memory must not be chosen; (b) a host's worker killed -9 fails the program
+using it with a clear error within 15 s, while the other host keeps working.
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hosts import Host, hosts  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(240)
+
+HEARTBEAT_TIMEOUT_S = 3.0
+ERROR_BOUND_S = 15.0
+
+# Host 1's island doubles, host 2's adds one: b(a(x)) sends a's output from host 1 to host 2.
+PROGRAM = """
+import sys
+import numpy as np
+import pwctl as pw
+
+d1 = pw.make_virtual_device_set().add_slice(devices=2, island="h1").devices
+d2 = pw.make_virtual_device_set().add_slice(devices=2, island="h2").devices
+a = pw.pmap(lambda x: x * 2.0, devices=d1)
+b = pw.pmap(lambda x: x + 1.0, devices=d2)
+c = pw.pmap(lambda x: x - 3.0, devices=d1)
+
+@pw.program
+def across(v):
+    return b(a(v))
+
+@pw.program
+def local(v):
+    return c(a(v))
+
+x = np.load(sys.argv[1])
+mode = sys.argv[2]
+if mode == "once":
+    np.save(sys.argv[3], np.asarray(across(x)))
+    print("done", flush=True)
+else:  # until the program across hosts fails; then host 1's island alone, three times
+    n = 0
+    while True:
+        try:
+            r = np.asarray(across(x))
+            assert np.allclose(r, x * 2.0 + 1.0)
+            n += 1
+            print("ok", n, flush=True)
+        except Exception as e:
+            print("error", type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+            break
+    for _ in range(3):
+        r = np.asarray(local(x))
+        assert np.allclose(r, x * 2.0 - 3.0), r
+        print("local ok", flush=True)
+"""
+
+
+class Cluster:
+    def __init__(self, hs: list[Host]) -> None:
+        self.hosts = hs
+        h0 = hs[0]
+        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:0", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
+        assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
+        m = re.search(r"at (\S+:\d+)", r.stdout)
+        assert m, r.stdout
+        self.address = m.group(1)
+        assert self.address.startswith(h0.ip + ":")
+        self.token = (h0.home / "token").read_text().strip()  # beyond loopback the token is required
+        for i, h in enumerate(hs[1:], start=1):
+            r = h.pwctl("worker", "start", "--island", f"h{i}", "--devices", "2", "--name", f"w{i}",
+                        "--listen", f"{h.ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
+            assert r.returncode == 0, f"worker start on {h.hostname}: {r.stdout}{r.stderr}"
+
+    def env(self) -> dict[str, str]:
+        return {"PWCTL_SERVER": self.address, "PWCTL_TOKEN": self.token}
+
+    def worker_log(self, i: int) -> str:
+        return (self.hosts[i].home / "logs" / f"worker-w{i}.log").read_text(errors="replace")
+
+
+def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    cl = Cluster(hs)
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM)
+    x = np.arange(2 * 4096, dtype=np.float32).reshape(2, 4096) / 7.0
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "out.npy"
+    r = hs[0].run([sys.executable, str(prog), str(tmp_path / "x.npy"), "once", str(out)], timeout=120, **cl.env())
+    assert r.returncode == 0 and "done" in r.stdout, f"program failed: {r.stdout}{r.stderr}"
+    np.testing.assert_allclose(np.load(out), x * 2.0 + 1.0, rtol=1e-6)
+
+    sender = cl.worker_log(1)
+    # the cross-host edge: host 1's worker sent to host 2's worker by the gRPC stream, never by
+    # shared memory (the hosts have separate /dev/shm, mount and network namespaces)
+    assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by gRPC stream", sender), sender[-3000:]
+    assert "by shared-memory" not in sender, sender[-3000:]
+
+
+def _read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
+    """Lines of `proc`'s stdout until one starts with `pattern` (returned) or the deadline."""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            lines.append(line)
+            if line.startswith(pattern):
+                return line
+        elif proc.poll() is not None:
+            return None
+    return None
+
+
+def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    cl = Cluster(hs)
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM)
+    x = np.arange(2 * 256, dtype=np.float32).reshape(2, 256)
+    np.save(tmp_path / "x.npy", x)
+    proc = hs[0].popen([sys.executable, str(prog), str(tmp_path / "x.npy"), "loop"], **cl.env())
+    lines: list[str] = []
+    try:
+        assert _read_until(proc, "ok 3", time.monotonic() + 90, lines), "".join(lines)
+        killed = hs[2].kill_all()
+        assert killed, "host 2 had no processes to kill"
+        t0 = time.monotonic()
+        err = _read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+        took = time.monotonic() - t0
+        assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing host 2:\n{''.join(lines)}"
+        assert took < ERROR_BOUND_S
+        # clear: names what was lost (the host or its worker), in one line
+        assert re.search(r"w2|host|worker|lost|unavailable", err, re.IGNORECASE), err
+        assert "Traceback" not in err
+        # host 1 keeps working: its island alone, three more times
+        for _ in range(3):
+            assert _read_until(proc, "local ok", time.monotonic() + 60, lines), "".join(lines)
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+

@@ -9,6 +9,7 @@ using it with a clear error within 15 s, while the other host keeps working.
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hosts import Host, hosts  # noqa: F401  (the fixture)
+from hosts import Host, Hosts, NamespaceUnavailable, _pids_in_netns, hosts  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -156,3 +157,43 @@ def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_
             proc.kill()
         proc.wait(timeout=10)
 
+
+
+ECHO_SERVER = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 0))
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept()
+c.sendall(socket.gethostname().encode())
+"""
+
+
+@pytest.mark.parametrize("use_netns", [True, False], ids=["ip-netns", "unshare-holders"])
+def test_hosts_are_separate(tmp_path: Path, use_netns: bool) -> None:
+    """Both ways of making hosts: own hostname, own /dev/shm, and reachable only from each other."""
+    if os.geteuid() != 0:
+        pytest.skip("separate hosts need root (network, mount and UTS namespaces)")
+    made = Hosts(tmp_path / "hosts", _use_netns=use_netns)
+    try:
+        try:
+            h0, h1 = made.start(2)
+        except NamespaceUnavailable as e:
+            pytest.skip(f"cannot make network namespaces here: {e}")
+        assert (made._netns != []) == use_netns
+        marker = f"/dev/shm/pw-host-test-{os.getpid()}"
+        assert h1.run(["sh", "-c", f"touch {marker}"]).returncode == 0
+        assert h0.run(["test", "-e", marker]).returncode != 0, "host 0 sees host 1's /dev/shm"
+        assert not Path(marker).exists(), "the root namespace sees host 1's /dev/shm"
+        server = h1.popen([sys.executable, "-c", ECHO_SERVER, h1.ip])
+        try:
+            port = int(server.stdout.readline())  # type: ignore[union-attr]
+            r = h0.python(f"import socket; print(socket.create_connection(('{h1.ip}', {port}), timeout=5).recv(64)"
+                          ".decode())")
+            assert r.returncode == 0 and r.stdout.strip() == h1.hostname, r.stdout + r.stderr
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+        inodes = [h0.inode, h1.inode]
+    finally:
+        made.close()
+    assert all(not _pids_in_netns(i) for i in inodes), "processes left in the hosts' namespaces"

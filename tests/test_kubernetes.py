@@ -1,0 +1,117 @@
+"""deploy/kubernetes against the Kubernetes schemas, offline (`kubernetes-validate --strict`), and
+against each other (names, ports, the token, the probes); a broken copy must fail the validator."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFESTS = REPO / "deploy" / "kubernetes"
+# grpc probes are GA from 1.27; the newest schemas the validator bundles must accept them too
+VERSIONS = ["1.27.0", "1.33.0"]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def validator() -> str:
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    found = str(exe) if exe.exists() else shutil.which("kubernetes-validate")
+    if found is None:
+        pytest.skip("kubernetes-validate is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def validate(files: list[Path], version: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([validator(), "--strict", "--quiet", "-k", version, *map(str, files)],
+                          capture_output=True, text=True, timeout=90)
+
+
+def kustomization(root: Path = MANIFESTS) -> dict[str, Any]:
+    return yaml.safe_load((root / "kustomization.yaml").read_text())
+
+
+def resources(root: Path = MANIFESTS) -> list[Path]:
+    return [root / name for name in kustomization(root)["resources"]]
+
+
+def load_all() -> dict[tuple[str, str], dict[str, Any]]:
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in resources():
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def test_every_manifest_is_listed_and_valid() -> None:
+    listed = {p.name for p in resources()}
+    on_disk = {p.name for p in MANIFESTS.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, "kustomization.yaml must list every manifest (and only those)"
+    for version in VERSIONS:
+        r = validate(resources(), version)
+        assert r.returncode == 0, f"against {version}:\n{r.stdout}{r.stderr}"
+
+
+def _container(docs: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any]:
+    containers = docs[("StatefulSet", name)]["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def test_manifests_agree_with_each_other() -> None:
+    docs = load_all()
+    service = docs[("Service", "pathways-controller")]
+    port = service["spec"]["ports"][0]["port"]
+    controller = _container(docs, "pathways-controller")
+    worker = _container(docs, "pathways-worker")
+    assert docs[("StatefulSet", "pathways-controller")]["spec"]["replicas"] == 1  # one controller
+    assert docs[("StatefulSet", "pathways-controller")]["spec"]["volumeClaimTemplates"], "SQLite needs a volume"
+    assert f"--listen 0.0.0.0:{port}" in " ".join(controller["args"])
+    args = worker["command"]
+    assert f"--server=pathways-controller:{port}" in args
+    assert "--name=$(POD_NAME)" in args
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # the token: one generated Secret, read by the controller (file) and the workers (env)
+    generated = {g["name"] for g in kustomization()["secretGenerator"]}
+    assert env["PWCTL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] in generated
+    volumes = docs[("StatefulSet", "pathways-controller")]["spec"]["template"]["spec"]["volumes"]
+    assert {v["secret"]["secretName"] for v in volumes if "secret" in v} <= generated
+    # probes: the standard gRPC health service on each container's own port
+    for c in (controller, worker):
+        ports = {p["containerPort"] for p in c["ports"]}
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] in ports, (c["name"], probe)
+    gpu = worker["resources"]
+    assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"]  # extended resources
+
+
+def _broken_copy(tmp_path: Path, edit: Any) -> list[Path]:
+    root = tmp_path / "kubernetes"
+    shutil.copytree(MANIFESTS, root)
+    path = root / "workers.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc))
+    return resources(root)
+
+
+def test_broken_manifests_fail(tmp_path: Path) -> None:
+    def drop_containers(doc: dict[str, Any]) -> None:
+        del doc["spec"]["template"]["spec"]["containers"]  # a required field
+
+    def unknown_field(doc: dict[str, Any]) -> None:
+        doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["path"] = "/healthz"
+
+    for name, edit in (("missing", drop_containers), ("unknown", unknown_field)):
+        files = _broken_copy(tmp_path / name, edit)
+        r = validate(files, VERSIONS[0])
+        assert r.returncode != 0, f"the validator passed a broken manifest ({name}):\n{r.stdout}{r.stderr}"
+        assert "workers.yaml" in r.stdout + r.stderr

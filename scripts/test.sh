@@ -3,6 +3,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# System packages some tests need: Slurm and munge (tests/test_slurm.py runs a real Slurm),
+# iproute2 (tests/hosts.py: separate hosts from network namespaces). Installed only when missing,
+# and only as root with apt-get; otherwise those tests skip and say why. Nothing is fetched when
+# everything is there, so this works offline once installed.
+missing=()
+command -v slurmctld > /dev/null || missing+=(slurm-wlm)
+command -v munged > /dev/null || missing+=(munge)
+command -v ip > /dev/null || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get > /dev/null; then
+    mkdir -p .venv
+    echo "installing ${missing[*]} (log: .venv/apt.log)" >&2
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        "${missing[@]}"; } > .venv/apt.log 2>&1 \
+      || echo "could not install ${missing[*]} (see .venv/apt.log): the tests needing them skip" >&2
+  else
+    echo "not installing ${missing[*]} (needs root and apt-get): the tests needing them skip" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" > .venv/install.log 2>&1; then
   cat .venv/install.log >&2

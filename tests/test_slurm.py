@@ -1,0 +1,240 @@
+"""examples/slurm/pathways.sbatch on a real Slurm: munged, slurmctld and slurmd started here with a
+generated slurm.conf in a temporary directory (one node: this machine), the batch script submitted
+with `sbatch`, the seed program's output checked in the job's output file, the exit code of a
+failing program checked as the job's, and nothing of the job left running afterwards.
+
+scripts/test.sh installs Debian's slurm-wlm and munge when it can (root, apt-get); where they are
+missing this module skips, saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH = REPO / "examples" / "slurm" / "pathways.sbatch"
+SEED = REPO / "examples" / "seed_program.py"
+TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+JOB_TIMEOUT_S = 150.0
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.2):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Slurm:
+    root: Path
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]]
+
+    def run(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def log(self, name: str) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / name).read_text(errors="replace")[-3000:]
+        return ""
+
+    def job(self, job_id: str) -> dict[str, str]:
+        r = self.run("scontrol", "-o", "show", "job", job_id)
+        return dict(re.findall(r"(\w+)=(\S*)", r.stdout)) if r.returncode == 0 else {}
+
+    def wait_job(self, job_id: str) -> dict[str, str]:
+        def ended() -> dict[str, str] | None:
+            info = self.job(job_id)
+            return info if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                     "NODE_FAIL", "OUT_OF_MEMORY") else None
+
+        try:
+            return wait_until(ended, JOB_TIMEOUT_S, f"job {job_id}", interval=0.5)
+        except TimeoutError:
+            self.run("scancel", job_id)
+            raise
+
+
+def slurm_conf(root: Path, munge_socket: Path) -> str:
+    host = socket.gethostname()
+    cpus = os.cpu_count() or 1
+    with open("/proc/meminfo") as fh:
+        mem_mib = int(fh.readline().split()[1]) // 1024
+    return "\n".join([
+        "ClusterName=pwtest",
+        f"SlurmctldHost={host}",
+        f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}",
+        "SlurmUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={root / 'state'}",
+        f"SlurmdSpoolDir={root / 'spool'}",
+        f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+        f"SlurmdPidFile={root / 'slurmd.pid'}",
+        f"SlurmctldLogFile={root / 'slurmctld.log'}",
+        f"SlurmdLogFile={root / 'slurmd.log'}",
+        "ProctrackType=proctrack/pgid",  # with linuxproc a job's background process outlives the job
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "MinJobAge=600",  # the ended job stays visible to `scontrol show job`
+        f"NodeName={host} CPUs={cpus} RealMemory={mem_mib // 2} State=UNKNOWN",
+        f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+        "",
+    ])
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[Slurm]:
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"Slurm/munge not installed ({', '.join(missing)} missing; scripts/test.sh installs "
+                    "slurm-wlm and munge as root with apt-get)")
+    if os.geteuid() != 0:
+        pytest.skip("the test starts munged (as the munge user) and the Slurm daemons: needs root")
+    try:
+        munge_user = pwd.getpwnam("munge")
+    except KeyError:
+        pytest.skip("no munge user (the munge package creates it)")
+    # not under pytest's base directory: that is 0700, and munged (another user) must reach its own
+    root = Path(tempfile.mkdtemp(prefix="pw-slurm-"))
+    root.chmod(0o755)
+    munge_dir = root / "munge"
+    munge_dir.mkdir()
+    os.chown(munge_dir, munge_user.pw_uid, munge_user.pw_gid)
+    for d in ("state", "spool"):
+        (root / d).mkdir()
+    sock = munge_dir / "munge.socket"
+    (root / "slurm.conf").write_text(slurm_conf(root, sock))
+    env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
+    env["SLURM_CONF"] = str(root / "slurm.conf")
+    procs: list[subprocess.Popen[bytes]] = []
+    s = Slurm(root, env, procs)
+    try:
+        # munged refuses to run as root with the packaged key ("Keyfile is insecure")
+        procs.append(subprocess.Popen(
+            ["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={sock}",
+             f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
+             f"--seed-file={munge_dir / 'munged.seed'}"],
+            stdout=subprocess.DEVNULL, stderr=open(root / "munged.err", "wb")))  # noqa: SIM115
+        wait_until(lambda: sock.exists() or procs[0].poll() is not None, 15, "munged's socket")
+        if procs[0].poll() is not None:
+            pytest.fail(f"munged exited: {s.log('munged.err')} {s.log('munge/munged.log')}")
+        for daemon in ("slurmctld", "slurmd"):
+            procs.append(subprocess.Popen([daemon, "-D"], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=open(root / f"{daemon}.err", "wb")))  # noqa: SIM115
+
+        def node_idle() -> bool:
+            for p, name in zip(procs[1:], ("slurmctld", "slurmd"), strict=True):
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited: {s.log(name + '.err')} {s.log(name + '.log')}")
+            r = s.run("sinfo", "-h", "-o", "%t")
+            return r.returncode == 0 and r.stdout.strip() == "idle"
+
+        wait_until(node_idle, 60, "the Slurm node to be idle", interval=0.5)
+        yield s
+    finally:
+        with contextlib.suppress(Exception):
+            s.run("scontrol", "shutdown", timeout=20)
+        for p in reversed(procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
+        # munged runs under runuser: make sure the daemon itself is gone
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((munge_dir / "munged.pid").read_text()), signal.SIGTERM)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def submit(slurm: Slurm, workdir: Path, program: Path, **env: str) -> tuple[str, dict[str, str], str]:
+    """sbatch the launcher with `program`; waits for the job; returns (job id, its info, its output)."""
+    workdir.mkdir()
+    job_env = dict(slurm.env, PW_PYTHON=sys.executable, PW_DEVICES="8", PW_READY_TIMEOUT="90",
+                   PYTHONPATH=str(REPO), XLA_FLAGS="", **env)
+    job_env.pop("PATHWAYS_HOME", None)  # the launcher must make its own, under the job's directory
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--chdir={workdir}",
+                        f"--output={workdir}/job-%j.out", str(SBATCH), str(program)],
+                       env=job_env, cwd=workdir, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, f"sbatch: {r.stderr}"
+    job_id = r.stdout.strip().split(";")[0]
+    info = slurm.wait_job(job_id)
+    out = (workdir / f"job-{job_id}.out").read_text(errors="replace")
+    return job_id, info, out
+
+
+def job_processes(job_dir: Path) -> list[int]:
+    """Processes still running with a data directory inside `job_dir` (the launcher's)."""
+    found = []
+    needle = f"PATHWAYS_HOME={job_dir}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+    return found
+
+
+def test_seed_program_on_slurm(slurm: Slurm, tmp_path: Path) -> None:
+    job_id, info, out = submit(slurm, tmp_path / "ok", SEED)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert "(array([3., 5.]), array([2., 4.]))" in out, out
+    job_dir = tmp_path / "ok" / f"pathways-{job_id}"
+    token = job_dir / "token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert job_dir.stat().st_mode & 0o777 == 0o700
+    assert token.read_text().strip() not in out  # the token is never printed
+    assert (job_dir / "pathways.db").exists(), "the controller's data directory is the job's"
+    assert not job_processes(job_dir), "the controller or a worker outlived the job"
+
+
+def test_program_exit_code_is_the_jobs(slurm: Slurm, tmp_path: Path) -> None:
+    program = tmp_path / "fails.py"
+    program.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
+    job_id, info, out = submit(slurm, tmp_path / "fail", program, PW_ISLANDS="main")
+    assert "about to fail" in out, out
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, out)
+    job_dir = tmp_path / "fail" / f"pathways-{job_id}"
+    assert not job_processes(job_dir)
+    # PW_ISLANDS named the node's worker into island "main" (by default: the node's name)
+    node = socket.gethostname()
+    assert f"worker {node} (island main," in (job_dir / f"worker-{node}.log").read_text(), out

@@ -28,12 +28,13 @@ ERROR_BOUND_S = 15.0
 
 # Host 1's island doubles, host 2's adds one: b(a(x)) sends a's output from host 1 to host 2.
 PROGRAM = """
+import os
 import sys
 import numpy as np
 import pwctl as pw
 
-d1 = pw.make_virtual_device_set().add_slice(devices=2, island="h1").devices
-d2 = pw.make_virtual_device_set().add_slice(devices=2, island="h2").devices
+d1 = pw.make_virtual_device_set().add_slice(devices=2, island=os.environ.get("FIRST", "h1")).devices
+d2 = pw.make_virtual_device_set().add_slice(devices=2, island=os.environ.get("SECOND", "h2")).devices
 a = pw.pmap(lambda x: x * 2.0, devices=d1)
 b = pw.pmap(lambda x: x + 1.0, devices=d2)
 c = pw.pmap(lambda x: x - 3.0, devices=d1)
@@ -109,6 +110,17 @@ def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> No
     # shared memory (the hosts have separate /dev/shm, mount and network namespaces)
     assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by gRPC stream", sender), sender[-3000:]
     assert "by shared-memory" not in sender, sender[-3000:]
+
+    # the control: a second worker on host 1 is on the same host, and that edge uses shared memory
+    r = hs[1].pwctl("worker", "start", "--island", "h1b", "--devices", "2", "--name", "w1b",
+                    "--listen", f"{hs[1].ip}:0", "--server", cl.address, PWCTL_TOKEN=cl.token)
+    assert r.returncode == 0, f"worker start: {r.stdout}{r.stderr}"
+    r = hs[0].run([sys.executable, str(prog), str(tmp_path / "x.npy"), "once", str(out)], timeout=120,
+                  FIRST="h1", SECOND="h1b", **cl.env())
+    assert r.returncode == 0 and "done" in r.stdout, f"program failed: {r.stdout}{r.stderr}"
+    np.testing.assert_allclose(np.load(out), x * 2.0 + 1.0, rtol=1e-6)
+    sender = cl.worker_log(1)
+    assert re.search(rf"first transfer to {re.escape(hs[1].ip)}:\d+ by shared-memory", sender), sender[-3000:]
 
 
 def _read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:

@@ -4,12 +4,9 @@
 # the background, and submits the seed program as a job, streaming its output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e . > .venv/install.log 2>&1; then
-  cat .venv/install.log >&2
-  exit 1
-fi
+EXTRAS=""
+# shellcheck source=scripts/ensure_venv.sh
+. scripts/ensure_venv.sh
 .venv/bin/pwctl up --islands 2 --devices 4
 .venv/bin/pwctl island list
 .venv/bin/pwctl submit examples/seed_program.py

@@ -2,7 +2,6 @@
 # Installs the project with its dev tools into .venv and runs the checks and the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 
 # System packages some tests need: Slurm and munge (tests/test_slurm.py runs a real Slurm),
 # iproute2 (tests/hosts.py: separate hosts from network namespaces). Installed only when missing,
@@ -24,11 +23,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" > .venv/install.log 2>&1; then
-  cat .venv/install.log >&2
-  exit 1
-fi
+EXTRAS="[dev]"
+# shellcheck source=scripts/ensure_venv.sh
+. scripts/ensure_venv.sh
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

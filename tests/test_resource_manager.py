@@ -735,3 +735,29 @@ def test_random_event_sequences_keep_invariants(seed: int) -> None:
         other = ResourceManager(debug=True)
         assert other.restore(devices, slices) == []
         assert other == rm
+
+
+def test_validation_failure_carries_the_stimuli_that_led_to_it() -> None:
+    from server.resource_manager import InvariantError
+
+    rm = cluster(("h1", "a", range(2)), ("h2", "b", range(2, 4)))
+    placed(rm, "s", 2, island="a")
+    rm._load[3] = 1  # corrupt on purpose: device 3 carries load no slice implies
+    with pytest.raises(InvariantError) as caught:
+        rm.handle(DeleteSlice("s"))  # validated after the stimulus (debug=True)
+    err = caught.value
+    assert err.problem.startswith("load {3: 1} != recomputed {}")
+    assert [h.text for h in err.history] == [
+        "HostUp h1 devices [0, 1]",
+        "HostUp h2 devices [2, 3]",
+        "CreateSlice s devices=2 island=a owner=''",
+        "DeleteSlice s",
+    ]
+    assert "after these stimuli (oldest first)" in str(err) and "CreateSlice s devices=2" in str(err)
+
+
+def test_validation_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATHWAYS_VALIDATE", "1")
+    assert ResourceManager().debug
+    monkeypatch.delenv("PATHWAYS_VALIDATE")
+    assert not ResourceManager().debug

@@ -591,3 +591,59 @@ def test_public_api_is_pinned() -> None:
         "Tick",
         "check_spec",
     }
+
+
+# -------------------------------------------------------------------------------------- invariants
+
+
+def test_invariant_error_is_the_shared_class() -> None:
+    from server.invariants import InvariantError as Shared
+
+    assert sched_pkg.InvariantError is Shared
+
+
+def test_validation_failure_carries_the_stimuli_that_led_to_it() -> None:
+    s = new()
+    s.handle(HostUp("h0", now=0.5))
+    s.handle(Submit(chain(7, 2, client="alice"), now=1.0))
+    s.handle(NodeStarted(7, 0, now=2.0))
+    s._inflight["a"] += 1  # corrupt the window accounting on purpose
+    with pytest.raises(sched_pkg.InvariantError) as caught:
+        s.handle(fin(7, 0, now=3.0))  # validate() runs after the stimulus (debug=True)
+    err = caught.value
+    assert "window accounting on island a" in err.problem
+    texts = [h.text for h in err.history]
+    assert texts[0] == "HostUp(host='h0', now=0.5)"
+    assert texts[1].startswith("Submit run 7 (p-7) client alice: 2 nodes on ['h0']")
+    assert texts[2:] == ["NodeStarted run 7 node 0", "NodeFinished run 7 node 0 ok"]
+    assert [h.at for h in err.history] == [0.5, 1.0, 2.0, 3.0]
+    message = str(err)
+    assert "after these stimuli (oldest first)" in message and "NodeFinished run 7 node 0 ok" in message
+
+
+def test_history_is_bounded_and_batches_are_summarised() -> None:
+    from server.invariants import DEFAULT_HISTORY
+    from server.scheduler import Batch
+
+    s = new()
+    for i in range(DEFAULT_HISTORY + 10):
+        s.handle(Tick(now=float(i)))
+    s.handle(Batch(tuple(Submit(chain(100 + i, 1, client=f"c{i}"), now=99.0) for i in range(10)), now=99.0))
+    history = s.history()
+    assert len(history) == DEFAULT_HISTORY
+    assert history[0].text == "Tick(now=11.0)"  # the oldest ten fell out
+    assert history[-1].text.startswith("Batch of 10: Submit run 100 ")
+    assert history[-1].text.endswith("; ... 2 more")
+
+
+def test_validation_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATHWAYS_VALIDATE", "1")
+    assert GangScheduler().debug
+    monkeypatch.setenv("PATHWAYS_VALIDATE", "0")
+    assert not GangScheduler().debug
+    s = GangScheduler()
+    s.handle(Submit(chain(1, 2), now=0.0))
+    s._inflight["a"] += 1
+    s.handle(fin(1, 0))  # not validated: the corruption goes unnoticed until validate() is asked
+    with pytest.raises(sched_pkg.InvariantError, match="window accounting"):
+        s.validate()

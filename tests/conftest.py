@@ -11,6 +11,11 @@ Fixtures:
   devices, workers "w-a", "w-b". `worker_env` is extra environment for every worker process.
 - `module_cluster`: the same, one per test module (read-only tests share it).
 - `make_cluster`: factory `make_cluster(islands=1, devices=2, controller_args=(), start=True)`.
+
+Every process a cluster starts runs with `PATHWAYS_VALIDATE=1`: the state machines validate their
+invariants after every stimulus. At teardown the fixtures scan the controller and worker logs for
+"InvariantError" and fail the test when one was logged, so a broken invariant on real traffic
+cannot pass unnoticed.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def pw_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def base_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
     env.update(PATHWAYS_HOME=str(home), XLA_FLAGS=XLA_FLAGS, NO_COLOR="1", COLUMNS="200",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PATHWAYS_VALIDATE="1")
     env.update(extra)
     return env
 
@@ -314,11 +319,30 @@ class LocalCluster:
             procs.append(self.controller)
         stop_children(procs)
 
+    def invariant_failures(self) -> list[str]:
+        """The logs of this cluster's processes that report a broken invariant, with the report."""
+        found: list[str] = []
+        for log in sorted(self.home.glob("*.log")):
+            text = log.read_text(errors="replace")
+            at = text.find("InvariantError")
+            if at >= 0:
+                found.append(f"{log.name}:\n{text[max(0, at - 200):at + 4000]}")
+        return found
+
+    def check_invariants(self) -> None:
+        """Fails the running test if a process of this cluster logged an InvariantError."""
+        found = self.invariant_failures()
+        if found:
+            pytest.fail("a state machine's invariant broke on real traffic:\n" + "\n\n".join(found),
+                        pytrace=False)
+
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
+        if exc_type is None:  # after close(): every log is complete
+            self.check_invariants()
 
 
 def _cluster_from_marker(request: pytest.FixtureRequest, home: Path) -> Iterator[LocalCluster]:
@@ -364,3 +388,5 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     yield make
     for c in made:
         c.close()
+    for c in made:
+        c.check_invariants()

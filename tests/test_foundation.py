@@ -339,3 +339,17 @@ def test_up_down_stops_exactly_what_it_started(pw_local: Path, module_cluster: L
     # processes it did not start are untouched
     procs = [module_cluster.controller, *(w.proc for w in module_cluster.workers.values())]
     assert all(p is not None and p.poll() is None for p in procs)
+
+
+def test_cluster_processes_validate_and_teardown_fails_on_a_logged_invariant_error(tmp_path: Path) -> None:
+    """Every process a cluster starts validates its state machines; a broken invariant that any of
+    them logged fails the test at teardown (it cannot pass unnoticed)."""
+    c = LocalCluster(tmp_path / "c")
+    assert c.env()["PATHWAYS_VALIDATE"] == "1"
+    (c.home / "worker-w-a-0-0.log").write_text("INFO worker ready\n")
+    c.check_invariants()  # a clean log passes
+    (c.home / "controller-0.log").write_text(
+        "ERROR InvariantError in CreateSlice: load {3: 1} != recomputed {}\n"
+        "after these stimuli (oldest first):\n  1.000000 HostUp h1 devices [0, 1]\n")
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)invariant broke.*controller-0.log.*HostUp h1"):
+        c.check_invariants()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,15 +22,18 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import __version__
 from ..db.engine import redact
+from ..invariants import InvariantError
 from .core import Controller
 from .errors import ControllerError
 from .links import WorkerLink
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Maps ControllerError to its status code with a one-line message."""
+    """Maps ControllerError to its status code with a one-line message; a broken invariant of a
+    state machine (a bug) is logged with the stimuli that led to it and answered INTERNAL."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> T:
@@ -37,6 +41,10 @@ def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             return await fn(self, request, context)
         except ControllerError as e:
             await context.abort(e.code, str(e))
+            raise  # unreachable: abort raises
+        except InvariantError as e:
+            log.error("InvariantError in %s: %s", fn.__name__, e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (a bug): {e.problem}")
             raise  # unreachable: abort raises
 
     return wrapper

@@ -24,6 +24,7 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..invariants import InvariantError
 from ..scheduler import Batch, Submit
 from .errors import ControllerError
 
@@ -167,6 +168,9 @@ class SessionManager:
                 self.core.dispatcher.flush()
         except (aio.AioRpcError, aio.UsageError, asyncio.CancelledError):
             pass
+        except InvariantError as e:  # a bug: loud in the log, and the client's session ends with it
+            log.error("InvariantError in session %s: %s", session.client_id, e)
+            session.send(cpb.SessionEvent(error=f"internal error (a bug): {e.problem}"))
         except Exception:
             log.exception("session %s failed", session.client_id)
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,6 @@ def test_concurrent_collectives_keep_one_gang_order(cluster: LocalCluster, tmp_p
 def test_parallel_and_sequential_dispatch_give_identical_results(cluster: LocalCluster) -> None:
     par = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="parallel")
     seq = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="sequential")
-    assert par["dispatch"] == "parallel" and seq["dispatch"] == "sequential"
     assert par["dtypes"] == seq["dtypes"] == ["float64"] * 10
     assert par["sha256"] == seq["sha256"]
     assert par["values"] == seq["values"]
@@ -287,3 +286,49 @@ def test_a_remapped_slice_keeps_working_for_its_compiled_functions(cluster: Loca
     assert out["before"] == out["after"] == [4.0, 5.0]
     assert out["prog_before"] == out["prog_after"] == [13.0, 14.0]
     assert described.returncode == 0 and "remapped" in described.stdout, described.stdout + described.stderr
+
+
+def check_dispatch_order(cluster: LocalCluster, workdir: Path, mode: str, **env: str) -> None:
+    """With worker b frozen, n0 cannot finish. Parallel dispatch enqueues its successor n1 on
+    worker a anyway: a's buffers grow by more than x alone could add (n1's pending input from b and
+    its output; the program uploads nothing). Sequential dispatch enqueues only x (no deps): x runs
+    on worker a, and a holds exactly one buffer more (x's output); n1, which would have come in the
+    same message as x, is not there. Once b continues, both modes give the right values."""
+    client = ClientProc(cluster, "dispatch_order.py", str(workdir), **env)
+    try:
+        wait_for(lambda: (workdir / "ready").exists() or client.proc.poll() is not None, 60, "the warm-up")
+        assert client.proc.poll() is None, client.result(timeout=1)
+        before = worker_stats(cluster, "w-a")
+        cluster.stop_worker("w-b")
+        try:
+            (workdir / "go").write_text("go")
+            if mode == "parallel":
+                wait_for(lambda: worker_stats(cluster, "w-a").buffers >= before.buffers + 2, 30,
+                         "n1 to reach worker a before n0 finished")
+            else:
+                after_x = wait_for(lambda: (s := worker_stats(cluster, "w-a")).nodes_executed
+                                   > before.nodes_executed and s, 30, "x to run on worker a")
+                assert after_x.nodes_executed == before.nodes_executed + 1
+                assert after_x.buffers == before.buffers + 1, "n1 reached worker a before n0 finished"
+        finally:
+            cluster.cont_worker("w-b")
+        out = client.result(timeout=60)
+    finally:
+        client.kill()
+    assert out["warm"] == [[[2.0] * 3] * 2, [[11.25] * 3] * 2]
+    assert out["n1"] == out["warm"][0] and out["x"] == out["warm"][1]
+
+
+@pytest.mark.cluster(islands=2, devices=4, heartbeat_timeout=30)
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_client_dispatch_mode_decides_when_successors_are_enqueued(cluster: LocalCluster, tmp_path: Path,
+                                                                  mode: str) -> None:
+    check_dispatch_order(cluster, tmp_path, mode, PWCTL_DISPATCH=mode)
+
+
+def test_controller_dispatch_sequential_is_the_default_of_its_sessions(
+        make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
+    """`--dispatch sequential` on the controller: a client that names no mode dispatches sequentially."""
+    cluster = make_cluster(islands=2, devices=4, heartbeat_timeout=30,
+                           controller_args=["--dispatch", "sequential"])
+    check_dispatch_order(cluster, tmp_path, "sequential")

@@ -5,6 +5,7 @@ Each client program runs in its own process (as a user's would) and prints JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from conftest import LocalCluster
 
 CLIENTS = Path(__file__).parent / "clients"
 SEED = Path(__file__).resolve().parents[1] / "examples" / "seed_program.py"
-SHARED_SEED = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed_program.py"
+# The seed program is the project's acceptance example, kept byte for byte as it was given: the
+# runtime must be changed to run it, never the example to suit the runtime.
+SEED_SHA256 = "63fd3db25fe84fca00710071dab6933c2ee865716da2d9b8de9186963d229641"
 
 pytestmark = pytest.mark.cluster(islands=2, devices=4)
 
@@ -34,9 +37,8 @@ def client_json(cluster: LocalCluster, name: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not SHARED_SEED.exists(), reason="no ../shared checkout beside the repository")
 def test_the_example_is_the_seed_program_unchanged() -> None:
-    assert SEED.read_text() == SHARED_SEED.read_text()
+    assert hashlib.sha256(SEED.read_bytes()).hexdigest() == SEED_SHA256
 
 
 def test_seed_program_prints_exactly(module_cluster: LocalCluster) -> None:
@@ -48,7 +50,7 @@ def test_seed_program_prints_exactly(module_cluster: LocalCluster) -> None:
 def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> None:
     out = client_json(module_cluster, "basics.py")
     assert out["shape"] == [2] and out["dtype"] == "float64"
-    assert out["chained"] == [4.0, 8.0] and out["ready"] is True
+    assert out["chained"] == [4.0, 8.0] and out["ready"] is True and out["ready_value"] == [8.0, 16.0]
     assert out["waited"] is True and out["after_wait"] == [16.0, 32.0]
     assert out["tree"] == {"sum": [1.0, 2.0], "pair": [[0.0, 2.0], [0.0, 0.0]]}
     assert out["loop"] == [2048.0, 2048.0]
@@ -73,6 +75,7 @@ def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:
     assert out["failed_node"].startswith("ProgramError") and "bad" in out["failed_node"]
     assert out["dependent"].startswith("ProgramError") and "input failed" in out["dependent"]
     assert out["wait_failed"].startswith("ProgramError") and "bad" in out["wait_failed"]
+    assert out["method_wait_failed"].startswith("ProgramError") and "bad" in out["method_wait_failed"]
     assert out["still_fine"] == [2.0, 4.0]
     assert out["slice_name"] in out["deleted_slice"] and out["deleted_slice"].startswith("ProgramError")
 

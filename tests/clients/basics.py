@@ -14,7 +14,9 @@ f = double(np.array([1.0, 2.0]))
 out["shape"], out["dtype"] = list(f.shape), str(f.dtype)  # known without fetching
 g = double(f)  # a future as input: its bytes never come to the client
 out["chained"] = np.asarray(g).tolist()
-out["ready"] = g.block_until_ready() is g
+k = double(g)  # not fetched: block_until_ready must ask its worker, and fetch nothing
+out["ready"] = k.block_until_ready(timeout=60) is k and k._value is None
+out["ready_value"] = np.asarray(k).tolist()
 h = double(g)
 tree_in = {"h": h, "more": [double(h), 3]}
 out["waited"] = pw.block_until_ready(tree_in) is tree_in and h._value is None  # waited, fetched nothing

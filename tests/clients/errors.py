@@ -44,6 +44,11 @@ try:  # waiting (without fetching) reports the failure the same way
     out["wait_failed"] = "no error"
 except Exception as e:
     out["wait_failed"] = f"{type(e).__name__}: {e}"
+try:  # so does the method, on a future never fetched
+    double(z).block_until_ready(timeout=60)
+    out["method_wait_failed"] = "no error"
+except Exception as e:
+    out["method_wait_failed"] = f"{type(e).__name__}: {e}"
 out["still_fine"] = np.asarray(double(np.array([1.0, 2.0]))).tolist()
 
 # a function on a deleted slice fails with the slice's name

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
 
+from pwctl.client import Client
+from pwctl.errors import PathwaysError, Rejected
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -146,25 +149,44 @@ def test_create_list_describe_delete(lc: LocalCluster) -> None:
 
 
 def test_concurrent_exclusive_creates_exactly_one_wins(lc: LocalCluster) -> None:
+    """Two clients, connected beforehand, released by one barrier: their creates are in flight
+    together. Over several rounds exactly one wins island b's last two unshared devices each time."""
     ids = island_devices(lc)
     r = lc.pwctl("slice", "create", "hold", "--devices", "4", "--island", "a", "--exclusive")
     assert r.returncode == 0, r.stderr
-    # only island b's 2 devices are left unshared; two creates race for them
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "slice", "create", name, "--devices", "2",
-                          "--exclusive", "-o", "json"],
-                         env=lc.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name in ("r1", "r2")
-    ]
-    results = [(p.wait(timeout=60), *p.communicate()) for p in procs]
-    codes = sorted(rc for rc, _, _ in results)
-    assert codes == [0, 4], results
-    loser = next(err for rc, _, err in results if rc == 4)
-    assert "unshared" in loser
-    state = slices(lc)
-    assert set(state) == {"hold", "r1"} or set(state) == {"hold", "r2"}
-    winner = next(n for n in state if n != "hold")
-    assert mapping(state[winner]) == ids["b"]
+    clients = [lc.client(timeout=30) for _ in range(2)]
+    try:
+        for c in clients:
+            c.info()  # connected: the barrier releases requests, not connection set-ups
+        for round_ in range(5):
+            names = [f"r{round_}-{i}" for i in range(2)]
+            barrier = threading.Barrier(len(names))
+            outcomes: dict[str, object] = {}
+
+            def create(client: Client, name: str, barrier: threading.Barrier = barrier,
+                       outcomes: dict[str, object] = outcomes) -> None:
+                barrier.wait(timeout=30)
+                try:
+                    outcomes[name] = client.create_slice(cpb.SliceSpec(name=name, devices=2, exclusive=True))
+                except PathwaysError as e:
+                    outcomes[name] = e
+
+            threads = [threading.Thread(target=create, args=(c, n)) for c, n in zip(clients, names, strict=True)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            won = [n for n in names if isinstance(outcomes[n], cpb.CreateSliceResponse)]
+            lost = [outcomes[n] for n in names if n not in won]
+            assert len(won) == 1, outcomes
+            assert isinstance(lost[0], Rejected) and "unshared" in str(lost[0]), lost
+            state = slices(lc)
+            assert set(state) == {"hold", won[0]}
+            assert mapping(state[won[0]]) == ids["b"]
+            clients[0].delete_slice(won[0])
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_restart_keeps_slices_and_mappings(lc: LocalCluster) -> None:

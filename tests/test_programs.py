@@ -68,6 +68,23 @@ def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalClu
     assert np.allclose(*out["chain_psum"])
 
 
+def test_donated_inputs_are_consumed_and_results_right(module_cluster: LocalCluster) -> None:
+    """donate_argnums through pw.pmap and pw.jit: the results are right; the donated buffer is
+    gone on its worker, so every later use (the same function, another one, a fetch) is a clear
+    error naming the donation, and the worker and the session go on."""
+    out = client_json(module_cluster, "donate.py")
+    assert out["pmap_result"] == [[3.0] * 3] * 2
+    assert out["pmap_not_donated"] == {"value": [[2.0] * 3] * 2}
+    for key, fn in (("pmap_reuse", "accumulate"), ("pmap_fetch_donated", "accumulate"),
+                    ("pmap_other_reader", "accumulate"), ("jit_reuse", "scaled")):
+        error = out[key].get("error", f"no error: {out[key]}")
+        assert error.startswith("ProgramError") and f"buffer donated to {fn}" in error, (key, error)
+        assert "donate_argnums" in error
+    assert out["jit_result"] == [6.0, 9.0, 12.0, 15.0]
+    assert out["after"] == {"value": [[3.0] * 3] * 2}
+    assert all(w.proc.poll() is None for w in module_cluster.workers.values())
+
+
 def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:
     out = client_json(module_cluster, "errors.py")
     assert "argument 0 has leading axis 3, the slice has 2 devices" in out["shape"]

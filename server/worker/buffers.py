@@ -131,6 +131,15 @@ class BufferStore:
         for cb in callbacks:
             cb()
 
+    def consumed(self, buffer_ids: Sequence[int], error: str) -> None:
+        """These ready buffers were donated to a computation and no longer exist: a later reader
+        (or fetch) fails with `error` instead of handing XLA a deleted array."""
+        with self._lock:
+            for buffer_id in buffer_ids:
+                e = self._entries.get(buffer_id)
+                if e is not None and e.state == READY:
+                    e.state, e.error, e.value, e.nbytes = FAILED, error, None, 0
+
     def launched(self, output_ids: Sequence[int], values: Sequence[Any], input_ids: Sequence[int],
                  sizes: Sequence[int] | None = None) -> int:
         """A node was launched: its outputs exist (still computing) and it no longer needs

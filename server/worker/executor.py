@@ -61,6 +61,7 @@ class SegmentInfo:
     fused: bool = False  # its runner fuses nodes and its first launch has not succeeded yet
     error: str = ""  # why it cannot run (compile error), once known
     out_nbytes: list[int] | None = None  # per output, read off its first launch (shapes are static)
+    donates: bool = False  # a node of it donates inputs (known once its runner exists)
 
     @classmethod
     def of(cls, d: wpb.SegmentDef) -> SegmentInfo:
@@ -362,6 +363,9 @@ class Executor:
             self._fail(task, str(e) if isinstance(e, NodeFailed) else f"{type(e).__name__}: {e}")
             return
         info.fused = False  # it launched: from now on a failure is the computation's, not fusion's
+        if info.donates:  # its donated inputs are gone: later readers must fail, not crash XLA
+            gone = [b for b, v in zip(task.input_ids, inputs, strict=False) if getattr(v, "is_deleted", bool)()]
+            self.store.consumed(gone, f"buffer donated to {info.label}: it no longer exists (donate_argnums)")
         if info.out_nbytes is None:
             info.out_nbytes = [int(getattr(v, "nbytes", 0)) for v in values]
         nbytes = self.store.launched(task.output_ids, values, task.input_ids, info.out_nbytes)
@@ -384,6 +388,7 @@ class Executor:
             runners.append(runner)
             collective.append(any(e.has_collectives for e in exes[nodes]))
             info.fused = info.fused or fused
+        info.donates = any(e.donate for e in exes)
         if len(parts) == 1:
             info.runner = runners[0]
         else:

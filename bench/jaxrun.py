@@ -34,7 +34,7 @@ def dispatch_serve(variant: str, count: int) -> None:
         step = jax.pmap(defs.allreduce_step, axis_name=defs.AXIS, devices=devs[:4])
         fused = jax.pmap(defs.allreduce_fused, axis_name=defs.AXIS, devices=devs[:4])
         x0 = jax.pmap(lambda v: v, devices=devs[:4])(np.zeros((4,), np.float32))
-        block_each = True  # collectives must not be pipelined on CPU (FACTS.md): block every call
+        block_each = True  # collectives must not be pipelined on CPU (docs/facts.md, "JAX on CPU"): block every call
     else:
         step = jax.jit(defs.inc_step)
         fused = jax.jit(defs.inc_fused)

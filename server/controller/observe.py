@@ -12,7 +12,7 @@ keeps, in memory only and bounded whatever the load:
 - finished-node counts in buckets, for computations per second.
 
 Nothing here touches the database: the hot path never waits on it, and per-node events are
-not persisted (DESIGN.md, "State"). Times are the workers' wall clocks (time.time_ns); hosts
+not persisted (docs/architecture.md, "State"). Times are the workers' wall clocks (time.time_ns); hosts
 of one cluster are assumed to keep their clocks in sync (NTP), as every tracing system does.
 
 A node's busy interval starts at max(its launch, the previous end on its devices): workers

@@ -3,7 +3,7 @@
 A task is one run's execution of a registered segment (consecutive program nodes on this
 worker; see server/controller/segments.py) and holds one seq of this worker's gang order.
 One thread launches tasks strictly in seq order (the island's gang order), never from gRPC
-handler threads (FACTS.md: JAX blocks the launching thread when ~32 computations are in
+handler threads (docs/facts.md, "JAX on CPU": JAX blocks the launching thread when ~32 computations are in
 flight). A launch waits only for its inputs; results are stored as JAX arrays still being
 computed, so computations without collectives pipeline through JAX's async dispatch. A
 computation with a collective starts only after everything in flight on its devices

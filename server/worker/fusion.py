@@ -168,7 +168,7 @@ def run_parts(segment: Segment, parts: Sequence[Part], runners: Sequence[Runner]
     """Launches the parts in order, each reading the segment's inputs and earlier parts' outputs.
 
     A part with a collective waits for the earlier parts first: on CPU, a collective computation
-    launched while another computation is in flight can deadlock (FACTS.md)."""
+    launched while another computation is in flight can deadlock (docs/facts.md, "JAX on CPU")."""
     values: dict[tuple[int, int], Any] = {}
     for part, run, waits in zip(parts, runners, collective, strict=True):
         if waits and values:

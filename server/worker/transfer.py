@@ -51,7 +51,7 @@ def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
 
 class _PeerStream:
     """One long-lived Transfer stream to a peer worker: buffers go out in order as messages
-    of one call instead of one call each (~0.5 ms a call on loopback, FACTS.md)."""
+    of one call instead of one call each (~0.5 ms a call on loopback: docs/facts.md, "Moving bytes")."""
 
     def __init__(self, stub: wgrpc.WorkerStub, metadata: Any, address: str) -> None:
         self.stub, self.metadata, self.address = stub, metadata, address

@@ -647,3 +647,15 @@ def test_validation_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     s.handle(fin(1, 0))  # not validated: the corruption goes unnoticed until validate() is asked
     with pytest.raises(sched_pkg.InvariantError, match="window accounting"):
         s.validate()
+
+
+def test_validate_finds_a_waiting_run_lost_from_its_queue_or_out_of_order() -> None:
+    s = new(max_inflight_nodes=1)
+    for rid in (1, 2, 3):
+        s.handle(Submit(chain(rid, 1), now=0.0))  # run 1 admitted, 2 and 3 wait
+    s._queues["c1"].reverse()  # 3 before 2
+    with pytest.raises(sched_pkg.InvariantError, match="out of submit order"):
+        s.validate()
+    s._queues["c1"].clear()  # neither queued any more
+    with pytest.raises(sched_pkg.InvariantError, match="2 runs wait but 0 are queued"):
+        s.validate()

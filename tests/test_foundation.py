@@ -353,3 +353,7 @@ def test_cluster_processes_validate_and_teardown_fails_on_a_logged_invariant_err
         "after these stimuli (oldest first):\n  1.000000 HostUp h1 devices [0, 1]\n")
     with pytest.raises(pytest.fail.Exception, match=r"(?s)invariant broke.*controller-0.log.*HostUp h1"):
         c.check_invariants()
+
+
+def test_the_cluster_controller_validates_its_state_machines(module_cluster: LocalCluster) -> None:
+    assert "validate their invariants after every stimulus" in module_cluster.controller_logs()

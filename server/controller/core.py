@@ -57,6 +57,8 @@ class Controller:
             hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
             max_inflight_nodes=config.window,
         )
+        if self.scheduler.debug or self.slices.rm.debug:
+            log.info("state machines validate their invariants after every stimulus (PATHWAYS_VALIDATE)")
         self.dispatcher = Dispatcher(self, self.scheduler)
         self.sessions = SessionManager(self)
         self.cluster.on_host_up.append(self.dispatcher.host_up)

@@ -104,7 +104,7 @@ class Host:
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
         env.update(PATHWAYS_HOME=str(self.home), XLA_FLAGS=XLA_FLAGS, NO_COLOR="1", COLUMNS="200",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", PATHWAYS_VALIDATE="1")
         env.update(extra)
         return env
 

@@ -29,19 +29,19 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import now_iso
-from .cluster import READY, device_state
+from .cluster import READY, Cluster, device_state
 from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
 
 if TYPE_CHECKING:
-    from .core import Controller
+    from ..scheduler import GangScheduler
     from .dispatch import RunState
 
 log = logging.getLogger(__name__)
@@ -217,8 +217,15 @@ class _Ring:
 class Observer:
     """Live status (`Watch`) and traces (`GetTrace`) from node events; see the module doc."""
 
-    def __init__(self, core: Controller, ring_size: int = RING_SIZE) -> None:
-        self.core = core
+    def __init__(self, cluster: Cluster, ring_size: int = RING_SIZE, *, scheduler: GangScheduler | None = None,
+                 slices: Callable[[], list[cpb.Slice]] | None = None,
+                 jobs: Callable[[], list[cpb.Job]] | None = None) -> None:
+        """`cluster` names hosts and devices; the status view also shows the scheduler's queues,
+        the slices and the jobs (each empty when not given)."""
+        self.cluster = cluster
+        self.scheduler = scheduler
+        self.slices = slices
+        self.jobs = jobs
         self.ring_size = ring_size
         self._ring = _Ring(ring_size)
         self.devices: dict[DeviceKey, DeviceActivity] = {}
@@ -249,7 +256,7 @@ class Observer:
         size = segment_size(run, ev.segment)
         self.computations_total += size
         self._rate.add_point(ev.end_ns, size)
-        h = self.core.cluster.hosts.get(host)
+        h = self.cluster.hosts.get(host)
         session = run.session if run is not None else None
         program = run.program if run is not None else None
         self._ring.append(
@@ -287,10 +294,9 @@ class Observer:
         return self._rate.total(now) / (self._rate.span_ns(now) / 1e9)
 
     def snapshot(self) -> cpb.ClusterStatus:
-        core = self.core
         now_ns = time.time_ns()
         devices = []
-        for h in sorted(core.cluster.hosts.values(), key=lambda h: (h.island, h.name)):
+        for h in sorted(self.cluster.hosts.values(), key=lambda h: (h.island, h.name)):
             for local, dev_id in enumerate(h.device_ids):
                 act = self.devices.get((h.name, local))
                 head = act.running() if act is not None and h.state == READY else None
@@ -302,9 +308,9 @@ class Observer:
                 ))
         return cpb.ClusterStatus(
             at=now_iso(),
-            islands=core.cluster.island_protos(),
+            islands=self.cluster.island_protos(),
             devices=devices,
-            slices=core.slices.list(""),
+            slices=self.slices() if self.slices is not None else [],
             queues=self._queues(),
             jobs=self._jobs(),
             computations_per_s=round(self.computations_per_s(now_ns), 2),
@@ -312,11 +318,13 @@ class Observer:
         )
 
     def _queues(self) -> list[cpb.IslandQueue]:
-        sched = self.core.scheduler
+        sched = self.scheduler
+        if sched is None:
+            return []
         snap = sched.snapshot()
         views = {v.island: v for v in snap.islands}
         out = []
-        for island in sorted(set(self.core.cluster.islands) | set(views)):
+        for island in sorted(set(self.cluster.islands) | set(views)):
             v = views.get(island)
             policy = v.policy if v is not None else str(sched.policy(island))
             q = cpb.IslandQueue(island=island, policy=policy)
@@ -331,11 +339,10 @@ class Observer:
         return out
 
     def _jobs(self) -> list[cpb.Job]:
-        jobs = getattr(self.core, "jobs", None)
-        if jobs is None:
+        if self.jobs is None:
             return []
         try:
-            listed = list(jobs.list("", False))
+            listed = self.jobs()
         except Exception:  # the status view must not fail because one component did
             log.exception("listing jobs for the status view failed")
             return []
@@ -413,7 +420,7 @@ class Observer:
         return await TraceBuilder(self.select(job, program), self._device_ids()).encode()
 
     def _device_ids(self) -> dict[DeviceKey, int]:
-        return {(h.name, i): d for h in self.core.cluster.hosts.values() for i, d in enumerate(h.device_ids)}
+        return {(h.name, i): d for h in self.cluster.hosts.values() for i, d in enumerate(h.device_ids)}
 
 
 def _label(ev: cpb.NodeEvent, run: RunState | None) -> str:

@@ -67,7 +67,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(edges.get(m, ())):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return [*path[path.index(n):], n]
             if n not in state:
                 found = visit(n)
                 if found:

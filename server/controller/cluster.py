@@ -65,9 +65,6 @@ class HostInfo:
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: datetime = field(default_factory=utcnow)
     link: WorkerLink | None = None
-    lost_reason: str = ""
-    buffers: int = 0
-    buffer_bytes: int = 0
 
 
 HostListener = Callable[[HostInfo], None]
@@ -157,12 +154,12 @@ class Cluster:
         return info
 
     def heartbeat(self, name: str, hb: cpb.Heartbeat) -> None:
+        """The host is alive (the buffer counts `hb` carries are the worker's to report, not kept)."""
         info = self.hosts.get(name)
         if info is None or info.state != READY:
             return
         info.last_seen = time.monotonic()
         info.last_heartbeat = utcnow()
-        info.buffers, info.buffer_bytes = hb.buffers, hb.buffer_bytes
         self._dirty.add(name)
 
     def close_links(self) -> None:
@@ -182,7 +179,6 @@ class Cluster:
         if info is None or info.state == LOST or self.closing:
             return
         info.state = LOST
-        info.lost_reason = reason
         if info.link is not None:
             info.link.close()
             info.link = None

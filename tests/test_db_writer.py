@@ -103,3 +103,47 @@ def test_the_event_loop_awaits_a_write_without_blocking(db: sessionmaker[Session
     ticks, result = asyncio.run(scenario())
     assert ticks >= 5 and result == "z"
     assert w.close(10)
+
+
+def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
+        db: sessionmaker[Session]) -> None:
+    """The cluster and the slice service write through one writer; a fresh pair loading the
+    database afterwards (a restarted controller) finds exactly the state they had."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from server.controller.cluster import RECONNECTING, Cluster
+    from server.controller.links import WorkerLink
+    from server.controller.slices import SliceService
+
+    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
+        cluster = Cluster(db, w.submit, 1.0, 5.0)
+        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+        cluster.on_host_up.append(slices.host_up)
+        slices.load()
+        cluster.load()
+        return cluster, slices
+
+    w = DbWriter(db)
+    cluster, slices = parts(w)
+    for name in ("w1", "w2"):
+        reg = cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
+                                 device_count=2, machine_id="m")
+        cluster.register(reg, WorkerLink(name))
+    assert [h.device_ids for h in cluster.hosts.values()] == [[1, 2], [3, 4]]  # assigned without the database
+    slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c1")
+    slices.delete("s")
+    slices.create(cpb.SliceSpec(name="s", devices=1), False, "client:c1")
+    slices.create(cpb.SliceSpec(name="t", devices=2), False, "job:j1")
+    before = {s.name: (list(s.devices), s.owner) for s in slices.list()}
+    assert w.close(10)
+
+    w2 = DbWriter(db)
+    cluster2, slices2 = parts(w2)
+    assert {n: (h.id, h.device_ids, h.state) for n, h in cluster2.hosts.items()} == {
+        "w1": (1, [1, 2], RECONNECTING), "w2": (2, [3, 4], RECONNECTING)}
+    after = {s.name: (list(s.devices), s.owner) for s in slices2.list()}
+    assert after == before and after["s"][0][0].device_id in (1, 2, 3, 4) and len(after["s"][0]) == 1
+    # a host registering again keeps its ids; new hosts get new ones
+    cluster2.register(cpb.RegisterWorker(name="w3", island="i", address="w3:1", pid=1, device_kind="cpu",
+                                         device_count=1, machine_id="m"), WorkerLink("w3"))
+    assert (cluster2.hosts["w3"].id, cluster2.hosts["w3"].device_ids) == (3, [5])
+    assert w2.close(10)

@@ -15,10 +15,8 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,6 +25,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..db.models import DeviceRow, HostRow, IslandRow, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
 from .links import WorkerLink
 
@@ -69,7 +68,6 @@ class HostInfo:
 
 HostListener = Callable[[HostInfo], None]
 LostListener = Callable[[HostInfo, str], None]
-Write = Callable[[Callable[[Session], Any]], "Future[Any]"]
 
 
 class Cluster:

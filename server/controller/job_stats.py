@@ -4,7 +4,6 @@ written to the database about once a second, never per run."""
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -13,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..db.models import ProgramRow, utcnow
+from ..db.writer import Write
 from .programs import ProgramRecord
 
 
@@ -34,7 +34,7 @@ class ProgramDelta:
 class ProgramStats:
     """Counts per (program, owner) since the last flush; `flush` hands them to the writer."""
 
-    def __init__(self, write: Callable[[Callable[[Session], None]], Future[None]]) -> None:
+    def __init__(self, write: Write) -> None:
         self._write = write
         self._dirty: dict[tuple[str, str], ProgramDelta] = {}
 

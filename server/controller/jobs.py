@@ -50,6 +50,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import paths
 from ..db.models import JobRow, ProgramRow, str_list, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
 from .client_session import ClientSession
 from .errors import InvalidArgument, NotFound
@@ -118,9 +119,6 @@ class JobRecord:
 
 def _now() -> datetime:
     return utcnow()
-
-
-Write = Callable[[Callable[[Session], Any]], "Future[Any]"]
 
 
 class JobManager:

@@ -26,6 +26,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import resource_manager as rm
 from ..db.models import DeviceRow, HostRow, SliceDeviceRow, SliceRemapRow, SliceRow, int_list, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
 from .cluster import READY, HostInfo
 from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
@@ -75,7 +76,6 @@ class _Meta:
 
 
 SliceListener = Callable[[cpb.Slice], None]
-Write = Callable[[Callable[[Session], None]], "Future[None]"]
 
 
 class SliceService:

@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -32,6 +32,12 @@ T = TypeVar("T")
 MAX_BATCH = 256  # jobs per transaction
 
 _Job = tuple[Callable[[Session], Any], "Future[Any]"]
+
+
+class Write(Protocol):
+    """`DbWriter.submit`, as the components that write take it."""
+
+    def __call__(self, job: Callable[[Session], T], /) -> Future[T]: ...
 
 
 class WriterClosed(RuntimeError):

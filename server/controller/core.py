@@ -26,6 +26,8 @@ from .slices import SliceService
 
 log = logging.getLogger(__name__)
 
+WRITER_DRAIN_S = 30.0  # how long a stopping controller waits for its queued database writes
+
 
 @dataclass
 class ControllerConfig:
@@ -94,7 +96,8 @@ class Controller:
         for task in list(self._tasks):
             task.cancel()
         self.cluster.flush_heartbeats()
-        await asyncio.to_thread(self.writer.close)  # runs every write queued so far
+        if not await asyncio.to_thread(self.writer.close, WRITER_DRAIN_S):  # runs every write queued so far
+            log.error("the database writer did not finish its queue within %g s; the rest is lost", WRITER_DRAIN_S)
         self.engine.dispose()
 
     async def _ticker(self) -> None:

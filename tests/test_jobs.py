@@ -238,3 +238,33 @@ def test_controller_restart_fails_running_jobs_with_the_reason(make_cluster: Any
     assert pid_gone(pid)
     listed = json.loads(c.pwctl("jobs", "list", "--all", "-o", "json").stdout)["items"]
     assert {crashed, stopped} <= {j["id"] for j in listed}
+
+
+TOKEN_CHECK = """\
+import os, pathlib, runpy, sys
+token = os.environ.get("PWCTL_TOKEN")
+expected = (pathlib.Path(os.environ["PATHWAYS_HOME"]) / "token").read_text().strip()
+print("token from the controller:", token == expected, flush=True)
+if sys.argv[1:] == ["without"]:  # no token anywhere: every call is refused
+    del os.environ["PWCTL_TOKEN"]
+    os.environ["PATHWAYS_HOME"] = os.path.join(os.getcwd(), "elsewhere")
+runpy.run_path(sys.argv[0].replace("token_check.py", "seed_program.py"), run_name="__main__")
+"""
+
+
+def test_a_job_under_require_token_gets_the_token(make_cluster: Any, tmp_path: Path) -> None:
+    c: LocalCluster = make_cluster(islands=1, devices=2, controller_args=["--require-token"])
+    assert c.token
+    wd = tmp_path / "proj"
+    wd.mkdir()
+    (wd / "token_check.py").write_text(TOKEN_CHECK)
+    (wd / "seed_program.py").write_text(SEED.read_text())
+    r = c.pwctl("submit", str(wd / "token_check.py"), "--working-dir", str(wd), env=c.env(PWCTL_TOKEN=c.token))
+    assert r.returncode == 0, r.stderr
+    assert "token from the controller: True" in r.stdout
+    assert "(array([3., 5.]), array([2., 4.]))" in r.stdout
+
+    r = c.pwctl("submit", str(wd / "token_check.py"), "--working-dir", str(wd), "--", "without",
+                env=c.env(PWCTL_TOKEN=c.token))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rejected the call: missing or wrong token" in r.stdout

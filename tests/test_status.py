@@ -102,7 +102,7 @@ def test_bucket_window_spreads_spans_and_forgets_old_ones() -> None:
 
 
 def test_utilization_running_node_and_rate() -> None:
-    obs = Observer(fake_core(), ring_size=100)
+    obs = Observer(fake_core().cluster, ring_size=100)
     run = fake_run(1, "step", "p-aaa")
     now = 1_000 * S
     # device 0 busy for 2 of the last 5 s (two 1 s nodes); device 1 idle
@@ -132,7 +132,7 @@ def test_utilization_running_node_and_rate() -> None:
     assert obs.utilization("h0", 0, t + 100 * S) == 0.0
 
     # computations per second: 30 finished nodes in the last 3 s
-    obs2 = Observer(fake_core(), ring_size=100)
+    obs2 = Observer(fake_core().cluster, ring_size=100)
     base = 5_000 * S
     for i in range(30):
         end = base + i * (S // 10)
@@ -147,7 +147,7 @@ def test_utilization_running_node_and_rate() -> None:
 
 
 def test_ring_is_bounded_and_selection_follows_it() -> None:
-    obs = Observer(fake_core(), ring_size=10)
+    obs = Observer(fake_core().cluster, ring_size=10)
     t = 10 * S
     for i in range(25):
         old = i < 12
@@ -179,7 +179,7 @@ def test_ring_gives_back_every_field() -> None:
 
 def test_trace_builder_and_filters() -> None:
     core = fake_core()
-    obs = Observer(core, ring_size=1000)
+    obs = Observer(core.cluster, ring_size=1000)
     t = 50 * S
     a = fake_run(1, "train_step", "p-1111", job="job-7")
     b = fake_run(2, "train_step", "p-1111", job="job-7")
@@ -239,7 +239,7 @@ def test_trace_builder_and_filters() -> None:
 
 
 def test_events_of_unknown_runs_are_kept() -> None:
-    obs = Observer(fake_core(), ring_size=10)
+    obs = Observer(fake_core().cluster, ring_size=10)
     obs.on_node_event("h0", cpb.NodeEvent(run_id=9, segment=3, start_ns=S, end_ns=2 * S, ok=False,
                                           error="dropped", local_devices=[0]), None)
     (rec,) = obs.records()

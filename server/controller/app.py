@@ -44,8 +44,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         raise SystemExit(str(e)) from None
     interceptors: list[aio.ServerInterceptor] = []
     if config.require_token or not paths.is_loopback(host):
-        token = config.token or load_or_create_token()
-        interceptors.append(TokenInterceptor(token))
+        config.token = config.token or load_or_create_token()  # job drivers get it too
+        interceptors.append(TokenInterceptor(config.token))
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)

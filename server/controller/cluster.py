@@ -2,24 +2,30 @@
 
 In memory for the hot path, mirrored in the database for restarts. Listeners (the
 resource manager, the scheduler) hear when a host comes up or is lost.
+
+The database is read once, at start; every later change is a job for the database writer,
+which the event loop never waits on. Host and device ids are therefore assigned here, from
+what the database held at start: this controller is the database's only writer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..db.models import DeviceRow, HostRow, IslandRow, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
 from .links import WorkerLink
 
@@ -58,9 +64,6 @@ class HostInfo:
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: datetime = field(default_factory=utcnow)
     link: WorkerLink | None = None
-    lost_reason: str = ""
-    buffers: int = 0
-    buffer_bytes: int = 0
 
 
 HostListener = Callable[[HostInfo], None]
@@ -70,8 +73,10 @@ LostListener = Callable[[HostInfo, str], None]
 class Cluster:
     """The registry of workers. All methods run on the controller's event loop."""
 
-    def __init__(self, sessions: sessionmaker[Session], heartbeat_interval: float, heartbeat_timeout: float):
+    def __init__(self, sessions: sessionmaker[Session], write: Write, heartbeat_interval: float,
+                 heartbeat_timeout: float):
         self._sessions = sessions
+        self._write = write
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.hosts: dict[str, HostInfo] = {}
@@ -79,6 +84,10 @@ class Cluster:
         self.on_host_up: list[HostListener] = []
         self.on_host_lost: list[LostListener] = []
         self._dirty: set[str] = set()
+        # host name -> local index -> device id, every device the host ever had (also removed ones)
+        self._device_ids: dict[str, dict[int, int]] = {}
+        self._host_ids = itertools.count(1)
+        self._new_device_ids = itertools.count(1)
         # Set when the controller shuts down: its worker streams then close because it goes away,
         # not because hosts died; marking them lost would remap slices and persist that.
         self.closing = False
@@ -88,9 +97,12 @@ class Cluster:
         """Restores what the database knew; hosts it knew as ready are reconnecting and get one
         heartbeat timeout to register again."""
         with self._sessions() as s:
+            self._host_ids = itertools.count((s.scalar(select(func.max(HostRow.id))) or 0) + 1)
+            self._new_device_ids = itertools.count((s.scalar(select(func.max(DeviceRow.id))) or 0) + 1)
             for island in s.scalars(select(IslandRow)):
                 self.islands[island.name] = island.created_at
             for row in s.scalars(select(HostRow)):
+                self._device_ids[row.name] = {d.local_index: d.id for d in row.devices}
                 self.hosts[row.name] = HostInfo(
                     id=row.id,
                     name=row.name,
@@ -106,54 +118,29 @@ class Cluster:
 
     # ---- registration ----
     def register(self, msg: cpb.RegisterWorker, link: WorkerLink) -> HostInfo:
-        with self._sessions.begin() as s:
-            island = s.scalar(select(IslandRow).where(IslandRow.name == msg.island))
-            if island is None:
-                island = IslandRow(name=msg.island)
-                s.add(island)
-                s.flush()
-                self.islands[island.name] = island.created_at
-            host = s.scalar(select(HostRow).where(HostRow.name == msg.name))
-            now = utcnow()
-            if host is None:
-                host = HostRow(name=msg.name, island_id=island.id, address=msg.address, state=READY,
-                               pid=msg.pid, device_kind=msg.device_kind, machine_id=msg.machine_id)
-                s.add(host)
-                s.flush()
-            host.island_id = island.id
-            host.address, host.pid, host.state = msg.address, msg.pid, READY
-            host.device_kind, host.machine_id, host.last_heartbeat = msg.device_kind, msg.machine_id, now
-            existing = {d.local_index: d for d in s.scalars(select(DeviceRow).where(DeviceRow.host_id == host.id))}
-            for i in range(msg.device_count):
-                dev = existing.get(i)
-                if dev is None:
-                    dev = DeviceRow(host_id=host.id, local_index=i, kind=msg.device_kind, state="available")
-                    s.add(dev)
-                dev.kind, dev.state = msg.device_kind, "available"
-            for i, dev in existing.items():
-                if i >= msg.device_count:
-                    dev.state = "removed"
-            s.flush()
-            device_ids = [
-                d.id
-                for d in sorted(
-                    s.scalars(select(DeviceRow).where(DeviceRow.host_id == host.id)), key=lambda d: d.local_index
-                )
-                if d.state == "available"
-            ]
-            info = HostInfo(
-                id=host.id,
-                name=host.name,
-                island=msg.island,
-                address=msg.address,
-                pid=msg.pid,
-                kind=msg.device_kind,
-                machine_id=msg.machine_id,
-                device_ids=device_ids,
-                state=READY,
-                last_heartbeat=now,
-            )
+        """Records the host in memory at once and queues its rows (island, host, devices)."""
+        now = utcnow()
+        created = self.islands.setdefault(msg.island, now)
         old = self.hosts.get(msg.name)
+        host_id = old.id if old is not None else next(self._host_ids)
+        by_index = self._device_ids.setdefault(msg.name, {})
+        for i in range(msg.device_count):
+            if i not in by_index:
+                by_index[i] = next(self._new_device_ids)
+        info = HostInfo(
+            id=host_id,
+            name=msg.name,
+            island=msg.island,
+            address=msg.address,
+            pid=msg.pid,
+            kind=msg.device_kind,
+            machine_id=msg.machine_id,
+            device_ids=[by_index[i] for i in range(msg.device_count)],
+            state=READY,
+            last_heartbeat=now,
+        )
+        devices = dict(by_index)
+        self._write(lambda s: _save_registration(s, msg, host_id, now, created, devices))
         if old is not None and old.link is not None and old.link is not link:
             old.link.close()
         info.link = link
@@ -165,12 +152,12 @@ class Cluster:
         return info
 
     def heartbeat(self, name: str, hb: cpb.Heartbeat) -> None:
+        """The host is alive (the buffer counts `hb` carries are the worker's to report, not kept)."""
         info = self.hosts.get(name)
         if info is None or info.state != READY:
             return
         info.last_seen = time.monotonic()
         info.last_heartbeat = utcnow()
-        info.buffers, info.buffer_bytes = hb.buffers, hb.buffer_bytes
         self._dirty.add(name)
 
     def close_links(self) -> None:
@@ -190,18 +177,11 @@ class Cluster:
         if info is None or info.state == LOST or self.closing:
             return
         info.state = LOST
-        info.lost_reason = reason
         if info.link is not None:
             info.link.close()
             info.link = None
-        with self._sessions.begin() as s:
-            row = s.get(HostRow, info.id)
-            if row is not None:
-                row.state = LOST
-                row.last_heartbeat = info.last_heartbeat
-                for dev in row.devices:
-                    if dev.state == "available":
-                        dev.state = "lost"
+        host_id, last = info.id, info.last_heartbeat
+        self._write(lambda s: _save_lost(s, host_id, last))
         log.warning("host %s lost: %s", name, reason)
         for cb in self.on_host_lost:
             cb(info, reason)
@@ -223,13 +203,24 @@ class Cluster:
                 last_flush = now
 
     def flush_heartbeats(self) -> None:
+        """Queues the heartbeat times that changed since the last flush as one write."""
         dirty, self._dirty = self._dirty, set()
-        with self._sessions.begin() as s:
-            for name in dirty:
-                info = self.hosts.get(name)
-                row = s.get(HostRow, info.id) if info else None
-                if info is not None and row is not None:
-                    row.last_heartbeat = info.last_heartbeat
+        times = {info.id: info.last_heartbeat for info in map(self.hosts.get, dirty) if info is not None}
+        if times:
+            self._write(lambda s: _save_heartbeats(s, times))
+
+    # ---- sending ----
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        """Queues `msg` on host `host`'s stream (dropped when it has none: it is lost)."""
+        info = self.hosts.get(host)
+        if info is not None and info.link is not None:
+            info.link.send(msg)
+
+    def broadcast(self, msg: cpb.ControllerToWorker) -> None:
+        """Queues `msg` on the stream of every ready host."""
+        for info in self.hosts.values():
+            if info.state == READY and info.link is not None:
+                info.link.send(msg)
 
     # ---- views ----
     def host_by_address(self, address: str) -> HostInfo | None:
@@ -295,3 +286,49 @@ class Cluster:
                     )
                 )
         return out
+
+
+# ---- database writes (run by the writer, in the order they were queued) ----
+def _save_registration(s: Session, msg: cpb.RegisterWorker, host_id: int, now: datetime,
+                       island_created: datetime, devices: dict[int, int]) -> None:
+    island = s.scalar(select(IslandRow).where(IslandRow.name == msg.island))
+    if island is None:
+        island = IslandRow(name=msg.island, created_at=island_created)
+        s.add(island)
+        s.flush()
+    host = s.get(HostRow, host_id)
+    if host is None:
+        host = HostRow(id=host_id, name=msg.name, island_id=island.id, address=msg.address, state=READY,
+                       pid=msg.pid, device_kind=msg.device_kind, machine_id=msg.machine_id)
+        s.add(host)
+    host.island_id = island.id
+    host.address, host.pid, host.state = msg.address, msg.pid, READY
+    host.device_kind, host.machine_id, host.last_heartbeat = msg.device_kind, msg.machine_id, now
+    s.flush()
+    existing = {d.id: d for d in s.scalars(select(DeviceRow).where(DeviceRow.host_id == host_id))}
+    for index, dev_id in devices.items():
+        state = "available" if index < msg.device_count else "removed"
+        dev = existing.get(dev_id)
+        if dev is None:
+            s.add(DeviceRow(id=dev_id, host_id=host_id, local_index=index, kind=msg.device_kind, state=state))
+        else:
+            dev.state = state
+            if state == "available":
+                dev.kind = msg.device_kind
+
+
+def _save_lost(s: Session, host_id: int, last_heartbeat: datetime) -> None:
+    row = s.get(HostRow, host_id)
+    if row is not None:
+        row.state = LOST
+        row.last_heartbeat = last_heartbeat
+        for dev in row.devices:
+            if dev.state == "available":
+                dev.state = "lost"
+
+
+def _save_heartbeats(s: Session, times: dict[int, datetime]) -> None:
+    for host_id, at in times.items():
+        row = s.get(HostRow, host_id)
+        if row is not None:
+            row.last_heartbeat = at

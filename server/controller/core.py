@@ -1,4 +1,6 @@
-"""The controller's composition root: owns the components and wires their events."""
+"""The controller's composition root: builds the components, hands each its collaborators,
+and wires their events. Only this module (and the servicer, which translates requests) knows
+the whole; the components know what they are given."""
 
 from __future__ import annotations
 
@@ -9,9 +11,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.pathways.v1 import controller_pb2 as cpb
-
 from ..db.engine import make_engine, session_factory
+from ..db.writer import DbWriter
 from ..scheduler import GangScheduler, Policy
 from ..timeutil import now_iso
 from .cluster import Cluster
@@ -19,11 +20,13 @@ from .dispatch import Dispatcher
 from .errors import NotFound
 from .jobs import JobManager
 from .observe import Observer
-from .programs import ProgramRecord, ProgramRegistry
-from .sessions import ClientSession, SessionManager
+from .programs import ProgramRegistry
+from .sessions import SessionManager
 from .slices import SliceService
 
 log = logging.getLogger(__name__)
+
+WRITER_DRAIN_S = 30.0  # how long a stopping controller waits for its queued database writes
 
 
 @dataclass
@@ -49,24 +52,34 @@ class Controller:
         self.db_url = config.db_url
         self.dispatch = config.dispatch
         self.engine = make_engine(config.db_url)
-        self.db = session_factory(self.engine)
-        self.cluster = Cluster(self.db, config.heartbeat_interval, config.heartbeat_timeout)
-        self.slices = SliceService(self)
+        self.db = session_factory(self.engine)  # reads at start; every write goes through the writer
+        self.writer = DbWriter(self.db)
+        write = self.writer.submit
+        self.cluster = Cluster(self.db, write, config.heartbeat_interval, config.heartbeat_timeout)
         self.registry = ProgramRegistry()
+        self.slices = SliceService(self.db, write, self.cluster.hosts, self.registry.slice_in_use)
         self.scheduler = GangScheduler(
             hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
             max_inflight_nodes=config.window,
         )
+        self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.cluster.hosts,
+                                     self.cluster.host_by_address, self.cluster)
+        self.sessions = SessionManager(self.dispatcher, self.registry, self.slices, self.cluster.broadcast,
+                                       config.dispatch)
+        self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
+                               owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
+                               address=lambda: self.address, token=config.token)
+        self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
+                                 jobs=self.jobs.list)
+        # the slices first: the dispatcher's placements and the clients' notices read them
+        self.cluster.on_host_up += [self.slices.host_up, self.dispatcher.host_up]
+        self.cluster.on_host_lost += [self.slices.host_lost, self.dispatcher.host_lost, self.observer.host_lost]
+        self.slices.listeners.append(self.sessions.slice_changed)
+        self.sessions.program_listeners.append(self.jobs.program_registered)
         if self.scheduler.debug or self.slices.rm.debug:
             log.info("state machines validate their invariants after every stimulus (PATHWAYS_VALIDATE)")
-        self.dispatcher = Dispatcher(self, self.scheduler)
-        self.sessions = SessionManager(self)
-        self.cluster.on_host_up.append(self.dispatcher.host_up)
-        self.cluster.on_host_lost.append(self.dispatcher.host_lost)
-        self.observer = Observer(self)
         self.dispatcher.node_listeners.append(self.observer.on_node_event)
-        self.cluster.on_host_lost.append(self.observer.host_lost)
-        self.jobs = JobManager(self)  # after the dispatcher: it listens to finished runs
+        self.dispatcher.run_listeners.append(self.jobs.run_finished)
         self.started_mono = time.monotonic()
         self.started_at = now_iso()
         self.shutdown_event = asyncio.Event()
@@ -85,6 +98,8 @@ class Controller:
         for task in list(self._tasks):
             task.cancel()
         self.cluster.flush_heartbeats()
+        if not await asyncio.to_thread(self.writer.close, WRITER_DRAIN_S):  # runs every write queued so far
+            log.error("the database writer did not finish its queue within %g s; the rest is lost", WRITER_DRAIN_S)
         self.engine.dispose()
 
     async def _ticker(self) -> None:
@@ -129,10 +144,3 @@ class Controller:
 
     def device_slice_count(self, device_id: int) -> int:
         return self.slices.device_slice_count(device_id)
-
-    # ---- worker events ----
-    def node_events(self, host: str, events: cpb.NodeEvents) -> None:
-        self.dispatcher.node_events(host, events)
-
-    def program_registered(self, session: ClientSession, program: ProgramRecord) -> None:
-        self.jobs.program_registered(session, program)

@@ -16,9 +16,9 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -42,14 +42,14 @@ from ..scheduler import (
     Submit,
     Tick,
 )
+from .client_session import ClientSession
 from .cluster import HostInfo
 from .errors import ControllerError
-from .programs import ProgramRecord
+from .programs import ProgramRecord, ProgramRegistry
 from .segments import PROGRAM_INPUT, SegmentPlan, cut, same_machine
 
 if TYPE_CHECKING:
-    from .core import Controller
-    from .sessions import ClientSession
+    from .slices import Placement
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,27 @@ class RunState:
     input_ids: list[int]
     input_homes: list[str]
     buffers: list[list[int]]  # segment -> ids of its outputs
-    submitted: float = field(default_factory=time.monotonic)
     # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
+
+
+class Placements(Protocol):
+    """Where slices run (the slice service): `epoch` changes whenever any slice does."""
+
+    epoch: int
+
+    def placement(self, name: str) -> Placement:
+        """Raises a ControllerError (NotFound, Rejected) when the slice cannot run now."""
+        ...
+
+
+class WorkerOutbox(Protocol):
+    """Where a flush's messages go: the worker links (the cluster), or a test's recorder."""
+
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        """Queues `msg` on host `host`'s stream, in order; drops it when the host has no link."""
+        ...
 
 
 class Outbox:
@@ -109,9 +126,21 @@ class Outbox:
 
 
 class Dispatcher:
-    def __init__(self, core: Controller, scheduler: GangScheduler) -> None:
-        self.core = core
+    """Turns runs into scheduler events and the scheduler's actions into worker messages.
+
+    Collaborators: the scheduler, the program registry, where slices run (`placements`), the
+    hosts by name (the cluster's live dict) and by address, and the outbox a flush sends to.
+    """
+
+    def __init__(self, scheduler: GangScheduler, registry: ProgramRegistry, placements: Placements,
+                 hosts: Mapping[str, HostInfo], host_by_address: Callable[[str], HostInfo | None],
+                 outbox: WorkerOutbox) -> None:
         self.scheduler = scheduler
+        self.registry = registry
+        self.placements = placements
+        self.hosts = hosts
+        self.host_by_address = host_by_address
+        self.sink = outbox
         self.runs: dict[int, RunState] = {}
         self._plans: dict[tuple[str, bool], Plan] = {}  # (program, sequential) -> its plan
         self._host_functions: dict[str, set[str]] = {}  # host -> function ids it has
@@ -130,7 +159,7 @@ class Dispatcher:
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
         """Starts a run; with `batch`, its Submit is collected for one scheduler pass."""
-        prog = self.core.registry.programs.get(run.program_id)
+        prog = self.registry.programs.get(run.program_id)
         try:
             if prog is None:
                 raise ControllerError(f"program {run.program_id} is not registered (register it first)")
@@ -151,7 +180,6 @@ class Dispatcher:
                    for seg in plan.segments]
         self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
                                          list(run.input_homes), buffers)
-        prog.runs += 1
         spec = RunSpec(
             run_id=run.run_id,
             program=prog.name,
@@ -172,12 +200,12 @@ class Dispatcher:
         """The program's segments under its slices' current placement. Sequential dispatch
         (the baseline that waits for each computation before sending the next) keeps the nodes
         on different devices of a worker in segments of their own."""
-        epoch = (self.core.slices.epoch, self._host_epoch)
+        epoch = (self.placements.epoch, self._host_epoch)
         plan = self._plans.get((prog.program_id, sequential))
         if plan is not None and plan.epoch == epoch:
             return plan  # nothing about slices or hosts changed since it was made
         graph = prog.graph
-        placements = {name: self.core.slices.placement(name) for name in sorted(prog.slices)}
+        placements = {name: self.placements.placement(name) for name in sorted(prog.slices)}
         key = tuple(
             (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices)) for n, p in placements.items()
         )
@@ -226,7 +254,7 @@ class Dispatcher:
                 log.error("hang detected: %s", a.message)
 
     def _dispatch(self, action: Dispatch) -> None:
-        host = self.core.cluster.hosts.get(action.host)
+        host = self.hosts.get(action.host)
         if host is None:
             return
         enq = self._outbox.enqueue(host.name)
@@ -242,7 +270,7 @@ class Dispatcher:
             if definition.segment_id not in segments:
                 for n in definition.nodes:
                     if n.function_id not in functions:
-                        f = self.core.registry.functions[n.function_id]
+                        f = self.registry.functions[n.function_id]
                         enq.functions.append(wpb.FunctionBlob(function_id=f.function_id, exported=f.exported,
                                                               name=f.name, donate=list(f.donate)))
                         functions.add(n.function_id)
@@ -269,7 +297,7 @@ class Dispatcher:
                                       output_visible=visible, owner=run.session.owner,
                                       report_promptly=run.session.sequential))
         for home, items in sends.items():
-            src = self.core.cluster.host_by_address(home)
+            src = self.host_by_address(home)
             if src is None:
                 continue
             out = self._outbox.enqueue(src.name)
@@ -304,7 +332,7 @@ class Dispatcher:
                 drop=cpb.Drop(run_ids=[a.run_id], reason=a.reason, skipped_seqs=skipped.get(h, []))))
 
     def release(self, address: str, ids: list[int]) -> None:
-        host = self.core.cluster.host_by_address(address)
+        host = self.host_by_address(address)
         if host is not None:
             self._outbox.release(host.name, ids)
 
@@ -315,12 +343,10 @@ class Dispatcher:
         progressed, self._progressed = self._progressed, set()
         for session in progressed:
             session.report_finished()
+        send = self.sink.send
         for name, msgs in outbox.msgs.items():
-            host = self.core.cluster.hosts.get(name)
-            if host is None or host.link is None:
-                continue
             for m in msgs:
-                host.link.send(m)
+                send(name, m)
 
     # ---- worker events ----
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:

@@ -29,54 +29,48 @@ import asyncio
 import builtins
 import codecs
 import contextlib
-import io
 import logging
 import math
-import os
-import re
 import secrets
 import shutil
 import signal
-import sys
 import time
-import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from grpc import aio
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import paths
 from ..db.models import JobRow, ProgramRow, str_list, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
+from .client_session import ClientSession
 from .errors import InvalidArgument, NotFound
+from .job_files import MAX_SCRIPT_BYTES, MAX_ZIP_BYTES, check_relative_path, extract_zip, read_chunk, tail_offset
+from .job_process import driver_command, driver_env, exit_reason, kill_group, pid_is_job
+from .job_stats import ProgramStats
+from .programs import ProgramRecord
 
 if TYPE_CHECKING:
-    from .core import Controller
+    from ..scheduler import GangScheduler
     from .dispatch import RunState
-    from .programs import ProgramRecord
-    from .sessions import ClientSession
 
 log = logging.getLogger(__name__)
 
-MAX_SCRIPT_BYTES = 10 * 1024 * 1024
-MAX_ZIP_BYTES = 50 * 1024 * 1024
-MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # a zip bomb stops here
 MAX_PRIORITY = 1000
 KILL_AFTER_S = 5.0
 STOP_GRACE_S = 3.0
 RECENT_FINISHED = 20
 FLUSH_INTERVAL_S = 1.0
 LOG_POLL_S = 0.1
-LOG_CHUNK = 256 * 1024
-MEMORY_ENV = "PATHWAYS_JOB_MEMORY_MB"
-
-_SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 
 STATE_NAMES = {
     cpb.JOB_STATE_PENDING: "pending",
@@ -87,15 +81,6 @@ STATE_NAMES = {
 }
 STATES = {v: k for k, v in STATE_NAMES.items()}
 ACTIVE = {cpb.JOB_STATE_PENDING, cpb.JOB_STATE_RUNNING}
-
-# Sets the heap limit, then becomes the driver (argv: limit_bytes, python, entrypoint, args...).
-_LIMIT_BOOT = (
-    "import os, resource, sys\n"
-    "n = int(sys.argv[1])\n"
-    "resource.setrlimit(resource.RLIMIT_DATA, (n, n))\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
 
 @dataclass(eq=False)
 class JobRecord:
@@ -118,6 +103,7 @@ class JobRecord:
     programs: int = 0
     runs: int = 0
     # runtime only
+    program_ids: set[str] = field(default_factory=set)  # registered by this controller's sessions
     proc: asyncio.subprocess.Process | None = None
     cancel_requested: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -131,164 +117,42 @@ class JobRecord:
         return self.state in ACTIVE
 
 
-@dataclass
-class _ProgramDelta:
-    """What happened to one (program, owner) since the last flush."""
-
-    program_id: str
-    owner: str
-    name: str
-    nodes: int
-    slices: list[str]
-    registered_at: datetime | None = None
-    runs: int = 0
-    failures: int = 0
-    last_run: float | None = None
-
-
 def _now() -> datetime:
     return utcnow()
 
 
-def exit_reason(returncode: int) -> str:
-    """A readable reason for a driver's exit status ('' for 0)."""
-    if returncode == 0:
-        return ""
-    if returncode > 0:
-        return f"exited with code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    if -returncode == signal.SIGKILL:
-        return f"killed by {name} (out of memory?)"
-    return f"killed by {name}"
-
-
-def check_relative_path(name: str, what: str) -> PurePosixPath:
-    """A relative path whose parts are plain names (no '..', no absolute path, no odd characters)."""
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or not p.parts or len(name) > 255:
-        raise InvalidArgument(f"invalid {what} {name!r}: give a relative path like train.py")
-    for part in p.parts:
-        if not _SAFE_PART.match(part):
-            raise InvalidArgument(
-                f"invalid {what} {name!r}: path parts may hold letters, digits, '_', '.', '+', '-' "
-                "and must not start with '.' or '-'"
-            )
-    return p
-
-
-def _safe_member(name: str) -> PurePosixPath | None:
-    """A zip member's path if it is safe to extract under the job dir (None: skip, e.g. a dir)."""
-    if name.endswith("/"):
-        return None
-    p = PurePosixPath(name)
-    if p.is_absolute() or ".." in p.parts or "\\" in name or not p.parts:
-        raise InvalidArgument(f"the working directory zip holds an unsafe path {name!r}")
-    return p
-
-
-def extract_zip(data: bytes, dest: Path) -> int:
-    """Extracts a working-directory zip under `dest`; returns the number of files."""
-    try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise InvalidArgument(f"the working directory is not a valid zip file: {e}") from None
-    with zf:
-        infos = zf.infolist()
-        total = sum(i.file_size for i in infos)
-        if total > MAX_UNZIPPED_BYTES:
-            raise InvalidArgument(
-                f"the working directory unpacks to {total / 2**20:.0f} MiB; the limit is "
-                f"{MAX_UNZIPPED_BYTES // 2**20} MiB"
-            )
-        members = []
-        for info in infos:
-            p = _safe_member(info.filename)
-            if p is None:
-                continue
-            if (info.external_attr >> 16) & 0o170000 == 0o120000:
-                raise InvalidArgument(f"the working directory zip holds a symlink {info.filename!r}")
-            members.append((info, p))
-        for info, p in members:
-            target = dest.joinpath(*p.parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out)
-            mode = (info.external_attr >> 16) & 0o777
-            if mode:
-                os.chmod(target, mode | 0o600)
-    return len(members)
-
-
-def tail_offset(path: Path, lines: int) -> int:
-    """The byte offset where the last `lines` lines of the file start."""
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return 0
-    with open(path, "rb") as fh:
-        pos = size
-        count = 0
-        # a final newline ends the last line; it does not start another
-        fh.seek(max(0, size - 1))
-        if size and fh.read(1) == b"\n":
-            pos = size - 1
-        block = 64 * 1024
-        while pos > 0:
-            start = max(0, pos - block)
-            fh.seek(start)
-            data = fh.read(pos - start)
-            idx = len(data)
-            while True:
-                idx = data.rfind(b"\n", 0, idx)
-                if idx < 0:
-                    break
-                count += 1
-                if count == lines:
-                    return start + idx + 1
-            pos = start
-    return 0
-
-
-def _pid_is_job(pid: int, job_id: str) -> bool:
-    """True when /proc says `pid` is the driver of `job_id` (its environment names the job)."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"PWCTL_JOB_ID={job_id}".encode() in env.split(b"\0")
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    if pid <= 0:
-        return
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
 class JobManager:
-    """Runs, watches, cancels and remembers jobs; every method runs on the controller's loop."""
+    """Runs, watches, cancels and remembers jobs; every method runs on the controller's loop.
 
-    def __init__(self, core: Controller) -> None:
-        self.core = core
+    Collaborators: the database (`db` to read at start, `write` for the one writer), `spawn`
+    for background tasks, the scheduler (why a job's runs wait), `owned_slices` (an owner's
+    slices), `release_owner` (frees what a job owned when it ends), `address` (the controller's
+    bound address, for drivers) and the token drivers present. Listens to registrations
+    (`program_registered`) and finished runs (`run_finished`).
+    """
+
+    def __init__(self, db: sessionmaker[Session], write: Write, *,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+                 scheduler: GangScheduler, owned_slices: Callable[[str], builtins.list[cpb.Slice]],
+                 release_owner: Callable[[str], None], address: Callable[[], str],
+                 token: str | None = None) -> None:
+        self._db = db
+        self._writer = write
+        self._spawn = spawn
+        self._scheduler = scheduler
+        self._owned_slices = owned_slices
+        self._release_owner = release_owner
+        self._address = address
+        self._token = token
         self.jobs: dict[str, JobRecord] = {}
-        self._dirty: dict[tuple[str, str], _ProgramDelta] = {}
-        self._seen_programs: set[tuple[str, str]] = set()
+        self.stats = ProgramStats(write)
         self._stopping = False
         self._flush_task: asyncio.Task[Any] | None = None
-        core.dispatcher.run_listeners.append(self._run_finished)
 
     # ---------------------------------------------------------------- lifecycle
     def load(self) -> None:
         """Reads every job; a job the previous controller left pending/running has failed."""
-        with self.core.db() as s:
+        with self._db() as s:
             rows = list(s.scalars(select(JobRow).order_by(JobRow.submitted_at)))
             counts = {
                 owner: (int(n), int(runs or 0))
@@ -313,14 +177,14 @@ class JobManager:
             else:
                 rec.done.set()
         for rec in orphans:
-            if rec.pid and _pid_is_job(rec.pid, rec.id):
+            if rec.pid and pid_is_job(rec.pid, rec.id):
                 log.warning("killing driver pid %d of job %s, orphaned by the previous controller",
                             rec.pid, rec.id)
-                _kill_group(rec.pid, signal.SIGKILL)
+                kill_group(rec.pid, signal.SIGKILL)
             self._end(rec, cpb.JOB_STATE_FAILED, "the controller restarted while it was running", None)
         if orphans:
             log.warning("%d job(s) were running when the controller stopped; marked failed", len(orphans))
-        self._flush_task = self.core.spawn(self._flusher())
+        self._flush_task = self._spawn(self._flusher())
 
     async def stop(self) -> None:
         """Terminates running drivers (failed: "the controller stopped") and flushes counters."""
@@ -328,20 +192,20 @@ class JobManager:
         running = [r for r in self.jobs.values() if r.active]
         for rec in running:
             if rec.proc is not None:
-                _kill_group(rec.pid, signal.SIGTERM)
+                kill_group(rec.pid, signal.SIGTERM)
         if running:
             log.info("stopping %d running job(s)", len(running))
             await self._wait_done(running, STOP_GRACE_S)
             for rec in running:
                 if not rec.done.is_set():
-                    _kill_group(rec.pid, signal.SIGKILL)
+                    kill_group(rec.pid, signal.SIGKILL)
             await self._wait_done(running, 2.0)
         for rec in running:
             if not rec.done.is_set():
                 self._end(rec, cpb.JOB_STATE_FAILED, "the controller stopped", None)
         if self._flush_task is not None:
             self._flush_task.cancel()
-        self._write_programs(self._take_dirty())
+        self.stats.flush()  # the writer drains it when the controller closes it
 
     @staticmethod
     async def _wait_done(recs: builtins.list[JobRecord], timeout: float) -> None:
@@ -398,7 +262,7 @@ class JobManager:
         if not any(r.state == cpb.JOB_STATE_RUNNING for r in self.jobs.values()):
             return {}
         reasons: dict[str, str] = {}
-        for island in self.core.scheduler.snapshot().islands:
+        for island in self._scheduler.snapshot().islands:
             for run in island.waiting:
                 if run.job and run.wait_reason and run.job not in reasons:
                     reasons[run.job] = f"{island.island}: {run.wait_reason}"
@@ -407,7 +271,7 @@ class JobManager:
     def _slices_of(self, rec: JobRecord) -> set[str]:
         names = set(rec.slices)
         if rec.active:
-            names.update(s.name for s in self.core.slices.list(rec.owner))
+            names.update(s.name for s in self._owned_slices(rec.owner))
         return names
 
     def proto(self, rec: JobRecord, reasons: dict[str, str] | None = None) -> cpb.Job:
@@ -481,36 +345,9 @@ class JobManager:
         self._save(rec)
         log.info("job %s submitted: %s %s", job_id, rec.entrypoint, " ".join(rec.args))
         await self._start(rec, job_dir)
+        # the reply promises a durable job: wait (without blocking the loop) for its last write
+        await asyncio.wrap_future(self._save(rec))
         return self.proto(rec)
-
-    def _driver_env(self, rec: JobRecord) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PWCTL_")}
-        host, _, port = self.core.address.rpartition(":")
-        if host in ("0.0.0.0", "::", "[::]", ""):
-            host = "127.0.0.1"
-        env.update(
-            PWCTL_SERVER=f"{host}:{port}",
-            PWCTL_JOB_ID=rec.id,
-            PWCTL_PRIORITY=str(rec.priority),
-            PWCTL_WEIGHT=repr(rec.weight),
-            PYTHONUNBUFFERED="1",
-            PATHWAYS_HOME=str(paths.data_dir()),
-        )
-        if self.core.config.token:
-            env["PWCTL_TOKEN"] = self.core.config.token
-        # `import pwctl` works in the driver even when the project is not installed
-        root = str(Path(__file__).resolve().parents[2])
-        parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if root not in parts:
-            env["PYTHONPATH"] = os.pathsep.join([*parts, root])
-        return env
-
-    def _command(self, rec: JobRecord) -> builtins.list[str]:
-        cmd = [sys.executable, rec.entrypoint, *rec.args]
-        limit_mb = os.environ.get(MEMORY_ENV, "").strip()
-        if limit_mb.isdigit() and int(limit_mb) > 0:
-            return [sys.executable, "-c", _LIMIT_BOOT, str(int(limit_mb) * 2**20), *cmd]
-        return cmd
 
     async def _start(self, rec: JobRecord, job_dir: Path) -> None:
         if rec.cancel_requested:
@@ -519,7 +356,8 @@ class JobManager:
         try:
             with open(job_dir / "output.log", "ab") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    *self._command(rec), cwd=job_dir, env=self._driver_env(rec),
+                    *driver_command(rec.entrypoint, rec.args), cwd=job_dir,
+                    env=driver_env(rec.id, rec.priority, rec.weight, self._address(), self._token, paths.data_dir()),
                     stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
                 )
@@ -532,13 +370,13 @@ class JobManager:
         rec.started_at = _now()
         self._save(rec)
         log.info("job %s running (pid %d)", rec.id, proc.pid)
-        self.core.spawn(self._watch(rec, proc))
+        self._spawn(self._watch(rec, proc))
         if rec.cancel_requested:  # cancelled while the process was starting
             self._terminate(rec)
 
     async def _watch(self, rec: JobRecord, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
-        _kill_group(proc.pid, signal.SIGKILL)  # whatever the driver left behind in its group
+        kill_group(proc.pid, signal.SIGKILL)  # whatever the driver left behind in its group
         if rec.cancel_requested:
             code = rc if rc >= 0 else None
             self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", code)
@@ -559,8 +397,9 @@ class JobManager:
         rec.exit_code = exit_code
         rec.ended_at = _now()
         rec.proc = None
+        rec.program_ids.clear()
         try:
-            self.core.sessions.release_owner(rec.owner)
+            self._release_owner(rec.owner)
         except Exception:
             log.exception("releasing what job %s owned", rec.id)
         self._save(rec)
@@ -569,15 +408,15 @@ class JobManager:
 
     # ---------------------------------------------------------------- cancel
     def _terminate(self, rec: JobRecord) -> None:
-        _kill_group(rec.pid, signal.SIGTERM)
-        self.core.spawn(self._kill_later(rec))
+        kill_group(rec.pid, signal.SIGTERM)
+        self._spawn(self._kill_later(rec))
 
     async def _kill_later(self, rec: JobRecord) -> None:
         try:
             await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S)
         except TimeoutError:
             log.warning("job %s ignored SIGTERM for %g s; sending SIGKILL", rec.id, KILL_AFTER_S)
-            _kill_group(rec.pid, signal.SIGKILL)
+            kill_group(rec.pid, signal.SIGKILL)
 
     async def cancel(self, ref: str) -> cpb.Job:
         """Cancels a pending or running job and waits (up to ~KILL_AFTER_S) until it ended.
@@ -607,7 +446,7 @@ class JobManager:
         while True:
             ended = rec.done.is_set()  # before reading: after the exit, the file is complete
             while True:
-                data = self._read(path, pos)
+                data = read_chunk(path, pos)
                 if not data:
                     break
                 pos += len(data)
@@ -620,84 +459,36 @@ class JobManager:
                 await asyncio.wait_for(rec.done.wait(), LOG_POLL_S)
         yield cpb.LogChunk(data=decoder.decode(b"", final=True), done=rec.done.is_set(), job=self.get(rec.id))
 
-    @staticmethod
-    def _read(path: Path, pos: int) -> bytes:
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(pos)
-                return fh.read(LOG_CHUNK)
-        except FileNotFoundError:
-            return b""
-
     # ---------------------------------------------------------------- programs and runs
     def program_registered(self, session: ClientSession, program: ProgramRecord) -> None:
-        key = (program.program_id, session.owner)
-        d = self._delta(key, program)
-        if key not in self._seen_programs:
-            self._seen_programs.add(key)
-            d.registered_at = _now()
-            rec = self.jobs.get(session.job_id) if session.job_id else None
-            if rec is not None:
-                rec.programs += 1
-                rec.slices.update(program.slices)
+        """Session listener: counts the registration, and the job's programs."""
+        self.stats.registered(program, session.owner)
+        rec = self.jobs.get(session.job_id) if session.job_id else None
+        if rec is not None and rec.active and program.program_id not in rec.program_ids:
+            rec.program_ids.add(program.program_id)
+            rec.programs += 1
+            rec.slices.update(program.slices)
 
-    def _run_finished(self, run: RunState, ok: bool, error: str) -> None:
-        d = self._delta((run.program.program_id, run.session.owner), run.program)
-        d.runs += 1
-        d.failures += 0 if ok else 1
-        d.last_run = time.time()
+    def run_finished(self, run: RunState, ok: bool, error: str) -> None:
+        """Dispatcher listener: counts the run for its program and its job."""
+        self.stats.run_finished(run.program, run.session.owner, ok, time.time())
         if run.session.job_id:
             rec = self.jobs.get(run.session.job_id)
             if rec is not None:
                 rec.runs += 1
 
-    def _delta(self, key: tuple[str, str], program: ProgramRecord) -> _ProgramDelta:
-        d = self._dirty.get(key)
-        if d is None:
-            d = self._dirty[key] = _ProgramDelta(
-                program_id=key[0], owner=key[1], name=program.name, nodes=len(program.graph.nodes),
-                slices=sorted(program.slices),
-            )
-        return d
-
-    def _take_dirty(self) -> builtins.list[_ProgramDelta]:
-        batch = list(self._dirty.values())
-        self._dirty = {}
-        return batch
-
     async def _flusher(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
-            batch = self._take_dirty()
-            if batch:
-                try:
-                    await asyncio.to_thread(self._write_programs, batch)
-                except Exception:
-                    log.exception("writing program statistics (%d programs)", len(batch))
-
-    def _write_programs(self, batch: builtins.list[_ProgramDelta]) -> None:
-        if not batch:
-            return
-        with self.core.db() as s, s.begin():
-            for d in batch:
-                row = s.scalar(select(ProgramRow).where(ProgramRow.program_id == d.program_id,
-                                                        ProgramRow.owner == d.owner))
-                if row is None:
-                    row = ProgramRow(program_id=d.program_id, owner=d.owner, name=d.name, nodes=d.nodes,
-                                     slices=d.slices, registered_at=d.registered_at or _now(),
-                                     runs=0, failures=0)
-                    s.add(row)
-                row.runs = (row.runs or 0) + d.runs
-                row.failures = (row.failures or 0) + d.failures
-                if d.last_run is not None:
-                    row.last_run_at = datetime.fromtimestamp(d.last_run, UTC).replace(tzinfo=None)
+            self.stats.flush()
 
     # ---------------------------------------------------------------- persistence
-    def _save(self, rec: JobRecord) -> None:
-        with self.core.db() as s, s.begin():
-            s.merge(JobRow(
-                id=rec.id, name=rec.name, state=STATE_NAMES[rec.state], entrypoint=rec.entrypoint,
-                args=list(rec.args), priority=rec.priority, weight=rec.weight, pid=rec.pid,
-                exit_code=rec.exit_code, reason=rec.reason, slices=sorted(rec.slices),
-                submitted_at=rec.submitted_at, started_at=rec.started_at, ended_at=rec.ended_at,
-            ))
+    def _save(self, rec: JobRecord) -> Future[Any]:
+        """Queues the job's row as it is now (a snapshot: later changes are later writes)."""
+        row = JobRow(
+            id=rec.id, name=rec.name, state=STATE_NAMES[rec.state], entrypoint=rec.entrypoint,
+            args=list(rec.args), priority=rec.priority, weight=rec.weight, pid=rec.pid,
+            exit_code=rec.exit_code, reason=rec.reason, slices=sorted(rec.slices),
+            submitted_at=rec.submitted_at, started_at=rec.started_at, ended_at=rec.ended_at,
+        )
+        return self._writer(lambda s: s.merge(row))

@@ -29,19 +29,20 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import now_iso
-from .cluster import READY, device_state
+from .cluster import READY, Cluster, device_state
 from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
+from .trace import DeviceKey, NodeRun, TraceBuilder, chrome_trace
 
 if TYPE_CHECKING:
-    from .core import Controller
+    from ..scheduler import GangScheduler
     from .dispatch import RunState
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,7 @@ BUCKET_S = 0.1
 MIN_WATCH_INTERVAL_S = 0.1
 SNAPSHOT_REUSE_S = 0.05  # watchers asking within this long share one snapshot
 RECENT_JOBS = 20
-TRACE_CHUNK = 2000  # records encoded between yields to the event loop
 
-DeviceKey = tuple[str, int]  # (host name, local device index)
 
 
 class BucketWindow:
@@ -143,27 +142,6 @@ class DeviceActivity:
         return min(1.0, busy / self.busy.span_ns(now_ns))
 
 
-class NodeRun(NamedTuple):
-    """One finished node run, as read from the ring for a trace."""
-
-    host: str
-    island: str
-    devices: tuple[int, ...]  # local device indexes on `host`
-    run_id: int
-    segment: int  # the run's segment (one or more consecutive program nodes on one worker)
-    size: int  # program nodes in it
-    seq: int
-    program_id: str
-    program: str
-    job: str
-    client: str
-    label: str
-    start_ns: int  # busy start: max(launch, previous end on its devices)
-    end_ns: int
-    ok: bool
-    error: str
-
-
 class _Ring:
     """The last `size` finished node runs, stored column by column: the integers in one array,
     the strings and device tuples as references to objects shared with the run's program,
@@ -217,8 +195,15 @@ class _Ring:
 class Observer:
     """Live status (`Watch`) and traces (`GetTrace`) from node events; see the module doc."""
 
-    def __init__(self, core: Controller, ring_size: int = RING_SIZE) -> None:
-        self.core = core
+    def __init__(self, cluster: Cluster, ring_size: int = RING_SIZE, *, scheduler: GangScheduler | None = None,
+                 slices: Callable[[], list[cpb.Slice]] | None = None,
+                 jobs: Callable[[], list[cpb.Job]] | None = None) -> None:
+        """`cluster` names hosts and devices; the status view also shows the scheduler's queues,
+        the slices and the jobs (each empty when not given)."""
+        self.cluster = cluster
+        self.scheduler = scheduler
+        self.slices = slices
+        self.jobs = jobs
         self.ring_size = ring_size
         self._ring = _Ring(ring_size)
         self.devices: dict[DeviceKey, DeviceActivity] = {}
@@ -249,7 +234,7 @@ class Observer:
         size = segment_size(run, ev.segment)
         self.computations_total += size
         self._rate.add_point(ev.end_ns, size)
-        h = self.core.cluster.hosts.get(host)
+        h = self.cluster.hosts.get(host)
         session = run.session if run is not None else None
         program = run.program if run is not None else None
         self._ring.append(
@@ -287,10 +272,9 @@ class Observer:
         return self._rate.total(now) / (self._rate.span_ns(now) / 1e9)
 
     def snapshot(self) -> cpb.ClusterStatus:
-        core = self.core
         now_ns = time.time_ns()
         devices = []
-        for h in sorted(core.cluster.hosts.values(), key=lambda h: (h.island, h.name)):
+        for h in sorted(self.cluster.hosts.values(), key=lambda h: (h.island, h.name)):
             for local, dev_id in enumerate(h.device_ids):
                 act = self.devices.get((h.name, local))
                 head = act.running() if act is not None and h.state == READY else None
@@ -302,9 +286,9 @@ class Observer:
                 ))
         return cpb.ClusterStatus(
             at=now_iso(),
-            islands=core.cluster.island_protos(),
+            islands=self.cluster.island_protos(),
             devices=devices,
-            slices=core.slices.list(""),
+            slices=self.slices() if self.slices is not None else [],
             queues=self._queues(),
             jobs=self._jobs(),
             computations_per_s=round(self.computations_per_s(now_ns), 2),
@@ -312,11 +296,13 @@ class Observer:
         )
 
     def _queues(self) -> list[cpb.IslandQueue]:
-        sched = self.core.scheduler
+        sched = self.scheduler
+        if sched is None:
+            return []
         snap = sched.snapshot()
         views = {v.island: v for v in snap.islands}
         out = []
-        for island in sorted(set(self.core.cluster.islands) | set(views)):
+        for island in sorted(set(self.cluster.islands) | set(views)):
             v = views.get(island)
             policy = v.policy if v is not None else str(sched.policy(island))
             q = cpb.IslandQueue(island=island, policy=policy)
@@ -331,11 +317,10 @@ class Observer:
         return out
 
     def _jobs(self) -> list[cpb.Job]:
-        jobs = getattr(self.core, "jobs", None)
-        if jobs is None:
+        if self.jobs is None:
             return []
         try:
-            listed = list(jobs.list("", False))
+            listed = self.jobs()
         except Exception:  # the status view must not fail because one component did
             log.exception("listing jobs for the status view failed")
             return []
@@ -413,7 +398,7 @@ class Observer:
         return await TraceBuilder(self.select(job, program), self._device_ids()).encode()
 
     def _device_ids(self) -> dict[DeviceKey, int]:
-        return {(h.name, i): d for h in self.core.cluster.hosts.values() for i, d in enumerate(h.device_ids)}
+        return {(h.name, i): d for h in self.cluster.hosts.values() for i, d in enumerate(h.device_ids)}
 
 
 def _label(ev: cpb.NodeEvent, run: RunState | None) -> str:
@@ -431,75 +416,3 @@ def _resolve(name: str, candidates: list[str], what: str) -> str | None:
         shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
         raise InvalidArgument(f"{name!r} matches several {what}s ({shown}); give more of the id")
     return matches[0] if matches else None
-
-
-class TraceBuilder:
-    """The Chrome trace format (Perfetto, chrome://tracing): one process per (island, host),
-    one thread per device ("device N", N its local index), one complete event ("ph": "X")
-    per node run on each device it used. Times in µs from the earliest event; the absolute
-    origin is in `otherData.origin_unix_ns`. Events come chunk by chunk (`events`) so a big
-    trace can be encoded without holding the event loop; metadata follows them."""
-
-    def __init__(self, records: list[NodeRun], device_ids: dict[DeviceKey, int] | None = None) -> None:
-        self.records = records
-        self.device_ids = device_ids or {}
-        self.origin = min((r.start_ns for r in records), default=0)
-        self.pids: dict[tuple[str, str], int] = {}
-        self.threads: set[tuple[int, int, str]] = set()
-
-    def events(self, records: list[NodeRun]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        origin = self.origin
-        for r in records:
-            pid = self.pids.setdefault((r.island, r.host), len(self.pids) + 1)
-            ts = round((r.start_ns - origin) / 1000, 3)
-            dur = round(max(0, r.end_ns - r.start_ns) / 1000, 3)
-            args: dict[str, Any] = {"run_id": r.run_id, "segment": r.segment, "nodes": r.size, "program": r.program,
-                                    "program_id": r.program_id, "job": r.job, "client": r.client,
-                                    "seq": r.seq, "ok": r.ok}
-            if r.error:
-                args["error"] = r.error
-            cat = "node" if r.ok else "node,failed"
-            for d in r.devices:
-                self.threads.add((pid, d, r.host))
-                out.append({"name": r.label, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": d,
-                            "args": args})
-        return out
-
-    def metadata(self) -> list[dict[str, Any]]:
-        meta: list[dict[str, Any]] = []
-        for (island, host), pid in self.pids.items():
-            meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                         "args": {"name": f"{island}/{host}" if island else host}})
-            meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                         "args": {"sort_index": pid}})
-        for pid, d, host in sorted(self.threads):
-            dev_id = self.device_ids.get((host, d))
-            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": d,
-                         "args": {"name": f"device {d}" + (f" (id {dev_id})" if dev_id is not None else "")}})
-            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": d, "args": {"sort_index": d}})
-        return meta
-
-    def tail(self) -> dict[str, Any]:
-        return {"displayTimeUnit": "ms",
-                "otherData": {"origin_unix_ns": self.origin, "node_runs": len(self.records),
-                              "devices": len(self.threads)}}
-
-    async def encode(self, chunk: int = TRACE_CHUNK) -> str:
-        """The whole trace as compact JSON, yielding to the event loop between chunks."""
-        parts = []
-        for i in range(0, len(self.records), chunk):
-            parts.append(json.dumps(self.events(self.records[i:i + chunk]), separators=(",", ":"))[1:-1])
-            await asyncio.sleep(0)
-        meta = json.dumps(self.metadata(), separators=(",", ":"))[1:-1]
-        if meta:
-            parts.append(meta)
-        tail = json.dumps(self.tail(), separators=(",", ":"))[1:]
-        return '{"traceEvents":[' + ",".join(p for p in parts if p) + "]," + tail
-
-
-def chrome_trace(records: list[NodeRun], device_ids: dict[DeviceKey, int] | None = None) -> dict[str, Any]:
-    """The trace of `records` as a dict (see `TraceBuilder`)."""
-    b = TraceBuilder(records, device_ids)
-    events = b.events(records)
-    return {"traceEvents": events + b.metadata(), **b.tail()}

@@ -34,7 +34,6 @@ class ProgramRecord:
     consumers: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (node, out) -> readers
     input_readers: list[list[int]] = field(default_factory=list)  # program input -> reader nodes
     outputs: list[tuple[int, int]] = field(default_factory=list)
-    runs: int = 0
 
     @functools.cached_property
     def name(self) -> str:
@@ -133,3 +132,11 @@ class ProgramRegistry:
 
     def slice_users(self, slice_name: str) -> list[ProgramRecord]:
         return [r for r in self.programs.values() if slice_name in r.slices]
+
+    def slice_in_use(self, name: str) -> str | None:
+        """Why slice `name` may not be deleted (registered programs use it), or None."""
+        users = self.slice_users(name)
+        if not users:
+            return None
+        owners = sorted({o for r in users for o in r.owners})
+        return f"{len(users)} registered program(s) use it (owners: {', '.join(owners)})"

@@ -156,13 +156,14 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def _read_worker(
         self, name: str, request_iterator: AsyncIterator[cpb.WorkerToController], link: WorkerLink
     ) -> None:
+        heartbeat, node_events = self.core.cluster.heartbeat, self.core.dispatcher.node_events
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
                 if kind == "heartbeat":
-                    self.core.cluster.heartbeat(name, msg.heartbeat)
+                    heartbeat(name, msg.heartbeat)
                 elif kind == "node_events":
-                    self.core.node_events(name, msg.node_events)
+                    node_events(name, msg.node_events)
         except (aio.AioRpcError, aio.UsageError):
             pass
         finally:
@@ -173,7 +174,9 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def CreateSlice(
         self, request: cpb.CreateSliceRequest, context: aio.ServicerContext
     ) -> cpb.CreateSliceResponse:
-        return self.core.slices.create(request.spec, request.dry_run, request.owner)
+        created = self.core.slices.create(request.spec, request.dry_run, request.owner)
+        await self.core.slices.written()  # the answer promises a durable slice
+        return created
 
     @_guard
     async def ListSlices(self, request: cpb.ListSlicesRequest, context: aio.ServicerContext) -> cpb.ListSlicesResponse:
@@ -188,6 +191,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         self, request: cpb.DeleteSliceRequest, context: aio.ServicerContext
     ) -> cpb.DeleteSliceResponse:
         self.core.slices.delete(request.name, request.force)
+        await self.core.slices.written()
         return cpb.DeleteSliceResponse()
 
     # ---- programs (server/controller/sessions.py) ----

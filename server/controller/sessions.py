@@ -10,14 +10,11 @@ slices it made without a name.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import random
-from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from grpc import aio
 
@@ -26,91 +23,43 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..invariants import InvariantError
 from ..scheduler import Batch, Submit
+from .client_session import ClientSession
+from .dispatch import Dispatcher
 from .errors import ControllerError
-
-if TYPE_CHECKING:
-    from .core import Controller
+from .programs import ProgramRecord, ProgramRegistry
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class ClientSession:
-    client_id: str
-    id_prefix: int
-    name: str
-    job_id: str
-    priority: int
-    weight: float
-    sequential: bool
-    queue: asyncio.Queue[cpb.SessionEvent | None] = field(default_factory=asyncio.Queue)
-    programs: set[str] = field(default_factory=set)
-    # Release barrier: a release may not reach a worker before every run the client
-    # submitted earlier has finished (a waiting run's enqueue has not been sent yet, and
-    # it may read the released buffer).
-    submitted: int = 0
-    open_runs: dict[int, int] = field(default_factory=dict)  # run id -> ordinal
-    _open_heap: list[int] = field(default_factory=list)
-    _closed: set[int] = field(default_factory=set)  # ordinals closed but still in the heap
-    held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
-    finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
-    _reported: int = 0
+class Slices(Protocol):
+    """What sessions need of the slice service."""
 
-    @property
-    def owner(self) -> str:
-        return f"job:{self.job_id}" if self.job_id else f"client:{self.client_id}"
+    def placement(self, name: str) -> object:
+        """Where slice `name` runs; raises a ControllerError naming the slice when it cannot."""
+        ...
 
-    def send(self, ev: cpb.SessionEvent) -> None:
-        self.queue.put_nowait(ev)
+    def release_owner(self, owner: str) -> None: ...
 
-    def run_failed(self, run_id: int, error: str) -> None:
-        self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
 
-    def run_refused(self, run_id: int, error: str) -> None:
-        """A run that never started (unknown program, wrong arity): failed, and over."""
-        self.run_failed(run_id, error)
-        self.finished += 1
-
-    def report_finished(self) -> None:
-        """Tells the client how many of its runs are over, if that changed since last time."""
-        if self.finished != self._reported:
-            self._reported = self.finished
-            self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished)))
-
-    def run_opened(self, run_id: int) -> None:
-        self.open_runs[run_id] = self.submitted
-        heapq.heappush(self._open_heap, self.submitted)
-        self.submitted += 1
-
-    def run_closed(self, run_id: int) -> list[tuple[str, list[int]]]:
-        """Forgets a finished run; returns the releases that may go out now."""
-        ordinal = self.open_runs.pop(run_id, None)
-        if ordinal is not None:
-            self._closed.add(ordinal)
-            self.finished += 1
-        return self.releasable()
-
-    def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:
-        self.held_releases.append((self.submitted, address, ids))
-        return self.releasable()
-
-    def releasable(self) -> list[tuple[str, list[int]]]:
-        heap, closed = self._open_heap, self._closed
-        while heap and heap[0] in closed:
-            closed.discard(heapq.heappop(heap))
-        if not self.held_releases:
-            return []
-        low = self._open_heap[0] if self._open_heap else self.submitted
-        out = []
-        while self.held_releases and self.held_releases[0][0] <= low:
-            _, address, ids = self.held_releases.popleft()
-            out.append((address, ids))
-        return out
+ProgramListener = Callable[[ClientSession, ProgramRecord], None]
 
 
 class SessionManager:
-    def __init__(self, core: Controller) -> None:
-        self.core = core
+    """Serves the session streams; turns their messages into dispatcher calls.
+
+    Collaborators: the dispatcher (runs, releases, flushes), the program registry, the slices
+    (placement checks at registration, releasing a gone owner's slices) and `broadcast`, which
+    sends one message to every ready worker. `program_listeners` hear every registration.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, registry: ProgramRegistry, slices: Slices,
+                 broadcast: Callable[[cpb.ControllerToWorker], None], default_dispatch: str = "parallel") -> None:
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.slices = slices
+        self.broadcast = broadcast
+        self.default_dispatch = default_dispatch
+        self.program_listeners: list[ProgramListener] = []
         self.sessions: dict[str, ClientSession] = {}
         base = random.randrange(1, 1 << 23)
         self._prefixes = (((base + i) % ((1 << 24) - 1)) + 1 for i in itertools.count())
@@ -130,7 +79,7 @@ class SessionManager:
             yield cpb.SessionEvent(error="a session starts with a hello message")
             return
         hello = first.hello
-        dispatch = hello.dispatch or self.core.dispatch
+        dispatch = hello.dispatch or self.default_dispatch
         if dispatch not in ("parallel", "sequential"):
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
@@ -149,7 +98,7 @@ class SessionManager:
         yield cpb.SessionEvent(welcome=cpb.Welcome(client_id=session.client_id, id_prefix=session.id_prefix))
         for msg in rest:
             self.handle(session, msg)
-        self.core.dispatcher.flush()
+        self.dispatcher.flush()
         reader = asyncio.get_running_loop().create_task(self._read(session, it))
         try:
             while True:
@@ -165,7 +114,7 @@ class SessionManager:
         try:
             async for msg in it:
                 self.handle(session, msg)
-                self.core.dispatcher.flush()
+                self.dispatcher.flush()
         except (aio.AioRpcError, aio.UsageError, asyncio.CancelledError):
             pass
         except InvariantError as e:  # a bug: loud in the log, and the client's session ends with it
@@ -182,32 +131,32 @@ class SessionManager:
             submits: list[Submit] = []
             for m in msg.batch.messages:
                 if m.WhichOneof("msg") == "run":
-                    self.core.dispatcher.submit(session, m.run, submits)
+                    self.dispatcher.submit(session, m.run, submits)
                 else:
                     self.handle(session, m)
             if submits:
-                self.core.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
+                self.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
         elif kind == "run":
-            self.core.dispatcher.submit(session, msg.run)
+            self.dispatcher.submit(session, msg.run)
         elif kind == "release":
             for address, ids in session.hold_release(msg.release.address, list(msg.release.buffer_ids)):
-                self.core.dispatcher.release(address, ids)
+                self.dispatcher.release(address, ids)
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
 
     def _register(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
-        reg = self.core.registry
+        reg = self.registry
         try:
             missing = reg.add_functions(list(req.functions))
             if missing:
                 return cpb.ProgramRegistered(request_id=req.request_id, missing_functions=missing)
             for name in sorted({n.slice for n in req.graph.nodes}):
-                self.core.slices.placement(name)  # fails early, naming the slice
+                self.slices.placement(name)  # fails early, naming the slice
             rec = reg.register(req.graph, session.owner)
         except ControllerError as e:
             return cpb.ProgramRegistered(request_id=req.request_id, error=str(e))
-        session.programs.add(rec.program_id)
-        self.core.program_registered(session, rec)
+        for listener in self.program_listeners:
+            listener(session, rec)
         return cpb.ProgramRegistered(request_id=req.request_id, program_id=rec.program_id)
 
     def end_all(self, reason: str) -> None:
@@ -221,29 +170,20 @@ class SessionManager:
         if self.sessions.pop(session.client_id, None) is None:
             return
         log.info("session %s closed", session.client_id)
-        self.core.dispatcher.client_gone(session.client_id)
+        self.dispatcher.client_gone(session.client_id)
         if not session.job_id:  # a job's resources go when the job ends, not its connection
             self.release_owner(session.owner)
 
     def release_owner(self, owner: str) -> None:
         """Frees every buffer and unnamed slice of a client or job, on every worker."""
-        for host in self.core.cluster.ready_hosts():
-            if host.link is not None:
-                host.link.send(cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner=owner)))
-        self.core.dispatcher.forget_programs(self.core.registry.drop_owner(owner))
+        self.broadcast(cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner=owner)))
+        self.dispatcher.forget_programs(self.registry.drop_owner(owner))
         try:
-            self.core.slices.release_owner(owner)
+            self.slices.release_owner(owner)
         except ControllerError as e:
             log.warning("releasing the slices of %s: %s", owner, e)
 
-    # ---- used by the slice service ----
+    # ---- slice service listener ----
     def slice_changed(self, info: cpb.Slice) -> None:
         for s in self.sessions.values():
             s.send(cpb.SessionEvent(slice_changed=cpb.SliceChanged(slice=info)))
-
-    def slice_in_use(self, name: str) -> str | None:
-        users = self.core.registry.slice_users(name)
-        if not users:
-            return None
-        owners = sorted({o for r in users for o in r.owners})
-        return f"{len(users)} registered program(s) use it (owners: {', '.join(owners)})"

@@ -11,12 +11,13 @@ last devices are decided in arrival order: exactly one wins.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
@@ -24,14 +25,11 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import resource_manager as rm
-from ..db.engine import session_factory
 from ..db.models import DeviceRow, HostRow, SliceDeviceRow, SliceRemapRow, SliceRow, int_list, utcnow
+from ..db.writer import Write
 from ..timeutil import iso
 from .cluster import READY, HostInfo
 from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
-
-if TYPE_CHECKING:
-    from .core import Controller
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +75,35 @@ class _Meta:
     remap_at: list[datetime]
 
 
-class SliceService:
-    """Owns the resource manager; see the module docstring."""
+SliceListener = Callable[[cpb.Slice], None]
 
-    def __init__(self, core: Controller) -> None:
-        self.core = core
+
+class SliceService:
+    """Owns the resource manager; see the module docstring.
+
+    Collaborators: the database, the cluster's hosts by name (for placements and display),
+    and `in_use`, which says why a slice may not be deleted (None: it may). The cluster's host
+    listeners are `host_up` and `host_lost`; `listeners` hear every slice that changed under
+    its clients (remapped, degraded, restored).
+    """
+
+    def __init__(self, db: sessionmaker[Session], write: Write, hosts: Mapping[str, HostInfo],
+                 in_use: Callable[[str], str | None]) -> None:
         self.rm = rm.ResourceManager()
-        self._db: sessionmaker[Session] = session_factory(core.engine)
+        self._db = db
+        self._write = write
+        self._hosts = hosts
+        self._in_use = in_use
+        self.listeners: builtins.list[SliceListener] = []
+        self._last_write: Future[None] | None = None
         self.epoch = 0  # bumps on every change of any slice
         self._meta: dict[str, _Meta] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
-        core.cluster.on_host_up.append(self._host_up)
-        core.cluster.on_host_lost.append(self._host_lost)
 
     # ------------------------------------------------------------------------------------ start
 
-    def load(self, persist: bool = True) -> None:
+    def load(self) -> None:
         """Rebuild the resource manager from the database, before any host event can arrive.
 
         Devices are taken as the database left them: healthy when available on a ready host. Hosts
@@ -117,18 +127,17 @@ class SliceService:
                 self._meta[row.name] = _Meta(row.created_at, [r.at for r in row.remaps])
         actions = self.rm.restore(devices, slices)
         log.info("restored %d slices on %d devices", len(slices), len(devices))
-        if persist:
-            self._apply(actions)
+        self._apply(actions)
 
     # ---------------------------------------------------------------------------- host events
 
-    def _host_up(self, info: HostInfo) -> None:
+    def host_up(self, info: HostInfo) -> None:
         for local, dev_id in enumerate(info.device_ids):
             self._local[dev_id] = (info.name, local)
         devices = tuple(rm.PhysicalDevice(d, info.island, info.name, info.kind) for d in info.device_ids)
         self._handle_host_event(rm.HostUp(info.name, devices))
 
-    def _host_lost(self, info: HostInfo, reason: str) -> None:
+    def host_lost(self, info: HostInfo, reason: str) -> None:
         self._handle_host_event(rm.HostLost(info.name))
 
     def _handle_host_event(self, event: rm.HostUp | rm.HostLost) -> None:
@@ -184,10 +193,7 @@ class SliceService:
 
     def delete(self, name: str, force: bool = False) -> None:
         full = self.resolve(name)
-        in_use_fn: Callable[[str], str | None] | None = getattr(
-            getattr(self.core, "sessions", None), "slice_in_use", None
-        )
-        in_use = in_use_fn(full) if in_use_fn is not None else None
+        in_use = self._in_use(full)
         self._handle(rm.DeleteSlice(full, force=force, in_use=in_use))
         log.info("slice %s deleted%s", full, " (forced)" if force and in_use else "")
 
@@ -204,6 +210,12 @@ class SliceService:
         if owners:
             log.info("released the slices of %d client(s) of the previous controller", len(owners))
         return len(owners)
+
+    async def written(self) -> None:
+        """Returns once every change made so far is in the database (writes run in order);
+        raises what the last write raised. Requests await it before they answer."""
+        if self._last_write is not None:
+            await asyncio.wrap_future(self._last_write)
 
     # ---------------------------------------------------------------------------- queries
 
@@ -226,7 +238,7 @@ class SliceService:
             raise Rejected(
                 f"slice {name} spans hosts {', '.join(hosts)}; multi-host islands are not supported yet"
             )
-        host = self.core.cluster.hosts.get(hosts[0])
+        host = self._hosts.get(hosts[0])
         if host is None:  # pragma: no cover - the resource manager only knows registered hosts
             raise Rejected(f"slice {name!r} is on host {hosts[0]}, which is not registered")
         index = {dev: local for local, dev in enumerate(host.device_ids)}
@@ -249,36 +261,35 @@ class SliceService:
         self._apply(actions)
         return actions
 
-    def _apply(self, actions: Iterable[rm.Action]) -> None:
-        """Persist every action in one transaction, then tell clients about changed slices.
+    def _apply(self, actions: Iterable[rm.Action]) -> Future[None] | None:
+        """Queue every change as one write, then tell clients about changed slices.
 
-        If the write fails the in-memory state is rebuilt from the database, so the two never
-        disagree for longer than the failing call.
+        The resource manager's state is the truth; the write (whose future this returns, None
+        when nothing changed) makes the database its copy. Writes run in the order they were
+        queued, so a slice created then deleted is never written the other way round.
         """
         todo: builtins.list[_Change] = [
             a for a in actions if not isinstance(a, rm.Rejected | rm.PlacementPreview)
         ]
         if not todo:
-            return
+            return None
         self.epoch += 1  # the dispatcher's cached placements are stale now
+        now = utcnow()
+        ops: builtins.list[_RowOp] = []
         changed: builtins.list[rm.Slice] = []
-        try:
-            with self._db.begin() as s:
-                for a in todo:
-                    if isinstance(a, rm.SliceDeleted):
-                        self._delete_row(s, a.name)
-                    else:
-                        self._save_row(s, a.slice)
-                        if not isinstance(a, rm.SliceCreated):
-                            changed.append(a.slice)
-        except Exception:
-            log.exception("could not persist slice changes; reloading slices from the database")
-            try:
-                self._meta.clear()
-                self.load(persist=False)
-            except Exception:
-                log.exception("could not reload slices from the database")
-            raise
+        for a in todo:
+            if isinstance(a, rm.SliceDeleted):
+                self._meta.pop(a.name, None)
+                ops.append((a.name, None, now, ()))
+                continue
+            meta = self._meta.get(a.slice.name)
+            if meta is None:
+                meta = self._meta[a.slice.name] = _Meta(now, [])
+            meta.remap_at.extend(now for _ in range(len(a.slice.history) - len(meta.remap_at)))
+            ops.append((a.slice.name, a.slice, meta.created_at, tuple(meta.remap_at)))
+            if not isinstance(a, rm.SliceCreated):
+                changed.append(a.slice)
+        done = self._last_write = self._write(lambda s: _write_rows(s, ops))
         for a in todo:
             if isinstance(a, rm.SliceRemapped):
                 log.warning("slice %s remapped %s -> %s: %s",
@@ -287,51 +298,14 @@ class SliceService:
                 log.warning("slice %s degraded: %s", a.slice.name, a.reason)
             elif isinstance(a, rm.SliceRestored):
                 log.info("slice %s restored on devices %s", a.slice.name, list(a.slice.mapping))
-        notify: Callable[[cpb.Slice], None] | None = getattr(
-            getattr(self.core, "sessions", None), "slice_changed", None
-        )
-        if notify is not None:
-            for sl in changed:
+        for sl in changed:
+            proto = self._proto(sl)
+            for notify in self.listeners:
                 try:
-                    notify(self._proto(sl))
+                    notify(proto)
                 except Exception:
                     log.exception("slice_changed notification failed for %s", sl.name)
-
-    def _save_row(self, s: Session, sl: rm.Slice) -> None:
-        row = s.scalar(select(SliceRow).where(SliceRow.name == sl.name))
-        now = utcnow()
-        if row is None:
-            req = sl.request
-            row = SliceRow(
-                name=sl.name,
-                owner=sl.owner,
-                devices=req.devices,
-                mesh=list(req.mesh) if req.mesh is not None else None,
-                island=req.island or "",
-                kind=req.kind or "",
-                exclusive=req.exclusive,
-                created_at=now,
-            )
-            s.add(row)
-            self._meta[sl.name] = _Meta(now, [])
-        row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
-        by_index = {m.virtual_index: m for m in row.mapping}
-        for i, dev in enumerate(sl.mapping):
-            if i in by_index:
-                by_index[i].device_id = dev
-            else:
-                row.mapping.append(SliceDeviceRow(virtual_index=i, device_id=dev))
-        meta = self._meta[sl.name]
-        for rec in sl.history[len(row.remaps):]:
-            row.remaps.append(SliceRemapRow(at=now, reason=rec.reason, old_devices=list(rec.old),
-                                            new_devices=list(rec.new)))
-            meta.remap_at.append(now)
-
-    def _delete_row(self, s: Session, name: str) -> None:
-        row = s.scalar(select(SliceRow).where(SliceRow.name == name))
-        if row is not None:
-            s.delete(row)
-        self._meta.pop(name, None)
+        return done
 
     def _proto(self, sl: rm.Slice, state: cpb.SliceState.ValueType | None = None) -> cpb.Slice:
         req = sl.request
@@ -340,7 +314,7 @@ class SliceService:
         for i, dev_id in enumerate(sl.mapping):
             dev = self.rm.devices.get(dev_id)
             host_name, local = self._local.get(dev_id, (dev.host if dev else "", -1))
-            host = self.core.cluster.hosts.get(host_name)
+            host = self._hosts.get(host_name)
             devices.append(
                 cpb.VirtualDevice(
                     index=i,
@@ -379,6 +353,46 @@ class SliceService:
             history=history,
             generation=sl.generation,
         )
+
+
+# (name, the slice as it is now or None when deleted, created at, remap times)
+_RowOp = tuple[str, "rm.Slice | None", datetime, tuple[datetime, ...]]
+
+
+def _write_rows(s: Session, ops: builtins.list[_RowOp]) -> None:
+    """The writer's job: make the slices' rows what `ops` say, in order."""
+    for name, sl, created_at, remap_at in ops:
+        row = s.scalar(select(SliceRow).where(SliceRow.name == name))
+        if sl is None:
+            if row is not None:
+                s.delete(row)
+                s.flush()  # a slice of the same name may come back in this transaction
+            continue
+        if row is None:
+            req = sl.request
+            row = SliceRow(
+                name=sl.name,
+                owner=sl.owner,
+                devices=req.devices,
+                mesh=list(req.mesh) if req.mesh is not None else None,
+                island=req.island or "",
+                kind=req.kind or "",
+                exclusive=req.exclusive,
+                created_at=created_at,
+            )
+            s.add(row)
+        row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
+        by_index = {m.virtual_index: m for m in row.mapping}
+        for i, dev in enumerate(sl.mapping):
+            if i in by_index:
+                by_index[i].device_id = dev
+            else:
+                row.mapping.append(SliceDeviceRow(virtual_index=i, device_id=dev))
+        for i, rec in enumerate(sl.history[len(row.remaps):], start=len(row.remaps)):
+            row.remaps.append(SliceRemapRow(at=remap_at[i] if i < len(remap_at) else created_at,
+                                            reason=rec.reason, old_devices=list(rec.old),
+                                            new_devices=list(rec.new)))
+        s.flush()
 
 
 def _slice_of(row: SliceRow) -> rm.Slice:

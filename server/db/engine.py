@@ -6,28 +6,11 @@ import logging
 import os
 import sys
 
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session, sessionmaker
+from .connect import make_engine, redact, session_factory
 
 
 class SchemaUpgradeFailed(RuntimeError):
     """The database could not be brought to the newest schema (the message says why)."""
-
-
-def make_engine(url: str) -> Engine:
-    engine = create_engine(url, future=True)
-    if engine.dialect.name == "sqlite":
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-    return engine
 
 
 def upgrade_schema(url: str) -> None:
@@ -82,9 +65,4 @@ def _failed(url: str, reason: str) -> SchemaUpgradeFailed:
     return SchemaUpgradeFailed(f"cannot upgrade the database {redact(url)}: {reason}")
 
 
-def redact(url: str) -> str:
-    return make_url(url).render_as_string(hide_password=True)
-
-
-def session_factory(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+__all__ = ["SchemaUpgradeFailed", "make_engine", "redact", "session_factory", "upgrade_schema"]

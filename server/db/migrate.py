@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 import migrations
 
 from .. import paths
-from .engine import make_engine
+from .connect import make_engine
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 

@@ -1,0 +1,86 @@
+"""One client's session state: its identity, its event queue, and the release barrier.
+
+A release may not reach a worker before every run the client submitted earlier has finished: a
+waiting run's enqueue has not been sent yet, and it may read the released buffer. The session
+numbers its runs in submission order and holds each release until every earlier run closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+
+@dataclass(eq=False)
+class ClientSession:
+    client_id: str
+    id_prefix: int
+    name: str
+    job_id: str
+    priority: int
+    weight: float
+    sequential: bool
+    queue: asyncio.Queue[cpb.SessionEvent | None] = field(default_factory=asyncio.Queue)
+    # the release barrier (see the module docstring)
+    submitted: int = 0
+    open_runs: dict[int, int] = field(default_factory=dict)  # run id -> ordinal
+    _open_heap: list[int] = field(default_factory=list)
+    _closed: set[int] = field(default_factory=set)  # ordinals closed but still in the heap
+    held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
+    finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
+    _reported: int = 0
+
+    @property
+    def owner(self) -> str:
+        return f"job:{self.job_id}" if self.job_id else f"client:{self.client_id}"
+
+    def send(self, ev: cpb.SessionEvent) -> None:
+        self.queue.put_nowait(ev)
+
+    def run_failed(self, run_id: int, error: str) -> None:
+        self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
+
+    def run_refused(self, run_id: int, error: str) -> None:
+        """A run that never started (unknown program, wrong arity): failed, and over."""
+        self.run_failed(run_id, error)
+        self.finished += 1
+
+    def report_finished(self) -> None:
+        """Tells the client how many of its runs are over, if that changed since last time."""
+        if self.finished != self._reported:
+            self._reported = self.finished
+            self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished)))
+
+    def run_opened(self, run_id: int) -> None:
+        self.open_runs[run_id] = self.submitted
+        heapq.heappush(self._open_heap, self.submitted)
+        self.submitted += 1
+
+    def run_closed(self, run_id: int) -> list[tuple[str, list[int]]]:
+        """Forgets a finished run; returns the releases that may go out now."""
+        ordinal = self.open_runs.pop(run_id, None)
+        if ordinal is not None:
+            self._closed.add(ordinal)
+            self.finished += 1
+        return self.releasable()
+
+    def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:
+        self.held_releases.append((self.submitted, address, ids))
+        return self.releasable()
+
+    def releasable(self) -> list[tuple[str, list[int]]]:
+        heap, closed = self._open_heap, self._closed
+        while heap and heap[0] in closed:
+            closed.discard(heapq.heappop(heap))
+        if not self.held_releases:
+            return []
+        low = self._open_heap[0] if self._open_heap else self.submitted
+        out = []
+        while self.held_releases and self.held_releases[0][0] <= low:
+            _, address, ids = self.held_releases.popleft()
+            out.append((address, ids))
+        return out

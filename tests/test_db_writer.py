@@ -1,0 +1,149 @@
+"""The database's one writer, against a real SQLite file: submitting never waits, jobs commit in
+order (batched), a failing job fails alone, `close` drains the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.db.engine import make_engine, session_factory
+from server.db.models import Base, IslandRow
+from server.db.writer import DbWriter, WriterClosed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> sessionmaker[Session]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'w.db'}")
+    Base.metadata.create_all(engine)
+    return session_factory(engine)
+
+
+def names(db: sessionmaker[Session]) -> list[str]:
+    with db() as s:
+        return list(s.scalars(select(IslandRow.name).order_by(IslandRow.id)))
+
+
+def add(name: str):  # type: ignore[no-untyped-def]
+    def job(s: Session) -> str:
+        s.add(IslandRow(name=name))
+        s.flush()
+        return name
+    return job
+
+
+def delete(name: str):  # type: ignore[no-untyped-def]
+    def job(s: Session) -> None:
+        row = s.scalar(select(IslandRow).where(IslandRow.name == name))
+        assert row is not None, f"{name} is not there (yet)"
+        s.delete(row)
+        s.flush()
+    return job
+
+
+def test_submit_returns_at_once_and_jobs_commit_in_order_in_one_transaction(db: sessionmaker[Session]) -> None:
+    w = DbWriter(db)
+    gate = threading.Event()
+    blocked = w.submit(lambda s: gate.wait(10))  # the writer is busy until the gate opens
+    futures = [w.submit(add("x")), w.submit(delete("x")), w.submit(add("x")), w.submit(add("y"))]
+    assert not any(f.done() for f in futures)  # queued: nobody waited for the database
+    gate.set()
+    assert blocked.result(10) is True
+    assert [f.result(10) for f in futures] == ["x", None, "x", "y"]
+    assert names(db) == ["x", "y"]  # created, deleted, created again: never the other way round
+    assert w.close(10)
+
+
+def test_a_failing_job_fails_alone_and_the_others_land_in_order(db: sessionmaker[Session]) -> None:
+    w = DbWriter(db)
+    gate = threading.Event()
+    w.submit(lambda s: gate.wait(10))
+    ok1, dup, ok2 = w.submit(add("a")), w.submit(add("a")), w.submit(add("b"))  # one batch, one bad job
+    gate.set()
+    assert ok1.result(10) == "a" and ok2.result(10) == "b"
+    with pytest.raises(IntegrityError):
+        dup.result(10)
+    assert names(db) == ["a", "b"]
+    assert w.close(10)
+
+
+def test_close_runs_what_was_queued_and_refuses_what_comes_after(db: sessionmaker[Session]) -> None:
+    w = DbWriter(db)
+    futures = [w.submit(add(f"i{n}")) for n in range(600)]  # more than one batch
+    assert w.close(10)
+    assert all(f.done() for f in futures)
+    assert names(db) == [f"i{n}" for n in range(600)]
+    with pytest.raises(WriterClosed):
+        w.submit(add("late"))
+    assert w.close(1)  # closing twice is harmless
+
+
+def test_the_event_loop_awaits_a_write_without_blocking(db: sessionmaker[Session]) -> None:
+    w = DbWriter(db)
+    gate = threading.Event()
+
+    async def scenario() -> tuple[int, str]:
+        w.submit(lambda s: gate.wait(10))
+        fut = asyncio.wrap_future(w.submit(add("z")))
+        ticks = 0
+        while not fut.done():  # the loop keeps running while the writer is busy
+            ticks += 1
+            if ticks == 5:
+                gate.set()
+            await asyncio.sleep(0.01)
+        return ticks, await fut
+
+    ticks, result = asyncio.run(scenario())
+    assert ticks >= 5 and result == "z"
+    assert w.close(10)
+
+
+def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
+        db: sessionmaker[Session]) -> None:
+    """The cluster and the slice service write through one writer; a fresh pair loading the
+    database afterwards (a restarted controller) finds exactly the state they had."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from server.controller.cluster import RECONNECTING, Cluster
+    from server.controller.links import WorkerLink
+    from server.controller.slices import SliceService
+
+    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
+        cluster = Cluster(db, w.submit, 1.0, 5.0)
+        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+        cluster.on_host_up.append(slices.host_up)
+        slices.load()
+        cluster.load()
+        return cluster, slices
+
+    w = DbWriter(db)
+    cluster, slices = parts(w)
+    for name in ("w1", "w2"):
+        reg = cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
+                                 device_count=2, machine_id="m")
+        cluster.register(reg, WorkerLink(name))
+    assert [h.device_ids for h in cluster.hosts.values()] == [[1, 2], [3, 4]]  # assigned without the database
+    slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c1")
+    slices.delete("s")
+    slices.create(cpb.SliceSpec(name="s", devices=1), False, "client:c1")
+    slices.create(cpb.SliceSpec(name="t", devices=2), False, "job:j1")
+    before = {s.name: (list(s.devices), s.owner) for s in slices.list()}
+    assert w.close(10)
+
+    w2 = DbWriter(db)
+    cluster2, slices2 = parts(w2)
+    assert {n: (h.id, h.device_ids, h.state) for n, h in cluster2.hosts.items()} == {
+        "w1": (1, [1, 2], RECONNECTING), "w2": (2, [3, 4], RECONNECTING)}
+    after = {s.name: (list(s.devices), s.owner) for s in slices2.list()}
+    assert after == before and after["s"][0][0].device_id in (1, 2, 3, 4) and len(after["s"][0]) == 1
+    # a host registering again keeps its ids; new hosts get new ones
+    cluster2.register(cpb.RegisterWorker(name="w3", island="i", address="w3:1", pid=1, device_kind="cpu",
+                                         device_count=1, machine_id="m"), WorkerLink("w3"))
+    assert (cluster2.hosts["w3"].id, cluster2.hosts["w3"].device_ids) == (3, [5])
+    assert w2.close(10)

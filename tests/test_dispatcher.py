@@ -1,0 +1,228 @@
+"""The dispatcher in-process: a real gang scheduler and program registry, two hosts, and an outbox
+that records what would go to each worker. Every test asserts the exact messages."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.controller.client_session import ClientSession
+from server.controller.cluster import HostInfo
+from server.controller.dispatch import Dispatcher, RunState
+from server.controller.errors import NotFound
+from server.controller.programs import ProgramRecord, ProgramRegistry
+from server.controller.slices import Placement
+from server.scheduler import GangScheduler, Policy
+
+pytestmark = pytest.mark.timeout(30)
+
+F = hashlib.sha256(b"f-bytes").hexdigest()
+FUNCTION = cpb.FunctionInfo(function_id=F, name="f", exported=b"f-bytes")
+
+
+class RecordingOutbox:
+    """Where the dispatcher's flushes go: (host, message) in the order sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, cpb.ControllerToWorker]] = []
+
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        self.sent.append((host, msg))
+
+    def take(self) -> list[tuple[str, cpb.ControllerToWorker]]:
+        out, self.sent = self.sent, []
+        return out
+
+    def by_host(self) -> dict[str, list[cpb.ControllerToWorker]]:
+        """What was sent, per host in order; forgets it."""
+        out: dict[str, list[cpb.ControllerToWorker]] = {}
+        for h, m in self.take():
+            out.setdefault(h, []).append(m)
+        return out
+
+
+class Slices:
+    """Slice "sa" on host a's device 1, "sb" on host b's device 0; unknown names do not exist."""
+
+    def __init__(self, hosts: dict[str, HostInfo]) -> None:
+        self.epoch = 0
+        self.where = {"sa": (hosts["a"], 1), "sb": (hosts["b"], 0)}
+        self.released: list[str] = []
+
+    def placement(self, name: str) -> Placement:
+        if name not in self.where:
+            raise NotFound(f"slice {name!r} does not exist (deleted?)")
+        host, local = self.where[name]
+        return Placement(name, host, [local], 0, host.island)
+
+    def release_owner(self, owner: str) -> None:
+        self.released.append(owner)
+
+
+def host(name: str, device_ids: list[int]) -> HostInfo:
+    return HostInfo(id=len(name), name=name, island="i", address=f"{name}:1", pid=1, kind="cpu",
+                    machine_id=f"m-{name}", device_ids=device_ids, state="ready")
+
+
+def out(node: int) -> cpb.ValueRef:
+    return cpb.ValueRef(node_output=cpb.NodeOutput(node=node, output=0))
+
+
+def two_step_graph(name: str = "p") -> cpb.ProgramGraph:
+    """n0 on slice sa reads the program input; n1 on slice sb reads n0 and is the output."""
+    return cpb.ProgramGraph(name=name, num_inputs=1, outputs=[out(1)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sa", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(0)], num_outputs=1, name="n1"),
+    ])
+
+
+class Parts:
+    """A dispatcher and its real collaborators (no network, no processes)."""
+
+    def __init__(self) -> None:
+        self.hosts = {"a": host("a", [10, 11]), "b": host("b", [20, 21])}
+        self.outbox = RecordingOutbox()
+        self.slices = Slices(self.hosts)
+        self.registry = ProgramRegistry()
+        self.scheduler = GangScheduler(hang_timeout_s=None, default_policy=Policy("fifo"), max_inflight_nodes=256)
+        self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.hosts, self.by_address,
+                                     self.outbox)
+        self.finished: list[tuple[int, bool, str]] = []
+        self.dispatcher.run_listeners.append(lambda run, ok, error: self.finished.append((run.run_id, ok, error)))
+        for h in self.hosts.values():
+            self.dispatcher.host_up(h)
+
+    def by_address(self, address: str) -> HostInfo | None:
+        return next((h for h in self.hosts.values() if h.address == address), None)
+
+    def program(self, owner: str = "client:c1") -> ProgramRecord:
+        assert self.registry.add_functions([FUNCTION]) == []
+        return self.registry.register(two_step_graph(), owner)
+
+    def run(self, session: ClientSession, run_id: int, prog: ProgramRecord, output: int) -> RunState:
+        self.dispatcher.submit(session, cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[100],
+                                                       output_ids=[output], input_homes=["a:1"]))
+        self.dispatcher.flush()
+        return self.dispatcher.runs[run_id]
+
+    def report(self, host: str, run_id: int, segment: int, ok: bool = True, error: str = "") -> None:
+        self.dispatcher.node_events(host, cpb.NodeEvents(events=[cpb.NodeEvent(
+            run_id=run_id, segment=segment, seq=1, start_ns=1_000, end_ns=2_000, ok=ok, error=error,
+            local_devices=[0])]))
+
+
+def session(client_id: str = "c1", sequential: bool = False) -> ClientSession:
+    return ClientSession(client_id=client_id, id_prefix=1, name="test", job_id="", priority=0, weight=1.0,
+                         sequential=sequential)
+
+
+def events(s: ClientSession) -> list[cpb.SessionEvent]:
+    out: list[Any] = []
+    while not s.queue.empty():
+        out.append(s.queue.get_nowait())
+    return out
+
+
+def test_a_run_leaves_as_one_enqueue_per_worker_before_any_segment_ran() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    run = p.run(s, 7, prog, output=200)
+    seg0, seg1 = run.plan.segments
+    middle = run.buffers[0][0]  # n0's output: the controller's id, never a client's
+    assert middle >> 62 == 1 and run.buffers[1] == [200]
+    blob = wpb.FunctionBlob(function_id=F, exported=b"f-bytes", name="f")
+    assert p.outbox.take() == [
+        ("a", cpb.ControllerToWorker(enqueue=wpb.Enqueue(functions=[blob], segments=[seg0.definition], tasks=[
+            wpb.Task(run_id=7, segment=0, seq=1, segment_id=seg0.definition.segment_id, input_ids=[100],
+                     output_ids=[middle], output_visible=[False], owner="client:c1")]))),
+        ("b", cpb.ControllerToWorker(enqueue=wpb.Enqueue(functions=[blob], segments=[seg1.definition], tasks=[
+            wpb.Task(run_id=7, segment=1, seq=1, segment_id=seg1.definition.segment_id, input_ids=[middle],
+                     output_ids=[200], output_visible=[True], owner="client:c1")]))),
+    ]
+    assert [r.address for r in seg0.definition.routes] == ["b:1"]  # n0's output goes to b by itself
+    assert events(s) == []
+
+    # the next run: the workers have the function and the segments, only the tasks go
+    run2 = p.run(s, 8, prog, output=201)
+    sent = p.outbox.take()
+    assert [(h, m.enqueue.functions, m.enqueue.segments) for h, m in sent] == [("a", [], []), ("b", [], [])]
+    assert [t.run_id for _, m in sent for t in m.enqueue.tasks] == [8, 8]
+    assert run2.plan is run.plan  # the plan is cached while slices and hosts stay as they are
+
+
+def test_reports_finish_the_run_and_tell_the_client_how_many_are_over() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    p.run(s, 7, prog, output=200)
+    p.outbox.take()
+    p.report("a", 7, 0)
+    assert events(s) == [] and p.finished == [] and 7 in p.dispatcher.runs
+    p.report("b", 7, 1)
+    assert events(s) == [cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
+    assert p.finished == [(7, True, "")] and p.dispatcher.runs == {}
+    assert p.outbox.take() == []  # nothing for the workers: the outputs stay until the client frees them
+
+
+def test_a_failed_node_fails_the_run_and_drops_it_where_it_waits() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    p.run(s, 7, prog, output=200)
+    p.outbox.take()
+    p.report("a", 7, 0, ok=False, error="boom")
+    reason = "node 0 (p/0 n0) failed: boom"
+    assert p.outbox.take() == [("b", cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7], reason=reason)))]
+    assert events(s) == [cpb.SessionEvent(finished=cpb.RunFinished(run_id=7, ok=False, error=reason)),
+                         cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
+    assert p.finished == [(7, False, reason)]
+
+
+def test_a_lost_host_fails_the_runs_it_held_and_new_plans_leave_it() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    p.run(s, 7, prog, output=200)
+    p.outbox.take()
+    p.hosts["b"].state = "lost"
+    p.dispatcher.host_lost(p.hosts["b"], "gone")
+    reason = "host b lost: it held node 1 (p/1 n1) of program p"
+    assert p.outbox.take() == [("a", cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7], reason=reason)))]
+    assert events(s) == [cpb.SessionEvent(finished=cpb.RunFinished(run_id=7, ok=False, error=reason)),
+                         cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
+    # the slice moved (the slice service remaps it): the next run is cut anew for a alone
+    p.slices.where["sb"] = (p.hosts["a"], 0)
+    p.slices.epoch += 1
+    run = p.run(s, 8, prog, output=201)
+    assert [seg.host.name for seg in run.plan.segments] == ["a"]
+    assert [h for h, _ in p.outbox.take()] == ["a"]
+
+
+def test_a_run_of_an_unknown_program_or_the_wrong_arity_is_refused() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=1, program_id="p-nope", input_ids=[1], output_ids=[2]))
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=2, program_id=prog.program_id, input_ids=[], output_ids=[2]))
+    p.dispatcher.flush()
+    assert events(s) == [
+        cpb.SessionEvent(finished=cpb.RunFinished(
+            run_id=1, error="program p-nope is not registered (register it first)")),
+        cpb.SessionEvent(finished=cpb.RunFinished(
+            run_id=2, error="program 'p' takes 1 inputs and gives 1 outputs; the run has 0 and 1")),
+        cpb.SessionEvent(runs_done=cpb.RunsDone(count=2)),
+    ]
+    assert p.outbox.take() == [] and p.dispatcher.runs == {}
+
+
+def test_forgotten_programs_leave_the_workers_that_have_their_segments() -> None:
+    p = Parts()
+    prog, s = p.program(), session()
+    run = p.run(s, 7, prog, output=200)
+    p.outbox.take()
+    p.dispatcher.forget_programs([prog.program_id])
+    ids = [seg.definition.segment_id for seg in run.plan.segments]
+    assert p.outbox.take() == [
+        ("a", cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[0]]))),
+        ("b", cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))),
+    ]

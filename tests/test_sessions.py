@@ -1,0 +1,186 @@
+"""The session manager in-process, over a real dispatcher, scheduler and program registry (see
+test_dispatcher.py): registration, the release barrier, a session's stream and its end. The
+outbox and `broadcast` record what would go to the workers; every test asserts exact messages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.controller.client_session import ClientSession
+from server.controller.programs import ProgramRecord
+from server.controller.sessions import SessionManager
+from tests.test_dispatcher import FUNCTION, Parts, events, session, two_step_graph
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Sessions(Parts):
+    def __init__(self) -> None:
+        super().__init__()
+        self.broadcasts: list[cpb.ControllerToWorker] = []
+        self.manager = SessionManager(self.dispatcher, self.registry, self.slices, self.broadcasts.append)
+        self.registered: list[tuple[str, str]] = []
+        self.manager.program_listeners.append(lambda s, prog: self.registered.append((s.client_id, prog.program_id)))
+
+    def open(self, client_id: str = "c1") -> ClientSession:
+        s = session(client_id)
+        self.manager.sessions[s.client_id] = s
+        return s
+
+    def send(self, s: ClientSession, *msgs: cpb.ClientMessage) -> None:
+        """What the session's reader does with each message: handle it, then flush."""
+        for m in msgs:
+            self.manager.handle(s, m)
+            self.dispatcher.flush()
+
+    def register(self, s: ClientSession) -> ProgramRecord:
+        self.send(s, cpb.ClientMessage(register=cpb.RegisterProgram(request_id=1, graph=two_step_graph(),
+                                                                    functions=[FUNCTION])))
+        (ev,) = events(s)
+        return self.registry.programs[ev.registered.program_id]
+
+
+def run(run_id: int, prog: ProgramRecord, output: int) -> cpb.ClientMessage:
+    return cpb.ClientMessage(run=cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[100],
+                                                output_ids=[output], input_homes=["a:1"]))
+
+
+def release(*ids: int, address: str = "b:1") -> cpb.ClientMessage:
+    return cpb.ClientMessage(release=wpb.ReleaseBuffers(address=address, buffer_ids=list(ids)))
+
+
+def release_msg(*ids: int) -> cpb.ControllerToWorker:
+    return cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=list(ids)))
+
+
+def test_registration_asks_for_missing_functions_then_registers() -> None:
+    p = Sessions()
+    s = p.open()
+    graph = two_step_graph()
+    lazy = cpb.FunctionInfo(function_id=FUNCTION.function_id, name="f")  # no bytes yet
+    p.send(s, cpb.ClientMessage(register=cpb.RegisterProgram(request_id=1, graph=graph, functions=[lazy])))
+    assert events(s) == [cpb.SessionEvent(registered=cpb.ProgramRegistered(
+        request_id=1, missing_functions=[FUNCTION.function_id]))]
+    prog = p.register(s)
+    assert prog.owners == {"client:c1"} and p.registered == [("c1", prog.program_id)]
+
+    graph.nodes[1].slice = "gone"
+    p.send(s, cpb.ClientMessage(register=cpb.RegisterProgram(request_id=3, graph=graph, functions=[FUNCTION])))
+    assert events(s) == [cpb.SessionEvent(registered=cpb.ProgramRegistered(
+        request_id=3, error="slice 'gone' does not exist (deleted?)"))]
+    assert p.outbox.take() == []
+
+
+def test_a_release_waits_for_every_run_submitted_before_it() -> None:
+    p = Sessions()
+    s = p.open()
+    prog = p.register(s)
+    p.send(s, run(1, prog, 201), release(200), run(2, prog, 202))
+    # run 1 may still read buffer 200 (its enqueue left, it did not run): the release waits
+    assert all(m.WhichOneof("msg") == "enqueue" for _, m in p.outbox.take())
+    p.report("a", 1, 0)
+    p.report("a", 2, 0)
+    p.report("b", 2, 1)  # run 2 is over: it came after the release, which still waits for run 1
+    assert p.outbox.take() == []
+    p.report("b", 1, 1)  # run 1 is over: now the release goes
+    assert p.outbox.take() == [("b", release_msg(200))]
+    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2))
+
+    # with no run open a release goes at once; one to an unknown address goes nowhere
+    p.send(s, release(300, 301), release(5, address="nowhere:1"))
+    assert p.outbox.take() == [("b", release_msg(300, 301))]
+
+
+def test_a_batch_is_one_scheduler_pass_and_releases_keep_their_place() -> None:
+    p = Sessions()
+    s = p.open()
+    prog = p.register(s)
+    p.send(s, cpb.ClientMessage(batch=cpb.ClientBatch(messages=[run(1, prog, 201), release(7), run(2, prog, 202)])))
+    sent = p.outbox.take()
+    assert [(h, [t.run_id for t in m.enqueue.tasks]) for h, m in sent] == [("a", [1, 2]), ("b", [1, 2])]
+    for host, seg in (("a", 0), ("b", 1)):
+        for r in (1, 2):
+            p.report(host, r, seg)
+    assert p.outbox.take() == [("b", release_msg(7))]
+
+
+def test_closing_a_session_frees_what_its_client_owned() -> None:
+    p = Sessions()
+    s = p.open()
+    prog = p.register(s)
+    p.send(s, run(1, prog, 201))
+    run_state = p.dispatcher.runs[1]
+    p.outbox.take()
+    p.manager.close(s)
+    # its run is over, its buffers go everywhere, its program leaves the workers, its slices go
+    assert p.dispatcher.runs == {} and p.finished == [(1, False, "cancelled: client c1 disconnected")]
+    assert p.broadcasts == [cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner="client:c1"))]
+    ids = [seg.definition.segment_id for seg in run_state.plan.segments]
+    drop = cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[1], reason="cancelled: client c1 disconnected"))
+    assert p.outbox.by_host() == {  # each worker's messages in order (workers in no particular one)
+        "a": [drop, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[0]]))],
+        "b": [drop, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))],
+    }
+    assert p.registry.programs == {} and p.slices.released == ["client:c1"]
+    assert p.manager.sessions == {}
+
+
+def test_slice_changes_reach_every_session() -> None:
+    p = Sessions()
+    a, b = p.open("c1"), p.open("c2")
+    info = cpb.Slice(name="sa", generation=2)
+    p.manager.slice_changed(info)
+    notice = cpb.SessionEvent(slice_changed=cpb.SliceChanged(slice=info))
+    assert events(a) == [notice] and events(b) == [notice]
+
+
+async def _stream(msgs: list[cpb.ClientMessage], hold: asyncio.Event) -> AsyncIterator[cpb.ClientMessage]:
+    for m in msgs:
+        yield m
+    await hold.wait()  # the client keeps its stream open until told
+
+
+def test_the_stream_welcomes_serves_and_closes() -> None:
+    p = Sessions()
+    p.manager.default_dispatch = "parallel"
+
+    async def scenario() -> list[Any]:
+        hold = asyncio.Event()
+        hello = cpb.ClientMessage(hello=cpb.Hello(client_name="t"))
+        register = cpb.ClientMessage(register=cpb.RegisterProgram(request_id=4, graph=two_step_graph(),
+                                                                  functions=[FUNCTION]))
+        stream = p.manager.serve(_stream([cpb.ClientMessage(batch=cpb.ClientBatch(messages=[hello, register]))],
+                                         hold), None)  # type: ignore[arg-type]
+        got = [await anext(stream), await anext(stream)]
+        assert list(p.manager.sessions) == [got[0].welcome.client_id]
+        p.manager.end_all("the controller is shutting down")
+        got += [ev async for ev in stream]
+        hold.set()
+        return got
+
+    welcome, registered, error = asyncio.run(scenario())
+    assert welcome.welcome.client_id == "c1" and welcome.welcome.id_prefix > 0
+    assert registered.registered.request_id == 4 and registered.registered.program_id
+    assert error == cpb.SessionEvent(error="the controller is shutting down")
+    assert p.manager.sessions == {} and p.registry.programs == {}  # closed: its program is gone
+
+
+def test_a_stream_without_hello_or_with_an_unknown_mode_is_refused() -> None:
+    p = Sessions()
+
+    async def first(msgs: list[cpb.ClientMessage]) -> list[cpb.SessionEvent]:
+        hold = asyncio.Event()
+        hold.set()
+        return [ev async for ev in p.manager.serve(_stream(msgs, hold), None)]  # type: ignore[arg-type]
+
+    assert asyncio.run(first([])) == [cpb.SessionEvent(error="a session starts with a hello message")]
+    bad = cpb.ClientMessage(hello=cpb.Hello(client_name="t", dispatch="eager"))
+    assert asyncio.run(first([bad])) == [
+        cpb.SessionEvent(error="unknown dispatch mode 'eager': use parallel or sequential")]
+    assert p.manager.sessions == {}

@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 import psutil
 
 from schemas.pathways.v1 import common_pb2 as pb
-from server import paths
 
+from . import paths
 from .client import Client
 from .errors import ConnectionFailed, InvalidArgument, NotFound, PathwaysError, Rejected
 

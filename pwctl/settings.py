@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from server import paths
+from . import paths
 
 
 @dataclass(frozen=True)

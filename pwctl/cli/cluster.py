@@ -7,9 +7,7 @@ from typing import Annotated
 
 import typer
 
-from server import paths
-
-from .. import local
+from .. import local, paths
 from .common import hint
 
 IslandsOpt = Annotated[int, typer.Option("--islands", min=1, help="Islands, one worker each")]

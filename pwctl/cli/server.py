@@ -9,9 +9,8 @@ from typing import Annotated
 import typer
 
 from schemas.views import ServerInfoView
-from server import paths
 
-from .. import local
+from .. import local, paths
 from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
 
 app = typer.Typer(help="The controller: start, stop, inspect.", no_args_is_help=True)

@@ -85,10 +85,6 @@ class Future:
             pass  # interpreter shutdown
 
 
-def is_future(x: Any) -> bool:
-    return isinstance(x, Future)
-
-
 def block_until_ready(x: Any, timeout: float | None = None) -> Any:
     """Waits until every future in the pytree `x` is computed (one call per worker, no bytes
     moved) and returns `x`, as `jax.block_until_ready`; raises ProgramError if one failed."""

@@ -14,25 +14,24 @@ import logging
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any, NamedTuple
 
-import grpc
-import numpy as np
-
-from schemas.arrays import c_order, dtype_name, from_bytes
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
-from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from ..client import CHANNEL_OPTIONS, Client
-from ..errors import ConnectionFailed, InvalidArgument, PathwaysError, ProgramError, from_rpc_error
+from ..client import Client
+from ..errors import ConnectionFailed, InvalidArgument, PathwaysError, ProgramError
+from ..worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 4096
+# Failed runs remembered (their errors, for the futures of those runs); older ones are forgotten,
+# and a future of a forgotten run reports the worker's own error for its buffer instead.
+MAX_FAILED_RUNS = 4096
 # Runs sent but not known to be over, before a call blocks (PWCTL_MAX_IN_FLIGHT; 0: no bound). A
 # loop that calls without ever waiting would otherwise queue work (and its inputs) without limit;
 # JAX blocks its async dispatch the same way.
@@ -58,89 +57,6 @@ def _max_in_flight(value: str) -> int:
     if n < 0:
         raise InvalidArgument(f"PWCTL_MAX_IN_FLIGHT={value!r}: expected a number of runs (0: no bound)")
     return n
-
-
-class WorkerConn:
-    """Direct connection to one worker: uploads on a long-lived stream, fetches on demand."""
-
-    def __init__(self, address: str, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.address = address
-        self.metadata = metadata
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = wgrpc.WorkerStub(self.channel)
-        self._puts: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._put_call: Any = None
-        self._lock = threading.Lock()
-
-    def _put_iter(self) -> Iterator[wpb.PutBufferRequest]:
-        while True:
-            item = self._puts.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, wpb.PutBufferRequest)
-            yield item
-
-    def put(self, buffer_id: int, arr: np.ndarray, owner: str) -> None:
-        """Queues an upload; returns at once (the consuming node waits for it)."""
-        arr = c_order(arr)
-        req = wpb.PutBufferRequest(
-            buffer_id=buffer_id,
-            array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), data=arr.tobytes()),
-            owner=owner,
-        )
-        with self._lock:
-            if self._put_call is None:
-                self._put_call = self.stub.PutBuffers.future(self._put_iter(), metadata=self.metadata)
-        self._puts.put(req)
-
-    def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
-        """(array, "") when ready, (None, error) when failed, (None, "") on timeout.
-
-        The call's deadline is the worker's wait plus time to stream `nbytes` at a slow 50 MB/s: a
-        worker that stalls (stopped, wedged) then costs the caller seconds, not a fixed 30, before
-        it looks again whether the run failed (hang detection fails it on the controller)."""
-        head: pb.ArrayProto | None = None
-        parts: list[bytes] = []
-        deadline = timeout_s + 5.0 + nbytes / 50e6
-        try:
-            for chunk in self.stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
-                                         metadata=self.metadata, timeout=deadline):
-                if chunk.error:
-                    if "not ready after" in chunk.error:
-                        return None, ""
-                    return None, chunk.error
-                if head is None:
-                    head = chunk.array
-                parts.append(chunk.array.data)
-        except grpc.RpcError as e:
-            return None, self._wait_error(e)
-        if head is None:
-            return None, f"empty reply from {self.address}"
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        return from_bytes(head.dtype, list(head.shape), data).copy(), ""
-
-    def wait(self, buffer_ids: list[int], timeout_s: float) -> tuple[bool, str]:
-        """(True, "") once every buffer is computed, (False, error) when one failed, (False, "")
-        on timeout; no bytes move."""
-        try:
-            reply = self.stub.Wait(wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s),
-                                   metadata=self.metadata, timeout=timeout_s + 5.0)
-        except grpc.RpcError as e:
-            return False, self._wait_error(e)
-        return reply.ready, reply.error
-
-    def _wait_error(self, e: grpc.RpcError) -> str:
-        """A failed fetch or wait: the error to report, or "" when it only ran out of time (the
-        caller checks the run and asks again); anything else is raised."""
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
-            return f"the worker at {self.address} is unreachable (host lost?)"
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return ""
-        raise e
-
-    def close(self) -> None:
-        self._puts.put(_STOP)
-        self.channel.close()
 
 
 def keep_local_jax_on_cpu() -> None:
@@ -180,15 +96,15 @@ class Runtime:
         self._ids = itertools.count(1)
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
-        self._failed_runs: dict[int, str] = {}
+        self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
         self.max_in_flight = _max_in_flight(os.environ.get("PWCTL_MAX_IN_FLIGHT", ""))
         self._runs_sent = 0
         self._runs_done = 0  # as the controller last reported (RunsDone)
         self._progress = threading.Condition()
         self._session_error = ""
-        self._workers: dict[str, WorkerConn] = {}
+        self._workers: dict[str, WorkerClient] = {}
         self._workers_lock = threading.Lock()
-        self.known_functions: set[str] = set()
+        self.known_functions: set[str] = set()  # ids of the functions the server accepted from us
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
         hello = cpb.Hello(
             client_name=f"pid-{os.getpid()}",
@@ -198,7 +114,7 @@ class Runtime:
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
         )
         self._out.put(cpb.ClientMessage(hello=hello))
-        self._call = self.client.stub.Session(self._requests(), metadata=self.client.metadata)
+        self._call = self.client.session(self._requests())
         self._reader = threading.Thread(target=self._read, name="pw-session", daemon=True)
         self._reader.start()
         try:
@@ -310,6 +226,8 @@ class Runtime:
                 elif kind == "finished":
                     if not ev.finished.ok:
                         self._failed_runs[ev.finished.run_id] = ev.finished.error
+                        if len(self._failed_runs) > MAX_FAILED_RUNS:
+                            self._failed_runs.popitem(last=False)
                 elif kind == "runs_done":
                     with self._progress:
                         self._runs_done = ev.runs_done.count
@@ -320,13 +238,13 @@ class Runtime:
                         vs._update(ev.slice_changed.slice)
                 elif kind == "error":
                     self._session_error = ev.error
-        except grpc.RpcError as e:
+        except PathwaysError as e:
             if not self._welcome.done():  # never connected: the usual one-line advice
-                self._session_error = str(from_rpc_error(e, self.client.address))
+                self._session_error = str(e)
             elif not self.closed:
+                code = e.code.name.lower() if e.code is not None else "error"
                 self._session_error = (
-                    f"lost the session with the server at {self.client.address}: {e.code().name.lower()} "
-                    f"{e.details() or ''}".strip()
+                    f"lost the session with the server at {self.client.address}: {code} {e.details}".strip()
                 )
         finally:
             with self._progress:  # calls waiting for room see the session's end
@@ -340,8 +258,13 @@ class Runtime:
 
     # ---- programs ----
     def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:
-        """Registers a program graph; sends function bytes only for what the server lacks."""
-        infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate)) for f in functions]
+        """Registers a program graph in one round trip: functions this runtime registered before
+        go by id alone, the others with their bytes. Should the server lack some anyway (a
+        restarted controller), it names them and a second round trip sends their bytes."""
+        known = self.known_functions
+        infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
+                                  exported=b"" if f.function_id in known else f.exported)
+                 for f in functions]
         reply = self._register_once(graph, infos)
         if reply.missing_functions:
             missing = set(reply.missing_functions)
@@ -355,7 +278,7 @@ class Runtime:
             raise ProgramError(reply.error)
         if reply.missing_functions:
             raise ProgramError("the server did not accept the compiled functions")
-        self.known_functions.update(f.function_id for f in functions)
+        known.update(f.function_id for f in functions)
         return reply.program_id
 
     def _register_once(self, graph: cpb.ProgramGraph, infos: list[cpb.FunctionInfo]) -> cpb.ProgramRegistered:
@@ -374,11 +297,11 @@ class Runtime:
         self._out.put(_Release(buffer_id, address))
 
     # ---- workers ----
-    def worker(self, address: str) -> WorkerConn:
+    def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:
             conn = self._workers.get(address)
             if conn is None:
-                conn = self._workers[address] = WorkerConn(address, self.client.metadata)
+                conn = self._workers[address] = WorkerClient(address, self.client.token)
             return conn
 
     def close(self) -> None:

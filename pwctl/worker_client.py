@@ -1,0 +1,103 @@
+"""The client of the worker service: array bytes go to and from workers directly, never through
+the controller. Kept apart from `pwctl.client` so the CLI does not import NumPy."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from schemas.arrays import c_order, dtype_name, from_bytes
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+from .errors import ConnectionFailed, DeadlineExceeded
+from .transport import NO_RETRY, Transport
+
+_STOP = object()
+
+
+class WorkerClient:
+    """The worker service of one worker, on the same transport as `Client`: uploads on one
+    long-lived stream, fetches and waits on demand. Array bytes go to and from workers directly,
+    never through the controller."""
+
+    def __init__(self, address: str, token: str | None) -> None:
+        self.address = address
+        self._transport = Transport(address, token, peer="worker", retry=NO_RETRY)
+        self._stub = wgrpc.WorkerStub(self._transport.channel)
+        self._puts: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._put_call: Any = None
+        self._lock = threading.Lock()
+
+    def _put_iter(self) -> Iterator[wpb.PutBufferRequest]:
+        while True:
+            item = self._puts.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, wpb.PutBufferRequest)
+            yield item
+
+    def put(self, buffer_id: int, arr: np.ndarray, owner: str) -> None:
+        """Queues an upload; returns at once (the consuming node waits for it)."""
+        arr = c_order(arr)
+        req = wpb.PutBufferRequest(
+            buffer_id=buffer_id,
+            array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), data=arr.tobytes()),
+            owner=owner,
+        )
+        with self._lock:
+            if self._put_call is None:
+                self._put_call = self._transport.client_stream_future(self._stub.PutBuffers, self._put_iter())
+        self._puts.put(req)
+
+    def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
+        """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")
+        on timeout; any other failure raises a typed error.
+
+        The call's deadline is the worker's wait plus time to stream `nbytes` at a slow 50 MB/s: a
+        worker that stalls (stopped, wedged) then costs the caller seconds, not a fixed 30, before
+        it looks again whether the run failed (hang detection fails it on the controller)."""
+        head: pb.ArrayProto | None = None
+        parts: list[bytes] = []
+        deadline = timeout_s + 5.0 + nbytes / 50e6
+        try:
+            for chunk in self._transport.server_stream(
+                    self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s), timeout=deadline):
+                if chunk.error:
+                    if "not ready after" in chunk.error:
+                        return None, ""
+                    return None, chunk.error
+                if head is None:
+                    head = chunk.array
+                parts.append(chunk.array.data)
+        except ConnectionFailed as e:
+            return None, _lost(e)
+        if head is None:
+            return None, f"empty reply from {self.address}"
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        return from_bytes(head.dtype, list(head.shape), data).copy(), ""
+
+    def wait(self, buffer_ids: list[int], timeout_s: float) -> tuple[bool, str]:
+        """(True, "") once every buffer is computed, (False, error) when one failed or the worker
+        is unreachable, (False, "") on timeout; no bytes move. Other failures raise."""
+        try:
+            reply = self._transport.unary(self._stub.Wait, wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s),
+                                          timeout=timeout_s + 5.0)
+        except ConnectionFailed as e:
+            return False, _lost(e)
+        return reply.ready, reply.error
+
+    def close(self) -> None:
+        self._puts.put(_STOP)
+        self._transport.close()
+
+
+def _lost(e: ConnectionFailed) -> str:
+    """A fetch or wait that could not finish: the error to report, or "" when it only ran out of
+    time (the caller checks whether the run failed and asks again)."""
+    return "" if isinstance(e, DeadlineExceeded) else str(e)

@@ -43,14 +43,18 @@ StatusOutputOpt = Annotated[
 def status(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Keep updating: a live view fed by the server.")
                      ] = False,
-    interval: Annotated[float, typer.Option("--interval", "-n", min=0.1, help="Seconds between updates.")
-                        ] = 1.0,
+    interval: Annotated[float | None, typer.Option("--interval", "-n", min=0.1, show_default=False,
+                                                   help="Seconds between updates with --watch (default 1).")
+                        ] = None,
     server: ServerOpt = None,
     output: StatusOutputOpt = StatusFormat.table,
 ) -> None:
     """The cluster at a glance: devices (utilization, running node), slices, island queues, jobs,
     computations per second. With --watch, a live view; piped or with -o json, one JSON
     document (kind ClusterStatus) per line per update. Ctrl-C stops watching."""
+    if interval is not None and not watch:
+        raise typer.BadParameter("only with --watch (without it, status shows one snapshot)",
+                                 param_hint="--interval")
     with client(server) as c:
         if not watch:
             view = ClusterStatusView.of(c.status())
@@ -60,7 +64,7 @@ def status(
                 stdout().print(render(view))
             return
         try:
-            updates = (ClusterStatusView.of(s) for s in c.watch(interval))
+            updates = (ClusterStatusView.of(s) for s in c.watch(interval or 1.0))
             if output == StatusFormat.json or not sys.stdout.isatty():
                 _json_lines(updates)
             else:

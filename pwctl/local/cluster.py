@@ -1,0 +1,138 @@
+"""`up` and `down`: a whole local cluster (the controller and one worker per island)."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import paths
+from ..errors import InvalidArgument
+from .controller import _spawn_controller, _stop_controller_pid, _wait_controller, running_controller
+from .processes import (
+    CONTROLLER_MODULE,
+    STOP_GRACE_S,
+    WORKER_MODULE,
+    WORKER_READY_TIMEOUT_S,
+    _check_address,
+    _read_json,
+    _write_json,
+    runs_module,
+    terminate,
+)
+from .workers import running_worker, start_worker, wait_workers_ready, worker_pid_path
+
+
+@dataclass(frozen=True)
+class UpResult:
+    address: str
+    islands: list[str]
+    devices: int
+    controller_started: bool
+    worker_pids: dict[str, int]
+    started_workers: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DownResult:
+    address: str
+    stopped_workers: dict[str, int]
+    controller_pid: int | None
+
+
+def island_names(n: int) -> list[str]:
+    """a, b, ..., z, aa, ab, ..."""
+    out = []
+    for i in range(n):
+        s, k = "", i
+        while True:
+            s = chr(ord("a") + k % 26) + s
+            k = k // 26 - 1
+            if k < 0:
+                break
+        out.append(s)
+    return out
+
+
+def up(
+    islands: int = 2,
+    devices: int = 4,
+    listen: str = paths.DEFAULT_ADDRESS,
+    db: str | None = None,
+    timeout: float = WORKER_READY_TIMEOUT_S,
+) -> UpResult:
+    """Starts (or completes) a local cluster: the controller and one worker per island.
+
+    The controller is reused when one is running. Worker `local-<island>` is started unless a
+    process of that name already runs. Everything starts at once (workers retry connecting on
+    their own); returns when every worker is ready. Idempotent.
+    """
+    if islands < 1 or devices < 1:
+        raise InvalidArgument("--islands and --devices must be at least 1")
+    _check_address(listen)
+    db = db or paths.default_db_url()
+    state = _read_json(paths.cluster_state_path()) or {}
+    running = running_controller()
+    proc: subprocess.Popen[bytes] | None = None
+    log_offset = 0
+    if running is not None:
+        address = running.address
+    else:
+        proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, ())
+        address = listen
+    if proc is not None and paths.split_address(listen)[1] == 0:
+        # the port is known only once the controller serves: workers must wait for it
+        address = _wait_controller(proc, log_offset, db).address
+
+    names = island_names(islands)
+    worker_pids: dict[str, int] = {}
+    for name, pid in dict(state.get("worker_pids", {})).items():
+        if runs_module(int(pid), WORKER_MODULE):
+            worker_pids[name] = int(pid)
+    started: list[str] = []
+    for island in names:
+        name = f"local-{island}"
+        pid = worker_pids.get(name) or running_worker(name)
+        if pid is None:
+            pid = start_worker(address, island, devices, name)
+            started.append(name)
+        worker_pids[name] = pid
+
+    controller_pid = state.get("controller_pid")
+    if proc is not None:
+        address = _wait_controller(proc, log_offset, db).address
+        controller_pid = proc.pid
+    elif running is not None and controller_pid != running.pid:
+        controller_pid = None  # someone else's controller: `down` leaves it alone
+    new_state: dict[str, Any] = {"address": address, "worker_pids": worker_pids}
+    if controller_pid:
+        new_state["controller_pid"] = controller_pid
+    # written before waiting, so `down` can clean up even when a worker fails to come up
+    _write_json(paths.cluster_state_path(), new_state)
+    wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout)
+    return UpResult(address=address, islands=names, devices=devices, controller_started=proc is not None,
+                    worker_pids=worker_pids, started_workers=started)
+
+
+def down(grace: float = STOP_GRACE_S) -> DownResult | None:
+    """Stops exactly what `up` recorded in cluster.json (workers first), by pid; None if nothing."""
+    path = paths.cluster_state_path()
+    state = _read_json(path)
+    if state is None:
+        return None
+    workers = {str(n): int(p) for n, p in dict(state.get("worker_pids", {})).items()}
+    ours = {n: p for n, p in workers.items() if runs_module(p, WORKER_MODULE)}
+    terminate(list(ours.values()), grace)
+    for name, pid in workers.items():
+        if (_read_json(worker_pid_path(name)) or {}).get("pid") == pid:
+            worker_pid_path(name).unlink(missing_ok=True)
+    controller_pid = state.get("controller_pid")
+    stopped_controller: int | None = None
+    if controller_pid and runs_module(int(controller_pid), CONTROLLER_MODULE):
+        stopped_controller = int(controller_pid)
+        _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
+        if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:
+            paths.server_pid_path().unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    return DownResult(address=str(state.get("address", "")), stopped_workers=ours,
+                      controller_pid=stopped_controller)

@@ -51,8 +51,10 @@ class ExportedFunction:
     """A function exported for a slice: serialized ``jax.export`` bytes plus what the client needs.
 
     ``in_tree`` is the treedef of the positional-argument tuple (flatten the call's ``args`` tuple
-    with it); ``out_tree`` that of the result. Both are client-side only. ``collective`` says the
-    computation may communicate across devices (workers must not pipeline it on CPU).
+    with it); ``out_tree`` that of the result. Both are client-side only. ``collective`` is the
+    client's conservative guess, before SPMD partitioning, that the computation communicates
+    across devices: a hint for the user and the scheduler. The worker owns the fact and reads it
+    off its compiled executable (server/worker/segments.py).
     """
 
     function_id: str

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.cluster import HostInfo
@@ -93,6 +94,8 @@ def test_other_devices_of_the_same_worker_join_the_segment_as_another_part() -> 
     g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)], collective=(1,))
     (seg,) = plan(g, [A, A], [[0], [0, 1]])
     assert seg.spec.collective and seg.spec.devices == (10, 11) and seg.spec.deps == ()
+    # whether it communicates is the worker's to read off its compiled executables: not sent
+    assert not seg.definition.collective
     s = Segment.of(seg.definition)
     assert s.devices == (0, 1) and s.node_devices == ((0,), (0, 1))
     p0, p1 = s.parts()
@@ -103,6 +106,20 @@ def test_other_devices_of_the_same_worker_join_the_segment_as_another_part() -> 
     # sequential dispatch (each computation waits for the one before) keeps them apart
     s0, s1 = cut(analyze("p-1", g), [A, A], [[0], [0, 1]], ["a", "a"], across_devices=False)
     assert s0.spec.devices == (10,) and s1.spec.devices == (10, 11) and s1.spec.deps == (0,)
+
+
+def test_the_worker_takes_the_segments_devices_as_the_controller_cut_them() -> None:
+    g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)])
+    (seg,) = plan(g, [A, A], [[1], [0, 1]])
+    assert list(seg.definition.local_devices) == [1, 0]
+    assert Segment.of(seg.definition).devices == (1, 0)  # the controller's order, as given
+    d = seg.definition
+    d.nodes[1].local_devices.append(3)
+    with pytest.raises(ValueError, match="node 1 runs on \\[0, 1, 3\\], outside the segment's devices"):
+        Segment.of(d)
+    del d.local_devices[:]
+    with pytest.raises(ValueError, match="devices \\[\\] are empty"):
+        Segment.of(d)
 
 
 def test_parts_read_the_segment_inputs_and_earlier_parts_and_return_what_is_kept() -> None:

@@ -135,7 +135,7 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
         definition = wpb.SegmentDef(
             segment_id=next(ids), local_devices=list(used), nodes=nodes,
             outputs=[wpb.SegmentOutput(node=i - first, output=o) for i, o in outputs],
-            routes=routes, collective=collective, label=label)
+            routes=routes, label=label)  # whether it communicates is the worker's to read
         spec = NodeSpec(index=s, host=host.name, island=islands[first],
                         devices=tuple(host.device_ids[d] for d in used), collective=collective,
                         deps=tuple(sorted(deps)), label=label)

@@ -32,6 +32,9 @@ CHAIN_MIN = 4  # identical chained calls from which a fused part loops instead o
 class Segment:
     """A segment's structure, free of buffer ids and of the program it came from.
 
+    The controller owns the cut, the wiring and the devices (`of` takes them from the wire as
+    given); the worker owns what follows from them for execution (`parts`, `chains`).
+
     `wiring[k]` lists node k's inputs: (0, i) = external input i, (1, m, j) = output j of
     segment node m. `keep` lists the (node, output) pairs the segment returns. Node k runs on
     the worker-local devices `node_devices[k]`; `devices` is all of them, first seen first.
@@ -58,14 +61,21 @@ class Segment:
         for k, ws in enumerate(wiring):
             if any(w[0] == 1 and not 0 <= w[1] < k for w in ws):
                 raise ValueError(f"segment {d.label!r}: node {k} reads a node that is not before it")
-        node_devices = tuple(tuple(n.local_devices) or tuple(d.local_devices) for n in d.nodes)
-        if any(not devs for devs in node_devices):
-            raise ValueError(f"segment {d.label!r}: a node has no devices")
+        # the controller owns the segment's devices (server/controller/segments.py): taken as
+        # given, only checked for consistency
+        devices = tuple(d.local_devices)
+        node_devices = tuple(tuple(n.local_devices) or devices for n in d.nodes)
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"segment {d.label!r}: its devices {list(devices)} are empty or repeat")
+        within = set(devices)
+        for k, devs in enumerate(node_devices):
+            if not within.issuperset(devs):
+                raise ValueError(f"segment {d.label!r}: node {k} runs on {list(devs)}, outside the segment's devices")
         return cls(
             function_ids=tuple(n.function_id for n in d.nodes),
             wiring=tuple(wiring),
             keep=tuple((o.node, o.output) for o in d.outputs),
-            devices=tuple(dict.fromkeys(x for devs in node_devices for x in devs)),
+            devices=devices,
             node_devices=node_devices,
         )
 

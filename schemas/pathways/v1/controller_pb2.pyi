@@ -905,6 +905,9 @@ class ProgramNode(_message.Message):
     slice: _builtins.str
     num_outputs: _builtins.int
     collective: _builtins.bool
+    """The client's conservative guess that the function communicates (before SPMD partitioning).
+    A hint only: workers read it off their compiled executables (server/worker/segments.py).
+    """
     name: _builtins.str
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ValueRef]: ...

@@ -346,7 +346,9 @@ class SegmentDef(_message.Message):
     segment_id: _builtins.int
     """controller-chosen, unique per worker registration"""
     collective: _builtins.bool
-    """a node communicates: must not be pipelined (FACTS.md)"""
+    """Unused: whether a segment communicates is owned by the worker, read off its compiled
+    executables (exact after SPMD partitioning; server/worker/segments.py). Never reuse tag 6.
+    """
     label: _builtins.str
     """human name, e.g. "train/0-3 (fwd, bwd, ...)" """
     @_builtins.property

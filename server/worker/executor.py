@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ import jax
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..invariants import InvariantError
 from ..threadnames import name_native_thread
 from . import state as st
 from .buffers import BufferFailed, BufferStore
@@ -183,6 +185,13 @@ class Executor:
     # ---- launch thread ----
     def _launch_loop(self) -> None:
         name_native_thread()
+        try:
+            self._launch_until_stopped()
+        except InvariantError as e:  # only with PATHWAYS_VALIDATE: a bug, made loud
+            log.critical("the worker's state machine is inconsistent: %s", e)
+            os._exit(70)
+
+    def _launch_until_stopped(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or bool(self._inbox)

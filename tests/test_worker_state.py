@@ -40,7 +40,7 @@ def machine() -> WorkerState:
 def launch_all(m: WorkerState, *tasks: Task) -> None:
     """Feeds a successful launch of each task, which must release nothing."""
     for t in tasks:
-        assert m.handle(Launched(t)) == []
+        assert m.handle(Launched([t])) == []
 
 
 def test_tasks_launch_strictly_in_seq_order_whatever_order_they_arrive_in() -> None:
@@ -70,10 +70,10 @@ def test_a_task_waiting_for_an_input_does_not_hold_up_the_tasks_behind_it() -> N
     t1, t2 = task(1), task(2)
     assert m.handle(Enqueued([t1, t2])) == [Launch(t1), Launch(t2)]
     assert m.handle(InputsMissing(t1)) == []
-    assert m.handle(Launched(t2)) == []
+    assert m.handle(Launched([t2])) == []
     assert m.waiting == {1: t1} and m.in_flight == {2: t2}
     assert m.handle(InputsReady(t1)) == [Launch(t1)]
-    assert m.handle(Launched(t1)) == [] and m.waiting == {}
+    assert m.handle(Launched([t1])) == [] and m.waiting == {}
 
 
 def test_a_collective_waits_for_every_earlier_task_to_launch_and_for_its_devices() -> None:
@@ -82,11 +82,11 @@ def test_a_collective_waits_for_every_earlier_task_to_launch_and_for_its_devices
     assert m.handle(Enqueued([t1, t2, c3])) == [Launch(t1), Launch(t2)]
     assert m.handle(InputsMissing(t1)) == []
     # t2 launched, but t1 waits for its input: the collective is held
-    assert m.handle(Launched(t2)) == []
+    assert m.handle(Launched([t2])) == []
     assert m.held is c3
     assert m.handle(InputsReady(t1)) == [Launch(t1)]
     # every earlier task launched: the collective starts after what is in flight on ITS devices
-    assert m.handle(Launched(t1)) == [Launch(c3, after=(t1,))]
+    assert m.handle(Launched([t1])) == [Launch(c3, after=(t1,))]
 
 
 def test_tasks_behind_a_held_collective_keep_the_gang_order() -> None:
@@ -96,7 +96,7 @@ def test_tasks_behind_a_held_collective_keep_the_gang_order() -> None:
     assert m.handle(InputsMissing(t1)) == []
     assert m.queued == {3: t3}  # not launched before the collective ahead of it
     assert m.handle(InputsReady(t1)) == [Launch(t1)]
-    assert m.handle(Launched(t1)) == [Launch(c2, after=(t1,)), Launch(t3)]
+    assert m.handle(Launched([t1])) == [Launch(c2, after=(t1,)), Launch(t3)]
 
 
 def test_one_collective_starts_only_after_the_previous_one_on_its_devices_completed() -> None:
@@ -104,12 +104,12 @@ def test_one_collective_starts_only_after_the_previous_one_on_its_devices_comple
     c1, c2 = task(1, collective=True), task(2, collective=True)
     c3 = task(3, collective=True, devices=frozenset({5}))
     assert m.handle(Enqueued([c1, c2, c3])) == [Launch(c1)]
-    assert m.handle(Launched(c1)) == [Launch(c2, after=(c1,))]
+    assert m.handle(Launched([c1])) == [Launch(c2, after=(c1,))]
     assert m.handle(Completed([c1])) == []
-    assert m.handle(Launched(c2)) == [Launch(c3)]  # other devices: nothing to wait for
+    assert m.handle(Launched([c2])) == [Launch(c3)]  # other devices: nothing to wait for
     m.handle(Completed([c2]))
     c4 = task(4, collective=True)
-    assert m.handle(Launched(c3)) == []
+    assert m.handle(Launched([c3])) == []
     assert m.handle(Enqueued([c4])) == [Launch(c4)]  # c2 completed: its devices are free
 
 
@@ -161,10 +161,10 @@ def test_a_lost_peer_fails_the_tasks_that_need_it_naming_it_and_nothing_else_wai
     # t1 (waiting for its input) and t4 (queued) fail naming the peer; the held collective goes
     # on, and the one behind t4 is not stuck
     assert m.handle(PeerLost("worker-b")) == [Fail(t1, error), Fail(t4, error), Launch(c3, after=(t2,))]
-    assert m.handle(Launched(c3)) == [Launch(c5, after=(t2, c3))]
+    assert m.handle(Launched([c3])) == [Launch(c5, after=(t2, c3))]
     late = task(6, peers=("worker-b",))
     assert m.handle(Enqueued([late])) == [Fail(late, error)]  # one that arrives later fails at once
-    assert m.handle(Launched(c5)) == []
+    assert m.handle(Launched([c5])) == []
     assert m.backlog == 3  # t2, c3, c5 in flight
 
 
@@ -174,7 +174,7 @@ def test_a_peer_lost_while_its_collective_is_held_fails_it_and_the_order_goes_on
     assert m.handle(Enqueued([t1, c2, t3])) == [Launch(t1)]
     assert m.handle(InputsMissing(t1)) == []
     assert m.handle(PeerLost("worker-b", "killed")) == [Fail(c2, "peer worker-b was lost (killed)"), Launch(t3)]
-    assert m.handle(Launched(t3)) == []
+    assert m.handle(Launched([t3])) == []
     assert m.handle(InputsReady(t1)) == [Launch(t1)]
 
 
@@ -191,7 +191,7 @@ def test_a_reset_fails_work_not_launched_unreported_and_restarts_the_order() -> 
     n1 = task(1, collective=True)
     assert m.handle(Enqueued([n1])) == [Launch(n1)]  # the old epoch is not waited for
     assert m.handle(Completed([t1])) == [] and m.handle(InputsReady(t2)) == []  # old epoch: ignored
-    assert m.handle(Launched(n1)) == [] and m.in_flight == {1: n1}
+    assert m.handle(Launched([n1])) == [] and m.in_flight == {1: n1}
 
 
 def test_validation_failure_carries_the_recent_stimuli() -> None:
@@ -200,7 +200,7 @@ def test_validation_failure_carries_the_recent_stimuli() -> None:
     m.handle(Enqueued([t1]))
     m.in_flight[5] = task(5)  # corrupt: a seq past the head of the order is in flight
     with pytest.raises(InvariantError) as e:
-        m.handle(Launched(t1))
+        m.handle(Launched([t1]))
     assert "task(seq=5" in str(e.value).lower() and "head 2" in e.value.problem
     assert [s.text.split("(")[0] for s in e.value.history] == ["Enqueued", "Launched"]
 
@@ -214,6 +214,6 @@ def test_validation_is_off_unless_asked_and_the_log_is_bounded(monkeypatch: pyte
     for seq in range(1, 200):
         t = task(seq)
         assert m.handle(Enqueued([t])) == [Launch(t)]
-        m.handle(Launched(t))
+        m.handle(Launched([t]))
         m.handle(Completed([t]))
     assert len(m.history()) == 64 and m.backlog == 0

@@ -48,7 +48,11 @@ from .transfer import TransferSender
 log = logging.getLogger(__name__)
 
 MAX_DROP_HINTS = 10_000  # dropped runs remembered for launches blocked on inputs; halved when full
-COMPLETIONS_BOUND = 1024  # completed tasks held for the machine before the launch thread is woken
+# Completed tasks reach the machine in batches of COMPLETIONS_BATCH (nothing waits on them there:
+# a collective's `after` may name a completed task, whose wait returns at once); past
+# COMPLETIONS_BOUND an idle launch thread is woken to take them.
+COMPLETIONS_BATCH = 64
+COMPLETIONS_BOUND = 1024
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -199,13 +203,15 @@ class Executor:
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, []
-            if self._completions:
+            if len(self._completions) >= COMPLETIONS_BATCH:
                 self._take_completions()
             for stimulus in inbox:
                 if isinstance(stimulus, st.Enqueued):
                     for task in stimulus.tasks:  # compiled on first sight; its launch reports errors
-                        if isinstance(task, _Task) and task.info is not None:
-                            task.communicates = self.runners.communicates(task.info)
+                        info = task.info  # type: ignore[attr-defined]
+                        if info is not None:
+                            c = info.communicates
+                            task.communicates = self.runners.communicates(info) if c is None else c
                 self._carry_out(self.state.handle(stimulus))
 
     def _take_completions(self) -> None:
@@ -216,28 +222,34 @@ class Executor:
 
     def _carry_out(self, todo: list[st.Instruction]) -> None:
         """Carries out the instructions in order, feeding each launch's outcome back (which may
-        release more, appended to `todo`)."""
+        release more, appended to `todo`). Successful launches are fed back together once the
+        list is done: the machine releases nothing while one is launching (hot path)."""
+        launched: list[st.Task] = []
         i = 0
-        while i < len(todo):
+        while True:
+            if i == len(todo):
+                if not launched:
+                    return
+                todo.extend(self.state.handle(st.Launched(launched)))
+                launched = []
+                continue
             ins = todo[i]
             i += 1
             task: _Task = ins.task  # type: ignore[assignment]
-            if isinstance(ins, st.Fail):
+            if isinstance(ins, st.Launch):
+                if ins.after:
+                    self._drain(ins.after)
+                if not task.communicates and self._defer_if_waiting(task):
+                    todo.extend(self.state.handle(st.InputsMissing(task)))
+                elif self._launch_safely(task):
+                    launched.append(task)
+                else:
+                    todo.extend(self.state.handle(st.LaunchFailed(task)))
+            else:
                 if ins.free_inputs:
                     for inp in task.input_ids:
                         self.store.fail(inp, ins.error)
                 self._fail(task, ins.error, ins.report)
-                continue
-            if ins.after:
-                self._drain(ins.after)
-            outcome: st.Stimulus_
-            if not task.communicates and self._defer_if_waiting(task):
-                outcome = st.InputsMissing(task)
-            elif self._launch_safely(task):
-                outcome = st.Launched(task)
-            else:
-                outcome = st.LaunchFailed(task)
-            todo.extend(self.state.handle(outcome))
 
     def _launch_safely(self, task: _Task) -> bool:
         """Launches the task; False when it failed (and was reported)."""

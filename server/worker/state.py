@@ -75,7 +75,9 @@ class Skipped:
 
 @dataclass(slots=True)
 class Launched:
-    task: Task
+    """These tasks launched (fed in batches: the executor's hot path)."""
+
+    tasks: list[Task]
 
 
 @dataclass(slots=True)
@@ -156,6 +158,8 @@ class WorkerState:
     held: Task | None = None  # a collective at the head, waiting for earlier tasks to launch
     launching: dict[int, Task] = field(default_factory=dict)
     waiting: dict[int, Task] = field(default_factory=dict)  # for an input
+    # launched and not known to have completed (the executor reports completions in batches;
+    # waiting for one that already completed costs nothing)
     in_flight: dict[int, Task] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)  # run -> reason
     lost_peers: dict[str, str] = field(default_factory=dict)  # peer -> reason
@@ -168,9 +172,10 @@ class WorkerState:
         if self.validate_each:
             self.log.record(_describe(stimulus))
         if isinstance(stimulus, Launched):
-            t = stimulus.task
-            if self.launching.pop(t.seq, None) is t:
-                self.in_flight[t.seq] = t
+            for t in stimulus.tasks:
+                if self.launching.get(t.seq) is t:
+                    del self.launching[t.seq]
+                    self.in_flight[t.seq] = t
         elif isinstance(stimulus, Enqueued):
             for t in stimulus.tasks:
                 self.queued[t.seq] = t
@@ -222,7 +227,8 @@ class WorkerState:
             self.next_seq += 1
             if t is _SKIP:
                 continue
-            error = self._doomed(t)
+            # inlined `_doomed` for the common case (the hot path): no dropped run, no lost peer
+            error = self._doomed(t) if t.run_id in self.dropped or (t.peers and self.lost_peers) else ""
             if error:  # it arrived after its run was dropped or its peer lost
                 out.append(Fail(t, error))
             elif t.communicates:
@@ -337,8 +343,8 @@ class WorkerState:
 
 
 def _describe(s: Stimulus_) -> str:
-    if isinstance(s, Enqueued):
-        return f"Enqueued({', '.join(repr(t) for t in s.tasks[:8])}{', ...' if len(s.tasks) > 8 else ''})"
+    if isinstance(s, (Enqueued, Launched, Completed)):
+        return f"{type(s).__name__}({', '.join(repr(t) for t in s.tasks[:8])}{', ...' if len(s.tasks) > 8 else ''})"
     return repr(s)
 
 

@@ -171,7 +171,7 @@ class Executor:
             for r in list(self._drop_hints)[: MAX_DROP_HINTS // 2]:
                 self._drop_hints.pop(r, None)
         launching = self._launching
-        if launching is not None and launching.run_id in self._drop_hints:
+        if launching is not None and launching.run_id in run_ids:
             for inp in launching.input_ids:  # it may be blocked waiting for them
                 self.store.fail(inp, reason)
         self._feed(st.Skipped(list(skipped_seqs)), st.Dropped(list(run_ids), reason))
@@ -211,7 +211,9 @@ class Executor:
                         info = task.info  # type: ignore[attr-defined]
                         if info is not None:
                             c = info.communicates
-                            task.communicates = self.runners.communicates(info) if c is None else c
+                            task.communicates = c = self.runners.communicates(info) if c is None else c
+                            if c and self._completions:  # its `after` then names only what still runs
+                                self._take_completions()
                 self._carry_out(self.state.handle(stimulus))
 
     def _take_completions(self) -> None:

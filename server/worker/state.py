@@ -172,10 +172,13 @@ class WorkerState:
         if self.validate_each:
             self.log.record(_describe(stimulus))
         if isinstance(stimulus, Launched):
+            launching, in_flight = self.launching, self.in_flight
             for t in stimulus.tasks:
-                if self.launching.get(t.seq) is t:
-                    del self.launching[t.seq]
-                    self.in_flight[t.seq] = t
+                if launching.get(t.seq) is t:
+                    del launching[t.seq]
+                    in_flight[t.seq] = t
+            if self.held is None and not self.validate_each:
+                return out  # the hot path: with no collective held, a launch releases nothing
         elif isinstance(stimulus, Enqueued):
             for t in stimulus.tasks:
                 self.queued[t.seq] = t

@@ -6,12 +6,12 @@ stimuli in (`handle`), instructions out, no threads, no I/O, no JAX. The executo
 
 A task holds one seq of this worker's gang order (server/controller/segments.py). Its states:
 
-    queued ──(reaches the head of the order)──> launching ──Launched──> in flight ──Completed──> gone
-      │                                           │  ▲
-      │                                    InputsMissing  InputsReady
-      │                                           ▼  │
-      │                                         waiting
-      └── dropped, or a peer it needs lost ──> gone (Fail)
+    queued ──(head of the order)──> launching ──Launched──> in flight ──Completed──> gone
+      │      └─ a collective: held ──┘  │  ▲        (LaunchFailed: gone)
+      │                    InputsMissing │  │ InputsReady
+      │                                  ▼  │
+      │                                 waiting
+      └── (queued, held or waiting) its run dropped, or a peer it needs lost ──> gone (Fail)
 
 Rules (FACTS.md: JAX blocks the launching thread past ~32 computations in flight; on CPU two
 collective computations in flight at once deadlock):
@@ -23,11 +23,14 @@ collective computations in flight at once deadlock):
 - A task with collectives (`communicates`) is held at the head of the order until every earlier
   task was launched (none launching or waiting), and its `Launch` names the tasks in flight on
   its devices (`after`): the executor waits for them to complete before it starts. Tasks
-  behind it stay in the order until it launched: every member of an island launches the
-  island's collectives in the one gang order.
+  behind it stay in the order until its `Launch` is issued (the executor carries instructions
+  out in order): every member of an island launches the island's collectives in the one gang
+  order.
 - A dropped run's tasks, and tasks that need a lost peer (its inputs come from it, or it joins
   their collective), fail at once with an error naming the run's reason or the peer; a held
   collective behind them is released, so nothing waits forever and later tasks are not stuck.
+  (`Task.peers` is not on the wire yet: islands are one host each today; the executor's
+  `peer_lost` is the entry point for islands spanning hosts.)
 
 Ownership of derived facts: whether a segment communicates is owned by the worker, read off its
 compiled executables (server/worker/executable.py) and handed in on `Task.communicates`; the cut
@@ -37,7 +40,6 @@ of a program into segments, their wiring and their devices are owned by the cont
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..invariants import InvariantError, Stimulus, StimulusLog, validation_enabled
@@ -337,12 +339,6 @@ class WorkerState:
         """Tasks not over yet: queued, held, launching, waiting or computing."""
         queued = sum(1 for t in self.queued.values() if t is not _SKIP)
         return queued + (self.held is not None) + len(self.launching) + len(self.waiting) + len(self.in_flight)
-
-    def tasks_not_launched(self) -> Iterable[Task]:
-        yield from (t for t in self.queued.values() if t is not _SKIP)
-        if self.held is not None:
-            yield self.held
-        yield from self.waiting.values()
 
 
 def _describe(s: Stimulus_) -> str:

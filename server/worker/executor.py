@@ -88,6 +88,7 @@ class Executor:
         self._cond = threading.Condition()
         self._inbox: list[st.Stimulus_] = []  # under _cond
         self._completions: deque[_Task] = deque()  # completer -> launch thread, lock-free
+        self._launched: list[st.Task] = []  # launched, not told to the machine yet (launch thread)
         self._drop_hints: dict[int, str] = {}  # run -> reason, for launches blocked on inputs
         self._launching: _Task | None = None  # the task the launch thread is launching
         self._inflight: dict[int, _Task] = {}  # id -> launched task, until completed
@@ -220,21 +221,26 @@ class Executor:
         done: list[st.Task] = []
         while self._completions:
             done.append(self._completions.popleft())
-        self._carry_out(self.state.handle(st.Completed(done)))
+        todo = self._tell_launched()  # a task is launched before it completes
+        todo.extend(self.state.handle(st.Completed(done)))
+        self._carry_out(todo)
+
+    def _tell_launched(self) -> list[st.Instruction]:
+        launched, self._launched = self._launched, []
+        return self.state.handle(st.Launched(launched)) if launched else []
 
     def _carry_out(self, todo: list[st.Instruction]) -> None:
         """Carries out the instructions in order, feeding each launch's outcome back (which may
-        release more, appended to `todo`). Successful launches are fed back together once the
-        list is done: the machine releases nothing while one is launching (hot path)."""
-        launched: list[st.Task] = []
+        release more, appended to `todo`). Successful launches are told in batches: at the end
+        of the list when a collective is held (only launches release it), else with the next
+        completions (hot path: one stimulus less per message)."""
         i = 0
         while True:
             if i == len(todo):
-                if not launched:
-                    return
-                todo.extend(self.state.handle(st.Launched(launched)))
-                launched = []
-                continue
+                if self._launched and (self.state.held is not None or len(self._launched) >= COMPLETIONS_BATCH):
+                    todo.extend(self._tell_launched())
+                    continue
+                return
             ins = todo[i]
             i += 1
             task: _Task = ins.task  # type: ignore[assignment]
@@ -244,7 +250,7 @@ class Executor:
                 if not task.communicates and self._defer_if_waiting(task):
                     todo.extend(self.state.handle(st.InputsMissing(task)))
                 elif self._launch_safely(task):
-                    launched.append(task)
+                    self._launched.append(task)
                 else:
                     todo.extend(self.state.handle(st.LaunchFailed(task)))
             else:

@@ -9,11 +9,12 @@ its instructions:
   inbox, one lock round trip per message;
 - the launch thread (`pw-executor`) is the machine's only user: it takes the inbox, hands each
   stimulus to the machine and carries out the instructions, feeding back each launch's outcome
-  (launched, inputs missing, failed). Launches never happen on gRPC handler threads (FACTS.md:
-  JAX blocks the launching thread when ~32 computations are in flight). Results are stored as
-  JAX arrays still being computed, so computations without collectives pipeline through JAX's
-  async dispatch; a collective's `Launch` names the computations on its devices to wait for
-  first (on CPU, two collective computations in flight at once deadlock);
+  (launched, inputs missing, failed). Launches never happen on gRPC handler threads
+  (docs/facts.md, "JAX on CPU": JAX blocks the launching thread when ~32 computations are in
+  flight). Results are stored as JAX arrays still being computed, so computations without
+  collectives pipeline through JAX's async dispatch; a collective's `Launch` names the
+  computations on its devices to wait for first (on CPU, two collective computations in flight
+  at once deadlock);
 - the completion thread (`pw-completer`) waits for completions in launch order, sends outputs
   to consumers on other workers, reports one event per task (batched by the caller of
   `report`) and hands the completed tasks back to the machine without waking the launch thread.
@@ -193,7 +194,7 @@ class Executor:
         try:
             self._launch_until_stopped()
         except InvariantError as e:  # only with PATHWAYS_VALIDATE: a bug, made loud
-            log.critical("the worker's state machine is inconsistent: %s", e)
+            log.critical("InvariantError in the worker's state machine: %s", e)
             os._exit(70)
 
     def _launch_until_stopped(self) -> None:

@@ -39,6 +39,7 @@ class SegmentInfo:
     runner: Runner | None = None
     fused: bool = False  # its runner fuses nodes and its first launch has not succeeded yet
     out_nbytes: list[int] | None = None  # per output, read off its first launch (shapes are static)
+    donates: bool = False  # a node of it donates inputs (known once its runner exists)
 
     @classmethod
     def of(cls, d: wpb.SegmentDef) -> SegmentInfo:
@@ -93,6 +94,7 @@ class Runners:
             runners.append(runner)
             collective.append(any(e.has_collectives for e in exes[nodes]))
             info.fused = info.fused or fused
+        info.donates = any(e.donate for e in exes)
         if len(parts) == 1:
             info.runner = runners[0]
         else:

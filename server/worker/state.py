@@ -13,8 +13,8 @@ A task holds one seq of this worker's gang order (server/controller/segments.py)
       │                                 waiting
       └── (queued, held or waiting) its run dropped, or a peer it needs lost ──> gone (Fail)
 
-Rules (FACTS.md: JAX blocks the launching thread past ~32 computations in flight; on CPU two
-collective computations in flight at once deadlock):
+Rules (docs/facts.md, "JAX on CPU": JAX blocks the launching thread past ~32 computations in
+flight; on CPU two collective computations in flight at once deadlock):
 - Tasks leave the order strictly by seq; a seq the controller skipped counts as done.
 - A task without collectives is launched as soon as it leaves the order; when an input has not
   arrived (a transfer from another worker), the launch reports `InputsMissing`, the task waits,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +34,6 @@ __all__ = [
 
 _DEFAULT_PMAP_AXIS = "_pw_pmap"
 
-# Cross-device collectives as they appear in StableHLO/MHLO/Shardy text (pretty or generic form).
-_COLLECTIVE_RE = re.compile(
-    r"\b(?:stablehlo|mhlo|sdy)\.(?:all_reduce|all_gather|reduce_scatter|all_to_all"
-    r"|collective_permute|collective_broadcast)\b"
-)
-
-
 class CompileError(Exception):
     """A function could not be exported for a slice (bad arguments or a failure while tracing)."""
 
@@ -51,10 +43,9 @@ class ExportedFunction:
     """A function exported for a slice: serialized ``jax.export`` bytes plus what the client needs.
 
     ``in_tree`` is the treedef of the positional-argument tuple (flatten the call's ``args`` tuple
-    with it); ``out_tree`` that of the result. Both are client-side only. ``collective`` is the
-    client's conservative guess, before SPMD partitioning, that the computation communicates
-    across devices: a hint for the user and the scheduler. The worker owns the fact and reads it
-    off its compiled executable (server/worker/segments.py).
+    with it); ``out_tree`` that of the result. Both are client-side only. Whether the computation
+    communicates across devices is not the client's to say: before SPMD partitioning it cannot
+    know, and the worker reads it off its compiled executable (server/worker/segments.py).
     """
 
     function_id: str
@@ -64,7 +55,6 @@ class ExportedFunction:
     out_avals: tuple[jax.ShapeDtypeStruct, ...]
     in_tree: Any
     out_tree: Any
-    collective: bool
     num_devices: int
     donate: tuple[int, ...] = ()
 
@@ -145,12 +135,6 @@ def _flat_donate(donate_argnums: int | Sequence[int], args: tuple[Any, ...], nam
     return tuple(sorted(set(out)))
 
 
-def _partitioned(text: str, axis_names: Sequence[str]) -> bool:
-    """Whether some Shardy (``{"axis"...}``) or GSPMD sharding in the module splits data over devices."""
-    names = "|".join(re.escape(a) for a in axis_names)
-    return bool(re.search(rf'\{{"(?:{names})"|mhlo\.sharding = "\{{devices=', text))
-
-
 def _export(
     jitted: Any,
     *,
@@ -160,7 +144,6 @@ def _export(
     amesh: AbstractMesh,
     platform: str,
     donate: tuple[int, ...],
-    maybe_inserted_collectives: bool,
 ) -> ExportedFunction:
     arg_avals = jax.tree.unflatten(treedef, avals)
     try:
@@ -173,10 +156,6 @@ def _export(
             f"function {name!r} failed to trace for arguments {_fmt_avals(avals)}: {type(e).__name__}: {e}"
         ) from e
     data = bytes(exp.serialize())
-    text = exp.mlir_module()
-    collective = bool(_COLLECTIVE_RE.search(text))
-    if maybe_inserted_collectives and _partitioned(text, amesh.axis_names):
-        collective = True  # the SPMD partitioner may add collectives at compile time
     return ExportedFunction(
         function_id=hashlib.sha256(data).hexdigest(),
         name=name,
@@ -185,7 +164,6 @@ def _export(
         out_avals=tuple(jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in exp.out_avals),
         in_tree=treedef,
         out_tree=exp.out_tree,
-        collective=collective,
         num_devices=int(amesh.size),
         donate=donate,
     )
@@ -241,7 +219,6 @@ def export_pmap(
         amesh=amesh,
         platform=platform,
         donate=_flat_donate(donate_argnums, tuple(args), fname),
-        maybe_inserted_collectives=False,
     )
 
 
@@ -350,5 +327,4 @@ def export_jit(
         amesh=amesh,
         platform=platform,
         donate=_flat_donate(donate_argnums, tuple(args), fname),
-        maybe_inserted_collectives=math.prod(mesh_shape) > 1,
     )

@@ -33,12 +33,12 @@ def inp(i: int) -> cpb.ValueRef:
     return cpb.ValueRef(program_input=i)
 
 
-def graph(nodes: list[tuple[list[cpb.ValueRef], int]], outputs: list[cpb.ValueRef], num_inputs: int = 1,
-          collective: tuple[int, ...] = ()) -> cpb.ProgramGraph:
+def graph(nodes: list[tuple[list[cpb.ValueRef], int]], outputs: list[cpb.ValueRef],
+          num_inputs: int = 1) -> cpb.ProgramGraph:
     return cpb.ProgramGraph(
         name="p", num_inputs=num_inputs, outputs=outputs,
-        nodes=[cpb.ProgramNode(function_id=f"f{i % 2}", slice="s", inputs=ins, num_outputs=n, name=f"n{i}",
-                               collective=i in collective) for i, (ins, n) in enumerate(nodes)])
+        nodes=[cpb.ProgramNode(function_id=f"f{i % 2}", slice="s", inputs=ins, num_outputs=n, name=f"n{i}")
+               for i, (ins, n) in enumerate(nodes)])
 
 
 def plan(g: cpb.ProgramGraph, hosts: list[HostInfo], devices: list[list[int]] | None = None) -> list:
@@ -91,11 +91,9 @@ def test_nodes_with_a_node_elsewhere_between_them_are_not_one_segment() -> None:
 
 
 def test_other_devices_of_the_same_worker_join_the_segment_as_another_part() -> None:
-    g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)], collective=(1,))
+    g = graph([([inp(0)], 1), ([out(0)], 1)], [out(1)])
     (seg,) = plan(g, [A, A], [[0], [0, 1]])
-    assert seg.spec.collective and seg.spec.devices == (10, 11) and seg.spec.deps == ()
-    # whether it communicates is the worker's to read off its compiled executables: not sent
-    assert not seg.definition.collective
+    assert seg.spec.devices == (10, 11) and seg.spec.deps == ()
     s = Segment.of(seg.definition)
     assert s.devices == (0, 1) and s.node_devices == ((0,), (0, 1))
     p0, p1 = s.parts()

@@ -37,7 +37,7 @@ from server.scheduler import (
 
 
 def node(i: int, host: str = "h0", island: str = "a", deps: Sequence[int] = (), label: str = "") -> NodeSpec:
-    return NodeSpec(i, host, island, (0,), False, tuple(deps), label or f"n{i}")
+    return NodeSpec(i, host, island, (0,), tuple(deps), label or f"n{i}")
 
 
 def run(

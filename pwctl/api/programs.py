@@ -99,7 +99,7 @@ class Trace:
         index = len(self.nodes)
         self.nodes.append(
             cpb.ProgramNode(function_id=exp.function_id, slice=cf.slice.name, inputs=refs,
-                            num_outputs=len(exp.out_avals), collective=exp.collective, name=exp.name)
+                            num_outputs=len(exp.out_avals), name=exp.name)
         )
         self.node_slices.append(cf.slice.name)
         outs = [

@@ -87,11 +87,9 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
         inputs: list[tuple[int, int]] = []
         nodes: list[wpb.SegmentNode] = []
         deps: set[int] = set()
-        collective = False
         used: dict[int, None] = {}  # the devices of its nodes, first seen first
         for i in range(first, last + 1):
             node = graph.nodes[i]
-            collective = collective or node.collective
             used.update(dict.fromkeys(devices[i]))
             sn = wpb.SegmentNode(function_id=node.function_id, label=_node_label(prog, i),
                                  local_devices=list(devices[i]))
@@ -137,7 +135,7 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
             outputs=[wpb.SegmentOutput(node=i - first, output=o) for i, o in outputs],
             routes=routes, label=label)  # whether it communicates is the worker's to read
         spec = NodeSpec(index=s, host=host.name, island=islands[first],
-                        devices=tuple(host.device_ids[d] for d in used), collective=collective,
+                        devices=tuple(host.device_ids[d] for d in used),
                         deps=tuple(sorted(deps)), label=label)
         plans.append(SegmentPlan(s, host, first, last, definition, spec, inputs, outputs, client_outputs,
                                  [k >= 0 for k in client_outputs], read_later_here))

@@ -32,7 +32,6 @@ class NodeSpec:
     host: str
     island: str
     devices: tuple[int, ...] = ()
-    collective: bool = False
     deps: tuple[int, ...] = ()
     label: str = ""
 

@@ -899,15 +899,10 @@ class ProgramNode(_message.Message):
     SLICE_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     NUM_OUTPUTS_FIELD_NUMBER: _builtins.int
-    COLLECTIVE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     function_id: _builtins.str
     slice: _builtins.str
     num_outputs: _builtins.int
-    collective: _builtins.bool
-    """The client's conservative guess that the function communicates (before SPMD partitioning).
-    A hint only: workers read it off their compiled executables (server/worker/segments.py).
-    """
     name: _builtins.str
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ValueRef]: ...
@@ -918,12 +913,11 @@ class ProgramNode(_message.Message):
         slice: _builtins.str = ...,
         inputs: _abc.Iterable[Global___ValueRef] | None = ...,
         num_outputs: _builtins.int = ...,
-        collective: _builtins.bool = ...,
         name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "function_id", b"function_id", "inputs", b"inputs", "name", b"name", "num_outputs", b"num_outputs", "slice", b"slice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_id", b"function_id", "inputs", b"inputs", "name", b"name", "num_outputs", b"num_outputs", "slice", b"slice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

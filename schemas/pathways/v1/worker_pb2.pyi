@@ -341,14 +341,9 @@ class SegmentDef(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
-    COLLECTIVE_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
     segment_id: _builtins.int
     """controller-chosen, unique per worker registration"""
-    collective: _builtins.bool
-    """Unused: whether a segment communicates is owned by the worker, read off its compiled
-    executables (exact after SPMD partitioning; server/worker/segments.py). Never reuse tag 6.
-    """
     label: _builtins.str
     """human name, e.g. "train/0-3 (fwd, bwd, ...)" """
     @_builtins.property
@@ -375,12 +370,11 @@ class SegmentDef(_message.Message):
         nodes: _abc.Iterable[Global___SegmentNode] | None = ...,
         outputs: _abc.Iterable[Global___SegmentOutput] | None = ...,
         routes: _abc.Iterable[Global___OutputRoute] | None = ...,
-        collective: _builtins.bool = ...,
         label: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "label", b"label", "local_devices", b"local_devices", "nodes", b"nodes", "outputs", b"outputs", "routes", b"routes", "segment_id", b"segment_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "local_devices", b"local_devices", "nodes", b"nodes", "outputs", b"outputs", "routes", b"routes", "segment_id", b"segment_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

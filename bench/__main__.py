@@ -6,17 +6,22 @@ markdown table to `<out>/latest.md`, and prints a table.
 With `--gpu` (a machine with NVIDIA GPUs) island a is one worker owning the GPUs and the
 benchmarks are those that fit one GPU (dispatch of x+1, the transformer step), each against plain
 JAX on the same GPU; files are named `gpu-*`. The worker and the plain-JAX process share the GPU,
-so each may take XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.4) of its memory."""
+so each may take XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.4) of its memory.
+
+`--only scale` (never part of the default run) starts no such cluster: it measures the control plane
+against thousands of simulated hosts (bench/scale.py); alone it writes `scale-latest.*`."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.machine import gpus, machine
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--only", nargs="+", choices=list(suites.BENCHES), help="run only these benchmarks")
+    p.add_argument("--only", nargs="+", choices=[*suites.BENCHES, *suites.STANDALONE],
+                   help="run only these benchmarks (scale runs only when named here)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 3 minutes)")
     p.add_argument("--gpu", action="store_true", help="on this machine's GPUs (dispatch, transformer)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -104,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     names = ns.only or list(benches)
     if ns.gpu and not gpus():
         p.error("--gpu needs an NVIDIA GPU, and nvidia-smi lists none")
-    if unknown := [n for n in names if n not in benches]:
+    if unknown := [n for n in names if n not in benches and (ns.gpu or n not in suites.STANDALONE)]:
         p.error(f"not a --gpu benchmark: {', '.join(unknown)} (those are: {', '.join(benches)})")
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = "gpu-" if ns.gpu else ""
+    on_cluster = [n for n in names if n in benches]
+    standalone = [n for n in names if n not in benches]
+    # a standalone suite alone keeps its own latest files, apart from the main table's
+    prefix = "gpu-" if ns.gpu else ("" if on_cluster else "-".join(standalone) + "-")
     stamp = prefix + dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     info = machine()
     t_start = time.perf_counter()
@@ -118,42 +127,49 @@ def main(argv: list[str] | None = None) -> int:
     if ns.gpu:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
     results: list[dict[str, Any]] = []
-    with BenchCluster(islands=("a",), devices="all") if ns.gpu else BenchCluster() as cluster:
-        cluster.start()
-        # this process is a pw client of its own cluster (1 CPU device of its own)
-        for k in ("PWCTL_DISPATCH", "PWCTL_WEIGHT", "PWCTL_PRIORITY", "PWCTL_TOKEN"):
-            os.environ.pop(k, None)
-        os.environ["PWCTL_SERVER"] = cluster.address
-        os.environ["PATHWAYS_HOME"] = str(cluster.home)
-        ctx = suites.Ctx(cluster=cluster, quick=ns.quick, gpu=ns.gpu)
-        ctx.notes["pss_idle_gib"] = suites.idle_pss_gib(cluster)
-        run_file = out_dir / f"{stamp}.jsonl"
-        with open(run_file, "w") as fh:
-            for name in names:
-                t0 = time.perf_counter()
-                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-                try:
-                    for r in benches[name](ctx):
-                        results.append(r)
-                        fh.write(json.dumps(r) + "\n")
-                        fh.flush()
-                except Exception as e:
-                    traceback.print_exc()
-                    r = {"bench": name, "variant": "", "metric": "", "unit": "", "pathways": None, "jax": None,
-                         "ratio": None, "target": "", "meets": None, "notes": "",
-                         "error": f"{type(e).__name__}: {e}"}
-                    results.append(r)
-                    fh.write(json.dumps(r) + "\n")
-                    fh.flush()
-                print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            fh.write(json.dumps({"machine": info, "quick": ns.quick, "wall_s": time.perf_counter() - t_start}) + "\n")
-        try:
-            from pwctl.api.runtime import Runtime
+    run_file = out_dir / f"{stamp}.jsonl"
 
-            if Runtime._instance is not None:
-                Runtime._instance.close()
-        except Exception:
-            pass
+    def run(fh: Any, name: str, rows: Callable[[], Iterator[dict[str, Any]]]) -> None:
+        t0 = time.perf_counter()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            for r in rows():
+                results.append(r)
+                fh.write(json.dumps(r) + "\n")
+                fh.flush()
+        except Exception as e:
+            traceback.print_exc()
+            r = {"bench": name, "variant": "", "metric": "", "unit": "", "pathways": None, "jax": None,
+                 "ratio": None, "target": "", "meets": None, "notes": "",
+                 "error": f"{type(e).__name__}: {e}"}
+            results.append(r)
+            fh.write(json.dumps(r) + "\n")
+            fh.flush()
+        print(f"[bench] {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    with open(run_file, "w") as fh:
+        if on_cluster:
+            with BenchCluster(islands=("a",), devices="all") if ns.gpu else BenchCluster() as cluster:
+                cluster.start()
+                # this process is a pw client of its own cluster (1 CPU device of its own)
+                for k in ("PWCTL_DISPATCH", "PWCTL_WEIGHT", "PWCTL_PRIORITY", "PWCTL_TOKEN"):
+                    os.environ.pop(k, None)
+                os.environ["PWCTL_SERVER"] = cluster.address
+                os.environ["PATHWAYS_HOME"] = str(cluster.home)
+                ctx = suites.Ctx(cluster=cluster, quick=ns.quick, gpu=ns.gpu)
+                ctx.notes["pss_idle_gib"] = suites.idle_pss_gib(cluster)
+                for name in on_cluster:
+                    run(fh, name, functools.partial(benches[name], ctx))
+                try:
+                    from pwctl.api.runtime import Runtime
+
+                    if Runtime._instance is not None:
+                        Runtime._instance.close()
+                except Exception:
+                    pass
+        for name in standalone:
+            run(fh, name, functools.partial(suites.STANDALONE[name], ns.quick, dict(os.environ)))
+        fh.write(json.dumps({"machine": info, "quick": ns.quick, "wall_s": time.perf_counter() - t_start}) + "\n")
     wall = time.perf_counter() - t_start
     (out_dir / f"{prefix}latest.jsonl").write_text(run_file.read_text())
     write_markdown(out_dir / f"{prefix}latest.md", results, info, wall, ns.quick)

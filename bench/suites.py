@@ -19,6 +19,7 @@ import psutil
 
 from bench import defs
 from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, run_json
+from bench.scale import bench_scale
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.process import IDLE_POLL_S, TRIM_IDLE_S
@@ -589,6 +590,12 @@ BENCHES: dict[str, Callable[[Ctx], Iterator[Row]]] = {
     "tenancy": bench_tenancy,
     "transformer": bench_transformer,
     "costs": bench_costs,
+}
+
+# Opt-in (`--only NAME`), never in the default run, and without the driver's cluster: each starts
+# what it measures. scale: a controller against thousands of simulated hosts (bench/scale.py).
+STANDALONE: dict[str, Callable[[bool, dict[str, str]], Iterator[Row]]] = {
+    "scale": bench_scale,
 }
 
 # `python -m bench --gpu`: island a is one worker owning the machine's GPUs

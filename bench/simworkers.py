@@ -1,0 +1,346 @@
+"""Simulated workers: one asyncio process holding N real `WorkerConnect` streams to a controller.
+
+Each simulated host speaks what `server/worker/process.py` sends: a `RegisterWorker` first (its
+name, island, an address, `device_count` devices, a machine id of its own), then a `Heartbeat`
+every `heartbeat_interval_s` that the controller's `Registered` gives (the real worker still beats
+every 1 s whatever the controller says: issue 31), with the cluster token as `authorization:
+Bearer` metadata when there is one. After a stream ends it connects again on a fresh channel,
+waiting as `server/worker/reconnect.py` says (every 50 ms for 5 s, then doubling), so a controller
+restart looks to the controller as it would with real workers.
+
+It runs nothing: an `Enqueue`'s tasks are reported failed at once (a `NodeEvent` with ok false),
+so a run sent here ends instead of hanging; releases and drops need no answer. Nothing listens at
+the addresses it registers (127.0.0.2:<10000 + i>), so no client may upload to these hosts.
+
+Per host a switch: `silence` (the process froze: no heartbeats, the stream stays open, and no
+reconnection when the controller closes it), `disconnect` (the stream closes, the host stays away)
+and `resume` (back to normal: it reconnects if it must).
+
+Run it as `python -m bench.simworkers --server ADDR --hosts N [--islands 4,4,64 ...]`; it reads
+one JSON command per line on stdin and answers each with one JSON line on stdout (`SimWorkers` below
+is the driver the benchmark and the tests use). Times are `time.monotonic()`, which every process
+on the machine shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from server.worker.reconnect import Reconnect
+
+NORMAL, SILENT, CLOSED = "normal", "silent", "closed"
+DEFAULT_INTERVAL_S = 1.0  # until the controller's `Registered` says otherwise
+# One TCP connection per simulated host, as separate worker processes have: without a local
+# subchannel pool, gRPC would share one connection among all channels to the same address.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def host_name(i: int) -> str:
+    return f"sim-{i:05d}"
+
+
+def island_layout(hosts: int, sizes: Sequence[int]) -> list[str]:
+    """Island names for `hosts` hosts: consecutive islands of `sizes[0]`, `sizes[1]`, ... hosts
+    (the last size repeats until every host has one). Island k is named `i<k>-<size>`."""
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError("island sizes must be positive")
+    out: list[str] = []
+    k = 0
+    while len(out) < hosts:
+        size = sizes[min(k, len(sizes) - 1)]
+        out.extend([f"i{k:04d}-{size}"] * min(size, hosts - len(out)))
+        k += 1
+    return out
+
+
+@dataclass
+class SimHost:
+    index: int
+    name: str
+    island: str
+    devices: int
+    mode: str = NORMAL
+    interval: float = DEFAULT_INTERVAL_S
+    host_id: int = 0
+    device_ids: list[int] = field(default_factory=list)
+    registered_at: float = 0.0  # when the current stream's `Registered` arrived (0: not registered)
+    registrations: int = 0
+    heartbeats: int = 0
+    rejected: str = ""  # the last error the controller answered with (other than UNAVAILABLE)
+    call: Any = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    events: list[cpb.NodeEvent] = field(default_factory=list)
+
+
+class Simulator:
+    """The hosts and their streams, on one event loop."""
+
+    def __init__(self, server: str, islands: Sequence[str], devices: int = 4, token: str | None = None,
+                 reconnect_max_s: float = 5.0) -> None:
+        self.server = server
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.reconnect_max_s = reconnect_max_s
+        self.hosts = [SimHost(i, host_name(i), island, devices) for i, island in enumerate(islands)]
+        self.by_name = {h.name: h for h in self.hosts}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.started_at = 0.0
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self._tasks = [asyncio.create_task(self._run(h)) for h in self.hosts]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- one host ----
+    async def _run(self, h: SimHost) -> None:
+        loop = asyncio.get_running_loop()
+        retry = Reconnect(self.reconnect_max_s)
+        while True:
+            while h.mode != NORMAL:  # frozen or away: no new connection
+                h.changed.clear()
+                await h.changed.wait()
+            rejected = False
+            async with aio.insecure_channel(self.server, options=CHANNEL_OPTIONS) as channel:
+                stub = cgrpc.ControllerStub(channel)
+                h.call = stub.WorkerConnect(self._upstream(h), metadata=self.metadata)
+                try:
+                    async for msg in h.call:
+                        retry.connected()
+                        await self._handle(h, msg)
+                except aio.AioRpcError as e:
+                    rejected = e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                    if rejected:
+                        h.rejected = f"{e.code().name}: {e.details()}"
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # the simulator stops
+                    # else `disconnect` cancelled this stream's call: the host goes away
+                finally:
+                    h.call = None
+                    h.registered_at = 0.0
+            await asyncio.sleep(retry.delay(loop.time(), rejected))
+
+    async def _upstream(self, h: SimHost) -> AsyncIterator[cpb.WorkerToController]:
+        yield cpb.WorkerToController(register=cpb.RegisterWorker(
+            name=h.name, island=h.island, address=f"127.0.0.2:{10000 + h.index}", pid=os.getpid(),
+            device_kind="cpu", device_count=h.devices, machine_id=f"sim:{h.name}"))
+        # real workers start at different moments: spread the first beats over one interval
+        next_beat = time.monotonic() + random.uniform(0, h.interval)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(h.changed.wait(), max(0.0, next_beat - time.monotonic()))
+            h.changed.clear()
+            while h.mode == SILENT:  # frozen: nothing goes up until resumed
+                await h.changed.wait()
+                h.changed.clear()
+            if h.events:
+                events, h.events = h.events, []
+                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=events))
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + h.interval
+                h.heartbeats += 1
+                yield cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=0, buffer_bytes=0))
+
+    async def _handle(self, h: SimHost, msg: cpb.ControllerToWorker) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "registered":
+            h.host_id = msg.registered.host_id
+            h.device_ids = list(msg.registered.device_ids)
+            if msg.registered.heartbeat_interval_s > 0:
+                h.interval = msg.registered.heartbeat_interval_s
+            h.registrations += 1
+            h.registered_at = time.monotonic()
+        elif kind == "enqueue":
+            now = time.time_ns()
+            h.events.extend(
+                cpb.NodeEvent(run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=now, end_ns=now, ok=False,
+                              error=f"simulated host {h.name} runs nothing")
+                for t in msg.enqueue.tasks)
+            h.changed.set()
+        # release and drop: nothing is held here, nothing runs
+
+    # ---- switches ----
+    def set_mode(self, names: Sequence[str], mode: str) -> None:
+        for name in names:
+            h = self.by_name[name]
+            h.mode = mode
+            if mode == CLOSED and h.call is not None:
+                h.call.cancel()
+            h.changed.set()
+
+    # ---- views ----
+    def registered(self, since: float = 0.0) -> list[float]:
+        """When each host registered on its current stream, for those registered at or after `since`."""
+        return sorted(h.registered_at for h in self.hosts if h.registered_at and h.registered_at >= since)
+
+    async def wait_registered(self, count: int, since: float, timeout: float) -> list[float]:
+        # polled: the times are exact anyway (recorded as each `Registered` arrives), and a
+        # check per registration would cost O(hosts) each, O(hosts^2) in all
+        deadline = time.monotonic() + timeout
+        while len(times := self.registered(since)) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return times
+
+    def status(self, detail: bool = False) -> dict[str, Any]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        out: dict[str, Any] = {"hosts": len(self.hosts), "registered": len(self.registered()),
+                "registrations": sum(h.registrations for h in self.hosts),
+                "heartbeats": sum(h.heartbeats for h in self.hosts),
+                "rejected": sorted({h.rejected for h in self.hosts if h.rejected}),
+                "cpu_s": ru.ru_utime + ru.ru_stime, "started_at": self.started_at}
+        if detail:
+            out["device_ids"] = {h.name: h.device_ids for h in self.hosts if h.registered_at}
+            out["intervals"] = sorted({h.interval for h in self.hosts})
+        return out
+
+
+async def _serve_commands(sim: Simulator) -> None:
+    """Answers one JSON line per command line on stdin until `stop` or end of input."""
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            return
+        cmd = json.loads(line)
+        op = cmd.get("cmd")
+        reply: dict[str, Any] = {"ok": True}
+        if op == "status":
+            reply.update(sim.status(bool(cmd.get("detail"))))
+        elif op == "wait":
+            times = await sim.wait_registered(int(cmd["count"]), float(cmd.get("since", 0.0)),
+                                              float(cmd.get("timeout", 60.0)))
+            reply.update(ok=len(times) >= int(cmd["count"]), count=len(times), last=times[-1] if times else None,
+                         first=times[0] if times else None)
+        elif op in ("silence", "disconnect", "resume"):
+            sim.set_mode(cmd["hosts"], {"silence": SILENT, "disconnect": CLOSED, "resume": NORMAL}[op])
+            reply["at"] = time.monotonic()
+        elif op == "stop":
+            print(json.dumps(reply), flush=True)
+            return
+        else:
+            reply = {"ok": False, "error": f"unknown command {op!r}"}
+        print(json.dumps(reply), flush=True)
+
+
+async def _main(ns: argparse.Namespace) -> None:
+    sizes = [int(s) for s in ns.islands.split(",")]
+    token = ns.token or os.environ.get("PWCTL_TOKEN") or None
+    sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max)
+    sim.start()
+    try:
+        await _serve_commands(sim)
+    finally:
+        await sim.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.simworkers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", required=True, help="the controller's address")
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--islands", default="4", help="island sizes in hosts, e.g. 512,64,64,4 (the last repeats)")
+    p.add_argument("--devices", type=int, default=4, help="devices per host")
+    p.add_argument("--token", default="", help="the cluster token (default: $PWCTL_TOKEN)")
+    p.add_argument("--reconnect-max", type=float, default=5.0, help="longest wait between reconnections (s)")
+    ns = p.parse_args(argv)
+    if ns.hosts < 1 or ns.devices < 1:
+        p.error("--hosts and --devices must be at least 1")
+    # one socket per host and a few for the process: raise the soft limit on open files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, 2 * ns.hosts + 256)
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    asyncio.run(_main(ns))
+
+
+class SimWorkers:
+    """Drives a `python -m bench.simworkers` process (its stdin/stdout commands) and stops it."""
+
+    def __init__(self, server: str, hosts: int, islands: Sequence[int] = (4,), devices: int = 4,
+                 token: str | None = None, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.names = [host_name(i) for i in range(hosts)]
+        self.islands = island_layout(hosts, islands)
+        args = [sys.executable, "-m", "bench.simworkers", "--server", server, "--hosts", str(hosts),
+                "--islands", ",".join(str(s) for s in islands), "--devices", str(devices)]
+        run_env = dict(env if env is not None else os.environ)
+        run_env.pop("PWCTL_TOKEN", None)
+        if token:
+            run_env["PWCTL_TOKEN"] = token  # not on the command line, where `ps` shows it
+        repo = Path(__file__).resolve().parent.parent
+        run_env["PYTHONPATH"] = str(repo) + os.pathsep + run_env.get("PYTHONPATH", "")
+        self._log = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(args, env=run_env, cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+
+    def ask(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the simulator exited ({self.proc.poll()})")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def wait_registered(self, count: int | None = None, since: float = 0.0, timeout: float = 60.0) -> dict[str, Any]:
+        """Waits until `count` hosts (default all) registered at or after `since` (monotonic)."""
+        return self.ask("wait", count=len(self.names) if count is None else count, since=since, timeout=timeout)
+
+    def silence(self, names: Sequence[str]) -> float:
+        return float(self.ask("silence", hosts=list(names))["at"])
+
+    def disconnect(self, names: Sequence[str]) -> float:
+        return float(self.ask("disconnect", hosts=list(names))["at"])
+
+    def resume(self, names: Sequence[str]) -> float:
+        return float(self.ask("resume", hosts=list(names))["at"])
+
+    def status(self, detail: bool = False) -> dict[str, Any]:
+        return self.ask("status", detail=detail)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.ask("stop")
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for fh in (self.proc.stdin, self.proc.stdout):
+            if fh is not None:
+                fh.close()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> SimWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -56,7 +56,7 @@ DEVICES_PER_HOST = 4
 HEARTBEAT_WINDOW_S = 8.0
 PROBE_EVERY_S = 0.05  # also the resolution of the stall figures
 LISTING_REPEATS = 5
-READY_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 90.0
 LOST_TIMEOUT_S = 20.0
 # controller defaults (server/controller/__main__.py), stated so the rows can name them
 HEARTBEAT_INTERVAL_S = 1.0
@@ -278,11 +278,15 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
                                f"{len(quarter)} hosts; last one shown lost (ListHosts every 0.1 s)"
                                + ("" if seen is not None else f"; only {lost} lost after {LOST_TIMEOUT_S:g} s")
                                + (f"; heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s" if how == "silent" else ""))
-                    t_back = sim.resume(quarter)
+                    t_resume = sim.resume(quarter)
                     back = sim.wait_registered(since=0.0, timeout=READY_TIMEOUT_S)
                     if not back["ok"]:
-                        raise RuntimeError(f"after {how}: only {back['count']} of {hosts} hosts back")
-                    del t_back
+                        st = sim.status()
+                        raise RuntimeError(f"after {how}: only {back['count']} of {hosts} hosts back in "
+                                           f"{READY_TIMEOUT_S:g} s ({st['waiting']} streams waiting for the "
+                                           f"controller's answer, {st['off']} switched off, errors {st['rejected']})")
+                    yield _row(v, f"25% back after {how}", "s", back["last"] - t_resume, "", None,
+                               f"from their resuming until the last of the {len(quarter)} registered again")
 
             # restart
             ctl.stop()

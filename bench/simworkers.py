@@ -209,6 +209,9 @@ class Simulator:
                 "registrations": sum(h.registrations for h in self.hosts),
                 "heartbeats": sum(h.heartbeats for h in self.hosts),
                 "rejected": sorted({h.rejected for h in self.hosts if h.rejected}),
+                # streams open that the controller has not answered yet, and hosts switched off
+                "waiting": sum(1 for h in self.hosts if h.call is not None and not h.registered_at),
+                "off": sum(1 for h in self.hosts if h.mode != NORMAL),
                 "cpu_s": ru.ru_utime + ru.ru_stime, "started_at": self.started_at}
         if detail:
             out["device_ids"] = {h.name: h.device_ids for h in self.hosts if h.registered_at}

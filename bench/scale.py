@@ -27,6 +27,7 @@ host's devices today: no slice spans hosts).
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import statistics
 import subprocess
@@ -61,6 +62,7 @@ LOST_TIMEOUT_S = 20.0
 # controller defaults (server/controller/__main__.py), stated so the rows can name them
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 5.0
+LOST_LINE = re.compile(r"host (\S+) lost: (.*)$")  # server/controller/cluster.py's warning
 
 
 def island_sizes(hosts: int) -> list[int]:
@@ -116,8 +118,11 @@ class Controller:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
 
-    def lost_lines(self) -> list[str]:
-        return [ln for ln in self.log.read_text(errors="replace").splitlines() if " lost: " in ln]
+    def losses(self) -> list[tuple[str, str]]:
+        """(host, reason) for each time this controller marked a host lost (its log's warnings;
+        a host can be marked lost more than once)."""
+        return [(m[1], m[2]) for ln in self.log.read_text(errors="replace").splitlines()
+                if (m := LOST_LINE.search(ln))]
 
 
 class Probe:
@@ -193,6 +198,16 @@ def _row(variant: str, metric: str, unit: str, value: float | None, target: str 
             "ratio": None, "paired": None, "target": target, "meets": meets, "notes": notes}
 
 
+def _reasons(losses: list[tuple[str, str]]) -> str:
+    """'N times (k "reason", ...)' or 'none'."""
+    if not losses:
+        return "none"
+    counts: dict[str, int] = {}
+    for _, reason in losses:
+        counts[reason] = counts.get(reason, 0) + 1
+    return f"{len(losses)} times (" + ", ".join(f'{n} "{r}"' for r, n in sorted(counts.items())) + ")"
+
+
 def _at_most(value: float | None, bound: float) -> bool | None:
     return None if value is None else bool(value <= bound)
 
@@ -244,10 +259,10 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
                        f"{len(lat)} calls")
             yield _row(v, "event-loop stall max", "ms", 1e3 * max(lat) if lat else None)
             extra = sim.status()["registrations"] - hosts
-            flaps = len(ctl.lost_lines())
-            yield _row(v, "lost while nothing failed", "hosts", float(flaps), "0", flaps == 0,
-                       f"marked lost from the start to the end of the heartbeat window (controller log); "
-                       f"{extra} registrations beyond the first of each host")
+            flaps = ctl.losses()
+            yield _row(v, "lost while nothing failed", "hosts", float(len({h for h, _ in flaps})), "0", not flaps,
+                       f"marked lost from the start to the end of the heartbeat window (controller log): "
+                       f"{_reasons(flaps)}; {extra} registrations beyond the first of each host")
 
             with Client(server=ctl.address, timeout=30.0) as c:
                 for name, fn in (("ListIslands", c.islands), ("ListHosts", c.hosts), ("ListDevices", c.devices),
@@ -297,7 +312,8 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
             # the controller marks what did not come back within its timeout: let that have passed
             time.sleep(max(0.0, t_answer + HEARTBEAT_TIMEOUT_S + 1.0 - time.monotonic()))
             sim_cpu = sim.status()["cpu_s"] - sim_cpu0
-            lost_after = len(ctl.lost_lines())
+            losses = ctl.losses()
+            lost_after = len({h for h, _ in losses})
             took = back["last"] - back["first"] if back["ok"] else None
             notes = f"{back['count']} of {hosts} back"
             if back["ok"]:
@@ -307,7 +323,7 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
                          f"{sim_cpu:.1f} s of CPU")
             yield _row(v, "restart: every host back", "s", took, "every host", bool(back["ok"]), notes)
             yield _row(v, "restart: hosts marked lost", "hosts", float(lost_after), "0",
-                       lost_after == 0, "the restarted controller's log")
+                       lost_after == 0, f"distinct hosts in the restarted controller's log: {_reasons(losses)}")
         finally:
             sim.close()
             probe.stop()

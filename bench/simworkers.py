@@ -127,7 +127,7 @@ class Simulator:
                 try:
                     async for msg in h.call:
                         retry.connected()
-                        await self._handle(h, msg)
+                        self._handle(h, msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                     if rejected:
@@ -163,7 +163,7 @@ class Simulator:
                 h.heartbeats += 1
                 yield cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=0, buffer_bytes=0))
 
-    async def _handle(self, h: SimHost, msg: cpb.ControllerToWorker) -> None:
+    def _handle(self, h: SimHost, msg: cpb.ControllerToWorker) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "registered":
             h.host_id = msg.registered.host_id

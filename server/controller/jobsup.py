@@ -1,0 +1,266 @@
+"""A job's supervisor: runs its driver as a whole process tree, apart from the controller's life.
+
+`python jobsup.py --job-dir DIR --log-max-bytes N --grace S -- DRIVER ARGV...` (run by path, so
+that it imports nothing beyond the standard library; its environment is the driver's). It
+
+- holds `supervisor.lock` (flock) for as long as it lives: a controller that starts tells a live
+  supervisor from a dead one by that lock, and signals it by pid + start time (`sup.json`);
+- is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so every descendant of the driver, a `setsid`
+  grandchild included, stays its descendant when its parent dies; when the driver exits, whatever
+  is left of the tree is killed (SIGKILL) and reaped;
+- on SIGTERM (a cancel) sends SIGTERM to the whole tree, SIGKILL after the grace period;
+- copies the tree's output (one pipe: stdout and stderr) to `output.log`, rotated at half of
+  `--log-max-bytes` into `output.log.1`, so at most that many bytes are kept; what rotation
+  dropped is counted in `log.json`;
+- records the driver's exit status atomically in `exit.json`, then exits.
+
+The first line of its stdout answers the controller that started it: JSON with its pid, start
+time and the driver's pid, or an error; after that its stdout is /dev/null, so a controller that
+dies takes nothing with it. Its own stderr (tracebacks only) is `supervisor.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+LOCK = "supervisor.lock"
+INFO = "sup.json"
+EXIT = "exit.json"
+LOG = "output.log"
+LOG_OLD = "output.log.1"
+LOG_STATE = "log.json"
+PR_SET_CHILD_SUBREAPER = 36
+CHUNK = 64 * 1024
+DRAIN_S = 5.0  # after the tree is gone, output still buffered in the pipe is read for this long
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); 0 if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def write_json(path: Path, doc: dict[str, object]) -> None:
+    """Writes atomically and durably: a temporary file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live descendant of `root`, from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(sig: int) -> int:
+    """Sends `sig` to every descendant; returns how many there were."""
+    pids = descendants(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+class Output:
+    """The job's log: appends, rotates at `part` bytes, keeps one previous part."""
+
+    def __init__(self, job_dir: Path, max_bytes: int) -> None:
+        self.dir = job_dir
+        self.part = max(1, max_bytes // 2)
+        self.max_bytes = max_bytes
+        self.fh = open(job_dir / LOG, "ab", buffering=0)  # noqa: SIM115 (open for the supervisor's life)
+        self.size = self.fh.tell()
+        self.dropped = 0
+
+    def write(self, data: bytes) -> None:
+        while data:
+            room = self.part - self.size
+            if len(data) <= room:
+                self._write_all(data)
+                return
+            # rotate at a line's end where the part has one, so that parts start with a line
+            cut = data.rfind(b"\n", 0, room) + 1 or room
+            self._write_all(data[:cut])
+            data = data[cut:]
+            self.rotate()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self.fh.write(view) or 0  # unbuffered: a reader sees every byte at once
+            view = view[n:]
+            self.size += n
+
+    def rotate(self) -> None:
+        self.fh.close()
+        old = self.dir / LOG_OLD
+        try:
+            self.dropped += old.stat().st_size
+        except FileNotFoundError:
+            pass
+        os.replace(self.dir / LOG, old)
+        write_json(self.dir / LOG_STATE, {"dropped": self.dropped, "max_bytes": self.max_bytes})
+        self.fh = open(self.dir / LOG, "ab", buffering=0)  # noqa: SIM115 (closed at the next rotation)
+        self.size = 0
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class Supervisor:
+    def __init__(self, job_dir: Path, argv: list[str], log_max_bytes: int, grace: float) -> None:
+        self.dir = job_dir
+        self.argv = argv
+        self.grace = grace
+        self.out = Output(job_dir, log_max_bytes)
+        self.driver = 0
+        self.status: int | None = None  # the driver's wait status once reaped
+        self.term_at: float | None = None  # when a cancel's SIGTERM went out
+        self.killed = False
+
+    def spawn(self) -> int:
+        r, w = os.pipe()
+        self.pipe = r
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, w, 1),
+            (os.POSIX_SPAWN_DUP2, w, 2),
+        ]
+        try:
+            self.driver = os.posix_spawn(self.argv[0], self.argv, dict(os.environ),
+                                         file_actions=actions, setsid=True)
+        finally:
+            os.close(w)
+        return self.driver
+
+    def on_term(self, signum: int, frame: object) -> None:
+        if self.term_at is None:
+            self.term_at = time.monotonic()
+            signal_tree(signal.SIGTERM)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.driver:
+                self.status = status
+
+    def run(self) -> int:
+        """Copies output until the driver exited and the tree is gone; returns the driver's code."""
+        fds = [self.pipe]
+        tree_gone_at: float | None = None
+        while True:
+            if fds:
+                ready, _, _ = select.select(fds, [], [], 0.2)
+                if ready:
+                    data = os.read(self.pipe, CHUNK)
+                    if data:
+                        self.out.write(data)
+                    else:  # every writer closed the pipe
+                        os.close(self.pipe)
+                        fds = []
+            else:
+                time.sleep(0.2)
+            self.reap()
+            now = time.monotonic()
+            if self.term_at is not None and not self.killed and now - self.term_at > self.grace:
+                self.killed = True
+                signal_tree(signal.SIGKILL)
+            if self.status is not None and tree_gone_at is None:
+                # the driver ended: so does everything it left behind
+                end = now + 10.0
+                while signal_tree(signal.SIGKILL) and time.monotonic() < end:
+                    time.sleep(0.01)
+                    self.reap()
+                tree_gone_at = time.monotonic()
+            if tree_gone_at is not None and (not fds or time.monotonic() - tree_gone_at > DRAIN_S):
+                break
+        self.out.close()
+        assert self.status is not None
+        return os.waitstatus_to_exitcode(self.status)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="jobsup")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--log-max-bytes", type=int, required=True)
+    p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("argv", nargs="+")
+    ns = p.parse_args()
+    job_dir = Path(ns.job_dir)
+    reply = sys.stdout
+    try:
+        os.chdir(job_dir)  # the driver's working directory
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        lock = os.open(job_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EBUSY, "another supervisor holds this job's lock") from None
+        sup = Supervisor(job_dir, ns.argv, ns.log_max_bytes, ns.grace)
+        signal.signal(signal.SIGTERM, sup.on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        driver = sup.spawn()
+        me = os.getpid()
+        write_json(job_dir / INFO, {"pid": me, "start": start_time(me), "driver_pid": driver})
+    except OSError as e:
+        reply.write(json.dumps({"error": str(e)}) + "\n")
+        reply.flush()
+        sys.exit(1)
+    reply.write(json.dumps({"pid": me, "start": start_time(me), "driver_pid": driver}) + "\n")
+    reply.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # the controller may go: nothing of ours may depend on its pipe
+    os.close(null)
+    code = sup.run()
+    write_json(job_dir / EXIT, {"code": code, "cancelled": sup.term_at is not None, "ended_at": time.time()})
+
+
+if __name__ == "__main__":
+    main()

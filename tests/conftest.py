@@ -39,6 +39,7 @@ from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
 from schemas.pathways.v1 import common_pb2 as pb
+from server.controller.job_process import end_all as end_job_supervisors
 
 T = TypeVar("T")
 
@@ -318,6 +319,7 @@ class LocalCluster:
         if self.controller is not None:
             procs.append(self.controller)
         stop_children(procs)
+        end_job_supervisors(self.home / "jobs")  # jobs outlive their controller by design
 
     def invariant_failures(self) -> list[str]:
         """The logs of this cluster's processes that report a broken invariant, with the report."""

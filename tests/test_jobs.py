@@ -216,28 +216,24 @@ def test_jobs_list_and_describe_json(module_cluster: LocalCluster, tmp_path: Pat
     assert c.pwctl("logs", "job-nope").returncode == 3
 
 
-def test_controller_restart_fails_running_jobs_with_the_reason(make_cluster: Any, tmp_path: Path) -> None:
+def test_a_job_adopted_after_a_controller_restart_can_be_cancelled(make_cluster: Any, tmp_path: Path) -> None:
     c: LocalCluster = make_cluster(islands=1, devices=2)
     sleeper = script(tmp_path, "sleeper.py", SLEEPER)
-    crashed = submit_detached(c, sleeper)
-    wait_output(c, crashed, "started")
-    pid = describe(c, crashed)["pid"]
-    c.restart_controller(kill=True)  # the driver outlives the controller: the new one must end it
-    job = describe(c, crashed)
-    assert job["state"] == "failed" and job["reason"] == "the controller restarted while it was running"
-    wait_for(lambda: pid_gone(pid), 10, "the orphaned driver to be killed")
-    assert "started" in c.pwctl("logs", crashed).stdout  # logs persist
-    assert c.pwctl("wait", crashed).returncode == 1
-
-    stopped = submit_detached(c, sleeper)
-    wait_output(c, stopped, "started")
-    pid = describe(c, stopped)["pid"]
-    c.restart_controller()  # a clean stop terminates its drivers
-    job = describe(c, stopped)
-    assert job["state"] == "failed" and job["reason"] == "the controller stopped"
-    assert pid_gone(pid)
+    job_id = submit_detached(c, sleeper)
+    wait_output(c, job_id, "started")
+    pid = describe(c, job_id)["pid"]
+    c.restart_controller(kill=True)  # the driver outlives the controller: the new one adopts it
+    job = describe(c, job_id)
+    assert job["state"] == "running" and job["pid"] == pid
+    r = c.pwctl("cancel", job_id, "-y")  # through its supervisor
+    assert r.returncode == 0, r.stderr
+    job = describe(c, job_id)
+    assert job["state"] == "cancelled" and job["exit_code"] is None
+    wait_for(lambda: pid_gone(pid), 10, "the cancelled driver to exit")
+    assert "started" in c.pwctl("logs", job_id).stdout  # logs persist
+    assert c.pwctl("wait", job_id).returncode == 1
     listed = json.loads(c.pwctl("jobs", "list", "--all", "-o", "json").stdout)["items"]
-    assert {crashed, stopped} <= {j["id"] for j in listed}
+    assert job_id in {j["id"] for j in listed}
 
 
 TOKEN_CHECK = """\

@@ -9,6 +9,7 @@ from pathlib import Path
 from .. import paths
 from .app import configure_logging, serve
 from .core import ControllerConfig
+from .job_files import DEFAULT_LOG_MAX_MB
 
 
 def main() -> None:
@@ -29,9 +30,14 @@ def main() -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--require-token", action="store_true",
                    help="require the token even on a loopback address (always required beyond loopback)")
+    p.add_argument("--job-log-max-mb", type=int, default=DEFAULT_LOG_MAX_MB,
+                   help=f"output kept per job (default {DEFAULT_LOG_MAX_MB} MiB): its log rotates at half of "
+                        "that and older output is dropped; `pwctl logs` says when it was")
     ns = p.parse_args()
     if ns.window < 1:
         p.error("--window must be at least 1")
+    if ns.job_log_max_mb < 1:
+        p.error("--job-log-max-mb must be at least 1")
     configure_logging(ns.log_level)
     config = ControllerConfig(
         listen=ns.listen,
@@ -43,6 +49,7 @@ def main() -> None:
         policy=ns.policy,
         window=ns.window,
         require_token=ns.require_token,
+        job_log_max_mb=ns.job_log_max_mb,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

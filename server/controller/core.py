@@ -18,6 +18,7 @@ from ..timeutil import now_iso
 from .cluster import Cluster
 from .dispatch import Dispatcher
 from .errors import NotFound
+from .job_files import DEFAULT_LOG_MAX_MB
 from .jobs import JobManager
 from .observe import Observer
 from .programs import ProgramRegistry
@@ -41,6 +42,7 @@ class ControllerConfig:
     window: int = 256  # admitted unfinished nodes per island; the policy orders only what waits beyond it
     token: str | None = None
     require_token: bool = False  # also on loopback (tests check rejection without a public address)
+    job_log_max_mb: int = DEFAULT_LOG_MAX_MB  # output kept per job (rotated; older output dropped)
 
 
 class Controller:
@@ -68,7 +70,8 @@ class Controller:
                                        config.dispatch)
         self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
-                               address=lambda: self.address, token=config.token)
+                               address=lambda: self.address, token=config.token,
+                               log_max_mb=config.job_log_max_mb)
         self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
                                  jobs=self.jobs.list)
         # the slices first: the dispatcher's placements and the clients' notices read them

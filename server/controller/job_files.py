@@ -1,23 +1,35 @@
 """A job's files: its entrypoint's path, its working directory (an uploaded zip) and its log.
 
+The log (the driver's stdout and stderr) is written by the job's supervisor (jobsup.py), which
+keeps at most `--job-log-max-mb` of it (DEFAULT_LOG_MAX_MB): output.log rotates at half of that
+into output.log.1, and older output is dropped (counted in log.json).
+
 Every limit here bounds what one request can make the controller write or read.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
 import re
 import shutil
 import zipfile
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from . import jobsup
 from .errors import InvalidArgument
 
+MAX_PRIORITY = 1000
 MAX_SCRIPT_BYTES = 10 * 1024 * 1024
 MAX_ZIP_BYTES = 50 * 1024 * 1024
 MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # a zip bomb stops here
 LOG_CHUNK = 256 * 1024  # read from a job's log per message
+DEFAULT_LOG_MAX_MB = 64  # kept per job; the controller flag --job-log-max-mb changes it
 
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 
@@ -34,6 +46,33 @@ def check_relative_path(name: str, what: str) -> PurePosixPath:
                 "and must not start with '.' or '-'"
             )
     return p
+
+
+def validate_submit(req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
+    """The entrypoint and weight of a valid submission; InvalidArgument says what is wrong."""
+    if not req.script:
+        raise InvalidArgument("the script is empty")
+    if len(req.script) > MAX_SCRIPT_BYTES:
+        raise InvalidArgument(f"the script is {len(req.script) / 2**20:.1f} MiB; the limit is "
+                              f"{MAX_SCRIPT_BYTES // 2**20} MiB (put data in --working-dir)")
+    entry = check_relative_path(req.entrypoint, "entrypoint")
+    if len(req.working_dir_zip) > MAX_ZIP_BYTES:
+        raise InvalidArgument(
+            f"the working directory is {len(req.working_dir_zip) / 2**20:.1f} MiB zipped; the limit is "
+            f"{MAX_ZIP_BYTES // 2**20} MiB"
+        )
+    if abs(req.priority) > MAX_PRIORITY:
+        raise InvalidArgument(
+            f"priority {req.priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
+    weight = req.weight if req.weight != 0 else 1.0  # 0: not set
+    if not math.isfinite(weight) or weight <= 0 or weight > 1e6:
+        raise InvalidArgument(f"weight {req.weight:g} is invalid: it must be a number > 0")
+    if len(req.name) > 128 or any(not c.isprintable() for c in req.name):
+        raise InvalidArgument("the job name must be at most 128 printable characters")
+    for a in req.args:
+        if "\0" in a:
+            raise InvalidArgument("arguments must not contain NUL characters")
+    return entry, weight
 
 
 def _safe_member(name: str) -> PurePosixPath | None:
@@ -81,10 +120,15 @@ def extract_zip(data: bytes, dest: Path) -> int:
 
 def tail_offset(path: Path, lines: int) -> int:
     """The byte offset where the last `lines` lines of the file start."""
+    return _tail(path, lines)[0]
+
+
+def _tail(path: Path, lines: int) -> tuple[int, int]:
+    """(where the last `lines` lines start, how many lines were found: fewer when the file has fewer)."""
     try:
         size = path.stat().st_size
     except OSError:
-        return 0
+        return 0, 0
     with open(path, "rb") as fh:
         pos = size
         count = 0
@@ -104,16 +148,86 @@ def tail_offset(path: Path, lines: int) -> int:
                     break
                 count += 1
                 if count == lines:
-                    return start + idx + 1
+                    return start + idx + 1, count
             pos = start
-    return 0
+    return 0, count + (1 if size else 0)
 
 
-def read_chunk(path: Path, pos: int) -> bytes:
-    """Up to LOG_CHUNK bytes of the file from `pos` (b"" at its end or when it does not exist)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(pos)
-            return fh.read(LOG_CHUNK)
-    except FileNotFoundError:
-        return b""
+class LogReader:
+    """Reads what is kept of a job's output (output.log.1, then output.log) and follows it across
+    the supervisor's rotations (a new output.log: the old file is read to its end first)."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.dir = job_dir
+        self.fh: BinaryIO | None = None
+        self.next: BinaryIO | None = None  # output.log while fh is output.log.1
+
+    def _open(self, name: str) -> BinaryIO | None:
+        try:
+            return open(self.dir / name, "rb")
+        except FileNotFoundError:
+            return None
+
+    def start(self, tail: int) -> str:
+        """Positions at the start (tail=0) or at the last `tail` lines; returns a notice to show
+        first when earlier output was dropped ('' when nothing was)."""
+        cur = self._open(jobsup.LOG)  # first: a rotation after this leaves `old` the older part
+        old = self._open(jobsup.LOG_OLD)
+        if old is not None and cur is not None and os.fstat(old.fileno()).st_ino == os.fstat(cur.fileno()).st_ino:
+            cur.close()
+            cur = self._open(jobsup.LOG)
+        from_start = True
+        if tail > 0 and cur is not None:
+            offset, found = _tail(self.dir / jobsup.LOG, tail)
+            if found >= tail or old is None:
+                from_start = found < tail
+                cur.seek(offset)
+                if old is not None:
+                    old.close()
+                    old = None
+            else:
+                offset, more = _tail(self.dir / jobsup.LOG_OLD, tail - found)
+                from_start = more < tail - found
+                old.seek(offset)
+        self.fh, self.next = (old, cur) if old is not None else (cur, None)
+        try:
+            state = json.loads((self.dir / jobsup.LOG_STATE).read_text())
+            dropped, cap = int(state["dropped"]), int(state["max_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        if not from_start or dropped <= 0:
+            return ""
+        return (f"[pathways: output truncated: the first {dropped / 2**20:.1f} MiB were dropped; a job keeps "
+                f"its last {cap / 2**20:g} MiB of output (controller flag --job-log-max-mb)]\n")
+
+    def read(self) -> bytes:
+        """The next bytes of output (b"" when there are none yet)."""
+        while True:
+            if self.fh is None:
+                self.fh = self._open(jobsup.LOG)
+                if self.fh is None:
+                    return b""
+            data = self.fh.read(LOG_CHUNK)
+            if data:
+                return data
+            if self.next is not None:
+                self.fh.close()
+                self.fh, self.next = self.next, None
+                continue
+            try:
+                rotated = os.stat(self.dir / jobsup.LOG).st_ino != os.fstat(self.fh.fileno()).st_ino
+            except FileNotFoundError:
+                return b""
+            if not rotated:
+                return b""
+            data = self.fh.read(LOG_CHUNK)  # written just before the rotation
+            if data:
+                return data
+            self.fh.close()
+            self.fh = None
+
+    def close(self) -> None:
+        for fh in (self.fh, self.next):
+            if fh is not None:
+                fh.close()
+        self.fh = self.next = None

@@ -1,12 +1,20 @@
-"""A job's driver process: its command, its environment, its end, and killing its group."""
+"""A job's driver process: its command, its environment, its end, and its supervisor (jobsup.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
+import json
 import os
+import select
 import signal
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from . import jobsup
 
 MEMORY_ENV = "PATHWAYS_JOB_MEMORY_MB"
 
@@ -87,3 +95,175 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
     if root not in parts:
         env["PYTHONPATH"] = os.pathsep.join([*parts, root])
     return env
+
+
+# ---------------------------------------------------------------- the job's supervisor
+JOBSUP = Path(__file__).with_name("jobsup.py")
+START_TIMEOUT_S = 30.0
+ADOPT_POLL_S = 0.5  # only where pidfd_open is missing
+
+
+class SupervisorError(Exception):
+    """The supervisor could not start the driver (the message says why)."""
+
+
+@dataclass
+class Supervisor:
+    """A live job supervisor: its pid, start time (pid reuse), the driver's pid, a pidfd on it."""
+
+    pid: int
+    start: int
+    driver_pid: int
+    pidfd: int | None
+    job_dir: Path
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            elif jobsup.start_time(self.pid) == self.start:
+                os.kill(self.pid, sig)
+
+    async def wait(self) -> None:
+        """Until the supervisor exited (it wrote exit.json first unless it was killed)."""
+        if self.pidfd is not None:
+            loop = asyncio.get_running_loop()
+            exited: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:  # the pidfd reads as ready once the process exited
+                if not exited.done():
+                    exited.set_result(None)
+
+            loop.add_reader(self.pidfd, readable)
+            try:
+                await exited
+            finally:
+                loop.remove_reader(self.pidfd)
+                os.close(self.pidfd)
+                self.pidfd = None
+            with contextlib.suppress(ChildProcessError):  # ours to reap unless adopted
+                os.waitpid(self.pid, os.WNOHANG)
+        else:
+            while lock_held(self.job_dir):
+                await asyncio.sleep(ADOPT_POLL_S)
+
+
+def _pidfd(pid: int, start: int) -> int | None:
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if jobsup.start_time(pid) != start:  # the pid was reused before we opened it
+        os.close(fd)
+        raise ProcessLookupError(pid)
+    return fd
+
+
+def lock_held(job_dir: Path) -> bool:
+    """True while a supervisor of this job lives (it holds the lock file for its whole life)."""
+    try:
+        fd = os.open(job_dir / jobsup.LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops a lock we got
+    return False
+
+
+def _read_reply(fd: int, timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def start_supervisor(job_dir: Path, argv: list[str], env: dict[str, str], log_max_bytes: int,
+                           grace: float) -> Supervisor:
+    """Starts the job's supervisor in its own session; returns once it started the driver."""
+    # -P: the script's own directory (this package) must not shadow the standard library
+    cmd = [sys.executable, "-P", str(JOBSUP), "--job-dir", str(job_dir), "--log-max-bytes", str(log_max_bytes),
+           "--grace", repr(grace), "--", *argv]
+    r, w = os.pipe()
+    try:
+        pid = os.posix_spawn(sys.executable, cmd, env, setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, w, 1),
+            (os.POSIX_SPAWN_OPEN, 2, str(job_dir / "supervisor.log"),
+             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+        ])
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        raw = await asyncio.to_thread(_read_reply, r, START_TIMEOUT_S)
+    finally:
+        os.close(r)
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        reply = {}
+    if "driver_pid" not in reply:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        raise SupervisorError(str(reply.get("error") or "its supervisor did not start (see supervisor.log)"))
+    return Supervisor(pid=pid, start=int(reply["start"]), driver_pid=int(reply["driver_pid"]),
+                      pidfd=_pidfd(pid, int(reply["start"])), job_dir=job_dir)
+
+
+def adopt(job_dir: Path) -> Supervisor | None:
+    """The job's supervisor if it is still alive (a controller restarted), else None."""
+    try:
+        info = json.loads((job_dir / jobsup.INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    if not lock_held(job_dir):
+        return None
+    try:
+        pidfd = _pidfd(int(info["pid"]), int(info["start"]))
+    except ProcessLookupError:
+        return None
+    return Supervisor(pid=int(info["pid"]), start=int(info["start"]), driver_pid=int(info["driver_pid"]),
+                      pidfd=pidfd, job_dir=job_dir)
+
+
+def read_exit(job_dir: Path) -> tuple[int, bool] | None:
+    """(the driver's exit code, whether it was cancelled) as its supervisor recorded it, or None."""
+    try:
+        doc = json.loads((job_dir / jobsup.EXIT).read_text())
+        return int(doc["code"]), bool(doc["cancelled"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def end_all(jobs_dir: Path, grace: float = 10.0) -> int:
+    """Ends every live job supervisor under `jobs_dir` (SIGTERM: each ends its tree), SIGKILL
+    after `grace`; returns how many there were. For tearing a whole local cluster down (jobs
+    outlive a controller by design)."""
+    sups = [s for d in sorted(jobs_dir.glob("job-*")) if (s := adopt(d)) is not None]
+    for s in sups:
+        s.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(lock_held(s.job_dir) for s in sups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for s in sups:
+        if lock_held(s.job_dir):
+            kill_group(s.driver_pid, signal.SIGKILL)
+            s.signal(signal.SIGKILL)
+        if s.pidfd is not None:
+            os.close(s.pidfd)
+    return len(sups)

@@ -3,7 +3,7 @@
 A job is a user's Python script (plus an optional working directory) that the controller
 starts with `PWCTL_SERVER`/`PWCTL_JOB_ID` set, so every slice, buffer and program the driver
 makes belongs to the owner `job:<id>` and goes when the job ends. Its stdout and stderr go to
-`<jobs_dir>/<id>/output.log`, which outlives the job and the controller.
+`<jobs_dir>/<id>/output.log` (capped and rotated: job_files.py), which outlives the job.
 
 States: pending -> running -> succeeded | failed | cancelled (pending -> failed/cancelled when the
 driver never started). Every transition is written to the database at once (jobs are rare);
@@ -11,12 +11,14 @@ program registrations and run counters are kept in memory and flushed about once
 from a background task, never per run.
 
 Choices:
-- Drivers run in their own session (process group); cancel sends SIGTERM to the group and
-  SIGKILL after `KILL_AFTER_S`. When the driver ends, whatever is left of its group is killed.
-- A clean controller stop terminates the running drivers and marks them failed ("the controller
-  stopped"): a driver's session cannot outlive the controller, so letting it run on would only
-  produce errors. After a crash, `load()` marks jobs still pending/running as failed and kills
-  an orphaned driver if `/proc/<pid>/environ` proves it is that job's process.
+- Every driver runs under its own supervisor (jobsup.py), a process in its own session that does
+  not depend on the controller: it is a child subreaper, so the job is its whole process tree
+  (`setsid` grandchildren included), killed whole when the driver ends or on cancel (SIGTERM to
+  the tree, SIGKILL after `KILL_AFTER_S`); it writes the output to the log and the driver's exit
+  status to `exit.json`. The controller waits on it through a pidfd.
+- A controller stop or crash ends no job: `load()` adopts every job whose supervisor still holds
+  its lock (and reads the exit status of those that ended meanwhile); a job whose supervisor
+  died without an exit status (the machine restarted) fails with that reason.
 - Memory: no limit by default. JAX reserves large virtual address ranges, so RLIMIT_AS breaks
   it; `PATHWAYS_JOB_MEMORY_MB` sets RLIMIT_DATA (heap) per driver, where a driver over it sees a
   MemoryError. A driver the kernel's OOM killer ends (SIGKILL) fails with "killed by SIGKILL
@@ -30,7 +32,6 @@ import builtins
 import codecs
 import contextlib
 import logging
-import math
 import secrets
 import shutil
 import signal
@@ -39,7 +40,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpc import aio
@@ -54,8 +55,24 @@ from ..db.writer import Write
 from ..timeutil import iso
 from .client_session import ClientSession
 from .errors import InvalidArgument, NotFound
-from .job_files import MAX_SCRIPT_BYTES, MAX_ZIP_BYTES, check_relative_path, extract_zip, read_chunk, tail_offset
-from .job_process import driver_command, driver_env, exit_reason, kill_group, pid_is_job
+from .job_files import (
+    DEFAULT_LOG_MAX_MB,
+    LogReader,
+    extract_zip,
+    validate_submit,
+)
+from .job_process import (
+    Supervisor,
+    SupervisorError,
+    adopt,
+    driver_command,
+    driver_env,
+    exit_reason,
+    kill_group,
+    pid_is_job,
+    read_exit,
+    start_supervisor,
+)
 from .job_stats import ProgramStats
 from .programs import ProgramRecord
 
@@ -65,9 +82,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_PRIORITY = 1000
-KILL_AFTER_S = 5.0
-STOP_GRACE_S = 3.0
+KILL_AFTER_S = 5.0  # a cancelled tree gets SIGKILL after this (its supervisor sends it)
 RECENT_FINISHED = 20
 FLUSH_INTERVAL_S = 1.0
 LOG_POLL_S = 0.1
@@ -104,7 +119,7 @@ class JobRecord:
     runs: int = 0
     # runtime only
     program_ids: set[str] = field(default_factory=set)  # registered by this controller's sessions
-    proc: asyncio.subprocess.Process | None = None
+    sup: Supervisor | None = None
     cancel_requested: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -135,7 +150,7 @@ class JobManager:
                  spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
                  scheduler: GangScheduler, owned_slices: Callable[[str], builtins.list[cpb.Slice]],
                  release_owner: Callable[[str], None], address: Callable[[], str],
-                 token: str | None = None) -> None:
+                 token: str | None = None, log_max_mb: int = DEFAULT_LOG_MAX_MB) -> None:
         self._db = db
         self._writer = write
         self._spawn = spawn
@@ -144,14 +159,14 @@ class JobManager:
         self._release_owner = release_owner
         self._address = address
         self._token = token
+        self._log_max_bytes = log_max_mb * 2**20
         self.jobs: dict[str, JobRecord] = {}
         self.stats = ProgramStats(write)
-        self._stopping = False
         self._flush_task: asyncio.Task[Any] | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def load(self) -> None:
-        """Reads every job; a job the previous controller left pending/running has failed."""
+        """Reads every job; adopts the running jobs whose supervisors live on."""
         with self._db() as s:
             rows = list(s.scalars(select(JobRow).order_by(JobRow.submitted_at)))
             counts = {
@@ -176,44 +191,31 @@ class JobManager:
                 orphans.append(rec)
             else:
                 rec.done.set()
+        adopted = 0
         for rec in orphans:
-            if rec.pid and pid_is_job(rec.pid, rec.id):
-                log.warning("killing driver pid %d of job %s, orphaned by the previous controller",
-                            rec.pid, rec.id)
-                kill_group(rec.pid, signal.SIGKILL)
-            self._end(rec, cpb.JOB_STATE_FAILED, "the controller restarted while it was running", None)
-        if orphans:
-            log.warning("%d job(s) were running when the controller stopped; marked failed", len(orphans))
+            sup = adopt(paths.jobs_dir() / rec.id)
+            if sup is None:
+                self._finish(rec)  # it ended while no controller watched
+                continue
+            adopted += 1
+            rec.sup, rec.pid = sup, sup.driver_pid
+            if rec.state == cpb.JOB_STATE_PENDING:
+                rec.state, rec.started_at = cpb.JOB_STATE_RUNNING, rec.started_at or _now()
+                self._save(rec)
+            self._spawn(self._watch(rec))
+        if adopted:
+            log.info("adopted %d running job(s) from the previous controller", adopted)
         self._flush_task = self._spawn(self._flusher())
 
     async def stop(self) -> None:
-        """Terminates running drivers (failed: "the controller stopped") and flushes counters."""
-        self._stopping = True
-        running = [r for r in self.jobs.values() if r.active]
-        for rec in running:
-            if rec.proc is not None:
-                kill_group(rec.pid, signal.SIGTERM)
+        """Flushes counters; running jobs go on under their supervisors (the next controller
+        adopts them)."""
+        running = self.count()
         if running:
-            log.info("stopping %d running job(s)", len(running))
-            await self._wait_done(running, STOP_GRACE_S)
-            for rec in running:
-                if not rec.done.is_set():
-                    kill_group(rec.pid, signal.SIGKILL)
-            await self._wait_done(running, 2.0)
-        for rec in running:
-            if not rec.done.is_set():
-                self._end(rec, cpb.JOB_STATE_FAILED, "the controller stopped", None)
+            log.info("leaving %d running job(s) to their supervisors", running)
         if self._flush_task is not None:
             self._flush_task.cancel()
         self.stats.flush()  # the writer drains it when the controller closes it
-
-    @staticmethod
-    async def _wait_done(recs: builtins.list[JobRecord], timeout: float) -> None:
-        waits = [asyncio.ensure_future(r.done.wait()) for r in recs if not r.done.is_set()]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=timeout)
-            for w in pending:
-                w.cancel()
 
     # ---------------------------------------------------------------- queries
     def count(self) -> int:
@@ -288,35 +290,7 @@ class JobManager:
             programs=rec.programs, runs=rec.runs, pending_reason=pending, pid=rec.pid,
         )
 
-    def log_path(self, job_id: str) -> Path:
-        return paths.jobs_dir() / job_id / "output.log"
-
     # ---------------------------------------------------------------- submit
-    def _validate(self, req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
-        if not req.script:
-            raise InvalidArgument("the script is empty")
-        if len(req.script) > MAX_SCRIPT_BYTES:
-            raise InvalidArgument(f"the script is {len(req.script) / 2**20:.1f} MiB; the limit is "
-                                  f"{MAX_SCRIPT_BYTES // 2**20} MiB (put data in --working-dir)")
-        entry = check_relative_path(req.entrypoint, "entrypoint")
-        if len(req.working_dir_zip) > MAX_ZIP_BYTES:
-            raise InvalidArgument(
-                f"the working directory is {len(req.working_dir_zip) / 2**20:.1f} MiB zipped; the limit is "
-                f"{MAX_ZIP_BYTES // 2**20} MiB"
-            )
-        if abs(req.priority) > MAX_PRIORITY:
-            raise InvalidArgument(
-                f"priority {req.priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
-        weight = req.weight if req.weight != 0 else 1.0  # 0: not set
-        if not math.isfinite(weight) or weight <= 0 or weight > 1e6:
-            raise InvalidArgument(f"weight {req.weight:g} is invalid: it must be a number > 0")
-        if len(req.name) > 128 or any(not c.isprintable() for c in req.name):
-            raise InvalidArgument("the job name must be at most 128 printable characters")
-        for a in req.args:
-            if "\0" in a:
-                raise InvalidArgument("arguments must not contain NUL characters")
-        return entry, weight
-
     def _new_id(self) -> str:
         while True:
             job_id = f"job-{secrets.token_hex(3)}"
@@ -324,7 +298,7 @@ class JobManager:
                 return job_id
 
     async def submit(self, req: cpb.SubmitJobRequest) -> cpb.Job:
-        entry, weight = self._validate(req)
+        entry, weight = validate_submit(req)
         job_id = self._new_id()
         rec = JobRecord(
             id=job_id, name=req.name or entry.stem, entrypoint=str(entry), args=list(req.args),
@@ -354,34 +328,42 @@ class JobManager:
             self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled before it started", None)
             return
         try:
-            with open(job_dir / "output.log", "ab") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    *driver_command(rec.entrypoint, rec.args), cwd=job_dir,
-                    env=driver_env(rec.id, rec.priority, rec.weight, self._address(), self._token, paths.data_dir()),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        except OSError as e:
+            sup = await start_supervisor(
+                job_dir, driver_command(rec.entrypoint, rec.args),
+                driver_env(rec.id, rec.priority, rec.weight, self._address(), self._token, paths.data_dir()),
+                self._log_max_bytes, KILL_AFTER_S)
+        except (OSError, SupervisorError) as e:
             self._end(rec, cpb.JOB_STATE_FAILED, f"the driver could not start: {e}", None)
             return
-        rec.proc = proc
-        rec.pid = proc.pid
+        rec.sup = sup
+        rec.pid = sup.driver_pid
         rec.state = cpb.JOB_STATE_RUNNING
         rec.started_at = _now()
         self._save(rec)
-        log.info("job %s running (pid %d)", rec.id, proc.pid)
-        self._spawn(self._watch(rec, proc))
+        log.info("job %s running (driver pid %d, supervisor pid %d)", rec.id, sup.driver_pid, sup.pid)
+        self._spawn(self._watch(rec))
         if rec.cancel_requested:  # cancelled while the process was starting
             self._terminate(rec)
 
-    async def _watch(self, rec: JobRecord, proc: asyncio.subprocess.Process) -> None:
-        rc = await proc.wait()
-        kill_group(proc.pid, signal.SIGKILL)  # whatever the driver left behind in its group
-        if rec.cancel_requested:
-            code = rc if rc >= 0 else None
-            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", code)
-        elif self._stopping:
-            self._end(rec, cpb.JOB_STATE_FAILED, "the controller stopped", rc if rc >= 0 else None)
+    async def _watch(self, rec: JobRecord) -> None:
+        assert rec.sup is not None
+        await rec.sup.wait()
+        self._finish(rec)
+
+    def _finish(self, rec: JobRecord) -> None:
+        """The job's supervisor is gone: the job ends as its recorded exit status says."""
+        job_dir = paths.jobs_dir() / rec.id
+        status = read_exit(job_dir)
+        if status is None:
+            if rec.pid and pid_is_job(rec.pid, rec.id):  # its supervisor was killed, not the driver
+                kill_group(rec.pid, signal.SIGKILL)
+            reason = ("its supervisor died and recorded no exit status (did the machine restart?)"
+                      if (job_dir / "sup.json").exists() else "the controller stopped before the driver started")
+            self._end(rec, cpb.JOB_STATE_FAILED, reason, None)
+            return
+        rc, cancelled = status
+        if cancelled or rec.cancel_requested:
+            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", rc if rc >= 0 else None)
         elif rc == 0:
             self._end(rec, cpb.JOB_STATE_SUCCEEDED, "", 0)
         else:
@@ -396,7 +378,7 @@ class JobManager:
         rec.reason = reason
         rec.exit_code = exit_code
         rec.ended_at = _now()
-        rec.proc = None
+        rec.sup = None
         rec.program_ids.clear()
         try:
             self._release_owner(rec.owner)
@@ -408,15 +390,17 @@ class JobManager:
 
     # ---------------------------------------------------------------- cancel
     def _terminate(self, rec: JobRecord) -> None:
-        kill_group(rec.pid, signal.SIGTERM)
-        self._spawn(self._kill_later(rec))
+        if rec.sup is not None:
+            rec.sup.signal(signal.SIGTERM)  # it terminates the tree, and kills it after KILL_AFTER_S
+            self._spawn(self._kill_later(rec, rec.sup))
 
-    async def _kill_later(self, rec: JobRecord) -> None:
+    async def _kill_later(self, rec: JobRecord, sup: Supervisor) -> None:
         try:
-            await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S)
-        except TimeoutError:
-            log.warning("job %s ignored SIGTERM for %g s; sending SIGKILL", rec.id, KILL_AFTER_S)
+            await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S + 5.0)
+        except TimeoutError:  # the supervisor itself is stuck: end what can be found of the job
+            log.warning("the supervisor of job %s did not end the job; killing it", rec.id)
             kill_group(rec.pid, signal.SIGKILL)
+            sup.signal(signal.SIGKILL)
 
     async def cancel(self, ref: str) -> cpb.Job:
         """Cancels a pending or running job and waits (up to ~KILL_AFTER_S) until it ended.
@@ -426,8 +410,7 @@ class JobManager:
         if rec.active and not rec.cancel_requested:
             rec.cancel_requested = True
             log.info("cancelling job %s", rec.id)
-            if rec.proc is not None:
-                self._terminate(rec)
+            self._terminate(rec)
         if rec.active:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rec.done.wait(), KILL_AFTER_S + 3.0)
@@ -440,23 +423,24 @@ class JobManager:
         """The job's output (or its last `tail` lines), then with `follow` new output as it comes;
         the last message carries the job (done=True once it ended: state and exit code)."""
         rec = self.resolve(request.id)
-        path = self.log_path(rec.id)
-        pos = await asyncio.to_thread(tail_offset, path, request.tail) if request.tail > 0 else 0
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        while True:
-            ended = rec.done.is_set()  # before reading: after the exit, the file is complete
+        reader = LogReader(paths.jobs_dir() / rec.id)
+        try:
+            notice = await asyncio.to_thread(reader.start, max(0, request.tail))
+            if notice:
+                yield cpb.LogChunk(data=notice)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             while True:
-                data = read_chunk(path, pos)
-                if not data:
+                ended = rec.done.is_set()  # before reading: after the exit, the file is complete
+                while data := reader.read():
+                    text = decoder.decode(data)
+                    if text:
+                        yield cpb.LogChunk(data=text)
+                if ended or not request.follow:
                     break
-                pos += len(data)
-                text = decoder.decode(data)
-                if text:
-                    yield cpb.LogChunk(data=text)
-            if ended or not request.follow:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(rec.done.wait(), LOG_POLL_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(rec.done.wait(), LOG_POLL_S)
+        finally:
+            reader.close()
         yield cpb.LogChunk(data=decoder.decode(b"", final=True), done=rec.done.is_set(), job=self.get(rec.id))
 
     # ---------------------------------------------------------------- programs and runs

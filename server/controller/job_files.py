@@ -29,7 +29,7 @@ MAX_SCRIPT_BYTES = 10 * 1024 * 1024
 MAX_ZIP_BYTES = 50 * 1024 * 1024
 MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # a zip bomb stops here
 LOG_CHUNK = 256 * 1024  # read from a job's log per message
-DEFAULT_LOG_MAX_MB = 64  # kept per job; the controller flag --job-log-max-mb changes it
+DEFAULT_LOG_MAX_MB = 16  # kept per job; the controller flag --job-log-max-mb changes it
 
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 

@@ -18,6 +18,8 @@ from typing import Any
 import psutil
 import pytest
 
+from server.controller.job_files import LogReader
+from server.controller.jobsup import Output
 from tests.conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -182,3 +184,43 @@ def test_job_output_is_capped_and_logs_say_it_was_truncated(make_cluster: Any, t
     assert "00000000 " not in r.stdout
     tail = c.pwctl("logs", job_id, "--tail", "2")
     assert tail.stdout == "00079999 " + "x" * 95 + "\nthe end\n"
+
+
+def test_the_log_reader_follows_the_output_across_rotations(tmp_path: Path) -> None:
+    """The supervisor's writer and the controller's reader, in one process: a follower sees every
+    byte once and in order while the log rotates under it; what is kept stays within the cap."""
+    out = Output(tmp_path, max_bytes=1000)
+    follower = LogReader(tmp_path)
+    assert follower.start(0) == ""
+    seen = b""
+    lines = [f"line {i:04d}\n".encode() for i in range(400)]  # 4,400 bytes: rotates ~8 times
+    for i, line in enumerate(lines):
+        out.write(line)
+        if i % 7 == 0:
+            while data := follower.read():
+                seen += data
+    while data := follower.read():
+        seen += data
+    out.close()
+    follower.close()
+    assert seen == b"".join(lines)
+    kept = (tmp_path / "output.log.1").read_bytes() + (tmp_path / "output.log").read_bytes()
+    assert len(kept) <= 1000 and b"".join(lines).endswith(kept) and kept.startswith(b"line ")
+
+    late = LogReader(tmp_path)  # a reader that comes after: the notice, then what is kept
+    notice = late.start(0)
+    assert notice.startswith("[pathways: output truncated:") and "--job-log-max-mb" in notice
+    got = b""
+    while data := late.read():
+        got += data
+    late.close()
+    assert got == kept
+
+    tail = LogReader(tmp_path)  # more lines than output.log holds: the rest from output.log.1
+    n_cur = (tmp_path / "output.log").read_bytes().count(b"\n")
+    assert tail.start(n_cur + 3) == ""
+    got = b""
+    while data := tail.read():
+        got += data
+    tail.close()
+    assert got == b"".join(lines[-(n_cur + 3):])

@@ -191,8 +191,9 @@ def _read_reply(fd: int, timeout: float) -> bytes:
 async def start_supervisor(job_dir: Path, argv: list[str], env: dict[str, str], log_max_bytes: int,
                            grace: float) -> Supervisor:
     """Starts the job's supervisor in its own session; returns once it started the driver."""
-    # -P: the script's own directory (this package) must not shadow the standard library
-    cmd = [sys.executable, "-P", str(JOBSUP), "--job-dir", str(job_dir), "--log-max-bytes", str(log_max_bytes),
+    # -I: the supervisor needs only the standard library: neither this package's directory nor
+    # the user's PYTHONPATH may shadow it (the driver still gets the whole environment)
+    cmd = [sys.executable, "-I", str(JOBSUP), "--job-dir", str(job_dir), "--log-max-bytes", str(log_max_bytes),
            "--grace", repr(grace), "--", *argv]
     r, w = os.pipe()
     try:

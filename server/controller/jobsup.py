@@ -1,6 +1,6 @@
 """A job's supervisor: runs its driver as a whole process tree, apart from the controller's life.
 
-`python jobsup.py --job-dir DIR --log-max-bytes N --grace S -- DRIVER ARGV...` (run by path, so
+`python -I jobsup.py --job-dir DIR --log-max-bytes N --grace S -- DRIVER ARGV...` (run by path, so
 that it imports nothing beyond the standard library; its environment is the driver's). It
 
 - holds `supervisor.lock` (flock) for as long as it lives: a controller that starts tells a live

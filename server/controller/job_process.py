@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import jobsup
@@ -242,12 +243,15 @@ def adopt(job_dir: Path) -> Supervisor | None:
                       pidfd=pidfd, job_dir=job_dir)
 
 
-def read_exit(job_dir: Path) -> tuple[int, bool] | None:
-    """(the driver's exit code, whether it was cancelled) as its supervisor recorded it, or None."""
+def read_exit(job_dir: Path) -> tuple[int, bool, datetime | None] | None:
+    """(the driver's exit code, whether it was cancelled, when it ended) as its supervisor recorded
+    it, or None."""
     try:
         doc = json.loads((job_dir / jobsup.EXIT).read_text())
-        return int(doc["code"]), bool(doc["cancelled"])
-    except (OSError, ValueError, KeyError, TypeError):
+        ended = doc.get("ended_at")
+        when = datetime.fromtimestamp(float(ended), UTC).replace(tzinfo=None) if ended else None
+        return int(doc["code"]), bool(doc["cancelled"]), when
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
 
 

@@ -361,15 +361,16 @@ class JobManager:
                       if (job_dir / "sup.json").exists() else "the controller stopped before the driver started")
             self._end(rec, cpb.JOB_STATE_FAILED, reason, None)
             return
-        rc, cancelled = status
+        rc, cancelled, ended_at = status
         if cancelled or rec.cancel_requested:
-            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", rc if rc >= 0 else None)
+            self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", rc if rc >= 0 else None, ended_at)
         elif rc == 0:
-            self._end(rec, cpb.JOB_STATE_SUCCEEDED, "", 0)
+            self._end(rec, cpb.JOB_STATE_SUCCEEDED, "", 0, ended_at)
         else:
-            self._end(rec, cpb.JOB_STATE_FAILED, exit_reason(rc), rc if rc >= 0 else None)
+            self._end(rec, cpb.JOB_STATE_FAILED, exit_reason(rc), rc if rc >= 0 else None, ended_at)
 
-    def _end(self, rec: JobRecord, state: cpb.JobState.ValueType, reason: str, exit_code: int | None) -> None:
+    def _end(self, rec: JobRecord, state: cpb.JobState.ValueType, reason: str, exit_code: int | None,
+             ended_at: datetime | None = None) -> None:
         """Final transition: persist, release everything the job owned, wake log followers."""
         if rec.done.is_set():
             return
@@ -377,7 +378,7 @@ class JobManager:
         rec.state = state
         rec.reason = reason
         rec.exit_code = exit_code
-        rec.ended_at = _now()
+        rec.ended_at = ended_at or _now()
         rec.sup = None
         rec.program_ids.clear()
         try:

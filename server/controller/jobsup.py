@@ -22,6 +22,7 @@ dies takes nothing with it. Its own stderr (tracebacks only) is `supervisor.log`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -156,6 +157,7 @@ class Supervisor:
         self.status: int | None = None  # the driver's wait status once reaped
         self.term_at: float | None = None  # when a cancel's SIGTERM went out
         self.killed = False
+        self.write_failed = False
 
     def spawn(self) -> int:
         r, w = os.pipe()
@@ -176,6 +178,20 @@ class Supervisor:
         if self.term_at is None:
             self.term_at = time.monotonic()
             signal_tree(signal.SIGTERM)
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.out.write(data)
+        except (OSError, ValueError) as e:  # a full disk loses output, not the job
+            if self.out.fh.closed:  # a rotation failed half way
+                with contextlib.suppress(OSError):
+                    self.out.fh = open(self.dir / LOG, "ab", buffering=0)  # noqa: SIM115
+                    self.out.size = self.out.fh.tell()
+            if not self.write_failed:
+                print(f"jobsup: writing the job's output failed, dropping it: {e}", file=sys.stderr, flush=True)
+            self.write_failed = True
+        else:
+            self.write_failed = False
 
     def reap(self) -> None:
         while True:
@@ -198,7 +214,7 @@ class Supervisor:
                 if ready:
                     data = os.read(self.pipe, CHUNK)
                     if data:
-                        self.out.write(data)
+                        self.write(data)
                     else:  # every writer closed the pipe
                         os.close(self.pipe)
                         fds = []

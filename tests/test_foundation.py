@@ -310,6 +310,15 @@ def test_server_start_twice_info_stop(pw_local: Path) -> None:
     assert run_pwctl("island", "list", env=env).returncode == 1
 
 
+def _read_sup(job_dir: Path) -> dict | None:
+    """The job supervisor's record (its pid and the driver's), once it has written it."""
+    try:
+        doc = json.loads((job_dir / "sup.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if doc.get("driver_pid") else None
+
+
 def test_up_down_stops_exactly_what_it_started(pw_local: Path, module_cluster: LocalCluster) -> None:
     address = f"127.0.0.1:{free_port()}"
     env = base_env(pw_local, PWCTL_SERVER=address)
@@ -332,8 +341,21 @@ def test_up_down_stops_exactly_what_it_started(pw_local: Path, module_cluster: L
     assert again.returncode == 0, again.stderr
     assert json.loads((pw_local / "cluster.json").read_text()) == state  # idempotent: nothing new
 
-    down = run_pwctl("down", env=env)
+    # a running job outlives a controller restart, so `down` cancels it: not without -y when it cannot ask
+    program = pw_local / "sleeper.py"
+    program.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    sub = run_pwctl("submit", str(program), "-d", env=env)
+    assert sub.returncode == 0, sub.stderr
+    job_id = json.loads(run_pwctl("jobs", "list", "-o", "json", env=env).stdout)["items"][0]["id"]
+    sup = wait_for(lambda: _read_sup(pw_local / "jobs" / job_id), what="the job's supervisor")
+    refused = run_pwctl("down", env=env)
+    assert refused.returncode == 2 and "pass -y" in refused.stderr and job_id in refused.stderr
+    assert all(local.is_alive(p) for p in pids) and local.is_alive(sup["pid"])
+
+    down = run_pwctl("down", "-y", env=env)
     assert down.returncode == 0, down.stderr
+    assert f"cancelled {job_id}" in down.stderr
+    assert not local.is_alive(sup["pid"]) and not local.is_alive(sup["driver_pid"])
     assert not any(local.is_alive(p) for p in pids)
     assert not (pw_local / "cluster.json").exists()
     # processes it did not start are untouched

@@ -8,7 +8,11 @@ from typing import Annotated
 import typer
 
 from .. import local, paths
+from ..client import Client
+from ..errors import EXIT_FAILED, EXIT_USAGE, ConnectionFailed
+from ..transport import NO_RETRY
 from .common import hint
+from .jobs import TERMINAL
 
 IslandsOpt = Annotated[int, typer.Option("--islands", min=1, help="Islands, one worker each")]
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="Virtual CPU devices per island")]
@@ -36,8 +40,16 @@ def up(
     hint("next: `pwctl island list`, `pwctl device list`; stop with `pwctl down`")
 
 
-def down() -> None:
-    """Stop the processes `pwctl up` started (by pid; nothing else)."""
+def down(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Cancel running jobs without asking")] = False,
+) -> None:
+    """Stop the processes `pwctl up` started (by pid; nothing else), cancelling its running jobs first.
+
+    Jobs outlive a controller restart (each runs under its own supervisor), so stopping the cluster
+    cancels them explicitly: after a confirmation, which -y skips."""
+    address = local.recorded_address()
+    if address is not None:
+        _cancel_running_jobs(address, yes)
     result = local.down()
     if result is None:
         hint("no cluster started by `pwctl up` here")
@@ -46,6 +58,29 @@ def down() -> None:
     if result.controller_pid:
         what.append(f"the controller (pid {result.controller_pid})")
     sys.stdout.write(f"stopped {' and '.join(what)}\n")
+
+
+def _cancel_running_jobs(address: str, yes: bool) -> None:
+    """Cancels the jobs still running on the controller at `address` (none if it does not answer)."""
+    try:
+        with Client(address, timeout=15.0, retry=NO_RETRY) as c:  # a cancel waits up to ~8 s
+            live = [j for j in c.jobs() if j.state not in TERMINAL]
+            if not live:
+                return
+            ids = ", ".join(j.id for j in live)
+            if not yes:
+                if not sys.stdin.isatty():
+                    sys.stderr.write(f"error: jobs {ids} are still running; pass -y to cancel them and stop "
+                                     "the cluster\n")
+                    raise typer.Exit(EXIT_USAGE)
+                if not typer.confirm(f"cancel running job(s) {ids} and stop the cluster?", default=False):
+                    hint("nothing stopped")
+                    raise typer.Exit(EXIT_FAILED)
+            for j in live:
+                c.cancel_job(j.id)
+            hint(f"cancelled {ids}")
+    except ConnectionFailed:
+        hint(f"the controller at {address} does not answer; stopping its processes without cancelling jobs")
 
 
 def register(root: typer.Typer) -> None:

@@ -15,7 +15,7 @@ One module per noun: `processes` (liveness, signals, spawning, pid files), `cont
 and `cluster` (`up`/`down`); the public names are re-exported here.
 """
 
-from .cluster import DownResult, UpResult, down, island_names, up
+from .cluster import DownResult, UpResult, down, island_names, recorded_address, up
 from .controller import (
     ControllerHandle,
     run_controller_foreground,
@@ -49,7 +49,8 @@ from .workers import (
 __all__ = [
     "CONTROLLER_MODULE", "CONTROLLER_START_TIMEOUT_S", "POLL_S", "READY_POLL_S", "STOP_GRACE_S", "WORKER_MODULE",
     "WORKER_READY_TIMEOUT_S", "ControllerHandle", "DownResult", "UpResult", "default_worker_name", "down",
-    "is_alive", "island_names", "run_controller_foreground", "running_controller", "running_worker", "runs_module",
+    "is_alive", "island_names", "recorded_address", "run_controller_foreground", "running_controller",
+    "running_worker", "runs_module",
     "start_controller", "start_worker", "stop_children", "stop_controller", "stop_worker", "terminate", "up",
     "wait_workers_ready", "worker_log_path", "worker_pid_path",
 ]

@@ -114,6 +114,12 @@ def up(
                     worker_pids=worker_pids, started_workers=started)
 
 
+def recorded_address() -> str | None:
+    """The controller address of the cluster `up` recorded here, or None if there is none."""
+    state = _read_json(paths.cluster_state_path())
+    return str(state.get("address", "")) or None if state is not None else None
+
+
 def down(grace: float = STOP_GRACE_S) -> DownResult | None:
     """Stops exactly what `up` recorded in cluster.json (workers first), by pid; None if nothing."""
     path = paths.cluster_state_path()

@@ -9,16 +9,15 @@ all device work, which is exactly what these tests exercise: the protocol, not e
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
-import tomllib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc import aio
+from proxy_env import client_env
 
 from pwctl import proxy_plugin
 from server.proxy import protocol as proto_mod
@@ -133,27 +132,6 @@ def test_plugin_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.delenv("PWCTL_TOKEN")
     (tmp_path / "token").write_text("from-file\n")
     assert proxy_plugin.initialization_data({}) == {TOKEN_KEY: b"from-file"}
-
-
-def plugin_path(tmp_path: Path) -> Path:
-    """A dist-info declaring the `jax_plugins` entry point exactly as pyproject.toml does (the
-    shared editable install may predate it), so JAX's own discovery finds the plugin."""
-    entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["jax_plugins"]
-    info = tmp_path / "site" / "pathways_proxy_entry-0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pathways-proxy-entry\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[jax_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in entry.items())
-    )
-    return info.parent
-
-
-def client_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "PWCTL_", "PATHWAYS_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(plugin_path(tmp_path))])
-    env["PATHWAYS_HOME"] = str(tmp_path / "home")
-    env.update(extra)
-    return env
 
 
 def test_plugin_is_inert_unless_asked_for(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
+from ..proxy.cluster_backend import ControllerBackend
+from ..proxy.service import LazyProxyHandler, ProxyService, is_proxy_method
 from .core import Controller, ControllerConfig
 from .servicer import ControllerServicer
 
@@ -45,10 +47,15 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     interceptors: list[aio.ServerInterceptor] = []
     if config.require_token or not paths.is_loopback(host):
         config.token = config.token or load_or_create_token()  # job drivers get it too
-        interceptors.append(TokenInterceptor(config.token))
+        interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+    # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
+    proxy_token = config.token if interceptors else None
+    server.add_generic_rpc_handlers(
+        [LazyProxyHandler(lambda: ProxyService(ControllerBackend(core.slices), proxy_token))]
+    )
     health = Health("pathways.v1.Controller")
     await health.attach(server)
     try:

@@ -71,11 +71,37 @@ def _attributes(attr_map: Message) -> dict[str, Any]:
     return out
 
 
+SERVICE_PREFIX = f"/{proto_mod.SERVICE_NAME}/"
+
+
+def is_proxy_method(method: str) -> bool:
+    """True for the proxy service's RPCs. The jaxlib client sends no custom metadata, so they
+    cannot carry the bearer token: sessions present it in their initialization data, and the
+    host-buffer RPCs name an unguessable session id."""
+    return method.startswith(SERVICE_PREFIX)
+
+
+class LazyProxyHandler(grpc.GenericRpcHandler):
+    """Serves the proxy service, building it (and scanning jaxlib for the protocol) on the first
+    proxy call, so a controller that never sees a proxy client never pays for it."""
+
+    def __init__(self, make: Callable[[], ProxyService]) -> None:
+        self._make = make
+        self._handler: grpc.GenericRpcHandler | None = None
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if not is_proxy_method(handler_call_details.method):
+            return None
+        if self._handler is None:
+            self._handler = self._make().generic_handler()
+        return self._handler.service(handler_call_details)
+
+
 class ProxyService:
     """The servicer. `token`: the cluster token sessions must present (None: no check)."""
 
     def __init__(self, cluster: ClusterBackend, token: str | None = None) -> None:
-        self.p = proto_mod.protocol()
+        self.p = proto_mod.protocol()  # ~0.3 s the first time: see LazyProxyHandler
         self._cluster = cluster
         self._token = token.encode() if token else None
         self._sessions: dict[int, Session] = {}

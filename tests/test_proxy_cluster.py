@@ -102,3 +102,16 @@ def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -
     assert proxy_slices(cluster) == []
     with cluster.client() as c:
         assert c.slices() == []
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_path: Path) -> None:
+    proc = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 1 cpu"
+    cluster.restart_controller(kill=True)
+    rc, lines, err = finish(proc)  # the jaxlib client cannot resume a session: its next call fails
+    assert rc == 0, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error JaxRuntimeError UNAVAILABLE: Connection to IFRT proxy server was terminated")
+    assert proxy_slices(cluster) == []  # the new controller released the old session's slice

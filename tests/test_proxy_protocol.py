@@ -316,3 +316,56 @@ def test_host_buffer_rpcs_are_bound_to_a_live_session() -> None:
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_hostile_input_fails_only_its_own_request(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        service = ProxyService(Cluster())
+        server, port = await serve(service)
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                base = f"/{proto_mod.SERVICE_NAME}/"
+                raw = ch.stream_stream(base + "IfrtSession")  # bytes in, bytes out
+                # undecodable session metadata: the first request is answered with the error
+                call = raw(metadata=[(proto_mod.SESSION_METADATA_HEADER, b"\xff\xff\xff")])
+                init = P.IfrtRequest()
+                init.request_metadata.op_id = 1
+                init.init_request.SetInParent()
+                await call.write(init.SerializeToString())
+                resp = P.IfrtResponse.FromString(await call.read())
+                assert resp.response_metadata.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert resp.response_metadata.status.message == "undecodable IfrtSession metadata"
+                call.cancel()
+                # an undecodable request ends that stream with an error; another session is unaffected
+                meta = P.GrpcIfrtSessionMetadata()
+                meta.version.protocol_version = proto_mod.MAX_PROTOCOL_VERSION
+                header = [(proto_mod.SESSION_METADATA_HEADER, meta.SerializeToString())]
+                good = raw(metadata=header)
+                await good.write(init.SerializeToString())
+                sid = P.IfrtResponse.FromString(await good.read()).init_response.session_id
+                bad = raw(metadata=header)
+                await bad.write(b"\xff\xff\xff\xff")
+                with pytest.raises(aio.AioRpcError) as e:
+                    await bad.read()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == "undecodable IfrtRequest: the session ends"
+                layout = P.IfrtRequest()
+                layout.request_metadata.op_id = 2
+                layout.get_default_layout_request.dims.extend([3, 4])
+                await good.write(layout.SerializeToString())
+                resp = P.IfrtResponse.FromString(await good.read())
+                assert resp.get_default_layout_response.serialized_pjrt_layout == b"{1,0}"
+                assert sid in service.sessions
+                # a session id that is not one the server issued gets nothing
+                lookup = ch.unary_stream(base + "HostBufferLookup", lambda m: m.SerializeToString(),
+                                         P.GrpcHostBufferLookupResponse.FromString)
+                with pytest.raises(aio.AioRpcError) as e:
+                    async for _ in lookup(P.GrpcHostBufferLookupRequest(session_id=sid + 1, handle=1)):
+                        pass
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                await good.done_writing()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.exc_info], "a rejected request logged a traceback"

@@ -129,7 +129,9 @@ class ProxyService:
                 "GetVersion": grpc.unary_unary_rpc_method_handler(
                     self.GetVersion, p.GrpcGetVersionRequest.FromString, ser
                 ),
-                "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, p.IfrtRequest.FromString, ser),
+                # requests arrive as bytes and are parsed in IfrtSession: grpc would end the stream
+                # silently, with OK, on an undecodable one
+                "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, ser),
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(
                     self.HostBufferStore, p.GrpcHostBufferStoreRequest.FromString, ser
                 ),
@@ -269,7 +271,10 @@ class ProxyService:
             # the jaxlib client shows an error answer to the user, whereas a failed stream only
             # makes it reconnect until its connection timeout and then report CANCELLED.
             log.info("proxy: session from %s refused: %s", context.peer(), e)
-            async for req in requests:
+            async for raw in requests:
+                req = self._parse(raw)
+                if req is None:
+                    break
                 yield self._error(req.request_metadata.op_id, e.code, str(e))
             return
         out: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=MAX_PENDING)
@@ -282,9 +287,16 @@ class ProxyService:
             finally:
                 slots.release()
 
+        undecodable = False
+
         async def read() -> None:
+            nonlocal undecodable
             try:
-                async for req in requests:
+                async for raw in requests:
+                    req = self._parse(raw)
+                    if req is None:
+                        undecodable = True
+                        break
                     await slots.acquire()
                     task = asyncio.create_task(run(req))
                     pending.add(task)
@@ -297,11 +309,20 @@ class ProxyService:
         try:
             while (resp := await out.get()) is not None:
                 yield resp
+            if undecodable:
+                log.info("proxy: session %x: undecodable request; the session ends", session.id)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
         finally:
             reader.cancel()
             for task in list(pending):
                 task.cancel()
             await self._close(session)
+
+    def _parse(self, raw: bytes) -> Message | None:
+        try:
+            return self.p.IfrtRequest.FromString(raw)
+        except Exception:  # DecodeError, or whatever the C extension raises for garbage
+            return None
 
     async def _close(self, session: Session) -> None:
         self._sessions.pop(session.id, None)

@@ -1,8 +1,9 @@
 """Unmodified JAX programs (JAX_PLATFORMS=proxy) against a real local cluster: the proxy service on
 the controller's own port, sessions on named and fresh slices, the cluster token, clear errors.
 
-What runs on devices through the proxy is not wired yet (server/proxy/cluster_backend.py): these
-tests stop at what a program sees before its first computation, and at the error it gets then.
+Single-device arrays move through the proxy into worker buffers and back; compiling and executing
+are not wired yet (server/proxy/cluster_backend.py): these tests stop at the error a program's
+first computation gets.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env
 
 from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 PROGRAM = """
 import sys
@@ -115,3 +119,78 @@ def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_
     assert len(lines) == 1, err
     assert lines[0].startswith("error JaxRuntimeError UNAVAILABLE: Connection to IFRT proxy server was terminated")
     assert proxy_slices(cluster) == []  # the new controller released the old session's slice
+
+
+ARRAYS = """
+import numpy as np, jax, jax.numpy as jnp
+x = jax.device_put(np.arange(6.0, dtype=np.float32).reshape(2, 3))
+print("x", np.asarray(x).tolist(), x.dtype, [d.id for d in x.devices()])
+y = jax.device_put(np.array([1.5, 2.5], dtype=np.float16), jax.devices()[1])
+print("y", jax.device_get(y).tolist(), y.dtype, [d.id for d in y.devices()])
+y.block_until_ready()
+z = jax.device_put(np.arange(1 << 20, dtype=np.int32))
+print("z", int(np.asarray(z)[-1]), z.nbytes)
+del x
+print("ok")
+"""
+
+
+def run_program(code: str, env: dict[str, str]) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, "\n".join(ln for ln in out.stderr.splitlines() if "insecure" not in ln)[:3000]
+    return out.stdout.splitlines()
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="cpu",
+                                           XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    proxied = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
+                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert proxied == local
+    assert local[-1] == "ok"
+    with cluster.client() as c:  # the session's buffers and slice went with it
+        wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+
+
+def worker_buffers(cluster: LocalCluster) -> int:
+    total = 0
+    for host in cluster.hosts().values():
+        with grpc.insecure_channel(host.address) as ch:
+            total += wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
+    return total
+
+
+HOLD = """
+import sys
+import numpy as np, jax
+x = jax.device_put(np.ones((256, 1024), np.float32))
+x.block_until_ready()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
+    env = client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                     JAX_BACKEND_TARGET=f"grpc://{cluster.address}")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "holding"
+        assert worker_buffers(cluster) == 1
+        assert len(proxy_slices(cluster)) == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the killed program's buffers to be freed")
+    wait_for(lambda: not proxy_slices(cluster), 30, "the killed program's slice to be released")
+    with cluster.client() as c:  # the cluster goes on: a new slice, a new session
+        c.create_slice(cpb.SliceSpec(name="after", devices=2))
+    proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 2 cpu"
+    assert finish(proc)[0] == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ from proxy_env import client_env
 
 from pwctl import proxy_plugin
 from server.proxy import protocol as proto_mod
-from server.proxy.backend import ArraySpec, BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
 from server.proxy.service import TOKEN_KEY, ProxyService, default_layout
 
@@ -161,20 +161,19 @@ class DescribedSlice:
     async def compile(self, key: bytes, module: bytes, options: bytes, device_ids: Sequence[int]) -> CompiledInfo:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    def execute(self, function_id: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    async def put(self, buffer_id: str, device_id: int, spec: ArraySpec, chunks: AsyncIterator[bytes]) -> None:
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    async def get(self, buffer_id: str) -> AsyncIterator[bytes]:
-        raise BackendError("UNIMPLEMENTED", "no devices in this test")
-        yield b""
-
-    async def ready(self, buffer_ids: Sequence[str]) -> None:
+    async def get(self, buffer_id: int) -> bytes:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    def free(self, buffer_ids: Sequence[str]) -> None:
+    async def ready(self, buffer_ids: Sequence[int]) -> None:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    def free(self, buffer_ids: Sequence[int]) -> None:
         pass
 
     async def close(self) -> None:

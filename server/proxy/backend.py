@@ -3,13 +3,13 @@
 The proxy service (service.py) speaks the IFRT proxy protocol and never executes anything itself:
 the controller is control plane only and arrays live in the workers. Everything that touches
 devices goes through a `ClusterBackend` (the controller's adapter over its sessions, scheduler,
-dispatcher and workers implements it). Ids here are the cluster's: buffer ids and function ids
-are chosen by the service (unique per proxy session), never the client's raw handles.
+dispatcher and workers implements it). Ids here are the cluster's (buffer ids unique in the cluster),
+never the client's handles, which are ids within its session only.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,23 +69,23 @@ class SessionBackend(Protocol):
         """Compiles a StableHLO module on the workers owning `device_ids`, once per `key`."""
         ...
 
-    def execute(self, function_id: str, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
         """Submits one run through the scheduler; returns at once (outputs become futures)."""
         ...
 
-    async def put(self, buffer_id: str, device_id: int, spec: ArraySpec, chunks: AsyncIterator[bytes]) -> None:
-        """Streams host bytes into a worker buffer on `device_id`."""
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id."""
         ...
 
-    def get(self, buffer_id: str) -> AsyncIterator[bytes]:
-        """Streams a buffer's bytes back from its worker."""
+    async def get(self, buffer_id: int) -> bytes:
+        """A buffer's bytes (C order), once it is computed; BackendError if its run failed."""
         ...
 
-    async def ready(self, buffer_ids: Sequence[str]) -> None:
+    async def ready(self, buffer_ids: Sequence[int]) -> None:
         """Returns when the buffers exist; raises BackendError with the run's error if one failed."""
         ...
 
-    def free(self, buffer_ids: Sequence[str]) -> None:
+    def free(self, buffer_ids: Sequence[int]) -> None:
         """Drops the buffers (no reply awaited)."""
         ...
 

@@ -4,6 +4,10 @@ Handles are small integers the client picks (ids within its session only); handl
 makes (the first Execute's outputs) start at `SERVER_HANDLE_BASE` so they never collide.
 A failed operation marks its result handles with its error (requirement 7 in docs/facts.md):
 a later use of such a handle fails with the original message, not with "unknown handle".
+
+Requests run concurrently (a MakeArray may wait for its bytes), so an op reserves its result
+handles before its first await (`reserve`), in request order; a later request that uses such a
+handle waits for it (`resolve`) until the op settles it or fails.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ class Failed:
     message: str
 
 
+class Pending:
+    """A handle whose op has not finished; `resolve` waits on it."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+
+
 class HandleTable:
     """Handle -> object (an array, executable, future) or the error of the op that made it."""
 
@@ -51,11 +62,31 @@ class HandleTable:
             raise HandleError("RESOURCE_EXHAUSTED", f"a proxy session holds at most {self._limit} handles")
         self._items[handle] = value
 
-    def fail(self, handles: Any, code: str, message: str) -> None:
+    def reserve(self, handle: int) -> None:
+        """Claims `handle` for an op that will `settle` it (or whose failure will `fail` it)."""
+        self.put(handle, Pending())
+
+    def settle(self, handle: int, value: Any) -> None:
+        pending = self._items.get(handle)
+        self._items[handle] = value
+        if isinstance(pending, Pending) and not pending.done.done():
+            pending.done.set_result(None)
+
+    async def resolve(self, handle: int, kind: type | None = None) -> Any:
+        """Like `get`, but waits for a handle whose op is still running."""
+        value = self._items.get(handle)
+        if isinstance(value, Pending):
+            await asyncio.shield(value.done)
+        return self.get(handle, kind)
+
+    def fail(self, handles: int | list[int], code: str, message: str) -> None:
         """Marks `handles` as the results of a failed op (over whatever they held)."""
-        for h in handles:
+        for h in [handles] if isinstance(handles, int) else handles:
             if h:
+                pending = self._items.get(h)
                 self._items[h] = Failed(code, message)
+                if isinstance(pending, Pending) and not pending.done.done():
+                    pending.done.set_result(None)
 
     def get(self, handle: int, kind: type | None = None) -> Any:
         value = self._items.get(handle)
@@ -63,17 +94,26 @@ class HandleTable:
             raise HandleError("NOT_FOUND", f"unknown handle {handle}")
         if isinstance(value, Failed):
             raise HandleError(value.code, value.message)
+        if isinstance(value, Pending):
+            raise HandleError("FAILED_PRECONDITION", f"handle {handle} is not ready")
         if kind is not None and not isinstance(value, kind):
             raise HandleError("INVALID_ARGUMENT", f"handle {handle} is not a {kind.__name__}")
         return value
 
     def pop(self, handle: int) -> Any:
-        """Removes a handle; returns what it held (None if unknown or failed)."""
+        """Removes a handle; returns what it held (None if unknown, failed or pending)."""
         value = self._items.pop(handle, None)
-        return None if isinstance(value, Failed) else value
+        return None if isinstance(value, Failed | Pending) else value
+
+    async def pop_resolved(self, handle: int) -> Any:
+        """Removes a handle once its op finished; returns what it held (None if unknown or failed)."""
+        value = self._items.get(handle)
+        if isinstance(value, Pending):
+            await asyncio.shield(value.done)
+        return self.pop(handle)
 
     def values(self) -> list[Any]:
-        return [v for v in self._items.values() if not isinstance(v, Failed)]
+        return [v for v in self._items.values() if not isinstance(v, Failed | Pending)]
 
 
 class HostBuffers:

@@ -32,7 +32,11 @@ SERVICE_FILE = "xla/python/ifrt_proxy/common/grpc_ifrt_service.proto"
 SERVICE_NAME = "xla.ifrt.proxy.GrpcIfrtService"
 # Files whose messages travel inside the protocol's opaque bytes fields (compile options,
 # the IFRT program and sharding serializations); added to the pool with their closures.
-EXTRA_FILES = ("xla/pjrt/proto/compile_options.proto", "xla/python/ifrt/sharding_serdes.proto")
+EXTRA_FILES = (
+    "xla/pjrt/proto/compile_options.proto",
+    "xla/python/ifrt/sharding_serdes.proto",
+    "xla/python/pjrt_ifrt/xla_sharding.proto",
+)
 
 # The protocol versions this server implements: the semantics it follows (first Execute without
 # result handles, status handles only with fill_status, ...) were checked against a client

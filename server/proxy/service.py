@@ -18,6 +18,7 @@ Device work goes through the `ClusterBackend` (backend.py); request kinds this s
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import secrets
@@ -28,6 +29,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from . import arrays
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers
@@ -109,9 +111,9 @@ class ProxyService:
             "init_request": self._init,
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
-            "delete_array_request": self._delete_array,
-            "destruct_array_request": self._destruct_array,
         }
+        for kind, handler in arrays.HANDLERS.items():
+            self._handlers[kind] = functools.partial(handler, proto=self.p)
 
     @property
     def sessions(self) -> dict[int, Session]:
@@ -344,6 +346,11 @@ class ProxyService:
                 raise RequestError("UNIMPLEMENTED", f"the Pathways IFRT proxy server does not support {kind} yet")
             await handler(session, req, resp)
         except (RequestError, HandleError, BackendError) as e:
+            if kind in arrays.RESULT_HANDLES:
+                sub = getattr(req, kind)
+                for name in arrays.RESULT_HANDLES[kind]:
+                    value = getattr(sub, name, 0)
+                    session.handles.fail(value if isinstance(value, int) else list(value), e.code, str(e))
             return self._error(op_id, e.code, str(e))
         return resp
 
@@ -400,16 +407,3 @@ class ProxyService:
         session.handles.pop(handle)
         await future
         resp.check_future_response.SetInParent()
-
-    async def _release(self, session: Session, handle: int) -> None:
-        value = session.handles.pop(handle)
-        if isinstance(value, str):  # an array: its worker buffer id
-            session.backend.free([value])
-
-    async def _delete_array(self, session: Session, req: Message, resp: Message) -> None:
-        await self._release(session, req.delete_array_request.array_handle)
-        resp.delete_array_response.SetInParent()
-
-    async def _destruct_array(self, session: Session, req: Message, resp: Message) -> None:
-        await self._release(session, req.destruct_array_request.array_handle)
-        resp.destruct_array_response.SetInParent()

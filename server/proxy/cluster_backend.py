@@ -40,6 +40,9 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platf
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
+# A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
+# (server/worker/transfer.py); this leaves room for the message's other fields.
+MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 
 
 class Slices(Protocol):
@@ -133,6 +136,12 @@ class SliceSession:
         raise self._unwired("executing")
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise BackendError(
+                "RESOURCE_EXHAUSTED",
+                f"an array of {len(data)} bytes: arrays over {MAX_UPLOAD_BYTES} bytes cannot be uploaded through "
+                "the IFRT proxy yet (a worker takes one message of at most 64 MiB per uploaded array)",
+            )
         address, stub = self._worker()
         buffer_id = next(self._ids)
         req = wpb.PutBufferRequest(

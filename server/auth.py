@@ -32,8 +32,11 @@ class TokenInterceptor(aio.ServerInterceptor):
     """Rejects every call without `authorization: Bearer <token>` with UNAUTHENTICATED, except the
     standard health service's (probes carry no token; it tells only whether the server is up)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, open_method: Callable[[str], bool] | None = None) -> None:
         self._expected = f"Bearer {token}".encode()
+        # services that authenticate their callers themselves (the IFRT proxy: its client cannot
+        # send the header, so its sessions carry the token in their initialization data)
+        self._open_method = open_method
 
         async def deny(_request: Any, context: aio.ServicerContext) -> None:
             await context.abort(
@@ -51,7 +54,8 @@ class TokenInterceptor(aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if is_health_method(handler_call_details.method):
+        method = handler_call_details.method
+        if is_health_method(method) or (self._open_method is not None and self._open_method(method)):
             return await continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":

@@ -18,6 +18,8 @@ from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
+from ..proxy.cluster_backend import ControllerBackend, Controls
+from ..proxy.service import LazyProxyHandler, ProxyService, is_proxy_method
 from .core import Controller, ControllerConfig
 from .servicer import ControllerServicer
 
@@ -36,6 +38,18 @@ def write_pid_file(path: Path, address: str, db: str) -> None:
     tmp.replace(path)
 
 
+def proxy_backend(core: Controller) -> ControllerBackend:
+    """The proxy service's view of the controller (server/proxy/cluster_backend.py)."""
+
+    def release_buffers(address: str, ids: list[int]) -> None:
+        core.dispatcher.release(address, ids)
+        core.dispatcher.flush()
+
+    controls = Controls(release_buffers=release_buffers, release_owner=core.sessions.release_owner,
+                        new_id_prefix=core.sessions.new_id_prefix, token=core.config.token)
+    return ControllerBackend(core.slices, controls)
+
+
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
     try:
@@ -45,10 +59,13 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     interceptors: list[aio.ServerInterceptor] = []
     if config.require_token or not paths.is_loopback(host):
         config.token = config.token or load_or_create_token()  # job drivers get it too
-        interceptors.append(TokenInterceptor(config.token))
+        interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
     server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+    # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
+    proxy_token = config.token if interceptors else None
+    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(proxy_backend(core), proxy_token))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
     try:

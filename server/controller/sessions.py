@@ -65,6 +65,10 @@ class SessionManager:
         self._prefixes = (((base + i) % ((1 << 24) - 1)) + 1 for i in itertools.count())
         self._client_numbers = itertools.count(1)
 
+    def new_id_prefix(self) -> int:
+        """A buffer-id prefix no other live client holds (ids are `prefix << 40 | n`)."""
+        return next(self._prefixes)
+
     async def serve(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
     ) -> AsyncIterator[cpb.SessionEvent]:
@@ -85,7 +89,7 @@ class SessionManager:
             return
         session = ClientSession(
             client_id=f"c{next(self._client_numbers)}",
-            id_prefix=next(self._prefixes),
+            id_prefix=self.new_id_prefix(),
             name=hello.client_name,
             job_id=hello.job_id,
             priority=hello.priority,

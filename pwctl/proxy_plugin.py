@@ -1,0 +1,114 @@
+"""JAX plugin: the `proxy` platform, so unmodified programs run on a Pathways cluster.
+
+JAX imports this module through the `jax_plugins` entry point in pyproject.toml (before the
+program's first JAX call) and calls `initialize()`. It does nothing unless `JAX_PLATFORMS` names
+`proxy`; then it registers a backend factory that opens an IFRT proxy session with the controller:
+
+    JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:7070 PATHWAYS_SLICE=train python train.py
+
+- the target: `JAX_BACKEND_TARGET`, else the address `pwctl` would use (`PWCTL_SERVER`, the config
+  file, the local default), as `grpc://HOST:PORT`;
+- the token: found as `pwctl` finds it (`PWCTL_TOKEN`, the config file, the data directory's token
+  file);
+- the slice: `PATHWAYS_SLICE` (an existing slice's name), else a fresh one of `PATHWAYS_DEVICES`
+  devices (default: the server's choice).
+
+The jaxlib client sends no custom gRPC metadata, so the token and the slice travel in the session's
+initialization data (`ClientConnectionOptions.initialization_data`, a `Mapping[str, bytes | bool |
+int]`) under the keys in `INIT_KEYS`; the controller reads them from the session metadata header.
+The jaxlib client retries a refused session (wrong token, unknown slice) until its connection
+timeout and only then raises, with the server's message; `PATHWAYS_CONNECT_TIMEOUT_S` (default
+`CONNECT_TIMEOUT_S`) bounds that wait, and a controller's start-up.
+The controller speaks plaintext gRPC, which the client refuses unless
+`IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS` is true; we set it unless the user set it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+PLATFORM = "proxy"
+# The initialization-data keys the controller's proxy service reads (server/proxy/service.py).
+TOKEN_KEY = "pathways.token"
+SLICE_KEY = "pathways.slice"
+DEVICES_KEY = "pathways.devices"
+INIT_KEYS = (TOKEN_KEY, SLICE_KEY, DEVICES_KEY)
+INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
+CONNECT_TIMEOUT_S = 10
+
+
+def connect_timeout(environ: Mapping[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    raw = env.get("PATHWAYS_CONNECT_TIMEOUT_S", "").strip()
+    if not raw:
+        return CONNECT_TIMEOUT_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"PATHWAYS_CONNECT_TIMEOUT_S={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def requested(environ: Mapping[str, str] | None = None) -> bool:
+    """True when `JAX_PLATFORMS` names the proxy platform."""
+    env = os.environ if environ is None else environ
+    return PLATFORM in [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",")]
+
+
+def target(environ: Mapping[str, str] | None = None) -> str:
+    """The `grpc://HOST:PORT` address of the controller's proxy service."""
+    env = os.environ if environ is None else environ
+    explicit = env.get("JAX_BACKEND_TARGET", "").strip()
+    if explicit:
+        return explicit if "://" in explicit else f"grpc://{explicit}"
+    from pwctl import settings
+
+    return f"grpc://{settings.resolve().address}"
+
+
+def initialization_data(environ: Mapping[str, str] | None = None) -> dict[str, bytes | bool | int]:
+    """What the session's initialization data carries: token, slice name, device count."""
+    env = os.environ if environ is None else environ
+    from pwctl import settings
+
+    data: dict[str, bytes | bool | int] = {}
+    token = settings.resolve().token  # PWCTL_TOKEN, the config file, the token file
+    if token:
+        data[TOKEN_KEY] = token.encode()
+    slice_name = env.get("PATHWAYS_SLICE", "").strip()
+    if slice_name:
+        data[SLICE_KEY] = slice_name.encode()
+    devices = env.get("PATHWAYS_DEVICES", "").strip()
+    if devices:
+        try:
+            count = int(devices)
+        except ValueError:
+            raise ValueError(f"PATHWAYS_DEVICES={devices!r}: expected a positive integer") from None
+        if count <= 0:
+            raise ValueError(f"PATHWAYS_DEVICES={devices!r}: expected a positive integer")
+        data[DEVICES_KEY] = count
+    return data
+
+
+def make_client() -> Any:
+    """The backend factory: a connected IFRT proxy client (JAX calls it on first use)."""
+    from jax.extend.backend import ifrt_proxy
+
+    os.environ.setdefault(INSECURE_ENV, "true")
+    options = ifrt_proxy.ClientConnectionOptions()
+    options.initialization_data = initialization_data()
+    options.connection_timeout_in_seconds = connect_timeout()
+    return ifrt_proxy.get_client(target(), options)
+
+
+def initialize() -> None:
+    """Called by JAX's plugin discovery: registers `proxy` only when it is asked for."""
+    if not requested():
+        return
+    from jax._src import xla_bridge
+
+    xla_bridge.register_backend_factory(PLATFORM, make_client, priority=-1, fail_quietly=False)

@@ -1,0 +1,101 @@
+"""What the proxy service needs from the cluster: a small interface, so the service stays protocol.
+
+The proxy service (service.py) speaks the IFRT proxy protocol and never executes anything itself:
+the controller is control plane only and arrays live in the workers. Everything that touches
+devices goes through a `ClusterBackend` (the controller's adapter over its sessions, scheduler,
+dispatcher and workers implements it). Ids here are the cluster's (buffer ids unique in the cluster),
+never the client's handles, which are ids within its session only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class BackendError(Exception):
+    """A request the cluster refused or failed; `code` is a grpc.StatusCode name (e.g. NOT_FOUND)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of the session's slice, as the client will see it (`jax.devices()`)."""
+
+    id: int
+    kind: str  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
+    process_index: int = 0
+    attributes: dict[str, int | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    """The platform a session's slice offers: what the client's `InitResponse` reports."""
+
+    platform_name: str  # "cpu", "cuda", "tpu"
+    platform_version: str
+    platform_id: int  # PJRT's platform id (a fingerprint of the platform name)
+    devices: tuple[DeviceInfo, ...]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    dtype: str  # numpy dtype name, e.g. "float32", "bfloat16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CompiledInfo:
+    """A function the workers compiled: its id and the specs/shardings of its outputs."""
+
+    function_id: str
+    outputs: tuple[ArraySpec, ...]
+    output_shardings: tuple[bytes, ...]  # serialized xla.OpSharding per output
+
+
+class SessionBackend(Protocol):
+    """One proxy session's share of the cluster; closing it frees everything it owns."""
+
+    @property
+    def slice(self) -> SliceInfo: ...
+
+    async def compile(
+        self, key: bytes, module: bytes, compile_options: bytes, device_ids: Sequence[int]
+    ) -> CompiledInfo:
+        """Compiles a StableHLO module on the workers owning `device_ids`, once per `key`."""
+        ...
+
+    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
+        """Submits one run through the scheduler; returns at once (outputs become futures)."""
+        ...
+
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id."""
+        ...
+
+    async def get(self, buffer_id: int) -> bytes:
+        """A buffer's bytes (C order), once it is computed; BackendError if its run failed."""
+        ...
+
+    async def ready(self, buffer_ids: Sequence[int]) -> None:
+        """Returns when the buffers exist; raises BackendError with the run's error if one failed."""
+        ...
+
+    def free(self, buffer_ids: Sequence[int]) -> None:
+        """Drops the buffers (no reply awaited)."""
+        ...
+
+    async def close(self) -> None:
+        """Ends the session: frees its buffers and functions, releases a slice it created."""
+        ...
+
+
+class ClusterBackend(Protocol):
+    async def open_session(self, slice_name: str | None, devices: int | None) -> SessionBackend:
+        """A session on slice `slice_name`, else on a fresh slice of `devices` devices (None: the
+        cluster's default). Raises BackendError (NOT_FOUND, RESOURCE_EXHAUSTED, ...)."""
+        ...

@@ -1,0 +1,189 @@
+"""The client-chosen handles of one proxy session, and host buffers awaiting their arrays.
+
+Handles are small integers the client picks (ids within its session only); handles the server
+makes (the first Execute's outputs) start at `SERVER_HANDLE_BASE` so they never collide.
+A failed operation marks its result handles with its error (requirement 7 in docs/facts.md):
+a later use of such a handle fails with the original message, not with "unknown handle".
+
+Requests run concurrently (a MakeArray may wait for its bytes), so an op reserves its result
+handles before its first await (`reserve`), in request order; a later request that uses such a
+handle waits for it (`resolve`) until the op settles it or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+SERVER_HANDLE_BASE = 1 << 62
+
+
+class HandleError(Exception):
+    """An unknown handle, a handle of the wrong kind, or one whose producing op failed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Failed:
+    code: str
+    message: str
+
+
+class Pending:
+    """A handle whose op has not finished; `resolve` waits on it."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.get_running_loop().create_future()
+
+
+class HandleTable:
+    """Handle -> object (an array, executable, future) or the error of the op that made it."""
+
+    def __init__(self, limit: int = 1_000_000) -> None:
+        self._items: dict[int, Any] = {}
+        self._limit = limit  # a bound on what one client can make the controller hold
+        self._next = itertools.count(SERVER_HANDLE_BASE)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def new_handle(self) -> int:
+        return next(self._next)
+
+    def put(self, handle: int, value: Any) -> None:
+        if handle in self._items:
+            raise HandleError("INVALID_ARGUMENT", f"handle {handle} is already in use")
+        if len(self._items) >= self._limit:
+            raise HandleError("RESOURCE_EXHAUSTED", f"a proxy session holds at most {self._limit} handles")
+        self._items[handle] = value
+
+    def reserve(self, handle: int) -> None:
+        """Claims `handle` for an op that will `settle` it (or whose failure will `fail` it)."""
+        self.put(handle, Pending())
+
+    def settle(self, handle: int, value: Any) -> None:
+        pending = self._items.get(handle)
+        self._items[handle] = value
+        if isinstance(pending, Pending) and not pending.done.done():
+            pending.done.set_result(None)
+
+    async def resolve(self, handle: int, kind: type | None = None) -> Any:
+        """Like `get`, but waits for a handle whose op is still running."""
+        value = self._items.get(handle)
+        if isinstance(value, Pending):
+            await asyncio.shield(value.done)
+        return self.get(handle, kind)
+
+    def fail(self, handles: int | list[int], code: str, message: str) -> None:
+        """Marks `handles` as the results of a failed op (over whatever they held)."""
+        for h in [handles] if isinstance(handles, int) else handles:
+            if h:
+                pending = self._items.get(h)
+                self._items[h] = Failed(code, message)
+                if isinstance(pending, Pending) and not pending.done.done():
+                    pending.done.set_result(None)
+
+    def get(self, handle: int, kind: type | None = None) -> Any:
+        value = self._items.get(handle)
+        if value is None:
+            raise HandleError("NOT_FOUND", f"unknown handle {handle}")
+        if isinstance(value, Failed):
+            raise HandleError(value.code, value.message)
+        if isinstance(value, Pending):
+            raise HandleError("FAILED_PRECONDITION", f"handle {handle} is not ready")
+        if kind is not None and not isinstance(value, kind):
+            raise HandleError("INVALID_ARGUMENT", f"handle {handle} is not a {kind.__name__}")
+        return value
+
+    def pop(self, handle: int) -> Any:
+        """Removes a handle; returns what it held (None if unknown, failed or pending)."""
+        value = self._items.pop(handle, None)
+        return None if isinstance(value, Failed | Pending) else value
+
+    async def pop_resolved(self, handle: int) -> Any:
+        """Removes a handle once its op finished; returns what it held (None if unknown or failed)."""
+        value = self._items.get(handle)
+        if isinstance(value, Pending):
+            await asyncio.shield(value.done)
+        return self.pop(handle)
+
+    def values(self) -> list[Any]:
+        return [v for v in self._items.values() if not isinstance(v, Failed | Pending)]
+
+
+class HostBuffers:
+    """Bytes the client stored with HostBufferStore, by handle, until a request takes them.
+
+    A MakeArray can arrive before its HostBufferStore has finished (requirement 5), so `take`
+    waits, up to `wait_s`. Bounded: at most `limit_bytes` held per session.
+    """
+
+    def __init__(self, limit_bytes: int = 8 << 30, wait_s: float = 60.0) -> None:
+        self._data: dict[int, bytes] = {}
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._held = 0
+        self._limit = limit_bytes
+        self._wait_s = wait_s
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def reserve(self, size: int) -> None:
+        """Checks a store of `size` bytes fits before its bytes are read."""
+        if size < 0 or self._held + size > self._limit:
+            raise HandleError(
+                "RESOURCE_EXHAUSTED",
+                f"host buffer of {size} bytes: the session holds {self._held} of at most {self._limit} bytes",
+            )
+
+    def store(self, handle: int, data: bytes) -> None:
+        if handle in self._data:
+            raise HandleError("ALREADY_EXISTS", f"host buffer {handle} already stored")
+        self.reserve(len(data))
+        self._data[handle] = data
+        self._held += len(data)
+        waiter = self._waiters.pop(handle, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def lookup(self, handle: int) -> bytes:
+        data = self._data.get(handle)
+        if data is None:
+            raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
+        return data
+
+    async def take(self, handle: int) -> bytes:
+        """The bytes stored under `handle` (waiting for them), removed from the store."""
+        if handle not in self._data:
+            waiter = self._waiters.get(handle)
+            if waiter is None:
+                waiter = self._waiters[handle] = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), self._wait_s)
+            except TimeoutError:
+                self._waiters.pop(handle, None)
+                raise HandleError(
+                    "DEADLINE_EXCEEDED", f"host buffer {handle} did not arrive within {self._wait_s:g} s"
+                ) from None
+        return self.delete(handle)
+
+    def delete(self, handle: int) -> bytes:
+        data = self._data.pop(handle, None)
+        if data is None:
+            raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
+        self._held -= len(data)
+        return data
+
+    def clear(self) -> None:
+        self._data.clear()
+        self._held = 0
+        for w in self._waiters.values():
+            if not w.done():
+                w.cancel()
+        self._waiters.clear()

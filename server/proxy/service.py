@@ -1,0 +1,409 @@
+"""`xla.ifrt.proxy.GrpcIfrtService` over grpc.aio: version negotiation, sessions, host buffers.
+
+A session is one `IfrtSession` stream. Its metadata header carries the protocol version and the
+initialization data the plugin (pwctl/proxy_plugin.py) filled: the cluster token and the slice.
+The service answers `InitResponse` with an unguessable session id (64 random bits); the host
+buffer RPCs, which carry nothing but `{session_id, handle}`, are bound to their session by it.
+
+Requests are read in order and answered as they finish: a request that waits (CheckFuture,
+CheckValueReady, a MakeArray whose bytes have not arrived) runs as its own task, so later
+requests are answered before it (requirement 4 in docs/facts.md). One writer task owns the
+stream's writes; at most `MAX_PENDING` requests of a session are in flight, and reading stops
+while the writer's queue is full, so a client that never reads holds only its own session.
+
+Device work goes through the `ClusterBackend` (backend.py); request kinds this server does not
+(yet) implement are answered with UNIMPLEMENTED naming the request, and the session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from . import arrays
+from . import protocol as proto_mod
+from .backend import BackendError, ClusterBackend, SessionBackend
+from .handles import HandleError, HandleTable, HostBuffers
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 4096  # requests of one session in flight at once
+LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
+TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
+
+Message = Any  # a message class built at run time (protocol.py): no static type
+
+
+class RequestError(Exception):
+    """The answer to one request is an error with this gRPC status code name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Session:
+    id: int
+    version: int
+    backend: SessionBackend
+    handles: HandleTable = field(default_factory=HandleTable)
+    buffers: HostBuffers = field(default_factory=HostBuffers)
+
+
+def default_layout(rank: int) -> bytes:
+    """XLA layout text of the descending (row-major) layout, e.g. `{1,0}` (requirement 3)."""
+    return ("{" + ",".join(str(d) for d in reversed(range(rank))) + "}").encode()
+
+
+def _attributes(attr_map: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in attr_map.attributes.items():
+        kind = value.WhichOneof("value")
+        out[key] = getattr(value, kind) if kind else None
+    return out
+
+
+SERVICE_PREFIX = f"/{proto_mod.SERVICE_NAME}/"
+
+
+def is_proxy_method(method: str) -> bool:
+    """True for the proxy service's RPCs. The jaxlib client sends no custom metadata, so they
+    cannot carry the bearer token: sessions present it in their initialization data, and the
+    host-buffer RPCs name an unguessable session id."""
+    return method.startswith(SERVICE_PREFIX)
+
+
+class LazyProxyHandler(grpc.GenericRpcHandler):
+    """Serves the proxy service, building it (and scanning jaxlib for the protocol) on the first
+    proxy call, so a controller that never sees a proxy client never pays for it."""
+
+    def __init__(self, make: Callable[[], ProxyService]) -> None:
+        self._make = make
+        self._handler: grpc.GenericRpcHandler | None = None
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if not is_proxy_method(handler_call_details.method):
+            return None
+        if self._handler is None:
+            self._handler = self._make().generic_handler()
+        return self._handler.service(handler_call_details)
+
+
+class ProxyService:
+    """The servicer. `token`: the cluster token sessions must present (None: no check)."""
+
+    def __init__(self, cluster: ClusterBackend, token: str | None = None) -> None:
+        self.p = proto_mod.protocol()  # ~0.3 s the first time: see LazyProxyHandler
+        self._cluster = cluster
+        self._token = token.encode() if token else None
+        self._sessions: dict[int, Session] = {}
+        self._handlers: dict[str, Callable[[Session, Message, Message], Awaitable[None]]] = {
+            "init_request": self._init,
+            "get_default_layout_request": self._default_layout,
+            "check_future_request": self._check_future,
+        }
+        for kind, handler in arrays.HANDLERS.items():
+            self._handlers[kind] = functools.partial(handler, proto=self.p)
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        return self._sessions
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        p = self.p
+
+        def ser(m: Message) -> bytes:
+            return bytes(m.SerializeToString())
+
+        return grpc.method_handlers_generic_handler(
+            proto_mod.SERVICE_NAME,
+            {
+                "GetVersion": grpc.unary_unary_rpc_method_handler(
+                    self.GetVersion, p.GrpcGetVersionRequest.FromString, ser
+                ),
+                # requests arrive as bytes and are parsed in IfrtSession: grpc would end the stream
+                # silently, with OK, on an undecodable one
+                "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, ser),
+                "HostBufferStore": grpc.stream_unary_rpc_method_handler(
+                    self.HostBufferStore, p.GrpcHostBufferStoreRequest.FromString, ser
+                ),
+                "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
+                    self.HostBufferLookup, p.GrpcHostBufferLookupRequest.FromString, ser
+                ),
+                "HostBufferDelete": grpc.unary_unary_rpc_method_handler(
+                    self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, ser
+                ),
+            },
+        )
+
+    # -- unary RPCs ---------------------------------------------------------------------------
+
+    async def GetVersion(self, request: Message, context: aio.ServicerContext) -> Message:
+        lo, hi = request.min_version, request.max_version
+        try:
+            v = proto_mod.negotiate(
+                proto_mod.Version(lo.protocol_version, lo.ifrt_serdes_version_number),
+                proto_mod.Version(hi.protocol_version, hi.ifrt_serdes_version_number),
+            )
+        except proto_mod.ProtocolError as e:
+            log.info("proxy: refused client %s: %s", context.peer(), e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        resp = self.p.GrpcGetVersionResponse()
+        resp.version.protocol_version = v.protocol_version
+        resp.version.ifrt_serdes_version_number = v.serdes_version
+        return resp
+
+    async def _session_of(self, session_id: int, context: aio.ServicerContext) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no proxy session {session_id}")
+        assert session is not None
+        return session
+
+    async def HostBufferStore(self, requests: AsyncIterator[Message], context: aio.ServicerContext) -> Message:
+        raw = dict(context.invocation_metadata() or ()).get(proto_mod.HOST_BUFFER_METADATA_HEADER)
+        meta = self.p.GrpcHostBufferStoreMetadata()
+        try:
+            meta.ParseFromString(raw if isinstance(raw, bytes) else b"")
+        except Exception:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable host buffer metadata")
+        if raw is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HostBufferStore without its metadata header")
+        session = await self._session_of(meta.session_id, context)
+        try:
+            session.buffers.reserve(meta.buffer_size)
+            chunks = []
+            size = 0
+            async for req in requests:
+                size += len(req.data)
+                if size > meta.buffer_size:
+                    break
+                chunks.append(req.data)
+            if size != meta.buffer_size:
+                raise HandleError(
+                    "INVALID_ARGUMENT", f"host buffer {meta.handle}: {meta.buffer_size} bytes announced, {size} sent"
+                )
+            session.buffers.store(meta.handle, b"".join(chunks))
+        except HandleError as e:
+            log.info("proxy: session %x: HostBufferStore refused: %s", session.id, e)
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        return self.p.GrpcHostBufferStoreResponse()
+
+    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> AsyncIterator[Message]:
+        session = await self._session_of(request.session_id, context)
+        try:
+            data = session.buffers.lookup(request.handle)
+        except HandleError as e:
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        view = memoryview(data)
+        for offset in range(0, max(len(data), 1), LOOKUP_CHUNK):
+            yield self.p.GrpcHostBufferLookupResponse(data=bytes(view[offset : offset + LOOKUP_CHUNK]))
+
+    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
+        session = await self._session_of(request.session_id, context)
+        try:
+            session.buffers.delete(request.handle)
+        except HandleError as e:
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        return self.p.GrpcHostBufferDeleteResponse()
+
+    # -- the session stream -------------------------------------------------------------------
+
+    async def _open(self, context: aio.ServicerContext) -> Session:
+        """The session the stream's metadata asks for; RequestError when it is refused."""
+        raw = dict(context.invocation_metadata() or ()).get(proto_mod.SESSION_METADATA_HEADER)
+        if not isinstance(raw, bytes):
+            raise RequestError("INVALID_ARGUMENT", f"IfrtSession without {proto_mod.SESSION_METADATA_HEADER}")
+        meta = self.p.GrpcIfrtSessionMetadata()
+        try:
+            meta.ParseFromString(raw)
+        except Exception:  # DecodeError, or whatever the C extension raises for garbage
+            raise RequestError("INVALID_ARGUMENT", "undecodable IfrtSession metadata") from None
+        version = meta.version.protocol_version
+        if not proto_mod.MIN_PROTOCOL_VERSION <= version <= proto_mod.MAX_PROTOCOL_VERSION:
+            raise RequestError(
+                "FAILED_PRECONDITION",
+                f"IFRT proxy protocol version {version} is not one this server speaks "
+                f"({proto_mod.MIN_PROTOCOL_VERSION}-{proto_mod.MAX_PROTOCOL_VERSION})",
+            )
+        init = _attributes(meta.initialization_data)
+        if self._token is not None:
+            given = init.get(TOKEN_KEY)
+            if not isinstance(given, bytes) or not hmac.compare_digest(given, self._token):
+                raise RequestError(
+                    "UNAUTHENTICATED",
+                    "missing or wrong cluster token: set PWCTL_TOKEN (or run where `pwctl` finds the token)",
+                )
+        slice_name = init.get(SLICE_KEY)
+        devices = init.get(DEVICES_KEY)
+        try:
+            backend = await self._cluster.open_session(
+                slice_name.decode() if isinstance(slice_name, bytes) else None,
+                devices if isinstance(devices, int) and not isinstance(devices, bool) else None,
+            )
+        except BackendError as e:
+            raise RequestError(e.code, str(e)) from None
+        session_id = secrets.randbits(64) or 1
+        while session_id in self._sessions:
+            session_id = secrets.randbits(64) or 1
+        session = Session(id=session_id, version=version, backend=backend)
+        self._sessions[session_id] = session
+        log.info(
+            "proxy: session %x opened for %s on %d devices", session_id, context.peer(), len(backend.slice.devices)
+        )
+        return session
+
+    async def IfrtSession(
+        self, requests: AsyncIterator[Message], context: aio.ServicerContext
+    ) -> AsyncIterator[Message]:
+        try:
+            session = await self._open(context)
+        except RequestError as e:
+            # Refused sessions answer their requests (the client's Init first) with the error:
+            # the jaxlib client shows an error answer to the user, whereas a failed stream only
+            # makes it reconnect until its connection timeout and then report CANCELLED.
+            log.info("proxy: session from %s refused: %s", context.peer(), e)
+            async for raw in requests:
+                req = self._parse(raw)
+                if req is None:
+                    break
+                yield self._error(req.request_metadata.op_id, e.code, str(e))
+            return
+        out: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=MAX_PENDING)
+        pending: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(MAX_PENDING)
+
+        async def run(req: Message) -> None:
+            try:
+                await out.put(await self._answer(session, req))
+            finally:
+                slots.release()
+
+        undecodable = False
+
+        async def read() -> None:
+            nonlocal undecodable
+            try:
+                async for raw in requests:
+                    req = self._parse(raw)
+                    if req is None:
+                        undecodable = True
+                        break
+                    await slots.acquire()
+                    task = asyncio.create_task(run(req))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+            finally:
+                await asyncio.gather(*pending, return_exceptions=True)
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (resp := await out.get()) is not None:
+                yield resp
+            if undecodable:
+                log.info("proxy: session %x: undecodable request; the session ends", session.id)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
+        finally:
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+            await self._close(session)
+
+    def _parse(self, raw: bytes) -> Message | None:
+        try:
+            return self.p.IfrtRequest.FromString(raw)
+        except Exception:  # DecodeError, or whatever the C extension raises for garbage
+            return None
+
+    async def _close(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+        session.buffers.clear()
+        try:
+            await session.backend.close()
+        except BackendError as e:
+            log.warning("proxy: session %x: closing its cluster session failed: %s", session.id, e)
+        log.info("proxy: session %x closed", session.id)
+
+    async def _answer(self, session: Session, req: Message) -> Message:
+        op_id = req.request_metadata.op_id
+        kind = req.WhichOneof("request")
+        resp = self.p.IfrtResponse()
+        resp.response_metadata.op_id = op_id
+        handler = self._handlers.get(kind or "")
+        try:
+            if handler is None:
+                raise RequestError("UNIMPLEMENTED", f"the Pathways IFRT proxy server does not support {kind} yet")
+            await handler(session, req, resp)
+        except (RequestError, HandleError, BackendError) as e:
+            if kind in arrays.RESULT_HANDLES:
+                sub = getattr(req, kind)
+                for name in arrays.RESULT_HANDLES[kind]:
+                    value = getattr(sub, name, 0)
+                    session.handles.fail(value if isinstance(value, int) else list(value), e.code, str(e))
+            return self._error(op_id, e.code, str(e))
+        return resp
+
+    def _error(self, op_id: int, code: str, message: str) -> Message:
+        resp = self.p.IfrtResponse()
+        resp.response_metadata.op_id = op_id
+        resp.response_metadata.status.code = grpc.StatusCode[code].value[0]
+        resp.response_metadata.status.message = message
+        return resp
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def _init(self, session: Session, req: Message, resp: Message) -> None:
+        info = session.backend.slice
+        r = resp.init_response
+        r.session_id = session.id
+        r.platform_name = info.platform_name
+        r.platform_version = info.platform_version
+        r.platform_id = info.platform_id
+        r.process_index = 0
+        r.runtime_type = "pathways-proxy"
+        for i, dev in enumerate(info.devices):
+            d = r.all_devices.add()
+            d.id = dev.id
+            d.local_device_id = i
+            d.local_hardware_id = i
+            d.platform_name = info.platform_name
+            d.device_kind = dev.kind
+            d.default_memory_id = dev.id
+            d.memory_ids.append(dev.id)
+            d.debug_string = d.to_string = f"{info.platform_name.upper()}Device(id={dev.id})"
+            for key, value in dev.attributes.items():
+                attr = d.attributes.attributes[key]
+                if isinstance(value, int):
+                    attr.int64_value = value
+                else:
+                    attr.string_value = value.encode()
+            r.addressable_device_ids.append(dev.id)
+            r.primary_device_ids.append(dev.id)
+            m = r.memories.add()
+            m.id = dev.id
+            m.memory_space_kind = "device"
+            m.device_ids.append(dev.id)
+            m.debug_string = m.to_string = f"MEMORY_SPACE_{dev.id}"
+
+    async def _default_layout(self, session: Session, req: Message, resp: Message) -> None:
+        resp.get_default_layout_response.serialized_pjrt_layout = default_layout(
+            len(req.get_default_layout_request.dims)
+        )
+
+    async def _check_future(self, session: Session, req: Message, resp: Message) -> None:
+        handle = req.check_future_request.future_handle
+        future = session.handles.get(handle)  # raises the op's own error, or NOT_FOUND
+        session.handles.pop(handle)
+        await future
+        resp.check_future_response.SetInParent()

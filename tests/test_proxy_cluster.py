@@ -1,0 +1,210 @@
+"""Unmodified JAX programs (JAX_PLATFORMS=proxy) against a real local cluster: the proxy service on
+the controller's own port, sessions on named and fresh slices, the cluster token, clear errors.
+
+Single-device arrays move through the proxy into worker buffers and back; compiling and executing
+are not wired yet (server/proxy/cluster_backend.py): these tests stop at the error a program's
+first computation gets.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import LocalCluster, wait_for
+from proxy_env import client_env
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+print("devices", len(jax.devices()), jax.devices()[0].platform, flush=True)
+sys.stdin.readline()
+try:
+    jnp.ones(3).block_until_ready()
+except Exception as e:
+    print("error", type(e).__name__, str(e).splitlines()[0], flush=True)
+"""
+
+
+def start(cluster: LocalCluster, tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    full = client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                      PATHWAYS_CONNECT_TIMEOUT_S="3", **env)
+    return subprocess.Popen([sys.executable, "-c", PROGRAM], env=full, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, list[str], str]:
+    out, err = proc.communicate("go\n", timeout=90)
+    return proc.returncode, out.splitlines(), err
+
+
+def proxy_slices(cluster: LocalCluster) -> list[cpb.Slice]:
+    with cluster.client() as c:
+        return [s for s in c.slices() if s.owner.startswith("client:proxy-")]
+
+
+@pytest.mark.cluster(islands=2, devices=2, controller_args=["--require-token"])
+def test_proxy_sessions_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    token = cluster.token
+    assert token
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="train", devices=2, island="a"))
+
+    # a named slice: its devices are the program's devices
+    proc = start(cluster, tmp_path, PWCTL_TOKEN=token, PATHWAYS_SLICE="train")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 2 cpu"
+    rc, lines, err = finish(proc)
+    assert rc == 0, err
+    assert lines == ["error JaxRuntimeError UNIMPLEMENTED: the Pathways IFRT proxy server does not support "
+                     "compile_request yet"]
+    with cluster.client() as c:
+        assert [s.name for s in c.slices()] == ["train"]  # a named slice outlives the program
+
+    # a fresh slice of PATHWAYS_DEVICES devices, owned by the session and released at its end
+    proc = start(cluster, tmp_path, PWCTL_TOKEN=token, PATHWAYS_DEVICES="1")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 1 cpu"
+    fresh = proxy_slices(cluster)
+    assert len(fresh) == 1 and len(fresh[0].devices) == 1
+    rc, lines, err = finish(proc)
+    assert rc == 0, err
+    wait_for(lambda: not proxy_slices(cluster), 30, "the proxy session's slice to be released")
+
+    # without PATHWAYS_DEVICES: every free device of the island with the most free devices (b: 2)
+    proc = start(cluster, tmp_path, PWCTL_TOKEN=token)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 2 cpu"
+    assert {d.island for s in proxy_slices(cluster) for d in s.devices} == {"b"}
+    rc, lines, err = finish(proc)
+    assert rc == 0, err
+    wait_for(lambda: not proxy_slices(cluster), 30, "the proxy session's slice to be released")
+
+
+@pytest.mark.cluster(islands=1, devices=2, controller_args=["--require-token"])
+def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -> None:
+    token = cluster.token
+    assert token
+    cases = [
+        ({"PWCTL_TOKEN": "wrong"}, "UNAUTHENTICATED", "missing or wrong cluster token"),
+        ({"PWCTL_TOKEN": token, "PATHWAYS_SLICE": "nope"}, "NOT_FOUND", "no slice named 'nope'"),
+        ({"PWCTL_TOKEN": token, "PATHWAYS_DEVICES": "5"}, "RESOURCE_EXHAUSTED", "5"),
+    ]
+    for env, code, message in cases:
+        proc = start(cluster, tmp_path, **env)
+        rc, lines, err = finish(proc)
+        assert rc != 0 and lines == []
+        last = err.strip().splitlines()[-1]
+        assert "Unable to initialize backend 'proxy'" in last and code in last and message in last, last
+    assert proxy_slices(cluster) == []
+    with cluster.client() as c:
+        assert c.slices() == []
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_path: Path) -> None:
+    proc = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 1 cpu"
+    cluster.restart_controller(kill=True)
+    rc, lines, err = finish(proc)  # the jaxlib client cannot resume a session: its next call fails
+    assert rc == 0, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error JaxRuntimeError UNAVAILABLE: Connection to IFRT proxy server was terminated")
+    assert proxy_slices(cluster) == []  # the new controller released the old session's slice
+
+
+ARRAYS = """
+import numpy as np, jax, jax.numpy as jnp
+x = jax.device_put(np.arange(6.0, dtype=np.float32).reshape(2, 3))
+print("x", np.asarray(x).tolist(), x.dtype, [d.id for d in x.devices()])
+y = jax.device_put(np.array([1.5, 2.5], dtype=np.float16), jax.devices()[1])
+print("y", jax.device_get(y).tolist(), y.dtype, [d.id for d in y.devices()])
+y.block_until_ready()
+z = jax.device_put(np.arange(1 << 20, dtype=np.int32))
+print("z", int(np.asarray(z)[-1]), z.nbytes)
+del x
+print("ok")
+"""
+
+TOO_BIG = """
+import numpy as np, jax
+try:
+    jax.device_put(np.zeros(17 << 20, np.float32)).block_until_ready()
+except Exception as e:
+    print(type(e).__name__, str(e).splitlines()[0])
+print(np.asarray(jax.device_put(np.arange(3))).tolist())
+"""
+
+
+def run_program(code: str, env: dict[str, str]) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, "\n".join(ln for ln in out.stderr.splitlines() if "insecure" not in ln)[:3000]
+    return out.stdout.splitlines()
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="cpu",
+                                           XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    proxied = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
+                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert proxied == local
+    assert local[-1] == "ok"
+    with cluster.client() as c:  # the session's buffers and slice went with it
+        wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+    # an array the workers cannot take in one upload: a clear error, and the session goes on
+    lines = run_program(TOO_BIG, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert lines[0].startswith("JaxRuntimeError RESOURCE_EXHAUSTED: an array of 71303168 bytes: arrays over ")
+    assert lines[1:] == ["[0, 1, 2]"]
+
+
+def worker_buffers(cluster: LocalCluster) -> int:
+    total = 0
+    for host in cluster.hosts().values():
+        with grpc.insecure_channel(host.address) as ch:
+            total += wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
+    return total
+
+
+HOLD = """
+import sys
+import numpy as np, jax
+x = jax.device_put(np.ones((256, 1024), np.float32))
+x.block_until_ready()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
+    env = client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                     JAX_BACKEND_TARGET=f"grpc://{cluster.address}")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "holding"
+        assert worker_buffers(cluster) == 1
+        assert len(proxy_slices(cluster)) == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the killed program's buffers to be freed")
+    wait_for(lambda: not proxy_slices(cluster), 30, "the killed program's slice to be released")
+    with cluster.client() as c:  # the cluster goes on: a new slice, a new session
+        c.create_slice(cpb.SliceSpec(name="after", devices=2))
+    proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "devices 2 cpu"
+    assert finish(proc)[0] == 0

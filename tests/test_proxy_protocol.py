@@ -1,0 +1,370 @@
+"""The IFRT proxy protocol layer: message classes from the installed jaxlib, version negotiation,
+the plugin, and the service against the real jaxlib client (a subprocess with JAX_PLATFORMS=proxy).
+
+The cluster side of the service (server/proxy/backend.py) is not wired to the controller yet; the
+session tests give the service a `DescribedSlice` backend that reports four CPU devices and refuses
+all device work, which is exactly what these tests exercise: the protocol, not execution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+from proxy_env import client_env
+
+from pwctl import proxy_plugin
+from server.proxy import protocol as proto_mod
+from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
+from server.proxy.service import TOKEN_KEY, ProxyService, default_layout
+
+REPO = Path(__file__).resolve().parent.parent
+P = proto_mod.protocol()
+
+
+# -- protocol ---------------------------------------------------------------------------------
+
+
+def test_classes_come_from_the_installed_client() -> None:
+    service = P.pool.FindServiceByName(proto_mod.SERVICE_NAME)
+    methods = {m.name: (m.input_type.full_name, m.client_streaming, m.server_streaming) for m in service.methods}
+    assert methods["IfrtSession"] == ("xla.ifrt.proxy.IfrtRequest", True, True)
+    assert methods["HostBufferStore"] == ("xla.ifrt.proxy.GrpcHostBufferStoreRequest", True, False)
+    assert methods["GetVersion"] == ("xla.ifrt.proxy.GrpcGetVersionRequest", False, False)
+    req = P.IfrtRequest()
+    req.request_metadata.op_id = 7
+    req.init_request.SetInParent()
+    back = P.IfrtRequest.FromString(req.SerializeToString())
+    assert back.WhichOneof("request") == "init_request" and back.request_metadata.op_id == 7
+    # the messages that travel inside opaque fields are there too
+    assert P.cls("xla.CompileOptionsProto")().DESCRIPTOR.full_name == "xla.CompileOptionsProto"
+    assert P.cls("xla.OpSharding")().DESCRIPTOR.full_name == "xla.OpSharding"
+
+
+def test_scan_rejects_a_library_without_the_protocol(tmp_path: Path) -> None:
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"\x00" * 64 + b"\x0a\x09any.proto" + b"\xff" * 64)
+    with pytest.raises(proto_mod.ProtocolError, match="no IFRT proxy client"):
+        proto_mod.build(proto_mod.scan_file_descriptors(lib))
+
+
+def test_negotiate_picks_the_highest_common_version_or_names_both_ranges() -> None:
+    v = proto_mod.negotiate(proto_mod.Version(16, 0), proto_mod.Version(25, 3))
+    assert (v.protocol_version, v.serdes_version) == (25, 3)
+    with pytest.raises(proto_mod.ProtocolError, match="26-30 offered by the client; this server speaks 25-25"):
+        proto_mod.negotiate(proto_mod.Version(26, 0), proto_mod.Version(30, 3))
+    with pytest.raises(proto_mod.ProtocolError, match="16-24"):
+        proto_mod.negotiate(proto_mod.Version(16, 0), proto_mod.Version(24, 3))
+
+
+def test_default_layout_is_xla_layout_text() -> None:
+    assert default_layout(0) == b"{}"
+    assert default_layout(2) == b"{1,0}"
+    assert default_layout(3) == b"{2,1,0}"
+
+
+# -- handles ------------------------------------------------------------------------------------
+
+
+def test_failed_ops_mark_their_result_handles() -> None:
+    table = HandleTable(limit=3)
+    table.put(1, "buf-1")
+    assert table.new_handle() == SERVER_HANDLE_BASE
+    table.fail([2, 3, 0], "INVALID_ARGUMENT", "compile failed: bad shape")
+    with pytest.raises(HandleError, match="compile failed: bad shape") as e:
+        table.get(3)
+    assert e.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(HandleError, match="unknown handle 9"):
+        table.get(9)
+    with pytest.raises(HandleError, match="already in use"):
+        table.put(1, "again")
+    with pytest.raises(HandleError, match="at most 3 handles") as e:
+        table.put(4, "x")
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert table.pop(1) == "buf-1" and table.pop(2) is None
+
+
+def test_host_buffers_wait_for_late_stores_and_are_bounded() -> None:
+    async def main() -> None:
+        buffers = HostBuffers(limit_bytes=10, wait_s=5.0)
+        taker = asyncio.create_task(buffers.take(4))
+        await asyncio.sleep(0)
+        assert not taker.done()
+        buffers.store(4, b"abcd")
+        assert await taker == b"abcd"
+        assert buffers.held_bytes == 0
+        buffers.store(5, b"123456")
+        with pytest.raises(HandleError, match="at most 10 bytes"):
+            buffers.store(6, b"12345")
+        quick = HostBuffers(wait_s=0.05)
+        with pytest.raises(HandleError, match=r"did not arrive within 0\.05 s"):
+            await quick.take(1)
+
+    asyncio.run(main())
+
+
+# -- plugin -------------------------------------------------------------------------------------
+
+
+def test_plugin_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
+    monkeypatch.setenv("PWCTL_TOKEN", "tok")
+    assert proxy_plugin.requested({"JAX_PLATFORMS": "cpu,proxy"})
+    assert not proxy_plugin.requested({"JAX_PLATFORMS": "cpu"})
+    assert not proxy_plugin.requested({})
+    assert proxy_plugin.target({"JAX_BACKEND_TARGET": "10.0.0.5:7070"}) == "grpc://10.0.0.5:7070"
+    assert proxy_plugin.target({"JAX_BACKEND_TARGET": "grpc://h:1"}) == "grpc://h:1"
+    data = proxy_plugin.initialization_data({"PATHWAYS_SLICE": "train", "PATHWAYS_DEVICES": "4"})
+    assert data == {TOKEN_KEY: b"tok", proxy_plugin.SLICE_KEY: b"train", proxy_plugin.DEVICES_KEY: 4}
+    assert proxy_plugin.connect_timeout({}) == proxy_plugin.CONNECT_TIMEOUT_S
+    assert proxy_plugin.connect_timeout({"PATHWAYS_CONNECT_TIMEOUT_S": "3"}) == 3
+    with pytest.raises(ValueError, match="PATHWAYS_CONNECT_TIMEOUT_S='-1'"):
+        proxy_plugin.connect_timeout({"PATHWAYS_CONNECT_TIMEOUT_S": "-1"})
+    with pytest.raises(ValueError, match="PATHWAYS_DEVICES='four'"):
+        proxy_plugin.initialization_data({"PATHWAYS_DEVICES": "four"})
+    monkeypatch.delenv("PWCTL_TOKEN")
+    (tmp_path / "token").write_text("from-file\n")
+    assert proxy_plugin.initialization_data({}) == {TOKEN_KEY: b"from-file"}
+
+
+def test_plugin_is_inert_unless_asked_for(tmp_path: Path) -> None:
+    code = (
+        "import jax; from jax._src import xla_bridge as xb; jax.devices();"
+        "import sys; print('pwctl.proxy_plugin' in sys.modules, 'proxy' in xb._backend_factories)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=client_env(tmp_path, JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert out.stdout.split() == ["True", "False"]  # discovered through the entry point, registered nothing
+
+
+# -- the service against the real jaxlib client ---------------------------------------------------
+
+
+class DescribedSlice:
+    """A session backend that describes four CPU devices and refuses all device work."""
+
+    slice = SliceInfo(
+        platform_name="cpu", platform_version="pathways-test", platform_id=0,
+        devices=tuple(DeviceInfo(id=i, kind="cpu") for i in range(4)),
+    )
+    closed = 0
+
+    async def compile(self, key: bytes, module: bytes, options: bytes, device_ids: Sequence[int]) -> CompiledInfo:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    async def get(self, buffer_id: int) -> bytes:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    async def ready(self, buffer_ids: Sequence[int]) -> None:
+        raise BackendError("UNIMPLEMENTED", "no devices in this test")
+
+    def free(self, buffer_ids: Sequence[int]) -> None:
+        pass
+
+    async def close(self) -> None:
+        DescribedSlice.closed += 1
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.opened: list[tuple[str | None, int | None]] = []
+
+    async def open_session(self, slice_name: str | None, devices: int | None) -> DescribedSlice:
+        self.opened.append((slice_name, devices))
+        if slice_name == "missing":
+            raise BackendError("NOT_FOUND", "no slice 'missing': create it with `pwctl slice create`")
+        return DescribedSlice()
+
+
+async def serve(service: ProxyService) -> tuple[aio.Server, int]:
+    server = aio.server()
+    server.add_generic_rpc_handlers([service.generic_handler()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def run_client(code: str, env: dict[str, str]) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+PROGRAM = """
+import jax, jax.numpy as jnp
+print("devices", len(jax.devices()), jax.devices()[0].platform)
+for attempt in range(2):
+    try:
+        jnp.ones(3).block_until_ready()
+    except Exception as e:
+        print("error", type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+def test_session_with_the_real_client(tmp_path: Path) -> None:
+    async def main() -> None:
+        cluster = Cluster()
+        service = ProxyService(cluster, token="secret")
+        server, port = await serve(service)
+        try:
+            target = f"grpc://127.0.0.1:{port}"
+            base = {
+                "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": target, "PATHWAYS_SLICE": "train",
+                "PATHWAYS_CONNECT_TIMEOUT_S": "2",  # the client retries a refused session this long
+            }
+            rc, out, err = await run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="secret", **base))
+            assert rc == 0, err
+            lines = out.splitlines()
+            assert lines[0] == "devices 4 cpu"
+            # the unsupported request is a JaxRuntimeError naming it; the session stays usable
+            message = "UNIMPLEMENTED: the Pathways IFRT proxy server does not support compile_request yet"
+            assert lines[1:] == [f"error JaxRuntimeError {message}"] * 2
+            assert cluster.opened == [("train", None)]
+            assert service.sessions == {}  # the program ended: its session closed
+            assert DescribedSlice.closed == 1
+
+            rc, out, err = await run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="wrong", **base))
+            assert rc != 0 and "UNAUTHENTICATED" in err and "missing or wrong cluster token" in err
+            assert cluster.opened == [("train", None)]
+
+            env = client_env(tmp_path, PWCTL_TOKEN="secret", **{**base, "PATHWAYS_SLICE": "missing"})
+            rc, out, err = await run_client(PROGRAM, env)
+            assert rc != 0 and "no slice 'missing'" in err
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_host_buffer_rpcs_are_bound_to_a_live_session() -> None:
+    async def main() -> None:
+        service = ProxyService(Cluster())
+        server, port = await serve(service)
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                base = f"/{proto_mod.SERVICE_NAME}/"
+                ser = lambda m: m.SerializeToString()  # noqa: E731
+                session_call = ch.stream_stream(base + "IfrtSession", ser, P.IfrtResponse.FromString)
+                meta = P.GrpcIfrtSessionMetadata()
+                meta.version.protocol_version = proto_mod.MAX_PROTOCOL_VERSION
+                call = session_call(metadata=[(proto_mod.SESSION_METADATA_HEADER, meta.SerializeToString())])
+                init = P.IfrtRequest()
+                init.request_metadata.op_id = 1
+                init.init_request.SetInParent()
+                await call.write(init)
+                resp = await call.read()
+                sid = resp.init_response.session_id
+                assert resp.response_metadata.op_id == 1 and len(resp.init_response.all_devices) == 4
+                assert sid in service.sessions
+
+                store = ch.stream_unary(base + "HostBufferStore", ser, P.GrpcHostBufferStoreResponse.FromString)
+
+                def header(session_id: int, handle: int, size: int) -> list[tuple[str, bytes]]:
+                    m = P.GrpcHostBufferStoreMetadata(session_id=session_id, handle=handle, buffer_size=size)
+                    return [(proto_mod.HOST_BUFFER_METADATA_HEADER, m.SerializeToString())]
+
+                chunks = [P.GrpcHostBufferStoreRequest(data=b"x" * 3), P.GrpcHostBufferStoreRequest(data=b"y")]
+                await store(iter(chunks), metadata=header(sid, 5, 4))
+                with pytest.raises(aio.AioRpcError) as e:
+                    await store(iter(chunks), metadata=header(sid ^ 1, 6, 4))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                with pytest.raises(aio.AioRpcError) as e:
+                    await store(iter(chunks), metadata=header(sid, 7, 9))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "9 bytes announced, 4 sent" in str(e.value)
+
+                lookup = ch.unary_stream(base + "HostBufferLookup", ser, P.GrpcHostBufferLookupResponse.FromString)
+                got = b"".join([r.data async for r in lookup(P.GrpcHostBufferLookupRequest(session_id=sid, handle=5))])
+                assert got == b"xxxy"
+                delete = ch.unary_unary(base + "HostBufferDelete", ser, P.GrpcHostBufferDeleteResponse.FromString)
+                await delete(P.GrpcHostBufferDeleteRequest(session_id=sid, handle=5))
+                with pytest.raises(aio.AioRpcError) as e:
+                    await delete(P.GrpcHostBufferDeleteRequest(session_id=sid, handle=5))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+                # an unsupported request: an error answer for that op, the stream goes on
+                bad = P.IfrtRequest()
+                bad.request_metadata.op_id = 2
+                bad.compile_request.SetInParent()
+                await call.write(bad)
+                resp = await call.read()
+                assert resp.response_metadata.op_id == 2
+                assert resp.response_metadata.status.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+                assert "compile_request" in resp.response_metadata.status.message
+                await call.done_writing()
+                assert await call.read() == aio.EOF
+            assert sid not in service.sessions
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_hostile_input_fails_only_its_own_request(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        service = ProxyService(Cluster())
+        server, port = await serve(service)
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                base = f"/{proto_mod.SERVICE_NAME}/"
+                raw = ch.stream_stream(base + "IfrtSession")  # bytes in, bytes out
+                # undecodable session metadata: the first request is answered with the error
+                call = raw(metadata=[(proto_mod.SESSION_METADATA_HEADER, b"\xff\xff\xff")])
+                init = P.IfrtRequest()
+                init.request_metadata.op_id = 1
+                init.init_request.SetInParent()
+                await call.write(init.SerializeToString())
+                resp = P.IfrtResponse.FromString(await call.read())
+                assert resp.response_metadata.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert resp.response_metadata.status.message == "undecodable IfrtSession metadata"
+                call.cancel()
+                # an undecodable request ends that stream with an error; another session is unaffected
+                meta = P.GrpcIfrtSessionMetadata()
+                meta.version.protocol_version = proto_mod.MAX_PROTOCOL_VERSION
+                header = [(proto_mod.SESSION_METADATA_HEADER, meta.SerializeToString())]
+                good = raw(metadata=header)
+                await good.write(init.SerializeToString())
+                sid = P.IfrtResponse.FromString(await good.read()).init_response.session_id
+                bad = raw(metadata=header)
+                await bad.write(b"\xff\xff\xff\xff")
+                with pytest.raises(aio.AioRpcError) as e:
+                    await bad.read()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details() == "undecodable IfrtRequest: the session ends"
+                layout = P.IfrtRequest()
+                layout.request_metadata.op_id = 2
+                layout.get_default_layout_request.dims.extend([3, 4])
+                await good.write(layout.SerializeToString())
+                resp = P.IfrtResponse.FromString(await good.read())
+                assert resp.get_default_layout_response.serialized_pjrt_layout == b"{1,0}"
+                assert sid in service.sessions
+                # a session id that is not one the server issued gets nothing
+                lookup = ch.unary_stream(base + "HostBufferLookup", lambda m: m.SerializeToString(),
+                                         P.GrpcHostBufferLookupResponse.FromString)
+                with pytest.raises(aio.AioRpcError) as e:
+                    async for _ in lookup(P.GrpcHostBufferLookupRequest(session_id=sid + 1, handle=1)):
+                        pass
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                await good.done_writing()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.exc_info], "a rejected request logged a traceback"

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["c_order", "dtype_name", "from_bytes", "resolve_dtype", "to_bytes", "to_numpy"]
+__all__ = ["byte_view", "c_order", "dtype_name", "from_bytes", "resolve_dtype", "to_bytes", "to_numpy"]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -58,3 +58,10 @@ def c_order(a: Any) -> np.ndarray:
     """A C-contiguous array of the same shape (np.ascontiguousarray turns 0-d into 1-d)."""
     a = np.asarray(a)
     return a if a.flags.c_contiguous else np.array(a, order="C")
+
+
+def byte_view(a: Any) -> memoryview:
+    """The raw C-order bytes of `a` as a flat memoryview of unsigned bytes, without a copy where `a`
+    is already C-contiguous. `memoryview(a.data).cast("B")` cannot do this for the ML dtypes
+    (bfloat16 and friends have no buffer-protocol format), so view the array as uint8 first."""
+    return c_order(a).reshape(-1).view(np.uint8).data

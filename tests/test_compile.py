@@ -329,6 +329,16 @@ def test_bytes_round_trip():
         from_bytes("float99", [1], b"\x00")
 
 
+def test_byte_view_gives_raw_bytes_for_every_dtype():
+    from schemas.arrays import byte_view
+
+    for arr in (np.array([[1.5, -2.0, 3.25]], dtype=jnp.bfloat16), np.array(2.5, dtype=jnp.bfloat16),
+                np.arange(12, dtype=np.float32).reshape(3, 4).T, np.zeros((0, 3), np.float16)):
+        view = byte_view(arr)
+        assert view.format == "B" and view.nbytes == arr.nbytes
+        assert bytes(view) == to_bytes(arr)[2]
+
+
 def test_64_bit_types_only_when_an_argument_has_one():
     from pwctl.api.functions import CompiledFunction
 

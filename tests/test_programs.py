@@ -58,6 +58,11 @@ def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> 
     assert out["traces"] == 1
 
 
+def test_bfloat16_moves_between_workers_and_is_fetched(module_cluster: LocalCluster) -> None:
+    out = client_json(module_cluster, "bf16.py")
+    assert out == {"dtype": "bfloat16", "exact": True, "fetched": "bfloat16", "fetched_exact": True}
+
+
 def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalCluster) -> None:
     out = client_json(module_cluster, "spmd.py")
     assert out["spmd_max_err"] < 1e-6

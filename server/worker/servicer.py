@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from grpc import aio
 
-from schemas.arrays import c_order, dtype_name, from_bytes, resolve_dtype, to_numpy
+from schemas.arrays import byte_view, dtype_name, from_bytes, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -62,7 +62,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         except Exception as e:  # the computation behind the array failed
             yield wpb.FetchChunk(error=f"{type(e).__name__}: {e}", last=True)
             return
-        data = memoryview(c_order(arr).data).cast("B")
+        data = byte_view(arr)
         head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
         if len(data) <= CHUNK:
             head.data = bytes(data)

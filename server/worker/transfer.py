@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from schemas.arrays import c_order, dtype_name, to_numpy
+from schemas.arrays import byte_view, c_order, dtype_name, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -35,7 +35,7 @@ CHANNEL_OPTIONS = [
 
 
 def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
-    data = memoryview(c_order(arr).data).cast("B")
+    data = byte_view(arr)
     n = len(data)
     head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
     if n <= CHUNK:

@@ -9,9 +9,9 @@ import typer
 
 from .. import local, paths
 from ..client import Client
-from ..errors import EXIT_FAILED, EXIT_USAGE, ConnectionFailed
+from ..errors import ConnectionFailed
 from ..transport import NO_RETRY
-from .common import hint
+from .common import confirm_or_exit, hint
 from .jobs import TERMINAL
 
 IslandsOpt = Annotated[int, typer.Option("--islands", min=1, help="Islands, one worker each")]
@@ -69,13 +69,9 @@ def _cancel_running_jobs(address: str, yes: bool) -> None:
                 return
             ids = ", ".join(j.id for j in live)
             if not yes:
-                if not sys.stdin.isatty():
-                    sys.stderr.write(f"error: jobs {ids} are still running; pass -y to cancel them and stop "
-                                     "the cluster\n")
-                    raise typer.Exit(EXIT_USAGE)
-                if not typer.confirm(f"cancel running job(s) {ids} and stop the cluster?", default=False):
-                    hint("nothing stopped")
-                    raise typer.Exit(EXIT_FAILED)
+                confirm_or_exit(f"cancel running job(s) {ids} and stop the cluster?",
+                                f"jobs {ids} are still running; pass -y to cancel them and stop the cluster",
+                                "nothing stopped")
             for j in live:
                 c.cancel_job(j.id)
             hint(f"cancelled {ids}")

@@ -16,6 +16,7 @@ from rich.table import Table
 from schemas import views
 
 from ..client import Client
+from ..errors import EXIT_FAILED, EXIT_USAGE
 
 ServerOpt = Annotated[
     str | None,
@@ -110,3 +111,14 @@ def age(iso_ts: str) -> str:
     if s < 172800:
         return f"{s / 3600:.0f}h ago"
     return f"{s / 86400:.0f}d ago"
+
+
+def confirm_or_exit(question: str, refusal: str, declined: str) -> None:
+    """Asks `question` on the terminal; without one (stdin not a tty) refuses with `refusal` and exit
+    code 2, so a script never destroys anything by default; a "no" says `declined` and exits 1."""
+    if not sys.stdin.isatty():
+        sys.stderr.write(f"error: {refusal}\n")
+        raise typer.Exit(EXIT_USAGE)
+    if not typer.confirm(question, default=False):
+        hint(declined)
+        raise typer.Exit(EXIT_FAILED)

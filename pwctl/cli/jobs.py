@@ -21,8 +21,8 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import JobView
 
 from ..client import Client
-from ..errors import EXIT_FAILED, EXIT_USAGE, InvalidArgument, PathwaysError
-from .common import Format, OutputOpt, ServerOpt, age, client, emit_item, emit_list, hint, stdout
+from ..errors import EXIT_FAILED, InvalidArgument, PathwaysError
+from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
 
 MAX_WORKING_DIR_ZIP = 50 * 1024 * 1024  # the server's limit too
 SKIP_DIRS = {"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
@@ -222,13 +222,9 @@ def cancel(
             return
         ids = ", ".join(j.id for j in live)
         if not yes:
-            if not sys.stdin.isatty():
-                sys.stderr.write(f"error: refusing to cancel {ids} without confirmation: stdin is not a "
-                                 "terminal; pass -y to cancel\n")
-                raise typer.Exit(EXIT_USAGE)
-            if not typer.confirm(f"cancel job{'s' if len(live) > 1 else ''} {ids}?", default=False):
-                hint("nothing cancelled")
-                raise typer.Exit(EXIT_FAILED)
+            confirm_or_exit(f"cancel job{'s' if len(live) > 1 else ''} {ids}?",
+                            f"refusing to cancel {ids} without confirmation: stdin is not a terminal; "
+                            "pass -y to cancel", "nothing cancelled")
         failed: PathwaysError | None = None
         for j in live:
             try:

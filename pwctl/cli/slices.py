@@ -12,8 +12,8 @@ from rich.table import Table
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import SliceView
 
-from ..errors import EXIT_USAGE, InvalidArgument, PathwaysError
-from .common import Format, OutputOpt, ServerOpt, age, client, emit_item, emit_list, hint, stdout
+from ..errors import InvalidArgument, PathwaysError
+from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
 
 app = typer.Typer(
     help="Virtual slices: N devices (optionally a mesh, an island, a kind) mapped onto physical devices.",
@@ -152,14 +152,9 @@ def delete(
         # Resolve every name first so a typo deletes nothing and the prompt shows full names.
         full = list(dict.fromkeys(c.get_slice(n).name for n in names))
         if not yes:
-            if not sys.stdin.isatty():
-                sys.stderr.write(f"error: refusing to delete {', '.join(full)} without confirmation: "
-                                 "stdin is not a terminal; pass -y to delete\n")
-                raise typer.Exit(EXIT_USAGE)
             what = f"slice{'s' if len(full) > 1 else ''} {', '.join(full)}"
-            if not typer.confirm(f"delete {what}?", default=False):
-                hint("nothing deleted")
-                raise typer.Exit(1)
+            confirm_or_exit(f"delete {what}?", f"refusing to delete {', '.join(full)} without confirmation: "
+                            "stdin is not a terminal; pass -y to delete", "nothing deleted")
         failed: PathwaysError | None = None
         for n in full:
             try:

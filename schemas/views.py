@@ -55,13 +55,17 @@ class ServerInfoView(View):
     hosts: int
     devices: int
     slices: int
-    jobs: int
+    jobs: int  # pending and running
+    jobs_total: int  # every job the controller remembers
+    policy: str  # the islands' default policy: fifo | priority | fair
+    metrics_url: str  # Prometheus metrics, "" when off
 
     @classmethod
     def of(cls, m: cpb.ServerInfo) -> ServerInfoView:
         return cls(version=m.version, address=m.address, database=m.database, uptime_s=round(m.uptime_s, 3),
                    started_at=m.started_at, pid=m.pid, dispatch=m.dispatch, islands=m.islands,
-                   hosts=m.hosts, devices=m.devices, slices=m.slices, jobs=m.jobs)
+                   hosts=m.hosts, devices=m.devices, slices=m.slices, jobs=m.jobs, jobs_total=m.jobs_total,
+                   policy=m.policy, metrics_url=m.metrics_url)
 
 
 class IslandView(View):
@@ -186,7 +190,9 @@ class JobView(View):
     driver exited by itself (a driver killed by a signal has none: `reason` names the signal).
     Times are UTC ISO-8601, "" when not reached yet. `slices` are the slices the job owned or
     used, `programs` the programs it registered, `runs` the runs of those that finished;
-    `pending_reason` says why its programs wait ("" when nothing waits)."""
+    `pending_reason` says why its programs wait ("" when nothing waits); `held_back` what holds
+    back one of its runs now (a stalled host, before the hang timeout fails it) and `last_hang`
+    the last "hang detected" message of its runs ("" when none)."""
 
     id: str
     name: str
@@ -205,6 +211,8 @@ class JobView(View):
     programs: int
     runs: int
     pending_reason: str
+    held_back: str
+    last_hang: str
 
     @classmethod
     def of(cls, m: cpb.Job) -> JobView:
@@ -213,7 +221,8 @@ class JobView(View):
                    exit_code=m.exit_code if m.has_exit_code else None, reason=m.reason,
                    submitted_at=m.submitted_at, started_at=m.started_at, ended_at=m.ended_at,
                    priority=m.priority, weight=m.weight, pid=m.pid or None, slices=list(m.slices),
-                   programs=m.programs, runs=m.runs, pending_reason=m.pending_reason)
+                   programs=m.programs, runs=m.runs, pending_reason=m.pending_reason, held_back=m.held_back,
+                   last_hang=m.last_hang)
 
 
 def as_jsonable(doc: BaseModel) -> Any:
@@ -243,7 +252,9 @@ class DeviceStatusView(View):
 
 
 class QueueEntryView(View):
-    """A run in an island's queue: `state` running | waiting; `reason` why it waits."""
+    """A run in an island's queue: `state` running | waiting; `reason` why it waits, or for a
+    running gang held back by a host, what that host has not done; then `stalled_host` names the
+    host and `stalled_s` says for how long ("" and 0 otherwise)."""
 
     run_id: int
     program: str
@@ -253,11 +264,14 @@ class QueueEntryView(View):
     priority: int
     weight: float
     reason: str
+    stalled_host: str
+    stalled_s: float
 
     @classmethod
     def of(cls, m: cpb.QueueEntry) -> QueueEntryView:
         return cls(run_id=m.run_id, program=m.program, client=m.client, job=m.job, state=m.state,
-                   priority=m.priority, weight=m.weight, reason=m.reason)
+                   priority=m.priority, weight=m.weight, reason=m.reason, stalled_host=m.stalled_host,
+                   stalled_s=m.stalled_s)
 
 
 class IslandQueueView(View):

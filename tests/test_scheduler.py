@@ -587,6 +587,7 @@ def test_public_api_is_pinned() -> None:
         "SchedulerSnapshot",
         "SetPolicy",
         "SkippedSeq",
+        "Stall",
         "Submit",
         "Tick",
         "check_spec",

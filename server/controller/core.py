@@ -18,6 +18,7 @@ from ..timeutil import now_iso
 from .cluster import Cluster
 from .dispatch import Dispatcher
 from .errors import NotFound
+from .hangs import HangReporter
 from .job_files import DEFAULT_LOG_MAX_MB
 from .jobs import JobManager
 from .observe import Observer
@@ -43,6 +44,7 @@ class ControllerConfig:
     token: str | None = None
     require_token: bool = False  # also on loopback (tests check rejection without a public address)
     job_log_max_mb: int = DEFAULT_LOG_MAX_MB  # output kept per job (rotated; older output dropped)
+    metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" or "off": none
 
 
 class Controller:
@@ -51,6 +53,7 @@ class Controller:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.address = config.listen
+        self.metrics_url = ""  # set by the app once the metrics endpoint listens
         self.db_url = config.db_url
         self.dispatch = config.dispatch
         self.engine = make_engine(config.db_url)
@@ -72,8 +75,10 @@ class Controller:
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
                                address=lambda: self.address, token=config.token,
                                log_max_mb=config.job_log_max_mb)
+        self.hangs = HangReporter(self.scheduler, self.cluster.hosts, config.heartbeat_interval,
+                                  self.jobs.log_path)
         self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
-                                 jobs=self.jobs.list)
+                                 jobs=self.jobs.list, hangs=self.hangs)
         # the slices first: the dispatcher's placements and the clients' notices read them
         self.cluster.on_host_up += [self.slices.host_up, self.dispatcher.host_up]
         self.cluster.on_host_lost += [self.slices.host_lost, self.dispatcher.host_lost, self.observer.host_lost]
@@ -83,6 +88,7 @@ class Controller:
             log.info("state machines validate their invariants after every stimulus (PATHWAYS_VALIDATE)")
         self.dispatcher.node_listeners.append(self.observer.on_node_event)
         self.dispatcher.run_listeners.append(self.jobs.run_finished)
+        self.dispatcher.hang_listeners.append(self.hangs.hang_detected)
         self.started_mono = time.monotonic()
         self.started_at = now_iso()
         self.shutdown_event = asyncio.Event()

@@ -152,6 +152,7 @@ class Dispatcher:
         self._last_end: dict[tuple[str, int], int] = {}
         self.node_listeners: list[Callable[[str, cpb.NodeEvent, RunState | None], None]] = []
         self.run_listeners: list[Callable[[RunState, bool, str], None]] = []
+        self.hang_listeners: list[Callable[[HangDetected], None]] = []
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
@@ -251,7 +252,10 @@ class Dispatcher:
             elif isinstance(a, DropRun):
                 self._drop(a)
             elif isinstance(a, HangDetected):
-                log.error("hang detected: %s", a.message)
+                if not self.hang_listeners:
+                    log.error("hang detected: %s", a.message)
+                for cb in self.hang_listeners:
+                    cb(a)
 
     def _dispatch(self, action: Dispatch) -> None:
         host = self.hosts.get(action.host)

@@ -44,6 +44,7 @@ from .trace import DeviceKey, NodeRun, TraceBuilder, chrome_trace
 if TYPE_CHECKING:
     from ..scheduler import GangScheduler
     from .dispatch import RunState
+    from .hangs import HangReporter
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +198,11 @@ class Observer:
 
     def __init__(self, cluster: Cluster, ring_size: int = RING_SIZE, *, scheduler: GangScheduler | None = None,
                  slices: Callable[[], list[cpb.Slice]] | None = None,
-                 jobs: Callable[[], list[cpb.Job]] | None = None) -> None:
+                 jobs: Callable[[], list[cpb.Job]] | None = None, hangs: HangReporter | None = None) -> None:
         """`cluster` names hosts and devices; the status view also shows the scheduler's queues,
-        the slices and the jobs (each empty when not given)."""
+        the slices and the jobs (each empty when not given), and the gangs `hangs` finds held back."""
         self.cluster = cluster
+        self.hangs = hangs
         self.scheduler = scheduler
         self.slices = slices
         self.jobs = jobs
@@ -301,6 +303,7 @@ class Observer:
             return []
         snap = sched.snapshot()
         views = {v.island: v for v in snap.islands}
+        stalls = {s.run_id: s for s in self.hangs.stalls()} if self.hangs is not None else {}
         out = []
         for island in sorted(set(self.cluster.islands) | set(views)):
             v = views.get(island)
@@ -309,10 +312,14 @@ class Observer:
             if v is not None:
                 for state, runs in (("running", v.running), ("waiting", v.waiting)):
                     for r in runs:
-                        q.entries.append(cpb.QueueEntry(
+                        e = cpb.QueueEntry(
                             program=r.program, client=r.client, job=r.job or "", state=state,
                             priority=r.priority, weight=r.weight, reason=r.wait_reason, run_id=r.run_id,
-                        ))
+                        )
+                        stall = stalls.get(r.run_id)
+                        if stall is not None:
+                            e.reason, e.stalled_host, e.stalled_s = stall.message, stall.host, round(stall.for_s, 1)
+                        q.entries.append(e)
             out.append(q)
         return out
 

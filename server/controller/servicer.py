@@ -95,6 +95,9 @@ class ControllerServicer(cgrpc.ControllerServicer):
             pid=os.getpid(),
             dispatch=core.dispatch,
             started_at=core.started_at,
+            metrics_url=core.metrics_url,
+            policy=core.config.policy,
+            jobs_total=len(core.jobs.jobs),
         )
 
     @_guard
@@ -111,7 +114,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
     @_guard
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
-        return cpb.ListHostsResponse(hosts=self.core.cluster.host_protos(request.island))
+        hosts = self.core.cluster.host_protos(request.island)
+        return cpb.ListHostsResponse(hosts=self.core.hangs.annotate_hosts(hosts))
 
     @_guard
     async def ListDevices(
@@ -208,11 +212,11 @@ class ControllerServicer(cgrpc.ControllerServicer):
 
     @_guard
     async def ListJobs(self, request: cpb.ListJobsRequest, context: aio.ServicerContext) -> cpb.ListJobsResponse:
-        return cpb.ListJobsResponse(jobs=self.core.jobs.list(request.state, request.all))
+        return cpb.ListJobsResponse(jobs=self.core.hangs.annotate_jobs(self.core.jobs.list(request.state, request.all)))
 
     @_guard
     async def GetJob(self, request: cpb.GetJobRequest, context: aio.ServicerContext) -> cpb.Job:
-        return self.core.jobs.get(request.id)
+        return self.core.hangs.annotate_jobs([self.core.jobs.get(request.id)])[0]
 
     @_guard
     async def CancelJob(self, request: cpb.CancelJobRequest, context: aio.ServicerContext) -> cpb.Job:

@@ -24,7 +24,7 @@ from server.scheduler.events import (
 )
 from server.scheduler.records import InvalidTransition
 from server.scheduler.snapshot import ClientUsage, HostView, IslandView, RunView, SchedulerSnapshot
-from server.scheduler.state import GangScheduler, InvariantError, check_spec
+from server.scheduler.state import GangScheduler, InvariantError, Stall, check_spec
 
 __all__ = [
     "Action",
@@ -53,6 +53,7 @@ __all__ = [
     "SchedulerSnapshot",
     "SetPolicy",
     "SkippedSeq",
+    "Stall",
     "Submit",
     "Tick",
     "check_spec",

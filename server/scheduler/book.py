@@ -25,6 +25,7 @@ from server.scheduler.events import (
     Submit,
 )
 from server.scheduler.records import UNFINISHED, HostRecord, NodeRecord, NodeState, RunRecord, RunState, Share
+from server.scheduler.stats import RunStats
 
 _FINISHED_MEMORY = 16_384  # finished run ids remembered so that a repeated Submit is ignored (~0.1 KiB each)
 
@@ -106,6 +107,7 @@ class SchedulerBook:
         # The recent stimuli, kept as the event objects themselves: one append per handle() on the
         # hot path; they are rendered to text only when an InvariantError needs its history.
         self._stimuli: deque[Event] = deque(maxlen=DEFAULT_HISTORY)
+        self.stats = RunStats()  # read by the metrics endpoint
 
     def history(self) -> list[Stimulus]:
         """The recent stimuli, oldest first, as an `InvariantError` carries them."""
@@ -174,6 +176,7 @@ class SchedulerBook:
         if self._active[key] == 0:
             del self._active[key]
         self._remember_finished(run.run_id)
+        self.stats.finished(result.ok, run.submitted_at, run.admitted_at, self._now)
         self._actions.append(result)
 
     def _fail_runs_on_host(self, host: str, reason: str, *, admitted_only: bool) -> None:

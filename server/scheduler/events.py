@@ -179,6 +179,7 @@ class HangDetected:
     node_index: int
     host: str
     message: str
+    job: str | None = None  # the run's job, whose log gets the message
 
 
 Action = Dispatch | RunFinished | DropRun | HangDetected

@@ -41,6 +41,7 @@ every event.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from server.scheduler.book import InvariantError, _describe, check_spec
 from server.scheduler.events import (
@@ -64,7 +65,7 @@ from server.scheduler.policy import catch_up
 from server.scheduler.records import NodeRecord, NodeState, RunRecord
 from server.scheduler.views import Views
 
-__all__ = ["GangScheduler", "InvariantError", "check_spec"]
+__all__ = ["GangScheduler", "InvariantError", "Stall", "check_spec"]
 
 
 class GangScheduler(Views):
@@ -215,13 +216,26 @@ class GangScheduler(Views):
             return
         while (hang := self._find_hang(event.now, self.hang_timeout_s)) is not None:
             run, node, message = hang
-            self._actions.append(HangDetected(run.run_id, node.spec.index, node.spec.host, message))
+            self.stats.hangs_detected += 1
+            self._actions.append(HangDetected(run.run_id, node.spec.index, node.spec.host, message, run.spec.job))
             self._fail(run, f"hang detected: {message}")
 
     def _find_hang(self, now: float, timeout: float) -> tuple[RunRecord, NodeRecord, str] | None:
-        """The stuck node of the earliest-admitted stuck run. Only a host's head (its lowest
-        unfinished seq) whose deps all finished can be stuck: everything else waits on it."""
-        found: list[tuple[int, int, RunRecord, NodeRecord, str]] = []
+        """The stuck node of the earliest-admitted stuck run."""
+        found = [h for h in self._stuck_heads(now) if h.age_s > timeout]
+        if not found:
+            return None
+        h = min(found, key=lambda f: (f.run.admit_order, f.node.spec.index))
+        if h.started:
+            message = f"{h.where} started it {h.age_s:.1f} s ago and it has not finished"
+        else:
+            message = f"{h.where} never started it"
+        return h.run, h.node, message
+
+    def _stuck_heads(self, now: float) -> list[_Head]:
+        """Every host's head (its lowest unfinished seq) that could be stuck, with how long it has
+        been so. Only a head whose deps all finished can be stuck: everything else waits on it."""
+        out = []
         for name, host in self._hosts.items():
             head = host.head()
             if head is None:
@@ -233,16 +247,47 @@ class GangScheduler(Views):
                 continue
             where = f"node {index} of program {run.spec.program}: host {name}"
             if node.state is NodeState.STARTED and node.started_at is not None:
-                age = now - node.started_at
-                if age > timeout:
-                    message = f"{where} started it {age:.1f} s ago and it has not finished"
-                    found.append((run.admit_order, index, run, node, message))
+                out.append(_Head(name, run, node, True, now - node.started_at, where))
             elif node.state is NodeState.DISPATCHED:
                 since = max(node.dispatched_at or 0.0, host.progress_at, node.ready_at or 0.0)
-                if now - since > timeout:
-                    found.append((run.admit_order, index, run, node, f"{where} never started it"))
-        if not found:
-            return None
-        _, _, run, node, message = min(found, key=lambda f: (f[0], f[1]))
-        return run, node, message
+                out.append(_Head(name, run, node, False, now - since, where))
+        return out
 
+    def stalls(self, now: float, after_s: float) -> list[Stall]:
+        """Gangs held back now, for the status view and `host list` (hang reporting before the
+        hang timeout fails them): every host whose head has not started for `after_s`, or has
+        run without finishing for the longer of `after_s` and half the hang timeout (a long
+        computation is normal; one that is half way to the hang timeout is worth showing)."""
+        started_after = max(after_s, (self.hang_timeout_s or 0.0) / 2)
+        out = []
+        for h in self._stuck_heads(now):
+            if h.age_s < (started_after if h.started else after_s):
+                continue
+            what = "started it and it has not finished" if h.started else "has not started it"
+            out.append(Stall(h.host, h.run.run_id, h.node.spec.index, h.run.spec.program, h.run.spec.job,
+                             h.started, h.age_s, f"{h.where} {what} for {h.age_s:.1f} s"))
+        return sorted(out, key=lambda s: (-s.for_s, s.host))
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    host: str
+    run: RunRecord
+    node: NodeRecord
+    started: bool
+    age_s: float
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A host holding back a gang: its head node (of `run_id`) has not started, or not finished."""
+
+    host: str
+    run_id: int
+    node_index: int
+    program: str
+    job: str | None
+    started: bool
+    for_s: float
+    message: str

@@ -32,6 +32,11 @@ class _HostStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HostState.V
     """Known from the database after a controller restart; its worker has not registered again
     yet. It becomes ready when it does, lost when it has not within the heartbeat timeout.
     """
+    HOST_STATE_STALLED: _HostState.ValueType  # 4
+    """Registered and not lost, but its heartbeats are late or it holds back a gang: the head of
+    its queue has not started (or not finished) for longer than the stall threshold. A hang
+    timeout later the run fails with "hang detected"; a heartbeat timeout later the host is lost.
+    """
 
 class HostState(_HostState, metaclass=_HostStateEnumTypeWrapper): ...
 
@@ -41,6 +46,11 @@ HOST_STATE_LOST: HostState.ValueType  # 2
 HOST_STATE_RECONNECTING: HostState.ValueType  # 3
 """Known from the database after a controller restart; its worker has not registered again
 yet. It becomes ready when it does, lost when it has not within the heartbeat timeout.
+"""
+HOST_STATE_STALLED: HostState.ValueType  # 4
+"""Registered and not lost, but its heartbeats are late or it holds back a gang: the head of
+its queue has not started (or not finished) for longer than the stall threshold. A hang
+timeout later the run fails with "hang detected"; a heartbeat timeout later the host is lost.
 """
 Global___HostState: _TypeAlias = HostState  # noqa: Y015
 

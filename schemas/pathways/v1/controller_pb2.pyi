@@ -98,6 +98,9 @@ class ServerInfo(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     DISPATCH_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
+    METRICS_URL_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    JOBS_TOTAL_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     address: _builtins.str
     database: _builtins.str
@@ -112,6 +115,12 @@ class ServerInfo(_message.Message):
     dispatch: _builtins.str
     """"parallel" | "sequential" """
     started_at: _builtins.str
+    metrics_url: _builtins.str
+    """Prometheus metrics (http://host:port/metrics); "" when off"""
+    policy: _builtins.str
+    """the default time-multiplexing policy of islands: fifo | priority | fair"""
+    jobs_total: _builtins.int
+    """every job the controller remembers (`jobs` counts the pending and running)"""
     def __init__(
         self,
         *,
@@ -127,10 +136,13 @@ class ServerInfo(_message.Message):
         pid: _builtins.int = ...,
         dispatch: _builtins.str = ...,
         started_at: _builtins.str = ...,
+        metrics_url: _builtins.str = ...,
+        policy: _builtins.str = ...,
+        jobs_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "database", b"database", "devices", b"devices", "dispatch", b"dispatch", "hosts", b"hosts", "islands", b"islands", "jobs", b"jobs", "pid", b"pid", "slices", b"slices", "started_at", b"started_at", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "database", b"database", "devices", b"devices", "dispatch", b"dispatch", "hosts", b"hosts", "islands", b"islands", "jobs", b"jobs", "jobs_total", b"jobs_total", "metrics_url", b"metrics_url", "pid", b"pid", "policy", b"policy", "slices", b"slices", "started_at", b"started_at", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1374,6 +1386,8 @@ class Job(_message.Message):
     RUNS_FIELD_NUMBER: _builtins.int
     PENDING_REASON_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    HELD_BACK_FIELD_NUMBER: _builtins.int
+    LAST_HANG_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     name: _builtins.str
     state: Global___JobState.ValueType
@@ -1390,6 +1404,10 @@ class Job(_message.Message):
     runs: _builtins.int
     pending_reason: _builtins.str
     pid: _builtins.int
+    held_back: _builtins.str
+    """what holds back one of its runs now (a stalled host), "" when nothing"""
+    last_hang: _builtins.str
+    """the last "hang detected" message of its runs, "" when none"""
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1415,10 +1433,12 @@ class Job(_message.Message):
         runs: _builtins.int = ...,
         pending_reason: _builtins.str = ...,
         pid: _builtins.int = ...,
+        held_back: _builtins.str = ...,
+        last_hang: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "ended_at", b"ended_at", "entrypoint", b"entrypoint", "exit_code", b"exit_code", "has_exit_code", b"has_exit_code", "id", b"id", "name", b"name", "pending_reason", b"pending_reason", "pid", b"pid", "priority", b"priority", "programs", b"programs", "reason", b"reason", "runs", b"runs", "slices", b"slices", "started_at", b"started_at", "state", b"state", "submitted_at", b"submitted_at", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "ended_at", b"ended_at", "entrypoint", b"entrypoint", "exit_code", b"exit_code", "has_exit_code", b"has_exit_code", "held_back", b"held_back", "id", b"id", "last_hang", b"last_hang", "name", b"name", "pending_reason", b"pending_reason", "pid", b"pid", "priority", b"priority", "programs", b"programs", "reason", b"reason", "runs", b"runs", "slices", b"slices", "started_at", b"started_at", "state", b"state", "submitted_at", b"submitted_at", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1629,6 +1649,8 @@ class QueueEntry(_message.Message):
     WEIGHT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    STALLED_HOST_FIELD_NUMBER: _builtins.int
+    STALLED_S_FIELD_NUMBER: _builtins.int
     program: _builtins.str
     client: _builtins.str
     job: _builtins.str
@@ -1638,6 +1660,11 @@ class QueueEntry(_message.Message):
     weight: _builtins.float
     reason: _builtins.str
     run_id: _builtins.int
+    stalled_host: _builtins.str
+    """An admitted run held back by a host: the head of that host's queue is this run's node and it
+    has not started (or not finished) for `stalled_s` seconds; `reason` says which node and why.
+    """
+    stalled_s: _builtins.float
     def __init__(
         self,
         *,
@@ -1649,10 +1676,12 @@ class QueueEntry(_message.Message):
         weight: _builtins.float = ...,
         reason: _builtins.str = ...,
         run_id: _builtins.int = ...,
+        stalled_host: _builtins.str = ...,
+        stalled_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job", b"job", "priority", b"priority", "program", b"program", "reason", b"reason", "run_id", b"run_id", "state", b"state", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job", b"job", "priority", b"priority", "program", b"program", "reason", b"reason", "run_id", b"run_id", "stalled_host", b"stalled_host", "stalled_s", b"stalled_s", "state", b"state", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1735,17 +1764,25 @@ class GetTraceRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     PROGRAM_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_NS_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     program: _builtins.str
+    since_unix_ns: _builtins.int
+    """only node runs that ended at or after this time (0: no bound)"""
+    last: _builtins.int
+    """only the last N of the node runs selected (0: all of them)"""
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         program: _builtins.str = ...,
+        since_unix_ns: _builtins.int = ...,
+        last: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "program", b"program"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last", b"last", "program", b"program", "since_unix_ns", b"since_unix_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1756,15 +1793,23 @@ class TraceResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHROME_TRACE_JSON_FIELD_NUMBER: _builtins.int
+    NODE_RUNS_TOTAL_FIELD_NUMBER: _builtins.int
+    NODE_RUNS_FIELD_NUMBER: _builtins.int
     chrome_trace_json: _builtins.str
+    node_runs_total: _builtins.int
+    """node runs kept for the selection before `since`/`last` windowed it"""
+    node_runs: _builtins.int
+    """node runs in this trace"""
     def __init__(
         self,
         *,
         chrome_trace_json: _builtins.str = ...,
+        node_runs_total: _builtins.int = ...,
+        node_runs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chrome_trace_json", b"chrome_trace_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chrome_trace_json", b"chrome_trace_json", "node_runs", b"node_runs", "node_runs_total", b"node_runs_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

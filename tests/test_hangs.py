@@ -1,0 +1,114 @@
+"""Hangs made visible: the scheduler's stalls (event by event, no network), then a real cluster
+with a frozen worker (SIGSTOP) as `status`, `host list`, `jobs describe` and the job's log show it
+before and after the hang timeout fails the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, LocalCluster, wait_for
+
+from server.controller.hangs import stall_after
+from server.scheduler import GangScheduler, NodeFinished, NodeSpec, NodeStarted, RunSpec, Submit, Tick
+
+HANG_SCRIPT = REPO / "tests" / "clients" / "hang.py"
+
+
+def spec(rid: int, hosts: list[str], job: str | None = "job-1") -> RunSpec:
+    nodes = tuple(NodeSpec(i, h, "a", (0,), False, (i - 1,) if i else (), f"n{i}") for i, h in enumerate(hosts))
+    return RunSpec(rid, f"p-{rid}", "c1", job, nodes, 0, 1.0, False)
+
+
+def test_stall_threshold_is_a_quarter_of_the_hang_timeout_at_most_5_s() -> None:
+    assert stall_after(8.0) == 2.0
+    assert stall_after(60.0) == 5.0
+    assert stall_after(None) == 5.0
+
+
+def test_a_head_that_never_started_is_a_stall_naming_host_run_and_job() -> None:
+    s = GangScheduler(hang_timeout_s=20.0)
+    s.handle(Submit(spec(1, ["h0", "h1"]), now=0.0))
+    assert s.stalls(now=2.0, after_s=3.0) == []
+    stalls = s.stalls(now=4.0, after_s=3.0)
+    # h0's head (node 0) has not started; h1's head waits on it (a dep), so it is not stuck
+    assert [(x.host, x.run_id, x.node_index, x.job, x.started) for x in stalls] == [("h0", 1, 0, "job-1", False)]
+    assert stalls[0].for_s == pytest.approx(4.0)
+    assert stalls[0].message == "node 0 of program p-1: host h0 has not started it for 4.0 s"
+    # node 0 finished: now node 1 on h1 is the head whose clock starts at its dep's end
+    s.handle(NodeFinished(1, 0, True, "", 0.1, now=5.0))
+    assert [x.host for x in s.stalls(now=7.0, after_s=3.0)] == []
+    assert [(x.host, x.node_index) for x in s.stalls(now=8.5, after_s=3.0)] == [("h1", 1)]
+
+
+def test_a_started_node_counts_as_stalled_only_past_half_the_hang_timeout() -> None:
+    s = GangScheduler(hang_timeout_s=20.0)
+    s.handle(Submit(spec(1, ["h0"]), now=0.0))
+    s.handle(NodeStarted(1, 0, now=1.0))
+    assert s.stalls(now=10.0, after_s=3.0) == []  # a long computation is normal
+    (x,) = s.stalls(now=12.0, after_s=3.0)
+    assert x.started and "started it and it has not finished for 11.0 s" in x.message
+
+
+def test_hang_detection_counts_and_carries_the_job() -> None:
+    s = GangScheduler(hang_timeout_s=5.0)
+    s.handle(Submit(spec(1, ["h0"], job="job-7"), now=0.0))
+    actions = s.handle(Tick(now=6.0))
+    assert actions[0].job == "job-7"  # type: ignore[union-attr]
+    assert s.stats.hangs_detected == 1 and s.stats.runs_failed == 1
+    assert s.stalls(now=7.0, after_s=1.0) == []  # the failed run holds nothing back any more
+
+
+# ------------------------------------------------------------------------------------ a real cluster
+
+
+def queue_stall(c: LocalCluster) -> dict[str, Any] | None:
+    doc = c.pwctl_json("status")
+    for q in doc["queues"]:
+        for e in q["entries"]:
+            if e["stalled_host"]:
+                return dict(e)
+    return None
+
+
+def host_state(c: LocalCluster, name: str) -> str:
+    doc = c.pwctl_json("host", "list")
+    return next(str(h["state"]) for h in doc["items"] if h["name"] == name)
+
+
+@pytest.mark.cluster(islands=2, devices=2, controller_args=["--hang-timeout", "14"], heartbeat_timeout=60)
+def test_a_frozen_worker_shows_in_status_host_list_jobs_and_the_log(cluster: LocalCluster, tmp_path: Path) -> None:
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    r = cluster.pwctl("submit", str(HANG_SCRIPT), "-d", "--", str(workdir))
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    wait_for(lambda: (workdir / "ready").exists(), 90, "the job's program warmed up")
+    cluster.stop_worker("w-b")
+    try:
+        (workdir / "go").write_text("go")
+        # within the hang timeout (14 s): the gang, the host that holds it back, and for how long
+        entry = wait_for(lambda: queue_stall(cluster), 12, "status to show the stuck gang", interval=0.3)
+        assert not (workdir / "failed").exists(), "seen only after the hang timeout"
+        assert entry["stalled_host"] == "w-b" and entry["state"] == "running" and entry["job"] == job
+        assert entry["stalled_s"] >= 3.5  # the stall threshold: a quarter of 14 s
+        assert "host w-b has not started it" in entry["reason"] and "node 0 of program stalls" in entry["reason"]
+        assert host_state(cluster, "w-b") == "stalled" and host_state(cluster, "w-a") == "ready"
+        held = cluster.pwctl_json("jobs", "describe", job)["item"]["held_back"]
+        assert "held back by host w-b" in held, held
+        wait_for(lambda: (workdir / "failed").exists(), 30, "the hang timeout to fail the run")
+        doc = cluster.pwctl_json("jobs", "describe", job)["item"]
+        assert doc["last_hang"].startswith("hang detected: node 0 of program stalls: host w-b"), doc
+        assert queue_stall(cluster) is None
+        log = cluster.pwctl("logs", job)
+        assert log.returncode == 0 and "[pathways controller] hang detected: node 0 of program stalls" in log.stdout
+    finally:
+        cluster.cont_worker("w-b")
+    wait_for(lambda: host_state(cluster, "w-b") == "ready", 20, "w-b ready again")
+    (workdir / "go2").write_text("go")
+    final = cluster.pwctl("wait", job, timeout=90)
+    assert final.returncode == 0, final.stderr
+    out = json.loads(cluster.pwctl("logs", job).stdout.strip().splitlines()[-1])
+    assert "hang detected" in out["hung"] and out["after"] == [6.0, 6.0]

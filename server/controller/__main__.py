@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from .. import paths
-from .app import configure_logging, serve
+from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
 
@@ -29,15 +29,24 @@ def main() -> None:
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--require-token", action="store_true",
-                   help="require the token even on a loopback address (always required beyond loopback)")
+                   help="require the token even on a loopback address, for gRPC and metrics scrapes alike "
+                        "(always required beyond loopback)")
     p.add_argument("--job-log-max-mb", type=int, default=DEFAULT_LOG_MAX_MB,
                    help=f"output kept per job (default {DEFAULT_LOG_MAX_MB} MiB): its log rotates at half of "
                         "that and older output is dropped; `pwctl logs` says when it was")
+    p.add_argument("--metrics-listen", default=DEFAULT_METRICS_LISTEN,
+                   help="HOST:PORT of the Prometheus metrics endpoint (default %(default)s; port 0 picks a free one; "
+                        "'off' disables it); beyond loopback a scrape needs the cluster token as a bearer token")
     ns = p.parse_args()
     if ns.window < 1:
         p.error("--window must be at least 1")
     if ns.job_log_max_mb < 1:
         p.error("--job-log-max-mb must be at least 1")
+    if ns.metrics_listen.strip() not in ("", "off"):
+        try:
+            paths.split_address(ns.metrics_listen.strip())
+        except ValueError as e:
+            p.error(f"--metrics-listen: {e} (or 'off')")
     configure_logging(ns.log_level)
     config = ControllerConfig(
         listen=ns.listen,
@@ -50,6 +59,7 @@ def main() -> None:
         window=ns.window,
         require_token=ns.require_token,
         job_log_max_mb=ns.job_log_max_mb,
+        metrics_listen=ns.metrics_listen,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -21,6 +21,8 @@ from ..health import Health
 from ..proxy.cluster_backend import ControllerBackend, Controls
 from ..proxy.service import LazyProxyHandler, ProxyService, is_proxy_method
 from .core import Controller, ControllerConfig
+from .metrics import DEFAULT_LISTEN as DEFAULT_METRICS_LISTEN
+from .metrics import ControllerCollector, MetricsServer
 from .servicer import ControllerServicer
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     if bound == 0:
         raise SystemExit(f"cannot listen on {config.listen}: address in use or not available")
     core.address = f"{host}:{bound}"
+    metrics = await start_metrics(core, config)  # before start(): an address that is taken ends it here
     await core.start()
     await server.start()
     await health.serving()
@@ -92,6 +95,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         log.info("controller shutting down")
         await health.shutting_down()
         core.end_streams()
+        if metrics is not None:
+            await metrics.stop()
         await server.stop(grace=1.0)
         await core.stop()
         if pid_file is not None and pid_file.exists():
@@ -100,6 +105,36 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
                     pid_file.unlink()
             except (OSError, ValueError):
                 pass
+
+
+async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsServer | None:
+    """Serves the Prometheus endpoint (None when off). Beyond loopback, or with `--require-token`,
+    scrapes need the cluster token. The default address falls back to a free port when 9464 is
+    taken (several controllers on one machine); an address given explicitly must be free."""
+    listen = config.metrics_listen.strip()
+    if not listen or listen == "off":
+        return None
+    try:
+        host, port = paths.split_address(listen)
+    except ValueError as e:
+        raise SystemExit(f"--metrics-listen: {e} (or 'off')") from None
+    token = None
+    if config.require_token or not paths.is_loopback(host):
+        token = config.token = config.token or load_or_create_token()
+    collector = ControllerCollector(core.cluster, core.observer, core.scheduler, core.jobs.jobs, core.hangs,
+                                    core.slice_count, dispatch=core.dispatch, policy=config.policy)
+    metrics = MetricsServer(collector, token)
+    try:
+        bound = await metrics.start(host, port)
+    except OSError as e:
+        if listen != DEFAULT_METRICS_LISTEN:
+            raise SystemExit(f"cannot serve metrics on {listen}: {e.strerror or e}") from None
+        log.warning("metrics: %s is taken (%s); serving them on a free port instead", listen, e.strerror or e)
+        bound = await metrics.start(host, 0)
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    core.metrics_url = f"http://{shown}:{bound}/metrics"
+    log.info("metrics at %s%s", core.metrics_url, " (bearer token required)" if token else "")
+    return metrics
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -1,0 +1,140 @@
+"""The Prometheus endpoint: scraped from a real controller before and after a program ran, the
+bearer token check, the address flag, and the Grafana dashboard against the metrics served."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO, LocalCluster, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+DASHBOARD = REPO / "deploy" / "grafana" / "pathways.json"
+DOC = REPO / "docs" / "metrics.md"
+
+CLIENT = textwrap.dedent("""
+    import numpy as np
+    import pwctl as pw
+
+    s = pw.make_virtual_device_set().add_slice(2, island="a")
+    f = pw.pmap(lambda x: x * 2.0, s.devices)
+    g = pw.pmap(lambda x: x + 1.0, s.devices)
+
+    @pw.program
+    def step(x):
+        return g(f(x))
+
+    x = np.ones((2, 4), np.float32)
+    for _ in range(20):
+        z = step(x)
+    assert float(np.asarray(z.result())[0, 0]) == 3.0
+    print("done", flush=True)
+""")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, token: str | None = None) -> Samples:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def status_of(url: str, headers: dict[str, str] | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def metrics_url(c: LocalCluster) -> str:
+    with c.client() as client:
+        url = client.info().metrics_url
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), url
+    return url
+
+
+@pytest.mark.cluster(islands=2, devices=2, controller_args=["--metrics-listen", "127.0.0.1:0"])
+def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: LocalCluster) -> None:
+    url = metrics_url(cluster)
+    before = scrape(url)
+    assert value(before, "pathways_hosts", island="a", state="ready") == 1
+    assert value(before, "pathways_hosts", island="b", state="stalled") == 0
+    assert value(before, "pathways_devices", island="b", state="available") == 2
+    assert value(before, "pathways_runs_total", outcome="ok") == 0
+    assert value(before, "pathways_run_latency_seconds_count") == 0
+    assert value(before, "pathways_jobs", state="running") == 0
+    info = next(k for k in before if k[0] == "pathways_info")
+    assert dict(info[1])["dispatch"] == "parallel" and dict(info[1])["policy"] == "fifo"
+
+    r = subprocess.run([sys.executable, "-c", CLIENT], env=cluster.env(), cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
+
+    def finished(s: Samples) -> float:
+        return value(s, "pathways_runs_total", outcome="ok") + value(s, "pathways_runs_total", outcome="failed")
+
+    def reported() -> Samples | None:  # workers report node events in batches, off the hot path
+        s = scrape(url)
+        return s if value(s, "pathways_computations_total") >= 40 and finished(s) >= 20 else None
+
+    after = wait_for(reported, 30, "the computations and runs to be counted")
+    # a client that exits right after its last fetch cancels runs whose reports are still on their
+    # way: those count as failed; most finish ok
+    runs = finished(after)
+    assert value(after, "pathways_runs_total", outcome="ok") >= 10
+    assert value(after, "pathways_run_latency_seconds_count") == runs
+    assert value(after, "pathways_admission_wait_seconds_count") == runs
+    assert value(after, "pathways_run_latency_seconds_bucket", le="+Inf") == runs
+    assert value(after, "pathways_run_latency_seconds_sum") > 0
+    assert value(after, "pathways_queue_runs", island="a", state="waiting") == 0
+    assert value(after, "pathways_hangs_detected_total") == 0
+    assert value(after, "pathways_slices") == 0  # the client's slice went with it
+    assert value(after, "pathways_uptime_seconds") > value(before, "pathways_uptime_seconds")
+
+    # the dashboard asks only for what is served
+    served = {name for name, _ in after}
+    used = set(re.findall(r"\bpathways_[a-z_]+", json.dumps(json.loads(DASHBOARD.read_text()))))
+    assert used and used <= served, sorted(used - served)
+    # and the documentation's table names every family served
+    families = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in served}
+    documented = set(re.findall(r"`(pathways_[a-z_]+)`", DOC.read_text()))
+    assert families <= documented, sorted(families - documented)
+    assert status_of(url.replace("/metrics", "/nothing")) == 404
+
+
+@pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token", "--metrics-listen", "127.0.0.1:0"])
+def test_with_a_token_required_a_scrape_needs_it_as_a_bearer_token(cluster: LocalCluster) -> None:
+    url = metrics_url(cluster)
+    token = cluster.token
+    assert token
+    assert status_of(url) == 401
+    assert status_of(url, {"Authorization": "Bearer wrong"}) == 401
+    assert status_of(url, {"Authorization": token}) == 401  # the scheme is part of it
+    assert value(scrape(url, token), "pathways_hosts", island="a", state="ready") == 1
+    assert "metrics scrape refused: missing bearer token" in cluster.controller_logs()
+    assert "Traceback" not in cluster.controller_logs()
+
+
+def test_metrics_flag_errors_are_one_line(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "server.controller", "--listen", "127.0.0.1:0",
+            "--db", f"sqlite:///{tmp_path / 'db.sqlite'}"]
+    r = subprocess.run([*base, "--metrics-listen", "nowhere"], capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    assert r.returncode == 2 and "--metrics-listen: invalid address 'nowhere'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -10,6 +10,7 @@ from .. import paths
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
+from .trace_store import DEFAULT_RETENTION_BYTES, parse_size
 
 
 def main() -> None:
@@ -37,7 +38,14 @@ def main() -> None:
     p.add_argument("--metrics-listen", default=DEFAULT_METRICS_LISTEN,
                    help="HOST:PORT of the Prometheus metrics endpoint (default %(default)s; port 0 picks a free one; "
                         "'off' disables it); beyond loopback a scrape needs the cluster token as a bearer token")
+    p.add_argument("--trace-retention", default=f"{DEFAULT_RETENTION_BYTES // 2**20}MiB",
+                   help="how much of the finished node runs to keep on disk for `pwctl trace` (in DATA_DIR/traces; "
+                        "default %(default)s, the oldest go first; 0 keeps only the last 20,000 in memory)")
     ns = p.parse_args()
+    try:
+        trace_retention = parse_size(ns.trace_retention)
+    except ValueError as e:
+        p.error(f"--trace-retention: {e}")
     if ns.window < 1:
         p.error("--window must be at least 1")
     if ns.job_log_max_mb < 1:
@@ -60,6 +68,7 @@ def main() -> None:
         require_token=ns.require_token,
         job_log_max_mb=ns.job_log_max_mb,
         metrics_listen=ns.metrics_listen,
+        trace_retention=trace_retention,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

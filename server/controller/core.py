@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from .. import paths
 from ..db.engine import make_engine, session_factory
 from ..db.writer import DbWriter
 from ..scheduler import GangScheduler, Policy
@@ -25,6 +26,7 @@ from .observe import Observer
 from .programs import ProgramRegistry
 from .sessions import SessionManager
 from .slices import SliceService
+from .trace_store import DEFAULT_RETENTION_BYTES, TraceStore
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class ControllerConfig:
     require_token: bool = False  # also on loopback (tests check rejection without a public address)
     job_log_max_mb: int = DEFAULT_LOG_MAX_MB  # output kept per job (rotated; older output dropped)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" or "off": none
+    trace_retention: int = DEFAULT_RETENTION_BYTES  # bytes of node runs kept for traces on disk; 0: none
 
 
 class Controller:
@@ -77,8 +80,9 @@ class Controller:
                                log_max_mb=config.job_log_max_mb)
         self.hangs = HangReporter(self.scheduler, self.cluster.hosts, config.heartbeat_interval,
                                   self.jobs.log_path)
+        store = TraceStore(paths.data_dir() / "traces", config.trace_retention) if config.trace_retention else None
         self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
-                                 jobs=self.jobs.list, hangs=self.hangs)
+                                 jobs=self.jobs.list, hangs=self.hangs, store=store)
         # the slices first: the dispatcher's placements and the clients' notices read them
         self.cluster.on_host_up += [self.slices.host_up, self.dispatcher.host_up]
         self.cluster.on_host_lost += [self.slices.host_lost, self.dispatcher.host_lost, self.observer.host_lost]
@@ -101,12 +105,14 @@ class Controller:
         self.jobs.load()  # after the slices: releases what jobs of a crashed controller owned
         self.spawn(self.cluster.monitor())
         self.spawn(self._ticker())
+        self.spawn(self.observer.persist())
 
     async def stop(self) -> None:
         await self.jobs.stop()  # before the tasks go: the job watchers record how drivers ended
         for task in list(self._tasks):
             task.cancel()
         self.cluster.flush_heartbeats()
+        self.observer.flush()
         if not await asyncio.to_thread(self.writer.close, WRITER_DRAIN_S):  # runs every write queued so far
             log.error("the database writer did not finish its queue within %g s; the rest is lost", WRITER_DRAIN_S)
         self.engine.dispose()

@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ from ..timeutil import now_iso
 from .cluster import READY, Cluster, device_state
 from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
-from .trace import DeviceKey, NodeRun, TraceBuilder, chrome_trace
+from .trace import DeviceKey, NodeRun, TraceBuilder, _Ring, chrome_trace
+from .trace_store import FLUSH_INTERVAL_S, Segment, TraceStore
 
 if TYPE_CHECKING:
     from ..scheduler import GangScheduler
@@ -56,6 +56,7 @@ BUCKET_S = 0.1
 MIN_WATCH_INTERVAL_S = 0.1
 SNAPSHOT_REUSE_S = 0.05  # watchers asking within this long share one snapshot
 RECENT_JOBS = 20
+MAX_TRACE_RUNS = 200_000  # node runs in one trace without --last (the newest; ~40 MB of JSON)
 
 
 
@@ -143,64 +144,16 @@ class DeviceActivity:
         return min(1.0, busy / self.busy.span_ns(now_ns))
 
 
-class _Ring:
-    """The last `size` finished node runs, stored column by column: the integers in one array,
-    the strings and device tuples as references to objects shared with the run's program,
-    session and plan (~0.12 KiB a record; as `NodeRun` objects with their integers and an
-    index by job and program they took ~0.5 KiB). Records become `NodeRun`s when read."""
-
-    REFS = ("host", "island", "devices", "program_id", "program", "job", "client", "label", "error")
-    INTS = ("run_id", "segment", "size", "seq", "start_ns", "end_ns", "ok")
-    PROGRAM_ID, PROGRAM, JOB = REFS.index("program_id"), REFS.index("program"), REFS.index("job")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.count = 0  # records ever appended: record p is at slot p % size while p >= count - size
-        self._refs: list[Any] = [None] * (len(self.REFS) * size)
-        self._ints = array("q", bytes(8 * len(self.INTS) * size))
-        self._devices: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per device set
-
-    def append(self, refs: tuple[Any, ...], ints: tuple[int, ...]) -> None:
-        slot = self.count % self.size
-        nr, ni = len(self.REFS), len(self.INTS)
-        self._refs[slot * nr:(slot + 1) * nr] = refs
-        self._ints[slot * ni:(slot + 1) * ni] = array("q", ints)
-        self.count += 1
-
-    def shared_devices(self, devices: tuple[int, ...]) -> tuple[int, ...]:
-        d = self._devices.get(devices)
-        if d is None:
-            if len(self._devices) >= 4096:
-                return devices
-            d = self._devices[devices] = devices
-        return d
-
-    def slots(self) -> list[int]:
-        """Slots holding records, oldest first."""
-        if self.count <= self.size:
-            return list(range(self.count))
-        head = self.count % self.size
-        return list(range(head, self.size)) + list(range(head))
-
-    def column(self, field: int) -> list[Any]:
-        """One reference column, by slot (`REFS[field]`)."""
-        return self._refs[field::len(self.REFS)]
-
-    def record(self, slot: int) -> NodeRun:
-        r, b = self._refs, slot * len(self.REFS)
-        i, k = self._ints, slot * len(self.INTS)
-        return NodeRun(r[b], r[b + 1], r[b + 2], i[k], i[k + 1], i[k + 2], i[k + 3], r[b + 3], r[b + 4], r[b + 5],
-                       r[b + 6], r[b + 7], i[k + 4], i[k + 5], bool(i[k + 6]), r[b + 8])
-
-
 class Observer:
     """Live status (`Watch`) and traces (`GetTrace`) from node events; see the module doc."""
 
     def __init__(self, cluster: Cluster, ring_size: int = RING_SIZE, *, scheduler: GangScheduler | None = None,
                  slices: Callable[[], list[cpb.Slice]] | None = None,
-                 jobs: Callable[[], list[cpb.Job]] | None = None, hangs: HangReporter | None = None) -> None:
+                 jobs: Callable[[], list[cpb.Job]] | None = None, hangs: HangReporter | None = None,
+                 store: TraceStore | None = None) -> None:
         """`cluster` names hosts and devices; the status view also shows the scheduler's queues,
-        the slices and the jobs (each empty when not given), and the gangs `hangs` finds held back."""
+        the slices and the jobs (each empty when not given), and the gangs `hangs` finds held back;
+        traces outlast the ring in `store` when given."""
         self.cluster = cluster
         self.hangs = hangs
         self.scheduler = scheduler
@@ -208,6 +161,8 @@ class Observer:
         self.jobs = jobs
         self.ring_size = ring_size
         self._ring = _Ring(ring_size)
+        self.store = store
+        self._written = 0  # ring position up to which records went to the store
         self.devices: dict[DeviceKey, DeviceActivity] = {}
         self._rate = BucketWindow(RATE_WINDOW_S)
         self.computations_total = 0
@@ -355,17 +310,62 @@ class Observer:
             await asyncio.sleep(max(0.0, next_at - loop.time()))
 
     # ------------------------------------------------------------------ traces
-    def select(self, job: str = "", program: str = "") -> list[NodeRun]:
-        """Records of a job (id or unique prefix) and/or a program (id, name, or a unique
-        prefix of either); everything kept when both are empty. Raises NotFound."""
+    def unwritten(self) -> tuple[list[Any], list[int], int] | None:
+        """The ring's records not yet given to the store, as (refs, ints, end position): two
+        slices of its columns at most (a copy in C, no Python per record). Records the ring
+        overwrote before a flush are gone (more than `ring_size` in one flush interval)."""
         ring = self._ring
-        slots = ring.slots()
-        kept = f"(only the last {self.ring_size} node runs are kept)"
+        start, end = max(self._written, ring.count - ring.size), ring.count
+        if start >= end:
+            return None
+        return (*ring.columns(start, end), end)
+
+    def written(self, end: int) -> None:
+        """The records before ring position `end` are in the store (or could not be kept)."""
+        self._written = max(self._written, end)
+
+    async def persist(self, interval_s: float = FLUSH_INTERVAL_S) -> None:
+        """Background task: every `interval_s`, the new records go to the store as one segment,
+        written by a worker thread. Runs until cancelled; `flush` writes the rest at stop."""
+        store = self.store
+        if store is None:
+            return
+        while True:
+            await asyncio.sleep(interval_s)
+            cols = self.unwritten()
+            if cols is None:
+                continue
+            refs, ints, end = cols
+            seg = await asyncio.to_thread(store.write_file, refs, ints)
+            if seg is not None:
+                store.add(seg)  # on the loop, with `written`: a trace sees each record once
+            self.written(end)
+
+    def flush(self) -> None:
+        """Writes the records not yet kept, now (the controller stopping)."""
+        cols = self.unwritten() if self.store is not None else None
+        if self.store is not None and cols is not None:
+            seg = self.store.write_file(cols[0], cols[1])
+            if seg is not None:
+                self.store.add(seg)
+            self.written(cols[2])
+
+    def _query(self, job: str, program: str) -> tuple[str, set[str] | None, list[Segment], list[NodeRun]]:
+        """On the loop, in one step: the job id and program ids selected, the store's segments
+        that may hold them and the matching records only the ring has. Raises NotFound."""
+        ring, store = self._ring, self.store
+        kept = (f"(node runs are kept up to {store.retention_bytes / 2**20:g} MiB, the oldest go first)"
+                if store is not None else f"(only the last {self.ring_size} node runs are kept)")
+        first = max(self._written, ring.count - ring.size) if store is not None else ring.count - ring.size
+        slots = [p % ring.size for p in range(max(0, first), ring.count)]
+        jid, pids = "", None
         if job:
             jobs = ring.column(ring.JOB)
-            jid = _resolve(job, sorted({j for j in jobs if j}), "job")
-            if jid is None:
+            known = {j for j in jobs if j} | (store.job_ids() if store is not None else set())
+            found = _resolve(job, sorted(known), "job")
+            if found is None:
                 raise NotFound(f"no events recorded for job {job!r} {kept}")
+            jid = found
             slots = [s for s in slots if jobs[s] == jid]
         if program:
             pids = self._program_ids(program)
@@ -373,17 +373,37 @@ class Observer:
                 raise NotFound(f"no events recorded for program {program!r} {kept}")
             ids = ring.column(ring.PROGRAM_ID)
             slots = [s for s in slots if ids[s] in pids]
-        if not slots:
+        segs = store.select(jid, pids) if store is not None else []
+        return jid, pids, segs, [ring.record(s) for s in slots]
+
+    def _window(self, job: str, program: str, records: list[NodeRun], since_ns: int,
+                last: int) -> tuple[list[NodeRun], int]:
+        """The records of the window asked for (ended at or after `since_ns`; the last `last`,
+        or at most `MAX_TRACE_RUNS`), and how many the selection had in all."""
+        total = len(records)
+        if not records:
             what = " and ".join(f"{k} {v!r}" for k, v in (("job", job), ("program", program)) if v)
-            raise NotFound(f"no events recorded{' for ' + what if what else ''} {kept}")
-        return [ring.record(s) for s in slots]
+            raise NotFound(f"no events recorded{' for ' + what if what else ''}")
+        if since_ns:
+            records = [r for r in records if r.end_ns >= since_ns]
+        records.sort(key=lambda r: r.end_ns)
+        keep = min(last, MAX_TRACE_RUNS) if last > 0 else MAX_TRACE_RUNS
+        return records[-keep:], total
+
+    def select(self, job: str = "", program: str = "", since_ns: int = 0, last: int = 0) -> list[NodeRun]:
+        """Records of a job (id or unique prefix) and/or a program (id, name, or a unique
+        prefix of either), kept in the store or still in the ring; everything kept when both
+        are empty; windowed by `since_ns`/`last` (see `_window`). Raises NotFound."""
+        jid, pids, segs, recent = self._query(job, program)
+        return self._window(job, program, TraceStore.read(segs, jid, pids) + recent, since_ns, last)[0]
 
     def _program_ids(self, name: str) -> set[str]:
         """Program ids `name` selects: an id, a name (every signature registered under it),
         a unique prefix of an id, or else of a name."""
         ring = self._ring
-        names = {pid: n for pid, n in zip(ring.column(ring.PROGRAM_ID), ring.column(ring.PROGRAM), strict=True)
-                 if pid}
+        names = self.store.program_names() if self.store is not None else {}
+        names.update({pid: n for pid, n in zip(ring.column(ring.PROGRAM_ID), ring.column(ring.PROGRAM), strict=True)
+                      if pid})
         if name in names:
             return {name}
         by_name = {p for p, n in names.items() if n == name}
@@ -395,14 +415,27 @@ class Observer:
         full = _resolve(name, sorted({n for n in names.values() if n}), "program")
         return {p for p, n in names.items() if full is not None and n == full}
 
-    def trace(self, job: str = "", program: str = "") -> str:
+    def trace(self, job: str = "", program: str = "", since_ns: int = 0, last: int = 0) -> str:
         """The Chrome trace JSON of the selected node runs (see `TraceBuilder`)."""
-        return json.dumps(chrome_trace(self.select(job, program), self._device_ids()), separators=(",", ":"))
+        records = self.select(job, program, since_ns, last)
+        return json.dumps(chrome_trace(records, self._device_ids()), separators=(",", ":"))
 
     async def trace_async(self, job: str = "", program: str = "") -> str:
-        """`trace`, encoded in chunks between which the event loop runs: a trace of the whole
-        ring takes seconds to encode, and the dispatcher must not stall meanwhile."""
-        return await TraceBuilder(self.select(job, program), self._device_ids()).encode()
+        """`trace`, built without stalling the event loop (see `trace_window`)."""
+        return (await self.trace_window(job, program))[0]
+
+    async def trace_window(self, job: str = "", program: str = "", since_ns: int = 0,
+                           last: int = 0) -> tuple[str, int, int]:
+        """`trace` as (JSON, node runs selected in all, node runs in it): the store's segments
+        read and windowed in a worker thread, the JSON encoded in chunks between which the
+        event loop runs (a big trace takes seconds, and the dispatcher must not stall)."""
+        jid, pids, segs, recent = self._query(job, program)
+
+        def window() -> tuple[list[NodeRun], int]:
+            return self._window(job, program, TraceStore.read(segs, jid, pids) + recent, since_ns, last)
+
+        records, total = await asyncio.to_thread(window)
+        return await TraceBuilder(records, self._device_ids()).encode(), total, len(records)
 
     def _device_ids(self) -> dict[DeviceKey, int]:
         return {(h.name, i): d for h in self.cluster.hosts.values() for i, d in enumerate(h.device_ids)}

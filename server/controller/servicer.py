@@ -24,7 +24,7 @@ from .. import __version__
 from ..db.engine import redact
 from ..invariants import InvariantError
 from .core import Controller
-from .errors import ControllerError
+from .errors import ControllerError, InvalidArgument
 from .links import WorkerLink
 
 T = TypeVar("T")
@@ -237,4 +237,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
 
     @_guard
     async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
-        return cpb.TraceResponse(chrome_trace_json=await self.core.observer.trace_async(request.job, request.program))
+        if request.last < 0 or request.since_unix_ns < 0:
+            raise InvalidArgument("last and since must not be negative")
+        text, total, n = await self.core.observer.trace_window(request.job, request.program, request.since_unix_ns,
+                                                               request.last)
+        return cpb.TraceResponse(chrome_trace_json=text, node_runs_total=total, node_runs=n)

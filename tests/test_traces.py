@@ -1,0 +1,161 @@
+"""Traces that last: node runs written to segment files beyond the observer's ring, read back
+per job and program, windowed (`since`, `last`), bounded by the retention, and still there after
+a controller restart (a real cluster)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import REPO, LocalCluster, wait_for
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from server.controller.errors import NotFound
+from server.controller.observe import Observer
+from server.controller.trace_store import TraceStore, parse_size
+
+S = 1_000_000_000
+
+
+@dataclass
+class FakeHost:
+    name: str
+    island: str
+    device_ids: list[int]
+    state: str = "ready"
+
+
+@dataclass
+class FakeCluster:
+    hosts: dict[str, FakeHost] = field(default_factory=lambda: {"h0": FakeHost("h0", "a", [10, 11])})
+    islands: dict[str, Any] = field(default_factory=dict)
+
+
+def fake_run(run_id: int, program: str, job: str) -> Any:
+    session = SimpleNamespace(client_id="c-1", job_id=job, owner=f"job:{job}")
+    segment = SimpleNamespace(spec=SimpleNamespace(label=f"{program}/0 f"), size=1)
+    return SimpleNamespace(run_id=run_id, session=session, plan=SimpleNamespace(segments=[segment]),
+                           program=SimpleNamespace(name=program, program_id=f"id-{program}"))
+
+
+class Feeder:
+    """Finished node runs, one per run, 1 ms apart, on device 0 of h0."""
+
+    def __init__(self, obs: Observer) -> None:
+        self.obs = obs
+        self.run_id = 0
+        self.t = 1000 * S
+
+    def runs(self, n: int, program: str, job: str) -> list[int]:
+        ends = []
+        for _ in range(n):
+            self.run_id += 1
+            ev = cpb.NodeEvent(run_id=self.run_id, segment=0, seq=self.run_id, start_ns=self.t,
+                               end_ns=self.t + S // 1000, ok=True, local_devices=[0])
+            self.obs.on_node_event("h0", ev, fake_run(self.run_id, program, job))
+            self.t += S // 1000
+            ends.append(self.t)
+        return ends
+
+
+def observer(directory: Path, ring: int = 50, retention: int = 2**30) -> Observer:
+    return Observer(FakeCluster(), ring_size=ring, store=TraceStore(directory, retention))  # type: ignore[arg-type]
+
+
+def test_a_jobs_trace_outlasts_the_ring_and_is_windowed(tmp_path: Path) -> None:
+    obs = observer(tmp_path)
+    feed = Feeder(obs)
+    ends_a = feed.runs(30, "pa", "job-a")
+    obs.flush()
+    for _ in range(5):  # 200 node runs of another job: the ring (50) holds none of job-a's any more
+        feed.runs(40, "pb", "job-b")
+        obs.flush()
+    feed.runs(10, "pb", "job-b")  # still only in the ring
+    assert {r.job for r in obs.records()} == {"job-b"}
+    a = obs.select(job="job-a")
+    assert [r.run_id for r in a] == list(range(1, 31)) and a[0].program == "pa" and a[0].devices == (0,)
+    assert len(obs.select(job="job-b")) == 210  # the ring's unwritten 10 and the store's 200, each once
+    assert len(obs.select(program="pb")) == 210
+    assert [r.run_id for r in obs.select(job="job-a", last=5)] == [26, 27, 28, 29, 30]
+    assert [r.run_id for r in obs.select(job="job-a", since_ns=ends_a[-4])] == [27, 28, 29, 30]
+    doc = json.loads(obs.trace(job="job-a", last=7))
+    assert len([e for e in doc["traceEvents"] if e["ph"] == "X"]) == 7
+
+
+def test_the_store_outlives_the_controller_and_keeps_to_its_retention(tmp_path: Path) -> None:
+    obs = observer(tmp_path)
+    feed = Feeder(obs)
+    feed.runs(20, "pa", "job-a")
+    obs.flush()
+    one = obs.store.nbytes if obs.store is not None else 0
+    # a new controller on the same data directory
+    again = observer(tmp_path)
+    assert [r.run_id for r in again.select(job="job-a")] == list(range(1, 21))
+    assert len(again.select(program="pa")) == 20
+    # a retention of about three segments: the oldest go first
+    small = observer(tmp_path, retention=3 * one + one // 2)
+    feed = Feeder(small)
+    feed.run_id = 100
+    for _ in range(4):
+        feed.runs(20, "pb", "job-b")
+        small.flush()
+    assert small.store is not None and len(small.store.segments) == 3 and small.store.nbytes <= 3.5 * one
+    assert len(list(tmp_path.glob("*.trace"))) == 3
+    with pytest.raises(NotFound, match="job 'job-a'"):
+        small.select(job="job-a")
+    assert len(small.select(job="job-b")) == 60
+
+
+def test_unreadable_segments_are_dropped_and_sizes_parse(tmp_path: Path) -> None:
+    (tmp_path / "000000000001.trace").write_text("not json\n")
+    store = TraceStore(tmp_path)
+    assert store.segments == [] and not (tmp_path / "000000000001.trace").exists()
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("2GB") == 2 * 10**9 and parse_size("0") == 0
+    with pytest.raises(ValueError, match="invalid size 'lots'"):
+        parse_size("lots")
+
+
+CLIENT = textwrap.dedent("""
+    import numpy as np
+    import pwctl as pw
+
+    s = pw.make_virtual_device_set().add_slice(2, island="a")
+    f = pw.pmap(lambda x: x * 2.0, s.devices)
+
+    @pw.program
+    def lasting(x):
+        return f(x)
+
+    x = np.ones((2, 4), np.float32)
+    for _ in range(12):
+        z = lasting(x)
+    z.result()
+    print("done", flush=True)
+""")
+
+
+def get_trace(c: LocalCluster, **kw: Any) -> cpb.TraceResponse:
+    with c.client() as client:
+        resp: cpb.TraceResponse = client.call(client.stub.GetTrace, cpb.GetTraceRequest(**kw))
+        return resp
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalCluster) -> None:
+    r = subprocess.run([sys.executable, "-c", CLIENT], env=cluster.env(), cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
+    wait_for(lambda: list((cluster.home / "traces").glob("*.trace")), 30, "a trace segment written")
+    wait_for(lambda: get_trace(cluster, program="lasting").node_runs_total >= 12, 30, "every run kept")
+    cluster.restart_controller()
+    resp = get_trace(cluster, program="lasting", last=3)
+    assert resp.node_runs == 3 and resp.node_runs_total >= 12
+    events = [e for e in json.loads(resp.chrome_trace_json)["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["program"] for e in events} == {"lasting"} and len({e["args"]["run_id"] for e in events}) == 3

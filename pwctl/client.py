@@ -132,3 +132,10 @@ class Client:
     def trace(self, job: str = "", program: str = "") -> str:
         return self._read(self._stub.GetTrace, cpb.GetTraceRequest(job=job, program=program)).chrome_trace_json
 
+    def trace_window(self, job: str = "", program: str = "", since_unix_ns: int = 0,
+                     last: int = 0) -> cpb.TraceResponse:
+        """A trace of the node runs that ended since `since_unix_ns` (0: any), the last `last` (0: all
+        the controller returns); the answer also says how many the selection had in all."""
+        return self._read(self._stub.GetTrace, cpb.GetTraceRequest(job=job, program=program,
+                                                                   since_unix_ns=since_unix_ns, last=last))
+

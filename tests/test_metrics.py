@@ -11,6 +11,7 @@ import textwrap
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
@@ -63,8 +64,9 @@ def status_of(url: str, headers: dict[str, str] | None = None) -> int:
 
 
 def metrics_url(c: LocalCluster) -> str:
-    with c.client() as client:
-        url = client.info().metrics_url
+    """Where `pwctl server info -o json` says the metrics are."""
+    info = c.pwctl_json("server", "info")["item"]
+    url = str(info["metrics_url"])
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), url
     return url
 
@@ -116,6 +118,10 @@ def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: Loca
     documented = set(re.findall(r"`(pathways_[a-z_]+)`", DOC.read_text()))
     assert families <= documented, sorted(families - documented)
     assert status_of(url.replace("/metrics", "/nothing")) == 404
+    info = cluster.pwctl_json("server", "info")["item"]
+    assert info["policy"] == "fifo" and info["jobs"] == 0 and info["jobs_total"] == 0
+    table = cluster.pwctl("server", "info").stdout
+    assert url in table and "fifo" in table
 
 
 @pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token", "--metrics-listen", "127.0.0.1:0"])
@@ -138,3 +144,9 @@ def test_metrics_flag_errors_are_one_line(tmp_path: Path) -> None:
                        cwd=REPO)
     assert r.returncode == 2 and "--metrics-listen: invalid address 'nowhere'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_metrics_off_shows_in_server_info(make_cluster: Any) -> None:
+    c = make_cluster(islands=1, devices=1, controller_args=["--metrics-listen", "off"])
+    assert c.pwctl_json("server", "info")["item"]["metrics_url"] == ""
+    assert re.search(r"^metrics\s+off\s*$", c.pwctl("server", "info").stdout, re.M)

@@ -143,12 +143,11 @@ CLIENT = textwrap.dedent("""
 
 def get_trace(c: LocalCluster, **kw: Any) -> cpb.TraceResponse:
     with c.client() as client:
-        resp: cpb.TraceResponse = client.call(client.stub.GetTrace, cpb.GetTraceRequest(**kw))
-        return resp
+        return client.trace_window(**kw)
 
 
 @pytest.mark.cluster(islands=1, devices=2)
-def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalCluster) -> None:
+def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalCluster, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", CLIENT], env=cluster.env(), cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
@@ -159,3 +158,15 @@ def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalClus
     assert resp.node_runs == 3 and resp.node_runs_total >= 12
     events = [e for e in json.loads(resp.chrome_trace_json)["traceEvents"] if e["ph"] == "X"]
     assert {e["args"]["program"] for e in events} == {"lasting"} and len({e["args"]["run_id"] for e in events}) == 3
+    # the CLI: --last N gives N, and says what the window left out; --since a window in time
+    out = tmp_path / "t.json"
+    r = cluster.pwctl("trace", "lasting", "--last", "4", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["otherData"]["node_runs"] == 4
+    assert f"the window holds 4 of the {resp.node_runs_total} node runs kept" in r.stderr
+    r = cluster.pwctl("trace", "lasting", "--since", "1h", "-o", str(out))
+    assert r.returncode == 0 and json.loads(out.read_text())["otherData"]["node_runs"] == resp.node_runs_total
+    r = cluster.pwctl("trace", "lasting", "--since", "2200-01-01T00:00:00Z", "-o", str(out))
+    assert r.returncode == 0 and json.loads(out.read_text())["otherData"]["node_runs"] == 0
+    r = cluster.pwctl("trace", "lasting", "--since", "yesterday")
+    assert r.returncode == 2 and "neither a duration" in r.stderr and "Traceback" not in r.stderr

@@ -105,8 +105,9 @@ def _render(v: ServerInfoView) -> None:
     for key, value in [
         ("version", v.version), ("address", v.address), ("database", v.database), ("pid", str(v.pid)),
         ("started", v.started_at), ("uptime", _duration(v.uptime_s)), ("dispatch", v.dispatch),
-        ("islands", str(v.islands)), ("hosts", str(v.hosts)), ("devices", str(v.devices)),
-        ("slices", str(v.slices)), ("jobs", str(v.jobs)),
+        ("policy", v.policy), ("islands", str(v.islands)), ("hosts", str(v.hosts)), ("devices", str(v.devices)),
+        ("slices", str(v.slices)), ("jobs", f"{v.jobs_total} ({v.jobs} pending or running)"),
+        ("metrics", v.metrics_url or "off"),
     ]:
         table.add_row(key, value)
     stdout().print(table)

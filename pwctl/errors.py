@@ -29,6 +29,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_REJECTED = 4
+EXIT_TIMEOUT = 124  # `wait --timeout` expired, as timeout(1) exits
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 class PathwaysError(Exception):

@@ -101,7 +101,7 @@ def test_create_list_describe_delete(lc: LocalCluster) -> None:
         (["--devices", "-1"], 2, "devices must be positive"),
         (["--devices", "3", "--mesh", "2x2"], 2, "mesh (2, 2) has 4 devices"),
         (["--mesh", "2xq"], 2, "invalid --mesh '2xq'"),
-        (["--devices", "1", "--island", "nope"], 2, "unknown island 'nope'"),
+        (["--devices", "1", "--island", "nope"], 3, "unknown island 'nope'"),  # not found, as in host list
         (["--devices", "1", "--kind", "tpu"], 2, "unknown device kind 'tpu'"),
         (["--devices", "1", "--kind", "gpu"], 2, "no gpu devices"),
         (["train", "--devices", "1"], 4, "already exists"),

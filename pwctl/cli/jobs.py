@@ -1,8 +1,8 @@
 """`pwctl submit | logs | cancel | wait` and `pwctl jobs list | describe`: driver scripts the server runs.
 
 Attached `submit` and `wait` exit with the job's own exit code (1 when it was cancelled, killed by
-a signal, or failed without one); Ctrl-C on an attached job detaches and says how to follow and
-cancel it.
+a signal, or failed without one); `wait --timeout` exits 124 when the time is up; Ctrl-C on an
+attached job detaches, says how to follow and cancel it, and exits 130.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import JobView
 
 from ..client import Client
-from ..errors import EXIT_FAILED, InvalidArgument, PathwaysError
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
 from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
 
 MAX_WORKING_DIR_ZIP = 50 * 1024 * 1024  # the server's limit too
 SKIP_DIRS = {"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+DRIVER_SUFFIXES = (".py", ".sh")  # the server's too: Python and bash
 TERMINAL = {cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED}
 
 app = typer.Typer(help="Jobs: driver scripts the server runs for you (`pwctl submit`).", no_args_is_help=True)
@@ -155,6 +156,9 @@ def submit(
         raise InvalidArgument(f"cannot read {script}: {e.strerror or e}") from None
     if not data.strip():
         raise InvalidArgument(f"{script} is empty")
+    if script.suffix not in DRIVER_SUFFIXES:
+        raise InvalidArgument(f"{script}: pwctl submit runs .py scripts with Python and .sh scripts with bash; "
+                              f"wrap anything else in a .sh script (e.g. `exec ./{script.name} \"$@\"`)")
     zipped = zip_working_dir(working_dir) if working_dir is not None else b""
     req = cpb.SubmitJobRequest(name=name, entrypoint=_entrypoint(script, working_dir), script=data,
                                args=list(args or []), working_dir_zip=zipped, priority=priority,
@@ -174,7 +178,7 @@ def submit(
             final = stream_output(c, job.id, sys.stderr if as_json else sys.stdout, follow=True)
         except KeyboardInterrupt:
             _detach_hint(job.id)
-            raise typer.Exit(0) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
     if final is None or final.state not in TERMINAL:
         raise PathwaysError(f"lost the output stream of job {job.id}; it may still be running: "
                             f"`pwctl logs {job.id} -f`")
@@ -241,23 +245,30 @@ def cancel(
 
 def wait(
     job_id: JobIdArg,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after S seconds (exit 1)",
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after S seconds (exit 124)",
                                                   show_default=False)] = None,
     server: ServerOpt = None,
 ) -> None:
-    """Wait until a job ends; exit with its exit code (1 when cancelled or killed)."""
+    """Wait until a job ends; exit with its exit code (1 when cancelled or killed, 124 when --timeout
+    expired first, 130 on Ctrl-C: the job goes on either way)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     interval = 0.1
-    with client(server) as c:
-        job = c.get_job(job_id)
-        while job.state not in TERMINAL:
-            if deadline is not None and time.monotonic() >= deadline:
-                hint(f"job {job.id} still {state_name(job)} after {timeout:g} s")
-                raise typer.Exit(EXIT_FAILED)
-            pause = interval if deadline is None else min(interval, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
-            interval = min(1.0, interval * 1.5)
-            job = c.get_job(job.id)
+    job_name = job_id
+    try:
+        with client(server) as c:
+            job = c.get_job(job_id)
+            job_name = job.id
+            while job.state not in TERMINAL:
+                if deadline is not None and time.monotonic() >= deadline:
+                    hint(f"job {job.id} still {state_name(job)} after {timeout:g} s")
+                    raise typer.Exit(EXIT_TIMEOUT)
+                pause = interval if deadline is None else min(interval, max(0.0, deadline - time.monotonic()))
+                time.sleep(pause)
+                interval = min(1.0, interval * 1.5)
+                job = c.get_job(job.id)
+    except KeyboardInterrupt:
+        hint(f"\nstopped waiting; job {job_name} goes on (`pwctl wait {job_name}` to wait again)")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     raise typer.Exit(report_end(job))
 
 
@@ -309,6 +320,10 @@ def render(v: JobView) -> None:
             ("slices", ", ".join(v.slices) or "-"), ("programs", str(v.programs)), ("runs", str(v.runs))]
     if v.pending_reason:
         rows.append(("waiting", v.pending_reason))
+    if v.held_back:
+        rows.append(("held back", v.held_back))
+    if v.last_hang:
+        rows.append(("last hang", v.last_hang))
     for key, value in rows:
         out.print(f"{key + ':':<12}{value}", highlight=False, markup=False)
 

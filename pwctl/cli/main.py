@@ -23,13 +23,19 @@ app = typer.Typer(
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    server: str | None = typer.Option(None, "--server", "-s", show_default=False,
+                                      help="Controller address HOST:PORT for every command (as $PWCTL_SERVER; "
+                                           "a subcommand's own --server wins)"),
 ) -> None:
     """Pathways: run JAX programs on a shared cluster of accelerator islands.
 
-    Exit codes: 0 ok, 1 failed, 2 usage, 3 not found, 4 rejected (capacity, conflict, auth).
+    Exit codes: 0 ok, 1 failed, 2 usage, 3 not found, 4 rejected (capacity, conflict, auth),
+    124 `wait --timeout` expired, 130 interrupted (Ctrl-C).
     """
     if debug:
         os.environ["PWCTL_DEBUG"] = "1"
+    if server:
+        os.environ["PWCTL_SERVER"] = server  # the same place in the precedence as the flag
 
 
 for noun in (cluster, jobs, status, islands, devices, server, worker, slices):

@@ -79,7 +79,7 @@ class Controller:
                                address=lambda: self.address, token=config.token,
                                log_max_mb=config.job_log_max_mb)
         self.hangs = HangReporter(self.scheduler, self.cluster.hosts, config.heartbeat_interval,
-                                  self.jobs.log_path)
+                                  lambda job_id: paths.jobs_dir() / job_id / "output.log")
         store = TraceStore(paths.data_dir() / "traces", config.trace_retention) if config.trace_retention else None
         self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
                                  jobs=self.jobs.list, hangs=self.hangs, store=store)

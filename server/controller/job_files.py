@@ -56,6 +56,8 @@ def validate_submit(req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
         raise InvalidArgument(f"the script is {len(req.script) / 2**20:.1f} MiB; the limit is "
                               f"{MAX_SCRIPT_BYTES // 2**20} MiB (put data in --working-dir)")
     entry = check_relative_path(req.entrypoint, "entrypoint")
+    if entry.suffix not in (".py", ".sh"):  # job_process.INTERPRETERS
+        raise InvalidArgument(f"entrypoint {entry}: a driver is a .py (Python) or .sh (bash) script")
     if len(req.working_dir_zip) > MAX_ZIP_BYTES:
         raise InvalidArgument(
             f"the working directory is {len(req.working_dir_zip) / 2**20:.1f} MiB zipped; the limit is "

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -64,9 +65,14 @@ def kill_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
+INTERPRETERS = {".py": "python", ".sh": "bash"}  # what a driver script may be, by its suffix
+
+
 def driver_command(entrypoint: str, args: list[str]) -> list[str]:
-    """The driver's argv: `python entrypoint args`, under a heap limit when MEMORY_ENV asks."""
-    cmd = [sys.executable, entrypoint, *args]
+    """The driver's argv: `python entrypoint args` (`bash` for a .sh script), under a heap limit
+    when MEMORY_ENV asks."""
+    shell = entrypoint.endswith(".sh")
+    cmd = [shutil.which("bash") or "/bin/bash" if shell else sys.executable, entrypoint, *args]
     limit_mb = os.environ.get(MEMORY_ENV, "").strip()
     if limit_mb.isdigit() and int(limit_mb) > 0:
         return [sys.executable, "-c", _LIMIT_BOOT, str(int(limit_mb) * 2**20), *cmd]

@@ -24,7 +24,7 @@ from .. import __version__
 from ..db.engine import redact
 from ..invariants import InvariantError
 from .core import Controller
-from .errors import ControllerError, InvalidArgument
+from .errors import ControllerError, InvalidArgument, NotFound
 from .links import WorkerLink
 
 T = TypeVar("T")
@@ -178,6 +178,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def CreateSlice(
         self, request: cpb.CreateSliceRequest, context: aio.ServicerContext
     ) -> cpb.CreateSliceResponse:
+        island = request.spec.island
+        if island and island not in self.core.cluster.islands:  # not found (exit 3), as everywhere
+            known = ", ".join(sorted(self.core.cluster.islands)) or "none"
+            raise NotFound(f"unknown island {island!r}; known islands: {known}")
         created = self.core.slices.create(request.spec, request.dry_run, request.owner)
         await self.core.slices.written()  # the answer promises a durable slice
         return created

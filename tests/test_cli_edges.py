@@ -1,0 +1,76 @@
+"""The CLI's rough edges (issue 30), as a user meets them: driver scripts by suffix, `wait
+--timeout` and Ctrl-C exit codes, `--server` before the subcommand, an unknown island is
+"not found" everywhere."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, LocalCluster, base_env
+
+from pwctl.errors import InvalidArgument
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_sh_script_runs_with_bash_and_others_are_refused(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    sh = write(tmp_path, "run.sh", 'echo "bash ${BASH_VERSINFO[0]} args: $1 $2"\nexit 3\n')
+    r = c.pwctl("submit", str(sh), "--", "one", "two")
+    assert r.returncode == 3, r.stderr  # attached: the job's own code
+    assert r.stdout.startswith("bash ") and "args: one two" in r.stdout, r.stdout
+    txt = write(tmp_path, "notes.txt", "print('no')\n")
+    r = c.pwctl("submit", str(txt))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ".py scripts with Python and .sh scripts with bash" in r.stderr and "wrap" in r.stderr
+    # the server refuses it too, whoever calls
+    with c.client() as client, pytest.raises(InvalidArgument, match=r"\.py \(Python\) or \.sh \(bash\)"):
+        client.submit_job(cpb.SubmitJobRequest(entrypoint="notes.txt", script=b"print(1)\n"))
+
+
+def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    r = c.pwctl("submit", str(write(tmp_path, "sleeper.py", SLEEPER)), "-d")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    try:
+        r = c.pwctl("wait", job, "--timeout", "0.5")
+        assert r.returncode == 124 and f"job {job} still" in r.stderr
+        proc = subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "wait", job], env=c.env(), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.5)  # waiting, as asked
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and f"job {job} goes on" in err
+    finally:
+        assert c.pwctl("cancel", job, "-y").returncode == 0
+
+
+def test_server_before_the_subcommand_and_unknown_islands(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    env = base_env(c.home)  # no PWCTL_SERVER: only the flag says where
+    r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "--server", c.address, "island", "list",
+                        "-o", "name"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["a", "b"], r.stderr
+    for args in (["slice", "create", "--devices", "1", "--island", "nope"], ["host", "list", "--island", "nope"],
+                 ["device", "list", "--island", "nope"]):
+        r = c.pwctl(*args)
+        assert r.returncode == 3, (args, r.returncode, r.stderr)
+        assert "nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -96,6 +96,8 @@ def test_a_frozen_worker_shows_in_status_host_list_jobs_and_the_log(cluster: Loc
         assert entry["stalled_s"] >= 3.5  # the stall threshold: a quarter of 14 s
         assert "host w-b has not started it" in entry["reason"] and "node 0 of program stalls" in entry["reason"]
         assert host_state(cluster, "w-b") == "stalled" and host_state(cluster, "w-a") == "ready"
+        table = cluster.pwctl("status").stdout  # WAITING FOR says it (a cell may wrap)
+        assert "has not" in table and "stalls: host" in table, table
         held = cluster.pwctl_json("jobs", "describe", job)["item"]["held_back"]
         assert "held back by host w-b" in held, held
         wait_for(lambda: (workdir / "failed").exists(), 30, "the hang timeout to fail the run")

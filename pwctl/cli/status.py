@@ -150,11 +150,12 @@ def render(s: ClusterStatusView) -> RenderableType:
             parts += [Text(""), Text(title, style="bold")]
             continue
         queue = _table(title, "STATE", "RUN", "PROGRAM", "CLIENT", "JOB", "PRIORITY", "WEIGHT", "WAITING FOR")
-        for e in q.entries[:QUEUE_ROWS]:
+        entries = sorted(q.entries, key=lambda e: not e.stalled_host)  # gangs held back by a host first
+        for e in entries[:QUEUE_ROWS]:
             queue.add_row(e.state, str(e.run_id), e.program, e.client, e.job or "-", str(e.priority),
-                          f"{e.weight:g}", e.reason or "-")
+                          f"{e.weight:g}", e.reason or "-", style="red" if e.stalled_host else None)
         if len(q.entries) > QUEUE_ROWS:
-            more = q.entries[QUEUE_ROWS:]
+            more = entries[QUEUE_ROWS:]
             counts = {st: sum(1 for e in more if e.state == st) for st in ("running", "waiting")}
             queue.add_row("...", f"and {' and '.join(f'{n} more {st}' for st, n in counts.items() if n)}"
                           " (all of them with -o json)")

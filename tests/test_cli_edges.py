@@ -74,3 +74,10 @@ def test_server_before_the_subcommand_and_unknown_islands(module_cluster: LocalC
         r = c.pwctl(*args)
         assert r.returncode == 3, (args, r.returncode, r.stderr)
         assert "nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_server_start_checks_the_metrics_address(pw_home: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--metrics-listen", "nowhere"],
+                       env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--metrics-listen" in r.stderr and "invalid address 'nowhere'" in r.stderr
+    assert "Traceback" not in r.stderr

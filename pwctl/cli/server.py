@@ -42,6 +42,12 @@ WindowOpt = Annotated[int, typer.Option("--window",
                                              "policy picks the next (smaller: priority and fair share bite sooner)")]
 TokenOpt = Annotated[bool, typer.Option("--require-token",
                                         help="Require the token on loopback too (always beyond loopback)")]
+MetricsOpt = Annotated[str, typer.Option("--metrics-listen",
+                                         help="Prometheus metrics endpoint HOST:PORT (port 0: a free one; 'off'); "
+                                              "beyond loopback a scrape needs the token (docs/metrics.md)")]
+RetentionOpt = Annotated[str, typer.Option("--trace-retention",
+                                           help="Node runs kept on disk for `pwctl trace` (e.g. 512MiB, 2GiB; "
+                                                "0: only the last 20,000 in memory)")]
 
 
 @app.command("start")
@@ -55,6 +61,8 @@ def start(
     hang_timeout: HangOpt = 60.0,
     window: WindowOpt = 256,
     require_token: TokenOpt = False,
+    metrics_listen: MetricsOpt = "127.0.0.1:9464",
+    trace_retention: RetentionOpt = "512MiB",
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     if heartbeat_timeout <= 0:
@@ -63,7 +71,13 @@ def start(
         raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
     if window < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--window")
-    extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window)]
+    if metrics_listen.strip() != "off":
+        try:
+            paths.split_address(metrics_listen.strip())
+        except ValueError as e:
+            raise typer.BadParameter(f"{e} (or 'off')", param_hint="--metrics-listen") from None
+    extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
+             "--metrics-listen", metrics_listen, "--trace-retention", trace_retention]
     if require_token:
         extra.append("--require-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

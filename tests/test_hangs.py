@@ -18,7 +18,7 @@ HANG_SCRIPT = REPO / "tests" / "clients" / "hang.py"
 
 
 def spec(rid: int, hosts: list[str], job: str | None = "job-1") -> RunSpec:
-    nodes = tuple(NodeSpec(i, h, "a", (0,), False, (i - 1,) if i else (), f"n{i}") for i, h in enumerate(hosts))
+    nodes = tuple(NodeSpec(i, h, "a", (0,), (i - 1,) if i else (), f"n{i}") for i, h in enumerate(hosts))
     return RunSpec(rid, f"p-{rid}", "c1", job, nodes, 0, 1.0, False)
 
 

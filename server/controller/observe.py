@@ -11,8 +11,10 @@ keeps, in memory only and bounded whatever the load:
   ring, once per trace asked for);
 - finished-node counts in buckets, for computations per second.
 
-Nothing here touches the database: the hot path never waits on it, and per-node events are
-not persisted (docs/architecture.md, "State"). Times are the workers' wall clocks (time.time_ns); hosts
+Nothing here touches the database: the hot path never waits on it. Finished node runs outlast
+the ring in a `TraceStore` (trace_store.py: segment files in the data directory, written every
+0.5 s by a worker thread, size-bounded), so a job's trace is there as long as the retention
+keeps it (docs/metrics.md). Times are the workers' wall clocks (time.time_ns); hosts
 of one cluster are assumed to keep their clocks in sync (NTP), as every tracing system does.
 
 A node's busy interval starts at max(its launch, the previous end on its devices): workers

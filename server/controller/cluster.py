@@ -6,6 +6,24 @@ resource manager, the scheduler) hear when a host comes up or is lost.
 The database is read once, at start; every later change is a job for the database writer,
 which the event loop never waits on. Host and device ids are therefore assigned here, from
 what the database held at start: this controller is the database's only writer.
+
+Costs grow with what changed, not with the cluster (issue 31): a registration, a heartbeat and
+a loss touch one host's entries; the per-island indexes (`_by_island`, `_counts`) make island
+listings cost one step per island; a heartbeat only stamps the host's monotonic time, and
+last-seen times reach the database coarsely (every `PERSIST_SEEN_S`) as one batched UPDATE;
+hosts found silent together are marked lost in one pass with one write.
+
+Heartbeats: the interval the workers are given grows with the cluster (`beat_interval`), so
+that their load on the controller stays bounded, and the loss timeout with it (three missed
+beats at least), so that a silent host is still found within 15 s. It never shrinks while the
+controller runs, and connected workers hear of every change.
+
+Restart: hosts the database knew as ready are presumed alive until they miss their own
+reconnection window, counted from when this controller could first hear them (its monitor's
+first tick, after the server started): the heartbeat timeout plus `RECONNECT_PER_HOST_S` per
+host to come back, since the workers re-register one after another through one event loop.
+A monitor tick that comes late (the loop was busy) marks nobody lost: what the loop could not
+read meanwhile may be heartbeats.
 """
 
 from __future__ import annotations
@@ -14,11 +32,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, bindparam, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.pathways.v1 import common_pb2 as pb
@@ -40,6 +59,15 @@ RECONNECTING = "reconnecting"
 _HOST_STATES = {READY: pb.HOST_STATE_READY, RECONNECTING: pb.HOST_STATE_RECONNECTING}
 _DEVICE_STATES = {READY: pb.DEVICE_STATE_AVAILABLE, RECONNECTING: pb.DEVICE_STATE_RECONNECTING}
 
+PERSIST_SEEN_S = 30.0  # how stale the database's last-seen times may get (they are for display)
+MONITOR_S = 0.25  # how often silence is checked: a silent host is found within timeout + this
+LATE_TICK_S = 1.0  # a monitor tick this late means the loop was busy: nobody is marked lost
+RECONNECT_PER_HOST_S = 0.005  # added to the reconnection window per host the database knew
+HOSTS_PER_INTERVAL = 512  # the heartbeat interval doubles each time the hosts double beyond this
+MAX_SCALED_INTERVAL_S = 4.0  # ... up to this: with 3 beats per timeout, found lost within 12.25 s
+BEATS_PER_TIMEOUT = 3
+_BATCH = 500  # ids per IN (...) list in one statement
+
 
 def host_state(state: str) -> pb.HostState.ValueType:
     return _HOST_STATES.get(state, pb.HOST_STATE_LOST)
@@ -48,6 +76,17 @@ def host_state(state: str) -> pb.HostState.ValueType:
 def device_state(state: str) -> pb.DeviceState.ValueType:
     """A device's state, from its host's."""
     return _DEVICE_STATES.get(state, pb.DEVICE_STATE_LOST)
+
+
+def beat_interval(base: float, hosts: int) -> float:
+    """The heartbeat interval for a cluster of `hosts`: `base` up to `HOSTS_PER_INTERVAL` hosts,
+    doubling with every doubling beyond, never past `MAX_SCALED_INTERVAL_S` (nor below `base`).
+    At the default 1 s: 1 s up to 512 hosts, 2 s up to 1,024, 4 s beyond: about 512 beats a
+    second at 2,048 hosts."""
+    interval = base
+    while hosts > HOSTS_PER_INTERVAL * (interval / base) and interval * 2 <= MAX_SCALED_INTERVAL_S:
+        interval *= 2
+    return interval
 
 
 @dataclass
@@ -61,9 +100,13 @@ class HostInfo:
     machine_id: str
     device_ids: list[int]
     state: str
+    # monotonic time of the last sign of life (for a reconnecting host: when it could be heard)
     last_seen: float = field(default_factory=time.monotonic)
+    # wall time that `last_seen` stands for; the wall time of a ready host's last beat is derived
+    # from its `last_seen` (`Cluster.last_heartbeat`), so a heartbeat stamps one float
     last_heartbeat: datetime = field(default_factory=utcnow)
     link: WorkerLink | None = None
+    persisted_seen: float = 0.0  # `last_seen` as the database last heard of it
 
 
 HostListener = Callable[[HostInfo], None]
@@ -71,50 +114,99 @@ LostListener = Callable[[HostInfo, str], None]
 
 
 class Cluster:
-    """The registry of workers. All methods run on the controller's event loop."""
+    """The registry of workers. All methods run on the controller's event loop.
+
+    `hosts` is the registry by name (shared read-only with other components); `_by_island`
+    holds the same hosts by island, `_counts[island]` = [devices, available devices]."""
 
     def __init__(self, sessions: sessionmaker[Session], write: Write, heartbeat_interval: float,
                  heartbeat_timeout: float):
         self._sessions = sessions
         self._write = write
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
+        self.base_interval = heartbeat_interval
+        self.base_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval  # what workers are told now
+        self.heartbeat_timeout = heartbeat_timeout  # silence after which a ready host is lost
         self.hosts: dict[str, HostInfo] = {}
         self.islands: dict[str, datetime] = {}
+        self._by_island: dict[str, dict[str, HostInfo]] = {}
+        self._counts: dict[str, list[int]] = {}
+        self._by_address: dict[str, HostInfo] = {}  # ready hosts
         self.on_host_up: list[HostListener] = []
         self.on_host_lost: list[LostListener] = []
-        self._dirty: set[str] = set()
         # host name -> local index -> device id, every device the host ever had (also removed ones)
         self._device_ids: dict[str, dict[int, int]] = {}
         self._host_ids = itertools.count(1)
         self._new_device_ids = itertools.count(1)
+        self._reconnect_until: float | None = None  # set on the monitor's first tick
         # Set when the controller shuts down: its worker streams then close because it goes away,
         # not because hosts died; marking them lost would remap slices and persist that.
         self.closing = False
 
+    # ---- indexes ----
+    def _index(self, info: HostInfo) -> None:
+        self.hosts[info.name] = info
+        self._by_island.setdefault(info.island, {})[info.name] = info
+        counts = self._counts.setdefault(info.island, [0, 0])
+        counts[0] += len(info.device_ids)
+        if info.state == READY:
+            counts[1] += len(info.device_ids)
+            self._by_address[info.address] = info
+
+    def _unindex(self, info: HostInfo) -> None:
+        del self.hosts[info.name]
+        del self._by_island[info.island][info.name]
+        counts = self._counts[info.island]
+        counts[0] -= len(info.device_ids)
+        if info.state == READY:
+            counts[1] -= len(info.device_ids)
+            if self._by_address.get(info.address) is info:
+                del self._by_address[info.address]
+
+    def _set_state(self, info: HostInfo, state: str) -> None:
+        self._unindex(info)
+        info.state = state
+        self._index(info)
+
+    def hosts_of(self, island: str) -> Iterable[HostInfo]:
+        """The hosts of one island (any state), in no particular order."""
+        return self._by_island.get(island, {}).values()
+
+    def island_counts(self, island: str) -> tuple[int, int, int]:
+        """(hosts, devices, available devices) of one island."""
+        devices, available = self._counts.get(island, (0, 0))
+        return len(self._by_island.get(island, ())), devices, available
+
     # ---- start-up ----
     def load(self) -> None:
-        """Restores what the database knew; hosts it knew as ready are reconnecting and get one
-        heartbeat timeout to register again."""
+        """Restores what the database knew; hosts it knew as ready are reconnecting (module
+        docstring: how long they have to come back)."""
         with self._sessions() as s:
             self._host_ids = itertools.count((s.scalar(select(func.max(HostRow.id))) or 0) + 1)
             self._new_device_ids = itertools.count((s.scalar(select(func.max(DeviceRow.id))) or 0) + 1)
+            island_names: dict[int, str] = {}
             for island in s.scalars(select(IslandRow)):
                 self.islands[island.name] = island.created_at
+                island_names[island.id] = island.name
+            devices: dict[int, list[DeviceRow]] = {}
+            for d in s.scalars(select(DeviceRow).order_by(DeviceRow.host_id, DeviceRow.local_index)):
+                devices.setdefault(d.host_id, []).append(d)
             for row in s.scalars(select(HostRow)):
-                self._device_ids[row.name] = {d.local_index: d.id for d in row.devices}
-                self.hosts[row.name] = HostInfo(
+                rows = devices.get(row.id, [])
+                self._device_ids[row.name] = {d.local_index: d.id for d in rows}
+                self._index(HostInfo(
                     id=row.id,
                     name=row.name,
-                    island=row.island.name,
+                    island=island_names[row.island_id],
                     address=row.address,
                     pid=row.pid,
                     kind=row.device_kind,
                     machine_id=row.machine_id,
-                    device_ids=[d.id for d in row.devices if d.state != "removed"],
+                    device_ids=[d.id for d in rows if d.state != "removed"],
                     state=RECONNECTING if row.state == READY else row.state,
                     last_heartbeat=row.last_heartbeat,
-                )
+                ))
+        self._rescale()
 
     # ---- registration ----
     def register(self, msg: cpb.RegisterWorker, link: WorkerLink) -> HostInfo:
@@ -139,26 +231,50 @@ class Cluster:
             state=READY,
             last_heartbeat=now,
         )
+        info.persisted_seen = info.last_seen
         devices = dict(by_index)
-        self._write(lambda s: _save_registration(s, msg, host_id, now, created, devices))
-        if old is not None and old.link is not None and old.link is not link:
-            old.link.close()
+        known = old is not None
+        self._write(lambda s: _save_registration(s, msg, host_id, now, created, devices, known))
+        if old is not None:
+            if old.link is not None and old.link is not link:
+                old.link.close()
+            self._unindex(old)
         info.link = link
-        self.hosts[msg.name] = info
+        self._index(info)
         log.info("host %s registered on island %s (%d %s devices) at %s",
                  msg.name, msg.island, msg.device_count, msg.device_kind, msg.address)
+        if old is None:
+            self._rescale()
         for cb in self.on_host_up:
             cb(info)
         return info
 
+    def _rescale(self) -> None:
+        """Lengthens the heartbeat interval (and the loss timeout with it) when the cluster grew
+        past a step, and tells the connected workers (at most a few times in a cluster's life)."""
+        interval = beat_interval(self.base_interval, len(self.hosts))
+        if interval <= self.heartbeat_interval:
+            return
+        self.heartbeat_interval = interval
+        self.heartbeat_timeout = max(self.base_timeout, BEATS_PER_TIMEOUT * interval)
+        log.info("%d hosts: heartbeat every %g s, lost after %g s of silence",
+                 len(self.hosts), interval, self.heartbeat_timeout)
+        msg = cpb.ControllerToWorker(heartbeat=cpb.HeartbeatSettings(heartbeat_interval_s=interval))
+        for info in self.hosts.values():
+            if info.link is not None:
+                info.link.send(msg)
+
     def heartbeat(self, name: str, hb: cpb.Heartbeat) -> None:
         """The host is alive (the buffer counts `hb` carries are the worker's to report, not kept)."""
         info = self.hosts.get(name)
-        if info is None or info.state != READY:
-            return
-        info.last_seen = time.monotonic()
-        info.last_heartbeat = utcnow()
-        self._dirty.add(name)
+        if info is not None and info.state == READY:
+            info.last_seen = time.monotonic()
+
+    def last_heartbeat(self, info: HostInfo, now_wall: datetime, now_mono: float) -> datetime:
+        """The wall time of the host's last sign of life."""
+        if info.state != READY:
+            return info.last_heartbeat
+        return now_wall - timedelta(seconds=max(0.0, now_mono - info.last_seen))
 
     def close_links(self) -> None:
         """Ends every worker's stream as the controller shuts down: their handlers return
@@ -173,41 +289,82 @@ class Cluster:
             self.mark_lost(name, "its connection closed")
 
     def mark_lost(self, name: str, reason: str) -> None:
-        info = self.hosts.get(name)
-        if info is None or info.state == LOST or self.closing:
+        self.mark_lost_many([(name, reason)])
+
+    def mark_lost_many(self, losses: list[tuple[str, str]]) -> None:
+        """Marks hosts lost in one pass: one database write for all of them, then the listeners
+        hear of each."""
+        if self.closing:
             return
-        info.state = LOST
-        if info.link is not None:
-            info.link.close()
-            info.link = None
-        host_id, last = info.id, info.last_heartbeat
-        self._write(lambda s: _save_lost(s, host_id, last))
-        log.warning("host %s lost: %s", name, reason)
-        for cb in self.on_host_lost:
-            cb(info, reason)
+        now_wall, now_mono = utcnow(), time.monotonic()
+        lost: list[tuple[HostInfo, str]] = []
+        for name, reason in losses:
+            info = self.hosts.get(name)
+            if info is None or info.state == LOST:
+                continue
+            info.last_heartbeat = self.last_heartbeat(info, now_wall, now_mono)
+            self._set_state(info, LOST)
+            if info.link is not None:
+                info.link.close()
+                info.link = None
+            lost.append((info, reason))
+        if not lost:
+            return
+        rows = [(info.id, info.last_heartbeat) for info, _ in lost]
+        self._write(lambda s: _save_lost(s, rows))
+        for info, reason in lost:
+            log.warning("host %s lost: %s", info.name, reason)
+            for cb in self.on_host_lost:
+                cb(info, reason)
 
     # ---- background ----
     async def monitor(self) -> None:
-        """Marks hosts lost when heartbeats stop; flushes heartbeat times to the database."""
-        last_flush = time.monotonic()
+        """Marks hosts lost when heartbeats stop; persists last-seen times now and then."""
+        last_persist = last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(min(0.25, self.heartbeat_interval))
+            await asyncio.sleep(min(MONITOR_S, self.heartbeat_interval))
             now = time.monotonic()
-            for info in list(self.hosts.values()):
-                if info.state in (READY, RECONNECTING) and now - info.last_seen > self.heartbeat_timeout:
-                    t = self.heartbeat_timeout
-                    self.mark_lost(info.name, f"no heartbeat for {t:g} s" if info.state == READY
-                                   else f"did not reconnect within {t:g} s of the controller's start")
-            if self._dirty and now - last_flush > 2.0:
+            late = now - last_tick > MONITOR_S + LATE_TICK_S
+            last_tick = now
+            if self._reconnect_until is None:
+                reconnecting = sum(1 for h in self.hosts.values() if h.state == RECONNECTING)
+                self._reconnect_until = now + self.heartbeat_timeout + RECONNECT_PER_HOST_S * reconnecting
+                for h in self.hosts.values():
+                    if h.state == RECONNECTING:
+                        h.last_seen = now  # could be heard from now on
+            if not late:
+                self.check_silence(now)
+            if now - last_persist > PERSIST_SEEN_S:
                 self.flush_heartbeats()
-                last_flush = now
+                last_persist = now
+
+    def check_silence(self, now: float) -> None:
+        """Marks lost, in one pass, the ready hosts silent for longer than the timeout and the
+        reconnecting ones whose window closed."""
+        timeout = self.heartbeat_timeout
+        cutoff = now - timeout
+        window_closed = self._reconnect_until is not None and now > self._reconnect_until
+        losses: list[tuple[str, str]] = []
+        for info in self.hosts.values():
+            if info.state == READY:
+                if info.last_seen < cutoff:
+                    losses.append((info.name, f"no heartbeat for {timeout:g} s"))
+            elif info.state == RECONNECTING and window_closed:
+                losses.append((info.name, "did not reconnect within the window after the controller's start"))
+        if losses:
+            self.mark_lost_many(losses)
 
     def flush_heartbeats(self) -> None:
-        """Queues the heartbeat times that changed since the last flush as one write."""
-        dirty, self._dirty = self._dirty, set()
-        times = {info.id: info.last_heartbeat for info in map(self.hosts.get, dirty) if info is not None}
-        if times:
-            self._write(lambda s: _save_heartbeats(s, times))
+        """Queues the last-seen times of the ready hosts heard from since they were last
+        persisted, as one write (one executemany UPDATE)."""
+        now_wall, now_mono = utcnow(), time.monotonic()
+        rows: list[tuple[int, datetime]] = []
+        for info in self.hosts.values():
+            if info.state == READY and info.last_seen > info.persisted_seen:
+                info.persisted_seen = info.last_seen
+                rows.append((info.id, self.last_heartbeat(info, now_wall, now_mono)))
+        if rows:
+            self._write(lambda s: _save_heartbeats(s, rows))
 
     # ---- sending ----
     def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
@@ -224,79 +381,27 @@ class Cluster:
 
     # ---- views ----
     def host_by_address(self, address: str) -> HostInfo | None:
-        for h in self.hosts.values():
-            if h.address == address and h.state == READY:
-                return h
-        return None
-
-    def ready_hosts(self) -> list[HostInfo]:
-        return [h for h in self.hosts.values() if h.state == READY]
-
-    def host_of_device(self) -> dict[int, HostInfo]:
-        return {d: h for h in self.hosts.values() for d in h.device_ids}
+        return self._by_address.get(address)
 
     def island_protos(self) -> list[pb.Island]:
+        """One entry per island, from the per-island counts (no host is visited)."""
         out = []
         for name, created in sorted(self.islands.items()):
-            hosts = [h for h in self.hosts.values() if h.island == name]
-            out.append(
-                pb.Island(
-                    name=name,
-                    hosts=len(hosts),
-                    devices=sum(len(h.device_ids) for h in hosts),
-                    available_devices=sum(len(h.device_ids) for h in hosts if h.state == READY),
-                    created_at=iso(created.replace(tzinfo=UTC)),
-                )
-            )
-        return out
-
-    def host_protos(self, island: str = "") -> list[pb.Host]:
-        return [
-            pb.Host(
-                id=h.id,
-                name=h.name,
-                island=h.island,
-                address=h.address,
-                state=host_state(h.state),
-                pid=h.pid,
-                last_heartbeat=iso(h.last_heartbeat),
-                devices=len(h.device_ids),
-                device_kind=h.kind,
-            )
-            for h in sorted(self.hosts.values(), key=lambda h: (h.island, h.name))
-            if not island or h.island == island
-        ]
-
-    def device_protos(self, island: str = "", slice_count: Callable[[int], int] | None = None) -> list[pb.Device]:
-        out = []
-        for h in sorted(self.hosts.values(), key=lambda h: (h.island, h.name)):
-            if island and h.island != island:
-                continue
-            for local, dev_id in enumerate(h.device_ids):
-                out.append(
-                    pb.Device(
-                        id=dev_id,
-                        island=h.island,
-                        host=h.name,
-                        local_index=local,
-                        kind=h.kind,
-                        state=device_state(h.state),
-                        last_heartbeat=iso(h.last_heartbeat),
-                        slices=slice_count(dev_id) if slice_count else 0,
-                    )
-                )
+            hosts, devices, available = self.island_counts(name)
+            out.append(pb.Island(name=name, hosts=hosts, devices=devices, available_devices=available,
+                                 created_at=iso(created.replace(tzinfo=UTC))))
         return out
 
 
 # ---- database writes (run by the writer, in the order they were queued) ----
 def _save_registration(s: Session, msg: cpb.RegisterWorker, host_id: int, now: datetime,
-                       island_created: datetime, devices: dict[int, int]) -> None:
+                       island_created: datetime, devices: dict[int, int], known: bool) -> None:
     island = s.scalar(select(IslandRow).where(IslandRow.name == msg.island))
     if island is None:
         island = IslandRow(name=msg.island, created_at=island_created)
         s.add(island)
         s.flush()
-    host = s.get(HostRow, host_id)
+    host = s.get(HostRow, host_id) if known else None
     if host is None:
         host = HostRow(id=host_id, name=msg.name, island_id=island.id, address=msg.address, state=READY,
                        pid=msg.pid, device_kind=msg.device_kind, machine_id=msg.machine_id)
@@ -305,7 +410,7 @@ def _save_registration(s: Session, msg: cpb.RegisterWorker, host_id: int, now: d
     host.address, host.pid, host.state = msg.address, msg.pid, READY
     host.device_kind, host.machine_id, host.last_heartbeat = msg.device_kind, msg.machine_id, now
     s.flush()
-    existing = {d.id: d for d in s.scalars(select(DeviceRow).where(DeviceRow.host_id == host_id))}
+    existing = {d.id: d for d in s.scalars(select(DeviceRow).where(DeviceRow.host_id == host_id))} if known else {}
     for index, dev_id in devices.items():
         state = "available" if index < msg.device_count else "removed"
         dev = existing.get(dev_id)
@@ -317,18 +422,32 @@ def _save_registration(s: Session, msg: cpb.RegisterWorker, host_id: int, now: d
                 dev.kind = msg.device_kind
 
 
-def _save_lost(s: Session, host_id: int, last_heartbeat: datetime) -> None:
-    row = s.get(HostRow, host_id)
-    if row is not None:
-        row.state = LOST
-        row.last_heartbeat = last_heartbeat
-        for dev in row.devices:
-            if dev.state == "available":
-                dev.state = "lost"
+def _bulk(s: Session, run: Callable[[], object]) -> None:
+    """Runs bulk statements in the writer's session: what earlier jobs of the transaction
+    changed is flushed first, and what the session holds is reloaded after (the bulk statements
+    bypass it; a later job must not see a stale row)."""
+    s.flush()
+    run()
+    s.expire_all()
 
 
-def _save_heartbeats(s: Session, times: dict[int, datetime]) -> None:
-    for host_id, at in times.items():
-        row = s.get(HostRow, host_id)
-        if row is not None:
-            row.last_heartbeat = at
+def _save_lost(s: Session, rows: list[tuple[int, datetime]]) -> None:
+    hosts, devices = cast(Table, HostRow.__table__), cast(Table, DeviceRow.__table__)
+
+    def run() -> None:
+        s.execute(hosts.update().where(hosts.c.id == bindparam("hid"))
+                  .values(state=LOST, last_heartbeat=bindparam("seen")),
+                  [{"hid": i, "seen": at} for i, at in rows])
+        ids = [i for i, _ in rows]
+        for k in range(0, len(ids), _BATCH):
+            s.execute(devices.update()
+                      .where(devices.c.host_id.in_(ids[k:k + _BATCH]), devices.c.state == "available")
+                      .values(state="lost"))
+    _bulk(s, run)
+
+
+def _save_heartbeats(s: Session, rows: list[tuple[int, datetime]]) -> None:
+    hosts = cast(Table, HostRow.__table__)
+    _bulk(s, lambda: s.execute(hosts.update().where(hosts.c.id == bindparam("hid"))
+                               .values(last_heartbeat=bindparam("seen")),
+                               [{"hid": i, "seen": at} for i, at in rows]))

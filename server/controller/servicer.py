@@ -25,6 +25,7 @@ from ..db.engine import redact
 from ..invariants import InvariantError
 from .core import Controller
 from .errors import ControllerError, InvalidArgument, NotFound
+from .hostviews import list_devices, list_hosts
 from .links import WorkerLink
 
 T = TypeVar("T")
@@ -89,7 +90,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
             uptime_s=time.monotonic() - core.started_mono,
             islands=len(core.cluster.islands),
             hosts=len(core.cluster.hosts),
-            devices=sum(len(h.device_ids) for h in core.cluster.hosts.values()),
+            devices=sum(core.cluster.island_counts(i)[1] for i in core.cluster.islands),
             slices=core.slice_count(),
             jobs=core.job_count(),
             pid=os.getpid(),
@@ -114,17 +115,17 @@ class ControllerServicer(cgrpc.ControllerServicer):
     @_guard
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
-        hosts = self.core.cluster.host_protos(request.island)
-        return cpb.ListHostsResponse(hosts=self.core.hangs.annotate_hosts(hosts))
+        reply = list_hosts(self.core.cluster, request.island, request.state, request.limit, request.page_token)
+        self.core.hangs.annotate_hosts(list(reply.hosts))  # the listed messages, stalled ones marked in place
+        return reply
 
     @_guard
     async def ListDevices(
         self, request: cpb.ListDevicesRequest, context: aio.ServicerContext
     ) -> cpb.ListDevicesResponse:
         self.core.require_island(request.island)
-        return cpb.ListDevicesResponse(
-            devices=self.core.cluster.device_protos(request.island, self.core.device_slice_count)
-        )
+        return list_devices(self.core.cluster, request.island, request.state, request.limit, request.page_token,
+                            self.core.device_slice_count)
 
     # ---- workers ----
     async def WorkerConnect(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from itertools import chain
 
 from server.resource_manager.models import (
     KINDS,
@@ -61,8 +62,8 @@ class ResourceManager(Remapper):
         ids = [d.id for d in ev.devices]
         if len(set(ids)) != len(ids):
             return [Rejected(RejectCode.INVALID, f"host {ev.host} lists a device id twice: {_fmt_ids(ids)}")]
-        # A device may move to another host only while unhealthy where it was.
-        others = {i: h for h, hids in self._hosts.items() if h != ev.host for i in hids if i in self._healthy}
+        # Only the registering host's devices are visited: the per-island kind counts stand for
+        # the rest of the cluster (costs linear in what changed, issue 31).
         for d in ev.devices:
             if d.host != ev.host:
                 return [Rejected(RejectCode.INVALID, f"device {d.id} names host {d.host!r}, not {ev.host!r}")]
@@ -71,13 +72,23 @@ class ResourceManager(Remapper):
                 return [Rejected(RejectCode.INVALID, message)]
             if not d.island:
                 return [Rejected(RejectCode.INVALID, f"device {d.id} has no island")]
-            if d.id in others:
-                return [Rejected(RejectCode.INVALID, f"device {d.id} already belongs to host {others[d.id]}")]
+            # A device may move to another host only while unhealthy where it was.
+            known = self._devices.get(d.id)
+            if known is not None and known.host != ev.host and d.id in self._healthy:
+                return [Rejected(RejectCode.INVALID, f"device {d.id} already belongs to host {known.host}")]
         # Islands are homogeneous: collectives run between devices of one kind.
-        merged = {**self._devices, **{d.id: d for d in ev.devices}}
+        new = {d.id: d for d in ev.devices}
+        kinds = {i: dict(self._island_kinds.get(i, {})) for i in {d.island for d in ev.devices}}
+        for i, d in new.items():
+            known = self._devices.get(i)
+            if known is not None and known.island in kinds:
+                kinds[known.island][known.kind] -= 1
+            kinds[d.island][d.kind] = kinds[d.island].get(d.kind, 0) + 1
         for d in ev.devices:
-            clash = next((m for m in merged.values() if m.island == d.island and m.kind != d.kind), None)
-            if clash is not None:
+            if any(n for k, n in kinds[d.island].items() if k != d.kind):
+                merged = chain((new.get(m.id, m) for m in self._devices.values()),
+                               (n for i, n in new.items() if i not in self._devices))
+                clash = next(m for m in merged if m.island == d.island and m.kind != d.kind)
                 return [
                     Rejected(
                         RejectCode.INVALID,
@@ -87,7 +98,6 @@ class ResourceManager(Remapper):
                 ]
 
         # Devices that left the host, or changed island or kind, count as lost for the slices on them.
-        new = {d.id: d for d in ev.devices}
         old_ids = self._hosts.get(ev.host, ())
         changed = any(i not in new or self._devices[i] != new[i] for i in old_ids) or any(
             i in self._devices and self._devices[i] != d for i, d in new.items()
@@ -96,11 +106,11 @@ class ResourceManager(Remapper):
             if i not in new:
                 self._healthy.discard(i)
         for i, d in new.items():
-            self._devices[i] = d
+            prev = self._devices.get(i)
+            if prev is not None and prev.host != ev.host:
+                self._hosts[prev.host] = tuple(x for x in self._hosts[prev.host] if x != i)
+            self._set_device(d)
             self._healthy.add(i)
-        for h, hids in list(self._hosts.items()):
-            if h != ev.host and any(i in new for i in hids):
-                self._hosts[h] = tuple(i for i in hids if i not in new)
         self._hosts[ev.host] = tuple(sorted({*old_ids, *new}))
         actions: list[Action] = []
         if changed:
@@ -198,7 +208,7 @@ class ResourceManager(Remapper):
                 raise ValueError(f"bad device record {d}")
             if kinds.setdefault(d.island, d.kind) != d.kind:
                 raise ValueError(f"island {d.island} mixes {kinds[d.island]} and {d.kind} devices")
-            self._devices[d.id] = d
+            self._set_device(d)
             hosts.setdefault(d.host, []).append(d.id)
             if healthy:
                 self._healthy.add(d.id)

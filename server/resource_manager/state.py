@@ -40,6 +40,9 @@ class RMState:
     _slices: dict[str, Slice] = field(default_factory=dict)  # creation order
     _load: dict[int, int] = field(default_factory=dict)  # only devices with load > 0
     _exclusive: dict[int, str] = field(default_factory=dict)  # device id -> exclusive slice name
+    # island -> kind -> devices of that kind (one kind per island): derived from `_devices`, so
+    # that a host's registration checks its islands without visiting the other hosts' devices
+    _island_kinds: dict[str, dict[str, int]] = field(default_factory=dict)
     # the recent stimuli, for the history an InvariantError carries (not part of the state proper)
     _log: StimulusLog = field(default_factory=StimulusLog, compare=False, repr=False)
 
@@ -71,7 +74,16 @@ class RMState:
 
     def islands(self) -> dict[str, str]:
         """Island name -> device kind, for every island ever seen."""
-        return {d.island: d.kind for d in self._devices.values()}
+        return {i: k for i, kinds in self._island_kinds.items() for k, n in kinds.items() if n}
+
+    def _set_device(self, d: PhysicalDevice) -> None:
+        """Records (or replaces) a device record, keeping `_island_kinds` in step."""
+        prev = self._devices.get(d.id)
+        if prev is not None:
+            self._island_kinds[prev.island][prev.kind] -= 1
+        kinds = self._island_kinds.setdefault(d.island, {})
+        kinds[d.kind] = kinds.get(d.kind, 0) + 1
+        self._devices[d.id] = d
 
     # ---------------------------------------------------------------------------------- handling
     # ------------------------------------------------------------------------------- validation
@@ -188,9 +200,15 @@ class RMState:
                     return f"device {i} listed on {host} but names another host"
         if seen.keys() != self._devices.keys():
             return "a device record is not listed under its host"
-        for island, kind in self.islands().items():
-            kinds = {d.kind for d in self._devices.values() if d.island == island}
-            if kinds != {kind}:
+        counted: dict[str, dict[str, int]] = {}
+        for d in self._devices.values():
+            per = counted.setdefault(d.island, {})
+            per[d.kind] = per.get(d.kind, 0) + 1
+        kept = {i: {k: n for k, n in ks.items() if n} for i, ks in self._island_kinds.items()}
+        if counted != {i: ks for i, ks in kept.items() if ks}:
+            return f"island kinds {self._island_kinds} != recomputed {counted}"
+        for island, kinds in counted.items():
+            if len(kinds) != 1:
                 return f"island {island} mixes kinds {sorted(kinds)}"
         return None
 

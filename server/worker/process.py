@@ -44,6 +44,9 @@ STALE_START_S = 0.25  # a node running longer than this reports that it started 
 # work between steps; the bench's windows alternating with plain JAX's lost 10-20% to trims at 1 s).
 TRIM_IDLE_S = 5.0
 IDLE_POLL_S = 0.5
+DEFAULT_HEARTBEAT_S = 1.0
+# The sender wakes at least this often, whatever the heartbeat interval (stale-start checks).
+SENDER_POLL_S = 0.5
 
 
 def machine_id() -> str:
@@ -74,6 +77,8 @@ class WorkerProcess:
         self.executor = Executor(self.store, self.devices, self._report, self.sender)
         self.address = ""
         self.stopping = asyncio.Event()
+        # as the controller says (Registered, HeartbeatSettings); until then the default
+        self.heartbeat_interval = DEFAULT_HEARTBEAT_S
 
     def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
                 nbytes: int = 0) -> None:
@@ -178,13 +183,14 @@ class WorkerProcess:
             )
         )
         assert self._wake is not None
-        interval = 1.0
         last_beat = 0.0
         last_stale = 0.0
         loop = asyncio.get_running_loop()
         while True:
+            interval = self.heartbeat_interval
             due = self._events.due_in()
-            timeout = interval / 2 if due is None else min(due, interval / 2)
+            poll = min(interval / 2, SENDER_POLL_S)
+            timeout = poll if due is None else min(due, poll)
             if timeout > 0:
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=timeout)
@@ -220,7 +226,14 @@ class WorkerProcess:
             self.executor.drop(list(msg.drop.run_ids), msg.drop.reason, list(msg.drop.skipped_seqs))
         elif kind == "registered":
             self.executor.reset("the controller restarted")
+            self._set_heartbeat(msg.registered.heartbeat_interval_s)
             log.info("registered as host %d", msg.registered.host_id)
+        elif kind == "heartbeat":
+            self._set_heartbeat(msg.heartbeat.heartbeat_interval_s)
+
+    def _set_heartbeat(self, interval: float) -> None:
+        """Beats every `interval` seconds from now on (0, from an older controller: the default)."""
+        self.heartbeat_interval = interval if interval > 0 else DEFAULT_HEARTBEAT_S
 
 
 def run_worker(config: WorkerConfig, log_level: str = "INFO") -> None:

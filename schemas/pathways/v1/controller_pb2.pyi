@@ -215,18 +215,33 @@ Global___ListIslandsResponse: _TypeAlias = ListIslandsResponse  # noqa: Y015
 
 @_typing.final
 class ListHostsRequest(_message.Message):
+    """Listings are sorted by (island, host[, local index]). Filters narrow them; `limit` (0: no
+    limit) pages them: pass a response's `next_page_token` back as `page_token` for the next page
+    (empty when there is none). `total` counts what the filters match, over all pages.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ISLAND_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     island: _builtins.str
+    state: _common_pb2.HostState.ValueType
+    """UNSPECIFIED: every state"""
+    limit: _builtins.int
+    page_token: _builtins.str
     def __init__(
         self,
         *,
         island: _builtins.str = ...,
+        state: _common_pb2.HostState.ValueType = ...,
+        limit: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["island", b"island"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["island", b"island", "limit", b"limit", "page_token", b"page_token", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -237,16 +252,22 @@ class ListHostsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HOSTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    total: _builtins.int
     @_builtins.property
     def hosts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Host]: ...
     def __init__(
         self,
         *,
         hosts: _abc.Iterable[_common_pb2.Host] | None = ...,
+        next_page_token: _builtins.str = ...,
+        total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts", "next_page_token", b"next_page_token", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -257,15 +278,25 @@ class ListDevicesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ISLAND_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     island: _builtins.str
+    state: _common_pb2.DeviceState.ValueType
+    """UNSPECIFIED: every state"""
+    limit: _builtins.int
+    page_token: _builtins.str
     def __init__(
         self,
         *,
         island: _builtins.str = ...,
+        state: _common_pb2.DeviceState.ValueType = ...,
+        limit: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["island", b"island"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["island", b"island", "limit", b"limit", "page_token", b"page_token", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,16 +307,22 @@ class ListDevicesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEVICES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    total: _builtins.int
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]: ...
     def __init__(
         self,
         *,
         devices: _abc.Iterable[_common_pb2.Device] | None = ...,
+        next_page_token: _builtins.str = ...,
+        total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -487,6 +524,7 @@ class ControllerToWorker(_message.Message):
     ENQUEUE_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     DROP_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def registered(self) -> Global___Registered: ...
     @_builtins.property
@@ -495,6 +533,8 @@ class ControllerToWorker(_message.Message):
     def release(self) -> _worker_pb2.ReleaseBuffers: ...
     @_builtins.property
     def drop(self) -> Global___Drop: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatSettings: ...
     def __init__(
         self,
         *,
@@ -502,16 +542,40 @@ class ControllerToWorker(_message.Message):
         enqueue: _worker_pb2.Enqueue | None = ...,
         release: _worker_pb2.ReleaseBuffers | None = ...,
         drop: Global___Drop | None = ...,
+        heartbeat: Global___HeartbeatSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___ControllerToWorker: _TypeAlias = ControllerToWorker  # noqa: Y015
+
+@_typing.final
+class HeartbeatSettings(_message.Message):
+    """The controller changed the heartbeat interval (it lengthens it as the cluster grows): the
+    worker beats at the new interval from now on. `Registered` carries the interval at first.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    heartbeat_interval_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        heartbeat_interval_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatSettings: _TypeAlias = HeartbeatSettings  # noqa: Y015
 
 @_typing.final
 class Drop(_message.Message):

@@ -1,0 +1,117 @@
+"""The cluster's listings of hosts and devices, filtered and paged.
+
+Hosts and devices are listed
+in (island, host[, local index]) order from the per-island index: a page builds only its own
+entries, and a filter by island reads only that island. A page token is the key of the last
+entry of the previous page (opaque to clients), so paging stays in order while hosts come and go.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import Callable, Iterator
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from ..db.models import utcnow
+from ..timeutil import iso
+from .cluster import Cluster, HostInfo, device_state, host_state
+from .errors import InvalidArgument
+
+
+def _decode(token: str, parts: int) -> list[str | int] | None:
+    if not token:
+        return None
+    try:
+        key = json.loads(base64.urlsafe_b64decode(token.encode()))
+    except (ValueError, binascii.Error):
+        key = None
+    if not isinstance(key, list) or len(key) != parts:
+        raise InvalidArgument("invalid page token: pass back the next_page_token of the previous page")
+    return key
+
+
+def _encode(key: list[str | int]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
+
+
+def _hosts_from(cluster: Cluster, island: str, after: list[str | int] | None) -> Iterator[HostInfo]:
+    """Hosts in (island, name) order, from the first whose key is not before `after`'s
+    (island, host) (that one included: a device page may end inside it)."""
+    islands = [island] if island else sorted(cluster.islands)
+    start = (str(after[0]), str(after[1])) if after else None
+    for name in islands:
+        if start is not None and name < start[0]:
+            continue
+        for h in sorted(cluster.hosts_of(name), key=lambda h: h.name):
+            if start is not None and (name, h.name) < start:
+                continue
+            yield h
+
+
+def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType = pb.HOST_STATE_UNSPECIFIED,
+               limit: int = 0, page_token: str = "") -> cpb.ListHostsResponse:
+    if limit < 0:
+        raise InvalidArgument(f"limit must not be negative, got {limit}")
+    after = _decode(page_token, 2)
+    islands = [island] if island else list(cluster.islands)
+    if state == pb.HOST_STATE_UNSPECIFIED:
+        total = sum(cluster.island_counts(i)[0] for i in islands)
+    else:
+        total = sum(1 for i in islands for h in cluster.hosts_of(i) if host_state(h.state) == state)
+    now_wall, now_mono = utcnow(), time.monotonic()
+    out: list[pb.Host] = []
+    next_token = ""
+    for h in _hosts_from(cluster, island, after):
+        if after is not None and [h.island, h.name] == after:
+            continue
+        if state != pb.HOST_STATE_UNSPECIFIED and host_state(h.state) != state:
+            continue
+        if limit and len(out) == limit:
+            next_token = _encode([out[-1].island, out[-1].name])
+            break
+        out.append(pb.Host(
+            id=h.id, name=h.name, island=h.island, address=h.address, state=host_state(h.state), pid=h.pid,
+            last_heartbeat=iso(cluster.last_heartbeat(h, now_wall, now_mono)), devices=len(h.device_ids),
+            device_kind=h.kind,
+        ))
+    return cpb.ListHostsResponse(hosts=out, next_page_token=next_token, total=total)
+
+
+def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.ValueType = pb.DEVICE_STATE_UNSPECIFIED,
+                 limit: int = 0, page_token: str = "",
+                 slice_count: Callable[[int], int] | None = None) -> cpb.ListDevicesResponse:
+    if limit < 0:
+        raise InvalidArgument(f"limit must not be negative, got {limit}")
+    after = _decode(page_token, 3)
+    islands = [island] if island else list(cluster.islands)
+    if state == pb.DEVICE_STATE_UNSPECIFIED:
+        total = sum(cluster.island_counts(i)[1] for i in islands)
+    else:
+        total = sum(len(h.device_ids) for i in islands for h in cluster.hosts_of(i) if device_state(h.state) == state)
+    now_wall, now_mono = utcnow(), time.monotonic()
+    out: list[pb.Device] = []
+    next_token = ""
+    for h in _hosts_from(cluster, island, after):
+        hstate = device_state(h.state)
+        if state != pb.DEVICE_STATE_UNSPECIFIED and hstate != state:
+            continue
+        first = int(after[2]) + 1 if after is not None and [h.island, h.name] == after[:2] else 0
+        seen = iso(cluster.last_heartbeat(h, now_wall, now_mono))
+        for local in range(first, len(h.device_ids)):
+            if limit and len(out) == limit:
+                last = out[-1]
+                next_token = _encode([last.island, last.host, last.local_index])
+                break
+            dev_id = h.device_ids[local]
+            out.append(pb.Device(
+                id=dev_id, island=h.island, host=h.name, local_index=local, kind=h.kind, state=hstate,
+                last_heartbeat=seen, slices=slice_count(dev_id) if slice_count else 0,
+            ))
+        if next_token:
+            break
+    return cpb.ListDevicesResponse(devices=out, next_page_token=next_token, total=total)

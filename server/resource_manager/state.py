@@ -201,9 +201,9 @@ class RMState:
         if seen.keys() != self._devices.keys():
             return "a device record is not listed under its host"
         counted: dict[str, dict[str, int]] = {}
-        for d in self._devices.values():
-            per = counted.setdefault(d.island, {})
-            per[d.kind] = per.get(d.kind, 0) + 1
+        for dev in self._devices.values():
+            per = counted.setdefault(dev.island, {})
+            per[dev.kind] = per.get(dev.kind, 0) + 1
         kept = {i: {k: n for k, n in ks.items() if n} for i, ks in self._island_kinds.items()}
         if counted != {i: ks for i, ks in kept.items() if ks}:
             return f"island kinds {self._island_kinds} != recomputed {counted}"

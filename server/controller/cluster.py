@@ -32,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import time
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -117,7 +118,9 @@ class Cluster:
     """The registry of workers. All methods run on the controller's event loop.
 
     `hosts` is the registry by name (shared read-only with other components); `_by_island`
-    holds the same hosts by island, `_counts[island]` = [devices, available devices]."""
+    holds the same hosts by island, `_names` their names sorted, `_counts[island]` = [devices,
+    available devices] and `_by_address` the ready hosts by address: `_add` and `_set_state`
+    keep them in step."""
 
     def __init__(self, sessions: sessionmaker[Session], write: Write, heartbeat_interval: float,
                  heartbeat_timeout: float):
@@ -130,6 +133,7 @@ class Cluster:
         self.hosts: dict[str, HostInfo] = {}
         self.islands: dict[str, datetime] = {}
         self._by_island: dict[str, dict[str, HostInfo]] = {}
+        self._names: dict[str, list[str]] = {}  # island -> its host names, sorted (for paging)
         self._counts: dict[str, list[int]] = {}
         self._by_address: dict[str, HostInfo] = {}  # ready hosts
         self.on_host_up: list[HostListener] = []
@@ -144,33 +148,44 @@ class Cluster:
         self.closing = False
 
     # ---- indexes ----
-    def _index(self, info: HostInfo) -> None:
+    def _add(self, info: HostInfo) -> None:
+        """Enters `info` in the registry and the indexes, replacing the entry of its name."""
+        old = self.hosts.get(info.name)
+        if old is not None:
+            self._count(old, -1)
+            if old.island != info.island:
+                del self._by_island[old.island][old.name]
+                names = self._names[old.island]
+                del names[bisect_left(names, old.name)]
+        members = self._by_island.setdefault(info.island, {})
+        if info.name not in members:
+            insort(self._names.setdefault(info.island, []), info.name)
+        members[info.name] = info
         self.hosts[info.name] = info
-        self._by_island.setdefault(info.island, {})[info.name] = info
-        counts = self._counts.setdefault(info.island, [0, 0])
-        counts[0] += len(info.device_ids)
-        if info.state == READY:
-            counts[1] += len(info.device_ids)
-            self._by_address[info.address] = info
+        self._count(info, 1)
 
-    def _unindex(self, info: HostInfo) -> None:
-        del self.hosts[info.name]
-        del self._by_island[info.island][info.name]
-        counts = self._counts[info.island]
-        counts[0] -= len(info.device_ids)
+    def _count(self, info: HostInfo, sign: int) -> None:
+        counts = self._counts.setdefault(info.island, [0, 0])
+        counts[0] += sign * len(info.device_ids)
         if info.state == READY:
-            counts[1] -= len(info.device_ids)
-            if self._by_address.get(info.address) is info:
+            counts[1] += sign * len(info.device_ids)
+            if sign > 0:
+                self._by_address[info.address] = info
+            elif self._by_address.get(info.address) is info:
                 del self._by_address[info.address]
 
     def _set_state(self, info: HostInfo, state: str) -> None:
-        self._unindex(info)
+        self._count(info, -1)
         info.state = state
-        self._index(info)
+        self._count(info, 1)
 
     def hosts_of(self, island: str) -> Iterable[HostInfo]:
         """The hosts of one island (any state), in no particular order."""
         return self._by_island.get(island, {}).values()
+
+    def host_names(self, island: str) -> list[str]:
+        """The names of an island's hosts, sorted (the index itself: do not change it)."""
+        return self._names.get(island, [])
 
     def island_counts(self, island: str) -> tuple[int, int, int]:
         """(hosts, devices, available devices) of one island."""
@@ -194,7 +209,7 @@ class Cluster:
             for row in s.scalars(select(HostRow)):
                 rows = devices.get(row.id, [])
                 self._device_ids[row.name] = {d.local_index: d.id for d in rows}
-                self._index(HostInfo(
+                self._add(HostInfo(
                     id=row.id,
                     name=row.name,
                     island=island_names[row.island_id],
@@ -235,12 +250,10 @@ class Cluster:
         devices = dict(by_index)
         known = old is not None
         self._write(lambda s: _save_registration(s, msg, host_id, now, created, devices, known))
-        if old is not None:
-            if old.link is not None and old.link is not link:
-                old.link.close()
-            self._unindex(old)
+        if old is not None and old.link is not None and old.link is not link:
+            old.link.close()
         info.link = link
-        self._index(info)
+        self._add(info)
         log.info("host %s registered on island %s (%d %s devices) at %s",
                  msg.name, msg.island, msg.device_count, msg.device_kind, msg.address)
         if old is None:
@@ -327,16 +340,22 @@ class Cluster:
             late = now - last_tick > MONITOR_S + LATE_TICK_S
             last_tick = now
             if self._reconnect_until is None:
-                reconnecting = sum(1 for h in self.hosts.values() if h.state == RECONNECTING)
-                self._reconnect_until = now + self.heartbeat_timeout + RECONNECT_PER_HOST_S * reconnecting
-                for h in self.hosts.values():
-                    if h.state == RECONNECTING:
-                        h.last_seen = now  # could be heard from now on
+                self.open_reconnect_window(now)
             if not late:
                 self.check_silence(now)
             if now - last_persist > PERSIST_SEEN_S:
                 self.flush_heartbeats()
                 last_persist = now
+
+    def open_reconnect_window(self, now: float) -> float:
+        """From `now` (the controller can hear its workers), the hosts the database knew as
+        ready have the heartbeat timeout plus `RECONNECT_PER_HOST_S` each to register again;
+        returns when that window closes."""
+        reconnecting = [h for h in self.hosts.values() if h.state == RECONNECTING]
+        for h in reconnecting:
+            h.last_seen = now
+        self._reconnect_until = now + self.heartbeat_timeout + RECONNECT_PER_HOST_S * len(reconnecting)
+        return self._reconnect_until
 
     def check_silence(self, now: float) -> None:
         """Marks lost, in one pass, the ready hosts silent for longer than the timeout and the

@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
 from schemas.pathways.v1 import common_pb2 as pb
@@ -44,13 +45,13 @@ def _hosts_from(cluster: Cluster, island: str, after: list[str | int] | None) ->
     (island, host) (that one included: a device page may end inside it)."""
     islands = [island] if island else sorted(cluster.islands)
     start = (str(after[0]), str(after[1])) if after else None
+    if start is not None:
+        islands = islands[bisect_left(islands, start[0]):]
     for name in islands:
-        if start is not None and name < start[0]:
-            continue
-        for h in sorted(cluster.hosts_of(name), key=lambda h: h.name):
-            if start is not None and (name, h.name) < start:
-                continue
-            yield h
+        names = cluster.host_names(name)
+        first = bisect_left(names, start[1]) if start is not None and name == start[0] else 0
+        for k in range(first, len(names)):
+            yield cluster.hosts[names[k]]
 
 
 def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType = pb.HOST_STATE_UNSPECIFIED,

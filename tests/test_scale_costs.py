@@ -1,0 +1,280 @@
+"""The control plane's costs grow with what changed, not with the cluster (issue 31).
+
+A real controller core (its components, the database writer, SQLite) in this process, hosts
+registering through `Cluster.register` as the WorkerConnect handler calls it. At N = 8 and
+N = 32 hosts the test counts, for one registration, one heartbeat, a loss of a quarter of the
+hosts and the listings: the SQL statements the database sees (SQLAlchemy's
+`before_cursor_execute`) and the Python lines the controller's own code runs on the event loop
+(a trace of `server/`): a step per host or device visited. Both must not grow with N.
+Times are the benchmark's business (`python -m bench --only scale`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+import server
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import controller_pb2 as cpb
+from server.controller.cluster import LOST, READY, RECONNECTING, Cluster, beat_interval
+from server.controller.core import Controller, ControllerConfig
+from server.controller.hostviews import list_devices, list_hosts
+from server.controller.links import WorkerLink
+from server.db.engine import make_engine
+from server.db.models import Base
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVER_DIR = str(Path(server.__file__).parent)
+ISLANDS = ("isl-a", "isl-b")  # the island count stays fixed as the hosts grow
+
+
+@dataclass
+class Work:
+    statements: int = 0
+    lines: int = 0
+
+
+class Meter:
+    """Counts SQL statements on the engine, and (while `measure` runs) the lines of `server/`
+    code the calling thread runs."""
+
+    def __init__(self, core: Controller) -> None:
+        self.core = core
+        self.statements = 0
+        event.listen(core.engine, "before_cursor_execute", self._statement)
+
+    def _statement(self, *args: Any) -> None:
+        self.statements += 1
+
+    def settle(self) -> None:
+        """Waits until every write queued so far has run."""
+        self.core.writer.submit(lambda s: None).result(timeout=30)
+
+    @contextmanager
+    def measure(self) -> Iterator[Work]:
+        self.settle()
+        work = Work()
+
+        def local(frame: FrameType, why: str, arg: Any) -> Callable[..., Any] | None:
+            if why == "line":
+                work.lines += 1
+            return local
+
+        def tracer(frame: FrameType, why: str, arg: Any) -> Callable[..., Any] | None:
+            return local if frame.f_code.co_filename.startswith(SERVER_DIR) else None
+
+        before = self.statements
+        sys.settrace(tracer)
+        try:
+            yield work
+        finally:
+            sys.settrace(None)
+        self.settle()
+        work.statements = self.statements - before
+
+
+def registration(name: str, island: str, devices: int = 4) -> cpb.RegisterWorker:
+    return cpb.RegisterWorker(name=name, island=island, address=f"127.0.0.2:{abs(hash(name)) % 60000 + 1}",
+                              pid=1, device_kind="cpu", device_count=devices, machine_id=name)
+
+
+async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
+    url = f"sqlite:///{tmp_path / f'c{n}.db'}"
+    engine = make_engine(url)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+    core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
+    core.slices.load()
+    core.cluster.load()
+    meter = Meter(core)
+    cluster = core.cluster
+    try:
+        for i in range(n):
+            cluster.register(registration(f"h{i:03d}", ISLANDS[i % 2]), WorkerLink(f"h{i:03d}"))
+        core.slices.create(cpb.SliceSpec(name="s", devices=4, island=ISLANDS[0]), False, "")
+        out: dict[str, Work] = {}
+        with meter.measure() as out["register"]:
+            cluster.register(registration("new", ISLANDS[0]), WorkerLink("new"))
+        with meter.measure() as out["re-register"]:
+            cluster.register(registration("h001", ISLANDS[1]), WorkerLink("h001"))
+        with meter.measure() as out["heartbeat"]:
+            cluster.heartbeat("h002", cpb.Heartbeat())
+        with meter.measure() as out["list islands"]:
+            cluster.island_protos()
+        with meter.measure() as out["list hosts page"]:
+            page = list_hosts(cluster, limit=2)  # both pages inside the first island
+            list_hosts(cluster, limit=2, page_token=page.next_page_token)
+        with meter.measure() as out["list devices page"]:
+            list_devices(cluster, ISLANDS[1], limit=5)
+        for h in cluster.hosts.values():
+            cluster.heartbeat(h.name, cpb.Heartbeat())
+        with meter.measure() as flush:
+            cluster.flush_heartbeats()
+        out["heartbeat flush (statements)"] = Work(statements=flush.statements)
+        # two hosts lost together: the same work whatever the cluster's size
+        others = [h for h in cluster.hosts.values() if h.island == ISLANDS[1]]  # not the slice's
+        with meter.measure() as out["loss of two hosts"]:
+            cluster.mark_lost_many([(h.name, "test") for h in others[:2]])
+        # a quarter of the hosts go silent: found in one pass (the monitor's scan of every host, a
+        # tick's cost), written in one go
+        lost = others[2:][: n // 4]
+        for h in lost:
+            h.last_seen -= 2 * cluster.heartbeat_timeout
+        with meter.measure() as loss:
+            cluster.check_silence(time.monotonic())
+        assert all(h.state == LOST for h in lost)
+        out["loss of a quarter (statements)"] = Work(statements=loss.statements)
+        return out
+    finally:
+        core.writer.close(30)
+        core.engine.dispose()
+
+
+def test_work_per_event_does_not_grow_with_the_cluster(tmp_path: Path) -> None:
+    small = asyncio.run(costs(tmp_path, 8))
+    large = asyncio.run(costs(tmp_path, 32))
+    for what, work in small.items():
+        assert large[what] == work, f"{what}: {work} at 8 hosts, {large[what]} at 32"
+    assert small["heartbeat"] == Work(statements=0, lines=small["heartbeat"].lines)
+    assert small["list islands"].statements == 0
+    assert small["heartbeat flush (statements)"].statements == 1  # one executemany for every host
+    assert small["loss of a quarter (statements)"].statements == 2  # the hosts, then their devices
+
+
+def test_listings_page_in_order_and_filter(tmp_path: Path) -> None:
+    async def run() -> None:
+        url = f"sqlite:///{tmp_path / 'p.db'}"
+        engine = make_engine(url)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
+        core.cluster.load()
+        cluster = core.cluster
+        try:
+            names = [f"h{i:02d}" for i in range(10)]
+            for i, name in enumerate(reversed(names)):
+                cluster.register(registration(name, ISLANDS[i % 2], devices=3), WorkerLink(name))
+            cluster.mark_lost("h03", "test")
+            full = list_hosts(cluster)
+            assert full.total == 10 and not full.next_page_token
+            expected = sorted((h.island, h.name) for h in full.hosts)
+            assert [(h.island, h.name) for h in full.hosts] == expected
+            paged, token = [], ""
+            while True:
+                page = list_hosts(cluster, limit=3, page_token=token)
+                assert page.total == 10
+                paged += [(h.island, h.name) for h in page.hosts]
+                token = page.next_page_token
+                if not token:
+                    break
+            assert paged == expected
+            lost = list_hosts(cluster, state=pb.HOST_STATE_LOST)
+            assert [h.name for h in lost.hosts] == ["h03"] and lost.total == 1
+            devices, token = [], ""
+            while True:
+                dpage = list_devices(cluster, ISLANDS[0], limit=4, page_token=token)
+                assert dpage.total == 15
+                devices += [(d.host, d.local_index) for d in dpage.devices]
+                token = dpage.next_page_token
+                if not token:
+                    break
+            assert devices == [(d.host, d.local_index) for d in list_devices(cluster, ISLANDS[0]).devices]
+            assert len(devices) == 15
+            gone = list_devices(cluster, state=pb.DEVICE_STATE_LOST)
+            assert {d.host for d in gone.devices} == {"h03"} and gone.total == 3
+            islands = {i.name: (i.hosts, i.devices, i.available_devices) for i in cluster.island_protos()}
+            lost_island = cluster.hosts["h03"].island
+            assert islands[lost_island] == (5, 15, 12)
+            from server.controller.errors import InvalidArgument
+            with pytest.raises(InvalidArgument, match="invalid page token"):
+                list_hosts(cluster, page_token="not-a-token")
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    asyncio.run(run())
+
+
+def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(tmp_path: Path) -> None:
+    assert [beat_interval(1.0, n) for n in (1, 512, 513, 1024, 1025, 2048, 100_000)] == [1, 1, 2, 2, 4, 4, 4]
+    assert beat_interval(0.2, 600) == 0.4 and beat_interval(5.0, 5000) == 5.0
+
+    async def run() -> None:
+        url = f"sqlite:///{tmp_path / 'h.db'}"
+        engine = make_engine(url)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=5.0))
+        core.cluster.load()
+        cluster = core.cluster
+        links = []
+        try:
+            for i in range(513):
+                link = WorkerLink(f"h{i}")
+                links.append(link)
+                cluster.register(registration(f"h{i}", ISLANDS[i % 2], devices=1), link)
+            assert cluster.heartbeat_interval == 2.0 and cluster.heartbeat_timeout == 6.0
+            first: list[cpb.ControllerToWorker] = []
+            while not links[0]._queue.empty():
+                first.append(links[0]._queue.get_nowait())  # type: ignore[arg-type]
+            assert [m.heartbeat.heartbeat_interval_s for m in first if m.HasField("heartbeat")] == [2.0]
+            assert links[-2]._queue.qsize() == 1  # one notice each, at the step
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    asyncio.run(run())
+
+
+def test_after_a_restart_hosts_have_a_window_that_grows_with_the_cluster(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    engine = make_engine(url)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+
+    async def run(register: int) -> Cluster:
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=2.0))
+        core.cluster.load()
+        try:
+            for i in range(register):
+                core.cluster.register(registration(f"h{i}", ISLANDS[0]), WorkerLink(f"h{i}"))
+            return core.cluster
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    asyncio.run(run(400))
+
+    async def restarted() -> None:
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=2.0))
+        core.slices.load()
+        core.cluster.load()
+        cluster = core.cluster
+        try:
+            assert {h.state for h in cluster.hosts.values()} == {RECONNECTING}
+            start = 1000.0
+            closes = cluster.open_reconnect_window(start)
+            assert closes == pytest.approx(start + 2.0 + 400 * 0.005)
+            cluster.check_silence(start + 3.5)  # past the plain timeout, inside the window
+            assert {h.state for h in cluster.hosts.values()} == {RECONNECTING}
+            cluster.register(registration("h0", ISLANDS[0]), WorkerLink("h0"))
+            cluster.check_silence(closes + 0.1)
+            states = {h.name: h.state for h in cluster.hosts.values()}
+            assert states.pop("h0") == READY and set(states.values()) == {LOST}
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    asyncio.run(restarted())

@@ -18,6 +18,7 @@ from .errors import ConnectionFailed, Unavailable
 from .transport import DEFAULT_RETRY, BidiStream, RetryPolicy, Transport
 
 R = TypeVar("R")
+PAGE = 1000  # hosts or devices per ListHosts / ListDevices answer
 
 
 class Client:
@@ -69,11 +70,33 @@ class Client:
     def islands(self) -> list[Any]:
         return list(self._read(self._stub.ListIslands, cpb.ListIslandsRequest()).islands)
 
-    def hosts(self, island: str = "") -> list[Any]:
-        return list(self._read(self._stub.ListHosts, cpb.ListHostsRequest(island=island)).hosts)
+    def hosts(self, island: str = "", state: int = 0, limit: int = 0) -> list[Any]:
+        """Hosts sorted by (island, name): all of them, or the first `limit`; `state` a HostState
+        (0: any). Read a page at a time, so that no answer grows with the cluster."""
+        return self.hosts_page(island, state, limit)[0]
 
-    def devices(self, island: str = "") -> list[Any]:
-        return list(self._read(self._stub.ListDevices, cpb.ListDevicesRequest(island=island)).devices)
+    def hosts_page(self, island: str = "", state: int = 0, limit: int = 0) -> tuple[list[Any], int]:
+        """`hosts`, and how many match over all pages."""
+        return self._pages(self._stub.ListHosts, "hosts", limit, island=island, state=state)
+
+    def devices(self, island: str = "", state: int = 0, limit: int = 0) -> list[Any]:
+        """Devices sorted by (island, host, local index); as `hosts`, with a DeviceState."""
+        return self.devices_page(island, state, limit)[0]
+
+    def devices_page(self, island: str = "", state: int = 0, limit: int = 0) -> tuple[list[Any], int]:
+        return self._pages(self._stub.ListDevices, "devices", limit, island=island, state=state)
+
+    def _pages(self, method: Any, field: str, limit: int, **filters: Any) -> tuple[list[Any], int]:
+        request = cpb.ListHostsRequest if field == "hosts" else cpb.ListDevicesRequest
+        out: list[Any] = []
+        token = ""
+        while True:
+            page = min(PAGE, limit - len(out)) if limit else PAGE
+            reply = self._read(method, request(limit=page, page_token=token, **filters))
+            out += getattr(reply, field)
+            token = reply.next_page_token
+            if not token or (limit and len(out) >= limit):
+                return out, reply.total
 
     # ---- slices ----
     def create_slice(self, spec: cpb.SliceSpec, dry_run: bool = False, owner: str = "") -> cpb.CreateSliceResponse:

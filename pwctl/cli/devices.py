@@ -2,40 +2,75 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import typer
 
+from schemas.pathways.v1 import common_pb2 as pb
 from schemas.views import DeviceView, HostView
 
-from .common import Format, OutputOpt, ServerOpt, age, client, emit_list
+from .common import Format, OutputOpt, ServerOpt, age, client, emit_list, hint
 
 app = typer.Typer(help="Physical devices (accelerators or virtual CPU devices).", no_args_is_help=True)
 hosts_app = typer.Typer(help="Hosts: one worker process each.", no_args_is_help=True)
 
 IslandOpt = Annotated[str, typer.Option("--island", "-i", help="Only this island")]
+LimitOpt = Annotated[int, typer.Option("--limit", "-l", min=0,
+                                       help="At most this many, in (island, host) order (0: all)")]
+
+
+class HostState(StrEnum):
+    ready = "ready"
+    lost = "lost"
+    reconnecting = "reconnecting"
+
+
+class DeviceState(StrEnum):
+    available = "available"
+    lost = "lost"
+    reconnecting = "reconnecting"
+
+
+HostStateOpt = Annotated[HostState | None, typer.Option("--state", "-s", help="Only hosts in this state",
+                                                        case_sensitive=False, show_default=False)]
+DeviceStateOpt = Annotated[DeviceState | None, typer.Option("--state", "-s", help="Only devices in this state",
+                                                            case_sensitive=False, show_default=False)]
+
+
+def _shown(kind: str, shown: int, total: int) -> None:
+    if shown < total:
+        hint(f"{shown} of {total} {kind} shown (--limit 0 for all)")
 
 
 @app.command("list")
-def list_(island: IslandOpt = "", server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
+def list_(island: IslandOpt = "", state: DeviceStateOpt = None, limit: LimitOpt = 0, server: ServerOpt = None,
+          output: OutputOpt = Format.table) -> None:
     """List devices: island, host, id, kind, state, last heartbeat."""
+    code = pb.DeviceState.Value(f"DEVICE_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
-        items = [DeviceView.of(d) for d in c.devices(island)]
+        found, total = c.devices_page(island, code, limit)
+    items = [DeviceView.of(d) for d in found]
     emit_list(output, "DeviceList", items, ["island", "host", "device", "kind", "state", "slices", "heartbeat"],
               lambda d: [d.island, d.host, str(d.id), d.kind, d.state, str(d.slices), age(d.last_heartbeat)],
               ["local", "last heartbeat"], lambda d: [str(d.local_index), d.last_heartbeat],
               name=lambda d: str(d.id))
+    _shown("devices", len(items), total)
 
 
 @hosts_app.command("list")
-def hosts_list(island: IslandOpt = "", server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
+def hosts_list(island: IslandOpt = "", state: HostStateOpt = None, limit: LimitOpt = 0, server: ServerOpt = None,
+               output: OutputOpt = Format.table) -> None:
     """List hosts (workers): island, address, state, devices, last heartbeat."""
+    code = pb.HostState.Value(f"HOST_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
-        items = [HostView.of(h) for h in c.hosts(island)]
+        found, total = c.hosts_page(island, code, limit)
+    items = [HostView.of(h) for h in found]
     emit_list(output, "HostList", items, ["host", "island", "address", "state", "devices", "heartbeat"],
               lambda h: [h.name, h.island, h.address, h.state, f"{h.devices} {h.device_kind}",
                          age(h.last_heartbeat)],
               ["pid", "last heartbeat"], lambda h: [str(h.pid), h.last_heartbeat])
+    _shown("hosts", len(items), total)
 
 
 def register(root: typer.Typer) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, func, select
 
 import server
 from schemas.pathways.v1 import common_pb2 as pb
@@ -33,7 +34,7 @@ from server.controller.core import Controller, ControllerConfig
 from server.controller.hostviews import list_devices, list_hosts
 from server.controller.links import WorkerLink
 from server.db.engine import make_engine
-from server.db.models import Base
+from server.db.models import Base, HostRow
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,6 +153,42 @@ def test_work_per_event_does_not_grow_with_the_cluster(tmp_path: Path) -> None:
     assert small["list islands"].statements == 0
     assert small["heartbeat flush (statements)"].statements == 1  # one executemany for every host
     assert small["loss of a quarter (statements)"].statements == 2  # the hosts, then their devices
+
+
+def test_a_burst_of_registrations_is_one_transaction(tmp_path: Path) -> None:
+    """Registrations queued while the writer is busy commit together (the writer's batching),
+    and the event loop waits on none of them."""
+    async def run() -> int:
+        url = f"sqlite:///{tmp_path / 'b.db'}"
+        engine = make_engine(url)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
+        core.cluster.load()
+        commits = 0
+
+        def commit(conn: Any) -> None:
+            nonlocal commits
+            commits += 1
+
+        event.listen(core.engine, "commit", commit)
+        gate = threading.Event()
+        try:
+            busy = core.writer.submit(lambda s: gate.wait(30))  # the writer is in a transaction
+            for i in range(64):
+                core.cluster.register(registration(f"h{i}", ISLANDS[i % 2]), WorkerLink(f"h{i}"))
+            assert not busy.done() and len(core.cluster.hosts) == 64  # registered without the database
+            gate.set()
+            core.writer.submit(lambda s: None).result(timeout=30)
+            with core.db() as s:
+                assert s.scalar(select(func.count()).select_from(HostRow)) == 64
+            return commits
+        finally:
+            gate.set()
+            core.writer.close(30)
+            core.engine.dispose()
+
+    assert asyncio.run(run()) <= 3  # the busy job's, the burst's (and the barrier's)
 
 
 def test_listings_page_in_order_and_filter(tmp_path: Path) -> None:

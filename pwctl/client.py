@@ -18,7 +18,7 @@ from .errors import ConnectionFailed, Unavailable
 from .transport import DEFAULT_RETRY, BidiStream, RetryPolicy, Transport
 
 R = TypeVar("R")
-PAGE = 1000  # hosts or devices per ListHosts / ListDevices answer
+PAGE = 4096  # hosts or devices per ListHosts / ListDevices answer (about 300 KiB of hosts)
 
 
 class Client:

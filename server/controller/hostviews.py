@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-from ..db.models import utcnow
 from ..timeutil import iso
-from .cluster import Cluster, HostInfo, device_state, host_state
+from .cluster import READY, Cluster, HostInfo, device_state, host_state
 from .errors import InvalidArgument
 
 
@@ -38,6 +37,27 @@ def _decode(token: str, parts: int) -> list[str | int] | None:
 
 def _encode(key: list[str | int]) -> str:
     return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
+
+
+class _Stamps:
+    """Last-heartbeat strings for one listing, as `timeutil.iso` writes them: a ready host's
+    from its monotonic `last_seen` against one reading of both clocks, the seconds formatted
+    once per second (a listing of thousands of hosts spans a few heartbeat intervals)."""
+
+    def __init__(self) -> None:
+        self.wall = time.time()
+        self.mono = time.monotonic()
+        self._seconds: dict[int, str] = {}
+
+    def of(self, h: HostInfo) -> str:
+        if h.state != READY:
+            return iso(h.last_heartbeat)
+        at = self.wall - max(0.0, self.mono - h.last_seen)
+        sec = int(at)
+        head = self._seconds.get(sec)
+        if head is None:
+            head = self._seconds[sec] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        return f"{head}.{int((at - sec) * 1000):03d}Z"
 
 
 def _hosts_from(cluster: Cluster, island: str, after: list[str | int] | None) -> Iterator[HostInfo]:
@@ -64,7 +84,7 @@ def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType
         total = sum(cluster.island_counts(i)[0] for i in islands)
     else:
         total = sum(1 for i in islands for h in cluster.hosts_of(i) if host_state(h.state) == state)
-    now_wall, now_mono = utcnow(), time.monotonic()
+    stamps = _Stamps()
     out: list[pb.Host] = []
     next_token = ""
     for h in _hosts_from(cluster, island, after):
@@ -77,7 +97,7 @@ def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType
             break
         out.append(pb.Host(
             id=h.id, name=h.name, island=h.island, address=h.address, state=host_state(h.state), pid=h.pid,
-            last_heartbeat=iso(cluster.last_heartbeat(h, now_wall, now_mono)), devices=len(h.device_ids),
+            last_heartbeat=stamps.of(h), devices=len(h.device_ids),
             device_kind=h.kind,
         ))
     return cpb.ListHostsResponse(hosts=out, next_page_token=next_token, total=total)
@@ -94,7 +114,7 @@ def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.Value
         total = sum(cluster.island_counts(i)[1] for i in islands)
     else:
         total = sum(len(h.device_ids) for i in islands for h in cluster.hosts_of(i) if device_state(h.state) == state)
-    now_wall, now_mono = utcnow(), time.monotonic()
+    stamps = _Stamps()
     out: list[pb.Device] = []
     next_token = ""
     for h in _hosts_from(cluster, island, after):
@@ -102,7 +122,7 @@ def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.Value
         if state != pb.DEVICE_STATE_UNSPECIFIED and hstate != state:
             continue
         first = int(after[2]) + 1 if after is not None and [h.island, h.name] == after[:2] else 0
-        seen = iso(cluster.last_heartbeat(h, now_wall, now_mono))
+        seen = stamps.of(h)
         for local in range(first, len(h.device_ids)):
             if limit and len(out) == limit:
                 last = out[-1]

@@ -113,6 +113,9 @@ async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
             cluster.register(registration("h001", ISLANDS[1]), WorkerLink("h001"))
         with meter.measure() as out["heartbeat"]:
             cluster.heartbeat("h002", cpb.Heartbeat())
+        seen = time.monotonic()
+        for h in cluster.hosts.values():  # one second of last-heartbeat strings, whatever the clock
+            h.last_seen = seen
         with meter.measure() as out["list islands"]:
             cluster.island_protos()
         with meter.measure() as out["list hosts page"]:

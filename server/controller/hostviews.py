@@ -85,22 +85,20 @@ def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType
     else:
         total = sum(1 for i in islands for h in cluster.hosts_of(i) if host_state(h.state) == state)
     stamps = _Stamps()
-    out: list[pb.Host] = []
-    next_token = ""
+    reply = cpb.ListHostsResponse(total=total)
+    out = reply.hosts
+    add = out.add  # built in place: a list of messages would be copied into the reply once more
     for h in _hosts_from(cluster, island, after):
         if after is not None and [h.island, h.name] == after:
             continue
         if state != pb.HOST_STATE_UNSPECIFIED and host_state(h.state) != state:
             continue
         if limit and len(out) == limit:
-            next_token = _encode([out[-1].island, out[-1].name])
+            reply.next_page_token = _encode([out[-1].island, out[-1].name])
             break
-        out.append(pb.Host(
-            id=h.id, name=h.name, island=h.island, address=h.address, state=host_state(h.state), pid=h.pid,
-            last_heartbeat=stamps.of(h), devices=len(h.device_ids),
-            device_kind=h.kind,
-        ))
-    return cpb.ListHostsResponse(hosts=out, next_page_token=next_token, total=total)
+        add(id=h.id, name=h.name, island=h.island, address=h.address, state=host_state(h.state), pid=h.pid,
+            last_heartbeat=stamps.of(h), devices=len(h.device_ids), device_kind=h.kind)
+    return reply
 
 
 def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.ValueType = pb.DEVICE_STATE_UNSPECIFIED,
@@ -115,7 +113,9 @@ def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.Value
     else:
         total = sum(len(h.device_ids) for i in islands for h in cluster.hosts_of(i) if device_state(h.state) == state)
     stamps = _Stamps()
-    out: list[pb.Device] = []
+    reply = cpb.ListDevicesResponse(total=total)
+    out = reply.devices
+    add = out.add
     next_token = ""
     for h in _hosts_from(cluster, island, after):
         hstate = device_state(h.state)
@@ -129,10 +129,9 @@ def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.Value
                 next_token = _encode([last.island, last.host, last.local_index])
                 break
             dev_id = h.device_ids[local]
-            out.append(pb.Device(
-                id=dev_id, island=h.island, host=h.name, local_index=local, kind=h.kind, state=hstate,
-                last_heartbeat=seen, slices=slice_count(dev_id) if slice_count else 0,
-            ))
+            add(id=dev_id, island=h.island, host=h.name, local_index=local, kind=h.kind, state=hstate,
+                last_heartbeat=seen, slices=slice_count(dev_id) if slice_count else 0)
         if next_token:
+            reply.next_page_token = next_token
             break
-    return cpb.ListDevicesResponse(devices=out, next_page_token=next_token, total=total)
+    return reply

@@ -20,12 +20,13 @@ class Placer(RMState):
     def _pools(self, req: SliceRequest) -> dict[str, list[int]]:
         """Islands matching the filters -> their healthy device ids, sorted (possibly none)."""
         pools: dict[str, list[int]] = {}
-        for d in sorted(self._devices.values(), key=lambda d: d.id):
-            if (req.island is None or d.island == req.island) and (req.kind is None or d.kind == req.kind):
-                ids = pools.setdefault(d.island, [])
-                if d.id in self._healthy:
-                    ids.append(d.id)
-        return dict(sorted(pools.items()))
+        healthy = self._healthy
+        for island in [req.island] if req.island is not None else sorted(self._island_devices):
+            ids = self._island_devices.get(island)
+            if not ids or (req.kind is not None and not self._island_kinds[island].get(req.kind)):
+                continue
+            pools[island] = [d for d in ids if d in healthy]
+        return pools
 
     def _place(self, req: SliceRequest, prefer: tuple[int, ...] | None) -> _Placement | _Unplaceable:
         """Choose devices for `req` without changing state. The slice being placed must be detached.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -43,6 +44,8 @@ class RMState:
     # island -> kind -> devices of that kind (one kind per island): derived from `_devices`, so
     # that a host's registration checks its islands without visiting the other hosts' devices
     _island_kinds: dict[str, dict[str, int]] = field(default_factory=dict)
+    # island -> ids of the devices whose record names it, sorted (placement reads one island's)
+    _island_devices: dict[str, list[int]] = field(default_factory=dict)
     # the recent stimuli, for the history an InvariantError carries (not part of the state proper)
     _log: StimulusLog = field(default_factory=StimulusLog, compare=False, repr=False)
 
@@ -81,6 +84,11 @@ class RMState:
         prev = self._devices.get(d.id)
         if prev is not None:
             self._island_kinds[prev.island][prev.kind] -= 1
+            if prev.island != d.island:
+                ids = self._island_devices[prev.island]
+                del ids[bisect_left(ids, d.id)]
+        if prev is None or prev.island != d.island:
+            insort(self._island_devices.setdefault(d.island, []), d.id)
         kinds = self._island_kinds.setdefault(d.island, {})
         kinds[d.kind] = kinds.get(d.kind, 0) + 1
         self._devices[d.id] = d
@@ -207,6 +215,11 @@ class RMState:
         kept = {i: {k: n for k, n in ks.items() if n} for i, ks in self._island_kinds.items()}
         if counted != {i: ks for i, ks in kept.items() if ks}:
             return f"island kinds {self._island_kinds} != recomputed {counted}"
+        by_island: dict[str, list[int]] = {}
+        for dev in sorted(self._devices.values(), key=lambda d: d.id):
+            by_island.setdefault(dev.island, []).append(dev.id)
+        if by_island != {i: ids for i, ids in self._island_devices.items() if ids}:
+            return "the per-island device index differs from the device records"
         for island, kinds in counted.items():
             if len(kinds) != 1:
                 return f"island {island} mixes kinds {sorted(kinds)}"

@@ -2,8 +2,8 @@
 
 Each simulated host speaks what `server/worker/process.py` sends: a `RegisterWorker` first (its
 name, island, an address, `device_count` devices, a machine id of its own), then a `Heartbeat`
-every `heartbeat_interval_s` that the controller's `Registered` gives (the real worker still beats
-every 1 s whatever the controller says: issue 31), with the cluster token as `authorization:
+every `heartbeat_interval_s` that the controller's `Registered` gives, and later `HeartbeatSettings`
+change (as the real worker does), with the cluster token as `authorization:
 Bearer` metadata when there is one. After a stream ends it connects again on a fresh channel,
 waiting as `server/worker/reconnect.py` says (every 50 ms for 5 s, then doubling), so a controller
 restart looks to the controller as it would with real workers.
@@ -172,6 +172,9 @@ class Simulator:
                 h.interval = msg.registered.heartbeat_interval_s
             h.registrations += 1
             h.registered_at = time.monotonic()
+        elif kind == "heartbeat":
+            if msg.heartbeat.heartbeat_interval_s > 0:
+                h.interval = msg.heartbeat.heartbeat_interval_s
         elif kind == "enqueue":
             now = time.time_ns()
             h.events.extend(

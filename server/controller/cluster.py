@@ -349,12 +349,13 @@ class Cluster:
 
     def open_reconnect_window(self, now: float) -> float:
         """From `now` (the controller can hear its workers), the hosts the database knew as
-        ready have the heartbeat timeout plus `RECONNECT_PER_HOST_S` each to register again;
-        returns when that window closes."""
+        ready have the configured heartbeat timeout (not the one lengthened with the interval:
+        reconnecting is not beating) plus `RECONNECT_PER_HOST_S` each to register again; returns
+        when that window closes."""
         reconnecting = [h for h in self.hosts.values() if h.state == RECONNECTING]
         for h in reconnecting:
             h.last_seen = now
-        self._reconnect_until = now + self.heartbeat_timeout + RECONNECT_PER_HOST_S * len(reconnecting)
+        self._reconnect_until = now + self.base_timeout + RECONNECT_PER_HOST_S * len(reconnecting)
         return self._reconnect_until
 
     def check_silence(self, now: float) -> None:

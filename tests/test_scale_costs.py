@@ -249,8 +249,9 @@ def test_listings_page_in_order_and_filter(tmp_path: Path) -> None:
 
 
 def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(tmp_path: Path) -> None:
-    assert [beat_interval(1.0, n) for n in (1, 512, 513, 1024, 1025, 2048, 100_000)] == [1, 1, 2, 2, 4, 4, 4]
-    assert beat_interval(0.2, 600) == 0.4 and beat_interval(5.0, 5000) == 5.0
+    assert [beat_interval(1.0, n) for n in (1, 256, 257, 512, 513, 1024, 1025, 2048, 100_000)] == [
+        1, 1, 2, 2, 4, 4, 7, 7, 7]
+    assert beat_interval(0.2, 600) == 0.8 and beat_interval(8.0, 5000) == 8.0
 
     async def run() -> None:
         url = f"sqlite:///{tmp_path / 'h.db'}"
@@ -266,12 +267,12 @@ def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(tmp_pa
                 link = WorkerLink(f"h{i}")
                 links.append(link)
                 cluster.register(registration(f"h{i}", ISLANDS[i % 2], devices=1), link)
-            assert cluster.heartbeat_interval == 2.0 and cluster.heartbeat_timeout == 6.0
+            assert cluster.heartbeat_interval == 4.0 and cluster.heartbeat_timeout == 8.0
             first: list[cpb.ControllerToWorker] = []
             while not links[0]._queue.empty():
                 first.append(links[0]._queue.get_nowait())  # type: ignore[arg-type]
-            assert [m.heartbeat.heartbeat_interval_s for m in first if m.HasField("heartbeat")] == [2.0]
-            assert links[-2]._queue.qsize() == 1  # one notice each, at the step
+            assert [m.heartbeat.heartbeat_interval_s for m in first if m.HasField("heartbeat")] == [2.0, 4.0]
+            assert links[-2]._queue.qsize() == 1  # one notice each, at a step
         finally:
             core.writer.close(30)
             core.engine.dispose()

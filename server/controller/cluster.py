@@ -17,13 +17,13 @@ Heartbeats: the interval the workers are given grows with the cluster (`beat_int
 that their load on the controller stays bounded (each beat costs the controller's event loop
 ~100-250 us, most of it inside grpc.aio: about 300 beats a second is ~7% of a core), and the loss
 timeout with it (two beats at least: one missed beat and the slack of the next), so that a silent
-host is still found within 15 s. It never shrinks while the
-controller runs, and connected workers hear of every change.
+host is still found within 15 s. It never shrinks while the controller runs, and connected
+workers hear of every change (`HeartbeatSettings`).
 
 Restart: hosts the database knew as ready are presumed alive until they miss their own
 reconnection window, counted from when this controller could first hear them (its monitor's
-first tick, after the server started): the heartbeat timeout plus `RECONNECT_PER_HOST_S` per
-host to come back, since the workers re-register one after another through one event loop.
+first tick, after the server started): the configured heartbeat timeout plus
+`RECONNECT_PER_HOST_S` per host to come back (15 s at 2,048 hosts), since the workers re-register one after another through one event loop.
 A monitor tick that comes late (the loop was busy) marks nobody lost: what the loop could not
 read meanwhile may be heartbeats.
 """

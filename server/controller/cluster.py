@@ -23,9 +23,9 @@ workers hear of every change (`HeartbeatSettings`).
 Restart: hosts the database knew as ready are presumed alive until they miss their own
 reconnection window, counted from when this controller could first hear them (its monitor's
 first tick, after the server started): the configured heartbeat timeout plus
-`RECONNECT_PER_HOST_S` per host to come back (15 s at 2,048 hosts), since the workers re-register one after another through one event loop.
-A monitor tick that comes late (the loop was busy) marks nobody lost: what the loop could not
-read meanwhile may be heartbeats.
+`RECONNECT_PER_HOST_S` per host to come back (15 s at 2,048 hosts), since the workers
+re-register one after another through one event loop. A monitor tick that comes late (the loop
+was busy) marks nobody lost: what the loop could not read meanwhile may be heartbeats.
 """
 
 from __future__ import annotations

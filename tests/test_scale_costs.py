@@ -5,8 +5,10 @@ registering through `Cluster.register` as the WorkerConnect handler calls it. At
 N = 32 hosts the test counts, for one registration, one heartbeat, a loss of a quarter of the
 hosts and the listings: the SQL statements the database sees (SQLAlchemy's
 `before_cursor_execute`) and the Python lines the controller's own code runs on the event loop
-(a trace of `server/`): a step per host or device visited. Both must not grow with N.
-Times are the benchmark's business (`python -m bench --only scale`).
+(a trace of `server/`): a step per host or device visited. Both must not grow with N. The
+same controller served over gRPC to `bench.simworkers` (the benchmark's simulated workers) at 8
+and 32 hosts: the statements per registration, heartbeat and flush. Times are the benchmark's
+business (`python -m bench --only scale`).
 """
 
 from __future__ import annotations
@@ -340,3 +342,60 @@ def test_cli_lists_filter_and_limit(cluster: Any) -> None:
     assert r.returncode == 0 and "3 of 4 devices shown" in r.stderr
     bad = cluster.pwctl("device", "list", "--state", "sleepy")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+async def _simulated(tmp_path: Path, hosts: int) -> dict[str, int]:
+    """A controller core served over real gRPC in this process (no monitor: its scan of every
+    host each tick is a tick's cost, not an event's), `hosts` simulated workers registering and
+    heartbeating through `bench.simworkers`: the SQL statements their registrations and a
+    heartbeat flush cost."""
+    from grpc import aio
+
+    from bench.simworkers import SimWorkers
+    from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+    from server.controller.servicer import ControllerServicer
+
+    url = f"sqlite:///{tmp_path / f's{hosts}.db'}"
+    engine = make_engine(url)
+    Base.metadata.create_all(engine)
+    engine.dispose()
+    core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_interval=0.2))
+    core.slices.load()
+    core.cluster.load()
+    meter = Meter(core)
+    server = aio.server()
+    cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    sim = SimWorkers(f"127.0.0.1:{port}", hosts, (4,), 4, log=tmp_path / f"sim{hosts}.log")
+    try:
+        reg = await asyncio.to_thread(sim.wait_registered, None, 0.0, 30.0)
+        assert reg["ok"], reg
+        await asyncio.to_thread(meter.settle)
+        islands = len(core.cluster.islands)  # one INSERT each, with its first host
+        out = {"per registration": (meter.statements - islands) // hosts,
+               "left over": (meter.statements - islands) % hosts}
+        beats = sim.status()["heartbeats"]
+        while sim.status()["heartbeats"] < beats + 2 * hosts:  # every host beats twice more
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(meter.settle)
+        out["heartbeats"] = meter.statements - islands - hosts * out["per registration"] - out["left over"]
+        before = meter.statements
+        core.cluster.flush_heartbeats()
+        await asyncio.to_thread(meter.settle)
+        out["flush"] = meter.statements - before
+        return out
+    finally:
+        await asyncio.to_thread(sim.close)
+        core.cluster.closing = True
+        core.end_streams()
+        await server.stop(0.5)
+        core.writer.close(30)
+        core.engine.dispose()
+
+
+def test_simulated_workers_cost_the_same_statements_per_host_at_8_and_32(tmp_path: Path) -> None:
+    small = asyncio.run(_simulated(tmp_path, 8))
+    large = asyncio.run(_simulated(tmp_path, 32))
+    assert small == large, f"8 hosts: {small}, 32 hosts: {large}"
+    assert small["left over"] == 0 and small["heartbeats"] == 0 and small["flush"] == 1

@@ -28,6 +28,16 @@ except Exception as e:
 print("after", np.asarray(f(x, y)).round(5).tolist() == np.asarray(out).round(5).tolist())
 """
 
+ELSEWHERE = """
+import numpy as np, jax, jax.numpy as jnp
+x = jax.device_put(np.ones(3, np.float32), jax.devices()[1])
+try:
+    print((x + 1).tolist())
+except Exception as e:
+    print("error", type(e).__name__, str(e).splitlines()[0])
+print("after", (jnp.ones(2) * 2).tolist())
+"""
+
 TRAIN = """
 import numpy as np, jax, jax.numpy as jnp
 def loss(w, x, y):
@@ -62,6 +72,11 @@ def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Pat
     with cluster.client() as c:  # the session's programs, buffers and slice went with it
         wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+    # a program on another device than the slice's first: a clear error, and the session goes on
+    lines = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
+                                              JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert lines == ["error JaxRuntimeError UNIMPLEMENTED: programs on devices [1]: the Pathways IFRT proxy server "
+                     "runs programs on one device (the slice's first) so far", "after [2.0, 2.0]"]
 
 
 @pytest.mark.cluster(islands=1, devices=1)

@@ -56,6 +56,8 @@ def compile_options(data: bytes, proto: Any) -> Message:
         tag, pos = _varint(data, pos)
         if tag & 7 == 2:
             size, pos = _varint(data, pos)
+            if pos + size > len(data):
+                raise HandleError("INVALID_ARGUMENT", "undecodable compile options")
             if tag >> 3 == 1:
                 try:
                     out.MergeFromString(data[pos : pos + size])

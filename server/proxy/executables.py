@@ -14,6 +14,7 @@ uploaded holds the later ones, so a run that donates a buffer never overtakes on
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -136,37 +137,57 @@ def _output(out: Message, spec: ArraySpec, device: int, handle: int, proto: Any)
     out.array_handle = handle
 
 
-def _pin(session: Session, handles: list[int], args: list[ArrayRecord | None]) -> list[asyncio.Future[None]]:
-    """Takes a reference on each argument before the execute's first await, or, for one still
-    being made, the moment it is made: a DestructArray that arrives after the execute (the client
-    sends it right away) must not free a buffer the run reads. Returns the futures to wait on."""
-    waits = []
-    for i, h in enumerate(handles):
-        value = session.handles.peek(h)
-        if isinstance(value, Pending):
-            def take(_: object, i: int = i, h: int = h) -> None:
-                rec = session.handles.peek(h)
-                if args[i] is None and isinstance(rec, ArrayRecord):
-                    rec.refs += 1
-                    args[i] = rec
-            value.done.add_done_callback(take)  # runs before the destruct's wakeup, queued later
-            waits.append(value.done)
-        else:
-            rec = session.handles.get(h, ArrayRecord)
+class Pins:
+    """An execute's references on its arguments' records (`refs`), taken before its first await,
+    or, for an argument still being made, the moment it is made: a DestructArray that arrives
+    after the execute (the client sends it right away) must not free a buffer the run reads."""
+
+    def __init__(self, session: Session, count: int) -> None:
+        self._session = session
+        self.records: list[ArrayRecord | None] = [None] * count
+        self.waits: list[asyncio.Future[None]] = []
+        self._open = True
+
+    def start(self, handles: list[int]) -> None:
+        """Pins what exists now; raises for an unknown or failed handle (`release` still undoes)."""
+        for i, h in enumerate(handles):
+            value = self._session.handles.peek(h)
+            if isinstance(value, Pending):
+                # runs before the wakeup of a destruct that arrived later (callbacks run in order)
+                value.done.add_done_callback(functools.partial(self._made, i, h))
+                self.waits.append(value.done)
+            else:
+                self._take(i, h, strict=True)
+
+    def _made(self, i: int, h: int, _: object) -> None:
+        self._take(i, h)
+
+    def _take(self, i: int, h: int, strict: bool = False) -> None:
+        if not self._open or self.records[i] is not None:
+            return
+        rec = self._session.handles.get(h, ArrayRecord) if strict else self._session.handles.peek(h)
+        if isinstance(rec, ArrayRecord):
             rec.refs += 1
-            args[i] = rec
-    return waits
+            self.records[i] = rec
 
+    def take_all(self, handles: list[int]) -> list[ArrayRecord]:
+        """Every argument's record, once `waits` are done; raises the error of one that failed."""
+        for i, h in enumerate(handles):
+            self._take(i, h, strict=True)  # made meanwhile: its callback may not have run yet
+        return [r for r in self.records if r is not None]
 
-def _unpin(session: Session, args: list[ArrayRecord | None]) -> None:
-    done = []
-    for a in args:
-        if a is not None:
-            a.refs -= 1
-            if a.refs == 0:
-                done.append(a.buffer_id)
-    if done:  # after the run was submitted: the release waits for it (client_session.py)
-        session.backend.free(done)
+    def release(self) -> None:
+        """Drops the references (after the run was submitted: a release waits for it)."""
+        self._open = False
+        done = []
+        for rec in self.records:
+            if rec is not None:
+                rec.refs -= 1
+                if rec.refs == 0:
+                    done.append(rec.buffer_id)
+        self.records = [None] * len(self.records)
+        if done:
+            self._session.backend.free(done)
 
 
 async def execute(session: Session, req: Message, resp: Message, proto: Any) -> None:
@@ -179,33 +200,29 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
                           f"the request names {len(results)} result handles")
     for h in results:  # before any await: later requests may read them
         session.handles.reserve(h)
-    args: list[ArrayRecord | None] = [None] * len(r.args_handles)
+    handles = list(r.args_handles)
+    pins = Pins(session, len(handles))
     try:
-        waits = _pin(session, list(r.args_handles), args)
+        pins.start(handles)
         async with exe.submitted:
-            for w in waits:
+            for w in pins.waits:
                 await asyncio.shield(w)
-            for i, h in enumerate(r.args_handles):
-                if args[i] is None:  # made meanwhile (its `take` may not have run yet), or failed
-                    rec = session.handles.get(h, ArrayRecord)  # raises the op's error
-                    rec.refs += 1
-                    args[i] = rec
+            args = pins.take_all(handles)
             if len(args) != len(compiled.inputs):
                 raise HandleError("INVALID_ARGUMENT", f"{compiled.name} takes {len(compiled.inputs)} arguments, "
                                   f"got {len(args)}")
-            ready = [a for a in args if a is not None]
-            for i, (a, spec) in enumerate(zip(ready, compiled.inputs, strict=True)):
+            for i, (a, spec) in enumerate(zip(args, compiled.inputs, strict=True)):
                 if (a.dtype, a.shape) != (spec.dtype, spec.shape):
                     raise HandleError("INVALID_ARGUMENT", f"argument {i} of {compiled.name}: a {a.dtype}"
                                       f"{list(a.shape)} array where {spec.dtype}{list(spec.shape)} is expected")
-            buffers = session.backend.execute(compiled.program_id, [a.buffer_id for a in ready])
+            buffers = session.backend.execute(compiled.program_id, [a.buffer_id for a in args])
     except BaseException as e:
         code = getattr(e, "code", None)  # HandleError, BackendError
         code, message = (code, str(e)) if isinstance(code, str) else ("CANCELLED", "execute cancelled")
         session.handles.fail(results, code, message)
         raise
     finally:
-        _unpin(session, args)
+        pins.release()
     device = exe.device_ids[0]
     for h, b, spec in zip(results, buffers, compiled.outputs, strict=True):
         session.handles.settle(h, ArrayRecord(b, spec.dtype, spec.shape, device))

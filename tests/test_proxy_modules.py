@@ -4,11 +4,17 @@ that computes what the jitted function computes; its compile options name its de
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.export._export import _module_to_bytecode
+from proxy_env import REPO
 
 from server.proxy import protocol as proto_mod
 from server.proxy.backend import ArraySpec, BackendError
@@ -67,3 +73,23 @@ def test_compile_options_name_the_devices() -> None:
     with pytest.raises(HandleError) as e:
         compile_options(b"\x0a\x05ab", P)
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+NO_BACKEND = """
+import sys
+from server.proxy.modules import describe
+info = describe(open(sys.argv[1], "rb").read(), "cpu")
+from jax._src import xla_bridge
+print(info.name, len(xla_bridge._backends))
+"""
+
+
+def test_the_controller_side_never_starts_a_backend(tmp_path: Path) -> None:
+    """Control plane only: reading and wrapping a module starts no XLA backend (nothing compiles)."""
+    module = tmp_path / "module.bin"
+    module.write_bytes(portable(lambda x: x * 2, jnp.ones(2)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", NO_BACKEND, str(module)], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split() == ["jit__lambda", "0"]

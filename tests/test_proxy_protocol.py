@@ -158,10 +158,10 @@ class DescribedSlice:
     )
     closed = 0
 
-    async def compile(self, key: bytes, module: bytes, options: bytes, device_ids: Sequence[int]) -> CompiledInfo:
+    async def compile(self, module: bytes, device_ids: Sequence[int]) -> CompiledInfo:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
+    def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
@@ -234,7 +234,7 @@ def test_session_with_the_real_client(tmp_path: Path) -> None:
             lines = out.splitlines()
             assert lines[0] == "devices 4 cpu"
             # the unsupported request is a JaxRuntimeError naming it; the session stays usable
-            message = "UNIMPLEMENTED: the Pathways IFRT proxy server does not support compile_request yet"
+            message = "UNIMPLEMENTED: no devices in this test"  # the backend's refusal of the compile
             assert lines[1:] == [f"error JaxRuntimeError {message}"] * 2
             assert cluster.opened == [("train", None)]
             assert service.sessions == {}  # the program ended: its session closed
@@ -302,12 +302,12 @@ def test_host_buffer_rpcs_are_bound_to_a_live_session() -> None:
                 # an unsupported request: an error answer for that op, the stream goes on
                 bad = P.IfrtRequest()
                 bad.request_metadata.op_id = 2
-                bad.compile_request.SetInParent()
+                bad.remap_arrays_request.SetInParent()
                 await call.write(bad)
                 resp = await call.read()
                 assert resp.response_metadata.op_id == 2
                 assert resp.response_metadata.status.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
-                assert "compile_request" in resp.response_metadata.status.message
+                assert "remap_arrays_request" in resp.response_metadata.status.message
                 await call.done_writing()
                 assert await call.read() == aio.EOF
             assert sid not in service.sessions

@@ -48,7 +48,8 @@ def proxy_backend(core: Controller) -> ControllerBackend:
         core.dispatcher.flush()
 
     controls = Controls(release_buffers=release_buffers, release_owner=core.sessions.release_owner,
-                        new_id_prefix=core.sessions.new_id_prefix, token=core.config.token)
+                        new_id_prefix=core.sessions.new_id_prefix, token=core.config.token,
+                        sessions=core.sessions)
     return ControllerBackend(core.slices, controls)
 
 

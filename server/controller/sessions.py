@@ -148,6 +148,10 @@ class SessionManager:
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
 
+    def register_program(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
+        """Registers a program for `session` (also the IFRT proxy's way in: server/proxy)."""
+        return self._register(session, req)
+
     def _register(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
         reg = self.registry
         try:

@@ -149,7 +149,8 @@ async def release(session: Session, handle: int) -> None:
 
 
 async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    await release(session, req.destruct_array_request.array_handle)
+    for handle in req.destruct_array_request.array_handle:  # repeated since protocol version 22
+        await release(session, handle)
     resp.destruct_array_response.SetInParent()
 
 

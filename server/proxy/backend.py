@@ -50,11 +50,14 @@ class ArraySpec:
 
 @dataclass(frozen=True)
 class CompiledInfo:
-    """A function the workers compiled: its id and the specs/shardings of its outputs."""
+    """A client program registered for the workers: the one-node program that runs it, and what
+    it takes and gives. The workers compile it on its first run, like every `pw.jit` function."""
 
-    function_id: str
+    program_id: str
+    name: str
+    inputs: tuple[ArraySpec, ...]
     outputs: tuple[ArraySpec, ...]
-    output_shardings: tuple[bytes, ...]  # serialized xla.OpSharding per output
+    donated: tuple[int, ...]  # input indices whose buffers a run consumes
 
 
 class SessionBackend(Protocol):
@@ -63,14 +66,14 @@ class SessionBackend(Protocol):
     @property
     def slice(self) -> SliceInfo: ...
 
-    async def compile(
-        self, key: bytes, module: bytes, compile_options: bytes, device_ids: Sequence[int]
-    ) -> CompiledInfo:
-        """Compiles a StableHLO module on the workers owning `device_ids`, once per `key`."""
+    async def compile(self, module: bytes, device_ids: Sequence[int]) -> CompiledInfo:
+        """Registers a StableHLO module (portable artifact) to run on `device_ids`, once per
+        content; the workers owning the devices compile it."""
         ...
 
-    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
-        """Submits one run through the scheduler; returns at once (outputs become futures)."""
+    def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
+        """Submits one run through the scheduler and returns at once: the ids of its output
+        buffers, which exist (or carry the run's error) once it ran."""
         ...
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:

@@ -7,16 +7,23 @@ its devices; the slice maps them onto physical devices as it does for `pw` clien
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
-RPCs (PutBuffers, Fetch, Wait). Compiling and executing are not wired yet: they answer
-UNIMPLEMENTED, which the client shows as a JaxRuntimeError naming the request.
+RPCs (PutBuffers, Fetch, Wait).
+
+Compiles and executes go the way a `pw` client's do: each session is a `ClientSession` of the
+controller's session manager; a compiled module is a function in a one-node program registered
+through the manager (modules.py), and each execute is a run of it through the dispatcher and the
+island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
+Runs the controller refuses fail their outputs here (the workers never hear of them).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import itertools
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,9 +36,11 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .modules import describe
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,7 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
+RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
 class Slices(Protocol):
@@ -69,6 +79,7 @@ class Controls:
     release_owner: Any  # owner -> None: frees an owner's buffers on every worker, and its slices
     new_id_prefix: Any  # () -> int: a buffer-id prefix no live client holds
     token: str | None  # the cluster token the workers may require
+    sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
 
 
 def _backend_error(e: ControllerError) -> BackendError:
@@ -105,14 +116,17 @@ class SliceSession:
         self._owns_slice = owns_slice
         self.name = sl.name
         self.slice = slice_info(sl)
-        prefix = controls.new_id_prefix() << 40
-        self._ids = (prefix | n for n in itertools.count(1))
+        prefix = controls.new_id_prefix()
+        self._ids = (prefix << 40 | n for n in itertools.count(1))
+        self._client = ClientSession(client_id=owner.removeprefix("client:"), id_prefix=prefix,
+                                     name="ifrt-proxy", job_id="", priority=0, weight=1.0, sequential=False)
+        self._programs: dict[tuple[str, tuple[int, ...]], CompiledInfo] = {}  # content key -> program
+        self._num_outputs: dict[str, int] = {}
+        self._recent: OrderedDict[int, list[int]] = OrderedDict()  # run id -> its output buffers
+        self._failed: dict[int, str] = {}  # output buffer -> the error of the run that never ran
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._metadata = (("authorization", f"Bearer {controls.token}"),) if controls.token else ()
-
-    def _unwired(self, what: str) -> BackendError:
-        return BackendError("UNIMPLEMENTED", f"{what} through the IFRT proxy is not wired to the workers yet")
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:
@@ -127,13 +141,72 @@ class SliceSession:
             conn = self._channels[address] = (channel, wgrpc.WorkerStub(channel))
         return address, conn[1]
 
-    async def compile(
-        self, key: bytes, module: bytes, compile_options: bytes, device_ids: Sequence[int]
-    ) -> CompiledInfo:
-        raise self._unwired("compiling")
+    def _manager(self) -> Any:
+        if self._controls.sessions is None:
+            raise BackendError("UNIMPLEMENTED", "this controller does not run programs for IFRT proxy clients")
+        return self._controls.sessions
 
-    def execute(self, function_id: str, inputs: Sequence[int], outputs: Sequence[int]) -> None:
-        raise self._unwired("executing")
+    async def compile(self, module: bytes, device_ids: Sequence[int]) -> CompiledInfo:
+        key = (hashlib.sha256(module).hexdigest(), tuple(device_ids))
+        known = self._programs.get(key)
+        if known is not None:
+            return known
+        if list(device_ids) != [d.id for d in self.slice.devices][: len(device_ids)] or len(device_ids) != 1:
+            raise BackendError("UNIMPLEMENTED", f"programs on devices {list(device_ids)}: the Pathways IFRT proxy "
+                               "server runs programs on one device (the slice's first) so far")
+        manager = self._manager()
+        # parsing the module imports jax the first time (seconds): not on the event loop
+        info = await asyncio.to_thread(describe, module, self.slice.platform_name)
+        n_in, n_out = len(info.inputs), len(info.outputs)
+        graph = cpb.ProgramGraph(
+            name=f"proxy:{info.name}", num_inputs=n_in,
+            nodes=[cpb.ProgramNode(function_id=info.function_id, slice=self.name, num_outputs=n_out, name=info.name,
+                                   inputs=[cpb.ValueRef(program_input=i) for i in range(n_in)])],
+            outputs=[cpb.ValueRef(node_output=cpb.NodeOutput(node=0, output=j)) for j in range(n_out)],
+        )
+        fn = cpb.FunctionInfo(function_id=info.function_id, name=info.name, exported=info.exported,
+                              donate=list(info.donated))
+        reply = manager.register_program(self._client, cpb.RegisterProgram(graph=graph, functions=[fn]))
+        if reply.error or not reply.program_id:
+            raise BackendError("FAILED_PRECONDITION", f"registering {info.name}: {reply.error or 'refused'}")
+        compiled = CompiledInfo(program_id=reply.program_id, name=info.name, inputs=info.inputs,
+                                outputs=info.outputs, donated=info.donated)
+        self._programs[key] = compiled
+        self._num_outputs[compiled.program_id] = n_out
+        return compiled
+
+    def _drain(self) -> None:
+        """Reads the session's events: a run the controller refused fails its outputs."""
+        queue = self._client.queue
+        while not queue.empty():
+            ev = queue.get_nowait()
+            if ev is not None and ev.HasField("finished") and not ev.finished.ok:
+                for b in self._recent.pop(ev.finished.run_id, ()):
+                    self._failed[b] = ev.finished.error
+
+    def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
+        manager = self._manager()
+        self._drain()
+        homes = [self._address_of(b) for b in inputs]
+        address, _ = self._worker()
+        outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
+        run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
+        self._recent[run_id] = outputs
+        if len(self._recent) > RECENT_RUNS:
+            self._recent.popitem(last=False)
+        run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
+                             input_homes=homes)
+        manager.handle(self._client, cpb.ClientMessage(run=run))
+        manager.dispatcher.flush()
+        for b in outputs:
+            self._home[b] = address
+        return outputs
+
+    def _check_failed(self, buffer_id: int) -> None:
+        self._drain()
+        error = self._failed.get(buffer_id)
+        if error is not None:
+            raise BackendError("FAILED_PRECONDITION", error)
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
         if len(data) > MAX_UPLOAD_BYTES:
@@ -161,6 +234,7 @@ class SliceSession:
         return address
 
     async def get(self, buffer_id: int) -> bytes:
+        self._check_failed(buffer_id)
         address, stub = self._worker(self._address_of(buffer_id))
         parts: list[bytes] = []
         try:
@@ -176,6 +250,7 @@ class SliceSession:
     async def ready(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
+            self._check_failed(b)
             by_worker.setdefault(self._address_of(b), []).append(b)
         for address, ids in by_worker.items():
             _, stub = self._worker(address)
@@ -191,17 +266,27 @@ class SliceSession:
     def free(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
+            self._failed.pop(b, None)
             address = self._home.pop(b, None)
             if address is not None:
                 by_worker.setdefault(address, []).append(b)
+        manager = self._controls.sessions
         for address, ids in by_worker.items():
-            self._controls.release_buffers(address, ids)
+            if manager is None:
+                self._controls.release_buffers(address, ids)
+            else:  # behind the session's earlier runs, which may read them (client_session.py)
+                release = wpb.ReleaseBuffers(address=address, buffer_ids=ids)
+                manager.handle(self._client, cpb.ClientMessage(release=release))
+        if by_worker and manager is not None:
+            manager.dispatcher.flush()
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
         self._home.clear()
+        if self._controls.sessions is not None:
+            self._controls.sessions.dispatcher.client_gone(self._client.client_id)
         try:
             self._controls.release_owner(self._owner)  # its buffers everywhere, and a slice it made
             if self._owns_slice:

@@ -88,6 +88,10 @@ class HandleTable:
                 if isinstance(pending, Pending) and not pending.done.done():
                     pending.done.set_result(None)
 
+    def peek(self, handle: int) -> Any:
+        """What `handle` holds now, `Pending` included (None if unknown)."""
+        return self._items.get(handle)
+
     def get(self, handle: int, kind: type | None = None) -> Any:
         value = self._items.get(handle)
         if value is None:

@@ -11,7 +11,8 @@ requests are answered before it (requirement 4 in docs/facts.md). One writer tas
 stream's writes; at most `MAX_PENDING` requests of a session are in flight, and reading stops
 while the writer's queue is full, so a client that never reads holds only its own session.
 
-Device work goes through the `ClusterBackend` (backend.py); request kinds this server does not
+Device work goes through the `ClusterBackend` (backend.py): arrays in arrays.py, compiles and
+executes in executables.py; request kinds this server does not
 (yet) implement are answered with UNIMPLEMENTED naming the request, and the session goes on.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from . import arrays
+from . import arrays, executables
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers
@@ -58,6 +59,7 @@ class Session:
     backend: SessionBackend
     handles: HandleTable = field(default_factory=HandleTable)
     buffers: HostBuffers = field(default_factory=HostBuffers)
+    submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
 
 
 def default_layout(rank: int) -> bytes:
@@ -112,7 +114,7 @@ class ProxyService:
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
         }
-        for kind, handler in arrays.HANDLERS.items():
+        for kind, handler in {**arrays.HANDLERS, **executables.HANDLERS}.items():
             self._handlers[kind] = functools.partial(handler, proto=self.p)
 
     @property
@@ -352,6 +354,14 @@ class ProxyService:
                     value = getattr(sub, name, 0)
                     session.handles.fail(value if isinstance(value, int) else list(value), e.code, str(e))
             return self._error(op_id, e.code, str(e))
+        except Exception as e:  # a bug: loud in the log; the client still gets its answer
+            log.exception("proxy: session %x: %s failed", session.id, kind)
+            if kind in arrays.RESULT_HANDLES:
+                sub = getattr(req, kind)
+                for name in arrays.RESULT_HANDLES[kind]:
+                    value = getattr(sub, name, 0)
+                    session.handles.fail(value if isinstance(value, int) else list(value), "INTERNAL", str(e))
+            return self._error(op_id, "INTERNAL", f"{kind} failed in the Pathways IFRT proxy server (a bug): {e}")
         return resp
 
     def _error(self, op_id: int, code: str, message: str) -> Message:

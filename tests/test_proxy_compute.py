@@ -1,0 +1,88 @@
+"""Unmodified JAX programs that compute through the IFRT proxy on a real local cluster: the
+workers compile the client's StableHLO and run it as one-node programs through the scheduler.
+Each program's output is compared with the same program on local CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, wait_for
+from proxy_env import client_env
+from test_proxy_cluster import run_program, worker_buffers
+
+JITTED = """
+import numpy as np, jax, jax.numpy as jnp
+f = jax.jit(lambda x, y: jnp.tanh(x @ y) * 2 + 1)
+x = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+y = np.ones((4, 2), np.float32)
+for _ in range(3):
+    out = f(x, y)
+print("f", np.asarray(out).round(5).tolist(), out.dtype, out.shape)
+print("arange", jnp.arange(5).tolist(), "ones", jnp.ones(3, jnp.bfloat16).tolist())
+print("chain", float(jnp.sum(f(x, y) * jnp.float32(3))))
+try:
+    f(np.ones((2, 2), np.float32), y)
+except Exception as e:
+    print("bad shapes", type(e).__name__)
+print("after", np.asarray(f(x, y)).round(5).tolist() == np.asarray(out).round(5).tolist())
+"""
+
+ELSEWHERE = """
+import numpy as np, jax, jax.numpy as jnp
+x = jax.device_put(np.ones(3, np.float32), jax.devices()[1])
+try:
+    print((x + 1).tolist())
+except Exception as e:
+    print("error", type(e).__name__, str(e).splitlines()[0])
+print("after", (jnp.ones(2) * 2).tolist())
+"""
+
+TRAIN = """
+import numpy as np, jax, jax.numpy as jnp
+def loss(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"] - y) ** 2)
+@jax.jit
+def step(w, x, y):
+    l, g = jax.value_and_grad(loss)(w, x, y)
+    return jax.tree.map(lambda p, d: p - 0.1 * d, w, g), l
+step = jax.jit(step, donate_argnums=0)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((16, 8)).astype(np.float32)
+y = rng.standard_normal((16, 2)).astype(np.float32)
+w = {"a": jnp.asarray(rng.standard_normal((8, 4)).astype(np.float32)),
+     "b": jnp.asarray(rng.standard_normal((4, 2)).astype(np.float32))}
+losses = []
+for i in range(20):
+    w, l = step(w, x, y)
+    losses.append(float(l))
+print("losses", [round(v, 5) for v in losses])
+print("w", np.asarray(w["b"]).round(5).tolist())
+print("decreased", losses[-1] < losses[0])
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=2)
+def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
+    proxied = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert proxied == local
+    assert local[-2:] == ["bad shapes TypeError", "after True"]
+    with cluster.client() as c:  # the session's programs, buffers and slice went with it
+        wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+    # a program on another device than the slice's first: a clear error, and the session goes on
+    lines = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
+                                              JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert lines == ["error JaxRuntimeError UNIMPLEMENTED: programs on devices [1]: the Pathways IFRT proxy server "
+                     "runs programs on one device (the slice's first) so far", "after [2.0, 2.0]"]
+
+
+@pytest.mark.cluster(islands=1, devices=1)
+def test_a_training_loop_with_donation(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="cpu"))
+    proxied = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+    assert proxied == local
+    assert local[-1] == "decreased True"

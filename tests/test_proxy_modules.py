@@ -1,0 +1,95 @@
+"""The controller's side of a proxy Compile, without a cluster: a client's StableHLO (as
+`jax.jit(...).lower` makes it, the bytes the jaxlib client sends) becomes a `jax.export` function
+that computes what the jitted function computes; its compile options name its devices."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.export._export import _module_to_bytecode
+from proxy_env import REPO
+
+from server.proxy import protocol as proto_mod
+from server.proxy.backend import ArraySpec, BackendError
+from server.proxy.executables import compile_options, device_ids
+from server.proxy.handles import HandleError
+from server.proxy.modules import describe
+
+
+def portable(f: object, *args: object, **jit_args: object) -> bytes:
+    lowered = jax.jit(f, **jit_args).lower(*args)  # type: ignore[call-overload]
+    return bytes(_module_to_bytecode(lowered.compiler_ir("stablehlo")))
+
+
+def test_a_module_becomes_a_function_the_workers_run() -> None:
+    def step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return w - 0.1 * x * w, (x * w).sum()
+
+    w, x = jnp.arange(3.0, dtype=jnp.float32), jnp.ones(3, jnp.bfloat16).astype(jnp.float32)
+    module = portable(step, w, x, donate_argnums=0)
+    info = describe(module, "cpu")
+    assert info.inputs == (ArraySpec("float32", (3,)), ArraySpec("float32", (3,)))
+    assert info.outputs == (ArraySpec("float32", (3,)), ArraySpec("float32", ()))
+    assert info.donated == (0,)
+    assert info.num_devices == 1
+    assert describe(module, "cpu").function_id == info.function_id  # one id per content: the cache key
+    exp = jax.export.deserialize(bytearray(info.exported))
+    got = exp.call(w, x)
+    want = jax.jit(step)(w, x)
+    assert [np.asarray(g).tolist() for g in got] == [np.asarray(v).tolist() for v in want]
+
+
+def test_modules_the_server_cannot_take_are_refused_in_one_line() -> None:
+    with pytest.raises(BackendError) as e:
+        describe(b"not a module", "cpu")
+    assert e.value.code == "INVALID_ARGUMENT" and "\n" not in str(e.value)
+    assert str(e.value).startswith("undecodable StableHLO program")
+
+
+def test_compile_options_name_the_devices() -> None:
+    P = proto_mod.protocol()
+    opts = P.cls("xla.CompileOptionsProto")()
+    assignment = opts.executable_build_options.device_assignment
+    assignment.replica_count, assignment.computation_count = 1, 2
+    for d in (2, 3):
+        assignment.computation_devices.add().replica_device_ids.append(d)
+    inner = opts.SerializeToString()
+    size = len(inner)
+    varint = bytearray()
+    while True:
+        varint.append((size & 0x7F) | (0x80 if size > 0x7F else 0))
+        size >>= 7
+        if not size:
+            break
+    data = b"\x0a" + bytes(varint) + inner  # XlaCompileOptions: the CompileOptionsProto is field 1
+    assert device_ids(compile_options(data, P)) == (2, 3)
+    with pytest.raises(HandleError) as e:
+        compile_options(b"\x0a\x05ab", P)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+NO_BACKEND = """
+import sys
+from server.proxy.modules import describe
+info = describe(open(sys.argv[1], "rb").read(), "cpu")
+from jax._src import xla_bridge
+print(info.name, len(xla_bridge._backends))
+"""
+
+
+def test_the_controller_side_never_starts_a_backend(tmp_path: Path) -> None:
+    """Control plane only: reading and wrapping a module starts no XLA backend (nothing compiles)."""
+    module = tmp_path / "module.bin"
+    module.write_bytes(portable(lambda x: x * 2, jnp.ones(2)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", NO_BACKEND, str(module)], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split() == ["jit__lambda", "0"]

@@ -55,6 +55,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def default_sigint() -> None:
+    """`preexec_fn` for a child that a test interrupts as Ctrl-C would: SIGINT back to its default.
+    A test runner started in the background by a non-interactive shell inherits SIGINT ignored,
+    and Python leaves an ignored SIGINT ignored, so the child would never see the test's SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(predicate: Callable[[], T | None], timeout: float = 30.0, what: str = "condition",
              interval: float = POLL_S) -> T:
     """Polls `predicate` until it returns something truthy; returns that value."""

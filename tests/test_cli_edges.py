@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LocalCluster, base_env
+from conftest import REPO, LocalCluster, base_env, default_sigint
 
 from pwctl.errors import InvalidArgument
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -48,7 +48,8 @@ def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluste
         r = c.pwctl("wait", job, "--timeout", "0.5")
         assert r.returncode == 124 and f"job {job} still" in r.stderr
         proc = subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "wait", job], env=c.env(), cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_sigint)
         try:
             with pytest.raises(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.5)  # waiting, as asked

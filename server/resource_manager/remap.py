@@ -63,14 +63,7 @@ class Remapper(Placer):
                 self._slices[s.name] = new
                 actions.append(SliceDegraded(new, reason))
                 continue
-            new = replace(
-                s,
-                mapping=placed.mapping,
-                status=SliceStatus.REMAPPED,
-                reason=cause,
-                history=(*s.history, RemapRecord(s.mapping, placed.mapping, cause)),
-                generation=s.generation + 1,
-            )
+            new = _remapped(s, placed.mapping, cause)
             self._slices[s.name] = new
             self._attach(new)
             actions.append(SliceRemapped(new, s.mapping, cause))
@@ -88,14 +81,7 @@ class Remapper(Placer):
             if placed.mapping == s.mapping:
                 new = replace(s, status=SliceStatus.READY, reason="", generation=s.generation + 1)
             else:
-                new = replace(
-                    s,
-                    mapping=placed.mapping,
-                    status=SliceStatus.REMAPPED,
-                    reason=trigger,
-                    history=(*s.history, RemapRecord(s.mapping, placed.mapping, trigger)),
-                    generation=s.generation + 1,
-                )
+                new = _remapped(s, placed.mapping, trigger)
             self._slices[s.name] = new
             self._attach(new)
             actions.append(SliceRestored(new))
@@ -111,3 +97,9 @@ class Remapper(Placer):
         while f"slice-{seq}" in self._slices:
             seq += 1
         return f"slice-{seq}"
+
+
+def _remapped(s: Slice, mapping: tuple[int, ...], reason: str) -> Slice:
+    """`s` moved onto `mapping` for `reason`: status REMAPPED, the move in its history, one generation on."""
+    return replace(s, mapping=mapping, status=SliceStatus.REMAPPED, reason=reason,
+                   history=(*s.history, RemapRecord(s.mapping, mapping, reason)), generation=s.generation + 1)

@@ -82,6 +82,34 @@ class WorkerClient:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
+    def fetch_parts(self, buffer_id: int, timeout_s: float, nbytes: int = 0
+                    ) -> tuple[list[tuple[tuple[int, ...], np.ndarray]] | None, str]:
+        """As `fetch`, for an array of a multi-host slice: the parts this worker holds, each with
+        where it starts in the global array (a whole array is one part starting at 0)."""
+        heads: dict[int, wpb.FetchChunk] = {}
+        data: dict[int, list[bytes]] = {}
+        deadline = timeout_s + 5.0 + nbytes / 50e6
+        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s, parts=True)
+        try:
+            for chunk in self._transport.server_stream(self._stub.Fetch, request, timeout=deadline):
+                if chunk.error:
+                    if "not ready after" in chunk.error:
+                        return None, ""
+                    return None, chunk.error
+                if chunk.part not in heads:
+                    heads[chunk.part] = chunk
+                data.setdefault(chunk.part, []).append(chunk.array.data)
+        except ConnectionFailed as e:
+            return None, _lost(e)
+        if not heads:
+            return None, f"empty reply from {self.address}"
+        parts = []
+        for k, head in sorted(heads.items()):
+            arr = from_bytes(head.array.dtype, list(head.array.shape), b"".join(data[k])).copy()
+            start = tuple(head.part_start) if head.global_shape else (0,) * arr.ndim
+            parts.append((start, arr))
+        return parts, ""
+
     def wait(self, buffer_ids: list[int], timeout_s: float) -> tuple[bool, str]:
         """(True, "") once every buffer is computed, (False, error) when one failed or the worker
         is unreachable, (False, "") on timeout; no bytes move. Other failures raise."""

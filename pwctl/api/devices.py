@@ -62,8 +62,14 @@ class VirtualSlice:
 
     @property
     def address(self) -> str:
-        """The worker that runs this slice's computations (refreshed on remap)."""
+        """The worker that runs this slice's computations (refreshed on remap); of a slice over
+        several hosts, the first (where uploads go: the controller forwards them to the others)."""
         return self.info.devices[0].address
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The other workers of a slice over several hosts (each computes on its own devices)."""
+        return tuple(dict.fromkeys(d.address for d in self.info.devices[1:] if d.address != self.address))
 
     def mesh(self, axis_names: Sequence[str] | str = ("data",)) -> VirtualMesh:
         names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)

@@ -19,12 +19,15 @@ class Future:
     bytes through the client; `result()`, `np.asarray(f)` and `print(f)` fetch the value.
     Dropping the last reference releases the worker's buffer."""
 
-    __slots__ = ("__weakref__", "_rt", "_value", "dtype", "home", "id", "run_id", "shape")
+    __slots__ = ("__weakref__", "_rt", "_value", "dtype", "home", "id", "peers", "run_id", "shape")
 
-    def __init__(self, rt: Runtime, buffer_id: int, home: str, shape: tuple[int, ...], dtype: Any, run_id: int):
+    def __init__(self, rt: Runtime, buffer_id: int, home: str, shape: tuple[int, ...], dtype: Any, run_id: int,
+                 peers: tuple[str, ...] = ()):
         self._rt = rt
         self.id = buffer_id
         self.home = home
+        # an array of a multi-host slice: the other member workers, each holding its own shards
+        self.peers = peers
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.run_id = run_id
@@ -40,6 +43,8 @@ class Future:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Fetches the value from the worker that owns it (cached afterwards)."""
+        if self._value is None and self.peers:
+            self._value = self._gather(timeout)
         if self._value is None:
             conn = self._rt.worker(self.home)
             nbytes = self.size * self.dtype.itemsize
@@ -54,6 +59,42 @@ class Future:
             _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready")
         assert self._value is not None
         return self._value
+
+    @property
+    def wire_home(self) -> str:
+        """Where the run that reads this future finds it (RunProgram.input_homes): every member's
+        address for an array of a multi-host slice (the controller checks its readers are there)."""
+        return "|".join((self.home, *self.peers)) if self.peers else self.home
+
+    def _gather(self, timeout: float | None) -> np.ndarray:
+        """The global value of a multi-host slice's array, put together from its members' parts
+        (a replicated value comes whole from the first member)."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        covered = 0
+        seen: set[tuple[int, ...]] = set()
+        for address in (self.home, *self.peers):
+            conn = self._rt.worker(address)
+            got: list[list[tuple[tuple[int, ...], np.ndarray]]] = []
+
+            def fetch(wait_s: float, conn: Any = conn, got: list[Any] = got) -> tuple[bool, str]:
+                parts, error = conn.fetch_parts(self.id, wait_s, self.size * self.dtype.itemsize)
+                if parts is not None:
+                    got.append(parts)
+                return parts is not None, error
+
+            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready")
+            for start, part in got[0]:
+                if start in seen:
+                    continue
+                seen.add(start)
+                out[tuple(slice(b, b + n) for b, n in zip(start, part.shape, strict=True))] = part
+                covered += part.size
+            if covered >= out.size:
+                break
+        if covered < out.size:
+            raise ProgramError(f"future {self.id:#x}: its members hold {covered} of {out.size} elements")
+        out.flags.writeable = False
+        return out
 
     def block_until_ready(self, timeout: float | None = None) -> Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
@@ -80,7 +121,8 @@ class Future:
 
     def __del__(self) -> None:
         try:
-            self._rt.release(self.id, self.home)
+            for address in (self.home, *self.peers):
+                self._rt.release(self.id, address)
         except Exception:
             pass  # interpreter shutdown
 

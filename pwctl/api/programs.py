@@ -191,7 +191,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
         slice_name = reg.input_slice[i]
         if isinstance(v, Future):
             input_ids.append(v.id)
-            homes.append(v.home)
+            homes.append(v.wire_home)
             continue
         if slice_name is None:  # not read by any node
             input_ids.append(0)
@@ -209,9 +209,10 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
         run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=out_ids, input_homes=homes)))
     for bid, address in uploads:  # the run holds them now; ours go (ordered after the run)
         rt.release(bid, address)
-    addresses = {s: rt.slices[s].address for s in set(reg.output_slice)}  # once per slice, not per output
+    # once per slice, not per output
+    addresses = {s: (rt.slices[s].address, rt.slices[s].peers) for s in set(reg.output_slice)}
     futures = [
-        Future(rt, oid, addresses[s], shape, dtype, run_id)
+        Future(rt, oid, addresses[s][0], shape, dtype, run_id, addresses[s][1])
         for oid, s, (shape, dtype) in zip(out_ids, reg.output_slice, reg.output_avals, strict=True)
     ]
 

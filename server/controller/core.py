@@ -19,6 +19,7 @@ from ..timeutil import now_iso
 from .cluster import Cluster
 from .dispatch import Dispatcher
 from .errors import NotFound
+from .groups import IslandGroups, coordinator_host
 from .hangs import HangReporter
 from .job_files import DEFAULT_LOG_MAX_MB
 from .jobs import JobManager
@@ -86,6 +87,13 @@ class Controller:
         # the slices first: the dispatcher's placements and the clients' notices read them
         self.cluster.on_host_up += [self.slices.host_up, self.dispatcher.host_up]
         self.cluster.on_host_lost += [self.slices.host_lost, self.dispatcher.host_lost, self.observer.host_lost]
+        # islands spanning hosts: after the slices and the dispatcher (a lost host's runs fail first)
+        self.groups = IslandGroups(self.cluster.hosts, self.cluster.hosts_of, self.cluster.send,
+                                   coordinator_host(config.listen))
+        self.cluster.on_host_up.append(self.groups.host_up)
+        self.cluster.on_host_lost.append(self.groups.host_lost)
+        self.groups.listeners.append(self.slices.group_changed)
+        self.slices.groups = self.groups
         self.slices.listeners.append(self.sessions.slice_changed)
         self.sessions.program_listeners.append(self.jobs.program_registered)
         if self.scheduler.debug or self.slices.rm.debug:
@@ -108,6 +116,7 @@ class Controller:
         self.spawn(self.observer.persist())
 
     async def stop(self) -> None:
+        self.groups.close()
         await self.jobs.stop()  # before the tasks go: the job watchers record how drivers ended
         for task in list(self._tasks):
             task.cancel()

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,9 +44,9 @@ from ..scheduler import (
 )
 from .client_session import ClientSession
 from .cluster import HostInfo
-from .errors import ControllerError
+from .errors import ControllerError, InvalidArgument
 from .programs import ProgramRecord, ProgramRegistry
-from .segments import PROGRAM_INPUT, SegmentPlan, cut, same_machine
+from .segments import PROGRAM_INPUT, CutError, SegmentPlan, cut, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -78,6 +78,21 @@ class RunState:
     # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
+
+
+def _check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
+    """An input that is an array of a multi-host slice (its home lists every member's address,
+    "a|b") stays where it is: each member reads its own part. Only computations on those
+    members can read it."""
+    spread = {k: home.split("|") for k, home in enumerate(homes) if "|" in home}
+    if not spread:
+        return
+    for seg in plan.segments:
+        for source, k in seg.inputs:
+            if source == PROGRAM_INPUT and k in spread and seg.host.address not in spread[k]:
+                raise InvalidArgument(
+                    f"input {k} is an array of a multi-host slice (on {', '.join(spread[k])}); "
+                    f"{seg.definition.label} runs on {seg.host.name}, which holds no part of it (fetch it instead)")
 
 
 class Placements(Protocol):
@@ -171,6 +186,7 @@ class Dispatcher:
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
             plan = self._plan(prog, session.sequential)
+            _check_spread_inputs(plan, run.input_homes)
         except ControllerError as e:
             session.run_refused(run.run_id, str(e))
             self._progressed.add(session)
@@ -208,7 +224,8 @@ class Dispatcher:
         graph = prog.graph
         placements = {name: self.placements.placement(name) for name in sorted(prog.slices)}
         key = tuple(
-            (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices)) for n, p in placements.items()
+            (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices),
+             p.gang.generation if p.gang is not None else 0) for n, p in placements.items()
         )
         if plan is not None and plan.key == key:
             plan.epoch = epoch
@@ -216,8 +233,11 @@ class Dispatcher:
         if plan is not None:
             self._forget(plan)
         nodes = [placements[n.slice] for n in graph.nodes]
-        segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
-                       self._segment_ids, across_devices=not sequential)
+        try:
+            segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
+                           self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
+        except CutError as e:
+            raise InvalidArgument(str(e)) from None
         plan = Plan(key, segments, tuple(s.spec for s in segments), epoch)
         self._plans[(prog.program_id, sequential)] = plan
         return plan
@@ -285,7 +305,7 @@ class Dispatcher:
                 if source == PROGRAM_INPUT:
                     bid = run.input_ids[k]
                     home = run.input_homes[k]
-                    if home and home != host.address:
+                    if home and home != host.address and "|" not in home:  # "|": on every member already
                         sends.setdefault(home, []).append((bid, host.address))
                     inputs.append(bid)
                 else:

@@ -56,89 +56,131 @@ class SegmentPlan:
         return self.last - self.first + 1
 
 
+@dataclass(frozen=True)
+class Gang:
+    """A node on a multi-host slice: one SPMD computation over the island's distributed group,
+    executed by every member host that holds devices of the slice (server/controller/groups.py).
+
+    `devices[v]` is virtual device v as group-wide number (process * GROUP_STRIDE + local index);
+    `member_devices[m]` are the cluster device ids member m contributes (the scheduler's)."""
+
+    generation: int
+    members: tuple[HostInfo, ...]
+    devices: tuple[int, ...]
+    member_devices: tuple[tuple[int, ...], ...]
+
+
+class CutError(ValueError):
+    """The program's placement cannot be cut (a value it cannot move between its slices)."""
+
+
 def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequence[int]],
-        islands: Sequence[str], ids: Iterator[int] | None = None, across_devices: bool = True) -> list[SegmentPlan]:
-    """Segments of `prog` when node i runs on `devices[i]` (worker-local) of `hosts[i]` in `islands[i]`.
+        islands: Sequence[str], ids: Iterator[int] | None = None, across_devices: bool = True,
+        gangs: Sequence[Gang | None] | None = None) -> list[SegmentPlan]:
+    """Segments of `prog` when node i runs on `devices[i]` (worker-local) of `hosts[i]` in `islands[i]`,
+    or, where `gangs[i]` is set, on a multi-host slice (then `hosts[i]` and `devices[i]` are not read).
 
     `ids` yields the segment ids to register under (default 1, 2, ...). Without `across_devices`,
-    a node on other devices than the one before it starts a new segment."""
+    a node on other devices than the one before it starts a new segment. A gang node is a segment
+    per member host, alone (no neighbour fuses with it). Raises CutError for a value read across
+    slices that cannot move: an output of a gang node read by a node elsewhere than the gang's
+    own members (fetch it instead)."""
     ids = ids if ids is not None else itertools.count(1)
+    gangs = gangs if gangs is not None else [None] * len(hosts)
     graph = prog.graph
     bounds: list[tuple[int, int]] = []
     for i in range(len(graph.nodes)):
-        if bounds:
+        if bounds and gangs[i] is None:
             first, last = bounds[-1]
-            if (hosts[i].name == hosts[last].name and last - first + 1 < MAX_SEGMENT_NODES
+            if (gangs[last] is None and hosts[i].name == hosts[last].name and last - first + 1 < MAX_SEGMENT_NODES
                     and (across_devices or list(devices[i]) == list(devices[last]))):
                 bounds[-1] = (first, i)
                 continue
         bounds.append((i, i))
-    segment_of = [0] * len(graph.nodes)
-    for s, (first, last) in enumerate(bounds):
-        for i in range(first, last + 1):
-            segment_of[i] = s
+
+    def where(i: int) -> list[HostInfo]:
+        g = gangs[i]
+        return list(g.members) if g is not None else [hosts[i]]
+
     client_index = {key: k for k, key in enumerate(prog.outputs)}
-    # (node, output) -> (segment, position in its outputs), filled as segments are planned
-    returned: dict[tuple[int, int], tuple[int, int]] = {}
+    # (node, output) -> {host name: (segment, position in its outputs)}, filled as segments are planned
+    returned: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
     plans: list[SegmentPlan] = []
-    for s, (first, last) in enumerate(bounds):
-        host = hosts[first]
-        ext: dict[tuple[int, int], int] = {}  # source -> external input position
-        inputs: list[tuple[int, int]] = []
-        nodes: list[wpb.SegmentNode] = []
-        deps: set[int] = set()
-        used: dict[int, None] = {}  # the devices of its nodes, first seen first
-        for i in range(first, last + 1):
-            node = graph.nodes[i]
-            used.update(dict.fromkeys(devices[i]))
-            sn = wpb.SegmentNode(function_id=node.function_id, label=_node_label(prog, i),
-                                 local_devices=list(devices[i]))
-            for ref in node.inputs:
-                if ref.WhichOneof("source") == "program_input":
-                    source = (PROGRAM_INPUT, ref.program_input)
-                else:
-                    n, o = ref.node_output.node, ref.node_output.output
-                    if n >= first:  # produced inside the segment
-                        sn.inputs.append(-1 - (n - first))
-                        sn.input_outputs.append(o)
-                        continue
-                    source = returned[(n, o)]
-                    deps.add(source[0])
-                if source not in ext:
-                    ext[source] = len(inputs)
-                    inputs.append(source)
-                sn.inputs.append(ext[source])
-                sn.input_outputs.append(0)
-            nodes.append(sn)
-        outputs: list[tuple[int, int]] = []
-        client_outputs: list[int] = []
-        read_later_here: list[bool] = []
-        routes: list[wpb.OutputRoute] = []
-        for i in range(first, last + 1):
-            for o in range(graph.nodes[i].num_outputs):
-                readers = [r for r in prog.consumers.get((i, o), ()) if r > last]
-                k = client_index.get((i, o), -1)
-                if k < 0 and not readers:
-                    continue  # used inside the segment only, or by nobody
-                position = len(outputs)
-                returned[(i, o)] = (s, position)
-                outputs.append((i, o))
-                client_outputs.append(k)
-                read_later_here.append(any(hosts[r].name == host.name for r in readers))
-                for address, reader in {hosts[r].address: hosts[r] for r in readers
-                                        if hosts[r].name != host.name}.items():
-                    routes.append(wpb.OutputRoute(output_index=position, address=address,
-                                                  same_host=same_machine(reader, host)))
-        label = _segment_label(prog, first, last)
-        definition = wpb.SegmentDef(
-            segment_id=next(ids), local_devices=list(used), nodes=nodes,
-            outputs=[wpb.SegmentOutput(node=i - first, output=o) for i, o in outputs],
-            routes=routes, label=label)  # whether it communicates is the worker's to read
-        spec = NodeSpec(index=s, host=host.name, island=islands[first],
-                        devices=tuple(host.device_ids[d] for d in used),
-                        deps=tuple(sorted(deps)), label=label)
-        plans.append(SegmentPlan(s, host, first, last, definition, spec, inputs, outputs, client_outputs,
-                                 [k >= 0 for k in client_outputs], read_later_here))
+    for first, last in bounds:
+        gang = gangs[first]
+        members = where(first)
+        for m, host in enumerate(members):
+            s = len(plans)
+            ext: dict[tuple[int, int], int] = {}  # source -> external input position
+            inputs: list[tuple[int, int]] = []
+            nodes: list[wpb.SegmentNode] = []
+            deps: set[int] = set()
+            used: dict[int, None] = {}  # the devices of its nodes, first seen first
+            for i in range(first, last + 1):
+                node = graph.nodes[i]
+                node_devices = list(gang.devices) if gang is not None else list(devices[i])
+                used.update(dict.fromkeys(node_devices))
+                sn = wpb.SegmentNode(function_id=node.function_id, label=_node_label(prog, i),
+                                     local_devices=node_devices)
+                for ref in node.inputs:
+                    if ref.WhichOneof("source") == "program_input":
+                        source = (PROGRAM_INPUT, ref.program_input)
+                    else:
+                        n, o = ref.node_output.node, ref.node_output.output
+                        if n >= first:  # produced inside the segment
+                            sn.inputs.append(-1 - (n - first))
+                            sn.input_outputs.append(o)
+                            continue
+                        made = returned[(n, o)]
+                        producer = gangs[n]
+                        if producer is None:
+                            source = next(iter(made.values()))
+                        elif gang is not None and gang.members == producer.members:
+                            source = made[host.name]  # this member's own part
+                        else:
+                            raise CutError(f"{_node_label(prog, i)} reads an output of {_node_label(prog, n)}, "
+                                           "which runs on a multi-host slice; only computations on the same "
+                                           "hosts can read it (fetch it instead)")
+                        deps.add(source[0])
+                    if source not in ext:
+                        ext[source] = len(inputs)
+                        inputs.append(source)
+                    sn.inputs.append(ext[source])
+                    sn.input_outputs.append(0)
+                nodes.append(sn)
+            outputs: list[tuple[int, int]] = []
+            client_outputs: list[int] = []
+            read_later_here: list[bool] = []
+            routes: list[wpb.OutputRoute] = []
+            for i in range(first, last + 1):
+                for o in range(graph.nodes[i].num_outputs):
+                    readers = [r for r in prog.consumers.get((i, o), ()) if r > last]
+                    k = client_index.get((i, o), -1)
+                    if k < 0 and not readers:
+                        continue  # used inside the segment only, or by nobody
+                    position = len(outputs)
+                    returned.setdefault((i, o), {})[host.name] = (s, position)
+                    outputs.append((i, o))
+                    client_outputs.append(k)
+                    read_later_here.append(any(h.name == host.name for r in readers for h in where(r)))
+                    if gang is not None:
+                        continue  # read where it is (by the same gang's members) or fetched
+                    for address, reader in {h.address: h for r in readers for h in where(r)
+                                            if h.name != host.name}.items():
+                        routes.append(wpb.OutputRoute(output_index=position, address=address,
+                                                      same_host=same_machine(reader, host)))
+            label = _segment_label(prog, first, last)
+            definition = wpb.SegmentDef(
+                segment_id=next(ids), local_devices=list(used), nodes=nodes,
+                outputs=[wpb.SegmentOutput(node=i - first, output=o) for i, o in outputs],
+                routes=routes, label=label,  # whether it communicates is the worker's to read
+                group_generation=gang.generation if gang is not None else 0)
+            spec_devices = (gang.member_devices[m] if gang is not None
+                            else tuple(host.device_ids[d] for d in used))
+            spec = NodeSpec(index=s, host=host.name, island=islands[first], devices=spec_devices,
+                            deps=tuple(sorted(deps)), label=label if gang is None else f"{label} @{host.name}")
+            plans.append(SegmentPlan(s, host, first, last, definition, spec, inputs, outputs, client_outputs,
+                                     [k >= 0 for k in client_outputs], read_later_here))
     return plans
 
 

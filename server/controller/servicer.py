@@ -31,6 +31,8 @@ from .links import WorkerLink
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+GROUP_WAIT_S = 30.0  # CreateSlice over several hosts waits this long for the island's group
+
 
 def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Maps ControllerError to its status code with a one-line message; a broken invariant of a
@@ -169,6 +171,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     heartbeat(name, msg.heartbeat)
                 elif kind == "node_events":
                     node_events(name, msg.node_events)
+                elif kind == "joined":
+                    self.core.groups.joined(name, msg.joined.generation, msg.joined.error)
         except (aio.AioRpcError, aio.UsageError):
             pass
         finally:
@@ -185,6 +189,9 @@ class ControllerServicer(cgrpc.ControllerServicer):
             raise NotFound(f"unknown island {island!r}; known islands: {known}")
         created = self.core.slices.create(request.spec, request.dry_run, request.owner)
         await self.core.slices.written()  # the answer promises a durable slice
+        if not request.dry_run and len({d.host for d in created.slice.devices}) > 1:
+            # over several hosts: answer once the island's group can run it (or say why not)
+            await self.core.groups.wait_usable(created.slice.devices[0].island, GROUP_WAIT_S)
         return created
 
     @_guard

@@ -30,6 +30,8 @@ from ..db.writer import Write
 from ..timeutil import iso
 from .cluster import READY, HostInfo
 from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
+from .groups import GROUP_STRIDE, IslandGroups
+from .segments import Gang
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ class Placement:
     local_devices: list[int]
     generation: int
     island: str
+    # a slice over several hosts of its island (server/controller/groups.py); `host` is then its
+    # first member (where uploads go) and `local_devices` are group-wide numbers
+    gang: Gang | None = None
 
 
 @dataclass
@@ -97,6 +102,7 @@ class SliceService:
         self.listeners: builtins.list[SliceListener] = []
         self._last_write: Future[None] | None = None
         self.epoch = 0  # bumps on every change of any slice
+        self.groups: IslandGroups | None = None  # set by the composition root (core.py)
         self._meta: dict[str, _Meta] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
@@ -235,9 +241,7 @@ class SliceService:
         devices = [self.rm.devices[d] for d in s.mapping]
         hosts = sorted({d.host for d in devices})
         if len(hosts) != 1:
-            raise Rejected(
-                f"slice {name} spans hosts {', '.join(hosts)}; multi-host islands are not supported yet"
-            )
+            return self._gang_placement(name, s, devices[0].island, hosts)
         host = self._hosts.get(hosts[0])
         if host is None:  # pragma: no cover - the resource manager only knows registered hosts
             raise Rejected(f"slice {name!r} is on host {hosts[0]}, which is not registered")
@@ -249,6 +253,28 @@ class SliceService:
             generation=s.generation,
             island=devices[0].island,
         )
+
+    def _gang_placement(self, name: str, s: rm.Slice, island: str, hosts: builtins.list[str]) -> Placement:
+        """A slice over several hosts: one SPMD computation over the island's group (groups.py)."""
+        g = self.groups.usable(island) if self.groups is not None else None
+        if g is None or not set(hosts) <= set(g.members):
+            if self.groups is not None:
+                self.groups.want(island)
+            why = self.groups.describe(island) if self.groups is not None else "no island groups here"
+            raise Rejected(f"slice {name} spans hosts {', '.join(hosts)}: {why}")
+        members = tuple(self._hosts[h] for h in g.members if h in hosts)
+        numbers = []
+        for dev_id in s.mapping:
+            host_name, local = self._local[dev_id]
+            numbers.append(g.process_of(host_name) * GROUP_STRIDE + local)
+        member_devices = tuple(tuple(d for d in s.mapping if self._local[d][0] == m.name) for m in members)
+        gang = Gang(g.number, members, tuple(numbers), member_devices)
+        return Placement(slice=name, host=members[0], local_devices=numbers, generation=s.generation,
+                         island=island, gang=gang)
+
+    def group_changed(self, island: str) -> None:
+        """The island's group became usable or went: placements of its multi-host slices change."""
+        self.epoch += 1
 
     # ---------------------------------------------------------------------------- internals
 
@@ -290,6 +316,11 @@ class SliceService:
             if not isinstance(a, rm.SliceCreated):
                 changed.append(a.slice)
         done = self._last_write = self._write(lambda s: _write_rows(s, ops))
+        if self.groups is not None:
+            for a in todo:
+                sl = getattr(a, "slice", None)
+                if sl is not None and len({self._local.get(d, ("", 0))[0] for d in sl.mapping}) > 1:
+                    self.groups.want(self.rm.devices[sl.mapping[0]].island)
         for a in todo:
             if isinstance(a, rm.SliceRemapped):
                 log.warning("slice %s remapped %s -> %s: %s",

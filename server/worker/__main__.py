@@ -10,6 +10,8 @@ import argparse
 import os
 import socket
 
+COLLECTIVE_TIMEOUT_S = 5
+
 
 def _token() -> str | None:
     """$PWCTL_TOKEN, else the token file a controller on this machine wrote."""
@@ -40,11 +42,21 @@ def main() -> None:
         if not ns.devices.isdigit() or int(ns.devices) <= 0:
             p.error("--devices must be a positive number or 'all'")
         os.environ["JAX_PLATFORMS"] = "cpu"
+    # An island spanning hosts (server/worker/group.py): a collective whose peer died fails after
+    # this many seconds instead of hanging (XLA reads the flag when it creates the backend).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_timeout_seconds" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT_S}".strip()
     import jax
 
     if ns.devices != "all":
         jax.config.update("jax_num_cpu_devices", int(ns.devices))
     jax.config.update("jax_enable_x64", True)  # pw follows NumPy dtypes (float64 stays float64)
+    # the preemption service would swallow SIGTERM once the worker is in a distributed group
+    jax.config.update("jax_enable_preemption_service", False)
+    from .group import install_backend_factory
+
+    install_backend_factory()  # before anything creates the CPU backend
 
     from .config import WorkerConfig
     from .process import run_worker

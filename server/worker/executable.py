@@ -66,6 +66,7 @@ class Runnable:
         # device_put(x, device), which costs (with the call that reads it) about two thirds of
         # device_put onto the sharding (a pipeline stage's input from the stage before it)
         self._one_device: list[jax.Device | None] = [_only_device(s) for s in self.in_shardings]
+        self._addressable = [s.is_fully_addressable for s in self.in_shardings]
         self.last_used = time.monotonic()
         self.loaded = True  # its compiled program is held (by jit's cache); see unload()
         with _LIVE_LOCK:
@@ -85,6 +86,19 @@ class Runnable:
         aval, sharding = self.in_avals[i], self.in_shardings[i]
         if tuple(x.shape) != aval.shape:
             raise ValueError(f"{self.name}: input {i} has shape {tuple(x.shape)}, expected {aval.shape}")
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a multi-host slice's array
+            if x.dtype != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
+            if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            return jax.device_put(x, sharding)  # every member runs this task: a collective reshard
+        if not sharding.is_fully_addressable:
+            # a multi-host slice (server/worker/group.py): this worker holds the whole value and
+            # builds only its own devices' shards; device_put would need the peers' devices
+            if x.dtype != aval.dtype and jax.dtypes.canonicalize_dtype(x.dtype) != aval.dtype:
+                raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
+            whole = np.asarray(x).astype(aval.dtype, copy=False)
+            return jax.make_array_from_callback(aval.shape, sharding, lambda index: whole[index])
         if isinstance(x, jax.Array):
             if x.dtype != aval.dtype:
                 raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
@@ -112,7 +126,8 @@ class Runnable:
             # fast path: an array whose sharding object was accepted before, with the right aval
             s = getattr(x, "sharding", None)
             if s is None or s is not ok[i] or x.shape != self._shapes[i] or x.dtype != self._dtypes[i]:
-                if type(x) is np.ndarray and x.shape == self._shapes[i] and x.dtype == self._dtypes[i]:
+                if (type(x) is np.ndarray and x.shape == self._shapes[i] and x.dtype == self._dtypes[i]
+                        and self._addressable[i]):
                     continue  # jit places a host array onto its input sharding in C++ (a third of device_put's cost)
                 placed[i] = self._place(i, x)
                 ok[i] = getattr(placed[i], "sharding", None)

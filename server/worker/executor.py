@@ -71,6 +71,14 @@ class _Task(st.Task):
     reported_start: bool = False
 
 
+@dataclass(slots=True)
+class _Exclusive:
+    """Work for the launch thread alone, in order with the stimuli around it (not a stimulus of
+    the state machine): joining an island group."""
+
+    fn: Callable[[], None]
+
+
 class Executor:
     def __init__(
         self,
@@ -87,7 +95,7 @@ class Executor:
         self._segments: dict[int, SegmentInfo] = {}
         self.state = st.WorkerState()  # the launch thread's alone
         self._cond = threading.Condition()
-        self._inbox: list[st.Stimulus_] = []  # under _cond
+        self._inbox: list[st.Stimulus_ | _Exclusive] = []  # under _cond
         self._completions: deque[_Task] = deque()  # completer -> launch thread, lock-free
         self._launched: list[st.Task] = []  # launched, not told to the machine yet (launch thread)
         self._drop_hints: dict[int, str] = {}  # run -> reason, for launches blocked on inputs
@@ -112,7 +120,7 @@ class Executor:
             t.start()
 
     # ---- called from the controller link (event loop thread) ----
-    def _feed(self, *stimuli: st.Stimulus_) -> None:
+    def _feed(self, *stimuli: st.Stimulus_ | _Exclusive) -> None:
         with self._cond:
             self._inbox.extend(stimuli)
             self._cond.notify_all()
@@ -128,7 +136,7 @@ class Executor:
             self.runners.functions[blob.function_id] = blob
         for d in enq.segments:
             try:
-                self._segments[d.segment_id] = SegmentInfo.of(d)
+                self._segments[d.segment_id] = SegmentInfo.of(d, self.runners.group)
             except ValueError as e:
                 log.error("bad segment definition: %s", e)
         tasks: list[st.Task] = []
@@ -178,6 +186,46 @@ class Executor:
                 self.store.fail(inp, reason)
         self._feed(st.Skipped(list(skipped_seqs)), st.Dropped(list(run_ids), reason))
 
+    def join_group(self, join: cpb.JoinGroup, done: Callable[[str], None]) -> None:
+        """Joins the island's distributed group `join` on the launch thread, in order with the
+        tasks around it, once every launched computation is over; then `done(error)` ("" when it
+        joined). Segments of older generations can no longer run (their runs were dropped)."""
+        group = self.runners.group
+        group.announce(join.generation, join.process_id)
+
+        def switch() -> None:
+            error = ""
+            try:
+                devices = group.join(join.generation, join.coordinator, join.process_id, join.num_processes,
+                                     join.gloo_host, list(join.members), list(join.member_addresses))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                log.error("joining island group generation %d failed: %s", join.generation, error)
+                devices = group.join(0, "", 0, 1, "", [])  # this worker's devices on their own again
+            self.runners.rebuild(devices)
+            for info in self._segments.values():
+                info.runner = None
+                if info.definition.group_generation and info.definition.group_generation != group.generation:
+                    info.stale = (f"island group generation {info.definition.group_generation} was replaced "
+                                  f"by {group.generation or 'none'}")
+            log.info("island group: generation %d, process %d of %d", group.generation, group.process_id,
+                     group.num_processes)
+            done(error)
+
+        with self._cond:
+            self._inbox.append(_Exclusive(switch))
+            self._cond.notify_all()
+
+    def _run_exclusive(self, item: _Exclusive) -> None:
+        """Runs `item` with nothing launched still computing."""
+        for task in list(self._inflight.values()):
+            if task.values is not None:
+                try:
+                    jax.block_until_ready(task.values)
+                except Exception:
+                    pass  # its own completion reports the failure
+        item.fn()
+
     def peer_lost(self, peer: str, reason: str = "connection lost") -> None:
         """Another worker is gone: the tasks that need it fail, naming it."""
         self._feed(st.PeerLost(peer, reason))
@@ -208,6 +256,9 @@ class Executor:
             if len(self._completions) >= COMPLETIONS_BATCH:
                 self._take_completions()
             for stimulus in inbox:
+                if isinstance(stimulus, _Exclusive):
+                    self._run_exclusive(stimulus)
+                    continue
                 if isinstance(stimulus, st.Enqueued):
                     for task in stimulus.tasks:  # compiled on first sight; its launch reports errors
                         info = task.info  # type: ignore[attr-defined]
@@ -308,6 +359,9 @@ class Executor:
         info = task.info
         if info is None:
             self._fail(task, "its segment was never registered on this worker")
+            return False
+        if info.stale:
+            self._fail(task, info.stale)
             return False
         if len(task.input_ids) != info.structure.num_inputs or len(task.output_ids) != len(info.structure.keep):
             self._fail(task, f"the task has {len(task.input_ids)} inputs and {len(task.output_ids)} outputs; "
@@ -427,6 +481,10 @@ class Executor:
             for i, task in enumerate(batch):  # find which ones failed
                 if not infos[i].routes:
                     errors[i] = _wait(task)
+        group = self.runners.group
+        for i, info in enumerate(infos):
+            if errors[i] and info.definition.group_generation:
+                errors[i] = group.explain(errors[i])  # names the peer that went away, where it can
         end = time.time_ns()
         # One wait completed the whole batch, so per-task times are not known: split the time the
         # batch's devices were busy over its tasks by their node counts, in launch order, per device

@@ -79,6 +79,7 @@ class WorkerProcess:
         self.stopping = asyncio.Event()
         # as the controller says (Registered, HeartbeatSettings); until then the default
         self.heartbeat_interval = DEFAULT_HEARTBEAT_S
+        self._urgent: list[cpb.WorkerToController] = []  # sent at the next wake (group joins)
 
     def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
                 nbytes: int = 0) -> None:
@@ -197,6 +198,8 @@ class WorkerProcess:
                 except TimeoutError:
                     pass
             self._wake.clear()
+            while self._urgent:
+                yield self._urgent.pop(0)
             now = loop.time()
             if now - last_stale >= STALE_START_S / 2:
                 last_stale = now
@@ -230,6 +233,20 @@ class WorkerProcess:
             log.info("registered as host %d", msg.registered.host_id)
         elif kind == "heartbeat":
             self._set_heartbeat(msg.heartbeat.heartbeat_interval_s)
+        elif kind == "join":
+            generation = msg.join.generation
+            self.executor.join_group(msg.join, lambda error: self._joined(generation, error))
+
+    def _joined(self, generation: int, error: str) -> None:
+        """(launch thread) The island group switch is done: tell the controller."""
+        reply = cpb.WorkerToController(joined=cpb.GroupJoined(generation=generation, error=error))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._send_now, reply)
+
+    def _send_now(self, msg: cpb.WorkerToController) -> None:
+        self._urgent.append(msg)
+        if self._wake is not None:
+            self._wake.set()
 
     def _set_heartbeat(self, interval: float) -> None:
         """Beats every `interval` seconds from now on (0, from an older controller: the default)."""

@@ -22,6 +22,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .executable import Executable, ExecutableCache
 from .fusion import FusedExecutable, Runner, Segment, run_parts, run_unfused
+from .group import IslandGroup
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,18 @@ class SegmentInfo:
     fused: bool = False  # its runner fuses nodes and its first launch has not succeeded yet
     out_nbytes: list[int] | None = None  # per output, read off its first launch (shapes are static)
     donates: bool = False  # a node of it donates inputs (known once its runner exists)
+    stale: str = ""  # why it can no longer run (its island group generation was replaced)
 
     @classmethod
-    def of(cls, d: wpb.SegmentDef) -> SegmentInfo:
+    def of(cls, d: wpb.SegmentDef, group: IslandGroup | None = None) -> SegmentInfo:
+        """From the wire; a group segment's device numbers turned into this worker's numbering
+        (server/worker/group.py). Raises ValueError for a segment of another group generation."""
+        if d.group_generation:
+            if group is None or d.group_generation != group.announced:
+                have = group.announced if group is not None else 0
+                raise ValueError(f"segment {d.segment_id} is for island group generation {d.group_generation}, "
+                                 f"this worker is in generation {have}")
+            d = _in_local_numbers(d, group)
         s = Segment.of(d)
         return cls(d, s, [n.label for n in d.nodes], list(d.routes), frozenset(s.devices))
 
@@ -55,11 +65,21 @@ class SegmentInfo:
         return len(self.definition.nodes)
 
 
+def _in_local_numbers(d: wpb.SegmentDef, group: IslandGroup) -> wpb.SegmentDef:
+    out = wpb.SegmentDef()
+    out.CopyFrom(d)
+    out.local_devices[:] = [group.local_device_number(x) for x in d.local_devices]
+    for n in out.nodes:
+        n.local_devices[:] = [group.local_device_number(x) for x in n.local_devices]
+    return out
+
+
 class Runners:
     """Builds (once per registered segment) how a segment runs on this worker's devices."""
 
     def __init__(self, devices: Sequence[Any]) -> None:
         self.devices = list(devices)
+        self.group = IslandGroup()  # this worker's island group (a single-host island: none)
         self.cache = ExecutableCache()
         self.functions: dict[str, wpb.FunctionBlob] = {}
         # fused executables by structure, while a registered segment still uses them (segments
@@ -101,6 +121,13 @@ class Runners:
             info.runner = functools.partial(run_parts, seg, parts, runners, collective)
         return info.runner
 
+    def rebuild(self, devices: Sequence[Any]) -> None:
+        """The backend was replaced (the island's group changed): every compiled program is of the
+        old one. Segments build their runners again on first use."""
+        self.devices = list(devices)
+        self.cache.clear()
+        self._fused.clear()
+
     def unfuse(self, info: SegmentInfo) -> None:
         """Its fused first launch failed: from now on it runs node by node."""
         for part in info.structure.parts():
@@ -117,7 +144,7 @@ class Runners:
             if blob is None:
                 raise RuntimeError(f"{label}: function {fid[:12]} was never sent to this worker")
             try:
-                devices = [self.devices[i] for i in devs]
+                devices = [self.group.device(i, self.devices) for i in devs]
                 exes.append(self.cache.get_or_compile(fid, blob.exported, devices, tuple(blob.donate)))
             except Exception as e:
                 raise RuntimeError(f"{label}: cannot compile {blob.name or fid[:12]}: {e}") from e

@@ -18,6 +18,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from ..threadnames import name_native_thread
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
+from .parts import is_partial, local_parts, part_chunks
 from .shmring import RingReader, take_segment
 from .transfer import CHUNK
 
@@ -55,12 +56,19 @@ class WorkerServicer(wgrpc.WorkerServicer):
         timeout = request.timeout_s or None
         try:
             value = await loop.run_in_executor(self._waiters, self.store.wait, request.buffer_id, timeout, False)
+            if request.parts and is_partial(value):  # a multi-host slice's array: this worker's shards
+                for chunk in part_chunks(await loop.run_in_executor(self._waiters, local_parts, value),
+                                         tuple(value.shape), CHUNK):
+                    yield chunk
+                return
             arr = await loop.run_in_executor(self._waiters, to_numpy, value)
         except (BufferFailed, TimeoutError) as e:
             yield wpb.FetchChunk(error=str(e), last=True)
             return
         except Exception as e:  # the computation behind the array failed
-            yield wpb.FetchChunk(error=f"{type(e).__name__}: {e}", last=True)
+            group = self.executor.runners.group  # a collective's failure names the peer it lost
+            error = f"{type(e).__name__}: {e}"
+            yield wpb.FetchChunk(error=group.explain(error) if group.active else error, last=True)
             return
         data = byte_view(arr)
         head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))

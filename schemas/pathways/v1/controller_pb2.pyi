@@ -459,30 +459,58 @@ class NodeEvents(_message.Message):
 Global___NodeEvents: _TypeAlias = NodeEvents  # noqa: Y015
 
 @_typing.final
+class GroupJoined(_message.Message):
+    """The worker's answer to JoinGroup: it is a member of that generation now (or why not)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    error: _builtins.str
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupJoined: _TypeAlias = GroupJoined  # noqa: Y015
+
+@_typing.final
 class WorkerToController(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REGISTER_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     NODE_EVENTS_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register(self) -> Global___RegisterWorker: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def node_events(self) -> Global___NodeEvents: ...
+    @_builtins.property
+    def joined(self) -> Global___GroupJoined: ...
     def __init__(
         self,
         *,
         register: Global___RegisterWorker | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         node_events: Global___NodeEvents | None = ...,
+        joined: Global___GroupJoined | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "node_events"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "node_events", "joined"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
@@ -525,6 +553,7 @@ class ControllerToWorker(_message.Message):
     RELEASE_FIELD_NUMBER: _builtins.int
     DROP_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    JOIN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def registered(self) -> Global___Registered: ...
     @_builtins.property
@@ -535,6 +564,8 @@ class ControllerToWorker(_message.Message):
     def drop(self) -> Global___Drop: ...
     @_builtins.property
     def heartbeat(self) -> Global___HeartbeatSettings: ...
+    @_builtins.property
+    def join(self) -> Global___JoinGroup: ...
     def __init__(
         self,
         *,
@@ -543,16 +574,68 @@ class ControllerToWorker(_message.Message):
         release: _worker_pb2.ReleaseBuffers | None = ...,
         drop: Global___Drop | None = ...,
         heartbeat: Global___HeartbeatSettings | None = ...,
+        join: Global___JoinGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop", "heartbeat", "join"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___ControllerToWorker: _TypeAlias = ControllerToWorker  # noqa: Y015
+
+@_typing.final
+class JoinGroup(_message.Message):
+    """The island spans hosts: the worker (re)joins the island's jax.distributed group of this
+    generation, whose coordination service the controller started (server/controller/groups.py).
+    A group cannot be rejoined: every membership change is a new generation with a new service.
+    num_processes 1 (or 0) means: leave any group, this worker's devices are its own again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    COORDINATOR_FIELD_NUMBER: _builtins.int
+    PROCESS_ID_FIELD_NUMBER: _builtins.int
+    NUM_PROCESSES_FIELD_NUMBER: _builtins.int
+    GLOO_HOST_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    MEMBER_ADDRESSES_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    coordinator: _builtins.str
+    """host:port of the generation's coordination service"""
+    process_id: _builtins.int
+    num_processes: _builtins.int
+    gloo_host: _builtins.str
+    """the address gloo advertises for this worker (its registered IP)"""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host names by process id"""
+
+    @_builtins.property
+    def member_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """their gloo addresses, by process id (errors name the lost one)"""
+
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+        coordinator: _builtins.str = ...,
+        process_id: _builtins.int = ...,
+        num_processes: _builtins.int = ...,
+        gloo_host: _builtins.str = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+        member_addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "generation", b"generation", "gloo_host", b"gloo_host", "member_addresses", b"member_addresses", "members", b"members", "num_processes", b"num_processes", "process_id", b"process_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroup: _TypeAlias = JoinGroup  # noqa: Y015
 
 @_typing.final
 class HeartbeatSettings(_message.Message):

@@ -74,18 +74,25 @@ class FetchRequest(_message.Message):
 
     BUFFER_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     timeout_s: _builtins.float
     """0: wait forever"""
+    parts: _builtins.bool
+    """The caller assembles parts: a buffer of a multi-host slice holds only this worker's shards
+    of the global array, and comes back as parts (FetchChunk.part*). Without it, such a buffer
+    is an error; a buffer held whole comes back as usual either way.
+    """
     def __init__(
         self,
         *,
         buffer_id: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
+        parts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "parts", b"parts", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -141,28 +148,43 @@ Global___WaitReply: _TypeAlias = WaitReply  # noqa: Y015
 
 @_typing.final
 class FetchChunk(_message.Message):
-    """The first chunk carries dtype and shape; later chunks only data."""
+    """The first chunk carries dtype and shape; later chunks only data.
+    Parts (FetchRequest.parts, a multi-host slice's array): each part's first chunk carries its
+    dtype and shape, `part_start` (where it sits in the global array) and `global_shape`; the
+    chunks of part k all carry part = k; `last` ends the whole reply.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ARRAY_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    PART_START_FIELD_NUMBER: _builtins.int
+    GLOBAL_SHAPE_FIELD_NUMBER: _builtins.int
     last: _builtins.bool
     error: _builtins.str
     """set when the buffer failed: the cause"""
+    part: _builtins.int
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto: ...
+    @_builtins.property
+    def part_start(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def global_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         array: _common_pb2.ArrayProto | None = ...,
         last: _builtins.bool = ...,
         error: _builtins.str = ...,
+        part: _builtins.int = ...,
+        part_start: _abc.Iterable[_builtins.int] | None = ...,
+        global_shape: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "error", b"error", "last", b"last"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "error", b"error", "global_shape", b"global_shape", "last", b"last", "part", b"part", "part_start", b"part_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -342,10 +364,16 @@ class SegmentDef(_message.Message):
     OUTPUTS_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
+    GROUP_GENERATION_FIELD_NUMBER: _builtins.int
     segment_id: _builtins.int
     """controller-chosen, unique per worker registration"""
     label: _builtins.str
     """human name, e.g. "train/0-3 (fwd, bwd, ...)" """
+    group_generation: _builtins.int
+    """A segment of a multi-host slice: one SPMD computation over the island's distributed group of
+    this generation (JoinGroup). Its device numbers are then group-wide: process * 65536 + the
+    local index on that process's worker. 0: this worker's devices only.
+    """
     @_builtins.property
     def local_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """worker-local devices of all its nodes (union, first seen first)"""
@@ -371,10 +399,11 @@ class SegmentDef(_message.Message):
         outputs: _abc.Iterable[Global___SegmentOutput] | None = ...,
         routes: _abc.Iterable[Global___OutputRoute] | None = ...,
         label: _builtins.str = ...,
+        group_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "local_devices", b"local_devices", "nodes", b"nodes", "outputs", b"outputs", "routes", b"routes", "segment_id", b"segment_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_generation", b"group_generation", "label", b"label", "local_devices", b"local_devices", "nodes", b"nodes", "outputs", b"outputs", "routes", b"routes", "segment_id", b"segment_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,310 @@
+"""One `jax.distributed` group per island that spans hosts, decided here.
+
+An island's live hosts form one multi-process JAX group, so that a slice over devices of several
+of them runs one SPMD computation whose collectives cross hosts (server/worker/group.py is the
+worker's side; docs/multihost.md has the measurements behind every choice below).
+
+- A group cannot be rejoined, so every change of membership (a host joins, is lost, returns) is
+  a new *generation*: new members list, process ids 0..n-1 in host-name order, and a new
+  coordination service on a fresh port.
+- The service runs in a process of its own (`python -m server.controller.coordsvc`), started
+  detached by the controller with ``recoverable=True``: a member's death then never aborts the
+  others, and a controller restart does not end it (a service's death aborts every member still
+  connected to it within ~0.2 s, so a service is stopped only once no member is left in it:
+  each joined a newer generation or is gone).
+- Until every member reports `GroupJoined` for the generation, it is *forming*: a multi-host
+  slice on the island cannot run (placements say so). Runs of an older generation fail on the
+  workers ("generation replaced"); the scheduler fails runs that touched a lost host at once.
+
+Everything runs on the controller's event loop. Membership changes come in bursts (hosts
+registering together at start), so a re-form waits `SETTLE_S` for the burst to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from .. import paths
+from .cluster import READY, HostInfo
+
+log = logging.getLogger(__name__)
+
+GROUP_STRIDE = 65536  # group-wide device number = process * GROUP_STRIDE + local index (as the worker's)
+SETTLE_S = 0.3  # a burst of membership changes makes one generation
+RETIRE_AFTER_S = 120.0  # an old generation's service is stopped by then even if a member never left
+SERVICE_START_S = 10.0
+
+
+@dataclass
+class Generation:
+    """One group of an island: its members by process id and who has joined so far."""
+
+    island: str
+    number: int
+    members: tuple[str, ...]
+    coordinator: str
+    service: subprocess.Popen[bytes] | None
+    started: float = field(default_factory=time.monotonic)
+    joined: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)  # member -> why it could not join
+    left: set[str] = field(default_factory=set)  # members in a newer generation, or gone
+
+    @property
+    def ready(self) -> bool:
+        return set(self.members) <= self.joined and not self.failed
+
+    def process_of(self, host: str) -> int:
+        return self.members.index(host)
+
+
+class IslandGroups:
+    """The current generation of every multi-host island, and the services of older ones until
+    their members have left them."""
+
+    def __init__(self, hosts: dict[str, HostInfo], hosts_of: Callable[[str], Iterable[HostInfo]],
+                 send: Callable[[str, cpb.ControllerToWorker], None], bind_host: str,
+                 start_service: Callable[[str, int], subprocess.Popen[bytes]] | None = None) -> None:
+        self._hosts = hosts
+        self._hosts_of = hosts_of
+        self._send = send
+        self._bind_host = bind_host
+        self._start_service = start_service or start_service_process
+        self.current: dict[str, Generation] = {}
+        self._retiring: list[Generation] = []
+        self._due: dict[str, asyncio.TimerHandle] = {}
+        # generations are unique over controller restarts too (a worker compares them)
+        self._numbers = itertools.count(int(time.time() * 1000) % (1 << 40))
+        self.listeners: list[Callable[[str], None]] = []  # island whose usable group changed
+        self._forming: set[str] = set()  # islands whose next service is starting
+        self._ready_events: dict[str, asyncio.Event] = {}  # wait_usable's wake-ups
+        self._wanted: set[str] = set()  # islands with a slice over several hosts (see want)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- queries ----
+    def usable(self, island: str) -> Generation | None:
+        """The island's generation when every member has joined it, else None."""
+        g = self.current.get(island)
+        return g if g is not None and g.ready else None
+
+    async def wait_usable(self, island: str, timeout: float) -> bool:
+        """Waits until the island's group is usable (True) or `timeout` passed (False)."""
+        deadline = time.monotonic() + timeout
+        while self.usable(island) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            event = self._ready_events.setdefault(island, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+        return True
+
+    def describe(self, island: str) -> str:
+        """Why a multi-host slice of the island cannot run now (for errors)."""
+        g = self.current.get(island)
+        if g is None and (island in self._forming or island in self._due):
+            return f"island {island}'s group is forming"
+        if g is None:
+            return f"island {island} has no multi-host group (fewer than two ready hosts)"
+        if g.failed:
+            return f"island {island}'s group generation {g.number} failed to form: " + "; ".join(
+                f"{h}: {e}" for h, e in sorted(g.failed.items()))
+        waiting = sorted(set(g.members) - g.joined)
+        return f"island {island}'s group is forming (generation {g.number}, waiting for {', '.join(waiting)})"
+
+    # ---- membership events (the cluster's listeners) ----
+    def want(self, island: str) -> None:
+        """A slice spans hosts of `island`: from now on it keeps a group of its live hosts
+        (islands whose slices each stay on one host never need one, and never pay for re-forms)."""
+        if island not in self._wanted:
+            self._wanted.add(island)
+            self._schedule(island)
+
+    def host_up(self, info: HostInfo) -> None:
+        self._leave_all(info.name)  # a registration is a new worker process: it is in no group
+        if info.island in self._wanted:
+            self._schedule(info.island)
+
+    def host_lost(self, info: HostInfo, reason: str) -> None:
+        self._leave_all(info.name)
+        if info.island in self._wanted:
+            self._schedule(info.island)
+
+    def joined(self, host: str, generation: int, error: str) -> None:
+        """A worker's GroupJoined."""
+        for g in (*self.current.values(), *self._retiring):
+            if g.number != generation:
+                continue
+            if error:
+                g.failed[host] = error
+                log.error("host %s could not join group generation %d of island %s: %s", host, generation,
+                          g.island, error)
+                self._schedule(g.island)  # try again (the failing member may be gone by then)
+            else:
+                g.joined.add(host)
+                if g.ready and self.current.get(g.island) is g:
+                    log.info("island %s: group generation %d ready (%s)", g.island, g.number, ", ".join(g.members))
+                    self._changed(g.island)
+        for old in self._retiring:
+            if host in old.members and old.number < generation:
+                old.left.add(host)
+        self._stop_retired()
+
+    # ---- re-forming ----
+    def _schedule(self, island: str) -> None:
+        if island in self._due:
+            return
+        loop = asyncio.get_running_loop()
+        self._due[island] = loop.call_later(SETTLE_S, self._reform, island)
+
+    def _reform(self, island: str) -> None:
+        self._due.pop(island, None)
+        if island in self._forming:  # a service is starting: it re-checks the members when up
+            return
+        members = self._members(island)
+        cur = self.current.get(island)
+        if cur is not None and cur.members == members and not cur.failed:
+            return
+        if cur is not None:
+            self._retire(cur)
+            del self.current[island]
+        if len(members) < 2:
+            for name in (cur.members if cur is not None else ()):
+                if name in members:  # the one left alone: its devices are its own again
+                    self._send(name, cpb.ControllerToWorker(join=cpb.JoinGroup(generation=next(self._numbers),
+                                                                               num_processes=1)))
+            self._changed(island)
+            return
+        self._forming.add(island)
+        task = asyncio.get_running_loop().create_task(self._form(island, members))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _members(self, island: str) -> tuple[str, ...]:
+        members = tuple(sorted(h.name for h in self._hosts_of(island) if h.state == READY and h.link is not None))
+        if len(members) >= 2 and any(self._hosts[m].kind != "cpu" for m in members):
+            log.warning("island %s spans hosts with %s devices: multi-host groups are built for CPU "
+                        "devices (gloo) only here", island, self._hosts[members[0]].kind)
+            return ()
+        return members
+
+    async def _form(self, island: str, members: tuple[str, ...]) -> None:
+        try:
+            service, coordinator = await asyncio.to_thread(self._start, len(members))
+        except OSError as e:
+            log.error("island %s: cannot start a coordination service: %s", island, e)
+            return
+        finally:
+            self._forming.discard(island)
+        if self._members(island) != members:  # it changed while the service started: again
+            stop_service(service)
+            self._schedule(island)
+            return
+        number = next(self._numbers)
+        g = Generation(island, number, members, coordinator, service)
+        self.current[island] = g
+        log.info("island %s: forming group generation %d of %s (coordinator %s)", island, number,
+                 ", ".join(members), coordinator)
+        for pid, name in enumerate(members):
+            host = self._hosts[name]
+            self._send(name, cpb.ControllerToWorker(join=cpb.JoinGroup(
+                generation=number, coordinator=coordinator, process_id=pid, num_processes=len(members),
+                gloo_host=paths.split_address(host.address)[0], members=list(members),
+                member_addresses=[paths.split_address(self._hosts[m].address)[0] for m in members])))
+        self._changed(island)
+
+    def _start(self, n: int) -> tuple[subprocess.Popen[bytes], str]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((self._bind_host, 0))
+            port = sock.getsockname()[1]
+        address = f"{self._bind_host}:{port}"
+        return self._start_service(address, n), address
+
+    def _retire(self, g: Generation) -> None:
+        g.left |= {m for m in g.members if self._hosts.get(m) is None or self._hosts[m].state != READY}
+        self._retiring.append(g)
+        self._stop_retired()
+
+    def _leave_all(self, host: str) -> None:
+        for g in self._retiring:
+            if host in g.members:
+                g.left.add(host)
+        self._stop_retired()
+
+    def _stop_retired(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for g in self._retiring:
+            if set(g.members) <= g.left or now - g.started > RETIRE_AFTER_S:
+                stop_service(g.service)
+            else:
+                keep.append(g)
+        self._retiring = keep
+
+    def _changed(self, island: str) -> None:
+        event = self._ready_events.pop(island, None)
+        if event is not None:
+            event.set()
+        for cb in self.listeners:
+            cb(island)
+
+    def close(self) -> None:
+        """The controller stops: services stay up for the members still in them (the next
+        controller re-forms the groups and stops them once their members left)."""
+        for handle in self._due.values():
+            handle.cancel()
+        self._due.clear()
+
+
+def coordinator_host(listen: str) -> str:
+    """The address the island services bind and members dial: the controller's own listening
+    address, or, where it listens on every interface, the address its hostname resolves to."""
+    host = paths.split_address(listen)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+def start_service_process(address: str, n: int) -> subprocess.Popen[bytes]:
+    """Starts a coordination service for `n` members at `address`, detached (it outlives a
+    controller restart), and waits until it listens."""
+    proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", address, str(n)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env=os.environ.copy())
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "ready" once bound (a fraction of a second: jaxlib only)
+    if line.strip() != b"ready":
+        stop_service(proc)
+        raise OSError(f"the coordination service at {address} did not start")
+    proc.stdout.close()
+    return proc
+
+
+def stop_service(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)

@@ -1,0 +1,150 @@
+"""Islands spanning hosts (server/controller/groups.py, server/worker/group.py), on separate
+hosts (tests/hosts.py): the controller on host 0, one worker of island `pod` on each of hosts 1
+and 2, every client inside the hosts.
+
+A slice of 4 devices over both workers runs one SPMD computation whose collective crosses the
+hosts (checked against NumPy); killing one host fails the running program within 15 s with an
+error naming it, the surviving worker lives on, and once the host is back the island's group
+re-forms and the slice runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hosts import Host, hosts  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(300)
+
+HEARTBEAT_TIMEOUT_S = 3.0
+ERROR_BOUND_S = 15.0
+
+PROGRAM = """
+import sys
+import jax
+import numpy as np
+import pwctl as pw
+from jax.sharding import PartitionSpec as P
+
+s = pw.make_virtual_device_set().add_slice(devices=4, island="pod")
+print("hosts", ",".join(sorted({d.host for d in s.info.devices})), flush=True)
+step = pw.pmap(lambda x: x * 2.0 + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+mesh = s.mesh("data")
+norm = pw.jit(lambda a: a / jax.numpy.sum(a * a), mesh=mesh, in_shardings=(P("data"),), out_shardings=P("data"))
+x = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) / 5.0
+want = x * 2.0 + x.sum(0)
+n = 0
+while True:
+    try:
+        y = step(x)
+        r = np.asarray(y)
+        assert np.allclose(r, want, rtol=1e-5), (r, want)
+        z = np.asarray(norm(y))  # reads step's output where it is: each host its own part
+        assert np.allclose(z, want / (want * want).sum(), rtol=1e-5), z
+        n += 1
+        print("ok", n, flush=True)
+        if sys.argv[1] == "once" and n == 3:
+            break
+    except Exception as e:
+        print("error", type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+        break
+"""
+
+
+class Cluster:
+    def __init__(self, hs: list[Host]) -> None:
+        self.hosts = hs
+        h0 = hs[0]
+        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:0", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
+        assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
+        m = re.search(r"at (\S+:\d+)", r.stdout)
+        assert m, r.stdout
+        self.address = m.group(1)
+        self.token = (h0.home / "token").read_text().strip()
+        for i in range(1, len(hs)):
+            self.start_worker(i)
+
+    def start_worker(self, i: int) -> None:
+        h = self.hosts[i]
+        r = h.pwctl("worker", "start", "--island", "pod", "--devices", "2", "--name", f"w{i}",
+                    "--listen", f"{h.ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
+        assert r.returncode == 0, f"worker start on {h.hostname}: {r.stdout}{r.stderr}"
+
+    def env(self) -> dict[str, str]:
+        return {"PWCTL_SERVER": self.address, "PWCTL_TOKEN": self.token}
+
+    def worker_log(self, i: int) -> str:
+        return (self.hosts[i].home / "logs" / f"worker-w{i}.log").read_text(errors="replace")
+
+    def controller_log(self) -> str:
+        logs = self.hosts[0].home / "logs"
+        return "".join(p.read_text(errors="replace") for p in sorted(logs.glob("controller*.log")))
+
+    def ready_hosts(self) -> set[str]:
+        r = self.hosts[0].pwctl("host", "list", "-o", "json", **self.env())
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        return {h["name"] for h in doc["items"] if str(h.get("state", "")).lower().endswith("ready")}
+
+
+def _read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
+    import select
+
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            lines.append(line)
+            if line.startswith(pattern):
+                return line
+        elif proc.poll() is not None:
+            return None
+    return None
+
+
+def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    cl = Cluster(hs)
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM)
+    # one SPMD computation over both hosts: its psum crosses them, its numbers are NumPy's
+    r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
+    assert r.returncode == 0 and "ok 3" in r.stdout, f"failed: {r.stdout}{r.stderr}\n{cl.controller_log()[-4000:]}"
+    assert "hosts w1,w2" in r.stdout, r.stdout
+    for i in (1, 2):
+        assert re.search(r"island group: generation \d+, process \d of 2", cl.worker_log(i)), cl.worker_log(i)[-3000:]
+
+    # a host dies mid-run: the program fails within the bound, naming it; the survivor lives
+    proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())
+    lines: list[str] = []
+    try:
+        assert _read_until(proc, "ok 2", time.monotonic() + 120, lines), "".join(lines) + cl.controller_log()[-3000:]
+        assert hs[2].kill_all(), "host 2 had no processes"
+        t0 = time.monotonic()
+        err = _read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+        assert err is not None, f"no error within {ERROR_BOUND_S:g} s:\n{''.join(lines)}"
+        assert "w2" in err or hs[2].ip in err, err  # by name, or by the address it was reached at
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    time.sleep(1.0)
+    assert "w1" in cl.ready_hosts(), "the surviving worker died with its peer"
+    assert "Aborted" not in cl.worker_log(1) and "terminate called" not in cl.worker_log(1), cl.worker_log(1)[-3000:]
+
+    # the host returns: the island re-forms with it and the slice runs again, across both hosts
+    cl.start_worker(2)
+    r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
+    assert r.returncode == 0 and "ok 3" in r.stdout, f"rejoined: {r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
+    assert "hosts w1,w2" in r.stdout, r.stdout
+    generations = re.findall(r"island group: generation (\d+), process \d of 2", cl.worker_log(1))
+    assert len(set(generations)) >= 2, cl.worker_log(1)[-3000:]  # it re-formed with the returning host

@@ -30,7 +30,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -43,7 +42,9 @@ from ..threadnames import name_native_thread
 from . import state as st
 from .buffers import BufferFailed, BufferStore
 from .fusion import NodeFailed
-from .segments import Runners, SegmentInfo
+from .segments import Runners, SegmentInfo, switch_group
+from .spans import DeviceSpans
+from .tasks import Exclusive, Task, info_of, names_a_node, wait_outputs
 from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
@@ -54,29 +55,6 @@ MAX_DROP_HINTS = 10_000  # dropped runs remembered for launches blocked on input
 # COMPLETIONS_BOUND an idle launch thread is woken to take them.
 COMPLETIONS_BATCH = 64
 COMPLETIONS_BOUND = 1024
-
-
-@dataclass(eq=False, slots=True, kw_only=True)
-class _Task(st.Task):
-    segment: int
-    input_ids: list[int]
-    output_ids: list[int]
-    info: SegmentInfo | None  # None: the segment was never registered here (reported at launch)
-    label: str
-    prompt: bool = False  # the controller waits for its end (sequential dispatch)
-    # once launched, until completed:
-    values: list[Any] | None = None  # one per output id
-    start_ns: int = 0
-    nbytes: int = 0  # of the outputs
-    reported_start: bool = False
-
-
-@dataclass(slots=True)
-class _Exclusive:
-    """Work for the launch thread alone, in order with the stimuli around it (not a stimulus of
-    the state machine): joining an island group."""
-
-    fn: Callable[[], None]
 
 
 class Executor:
@@ -95,14 +73,14 @@ class Executor:
         self._segments: dict[int, SegmentInfo] = {}
         self.state = st.WorkerState()  # the launch thread's alone
         self._cond = threading.Condition()
-        self._inbox: list[st.Stimulus_ | _Exclusive] = []  # under _cond
-        self._completions: deque[_Task] = deque()  # completer -> launch thread, lock-free
+        self._inbox: list[st.Stimulus_ | Exclusive] = []  # under _cond
+        self._completions: deque[Task] = deque()  # completer -> launch thread, lock-free
         self._launched: list[st.Task] = []  # launched, not told to the machine yet (launch thread)
         self._drop_hints: dict[int, str] = {}  # run -> reason, for launches blocked on inputs
-        self._launching: _Task | None = None  # the task the launch thread is launching
-        self._inflight: dict[int, _Task] = {}  # id -> launched task, until completed
-        self._busy_until: dict[frozenset[int], int] = {}  # device set -> end of its last batch (ns)
-        self._done_q: queue.Queue[_Task | None] = queue.Queue()
+        self._launching: Task | None = None  # the task the launch thread is launching
+        self._inflight: dict[int, Task] = {}  # id -> launched task, until completed
+        self._spans = DeviceSpans()  # when each completed task ran (completion thread)
+        self._done_q: queue.Queue[Task | None] = queue.Queue()
         self._stop = False
         self.nodes_executed = 0
         # tasks received and tasks over, for the backlog: each counter has one writer (the event
@@ -120,7 +98,7 @@ class Executor:
             t.start()
 
     # ---- called from the controller link (event loop thread) ----
-    def _feed(self, *stimuli: st.Stimulus_ | _Exclusive) -> None:
+    def _feed(self, *stimuli: st.Stimulus_ | Exclusive) -> None:
         with self._cond:
             self._inbox.extend(stimuli)
             self._cond.notify_all()
@@ -142,7 +120,7 @@ class Executor:
         tasks: list[st.Task] = []
         for t in enq.tasks:
             info = self._segments.get(t.segment_id)
-            task = _Task(seq=t.seq, run_id=t.run_id, segment=t.segment, input_ids=list(t.input_ids),
+            task = Task(seq=t.seq, run_id=t.run_id, segment=t.segment, input_ids=list(t.input_ids),
                          output_ids=list(t.output_ids), info=info, prompt=t.report_promptly,
                          label=info.label if info is not None else f"segment {t.segment}",
                          devices=info.devices if info is not None else frozenset())
@@ -190,33 +168,16 @@ class Executor:
         """Joins the island's distributed group `join` on the launch thread, in order with the
         tasks around it, once every launched computation is over; then `done(error)` ("" when it
         joined). Segments of older generations can no longer run (their runs were dropped)."""
-        group = self.runners.group
-        group.announce(join.generation, join.process_id)
+        self.runners.group.announce(join.generation, join.process_id)
 
         def switch() -> None:
-            error = ""
-            try:
-                devices = group.join(join.generation, join.coordinator, join.process_id, join.num_processes,
-                                     join.gloo_host, list(join.members), list(join.member_addresses))
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                log.error("joining island group generation %d failed: %s", join.generation, error)
-                devices = group.join(0, "", 0, 1, "", [])  # this worker's devices on their own again
-            self.runners.rebuild(devices)
-            for info in self._segments.values():
-                info.runner = None
-                if info.definition.group_generation and info.definition.group_generation != group.generation:
-                    info.stale = (f"island group generation {info.definition.group_generation} was replaced "
-                                  f"by {group.generation or 'none'}")
-            log.info("island group: generation %d, process %d of %d", group.generation, group.process_id,
-                     group.num_processes)
-            done(error)
+            done(switch_group(join, self.runners, self._segments.values()))
 
         with self._cond:
-            self._inbox.append(_Exclusive(switch))
+            self._inbox.append(Exclusive(switch))
             self._cond.notify_all()
 
-    def _run_exclusive(self, item: _Exclusive) -> None:
+    def _run_exclusive(self, item: Exclusive) -> None:
         """Runs `item` with nothing launched still computing."""
         for task in list(self._inflight.values()):
             if task.values is not None:
@@ -256,7 +217,7 @@ class Executor:
             if len(self._completions) >= COMPLETIONS_BATCH:
                 self._take_completions()
             for stimulus in inbox:
-                if isinstance(stimulus, _Exclusive):
+                if isinstance(stimulus, Exclusive):
                     self._run_exclusive(stimulus)
                     continue
                 if isinstance(stimulus, st.Enqueued):
@@ -295,7 +256,7 @@ class Executor:
                 return
             ins = todo[i]
             i += 1
-            task: _Task = ins.task  # type: ignore[assignment]
+            task: Task = ins.task  # type: ignore[assignment]
             if isinstance(ins, st.Launch):
                 if ins.after:
                     self._drain(ins.after)
@@ -311,7 +272,7 @@ class Executor:
                         self.store.fail(inp, ins.error)
                 self._fail(task, ins.error, ins.report)
 
-    def _launch_safely(self, task: _Task) -> bool:
+    def _launch_safely(self, task: Task) -> bool:
         """Launches the task; False when it failed (and was reported)."""
         self._launching = task
         try:
@@ -327,7 +288,7 @@ class Executor:
     # transfer from another island) it is set aside and launched when the input lands, and the
     # tasks behind it go on: micro-batches of a pipeline overlap instead of queueing behind each
     # other's transfers (the machine decides; this registers the wake-up).
-    def _defer_if_waiting(self, task: _Task) -> bool:
+    def _defer_if_waiting(self, task: Task) -> bool:
         missing = self.store.pending_of(task.input_ids)
         if not missing:
             return False
@@ -355,7 +316,7 @@ class Executor:
                 if reason is not None:
                     raise BufferFailed(reason) from None
 
-    def _launch(self, task: _Task) -> bool:
+    def _launch(self, task: Task) -> bool:
         info = task.info
         if info is None:
             self._fail(task, "its segment was never registered on this worker")
@@ -421,8 +382,8 @@ class Executor:
                                          local_devices=t.info.structure.devices))
         return out
 
-    def _fail(self, task: _Task, error: str, report: bool = True) -> None:
-        message = error if error.startswith(task.label) or _names_a_node(task, error) else f"{task.label}: {error}"
+    def _fail(self, task: Task, error: str, report: bool = True) -> None:
+        message = error if error.startswith(task.label) or names_a_node(task, error) else f"{task.label}: {error}"
         with self._failed_lock:
             self._failed += 1
         for out in task.output_ids:
@@ -464,60 +425,42 @@ class Executor:
             first = item = None
             batch = []
 
-    def _finish(self, batch: list[_Task]) -> None:
+    def _finish(self, batch: list[Task]) -> None:
         # Tasks whose outputs travel to other workers are waited for one by one, in launch order,
         # and their outputs leave as soon as they are ready: a pipeline stage's micro-batch k goes
         # to the next stage while micro-batch k+1 still computes (waiting for the whole batch
         # would make stages take turns). The rest complete with one wait.
         errors: list[str] = [""] * len(batch)
-        infos = [_info(t) for t in batch]
+        infos = [info_of(t) for t in batch]
         for i, task in enumerate(batch):
             if infos[i].routes:
-                errors[i] = _wait(task)
+                errors[i] = wait_outputs(task)
                 self._send_outputs(task, infos[i], errors[i])
         try:
             jax.block_until_ready([t.values for t, info in zip(batch, infos, strict=True) if not info.routes])
         except Exception:
             for i, task in enumerate(batch):  # find which ones failed
                 if not infos[i].routes:
-                    errors[i] = _wait(task)
+                    errors[i] = wait_outputs(task)
         group = self.runners.group
         for i, info in enumerate(infos):
             if errors[i] and info.definition.group_generation:
                 errors[i] = group.explain(errors[i])  # names the peer that went away, where it can
-        end = time.time_ns()
-        # One wait completed the whole batch, so per-task times are not known: split the time the
-        # batch's devices were busy over its tasks by their node counts, in launch order, per device
-        # set (the controller charges device time from these spans; giving it all to the batch's first
-        # task would bill one client for everyone's work and break proportional share).
-        span_start: dict[frozenset[int], int] = {}
-        counts: dict[frozenset[int], int] = {}
-        for task, info in zip(batch, infos, strict=True):
-            d = task.devices
-            span_start[d] = min(span_start.get(d, task.start_ns), task.start_ns)
-            counts[d] = counts.get(d, 0) + info.size
-        cursor: dict[frozenset[int], float] = {}
-        steps: dict[frozenset[int], float] = {}
-        for d, first in span_start.items():
-            cursor[d] = max(first, self._busy_until.get(d, 0))
-            steps[d] = max(0, end - cursor[d]) / counts[d]
-            self._busy_until[d] = end
+        spans = self._spans.split([(t.devices, t.start_ns, info.size) for t, info in zip(batch, infos, strict=True)],
+                                  time.time_ns())
         events = []
         nbytes = 0
         prompt = False
-        for task, info, error in zip(batch, infos, errors, strict=True):
+        for task, info, error, (start, end) in zip(batch, infos, errors, spans, strict=True):
             self._inflight.pop(id(task), None)
             task.values = None  # the store holds the outputs from here
             if error:
                 for out in task.output_ids:
                     self.store.fail(out, error)
             self.recent_order.append((task.run_id, task.segment, task.seq))
-            d = task.devices
-            span = steps[d] * info.size
             events.append(cpb.NodeEvent(
-                run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=int(cursor[d]),
-                end_ns=int(cursor[d] + span), ok=not error, error=error, local_devices=info.structure.devices))
-            cursor[d] += span
+                run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=start,
+                end_ns=end, ok=not error, error=error, local_devices=info.structure.devices))
             self.nodes_executed += info.size
             nbytes += task.nbytes
             prompt = prompt or task.prompt
@@ -527,7 +470,7 @@ class Executor:
             self._feed()  # an idle launch thread takes them now
         self.report(events, prompt, self.backlog(), nbytes)
 
-    def _send_outputs(self, task: _Task, info: SegmentInfo, error: str) -> None:
+    def _send_outputs(self, task: Task, info: SegmentInfo, error: str) -> None:
         for route in info.routes:
             out_id = task.output_ids[route.output_index]
             if not error and task.values is not None:
@@ -546,24 +489,3 @@ class Executor:
             return
         self.sender.send(send.buffer_id, value, send.address, send.same_host,
                          lambda: self.store.consumer_done(send.buffer_id))
-
-
-def _info(task: _Task) -> SegmentInfo:
-    """A launched task's segment (a task without one never launches)."""
-    info = task.info
-    if info is None:
-        raise RuntimeError(f"{task.label} was launched without a segment")
-    return info
-
-
-def _wait(task: _Task) -> str:
-    """Blocks until the task's outputs are computed; its error, or ''."""
-    try:
-        jax.block_until_ready(task.values)
-        return ""
-    except Exception as e:
-        return f"{task.label}: {type(e).__name__}: {e}"
-
-
-def _names_a_node(task: _Task, error: str) -> bool:
-    return task.info is not None and any(error.startswith(label + ":") for label in task.info.labels)

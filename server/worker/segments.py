@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,3 +165,27 @@ class Runners:
                 self._fused[seg] = fused
                 return fused, True
         return functools.partial(run_unfused, seg, exes, labels), False
+
+
+def switch_group(join: Any, runners: Runners, segments: Iterable[SegmentInfo]) -> str:
+    """(launch thread, nothing in flight) Moves the worker into the island group `join` (a
+    cpb.JoinGroup); returns "" or why it could not (it is then in no group, its devices its own).
+    Every compiled program belonged to the old backend; segments of another generation are stale."""
+    group = runners.group
+    error = ""
+    try:
+        devices = group.join(join.generation, join.coordinator, join.process_id, join.num_processes,
+                             join.gloo_host, list(join.members), list(join.member_addresses))
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        log.error("joining island group generation %d failed: %s", join.generation, error)
+        devices = group.join(0, "", 0, 1, "", [])
+    runners.rebuild(devices)
+    for info in segments:
+        info.runner = None
+        generation = info.definition.group_generation
+        if generation and generation != group.generation:
+            info.stale = f"island group generation {generation} was replaced by {group.generation or 'none'}"
+    log.info("island group: generation %d, process %d of %d", group.generation, group.process_id,
+             group.num_processes)
+    return error

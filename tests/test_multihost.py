@@ -57,6 +57,34 @@ while True:
 """
 
 
+MIXED = """
+import jax
+import numpy as np
+import pwctl as pw
+
+vs = pw.make_virtual_device_set()
+s = vs.add_slice(devices=4, island="pod")
+one = vs.add_slice(devices=1, island="pod")  # on one of the two hosts
+other = vs.add_slice(devices=1, island="solo")  # another island, on host 0
+step = pw.pmap(lambda x: x * 2.0 + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+head = pw.jit(lambda x: x - 1.0, mesh=other.mesh("d"))
+total = pw.jit(lambda a: a.sum(0) * 3.0, mesh=one.mesh("d"))
+
+@pw.program
+def mixed(x):
+    y = step(head(x))   # host 0's island -> both hosts of pod
+    return total(y), y  # gathered from both hosts onto one host of pod; y also to the client
+
+x = np.arange(4 * 6, dtype=np.float64).reshape(4, 6) / 5.0
+h = x - 1.0
+y = h * 2.0 + h.sum(0)
+t, yy = mixed(x)
+assert np.allclose(np.asarray(yy), y), np.asarray(yy)
+assert np.allclose(np.asarray(t), y.sum(0) * 3.0), np.asarray(t)
+print("mixed ok", flush=True)
+"""
+
+
 class Cluster:
     def __init__(self, hs: list[Host]) -> None:
         self.hosts = hs
@@ -70,9 +98,9 @@ class Cluster:
         for i in range(1, len(hs)):
             self.start_worker(i)
 
-    def start_worker(self, i: int) -> None:
+    def start_worker(self, i: int, island: str = "pod", name: str = "") -> None:
         h = self.hosts[i]
-        r = h.pwctl("worker", "start", "--island", "pod", "--devices", "2", "--name", f"w{i}",
+        r = h.pwctl("worker", "start", "--island", island, "--devices", "2", "--name", name or f"w{i}",
                     "--listen", f"{h.ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
         assert r.returncode == 0, f"worker start on {h.hostname}: {r.stdout}{r.stderr}"
 
@@ -148,3 +176,17 @@ def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Pa
     assert "hosts w1,w2" in r.stdout, r.stdout
     generations = re.findall(r"island group: generation (\d+), process \d of 2", cl.worker_log(1))
     assert len(set(generations)) >= 2, cl.worker_log(1)[-3000:]  # it re-formed with the returning host
+
+
+def test_a_program_mixes_multi_host_and_single_host_slices(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    """A value from another island goes to both hosts of the multi-host slice; its output is
+    gathered from both onto a single-host slice on one of them, and fetched whole."""
+    hs = hosts(3)
+    cl = Cluster(hs)
+    cl.start_worker(0, island="solo", name="w0")
+    prog = tmp_path / "mixed.py"
+    prog.write_text(MIXED)
+    r = hs[0].run([sys.executable, str(prog)], timeout=180, **cl.env())
+    assert r.returncode == 0 and "mixed ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
+    for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
+        assert re.search(r"first transfer to \S+ by gRPC stream", cl.worker_log(i)), cl.worker_log(i)[-3000:]

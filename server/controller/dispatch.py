@@ -46,7 +46,7 @@ from .client_session import ClientSession
 from .cluster import HostInfo
 from .errors import ControllerError, InvalidArgument
 from .programs import ProgramRecord, ProgramRegistry
-from .segments import PROGRAM_INPUT, CutError, SegmentPlan, cut, same_machine
+from .segments import GATHERED, PROGRAM_INPUT, SegmentPlan, cut, gathered_count, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -64,6 +64,7 @@ class Plan:
     segments: list[SegmentPlan]
     specs: tuple[NodeSpec, ...]
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
+    gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class RunState:
     input_ids: list[int]
     input_homes: list[str]
     buffers: list[list[int]]  # segment -> ids of its outputs
+    gathered: list[int]  # gathered value (segments.GATHERED) -> its id on the readers' hosts
     # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
@@ -89,10 +91,12 @@ def _check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
         return
     for seg in plan.segments:
         for source, k in seg.inputs:
-            if source == PROGRAM_INPUT and k in spread and seg.host.address not in spread[k]:
+            if source == PROGRAM_INPUT and k in spread and not (
+                    seg.definition.group_generation and seg.host.address in spread[k]):
                 raise InvalidArgument(
-                    f"input {k} is an array of a multi-host slice (on {', '.join(spread[k])}); "
-                    f"{seg.definition.label} runs on {seg.host.name}, which holds no part of it (fetch it instead)")
+                    f"input {k} is an array of a multi-host slice (its parts are on {', '.join(spread[k])}); "
+                    f"{seg.definition.label} is not a computation of that slice's hosts: pass it within one "
+                    "@pw.program (the parts are then gathered where they are read) or fetch it")
 
 
 class Placements(Protocol):
@@ -193,10 +197,13 @@ class Dispatcher:
             return
         session.run_opened(run.run_id)
         out_ids = run.output_ids
-        buffers = [[out_ids[k] if k >= 0 else self._id_base | next(self._ids) for k in seg.client_outputs]
-                   for seg in plan.segments]
+        # one id per program value: the members of a gang node hold their parts of it under one id
+        ids: dict[tuple[int, int], int] = {}
+        buffers = [[out_ids[k] if k >= 0 else ids.setdefault(key, self._id_base | next(self._ids))
+                    for k, key in zip(seg.client_outputs, seg.outputs, strict=True)] for seg in plan.segments]
+        gathered = [self._id_base | next(self._ids) for _ in range(plan.gathered)]
         self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
-                                         list(run.input_homes), buffers)
+                                         list(run.input_homes), buffers, gathered)
         spec = RunSpec(
             run_id=run.run_id,
             program=prog.name,
@@ -233,12 +240,9 @@ class Dispatcher:
         if plan is not None:
             self._forget(plan)
         nodes = [placements[n.slice] for n in graph.nodes]
-        try:
-            segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
-                           self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
-        except CutError as e:
-            raise InvalidArgument(str(e)) from None
-        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch)
+        segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
+                       self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
+        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments))
         self._plans[(prog.program_id, sequential)] = plan
         return plan
 
@@ -308,6 +312,8 @@ class Dispatcher:
                     if home and home != host.address and "|" not in home:  # "|": on every member already
                         sends.setdefault(home, []).append((bid, host.address))
                     inputs.append(bid)
+                elif source == GATHERED:
+                    inputs.append(run.gathered[k])
                 else:
                     inputs.append(run.buffers[source][k])
             outputs = run.buffers[d.node_index]
@@ -316,10 +322,13 @@ class Dispatcher:
                 visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
                 run.held_ids.setdefault(host.address, []).extend(
                     b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
-            enq.tasks.append(wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
-                                      segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
-                                      output_visible=visible, owner=run.session.owner,
-                                      report_promptly=run.session.sequential))
+            task = wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
+                            segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
+                            output_visible=visible, owner=run.session.owner,
+                            report_promptly=run.session.sequential)
+            if run.gathered and any(k >= 0 for k in seg.route_keys):
+                task.route_ids[:] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
+            enq.tasks.append(task)
         for home, items in sends.items():
             src = self.host_by_address(home)
             if src is None:

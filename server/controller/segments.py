@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -30,6 +30,7 @@ from .programs import ProgramRecord
 
 MAX_SEGMENT_NODES = 512  # bounds a fused computation (and its compile time)
 PROGRAM_INPUT = -1
+GATHERED = -2  # an input (GATHERED, key): an output of a gang node gathered on the reader's host
 
 
 @dataclass
@@ -50,6 +51,8 @@ class SegmentPlan:
     # per output: a later segment on the same worker reads it (kept by sequential dispatch,
     # which enqueues that reader only later)
     read_later_here: list[bool]
+    # per route of `definition`: the gathered value (key) it sends its part of, or -1
+    route_keys: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -70,10 +73,6 @@ class Gang:
     member_devices: tuple[tuple[int, ...], ...]
 
 
-class CutError(ValueError):
-    """The program's placement cannot be cut (a value it cannot move between its slices)."""
-
-
 def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequence[int]],
         islands: Sequence[str], ids: Iterator[int] | None = None, across_devices: bool = True,
         gangs: Sequence[Gang | None] | None = None) -> list[SegmentPlan]:
@@ -82,9 +81,9 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
 
     `ids` yields the segment ids to register under (default 1, 2, ...). Without `across_devices`,
     a node on other devices than the one before it starts a new segment. A gang node is a segment
-    per member host, alone (no neighbour fuses with it). Raises CutError for a value read across
-    slices that cannot move: an output of a gang node read by a node elsewhere than the gang's
-    own members (fetch it instead)."""
+    per member host, alone (no neighbour fuses with it). An output of a gang node read elsewhere than on the
+    same gang is gathered: each member sends its part to the reader's host (routes with a key),
+    and the reader's input is (GATHERED, key)."""
     ids = ids if ids is not None else itertools.count(1)
     gangs = gangs if gangs is not None else [None] * len(hosts)
     graph = prog.graph
@@ -105,6 +104,7 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
     client_index = {key: k for k, key in enumerate(prog.outputs)}
     # (node, output) -> {host name: (segment, position in its outputs)}, filled as segments are planned
     returned: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}
+    gathered: dict[tuple[int, int], int] = {}  # (node, output) of a gang node read elsewhere -> key
     plans: list[SegmentPlan] = []
     for first, last in bounds:
         gang = gangs[first]
@@ -135,13 +135,13 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
                         producer = gangs[n]
                         if producer is None:
                             source = next(iter(made.values()))
-                        elif gang is not None and gang.members == producer.members:
+                            deps.add(source[0])
+                        elif _same_gang(gang, producer):
                             source = made[host.name]  # this member's own part
-                        else:
-                            raise CutError(f"{_node_label(prog, i)} reads an output of {_node_label(prog, n)}, "
-                                           "which runs on a multi-host slice; only computations on the same "
-                                           "hosts can read it (fetch it instead)")
-                        deps.add(source[0])
+                            deps.add(source[0])
+                        else:  # the members' parts, gathered on this host (routes of the producer)
+                            source = (GATHERED, gathered[(n, o)])
+                            deps.update(seg for seg, _ in made.values())
                     if source not in ext:
                         ext[source] = len(inputs)
                         inputs.append(source)
@@ -152,6 +152,7 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
             client_outputs: list[int] = []
             read_later_here: list[bool] = []
             routes: list[wpb.OutputRoute] = []
+            route_keys: list[int] = []
             for i in range(first, last + 1):
                 for o in range(graph.nodes[i].num_outputs):
                     readers = [r for r in prog.consumers.get((i, o), ()) if r > last]
@@ -164,11 +165,22 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
                     client_outputs.append(k)
                     read_later_here.append(any(h.name == host.name for r in readers for h in where(r)))
                     if gang is not None:
-                        continue  # read where it is (by the same gang's members) or fetched
+                        # read where it is by the same gang's members; anywhere else, each member
+                        # sends its part to every reader's host (its own too) to be gathered there
+                        away = {h.address: h for r in readers if not _same_gang(gangs[r], gang) for h in where(r)}
+                        if away:
+                            key = gathered.setdefault((i, o), len(gathered))
+                            for address, reader in away.items():
+                                routes.append(wpb.OutputRoute(
+                                    output_index=position, address=address,
+                                    same_host=reader.name != host.name and same_machine(reader, host)))
+                                route_keys.append(key)
+                        continue
                     for address, reader in {h.address: h for r in readers for h in where(r)
                                             if h.name != host.name}.items():
                         routes.append(wpb.OutputRoute(output_index=position, address=address,
                                                       same_host=same_machine(reader, host)))
+                        route_keys.append(-1)
             label = _segment_label(prog, first, last)
             definition = wpb.SegmentDef(
                 segment_id=next(ids), local_devices=list(used), nodes=nodes,
@@ -180,8 +192,18 @@ def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequen
             spec = NodeSpec(index=s, host=host.name, island=islands[first], devices=spec_devices,
                             deps=tuple(sorted(deps)), label=label if gang is None else f"{label} @{host.name}")
             plans.append(SegmentPlan(s, host, first, last, definition, spec, inputs, outputs, client_outputs,
-                                     [k >= 0 for k in client_outputs], read_later_here))
+                                     [k >= 0 for k in client_outputs], read_later_here, route_keys))
     return plans
+
+
+def _same_gang(a: Gang | None, b: Gang | None) -> bool:
+    """Both nodes are gang nodes over the same members: each member reads its own part."""
+    return a is not None and b is not None and a.members == b.members and a.generation == b.generation
+
+
+def gathered_count(plans: Sequence[SegmentPlan]) -> int:
+    """How many gathered values a plan has (one buffer id each per run)."""
+    return max((k + 1 for p in plans for k in p.route_keys), default=0)
 
 
 def same_machine(a: HostInfo, b: HostInfo) -> bool:

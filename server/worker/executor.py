@@ -121,7 +121,8 @@ class Executor:
         for t in enq.tasks:
             info = self._segments.get(t.segment_id)
             task = Task(seq=t.seq, run_id=t.run_id, segment=t.segment, input_ids=list(t.input_ids),
-                         output_ids=list(t.output_ids), info=info, prompt=t.report_promptly,
+                         output_ids=list(t.output_ids), route_ids=list(t.route_ids), info=info,
+                         prompt=t.report_promptly,
                          label=info.label if info is not None else f"segment {t.segment}",
                          devices=info.devices if info is not None else frozenset())
             self.store.expect(task.output_ids, t.owner, t.output_visible)
@@ -391,10 +392,10 @@ class Executor:
         for inp in task.input_ids:
             self.store.consumer_done(inp)
         routes = task.info.routes if task.info is not None else []
-        for route in routes:
+        for j, route in enumerate(routes):
             if route.output_index < len(task.output_ids):
                 out_id = task.output_ids[route.output_index]
-                self.sender.send_error(out_id, route, message)
+                self.sender.send_error(task.route_id(j, out_id), route, message)
                 self.store.consumer_done(out_id)
         if report:
             now = time.time_ns()
@@ -471,13 +472,14 @@ class Executor:
         self.report(events, prompt, self.backlog(), nbytes)
 
     def _send_outputs(self, task: Task, info: SegmentInfo, error: str) -> None:
-        for route in info.routes:
+        for j, route in enumerate(info.routes):
             out_id = task.output_ids[route.output_index]
+            to_id = task.route_id(j, out_id)
             if not error and task.values is not None:
-                self.sender.send(out_id, task.values[route.output_index], route.address, route.same_host,
+                self.sender.send(to_id, task.values[route.output_index], route.address, route.same_host,
                                  functools.partial(self.store.consumer_done, out_id))
             else:
-                self.sender.send_error(out_id, route, error)
+                self.sender.send_error(to_id, route, error)
                 self.store.consumer_done(out_id)
 
     def _send_buffer(self, send: wpb.BufferSend) -> None:

@@ -7,6 +7,7 @@ array together (pwctl/api/futures.py); replicated shards are sent once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,3 +49,40 @@ def part_chunks(parts: list[tuple[tuple[int, ...], np.ndarray]], global_shape: t
                 c.part_start[:] = list(start)
                 c.global_shape[:] = list(global_shape)
             yield c
+
+
+class Gathering:
+    """Parts of multi-host slices' arrays arriving from their members (one Transfer stream each),
+    by buffer id, until they cover the array. Identical parts (replicated shards, sent by every
+    member that holds them) count once."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[np.ndarray, set[tuple[int, ...]], list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, buffer_id: int, global_shape: tuple[int, ...], start: tuple[int, ...],
+            part: np.ndarray) -> np.ndarray | None:
+        """Adds one part; the whole array once its parts cover it, else None. Raises ValueError
+        for a part that does not fit the array."""
+        if len(start) != len(global_shape) or part.ndim != len(global_shape) or any(
+                b < 0 or b + n > g for b, n, g in zip(start, part.shape, global_shape, strict=True)):
+            raise ValueError(f"a part {list(part.shape)} at {list(start)} does not fit {list(global_shape)}")
+        with self._lock:
+            entry = self._open.get(buffer_id)
+            if entry is None:
+                entry = self._open[buffer_id] = (np.empty(global_shape, part.dtype), set(), [0])
+            whole, seen, covered = entry
+            if whole.dtype != part.dtype or whole.shape != global_shape:
+                raise ValueError(f"parts of buffer {buffer_id} disagree on dtype or shape")
+            if start not in seen:
+                seen.add(start)
+                whole[tuple(slice(b, b + n) for b, n in zip(start, part.shape, strict=True))] = part
+                covered[0] += part.size
+            if covered[0] < whole.size:
+                return None
+            del self._open[buffer_id]
+            return whole
+
+    def drop(self, buffer_id: int) -> None:
+        with self._lock:
+            self._open.pop(buffer_id, None)

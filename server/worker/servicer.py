@@ -18,7 +18,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from ..threadnames import name_native_thread
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
-from .parts import is_partial, local_parts, part_chunks
+from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, take_segment
 from .transfer import CHUNK
 
@@ -38,6 +38,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.island = island
         # fetches block until their buffer is computed: a pool of their own keeps them
         # from starving the default executor that assembles transfers
+        self._gathering = Gathering()  # parts of multi-host slices' arrays, until whole
         self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch",
                                             initializer=name_native_thread)
 
@@ -112,6 +113,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if chunk.error:
                 heads.pop(bid, None)
                 parts.pop(bid, None)
+                self._gathering.drop(bid)
                 self.store.fail(bid, chunk.error)
                 continue
             head = heads.setdefault(bid, chunk)
@@ -124,6 +126,16 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 arr = await loop.run_in_executor(None, _assemble, head.array, data)
             else:
                 arr = _assemble(head.array, data)
+            if head.global_shape:  # one member's part of a multi-host slice's array
+                try:
+                    whole = self._gathering.add(bid, tuple(head.global_shape), tuple(head.part_start), arr)
+                except ValueError as e:
+                    self._gathering.drop(bid)
+                    self.store.fail(bid, f"gathering buffer {bid}: {e}")
+                    continue
+                if whole is None:
+                    continue
+                arr = whole
             self.store.put(bid, arr, arr.nbytes, from_peer=True)
             total += arr.nbytes
         return wpb.TransferResponse(bytes=total)

@@ -4,7 +4,7 @@ launch produced) and the launch thread's other work, plus helpers over tasks."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -18,6 +18,8 @@ class Task(st.Task):
     segment: int
     input_ids: list[int]
     output_ids: list[int]
+    # per route of its segment: the id the receiver stores that output under (0: the output's own)
+    route_ids: list[int] = field(default_factory=list)
     info: SegmentInfo | None  # None: the segment was never registered here (reported at launch)
     label: str
     prompt: bool = False  # the controller waits for its end (sequential dispatch)
@@ -26,6 +28,10 @@ class Task(st.Task):
     start_ns: int = 0
     nbytes: int = 0  # of the outputs
     reported_start: bool = False
+
+    def route_id(self, route: int, output_id: int) -> int:
+        """The id route `route` delivers its output under."""
+        return self.route_ids[route] if route < len(self.route_ids) and self.route_ids[route] else output_id
 
 
 @dataclass(slots=True)

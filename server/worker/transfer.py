@@ -22,6 +22,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..threadnames import name_native_thread
 from .locallink import LocalPeers
+from .parts import is_partial, local_parts
 from .shmring import put_segment
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,25 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def chunks(buffer_id: int, arr: np.ndarray) -> Iterator[wpb.TransferChunk]:
+def chunks(buffer_id: int, arr: np.ndarray, part_start: tuple[int, ...] = (),
+           global_shape: tuple[int, ...] = ()) -> Iterator[wpb.TransferChunk]:
+    """The stream messages of one array (with `global_shape`: one part of a multi-host slice's
+    array, starting at `part_start`; the first message says so)."""
     data = byte_view(arr)
     n = len(data)
     head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
     if n <= CHUNK:
         head.data = bytes(data)
-        yield wpb.TransferChunk(buffer_id=buffer_id, array=head, last=True)
+        yield wpb.TransferChunk(buffer_id=buffer_id, array=head, last=True, part_start=part_start,
+                                global_shape=global_shape)
         return
     for off in range(0, n, CHUNK):
         part = pb.ArrayProto(data=bytes(data[off : off + CHUNK]))
         if off == 0:
             part.dtype, part.shape[:] = head.dtype, head.shape
+            yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + CHUNK >= n, part_start=part_start,
+                                    global_shape=global_shape)
+            continue
         yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + CHUNK >= n)
 
 
@@ -116,6 +124,12 @@ class TransferSender:
 
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:
+            if is_partial(value):  # a multi-host slice's array: this member's shards, for the reader to gather
+                shape = tuple(value.shape)
+                self._peer(address).send(
+                    [c for start, part in local_parts(value) for c in chunks(buffer_id, part, start, shape)])
+                self._note(STREAM, address)
+                return
             arr = c_order(to_numpy(value))
             local = self._local.get(address) if same_host else None
             if local is not None and local.send(buffer_id, arr):

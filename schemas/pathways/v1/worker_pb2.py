@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from schemas.pathways.v1 import common_pb2 as schemas_dot_pathways_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n schemas/pathways/v1/worker.proto\x12\x0bpathways.v1\x1a schemas/pathways/v1/common.proto\"\\\n\x10PutBufferRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\r\n\x05owner\x18\x03 \x01(\t\"#\n\x12PutBuffersResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"C\n\x0c\x46\x65tchRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05parts\x18\x03 \x01(\x08\"4\n\x0bWaitRequest\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\")\n\tWaitReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x89\x01\n\nFetchChunk\x12&\n\x05\x61rray\x18\x01 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\x05\x12\x12\n\npart_start\x18\x05 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\x06 \x03(\x03\"\xa0\x01\n\rTransferChunk\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x13\n\x0bring_offset\x18\x06 \x01(\x04\x12\x14\n\x0cring_release\x18\x07 \x01(\x04\"!\n\x10TransferResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"\x14\n\x12WorkerStatsRequest\"\xa9\x01\n\x0bWorkerStats\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x03 \x01(\x03\x12\x14\n\x0c\x62uffer_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xecutables\x18\x05 \x01(\x03\x12\x16\n\x0enodes_executed\x18\x06 \x01(\x03\x12\x16\n\x0e\x65xecuted_order\x18\x07 \x03(\t\x12\x10\n\x08segments\x18\x08 \x01(\x03\"G\n\x0bOutputRoute\x12\x14\n\x0coutput_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xf2\x01\n\nSegmentDef\x12\x12\n\nsegment_id\x18\x01 \x01(\x04\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.pathways.v1.SegmentNode\x12+\n\x07outputs\x18\x04 \x03(\x0b\x32\x1a.pathways.v1.SegmentOutput\x12(\n\x06routes\x18\x05 \x03(\x0b\x32\x18.pathways.v1.OutputRoute\x12\r\n\x05label\x18\x07 \x01(\t\x12\x18\n\x10group_generation\x18\x08 \x01(\x04J\x04\x08\x06\x10\x07R\ncollective\"o\n\x0bSegmentNode\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\x05\x12\x15\n\rinput_outputs\x18\x03 \x03(\x05\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rlocal_devices\x18\x05 \x03(\x05\"-\n\rSegmentOutput\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06output\x18\x02 \x01(\x05\"\xaf\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nsegment_id\x18\x04 \x01(\x04\x12\x11\n\tinput_ids\x18\x05 \x03(\x04\x12\x12\n\noutput_ids\x18\x06 \x03(\x04\x12\x16\n\x0eoutput_visible\x18\x07 \x03(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x17\n\x0freport_promptly\x18\t \x01(\x08\"S\n\x0c\x46unctionBlob\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64onate\x18\x04 \x03(\x05\"C\n\nBufferSend\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xe0\x01\n\x07\x45nqueue\x12,\n\tfunctions\x18\x01 \x03(\x0b\x32\x19.pathways.v1.FunctionBlob\x12&\n\x05sends\x18\x03 \x03(\x0b\x32\x17.pathways.v1.BufferSend\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12)\n\x08segments\x18\x05 \x03(\x0b\x32\x17.pathways.v1.SegmentDef\x12 \n\x05tasks\x18\x06 \x03(\x0b\x32\x11.pathways.v1.Task\x12\x17\n\x0f\x66orget_segments\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"D\n\x0eReleaseBuffers\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t2\xde\x02\n\x06Worker\x12N\n\nPutBuffers\x12\x1d.pathways.v1.PutBufferRequest\x1a\x1f.pathways.v1.PutBuffersResponse(\x01\x12=\n\x05\x46\x65tch\x12\x19.pathways.v1.FetchRequest\x1a\x17.pathways.v1.FetchChunk0\x01\x12\x38\n\x04Wait\x12\x18.pathways.v1.WaitRequest\x1a\x16.pathways.v1.WaitReply\x12G\n\x08Transfer\x12\x1a.pathways.v1.TransferChunk\x1a\x1d.pathways.v1.TransferResponse(\x01\x12\x42\n\x05Stats\x12\x1f.pathways.v1.WorkerStatsRequest\x1a\x18.pathways.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n schemas/pathways/v1/worker.proto\x12\x0bpathways.v1\x1a schemas/pathways/v1/common.proto\"\\\n\x10PutBufferRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\r\n\x05owner\x18\x03 \x01(\t\"#\n\x12PutBuffersResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"C\n\x0c\x46\x65tchRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05parts\x18\x03 \x01(\x08\"4\n\x0bWaitRequest\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\")\n\tWaitReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x89\x01\n\nFetchChunk\x12&\n\x05\x61rray\x18\x01 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\x05\x12\x12\n\npart_start\x18\x05 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\x06 \x03(\x03\"\xca\x01\n\rTransferChunk\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x13\n\x0bring_offset\x18\x06 \x01(\x04\x12\x14\n\x0cring_release\x18\x07 \x01(\x04\x12\x12\n\npart_start\x18\x08 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\t \x03(\x03\"!\n\x10TransferResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"\x14\n\x12WorkerStatsRequest\"\xa9\x01\n\x0bWorkerStats\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x03 \x01(\x03\x12\x14\n\x0c\x62uffer_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xecutables\x18\x05 \x01(\x03\x12\x16\n\x0enodes_executed\x18\x06 \x01(\x03\x12\x16\n\x0e\x65xecuted_order\x18\x07 \x03(\t\x12\x10\n\x08segments\x18\x08 \x01(\x03\"G\n\x0bOutputRoute\x12\x14\n\x0coutput_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xf2\x01\n\nSegmentDef\x12\x12\n\nsegment_id\x18\x01 \x01(\x04\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.pathways.v1.SegmentNode\x12+\n\x07outputs\x18\x04 \x03(\x0b\x32\x1a.pathways.v1.SegmentOutput\x12(\n\x06routes\x18\x05 \x03(\x0b\x32\x18.pathways.v1.OutputRoute\x12\r\n\x05label\x18\x07 \x01(\t\x12\x18\n\x10group_generation\x18\x08 \x01(\x04J\x04\x08\x06\x10\x07R\ncollective\"o\n\x0bSegmentNode\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\x05\x12\x15\n\rinput_outputs\x18\x03 \x03(\x05\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rlocal_devices\x18\x05 \x03(\x05\"-\n\rSegmentOutput\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06output\x18\x02 \x01(\x05\"\xc2\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nsegment_id\x18\x04 \x01(\x04\x12\x11\n\tinput_ids\x18\x05 \x03(\x04\x12\x12\n\noutput_ids\x18\x06 \x03(\x04\x12\x16\n\x0eoutput_visible\x18\x07 \x03(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x17\n\x0freport_promptly\x18\t \x01(\x08\x12\x11\n\troute_ids\x18\n \x03(\x04\"S\n\x0c\x46unctionBlob\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64onate\x18\x04 \x03(\x05\"C\n\nBufferSend\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xe0\x01\n\x07\x45nqueue\x12,\n\tfunctions\x18\x01 \x03(\x0b\x32\x19.pathways.v1.FunctionBlob\x12&\n\x05sends\x18\x03 \x03(\x0b\x32\x17.pathways.v1.BufferSend\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12)\n\x08segments\x18\x05 \x03(\x0b\x32\x17.pathways.v1.SegmentDef\x12 \n\x05tasks\x18\x06 \x03(\x0b\x32\x11.pathways.v1.Task\x12\x17\n\x0f\x66orget_segments\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"D\n\x0eReleaseBuffers\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t2\xde\x02\n\x06Worker\x12N\n\nPutBuffers\x12\x1d.pathways.v1.PutBufferRequest\x1a\x1f.pathways.v1.PutBuffersResponse(\x01\x12=\n\x05\x46\x65tch\x12\x19.pathways.v1.FetchRequest\x1a\x17.pathways.v1.FetchChunk0\x01\x12\x38\n\x04Wait\x12\x18.pathways.v1.WaitRequest\x1a\x16.pathways.v1.WaitReply\x12G\n\x08Transfer\x12\x1a.pathways.v1.TransferChunk\x1a\x1d.pathways.v1.TransferResponse(\x01\x12\x42\n\x05Stats\x12\x1f.pathways.v1.WorkerStatsRequest\x1a\x18.pathways.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHCHUNK']._serialized_start=381
   _globals['_FETCHCHUNK']._serialized_end=518
   _globals['_TRANSFERCHUNK']._serialized_start=521
-  _globals['_TRANSFERCHUNK']._serialized_end=681
-  _globals['_TRANSFERRESPONSE']._serialized_start=683
-  _globals['_TRANSFERRESPONSE']._serialized_end=716
-  _globals['_WORKERSTATSREQUEST']._serialized_start=718
-  _globals['_WORKERSTATSREQUEST']._serialized_end=738
-  _globals['_WORKERSTATS']._serialized_start=741
-  _globals['_WORKERSTATS']._serialized_end=910
-  _globals['_OUTPUTROUTE']._serialized_start=912
-  _globals['_OUTPUTROUTE']._serialized_end=983
-  _globals['_SEGMENTDEF']._serialized_start=986
-  _globals['_SEGMENTDEF']._serialized_end=1228
-  _globals['_SEGMENTNODE']._serialized_start=1230
-  _globals['_SEGMENTNODE']._serialized_end=1341
-  _globals['_SEGMENTOUTPUT']._serialized_start=1343
-  _globals['_SEGMENTOUTPUT']._serialized_end=1388
-  _globals['_TASK']._serialized_start=1391
-  _globals['_TASK']._serialized_end=1566
-  _globals['_FUNCTIONBLOB']._serialized_start=1568
-  _globals['_FUNCTIONBLOB']._serialized_end=1651
-  _globals['_BUFFERSEND']._serialized_start=1653
-  _globals['_BUFFERSEND']._serialized_end=1720
-  _globals['_ENQUEUE']._serialized_start=1723
-  _globals['_ENQUEUE']._serialized_end=1947
-  _globals['_RELEASEBUFFERS']._serialized_start=1949
-  _globals['_RELEASEBUFFERS']._serialized_end=2017
-  _globals['_WORKER']._serialized_start=2020
-  _globals['_WORKER']._serialized_end=2370
+  _globals['_TRANSFERCHUNK']._serialized_end=723
+  _globals['_TRANSFERRESPONSE']._serialized_start=725
+  _globals['_TRANSFERRESPONSE']._serialized_end=758
+  _globals['_WORKERSTATSREQUEST']._serialized_start=760
+  _globals['_WORKERSTATSREQUEST']._serialized_end=780
+  _globals['_WORKERSTATS']._serialized_start=783
+  _globals['_WORKERSTATS']._serialized_end=952
+  _globals['_OUTPUTROUTE']._serialized_start=954
+  _globals['_OUTPUTROUTE']._serialized_end=1025
+  _globals['_SEGMENTDEF']._serialized_start=1028
+  _globals['_SEGMENTDEF']._serialized_end=1270
+  _globals['_SEGMENTNODE']._serialized_start=1272
+  _globals['_SEGMENTNODE']._serialized_end=1383
+  _globals['_SEGMENTOUTPUT']._serialized_start=1385
+  _globals['_SEGMENTOUTPUT']._serialized_end=1430
+  _globals['_TASK']._serialized_start=1433
+  _globals['_TASK']._serialized_end=1627
+  _globals['_FUNCTIONBLOB']._serialized_start=1629
+  _globals['_FUNCTIONBLOB']._serialized_end=1712
+  _globals['_BUFFERSEND']._serialized_start=1714
+  _globals['_BUFFERSEND']._serialized_end=1781
+  _globals['_ENQUEUE']._serialized_start=1784
+  _globals['_ENQUEUE']._serialized_end=2008
+  _globals['_RELEASEBUFFERS']._serialized_start=2010
+  _globals['_RELEASEBUFFERS']._serialized_end=2078
+  _globals['_WORKER']._serialized_start=2081
+  _globals['_WORKER']._serialized_end=2431
 # @@protoc_insertion_point(module_scope)

@@ -201,6 +201,8 @@ class TransferChunk(_message.Message):
     RING_FIELD_NUMBER: _builtins.int
     RING_OFFSET_FIELD_NUMBER: _builtins.int
     RING_RELEASE_FIELD_NUMBER: _builtins.int
+    PART_START_FIELD_NUMBER: _builtins.int
+    GLOBAL_SHAPE_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     last: _builtins.bool
     error: _builtins.str
@@ -216,6 +218,15 @@ class TransferChunk(_message.Message):
     def array(self) -> _common_pb2.ArrayProto:
         """dtype/shape on the first chunk; data or shm_name"""
 
+    @_builtins.property
+    def part_start(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A part of an array of a multi-host slice (each member sends its shards): where it starts in
+        the global array, and that array's shape. The receiver stores the array once its parts
+        cover it (server/worker/parts.py).
+        """
+
+    @_builtins.property
+    def global_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -226,10 +237,12 @@ class TransferChunk(_message.Message):
         ring: _builtins.str = ...,
         ring_offset: _builtins.int = ...,
         ring_release: _builtins.int = ...,
+        part_start: _abc.Iterable[_builtins.int] | None = ...,
+        global_shape: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "error", b"error", "last", b"last", "ring", b"ring", "ring_offset", b"ring_offset", "ring_release", b"ring_release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "error", b"error", "global_shape", b"global_shape", "last", b"last", "part_start", b"part_start", "ring", b"ring", "ring_offset", b"ring_offset", "ring_release", b"ring_release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,6 +502,7 @@ class Task(_message.Message):
     OUTPUT_VISIBLE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     REPORT_PROMPTLY_FIELD_NUMBER: _builtins.int
+    ROUTE_IDS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     segment: _builtins.int
     """the segment's index within its run's plan"""
@@ -511,6 +525,13 @@ class Task(_message.Message):
     def output_visible(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """per output: held (for the client) until released"""
 
+    @_builtins.property
+    def route_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per route of its segment: the buffer id the receiver stores that output under (0: the
+        output's own id). An output of a multi-host slice read elsewhere is gathered there under an
+        id of its own: on a member's host the member's own part already holds the output's id.
+        """
+
     def __init__(
         self,
         *,
@@ -523,10 +544,11 @@ class Task(_message.Message):
         output_visible: _abc.Iterable[_builtins.bool] | None = ...,
         owner: _builtins.str = ...,
         report_promptly: _builtins.bool = ...,
+        route_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "report_promptly", b"report_promptly", "run_id", b"run_id", "segment", b"segment", "segment_id", b"segment_id", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_ids", b"input_ids", "output_ids", b"output_ids", "output_visible", b"output_visible", "owner", b"owner", "report_promptly", b"report_promptly", "route_ids", b"route_ids", "run_id", b"run_id", "segment", b"segment", "segment_id", b"segment_id", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

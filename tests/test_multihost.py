@@ -86,17 +86,17 @@ print("mixed ok", flush=True)
 
 
 class Cluster:
-    def __init__(self, hs: list[Host]) -> None:
+    def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0) -> None:
         self.hosts = hs
         h0 = hs[0]
-        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:0", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
+        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:{port}", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
         assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
         m = re.search(r"at (\S+:\d+)", r.stdout)
         assert m, r.stdout
         self.address = m.group(1)
         self.token = (h0.home / "token").read_text().strip()
-        for i in range(1, len(hs)):
-            self.start_worker(i)
+        for i in range(1, len(hs)):  # hosts 1.. in turn on each island: 1, 2 on the first...
+            self.start_worker(i, islands[(i - 1) * len(islands) // (len(hs) - 1)])
 
     def start_worker(self, i: int, island: str = "pod", name: str = "") -> None:
         h = self.hosts[i]
@@ -190,3 +190,70 @@ def test_a_program_mixes_multi_host_and_single_host_slices(hosts: Any, tmp_path:
     assert r.returncode == 0 and "mixed ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
     for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
         assert re.search(r"first transfer to \S+ by gRPC stream", cl.worker_log(i)), cl.worker_log(i)[-3000:]
+
+
+TWO_CLIENTS = """
+import sys
+import jax
+import numpy as np
+import pwctl as pw
+
+island, k = sys.argv[1], float(sys.argv[2])
+s = pw.make_virtual_device_set().add_slice(devices=4, island=island)
+step = pw.pmap(lambda x: x * k + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+x = np.arange(4 * 5, dtype=np.float64).reshape(4, 5) + k
+for n in range(20):
+    r = np.asarray(step(x))
+    assert np.allclose(r, x * k + x.sum(0)), (n, r)
+print("client ok", island, k, flush=True)
+"""
+
+
+def test_two_islands_over_two_hosts_each_with_clients_sharing_them(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    """Islands a (hosts 1 and 2) and b (host 3 and a worker on host 0) at once, each spanning two hosts,
+    two clients on each: one gang order per island, so nobody's collectives meet another's."""
+    hs = hosts(4)
+    cl = Cluster(hs, islands=("a", "a", "b"))
+    cl.start_worker(0, island="b", name="w0")
+    prog = tmp_path / "client.py"
+    prog.write_text(TWO_CLIENTS)
+    procs = [hs[0].popen([sys.executable, str(prog), island, k], **cl.env())
+             for island, k in (("a", "2"), ("a", "3"), ("b", "5"), ("b", "7"))]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        outs.append(out)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "client ok" in out, f"{out}\n{cl.controller_log()[-3000:]}"
+    for name, i in (("w1", 1), ("w2", 2), ("w3", 3)):
+        assert re.search(r"island group: generation \d+, process \d of 2", cl.worker_log(i)), name
+
+
+def test_a_controller_restart_keeps_the_island_spanning_hosts(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    cl = Cluster(hs, port=7070)
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROGRAM)
+    named = hs[0].pwctl("slice", "create", "wide", "--devices", "4", "--island", "pod", **cl.env())
+    assert named.returncode == 0, named.stdout + named.stderr
+    r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
+    assert r.returncode == 0 and "ok 3" in r.stdout, f"{r.stdout}{r.stderr}"
+    stop = hs[0].pwctl("server", "stop", **cl.env())
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    again = hs[0].pwctl("server", "start", "--listen", f"{hs[0].ip}:7070", "--heartbeat-timeout",
+                        f"{HEARTBEAT_TIMEOUT_S:g}")
+    assert again.returncode == 0, again.stdout + again.stderr
+    deadline = time.monotonic() + 60
+    while cl.ready_hosts() != {"w1", "w2"} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # the named slice over both hosts survived; its island's group formed again with the new controller
+    r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
+    assert r.returncode == 0 and "ok 3" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
+    for i in (1, 2):
+        log = cl.worker_log(i)
+        assert len(set(re.findall(r"island group: generation (\d+), process \d of 2", log))) >= 2, log[-3000:]
+        assert "Aborted" not in log and "terminate called" not in log, log[-3000:]

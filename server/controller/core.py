@@ -32,6 +32,7 @@ from .trace_store import DEFAULT_RETENTION_BYTES, TraceStore
 log = logging.getLogger(__name__)
 
 WRITER_DRAIN_S = 30.0  # how long a stopping controller waits for its queued database writes
+ORPHAN_SERVICES_AFTER_S = 30.0  # after a start, an earlier controller's island services go
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Controller:
         self.spawn(self.cluster.monitor())
         self.spawn(self._ticker())
         self.spawn(self.observer.persist())
+        self.spawn(self._reap_island_services())
 
     async def stop(self) -> None:
         self.groups.close()
@@ -125,6 +127,12 @@ class Controller:
         if not await asyncio.to_thread(self.writer.close, WRITER_DRAIN_S):  # runs every write queued so far
             log.error("the database writer did not finish its queue within %g s; the rest is lost", WRITER_DRAIN_S)
         self.engine.dispose()
+
+    async def _reap_island_services(self) -> None:
+        """Island coordination services a previous controller left (groups.py): stopped once the
+        workers had time to register again, which makes them leave those groups."""
+        await asyncio.sleep(max(ORPHAN_SERVICES_AFTER_S, 2 * self.config.heartbeat_timeout))
+        self.groups.reap_orphans()
 
     async def _ticker(self) -> None:
         """Drives time-based scheduler decisions (hang detection)."""

@@ -23,7 +23,9 @@ registering together at start), so a re-form waits `SETTLE_S` for the burst to e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
 import os
 import signal
@@ -33,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -91,6 +94,7 @@ class IslandGroups:
         self._ready_events: dict[str, asyncio.Event] = {}  # wait_usable's wake-ups
         self._wanted: set[str] = set()  # islands with a slice over several hosts (see want)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._record_path = paths.data_dir() / "island-services.json"
 
     # ---- queries ----
     def usable(self, island: str) -> Generation | None:
@@ -134,7 +138,12 @@ class IslandGroups:
             self._schedule(island)
 
     def host_up(self, info: HostInfo) -> None:
-        self._leave_all(info.name)  # a registration is a new worker process: it is in no group
+        # a registration (a new worker process, or a worker whose stream broke) is in no group:
+        # the worker leaves its group when it registers, so its generation must form again
+        self._leave_all(info.name)
+        cur = self.current.get(info.island)
+        if cur is not None and info.name in cur.members:
+            cur.failed.setdefault(info.name, "it registered again")
         if info.island in self._wanted:
             self._schedule(info.island)
 
@@ -216,6 +225,7 @@ class IslandGroups:
         number = next(self._numbers)
         g = Generation(island, number, members, coordinator, service)
         self.current[island] = g
+        self._record()
         log.info("island %s: forming group generation %d of %s (coordinator %s)", island, number,
                  ", ".join(members), coordinator)
         for pid, name in enumerate(members):
@@ -252,7 +262,9 @@ class IslandGroups:
                 stop_service(g.service)
             else:
                 keep.append(g)
-        self._retiring = keep
+        if len(keep) != len(self._retiring):
+            self._retiring = keep
+            self._record()
 
     def _changed(self, island: str) -> None:
         event = self._ready_events.pop(island, None)
@@ -261,12 +273,58 @@ class IslandGroups:
         for cb in self.listeners:
             cb(island)
 
+    def _record(self) -> None:
+        """Keeps the pids of running services in the data directory: a controller that restarts
+        stops its predecessor's once their members have left them (workers leave their group when
+        they register again)."""
+        pids = [g.service.pid for g in (*self.current.values(), *self._retiring)
+                if g.service is not None and g.service.poll() is None]
+        try:
+            _write_private(self._record_path, json.dumps({"pids": pids}))
+        except OSError as e:
+            log.warning("cannot record the island services in %s: %s", self._record_path, e)
+
+    def reap_orphans(self) -> int:
+        """Stops the services an earlier controller left running (their members have registered
+        again with this one, which made them leave). Returns how many it stopped."""
+        try:
+            pids = json.loads(self._record_path.read_text()).get("pids", [])
+        except (OSError, ValueError):
+            return 0
+        mine = {g.service.pid for g in (*self.current.values(), *self._retiring) if g.service is not None}
+        stopped = 0
+        for pid in pids:
+            if isinstance(pid, int) and pid not in mine and _is_service(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGTERM)
+                    stopped += 1
+        if stopped:
+            log.info("stopped %d island coordination service(s) of an earlier controller", stopped)
+        self._record()
+        return stopped
+
     def close(self) -> None:
         """The controller stops: services stay up for the members still in them (the next
         controller re-forms the groups and stops them once their members left)."""
         for handle in self._due.values():
             handle.cancel()
         self._due.clear()
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _is_service(pid: int) -> bool:
+    try:
+        return b"server.controller.coordsvc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def coordinator_host(listen: str) -> str:

@@ -229,6 +229,8 @@ class WorkerProcess:
             self.executor.drop(list(msg.drop.run_ids), msg.drop.reason, list(msg.drop.skipped_seqs))
         elif kind == "registered":
             self.executor.reset("the controller restarted")
+            if self.executor.runners.group.announced:  # a new registration is in no island group
+                self.executor.join_group(cpb.JoinGroup(num_processes=1), lambda error: None)
             self._set_heartbeat(msg.registered.heartbeat_interval_s)
             log.info("registered as host %d", msg.registered.host_id)
         elif kind == "heartbeat":

@@ -89,7 +89,8 @@ class Cluster:
     def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0) -> None:
         self.hosts = hs
         h0 = hs[0]
-        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:{port}", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
+        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:{port}",
+                     "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
         assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
         m = re.search(r"at (\S+:\d+)", r.stdout)
         assert m, r.stdout

@@ -258,3 +258,53 @@ def test_a_controller_restart_keeps_the_island_spanning_hosts(hosts: Any, tmp_pa
         log = cl.worker_log(i)
         assert len(set(re.findall(r"island group: generation (\d+), process \d of 2", log))) >= 2, log[-3000:]
         assert "Aborted" not in log and "terminate called" not in log, log[-3000:]
+
+
+PAIR = """
+import sys
+import jax
+import numpy as np
+import pwctl as pw
+
+s = pw.make_virtual_device_set().add_slice(devices=2, name="pair")
+print("hosts", ",".join(sorted({d.host for d in s.info.devices})), flush=True)
+step = pw.pmap(lambda x: x + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+x = np.arange(2 * 3, dtype=np.float64).reshape(2, 3)
+assert np.allclose(np.asarray(step(x)), x + x.sum(0))
+print("pair ok", flush=True)
+"""
+
+
+def test_a_lost_host_remaps_what_fits_and_degrades_the_rest(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    cl = Cluster(hs)
+    env = cl.env()
+
+    def create(*args: str) -> None:
+        r = hs[0].pwctl("slice", "create", *args, **env)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    create("hold", "--devices", "1", "--island", "pod", "--exclusive")  # w1's first device
+    create("pair", "--devices", "2", "--island", "pod")  # so the pair spans w1 and w2
+    assert hs[0].pwctl("slice", "delete", "hold", "-y", **env).returncode == 0
+    create("wide", "--devices", "4", "--island", "pod")
+    prog = tmp_path / "pair.py"
+    prog.write_text(PAIR)
+    r = hs[0].run([sys.executable, str(prog)], timeout=180, **env)
+    assert r.returncode == 0 and "pair ok" in r.stdout and "hosts w1,w2" in r.stdout, r.stdout + r.stderr
+
+    assert hs[2].kill_all()
+    deadline = time.monotonic() + 30
+    states: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        out = hs[0].pwctl("slice", "list", "-o", "json", **env)
+        states = {s["name"]: s for s in json.loads(out.stdout)["items"]}
+        if "remap" in str(states.get("pair", {}).get("state", "")).lower() and "degrad" in str(
+                states.get("wide", {}).get("state", "")).lower():
+            break
+        time.sleep(0.5)
+    assert "remap" in str(states["pair"]["state"]).lower(), states
+    assert "degrad" in str(states["wide"]["state"]).lower() and "w2" in json.dumps(states["wide"]), states
+    # the pair now fits on w1 alone: re-lowered for its new devices, it runs there
+    r = hs[0].run([sys.executable, str(prog)], timeout=180, **env)
+    assert r.returncode == 0 and "pair ok" in r.stdout and "hosts w1\n" in r.stdout, r.stdout + r.stderr

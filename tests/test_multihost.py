@@ -82,6 +82,16 @@ t, yy = mixed(x)
 assert np.allclose(np.asarray(yy), y), np.asarray(yy)
 assert np.allclose(np.asarray(t), y.sum(0) * 3.0), np.asarray(t)
 print("mixed ok", flush=True)
+
+# a 2x2 mesh whose axis 1 runs across the hosts: each column on one host
+from jax.sharding import PartitionSpec as P
+g = vs.add_slice(devices=4, mesh=(2, 2), island="pod", host_axis=1)
+on = [d.host for d in g.info.devices]
+assert on[0] == on[2] and on[1] == on[3] and on[0] != on[1], on
+f = pw.jit(lambda a: a * a.sum(), mesh=g.mesh(("r", "c")), in_shardings=(P("r", "c"),), out_shardings=P("r", "c"))
+a = np.arange(16.0).reshape(4, 4)
+assert np.allclose(np.asarray(f(a)), a * a.sum())
+print("host axis ok", flush=True)
 """
 
 
@@ -188,7 +198,7 @@ def test_a_program_mixes_multi_host_and_single_host_slices(hosts: Any, tmp_path:
     prog = tmp_path / "mixed.py"
     prog.write_text(MIXED)
     r = hs[0].run([sys.executable, str(prog)], timeout=180, **cl.env())
-    assert r.returncode == 0 and "mixed ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
+    assert r.returncode == 0 and "host axis ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
     for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
         assert re.search(r"first transfer to \S+ by gRPC stream", cl.worker_log(i)), cl.worker_log(i)[-3000:]
 

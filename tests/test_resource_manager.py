@@ -761,3 +761,33 @@ def test_validation_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert ResourceManager().debug
     monkeypatch.delenv("PATHWAYS_VALIDATE")
     assert not ResourceManager().debug
+
+
+# ---- a mesh axis across hosts (--host-axis) ----
+
+
+@pytest.mark.timeout(10)
+def test_host_axis_puts_one_host_per_index_along_it() -> None:
+    rm = cluster(("h1", "pod", range(1, 5)), ("h2", "pod", range(5, 9)), ("h3", "pod", range(9, 11)))
+    rows = create(rm, "rows", 8, mesh=(2, 4), host_axis=0)
+    assert isinstance(rows, SliceCreated)
+    # row-major 2x4: row 0 on one host, row 1 on another (the 2-device host cannot hold a row)
+    host = {d: h for h, ids in (("h1", range(1, 5)), ("h2", range(5, 9)), ("h3", range(9, 11))) for d in ids}
+    m = rows.slice.mapping
+    assert {host[d] for d in m[:4]} == {"h1"} and {host[d] for d in m[4:]} == {"h2"}, m
+    cols = create(rm, "cols", 4, mesh=(2, 2), host_axis=1, island="pod")
+    assert isinstance(cols, SliceCreated)
+    c = cols.slice.mapping  # (i, j) at 2i+j: column j on one host
+    assert host[c[0]] == host[c[2]] and host[c[1]] == host[c[3]] and host[c[0]] != host[c[1]], c
+
+
+@pytest.mark.timeout(10)
+def test_host_axis_is_checked_and_refused_when_hosts_are_too_small() -> None:
+    rm = cluster(("h1", "pod", range(1, 3)), ("h2", "pod", range(3, 5)))
+    bad = create(rm, "a", 4, mesh=(2, 2), host_axis=2)
+    assert isinstance(bad, Rejected) and bad.code is RejectCode.INVALID and "host axis 2" in bad.message
+    no_mesh = create(rm, "b", 4, host_axis=0)
+    assert isinstance(no_mesh, Rejected) and "needs a mesh" in no_mesh.message
+    too_big = create(rm, "c", 4, mesh=(1, 4), host_axis=0)  # one host with 4 devices: none has
+    assert isinstance(too_big, Rejected) and too_big.code is RejectCode.CAPACITY, too_big
+    assert "1 hosts with 4 usable devices" in too_big.message

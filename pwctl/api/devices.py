@@ -106,6 +106,7 @@ class VirtualDeviceSet:
         *,
         name: str | None = None,
         exclusive: bool = False,
+        host_axis: int | None = None,
     ) -> VirtualSlice:
         """Allocates a slice of `devices` virtual devices (all-or-nothing).
 
@@ -113,7 +114,7 @@ class VirtualDeviceSet:
         `name` picks an existing named slice when one exists, else creates it by that name.
         """
         spec = cpb.SliceSpec(name=name or "", devices=devices, mesh=list(mesh or ()), island=island or "",
-                             kind=kind or "", exclusive=exclusive)
+                             kind=kind or "", exclusive=exclusive, host_axis=host_axis)
         info: cpb.Slice | None = None
         if name:
             try:

@@ -77,6 +77,8 @@ MeshOpt = Annotated[str, typer.Option("--mesh", "-m", help="Mesh shape, e.g. 2x2
 IslandOpt = Annotated[str, typer.Option("--island", "-i", help="Place on this island only")]
 KindOpt = Annotated[str, typer.Option("--kind", "-k", help="Device kind: cpu or gpu")]
 ExclusiveOpt = Annotated[bool, typer.Option("--exclusive", help="Use devices no other slice uses")]
+HostAxisOpt = Annotated[int | None, typer.Option(
+    "--host-axis", help="Mesh axis that runs across hosts (the others stay inside a host): --mesh 2x4 --host-axis 0")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show the placement and why; reserve nothing")]
 OwnerOpt = Annotated[str, typer.Option("--owner", help="Only slices of this owner (client:<id>, job:<id>)")]
 
@@ -89,6 +91,7 @@ def create(
     island: IslandOpt = "",
     kind: KindOpt = "",
     exclusive: ExclusiveOpt = False,
+    host_axis: HostAxisOpt = None,
     dry_run: DryRunOpt = False,
     server: ServerOpt = None,
     output: OutputOpt = Format.table,
@@ -100,7 +103,7 @@ def create(
             raise InvalidArgument("give --devices N (or --mesh, whose size is the device count)")
         devices = math.prod(shape)
     spec = cpb.SliceSpec(name=name, devices=devices, mesh=shape, island=island, kind=kind,
-                         exclusive=exclusive)
+                         exclusive=exclusive, host_axis=host_axis)
     with client(server) as c:
         resp = c.create_slice(spec, dry_run=dry_run)
     view = SliceView.of(resp.slice)

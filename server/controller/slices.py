@@ -166,6 +166,7 @@ class SliceService:
             island=spec.island or None,
             kind=spec.kind or None,
             exclusive=spec.exclusive,
+            host_axis=spec.host_axis if spec.HasField("host_axis") else None,
         )
         actions = self._handle(rm.CreateSlice(request, owner=owner, dry_run=dry_run))
         first = actions[0]
@@ -375,6 +376,7 @@ class SliceService:
                 island=req.island or "",
                 kind=req.kind or "",
                 exclusive=req.exclusive,
+                host_axis=req.host_axis,
             ),
             state=_STATE[sl.status] if state is None else state,
             reason=sl.reason,
@@ -409,6 +411,7 @@ def _write_rows(s: Session, ops: builtins.list[_RowOp]) -> None:
                 island=req.island or "",
                 kind=req.kind or "",
                 exclusive=req.exclusive,
+                host_axis=req.host_axis,
                 created_at=created_at,
             )
             s.add(row)
@@ -435,6 +438,7 @@ def _slice_of(row: SliceRow) -> rm.Slice:
         island=row.island or None,
         kind=row.kind or None,
         exclusive=row.exclusive,
+        host_axis=row.host_axis,
     )
     history = tuple(
         rm.RemapRecord(tuple(int_list(r.old_devices)), tuple(int_list(r.new_devices)), r.reason)

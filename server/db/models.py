@@ -105,6 +105,7 @@ class SliceRow(Base):
     island: Mapped[str] = mapped_column(String(64), default="")
     kind: Mapped[str] = mapped_column(String(16), default="")
     exclusive: Mapped[bool] = mapped_column(Boolean, default=False)
+    host_axis: Mapped[int | None] = mapped_column(Integer, nullable=True)  # mesh axis across hosts
     status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
     generation: Mapped[int] = mapped_column(Integer, default=0)

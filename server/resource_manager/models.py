@@ -39,6 +39,8 @@ class SliceRequest:
     island: str | None = None
     kind: str | None = None
     exclusive: bool = False
+    # mesh axis that runs across hosts (one host per index along it), the others inside a host
+    host_axis: int | None = None
 
 
 class SliceStatus(StrEnum):

@@ -35,6 +35,8 @@ class Placer(RMState):
         positions and its island when that island can hold the request; otherwise place afresh.
         """
         pools = self._pools(req)
+        if req.host_axis is not None:  # its shape over hosts decides; a remap places it afresh
+            return self._place_over_hosts(req, pools)
         if prefer is not None and len(prefer) == req.devices:
             kept = self._place_preferring(req, prefer, pools)
             if kept is not None:
@@ -73,6 +75,50 @@ class Placer(RMState):
         else:
             text += "; the only candidate island"
         return _Placement(best.chosen, text)
+
+    def _place_over_hosts(self, req: SliceRequest, pools: dict[str, list[int]]) -> _Placement | _Unplaceable:
+        """A mesh with a host axis: `mesh[host_axis]` hosts, each giving the same number of devices
+        (the product of the other axes); virtual device v (row-major over the mesh) is on the host
+        of its index along the host axis. Hosts and devices least loaded first."""
+        assert req.mesh is not None and req.host_axis is not None
+        mesh, axis = req.mesh, req.host_axis
+        hosts_needed, per_host = mesh[axis], req.devices // mesh[axis]
+        options: list[tuple[int, str, list[list[int]]]] = []
+        for island, ids in pools.items():
+            by_host: dict[str, list[int]] = {}
+            for d in ids:
+                if self._usable(d, req.exclusive):
+                    by_host.setdefault(self._devices[d].host, []).append(d)
+            fits = []
+            for host, devs in by_host.items():
+                if len(devs) >= per_host:
+                    chosen = sorted(devs, key=self._load_key)[:per_host]
+                    fits.append((sum(self.device_load(d) for d in chosen), host, sorted(chosen)))
+            if len(fits) >= hosts_needed:
+                fits.sort()
+                picked = fits[:hosts_needed]
+                options.append((sum(f[0] for f in picked), island, [f[2] for f in picked]))
+        if not options:
+            return _Unplaceable(f"needs {hosts_needed} hosts with {per_host} usable devices each on one island "
+                                f"(mesh {'x'.join(map(str, mesh))}, host axis {axis})")
+        options.sort()
+        _, island, groups = options[0]
+        mapping = []
+        for v in range(req.devices):
+            coords = []
+            rest = v
+            for size in reversed(mesh):
+                coords.append(rest % size)
+                rest //= size
+            coords.reverse()
+            within = 0
+            for k, (c, size) in enumerate(zip(coords, mesh, strict=True)):
+                if k != axis:
+                    within = within * size + c
+            mapping.append(groups[coords[axis]][within])
+        text = (f"island {island}: mesh {'x'.join(map(str, mesh))} with axis {axis} over {hosts_needed} hosts, "
+                f"devices {_fmt_ids(mapping)}")
+        return _Placement(tuple(mapping), text)
 
     def _place_preferring(
         self, req: SliceRequest, prefer: tuple[int, ...], pools: dict[str, list[int]]

@@ -110,6 +110,11 @@ class RMState:
                 return f"mesh {req.mesh} must have at least one dimension, all positive"
             if math.prod(req.mesh) != req.devices:
                 return f"mesh {req.mesh} has {math.prod(req.mesh)} devices, but {req.devices} were requested"
+        if req.host_axis is not None:
+            if req.mesh is None:
+                return "a host axis needs a mesh (e.g. --mesh 2x4 --host-axis 0)"
+            if not 0 <= req.host_axis < len(req.mesh):
+                return f"host axis {req.host_axis} is not an axis of mesh {'x'.join(map(str, req.mesh))}"
         if req.kind is not None and req.kind not in KINDS:
             return f"unknown device kind {req.kind!r}; expected cpu or gpu"
         islands = self.islands()

@@ -701,12 +701,18 @@ class SliceSpec(_message.Message):
     ISLAND_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     EXCLUSIVE_FIELD_NUMBER: _builtins.int
+    HOST_AXIS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """empty: the server picks one"""
     devices: _builtins.int
     island: _builtins.str
     kind: _builtins.str
     exclusive: _builtins.bool
+    host_axis: _builtins.int
+    """A slice over several hosts of its island: mesh axis `host_axis` runs across hosts (one host
+    per index along it), every other axis inside a host, so the fast axes stay on a host's own
+    interconnect. Unset: devices are chosen by load only. Needs `mesh`.
+    """
     @_builtins.property
     def mesh(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """empty: a 1-D mesh of `devices`"""
@@ -720,12 +726,15 @@ class SliceSpec(_message.Message):
         island: _builtins.str = ...,
         kind: _builtins.str = ...,
         exclusive: _builtins.bool = ...,
+        host_axis: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_host_axis", b"_host_axis", "host_axis", b"host_axis"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "exclusive", b"exclusive", "island", b"island", "kind", b"kind", "mesh", b"mesh", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_host_axis", b"_host_axis", "devices", b"devices", "exclusive", b"exclusive", "host_axis", b"host_axis", "island", b"island", "kind", b"kind", "mesh", b"mesh", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__host_axis: _TypeAlias = _typing.Literal["host_axis"]  # noqa: Y015
+    _WhichOneofArgType__host_axis: _TypeAlias = _typing.Literal["_host_axis", b"_host_axis"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__host_axis) -> _WhichOneofReturnType__host_axis | None: ...
 
 Global___SliceSpec: _TypeAlias = SliceSpec  # noqa: Y015
 

@@ -9,7 +9,9 @@ JAX on the same GPU; files are named `gpu-*`. The worker and the plain-JAX proce
 so each may take XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.4) of its memory.
 
 `--only scale` (never part of the default run) starts no such cluster: it measures the control plane
-against thousands of simulated hosts (bench/scale.py); alone it writes `scale-latest.*`."""
+against thousands of simulated hosts (bench/scale.py); alone it writes `scale-latest.*`.
+`--only multihost` (likewise opt-in; root) makes separate hosts as network namespaces and measures
+islands on them (bench/multihost.py); alone it writes `multihost-latest.*`."""
 
 from __future__ import annotations
 
@@ -98,10 +100,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from bench import suites
     from bench.machine import gpus, machine
+    from bench.multihost import bench_multihost
+
+    standalone_benches = {**suites.STANDALONE, "multihost": bench_multihost}
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--only", nargs="+", choices=[*suites.BENCHES, *suites.STANDALONE],
-                   help="run only these benchmarks (scale runs only when named here)")
+    p.add_argument("--only", nargs="+", choices=[*suites.BENCHES, *standalone_benches],
+                   help="run only these benchmarks (scale and multihost run only when named here)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 3 minutes)")
     p.add_argument("--gpu", action="store_true", help="on this machine's GPUs (dispatch, transformer)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ns.only or list(benches)
     if ns.gpu and not gpus():
         p.error("--gpu needs an NVIDIA GPU, and nvidia-smi lists none")
-    if unknown := [n for n in names if n not in benches and (ns.gpu or n not in suites.STANDALONE)]:
+    if unknown := [n for n in names if n not in benches and (ns.gpu or n not in standalone_benches)]:
         p.error(f"not a --gpu benchmark: {', '.join(unknown)} (those are: {', '.join(benches)})")
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception:
                     pass
         for name in standalone:
-            run(fh, name, functools.partial(suites.STANDALONE[name], ns.quick, dict(os.environ)))
+            run(fh, name, functools.partial(standalone_benches[name], ns.quick, dict(os.environ)))
         fh.write(json.dumps({"machine": info, "quick": ns.quick, "wall_s": time.perf_counter() - t_start}) + "\n")
     wall = time.perf_counter() - t_start
     (out_dir / f"{prefix}latest.jsonl").write_text(run_file.read_text())

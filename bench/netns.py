@@ -112,10 +112,11 @@ class Host:
         return subprocess.run(self.argv(cmd), env=self.env(**env), capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def popen(self, cmd: Sequence[str], **env: str) -> subprocess.Popen[str]:
-        """Starts `cmd` on this host, stdout piped (line-buffered text), stderr merged into it."""
+    def popen(self, cmd: Sequence[str], stdin: int = subprocess.DEVNULL, **env: str) -> subprocess.Popen[str]:
+        """Starts `cmd` on this host, stdout piped (line-buffered text), stderr merged into it;
+        `stdin=subprocess.PIPE` to write to it."""
         return subprocess.Popen(self.argv(cmd), env=self.env(**env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, stdin=stdin)
 
     def pwctl(self, *args: str, timeout: float = 90.0, **env: str) -> subprocess.CompletedProcess[str]:
         return self.run([sys.executable, "-m", "pwctl.cli.main", *args], timeout=timeout, **env)

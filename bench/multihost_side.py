@@ -1,0 +1,260 @@
+"""The processes of the multi-host benchmarks (bench/multihost.py), each run inside one namespace
+host as `python -m bench.multihost_side TASK JSON`. Served tasks print one JSON line when ready,
+then one per request line read from stdin (so that the driver can alternate their windows); the
+others print one JSON line at the end.
+
+- `tcp_recv` / `tcp_send`: raw TCP, the baseline of the transfer row: on each "go" the receiver
+  asks the sender (one byte) for NBYTES and times their arrival into a preallocated buffer.
+- `transfer_pw`: a Pathways client; a program makes NBYTES on island a (host A), and a second
+  computation takes them on island b (host B: the transfer) or on island a (no transfer).
+- `pipeline`: the pipeline suite's 4 stages (islands a and b) against the same stages in one
+  plain-JAX process (`bench.jaxrun pipeline_serve`), windows alternating.
+- `psum_member`: one process of a plain multi-controller `jax.distributed` group (gloo advertised
+  at the host's own address, docs/multihost.md section 3), a blocking psum per call.
+- `psum_pw`: the same psum through `pw.pmap` over a 4-device slice of island `pod`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+# ------------------------------------------------------------------------------------- raw TCP
+
+
+def tcp_recv(ip: str, nbytes: int) -> None:
+    """Listens on `ip`; prints {"port"}, then {"ready"} once the sender is connected; for each
+    line "go" on stdin, {"s": seconds from the request to the last of NBYTES received}."""
+    server = socket.create_server((ip, 0))
+    _say({"port": server.getsockname()[1]})
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    _say({"ready": True})
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        conn.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:], nbytes - got)
+            if n == 0:
+                raise RuntimeError("the sender closed the connection")
+            got += n
+        _say({"s": time.perf_counter() - t0})
+    conn.close()
+
+
+def tcp_send(ip: str, port: int, nbytes: int) -> None:
+    """Connects to the receiver; sends NBYTES (the same buffer each time) per byte it receives."""
+    data = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    conn = socket.create_connection((ip, port), timeout=60)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while conn.recv(1):
+        conn.sendall(data)
+    conn.close()
+
+
+# ------------------------------------------------------------------------------ Pathways transfer
+
+
+def transfer_pw(nbytes: int) -> None:
+    """Prints {"ready"} once both programs ran once; for each line "go R", runs the cross-host
+    program and the one-island program R times each, alternating, each call blocking until its
+    (1-element) result is back, and prints their median seconds {"across", "local"}."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pwctl as pw
+
+    n = nbytes // 4
+    vds = pw.make_virtual_device_set()
+    sa = vds.add_slice(devices=1, island="a")
+    sb = vds.add_slice(devices=1, island="b")
+
+    def make(s: Any) -> Any:
+        return jnp.broadcast_to(s, (n,)) * 1.0  # NBYTES of float32, made on host A's device
+
+    def take(y: Any) -> Any:
+        return y[:1] + 1.0  # needs the whole array on its device; computes almost nothing
+
+    gen = pw.jit(make, mesh=sa.mesh(("d",)))
+    take_b = pw.jit(take, mesh=sb.mesh(("d",)))
+    take_a = pw.jit(take, mesh=sa.mesh(("d",)))
+
+    @pw.program
+    def across(s: Any) -> Any:
+        return take_b(gen(s))
+
+    @pw.program
+    def local(s: Any) -> Any:
+        return take_a(gen(s))
+
+    seed = np.ones((1,), np.float32)
+
+    def once(fn: Callable[[Any], Any]) -> float:
+        t0 = time.perf_counter()
+        out = np.asarray(fn(seed))
+        dt = time.perf_counter() - t0
+        if out.shape != (1,) or float(out[0]) != 2.0:
+            raise RuntimeError(f"wrong result {out!r}")
+        return dt
+
+    once(across)
+    once(local)
+    _say({"ready": True})
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts or parts[0] != "go":
+            break
+        a: list[float] = []
+        b: list[float] = []
+        for _ in range(int(parts[1])):
+            a.append(once(across))
+            b.append(once(local))
+        _say({"across": _median(a), "local": _median(b), "across_all": a, "local_all": b})
+
+
+# -------------------------------------------------------------------------------------- pipeline
+
+
+def pipeline(stages: int, micro_batches: int, windows: int, window_s: float) -> None:
+    """The pipeline suite's measurement for one stage count (blocks layout: stages in contiguous
+    blocks over islands a and b, one hop between them), windows alternating with plain JAX."""
+    import os
+
+    from bench import defs, pwside
+    from bench.suites import JaxServer
+
+    variants = [(stages, "blocks")]
+    env = {**os.environ, "BENCH_JAX_DEVICES": str(defs.PIPE_DEVICES)}
+    jx = JaxServer(env, "pipeline_serve", {"variants": variants, "micro_batches": micro_batches})
+    try:
+        (once,) = pwside.pipeline_passes(variants, micro_batches)
+        jx.first()
+        once()
+        jr: list[float] = []
+        pr: list[float] = []
+        for _ in range(windows):
+            jr.append(float(jx.ask(f"0 {window_s}")["per_s"]))
+            pr.append(defs.window_rate(once, window_s) * micro_batches)
+    finally:
+        jx.close()
+    _say({"pw": pr, "jax": jr, "devices": [defs.stage_device(s, stages, "blocks") for s in range(stages)]})
+
+
+# ------------------------------------------------------------------------------------------ psum
+
+
+def psum_member(coordinator: str, process_id: int, processes: int, ip: str, devices: int, calls: int,
+                windows: int) -> None:
+    """One member of a plain `jax.distributed` group; gloo advertises `ip` (docs/multihost.md,
+    section 3). Runs `windows` windows of `calls` blocking psum calls over every device of the
+    group (every member runs the same count: a collective needs all of them); prints the calls/s
+    of each window."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_enable_preemption_service", False)
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def factory() -> Any:
+        return xla_bridge.make_cpu_client(
+            collectives=_jax.make_gloo_tcp_collectives(distributed.global_state.client, hostname=ip))
+
+    xla_bridge.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+    jax.distributed.initialize(coordinator, processes, process_id, heartbeat_timeout_seconds=10,
+                               shutdown_timeout_seconds=5, initialization_timeout=120)
+    import numpy as np
+
+    from bench import defs
+
+    step = jax.pmap(defs.allreduce_step, axis_name=defs.AXIS)
+    x0 = np.zeros((jax.local_device_count(),), np.float32)
+    first = np.asarray(step(x0))  # compile + gloo set-up
+    expected = 1.0  # psum of zeros * 0.25 + 1
+    if not np.allclose(first, expected):
+        raise RuntimeError(f"psum gave {first!r}, expected {expected}")
+    rates = []
+    for _ in range(windows):
+        x: Any = x0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x = step(x)
+            x.block_until_ready()
+        rates.append(calls / (time.perf_counter() - t0))
+    # psum of 4 devices' equal values v: v' = v * (4 * 0.25) + 1 = v + 1 after each call
+    if not np.allclose(np.asarray(x), float(calls)):
+        raise RuntimeError(f"after {calls} calls: {np.asarray(x)!r}")
+    _say({"per_s": rates, "global_devices": jax.device_count(), "process": jax.process_index()})
+    import os
+
+    os._exit(0)  # not sys.exit: the distributed shutdown barrier can hang (docs/facts.md)
+
+
+def psum_pw(island: str, devices: int, calls: int, windows: int) -> None:
+    """The same blocking psum calls through `pw.pmap(..., axis_name)` over a slice of `devices`
+    devices of `island` (one spanning two hosts); prints the calls/s of each window, or the
+    error that stopped it (one line)."""
+    import numpy as np
+
+    import pwctl as pw
+    from bench import defs
+
+    try:
+        s = pw.make_virtual_device_set().add_slice(devices=devices, island=island)
+        step = pw.pmap(defs.allreduce_step, devices=s.devices, axis_name=defs.AXIS)
+        x0 = np.zeros((devices,), np.float32)
+        first = np.asarray(step(x0))
+        if not np.allclose(first, 1.0):
+            raise RuntimeError(f"psum gave {first!r}, expected 1.0")
+        rates = []
+        for _ in range(windows):
+            x: Any = x0
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                x = step(x)
+                x.block_until_ready(timeout=120)
+            rates.append(calls / (time.perf_counter() - t0))
+        if not np.allclose(np.asarray(x), float(calls)):
+            raise RuntimeError(f"after {calls} calls: {np.asarray(x)!r}")
+    except Exception as e:
+        _say({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]})
+        return
+    _say({"per_s": rates})
+
+
+TASKS: dict[str, Callable[..., None]] = {
+    "tcp_recv": tcp_recv,
+    "tcp_send": tcp_send,
+    "transfer_pw": transfer_pw,
+    "pipeline": pipeline,
+    "psum_member": psum_member,
+    "psum_pw": psum_pw,
+}
+
+
+def main() -> None:
+    TASKS[sys.argv[1]](**json.loads(sys.argv[2]))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,11 +23,12 @@ suite yields one row saying why.
 from __future__ import annotations
 
 import json
+import queue
 import re
-import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,46 +48,58 @@ class SideError(RuntimeError):
     pass
 
 
-def _side(host: netns.Host, task: str, args: dict[str, Any], **env: str) -> subprocess.Popen[str]:
-    return host.popen([sys.executable, "-m", "bench.multihost_side", task, json.dumps(args)],
-                      stdin=subprocess.PIPE, **HOST_ENV, **env)
+class Side:
+    """A bench.multihost_side process on a host: its stdout (stderr merged) read by a thread into
+    a queue, so that a JSON line after other lines (warnings, gloo's) is never left in a buffer."""
 
+    def __init__(self, host: netns.Host, task: str, args: dict[str, Any], **env: str) -> None:
+        self.proc = host.popen([sys.executable, "-m", "bench.multihost_side", task, json.dumps(args)],
+                               stdin=subprocess.PIPE, **HOST_ENV, **env)
+        self.task = task
+        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.seen: list[str] = []  # its other lines, for the error message
+        threading.Thread(target=self._pump, daemon=True).start()
 
-def _ask(proc: subprocess.Popen[str], line: str, timeout: float, seen: list[str]) -> dict[str, Any]:
-    assert proc.stdin is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-    return _read(proc, timeout, seen)
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
 
-
-def _read(proc: subprocess.Popen[str], timeout: float, seen: list[str]) -> dict[str, Any]:
-    """The next JSON line of a side process (other lines, e.g. warnings and gloo's, are kept in
-    `seen` for the error message)."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if not ready:
-            if proc.poll() is not None:
+    def read(self, timeout: float) -> dict[str, Any]:
+        """Its next JSON line."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
                 break
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            out: dict[str, Any] = json.loads(line)
-            return out
-        seen.append(line.rstrip())
-    tail = "\n".join(seen[-15:])
-    state = "timed out" if proc.poll() is None else f"exited {proc.returncode}"
-    raise SideError(f"{state}: {tail[-1500:] or 'no output'}")
+            if line is None:
+                self.proc.wait(timeout=15)
+                break
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+            self.seen.append(line.rstrip())
+        state = "timed out" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        tail = "\n".join(self.seen[-15:])
+        raise SideError(f"{self.task} {state}: {tail[-1500:] or 'no output'}")
+
+    def ask(self, line: str, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=15)
 
 
-def _stop(*procs: subprocess.Popen[str]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=15)
+def _stop(*sides: Side) -> None:
+    for side in sides:
+        side.stop()
 
 
 class Cluster:
@@ -129,23 +142,22 @@ def _error_row(variant: str, metric: str, unit: str, e: BaseException) -> Row:
 
 def transfer(cl: Cluster, windows: int, reps: int) -> Iterator[Row]:
     h0, ha, hb = cl.hosts
-    seen: list[str] = []
-    recv = _side(hb, "tcp_recv", {"ip": hb.ip, "nbytes": NBYTES})
-    procs = [recv]
+    recv = Side(hb, "tcp_recv", {"ip": hb.ip, "nbytes": NBYTES})
+    procs: list[Side] = [recv]
     try:
-        port = _read(recv, 60, seen)["port"]
-        procs.append(_side(ha, "tcp_send", {"ip": hb.ip, "port": port, "nbytes": NBYTES}))
-        _read(recv, 60, seen)
-        pw = _side(h0, "transfer_pw", {"nbytes": NBYTES}, **cl.env())
+        port = recv.read(60)["port"]
+        procs.append(Side(ha, "tcp_send", {"ip": hb.ip, "port": port, "nbytes": NBYTES}))
+        recv.read(60)
+        pw = Side(h0, "transfer_pw", {"nbytes": NBYTES}, **cl.env())
         procs.append(pw)
-        _read(pw, 300, seen)
+        pw.read(300)
         tcp: list[float] = []
         move: list[float] = []
         e2e: list[float] = []
         local: list[float] = []
         for _ in range(windows):
-            tcp.append(NBYTES / defs.median([_ask(recv, "go", 60, seen)["s"] for _ in range(reps)]) / GB)
-            got = _ask(pw, f"go {reps}", 300, seen)
+            tcp.append(NBYTES / defs.median([recv.ask("go", 60)["s"] for _ in range(reps)]) / GB)
+            got = pw.ask(f"go {reps}", 300)
             e2e.append(NBYTES / got["across"] / GB)
             local.append(got["local"])
             diff = got["across"] - got["local"]
@@ -167,6 +179,46 @@ def transfer(cl: Cluster, windows: int, reps: int) -> Iterator[Row]:
               + f"; the whole program across hosts, 64 MiB over its time: {defs.median(e2e):.2f} GB/s; "
               f"the program on one island: {defs.median(local) * 1e3:.0f} ms",
               paired=paired_ratio([m if m == m else 0.0 for m in move], tcp))
+    yield from stream_alone(cl, t, rounds=2 if windows <= 2 else 4, reps=3)
+
+
+STREAM_VARIANTS: list[tuple[int, str]] = [(4 * 2**20, "current"), (2**20, "current"), (2**20, "in_place")]
+
+
+def stream_alone(cl: Cluster, tcp: float, rounds: int, reps: int) -> Iterator[Row]:
+    """Where the transfer's time goes: the worker's chunked gRPC stream alone (transfer.py's
+    `chunks` at a chunk size, or built in place; a receiver assembling as servicer.py does),
+    host A to host B, the variants taking turns; informational rows against raw TCP's figure."""
+    _, ha, hb = cl.hosts
+    recv = Side(hb, "stream_recv", {"ip": hb.ip})
+    sides = [recv]
+    try:
+        port = recv.read(60)["port"]
+        send = Side(ha, "stream_send", {"address": f"{hb.ip}:{port}", "nbytes": NBYTES, "variants": STREAM_VARIANTS,
+                                        "rounds": rounds, "reps": reps})
+        sides.append(send)
+        out = send.read(600)
+        calls = [recv.read(30) for _ in range(len(STREAM_VARIANTS) * (1 + rounds * reps))]
+    finally:
+        _stop(*sides)
+    body = calls[len(STREAM_VARIANTS):]  # after one warm-up call per variant
+    for vi, (size, how) in enumerate(STREAM_VARIANTS):
+        mine = [body[i] for i in range(len(body)) if (i // reps) % len(STREAM_VARIANTS) == vi]
+        got = out[f"{size} {how}"]
+
+        def ms(field: str, mine: list[dict[str, Any]] = mine) -> str:
+            return f"{defs.median([m[field] for m in mine]) * 1e3:.0f} ms"
+
+        gbs = NBYTES / got["s"] / GB
+        label = {(4 * 2**20, "current"): " (the former TRANSFER_CHUNK)", (2**20, "current"): " (TRANSFER_CHUNK now)",
+                 (2**20, "in_place"): ", built in place"}.get((size, how), "")
+        yield row("multihost", f"transfer: gRPC stream alone, {size >> 20} MiB chunks{label}", "GB/s", "GB/s", gbs, tcp,
+                  notes=f"64 MiB per Transfer call, {mine[0]['messages']} messages, median of {rounds * reps} calls "
+                  f"({rounds} rounds taking turns with the other chunkings); sender making and serializing the "
+                  f"messages {got['serialize_s'] * 1e3:.0f} ms; receiver: waiting for messages {ms('wait_s')}, "
+                  f"joining them into one array {ms('assemble_s')}, the whole call {ms('call_s')}"
+                  + ("" if how == "current" else "; in place: each TransferChunk's array filled in, not an "
+                     "ArrayProto copied into it"))
 
 
 
@@ -178,11 +230,10 @@ def pipeline(cl: Cluster, quick: bool) -> Iterator[Row]:
     mbs = 16 if quick else defs.MICRO_BATCHES
     windows = 2 if quick else 9
     window_s = 0.4 / 3 if quick else 1.0 / 3
-    seen: list[str] = []
-    proc = _side(cl.hosts[0], "pipeline", {"stages": stages, "micro_batches": mbs, "windows": windows,
+    proc = Side(cl.hosts[0], "pipeline", {"stages": stages, "micro_batches": mbs, "windows": windows,
                                            "window_s": window_s}, **cl.env())
     try:
-        got = _read(proc, 600, seen)
+        got = proc.read(600)
     finally:
         _stop(proc)
     p, j = defs.median(got["pw"]), defs.median(got["jax"])
@@ -203,13 +254,12 @@ def psum(cl: Cluster, quick: bool) -> Iterator[Row]:
     _, ha, hb = cl.hosts
     calls = 100 if quick else 300
     windows = 2 if quick else 7
-    seen: list[str] = []
     coordinator = f"{ha.ip}:{COORDINATOR_PORT}"
-    members = [_side(h, "psum_member", {"coordinator": coordinator, "process_id": i, "processes": 2, "ip": h.ip,
+    members = [Side(h, "psum_member", {"coordinator": coordinator, "process_id": i, "processes": 2, "ip": h.ip,
                                         "devices": PSUM_DEVICES, "calls": calls, "windows": windows})
                for i, h in enumerate((ha, hb))]
     try:
-        outs = [_read(m, 600, seen) for m in members]
+        outs = [m.read(600) for m in members]
     finally:
         _stop(*members)
     jx = outs[0]["per_s"]
@@ -225,10 +275,10 @@ def psum(cl: Cluster, quick: bool) -> Iterator[Row]:
     try:
         for i in (1, 2):
             cl.worker(i, "pod", PSUM_DEVICES, f"pod{i}")
-        proc = _side(cl.hosts[0], "psum_pw", {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls,
+        proc = Side(cl.hosts[0], "psum_pw", {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls,
                                               "windows": windows}, **cl.env())
         try:
-            got = _read(proc, 600, seen)
+            got = proc.read(600)
         finally:
             _stop(proc)
         err = got.get("error", "")

@@ -242,6 +242,119 @@ def psum_pw(island: str, devices: int, calls: int, windows: int) -> None:
     _say({"per_s": rates})
 
 
+# ------------------------------------------------------------------- the gRPC stream alone (why)
+
+
+def stream_recv(ip: str) -> None:
+    """A gRPC server with only the worker's Transfer method, assembling as the worker does
+    (server/worker/servicer.py: the chunks' bytes joined, then an array); prints {"port"}."""
+    import asyncio
+
+    from grpc import aio
+
+    from schemas.pathways.v1 import worker_pb2 as wpb
+    from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+    from server.worker.servicer import _assemble
+    from server.worker.transfer import CHANNEL_OPTIONS
+
+    class Receiver(wgrpc.WorkerServicer):  # Transfer only
+        async def Transfer(self, request_iterator: Any, context: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            head: Any = None
+            parts: list[bytes] = []
+            total = 0
+            t0 = time.perf_counter()
+            wait = 0.0  # time waiting for the next message (the rest: taking the messages' bytes)
+            it = request_iterator.__aiter__()
+            while True:
+                tw = time.perf_counter()
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                wait += time.perf_counter() - tw
+                head = head or chunk
+                parts.append(chunk.array.data)
+                if chunk.last:
+                    ta = time.perf_counter()
+                    arr = await loop.run_in_executor(None, _assemble, head.array, parts)
+                    total += arr.nbytes
+                    _say({"call_s": time.perf_counter() - t0, "wait_s": wait, "assemble_s": time.perf_counter() - ta,
+                          "messages": len(parts)})
+                    head, parts = None, []
+            return wpb.TransferResponse(bytes=total)
+
+    async def serve() -> None:
+        server = aio.server(options=CHANNEL_OPTIONS)
+        wgrpc.add_WorkerServicer_to_server(Receiver(), server)  # type: ignore[abstract]
+        port = server.add_insecure_port(f"{ip}:0")
+        await server.start()
+        _say({"port": port})
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _chunks_in_place(buffer_id: int, arr: Any, size: int) -> Any:
+    """Like transfer.chunks, but each message is built in place (no ArrayProto copied into the
+    TransferChunk): one copy of the bytes fewer on the sender."""
+    from schemas.arrays import byte_view, dtype_name
+    from schemas.pathways.v1 import worker_pb2 as wpb
+
+    data = byte_view(arr)
+    n = len(data)
+    for off in range(0, max(n, 1), size):
+        msg = wpb.TransferChunk(buffer_id=buffer_id, last=off + size >= n)
+        msg.array.data = bytes(data[off : off + size])
+        if off == 0:
+            msg.array.dtype = dtype_name(arr.dtype)
+            msg.array.shape[:] = list(arr.shape)
+        yield msg
+
+
+def stream_send(address: str, nbytes: int, variants: list[list[Any]], rounds: int, reps: int) -> None:
+    """Sends NBYTES as the worker does (server/worker/transfer.py `chunks`, one array per
+    Transfer call) for each variant [chunk size, "current" or "in_place"], the variants taking
+    turns for `rounds` rounds of `reps` calls; prints the median seconds per variant, and the
+    time the sender alone spends making and serializing the messages."""
+    import grpc
+    import numpy as np
+
+    from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+    from server.worker import transfer
+
+    arr = np.arange(nbytes // 4, dtype=np.float32)
+    stub = wgrpc.WorkerStub(grpc.insecure_channel(address, options=transfer.CHANNEL_OPTIONS))
+    saved = transfer.TRANSFER_CHUNK
+
+    def msgs(size: int, how: str) -> Any:
+        if how == "in_place":
+            return _chunks_in_place(1, arr, size)
+        transfer.TRANSFER_CHUNK = size
+        return transfer.chunks(1, arr)
+
+    times: dict[str, list[float]] = {f"{size} {how}": [] for size, how in variants}
+    ser: dict[str, list[float]] = {k: [] for k in times}
+    try:
+        for size, how in variants:
+            stub.Transfer(msgs(size, how))  # warm-up (and the connection)
+        for _ in range(rounds):
+            for size, how in variants:
+                key = f"{size} {how}"
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    r = stub.Transfer(msgs(size, how))
+                    times[key].append(time.perf_counter() - t0)
+                    if r.bytes != nbytes:
+                        raise RuntimeError(f"received {r.bytes} bytes")
+                t0 = time.perf_counter()
+                for m in msgs(size, how):
+                    m.SerializeToString()
+                ser[key].append(time.perf_counter() - t0)
+    finally:
+        transfer.TRANSFER_CHUNK = saved
+    _say({k: {"s": _median(v), "serialize_s": _median(ser[k])} for k, v in times.items()})
+
 TASKS: dict[str, Callable[..., None]] = {
     "tcp_recv": tcp_recv,
     "tcp_send": tcp_send,
@@ -249,6 +362,8 @@ TASKS: dict[str, Callable[..., None]] = {
     "pipeline": pipeline,
     "psum_member": psum_member,
     "psum_pw": psum_pw,
+    "stream_recv": stream_recv,
+    "stream_send": stream_send,
 }
 
 

@@ -27,7 +27,11 @@ from .shmring import put_segment
 
 log = logging.getLogger(__name__)
 
-CHUNK = 4 * 1024 * 1024
+CHUNK = 4 * 1024 * 1024  # a fetch's messages (servicer.py)
+# a peer transfer's messages: 64 MiB between two hosts (network namespaces) by the stream alone went
+# 1.5-2.9x faster in 1 MiB chunks than in 4 MiB ones, whose fresh buffers on both ends page-fault
+# (bench/FINDINGS.md, "Multi-host")
+TRANSFER_CHUNK = 1024 * 1024
 SHM_MIN_BYTES = 1024 * 1024  # a full ring sends smaller arrays inline: a segment costs more than copying them
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -42,19 +46,19 @@ def chunks(buffer_id: int, arr: np.ndarray, part_start: tuple[int, ...] = (),
     data = byte_view(arr)
     n = len(data)
     head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
-    if n <= CHUNK:
+    if n <= TRANSFER_CHUNK:
         head.data = bytes(data)
         yield wpb.TransferChunk(buffer_id=buffer_id, array=head, last=True, part_start=part_start,
                                 global_shape=global_shape)
         return
-    for off in range(0, n, CHUNK):
-        part = pb.ArrayProto(data=bytes(data[off : off + CHUNK]))
+    for off in range(0, n, TRANSFER_CHUNK):
+        part = pb.ArrayProto(data=bytes(data[off : off + TRANSFER_CHUNK]))
         if off == 0:
             part.dtype, part.shape[:] = head.dtype, head.shape
-            yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + CHUNK >= n, part_start=part_start,
-                                    global_shape=global_shape)
+            yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + TRANSFER_CHUNK >= n,
+                                    part_start=part_start, global_shape=global_shape)
             continue
-        yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + CHUNK >= n)
+        yield wpb.TransferChunk(buffer_id=buffer_id, array=part, last=off + TRANSFER_CHUNK >= n)
 
 
 class _PeerStream:

@@ -251,40 +251,51 @@ def pipeline(cl: Cluster, quick: bool) -> Iterator[Row]:
 
 
 def psum(cl: Cluster, quick: bool) -> Iterator[Row]:
+    """Plain jax.distributed (a member on each of hosts A and B) and, where the controller can make
+    the slice, pw.pmap on island pod, windows of blocking calls taking turns."""
     _, ha, hb = cl.hosts
     calls = 100 if quick else 300
     windows = 2 if quick else 7
     coordinator = f"{ha.ip}:{COORDINATOR_PORT}"
     members = [Side(h, "psum_member", {"coordinator": coordinator, "process_id": i, "processes": 2, "ip": h.ip,
-                                        "devices": PSUM_DEVICES, "calls": calls, "windows": windows})
+                                       "devices": PSUM_DEVICES, "calls": calls})
                for i, h in enumerate((ha, hb))]
-    try:
-        outs = [m.read(600) for m in members]
-    finally:
-        _stop(*members)
-    jx = outs[0]["per_s"]
-    j = defs.median(jx)
-    jax_note = (f"JAX: two processes (hosts A and B) x {PSUM_DEVICES} CPU devices, jax.distributed (coordinator on "
-                f"host A), gloo at each host's own address, jax.pmap(psum(x) * 0.25 + 1, axis over the "
-                f"{outs[0]['global_devices']} devices), both blocking on each call; {windows} windows of "
-                f"{calls} calls: "
-                + "/".join(f"{v:,.0f}" for v in jx))
-    # the Pathways side: one island `pod` of a worker on each host (needs multi-host islands)
+    sides = list(members)
     err = ""
+    jx: list[float] = []
     pw: list[float] = []
     try:
-        for i in (1, 2):
-            cl.worker(i, "pod", PSUM_DEVICES, f"pod{i}")
-        proc = Side(cl.hosts[0], "psum_pw", {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls,
-                                              "windows": windows}, **cl.env())
+        for m in members:
+            m.read(600)
+        # the Pathways side: one island `pod` of a worker on each host (needs multi-host islands)
+        pws: Side | None = None
         try:
-            got = proc.read(600)
-        finally:
-            _stop(proc)
-        err = got.get("error", "")
-        pw = got.get("per_s", [])
-    except SideError as e:
-        err = str(e).strip().splitlines()[-1] if str(e).strip() else "SideError"
+            for i in (1, 2):
+                cl.worker(i, "pod", PSUM_DEVICES, f"pod{i}")
+            pws = Side(cl.hosts[0], "psum_pw", {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls},
+                       **cl.env())
+            sides.append(pws)
+            err = pws.read(600).get("error", "")
+        except SideError as e:
+            err = str(e).strip().splitlines()[-1] if str(e).strip() else "SideError"
+        for _ in range(windows):
+            for m in members:
+                assert m.proc.stdin is not None
+                m.proc.stdin.write("go\n")
+                m.proc.stdin.flush()
+            jx.append(float(members[0].read(300)["per_s"]))
+            members[1].read(300)
+            if pws is not None and not err:
+                try:
+                    pw.append(float(pws.ask("go", 300)["per_s"]))
+                except SideError as e:
+                    err = f"after {len(pw)} windows: " + (str(e).strip().splitlines()[-1] or "SideError")
+    finally:
+        _stop(*sides)
+    j = defs.median(jx)
+    jax_note = (f"JAX: two processes (hosts A and B) x {PSUM_DEVICES} CPU devices, jax.distributed (coordinator on "
+                f"host A), gloo at each host's own address, jax.pmap(psum(x) * 0.25 + 1) over the 4 devices; "
+                f"{windows} windows of {calls} calls, each blocking: " + "/".join(f"{v:,.0f}" for v in jx))
     variant = f"psum 2 hosts x {PSUM_DEVICES} devices, blocking"
     if err:
         yield row("multihost", variant, "calls/s", "1/s", None, j, ">= 0.9x jax.distributed", None,
@@ -293,8 +304,9 @@ def psum(cl: Cluster, quick: bool) -> Iterator[Row]:
     p = defs.median(pw)
     yield row("multihost", variant, "calls/s", "1/s", p, j, ">= 0.9x jax.distributed", p >= 0.9 * j,
               f"pathways: pw.pmap over a {2 * PSUM_DEVICES}-device slice of island pod (a worker --island pod "
-              f"--devices {PSUM_DEVICES} on each of hosts A and B), blocking each call, after the JAX side: "
-              + "/".join(f"{v:,.0f}" for v in pw) + f"; {jax_note}")
+              f"--devices {PSUM_DEVICES} on each of hosts A and B: one jax.distributed group), each call blocking, "
+              "windows taking turns with JAX's: " + "/".join(f"{v:,.0f}" for v in pw) + f"; {jax_note}",
+              paired=paired_ratio(pw, jx))
 
 
 # ------------------------------------------------------------------------------------------ suite

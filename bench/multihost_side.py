@@ -163,12 +163,34 @@ def pipeline(stages: int, micro_batches: int, windows: int, window_s: float) -> 
 # ------------------------------------------------------------------------------------------ psum
 
 
-def psum_member(coordinator: str, process_id: int, processes: int, ip: str, devices: int, calls: int,
-                windows: int) -> None:
-    """One member of a plain `jax.distributed` group; gloo advertises `ip` (docs/multihost.md,
-    section 3). Runs `windows` windows of `calls` blocking psum calls over every device of the
-    group (every member runs the same count: a collective needs all of them); prints the calls/s
-    of each window."""
+def _psum_windows(step: Any, x0: Any, calls: int, result: Callable[[Any], Any]) -> None:
+    """Serves windows: for each line "go" on stdin, `calls` calls of `step`, each on the last
+    one's output and blocking until it is done; prints {"per_s"}. Checks each window's result:
+    a psum of 4 equal values v times 0.25, plus 1, is v + 1, so `calls` calls from zeros give
+    `calls`."""
+    import numpy as np
+
+    first = np.asarray(result(step(x0)))  # compile, collective set-up
+    if not np.allclose(first, 1.0):
+        raise RuntimeError(f"psum gave {first!r}, expected 1.0")
+    _say({"ready": True})
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        x: Any = x0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x = result(step(x))
+        rate = calls / (time.perf_counter() - t0)
+        if not np.allclose(np.asarray(x), float(calls)):
+            raise RuntimeError(f"after {calls} calls: {np.asarray(x)!r}")
+        _say({"per_s": rate})
+
+
+def psum_member(coordinator: str, process_id: int, processes: int, ip: str, devices: int, calls: int) -> None:
+    """One member of a plain multi-controller `jax.distributed` group; gloo advertises `ip`
+    (docs/multihost.md, section 3). `jax.pmap` of the psum step over every device of the group,
+    blocking each call; every member must get the same "go" lines (a collective needs all)."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", devices)
@@ -187,33 +209,19 @@ def psum_member(coordinator: str, process_id: int, processes: int, ip: str, devi
 
     from bench import defs
 
+    if jax.device_count() != processes * devices:
+        raise RuntimeError(f"{jax.device_count()} global devices, expected {processes * devices}")
     step = jax.pmap(defs.allreduce_step, axis_name=defs.AXIS)
-    x0 = np.zeros((jax.local_device_count(),), np.float32)
-    first = np.asarray(step(x0))  # compile + gloo set-up
-    expected = 1.0  # psum of zeros * 0.25 + 1
-    if not np.allclose(first, expected):
-        raise RuntimeError(f"psum gave {first!r}, expected {expected}")
-    rates = []
-    for _ in range(windows):
-        x: Any = x0
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            x = step(x)
-            x.block_until_ready()
-        rates.append(calls / (time.perf_counter() - t0))
-    # psum of 4 devices' equal values v: v' = v * (4 * 0.25) + 1 = v + 1 after each call
-    if not np.allclose(np.asarray(x), float(calls)):
-        raise RuntimeError(f"after {calls} calls: {np.asarray(x)!r}")
-    _say({"per_s": rates, "global_devices": jax.device_count(), "process": jax.process_index()})
+    _psum_windows(step, np.zeros((jax.local_device_count(),), np.float32), calls, lambda y: y.block_until_ready())
     import os
 
     os._exit(0)  # not sys.exit: the distributed shutdown barrier can hang (docs/facts.md)
 
 
-def psum_pw(island: str, devices: int, calls: int, windows: int) -> None:
+def psum_pw(island: str, devices: int, calls: int) -> None:
     """The same blocking psum calls through `pw.pmap(..., axis_name)` over a slice of `devices`
-    devices of `island` (one spanning two hosts); prints the calls/s of each window, or the
-    error that stopped it (one line)."""
+    devices of `island` (one spanning two hosts), served like `psum_member`; where the slice or
+    its first call fails, prints {"error"} (one line) instead of {"ready"}."""
     import numpy as np
 
     import pwctl as pw
@@ -222,24 +230,11 @@ def psum_pw(island: str, devices: int, calls: int, windows: int) -> None:
     try:
         s = pw.make_virtual_device_set().add_slice(devices=devices, island=island)
         step = pw.pmap(defs.allreduce_step, devices=s.devices, axis_name=defs.AXIS)
-        x0 = np.zeros((devices,), np.float32)
-        first = np.asarray(step(x0))
-        if not np.allclose(first, 1.0):
-            raise RuntimeError(f"psum gave {first!r}, expected 1.0")
-        rates = []
-        for _ in range(windows):
-            x: Any = x0
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                x = step(x)
-                x.block_until_ready(timeout=120)
-            rates.append(calls / (time.perf_counter() - t0))
-        if not np.allclose(np.asarray(x), float(calls)):
-            raise RuntimeError(f"after {calls} calls: {np.asarray(x)!r}")
+        np.asarray(step(np.zeros((devices,), np.float32)))
     except Exception as e:
         _say({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]})
         return
-    _say({"per_s": rates})
+    _psum_windows(step, np.zeros((devices,), np.float32), calls, lambda y: y.block_until_ready(timeout=120))
 
 
 # ------------------------------------------------------------------- the gRPC stream alone (why)

@@ -7,9 +7,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import LocalCluster
+from hosts import hosts  # noqa: F401  (the fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,3 +50,45 @@ def test_paired_ratio_pairs_each_window_with_the_jax_window_beside_it() -> None:
     cells = dict(zip(COLUMNS, table_rows([r])[0], strict=True))
     assert cells["ratio"] == "0.90x" and cells["paired"] == "0.93x"
     assert dict(zip(COLUMNS, table_rows([suites.row("costs", "x", "m", "s", 1.0)])[0], strict=True))["paired"] == ""
+
+
+def test_multihost_says_why_it_skips(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`python -m bench --only multihost` where namespaces cannot be made: one row with the reason."""
+    from bench import netns
+    from bench.__main__ import main
+
+    monkeypatch.setattr(netns, "unavailable", lambda: "no namespaces in this test")
+    assert main(["--only", "multihost", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "multihost-latest.jsonl").read_text().splitlines()]
+    assert rows[0]["bench"] == "multihost" and rows[0]["notes"] == "skipped: no namespaces in this test"
+    assert "error" not in rows[0] and "machine" in rows[-1]
+    assert "skipped" in (tmp_path / "multihost-latest.md").read_text()
+
+
+def test_multihost_sides_move_bytes_between_hosts(hosts: Any) -> None:  # noqa: F811
+    """The suite's raw TCP pair and its gRPC stream pair (server/worker/transfer.py's chunks, several
+    per array) between two namespace hosts: fields only, never timings."""
+    from bench.multihost import Side, _stop
+    from server.worker.transfer import TRANSFER_CHUNK
+
+    h0, h1 = hosts(2)
+    nbytes = 3 * TRANSFER_CHUNK + 4096  # four chunks, the last one short
+    recv = Side(h1, "tcp_recv", {"ip": h1.ip, "nbytes": nbytes})
+    sides = [recv]
+    try:
+        port = recv.read(30)["port"]
+        sides.append(Side(h0, "tcp_send", {"ip": h1.ip, "port": port, "nbytes": nbytes}))
+        assert recv.read(30) == {"ready": True}
+        assert recv.ask("go", 30)["s"] > 0
+        stream = Side(h1, "stream_recv", {"ip": h1.ip})
+        sides.append(stream)
+        port = stream.read(30)["port"]
+        sides.append(send := Side(h0, "stream_send", {"address": f"{h1.ip}:{port}", "nbytes": nbytes,
+                                                      "variants": [[TRANSFER_CHUNK, "current"]], "rounds": 1,
+                                                      "reps": 1}))
+        out = send.read(45)  # it checks that the receiver got every byte
+        assert set(out) == {f"{TRANSFER_CHUNK} current"} and out[f"{TRANSFER_CHUNK} current"]["s"] > 0
+        calls = [stream.read(10) for _ in range(2)]  # the warm-up and the timed call
+        assert [c["messages"] for c in calls] == [4, 4]
+    finally:
+        _stop(*sides)

@@ -321,9 +321,11 @@ def bench_multihost(quick: bool, env: dict[str, str]) -> Iterator[Row]:
         made = netns.Hosts(Path(tmp.name) / "hosts")
         try:
             made.start(3)
-        except netns.NamespaceUnavailable as e:
-            made.close()
+        except BaseException as e:
+            made.close()  # exactly what was made so far
             tmp.cleanup()
+            if not isinstance(e, netns.NamespaceUnavailable):
+                raise
             why = f"cannot make network namespaces here: {e}"
     if why is not None:
         yield row("multihost", "skipped", "", "", None, notes=f"skipped: {why}")

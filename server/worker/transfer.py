@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 CHUNK = 4 * 1024 * 1024  # a fetch's messages (servicer.py)
 # a peer transfer's messages: 64 MiB between two hosts (network namespaces) by the stream alone went
-# 1.5-2.9x faster in 1 MiB chunks than in 4 MiB ones, whose fresh buffers on both ends page-fault
-# (bench/FINDINGS.md, "Multi-host")
+# 1.2-2.5x faster in 1 MiB chunks than in 4 MiB ones (six runs); making 4 MiB messages page-faults
+# every buffer afresh (~21k minor faults per 64 MiB, none at 1 MiB) (bench/FINDINGS.md, "Multi-host")
 TRANSFER_CHUNK = 1024 * 1024
 SHM_MIN_BYTES = 1024 * 1024  # a full ring sends smaller arrays inline: a segment costs more than copying them
 CHANNEL_OPTIONS = [

@@ -74,11 +74,12 @@ class IslandView(View):
     devices: int
     available_devices: int
     created_at: str
+    group: str = ""  # of an island spanning hosts: its jax.distributed group
 
     @classmethod
     def of(cls, m: pb.Island) -> IslandView:
         return cls(name=m.name, hosts=m.hosts, devices=m.devices, available_devices=m.available_devices,
-                   created_at=m.created_at)
+                   created_at=m.created_at, group=m.group)
 
 
 class HostView(View):

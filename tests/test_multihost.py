@@ -160,6 +160,9 @@ def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Pa
     assert "hosts w1,w2" in r.stdout, r.stdout
     for i in (1, 2):
         assert re.search(r"island group: generation \d+, process \d of 2", cl.worker_log(i)), cl.worker_log(i)[-3000:]
+    listed = hs[0].pwctl("island", "list", "-o", "json", **cl.env())
+    pod = next(i for i in json.loads(listed.stdout)["items"] if i["name"] == "pod")
+    assert pod["hosts"] == 2 and pod["devices"] == 4 and re.fullmatch(r"gen \d+: 2 hosts", pod["group"]), pod
 
     # a host dies mid-run: the program fails within the bound, naming it; the survivor lives
     proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())

@@ -18,7 +18,7 @@ def list_(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
         items = [IslandView.of(i) for i in c.islands()]
     emit_list(output, "IslandList", items, ["island", "hosts", "devices", "available"],
               lambda i: [i.name, str(i.hosts), str(i.devices), str(i.available_devices)],
-              ["created"], lambda i: [i.created_at])
+              ["group", "created"], lambda i: [i.group or "-", i.created_at])
 
 
 def register(root: typer.Typer) -> None:

@@ -116,6 +116,17 @@ class IslandGroups:
                 pass
         return True
 
+    def summary(self, island: str) -> str:
+        """One short line on the island's group for listings ("" for an island without one)."""
+        g = self.current.get(island)
+        if g is None:
+            return "forming" if island in self._forming or island in self._due else ""
+        if g.failed:
+            return f"gen {g.number}: failed ({', '.join(sorted(g.failed))})"
+        if not g.ready:
+            return f"gen {g.number}: forming (waiting for {', '.join(sorted(set(g.members) - g.joined))})"
+        return f"gen {g.number}: {len(g.members)} hosts"
+
     def describe(self, island: str) -> str:
         """Why a multi-host slice of the island cannot run now (for errors)."""
         g = self.current.get(island)

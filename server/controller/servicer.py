@@ -112,7 +112,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def ListIslands(
         self, request: cpb.ListIslandsRequest, context: aio.ServicerContext
     ) -> cpb.ListIslandsResponse:
-        return cpb.ListIslandsResponse(islands=self.core.cluster.island_protos())
+        islands = self.core.cluster.island_protos()
+        for island in islands:
+            island.group = self.core.groups.summary(island.name)
+        return cpb.ListIslandsResponse(islands=islands)
 
     @_guard
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:

@@ -118,12 +118,17 @@ class Island(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     AVAILABLE_DEVICES_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     hosts: _builtins.int
     devices: _builtins.int
     available_devices: _builtins.int
     created_at: _builtins.str
     """UTC ISO-8601"""
+    group: _builtins.str
+    """Of an island spanning hosts with a multi-host slice: its jax.distributed group, e.g.
+    "gen 17: 2 hosts", "forming (waiting for w2)"; "" for an island without one.
+    """
     def __init__(
         self,
         *,
@@ -132,10 +137,11 @@ class Island(_message.Message):
         devices: _builtins.int = ...,
         available_devices: _builtins.int = ...,
         created_at: _builtins.str = ...,
+        group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_devices", b"available_devices", "created_at", b"created_at", "devices", b"devices", "hosts", b"hosts", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_devices", b"available_devices", "created_at", b"created_at", "devices", b"devices", "group", b"group", "hosts", b"hosts", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

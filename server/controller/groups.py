@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 GROUP_STRIDE = 65536  # group-wide device number = process * GROUP_STRIDE + local index (as the worker's)
 SETTLE_S = 0.3  # a burst of membership changes makes one generation
-RETIRE_AFTER_S = 120.0  # an old generation's service is stopped by then even if a member never left
+# an old generation's service is stopped this long after it was replaced even if a member never
+# left it (that member is then aborted: it ignored the controller for two minutes)
+RETIRE_AFTER_S = 120.0
 SERVICE_START_S = 10.0
 
 
@@ -63,6 +65,7 @@ class Generation:
     joined: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # member -> why it could not join
     left: set[str] = field(default_factory=set)  # members in a newer generation, or gone
+    retired: float = 0.0  # when a newer generation replaced it (monotonic)
 
     @property
     def ready(self) -> bool:
@@ -256,6 +259,7 @@ class IslandGroups:
 
     def _retire(self, g: Generation) -> None:
         g.left |= {m for m in g.members if self._hosts.get(m) is None or self._hosts[m].state != READY}
+        g.retired = time.monotonic()
         self._retiring.append(g)
         self._stop_retired()
 
@@ -269,7 +273,7 @@ class IslandGroups:
         now = time.monotonic()
         keep = []
         for g in self._retiring:
-            if set(g.members) <= g.left or now - g.started > RETIRE_AFTER_S:
+            if set(g.members) <= g.left or now - g.retired > RETIRE_AFTER_S:
                 stop_service(g.service)
             else:
                 keep.append(g)

@@ -106,9 +106,9 @@ def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> No
     np.testing.assert_allclose(np.load(out), x * 2.0 + 1.0, rtol=1e-6)
 
     sender = cl.worker_log(1)
-    # the cross-host edge: host 1's worker sent to host 2's worker by the gRPC stream, never by
+    # the cross-host edge: host 1's worker sent to host 2's worker by the TCP link, never by
     # shared memory (the hosts have separate /dev/shm, mount and network namespaces)
-    assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by gRPC stream", sender), sender[-3000:]
+    assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by TCP link", sender), sender[-3000:]
     assert "by shared-memory" not in sender, sender[-3000:]
 
     # the control: a second worker on host 1 is on the same host, and that edge uses shared memory

@@ -203,7 +203,7 @@ def test_a_program_mixes_multi_host_and_single_host_slices(hosts: Any, tmp_path:
     r = hs[0].run([sys.executable, str(prog)], timeout=180, **cl.env())
     assert r.returncode == 0 and "host axis ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
     for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
-        assert re.search(r"first transfer to \S+ by gRPC stream", cl.worker_log(i)), cl.worker_log(i)[-3000:]
+        assert re.search(r"first transfer to \S+ by TCP link", cl.worker_log(i)), cl.worker_log(i)[-3000:]
 
 
 TWO_CLIENTS = """

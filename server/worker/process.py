@@ -34,6 +34,7 @@ from .locallink import LocalReceiver
 from .reconnect import Reconnect
 from .reporting import EventBuffer
 from .servicer import WorkerServicer
+from .tcplink import TcpReceiver
 from .transfer import CHANNEL_OPTIONS, TransferSender
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class WorkerProcess:
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
+        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer)  # other hosts' transfers
+        servicer.data_address = tcp.start()
         await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections
         log.info("worker %s (island %s, %d %s devices) serving at %s",
@@ -122,6 +125,7 @@ class WorkerProcess:
         self.executor.stop()
         self.sender.close()
         local.close()
+        tcp.close()
         await server.stop(grace=0.5)
 
     async def _controller_loop(self) -> None:

@@ -38,6 +38,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.island = island
         # fetches block until their buffer is computed: a pool of their own keeps them
         # from starving the default executor that assembles transfers
+        self.data_address = ""  # of the TCP transfer port (tcplink.py), once it listens
         self._gathering = Gathering()  # parts of multi-host slices' arrays, until whole
         self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch",
                                             initializer=name_native_thread)
@@ -140,6 +141,26 @@ class WorkerServicer(wgrpc.WorkerServicer):
             total += arr.nbytes
         return wpb.TransferResponse(bytes=total)
 
+    def deliver_peer(self, header: wpb.TransferChunk, arr: np.ndarray | None) -> None:
+        """A peer's array from the TCP link (tcplink.py), or its failure notice (arr None);
+        called from that connection's thread, in the peer's order."""
+        bid = header.buffer_id
+        if arr is None:
+            self._gathering.drop(bid)
+            self.store.fail(bid, header.error or "the producer failed")
+            return
+        if header.global_shape:  # one member's part of a multi-host slice's array
+            try:
+                whole = self._gathering.add(bid, tuple(header.global_shape), tuple(header.part_start), arr)
+            except ValueError as e:
+                self._gathering.drop(bid)
+                self.store.fail(bid, f"gathering buffer {bid}: {e}")
+                return
+            if whole is None:
+                return
+            arr = whole
+        self.store.put(bid, arr, arr.nbytes, from_peer=True)
+
     def deliver_local(self, ring: RingReader, notice: wpb.TransferChunk) -> None:
         """A same-host peer's array, in its shared-memory ring (locallink.py); called from the
         thread of that peer's link, one notice at a time in the peer's order (the ring relies on it)."""
@@ -166,4 +187,5 @@ class WorkerServicer(wgrpc.WorkerServicer):
             nodes_executed=self.executor.nodes_executed,
             executed_order=[f"{r}:{n}@{q}" for r, n, q in list(self.executor.recent_order)],
             segments=self.executor.segment_count,
+            data_address=self.data_address,
         )

@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from ..threadnames import name_native_thread
 from .locallink import LocalPeers
 from .parts import is_partial, local_parts
 from .shmring import put_segment
+from .tcplink import TcpPeer
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,13 @@ class _PeerStream:
 RING = "shared-memory ring"
 SEGMENT = "shared-memory segment"
 STREAM = "gRPC stream"
+TCP = "TCP link"
+TCP_SETUP_S = 5.0  # asking a peer for its TCP port
+TCP_RETRY_S = 30.0  # a peer without a usable TCP link is asked again after this long
+
+
+def _head(arr: np.ndarray) -> pb.ArrayProto:
+    return pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
 
 
 class TransferSender:
@@ -108,12 +117,17 @@ class TransferSender:
         self._local = LocalPeers()  # same-host peers: shared-memory ring + Unix socket
         self._lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        # PATHWAYS_TRANSFER=grpc sends over the network path even between workers of one
-        # host (tests and benchmarks of the cross-host path on one machine)
-        self.network_only = os.environ.get("PATHWAYS_TRANSFER", "auto") == "grpc"
+        # PATHWAYS_TRANSFER: "auto" (shared memory on one host, else the TCP link, else the gRPC
+        # stream); "grpc" or "tcp" send by that network path even between workers of one host
+        # (tests and benchmarks of the cross-host paths on one machine)
+        mode = os.environ.get("PATHWAYS_TRANSFER", "auto")
+        self.network_only = mode in ("grpc", "tcp")
+        self.use_tcp = mode != "grpc"
+        self._token = token
+        self._tcp: dict[str, TcpPeer | float] = {}  # peer -> its TCP link, or when to try again
         # peers already sent to, per transport: the first send of each kind to a peer is logged
         # ("first transfer to ADDRESS by KIND"), which is how tests see which transport an edge used
-        self._used: dict[str, set[str]] = {RING: set(), SEGMENT: set(), STREAM: set()}
+        self._used: dict[str, set[str]] = {RING: set(), SEGMENT: set(), STREAM: set(), TCP: set()}
 
     def _peer(self, address: str) -> _PeerStream:
         with self._lock:
@@ -126,8 +140,58 @@ class TransferSender:
     def send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         self._pool.submit(self._send, buffer_id, value, address, same_host and not self.network_only, done)
 
+    def _tcp_peer(self, address: str) -> TcpPeer | None:
+        """The TCP link to the worker at `address` (opened on first use: its `Stats` names the
+        port), or None where it has none or it failed lately (then the gRPC stream carries it)."""
+        with self._lock:
+            entry = self._tcp.get(address)
+            if isinstance(entry, TcpPeer) and not entry.broken:
+                return entry
+            if isinstance(entry, float) and time.monotonic() < entry:
+                return None
+        try:
+            stats = self._peer(address).stub.Stats(wpb.WorkerStatsRequest(), metadata=self._metadata,
+                                                    timeout=TCP_SETUP_S)
+            if not stats.data_address:
+                raise OSError("it has no TCP transfer port")
+            peer: TcpPeer | float = TcpPeer(stats.data_address, self._token)
+        except (grpc.RpcError, OSError, ValueError) as e:
+            log.info("no TCP link to %s (%s): the gRPC stream carries its transfers", address, e)
+            peer = time.monotonic() + TCP_RETRY_S
+        with self._lock:
+            old = self._tcp.get(address)
+            if isinstance(old, TcpPeer):
+                old.close()
+            self._tcp[address] = peer
+        return peer if isinstance(peer, TcpPeer) else None
+
+    def _send_tcp(self, buffer_id: int, value: Any, address: str) -> bool:
+        """Sends by the TCP link; False (nothing sent) where there is none or it broke."""
+        peer = self._tcp_peer(address)
+        if peer is None:
+            return False
+        try:
+            if is_partial(value):  # a multi-host slice's array: this member's shards, for the reader to gather
+                shape = tuple(value.shape)
+                for start, part in local_parts(value):
+                    peer.send(wpb.TransferChunk(buffer_id=buffer_id, array=_head(part), part_start=start,
+                                                global_shape=shape), part)
+            else:
+                arr = c_order(to_numpy(value))
+                peer.send(wpb.TransferChunk(buffer_id=buffer_id, array=_head(arr)), arr)
+        except OSError as e:
+            log.warning("TCP link to %s broke (%s): the gRPC stream carries its transfers for a while", address, e)
+            with self._lock:
+                self._tcp[address] = time.monotonic() + TCP_RETRY_S
+            peer.close()
+            return False
+        self._note(TCP, address)
+        return True
+
     def _send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
         try:
+            if not same_host and self.use_tcp and self._send_tcp(buffer_id, value, address):
+                return
             if is_partial(value):  # a multi-host slice's array: this member's shards, for the reader to gather
                 shape = tuple(value.shape)
                 self._peer(address).send(
@@ -171,6 +235,9 @@ class TransferSender:
 
     def close(self) -> None:
         self._local.close()
+        for entry in list(self._tcp.values()):
+            if isinstance(entry, TcpPeer):
+                entry.close()
         for peer in list(self._peers.values()):
             peer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

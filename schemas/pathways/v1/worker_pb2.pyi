@@ -294,6 +294,7 @@ class WorkerStats(_message.Message):
     NODES_EXECUTED_FIELD_NUMBER: _builtins.int
     EXECUTED_ORDER_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
+    DATA_ADDRESS_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -305,6 +306,8 @@ class WorkerStats(_message.Message):
     """program nodes (a segment counts its nodes)"""
     segments: _builtins.int
     """registered segments (programs in use place them)"""
+    data_address: _builtins.str
+    """HOST:PORT of its TCP transfer port (server/worker/tcplink.py); "" none"""
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -320,10 +323,11 @@ class WorkerStats(_message.Message):
         nodes_executed: _builtins.int = ...,
         executed_order: _abc.Iterable[_builtins.str] | None = ...,
         segments: _builtins.int = ...,
+        data_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,100 @@
+"""The TCP transfer link (server/worker/tcplink.py) in process: arrays of every kind arrive whole
+and in order, parts carry where they sit, a failure notice arrives as one, and a peer with a
+wrong token or a malformed frame is dropped without anything delivered."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.worker.tcplink import FRAME, FRAME_MAGIC, HELLO, HELLO_MAGIC, TcpPeer, TcpReceiver
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.items: list[tuple[wpb.TransferChunk, np.ndarray | None]] = []
+        self.cond = threading.Condition()
+
+    def deliver(self, header: wpb.TransferChunk, arr: np.ndarray | None) -> None:
+        with self.cond:
+            self.items.append((header, arr))
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float = 10.0) -> list[tuple[wpb.TransferChunk, np.ndarray | None]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.items) >= n, timeout), self.items
+            return list(self.items)
+
+
+def _head(bid: int, arr: np.ndarray, **kw: object) -> wpb.TransferChunk:
+    return wpb.TransferChunk(buffer_id=bid, array=pb.ArrayProto(dtype=arr.dtype.name, shape=list(arr.shape)),
+                             **kw)  # type: ignore[arg-type]
+
+
+def test_arrays_parts_and_failures_arrive_in_order() -> None:
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "s3cret", inbox.deliver)
+    address = rx.start()
+    assert address.startswith("127.0.0.1:")
+    peer = TcpPeer(address, "s3cret")
+    big = np.arange(3 * 1024 * 1024, dtype=np.float32).reshape(1024, 3072)  # 12 MiB
+    bf = np.linspace(0, 1, 10).astype(ml_dtypes.bfloat16)
+    empty = np.zeros((0, 4), np.int64)
+    part = np.ones((2, 3), np.float64)
+    peer.send(_head(1, big), big)
+    peer.send(_head(2, bf), bf)
+    peer.send(_head(3, empty), empty)
+    peer.send(_head(4, part, part_start=[2, 0], global_shape=[4, 3]), part)
+    peer.send(wpb.TransferChunk(buffer_id=5, error="producer failed"), None)
+    got = inbox.wait(5)
+    assert [h.buffer_id for h, _ in got] == [1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(got[0][1], big)
+    assert got[1][1] is not None and got[1][1].dtype == bf.dtype and np.array_equal(got[1][1], bf)
+    assert got[2][1] is not None and got[2][1].shape == (0, 4)
+    assert list(got[3][0].part_start) == [2, 0] and list(got[3][0].global_shape) == [4, 3]
+    assert got[4][1] is None and got[4][0].error == "producer failed"
+    peer.close()
+    rx.close()
+
+
+def _closed(raw: socket.socket) -> bool:
+    raw.settimeout(5)
+    try:
+        return raw.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_wrong_token_or_a_malformed_frame_delivers_nothing() -> None:
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right", inbox.deliver)
+    address = rx.start()
+    host, port = address.rsplit(":", 1)
+    wrong = TcpPeer(address, "wrong")
+    x = np.ones(4, np.float32)
+    with pytest.raises(OSError):  # the receiver drops the connection: a later send fails
+        for _ in range(50):
+            wrong.send(_head(1, x), x)
+            time.sleep(0.05)
+    with socket.create_connection((host, int(port))) as raw:  # right token, then garbage
+        raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(b"XXXX", 3) + b"abc")
+        assert _closed(raw)
+    with socket.create_connection((host, int(port))) as raw:  # a header that claims a huge array
+        h = wpb.TransferChunk(buffer_id=9, array=pb.ArrayProto(dtype="float64", shape=[1 << 40])).SerializeToString()
+        raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
+        assert _closed(raw)
+    ok = TcpPeer(address, "right")  # the receiver still serves
+    ok.send(_head(7, x), x)
+    got = inbox.wait(1)
+    assert [h.buffer_id for h, _ in got] == [7]
+    ok.close()
+    rx.close()

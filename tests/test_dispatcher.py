@@ -226,3 +226,25 @@ def test_forgotten_programs_leave_the_workers_that_have_their_segments() -> None
         ("a", cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[0]]))),
         ("b", cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))),
     ]
+
+
+def test_an_input_held_by_a_worker_that_is_not_ready_is_refused_at_once() -> None:
+    """Waiting for it would hold the worker's gang order until the hang timeout (the trust
+    issue's finding 6); an input on another live host makes the run fail if that host is lost."""
+    p = Parts()
+    prog, s = p.program(), session()
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=8, program_id=prog.program_id, input_ids=[100],
+                                          output_ids=[300], input_homes=["gone:1"]))
+    p.dispatcher.flush()
+    assert 8 not in p.dispatcher.runs
+    refused = [e.finished for e in events(s) if e.HasField("finished")]
+    assert [(f.run_id, f.ok) for f in refused] == [(8, False)]
+    assert "input 0 is held by the worker at gone:1, which is not ready" in refused[0].error
+    p.hosts["c"] = host("c", [30, 31])  # runs nothing of the program, holds its input
+    p.dispatcher.host_up(p.hosts["c"])
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=9, program_id=prog.program_id, input_ids=[100],
+                                          output_ids=[301], input_homes=["c:1"]))
+    p.dispatcher.flush()
+    assert "c:1" not in p.dispatcher.runs[9].plan.addresses
+    p.dispatcher.host_lost(p.hosts["c"], "gone")
+    assert (9, False, "host c lost: it held inputs of program p") in p.finished

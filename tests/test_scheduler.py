@@ -381,6 +381,24 @@ def test_single_node_failure_has_no_droprun() -> None:
     assert s.handle(failed(1, 0, "x")) == [RunFinished(1, False, "node 0 (n0) failed: x")]
 
 
+def test_a_lost_host_fails_the_runs_reading_inputs_it_held() -> None:
+    """Finding 6 of the trust issue: a run whose input (a future) lives on a host that is then
+    lost waited for that input until the hang timeout, holding its host's gang order (and a
+    collective held the worker's launch thread). It fails with the loss now."""
+    from dataclasses import replace
+
+    s = new()
+    s.handle(Submit(replace(chain(1, 1, "h0"), reads_from=("h1",)), now=0.0))
+    s.handle(Submit(chain(2, 1, "h0", client="c2"), now=0.0))  # behind it on h0, reads nothing of h1
+    assert s.handle(HostUp("h1", now=1.0)) == []  # a re-registration is not a loss
+    assert s.is_live(1)
+    assert s.handle(HostLost("h1", now=5.0)) == [
+        RunFinished(1, False, "host h1 lost: it held inputs of program p-1"),
+        DropRun(1, ("h0",), "host h1 lost: it held inputs of program p-1"),
+    ]
+    assert s.is_live(2)
+
+
 def test_host_lost() -> None:
     s = new(max_inflight_nodes=2)
     s.handle(Submit(run(1, [node(0, "h0"), node(1, "h1", deps=[0], label="mlp")]), now=0.0))

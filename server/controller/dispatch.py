@@ -65,6 +65,7 @@ class Plan:
     specs: tuple[NodeSpec, ...]
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
     gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
+    addresses: frozenset[str] = frozenset()  # of the workers running its segments
 
 
 @dataclass(slots=True)
@@ -191,6 +192,7 @@ class Dispatcher:
                 )
             plan = self._plan(prog, session.sequential)
             _check_spread_inputs(plan, run.input_homes)
+            reads_from = self._input_hosts(plan, run.input_homes)
         except ControllerError as e:
             session.run_refused(run.run_id, str(e))
             self._progressed.add(session)
@@ -213,12 +215,31 @@ class Dispatcher:
             priority=session.priority,
             weight=session.weight,
             sequential=session.sequential,
+            reads_from=reads_from,
         )
         event = Submit(spec, time.monotonic())
         if batch is None:
             self.handle(event)
         else:
             batch.append(event)
+
+    def _input_hosts(self, plan: Plan, homes: Sequence[str]) -> tuple[str, ...]:
+        """Hosts holding the run's inputs that run none of its segments (the scheduler fails the
+        run if one is lost: those inputs would never arrive). Raises InvalidArgument for an input
+        held by a worker that is not ready: it would be waited for until the hang timeout."""
+        own = plan.addresses
+        out: dict[str, None] = {}
+        for k, home in enumerate(homes):
+            if not home or home in own:
+                continue
+            for address in home.split("|"):
+                host = self.host_by_address(address)
+                if host is None:
+                    raise InvalidArgument(f"input {k} is held by the worker at {address}, which is not ready "
+                                          "(lost, or reconnecting): compute it again")
+                if address not in own:
+                    out[host.name] = None
+        return tuple(out)
 
     def _plan(self, prog: ProgramRecord, sequential: bool) -> Plan:
         """The program's segments under its slices' current placement. Sequential dispatch
@@ -242,7 +263,8 @@ class Dispatcher:
         nodes = [placements[n.slice] for n in graph.nodes]
         segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
                        self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
-        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments))
+        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
+                    frozenset(s.host.address for s in segments))
         self._plans[(prog.program_id, sequential)] = plan
         return plan
 

@@ -180,12 +180,18 @@ class SchedulerBook:
         self._actions.append(result)
 
     def _fail_runs_on_host(self, host: str, reason: str, *, admitted_only: bool) -> None:
-        """Fail the runs with a node on `host`, whose queue is gone (no DropRun is sent to it)."""
-        for run in [r for r in self._runs.values() if host in r.hosts]:
+        """Fail the runs with a node on `host`, whose queue is gone (no DropRun is sent to it),
+        and, when it is lost, the runs reading inputs it held."""
+        for run in [r for r in self._runs.values() if host in r.hosts or host in r.spec.reads_from]:
             if admitted_only and run.state is not RunState.ADMITTED:
                 continue
-            node = next(n for n in run.nodes if n.spec.host == host)
-            error = f"{reason}: it held {_describe(node)} of program {run.spec.program}"
+            node = next((n for n in run.nodes if n.spec.host == host), None)
+            if node is None:
+                if admitted_only:
+                    continue  # a re-registration: the inputs it held may still be there
+                error = f"{reason}: it held inputs of program {run.spec.program}"
+            else:
+                error = f"{reason}: it held {_describe(node)} of program {run.spec.program}"
             self._fail(run, error, lost_host=host)
 
     # ------------------------------------------------------------------------------------- helpers

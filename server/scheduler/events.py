@@ -48,6 +48,9 @@ class RunSpec:
     priority: int = 0
     weight: float = 1.0
     sequential: bool = False
+    # hosts holding inputs of the run (futures of earlier runs) that run none of its nodes: the
+    # run fails when one is lost, as when a host of its own is (its inputs never arrive)
+    reads_from: tuple[str, ...] = ()
 
 
 # -------------------------------------------------------------------------------------------- events

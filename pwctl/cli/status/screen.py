@@ -99,16 +99,27 @@ def device_groups(devices: Iterable[DeviceStatusView]) -> list[DeviceGroup]:
     return groups
 
 
+def _by_run(s: ClusterStatusView, keep: Callable[[QueueEntryView], bool]) -> list[tuple[str, QueueEntryView]]:
+    """(islands, entry) of the queue entries `keep` selects: a gang over several islands is in
+    each island's queue, and here once, its islands joined by ','."""
+    islands: dict[int, list[str]] = {}
+    entries: dict[int, QueueEntryView] = {}
+    for q in s.queues:
+        for e in q.entries:
+            if keep(e):
+                islands.setdefault(e.run_id, []).append(q.island)
+                entries.setdefault(e.run_id, e)
+    return [(",".join(islands[rid]), e) for rid, e in entries.items()]
+
+
 def stuck(s: ClusterStatusView) -> list[tuple[str, QueueEntryView]]:
-    """(island, entry) of every gang held back by a host, the longest held first."""
-    out = [(q.island, e) for q in s.queues for e in q.entries if e.stalled_host]
-    return sorted(out, key=lambda x: -x[1].stalled_s)
+    """(islands, entry) of every gang held back by a host, the longest held first."""
+    return sorted(_by_run(s, lambda e: bool(e.stalled_host)), key=lambda x: -x[1].stalled_s)
 
 
 def waits(s: ClusterStatusView) -> list[tuple[str, QueueEntryView]]:
-    """(island, entry) of the waiting gangs, the longest waiting first."""
-    out = [(q.island, e) for q in s.queues for e in q.entries if e.state == "waiting"]
-    return sorted(out, key=lambda x: -x[1].waiting_s)
+    """(islands, entry) of the waiting gangs, the longest waiting first."""
+    return sorted(_by_run(s, lambda e: e.state == "waiting"), key=lambda x: -x[1].waiting_s)
 
 
 def cluster_lines(s: ClusterStatusView, width: int, address: str = "") -> list[Text]:
@@ -140,11 +151,43 @@ def cluster_lines(s: ClusterStatusView, width: int, address: str = "") -> list[T
     return lines
 
 
-def _table(*columns: tuple[str, dict[str, object]]) -> Table:
-    t = Table(box=None, header_style="bold", pad_edge=False, show_edge=False)
-    for name, opts in columns:
-        t.add_column(name, no_wrap=True, overflow="ellipsis", **opts)  # type: ignore[arg-type]
-    return t
+class Grid:
+    """A table whose rows are one line each at `width`: columns take their natural width, and
+    when the whole is too wide the `flex` columns (free text) give way first, cut with '…'."""
+
+    def __init__(self, width: int, *columns: tuple[str, dict[str, object]]) -> None:
+        self.width = width
+        self.columns = columns
+        self.rows: list[tuple[RenderableType, ...]] = []
+
+    def add_row(self, *cells: RenderableType) -> None:
+        self.rows.append(cells)
+
+    def widths(self) -> list[int]:
+        natural = []
+        for k, (name, opts) in enumerate(self.columns):
+            w = max([len(name)] + [Text(c).cell_len if isinstance(c, str) else
+                                   c.cell_len if isinstance(c, Text) else 4 for c in (r[k] for r in self.rows)])
+            natural.append(min(w, int(opts.get("max", w))))  # type: ignore[call-overload]
+        widths = list(natural)
+        room = self.width - 2 * (len(widths) - 1)
+        flex = [k for k, (_, opts) in enumerate(self.columns) if opts.get("flex")]
+        for pool, floor in ((flex, 6), (range(len(widths)), 3)):
+            while sum(widths) > room and pool:
+                k = max(pool, key=lambda k: widths[k])
+                if widths[k] <= floor:
+                    break
+                widths[k] -= 1
+        return widths
+
+    def table(self) -> Table:
+        t = Table(box=None, header_style="bold", pad_edge=False, show_edge=False)
+        for (name, opts), w in zip(self.columns, self.widths(), strict=True):
+            t.add_column(name, no_wrap=True, overflow="ellipsis", width=w, min_width=w, max_width=w,
+                         justify=opts.get("justify", "left"))  # type: ignore[arg-type]
+        for r in self.rows:
+            t.add_row(*r)
+        return t
 
 
 def _more(n: int, what: str, extra: str = "") -> Text:
@@ -154,7 +197,6 @@ def _more(n: int, what: str, extra: str = "") -> Text:
 def render(s: ClusterStatusView, width: int = 80, height: int | None = None, address: str = "") -> RenderableType:
     """The screen for `s`: at most `height` lines (None: everything the update holds), none
     wider than `width`."""
-    narrow = width < NARROW
     head = cluster_lines(s, width, address)
     stuck_entries = stuck(s)
     groups = device_groups(s.devices)
@@ -182,13 +224,13 @@ def render(s: ClusterStatusView, width: int = 80, height: int | None = None, add
             continue
         if gap:
             parts.append(Text(""))
-        parts += _SECTIONS[sec.name](s, sec, narrow, stuck_entries, groups, wait_entries)
+        parts += _SECTIONS[sec.name](s, sec, width, stuck_entries, groups, wait_entries)
     if not s.devices and not s.island_status:
         parts.append(Text("no devices: no worker has registered (`pwctl worker start`, or `pwctl up`)"))
     return Group(*parts)
 
 
-def _stuck(s: ClusterStatusView, sec: Section, narrow: bool, entries: list[tuple[str, QueueEntryView]],
+def _stuck(s: ClusterStatusView, sec: Section, width: int, entries: list[tuple[str, QueueEntryView]],
            *_: object) -> list[RenderableType]:
     out: list[RenderableType] = []
     if sec.shown == 0:
@@ -196,43 +238,45 @@ def _stuck(s: ClusterStatusView, sec: Section, narrow: bool, entries: list[tuple
                      style="bold red")]
     for island, e in entries[: sec.shown]:
         job = f" of {e.job}" if e.job else ""
-        line = Text(f"STUCK {e.program}{job} on island {island}: host {e.stalled_host} holds it back "
-                    f"for {seconds(e.stalled_s)}", style="bold red", no_wrap=True, overflow="ellipsis")
+        where = f"island{'s' if ',' in island else ''} {island}"
+        line = Text(f"STUCK for {seconds(e.stalled_s)}: host {e.stalled_host} holds back {e.program}{job} on {where}",
+                    style="bold red", no_wrap=True, overflow="ellipsis")
         out += [line, Text(f"  {e.reason}", style="red", no_wrap=True, overflow="ellipsis")]
     if sec.hidden:
         out.append(_more(sec.hidden, "stuck gang"))
     return out
 
 
-def _islands(s: ClusterStatusView, sec: Section, narrow: bool, *_: object) -> list[RenderableType]:
+def _islands(s: ClusterStatusView, sec: Section, width: int, *_: object) -> list[RenderableType]:
     queues = {q.island: q for q in s.queues}
     if sec.shown == 0:
         return [Text(f"islands: {len(s.island_status)}", style="bold")]
-    t = _table(("ISLAND", {}), ("HOSTS", {"justify": "right"}), ("DEVICES", {"justify": "right"}),
-               ("UTIL", {"min_width": 11 if narrow else 17}), ("RUNS", {"justify": "right"}),
-               ("WAITING", {"justify": "right"}), ("LONGEST WAIT", {"justify": "right"}),
-               *((("POLICY", {}),) if not narrow else ()))
+    narrow = width < NARROW
+    t = Grid(width, ("ISLAND", {"flex": True}), ("HOSTS", {"justify": "right"}), ("DEVICES", {"justify": "right"}),
+             ("UTIL", {}), ("RUNS", {"justify": "right"}), ("WAITING", {"justify": "right"}),
+             ("LONGEST", {"justify": "right"}), *((("POLICY", {}),) if not narrow else ()))
     rows: list[IslandStatusView] = s.island_status[: sec.shown]
     for i in rows:
         q = queues.get(i.name)
         hosts = Text(f"{i.hosts_ready}/{i.hosts}")
         if i.hosts_stalled:
-            hosts = Text(f"{i.hosts_stalled} stalled ", style="bold red") + hosts
+            hosts = Text(f"{i.hosts_stalled}!" if narrow else f"{i.hosts_stalled} stalled ", style="bold red") + hosts
         cells: list[RenderableType] = [
             i.name, hosts, f"{i.devices_available}/{i.devices}", bar(i.utilization, 6 if narrow else 12),
-            Text(str(q.running if q else 0) + (f" ({q.stalled} stuck)" if q and q.stalled else ""),
+            Text(str(q.running if q else 0) + ((f" ({q.stalled}!)" if narrow else f" ({q.stalled} stuck)")
+                                                 if q and q.stalled else ""),
                  style="red" if q and q.stalled else ""),
             str(q.waiting if q else 0), seconds(q.longest_wait_s) if q and q.waiting else "-"]
         if not narrow:
             cells.append(q.policy if q else "-")
         t.add_row(*cells)
-    out: list[RenderableType] = [t]
+    out: list[RenderableType] = [t.table()]
     if sec.hidden:
         out.append(_more(sec.hidden, "island"))
     return out
 
 
-def _devices(s: ClusterStatusView, sec: Section, narrow: bool, _stuck: object, groups: list[DeviceGroup],
+def _devices(s: ClusterStatusView, sec: Section, width: int, _stuck: object, groups: list[DeviceGroup],
              *_: object) -> list[RenderableType]:
     shown_groups = groups[: sec.shown]
     hosts_shown = len({g.host for g in shown_groups})
@@ -240,9 +284,9 @@ def _devices(s: ClusterStatusView, sec: Section, narrow: bool, _stuck: object, g
     rows_more = len(groups) - len(shown_groups)
     if sec.shown == 0:
         return [Text(f"devices: {s.devices_total:,} on {count(s.hosts_total, 'host')}", style="bold")]
-    t = _table(("HOST", {"max_width": 16 if narrow else 24}), ("DEV", {}), ("STATE", {}),
-               ("UTIL", {"min_width": 11 if narrow else 17}), ("RUNNING", {"ratio": 1, "min_width": 12}),
-               ("JOB", {"max_width": 12}))
+    narrow = width < NARROW
+    t = Grid(width, ("HOST", {"flex": True, "max": 24}), ("DEV", {"flex": True}), ("STATE", {}), ("UTIL", {}),
+             ("RUNNING", {"flex": True}), ("JOB", {"max": 12}))
     for g in shown_groups:
         locals_ = ranges([d.local_index for d in g.devices])
         if not narrow:
@@ -255,54 +299,55 @@ def _devices(s: ClusterStatusView, sec: Section, narrow: bool, _stuck: object, g
             running = Text("idle", style="dim")
         state = Text(g.host_state, style="" if g.host_state == "ready" else "bold red")
         t.add_row(g.host, locals_, state, bar(g.utilization, 6 if narrow else 12), running, g.job or "-")
-    out: list[RenderableType] = [t]
+    out: list[RenderableType] = [t.table()]
     if rows_more or hosts_more:
         more = f"... and {count(hosts_more, 'more host')}" if hosts_more else f"... and {rows_more} more rows"
         out.append(Text(more + " (`pwctl device list`, `pwctl status -o json`)", style="dim"))
     return out
 
 
-def _jobs(s: ClusterStatusView, sec: Section, narrow: bool, *_: object) -> list[RenderableType]:
+def _jobs(s: ClusterStatusView, sec: Section, width: int, *_: object) -> list[RenderableType]:
     if sec.shown == 0:
         return [Text(f"jobs: {s.jobs_running} running, {len(s.jobs) - s.jobs_running} recent", style="bold")]
-    t = _table(("JOB", {}), ("NAME", {"max_width": 20}), ("STATE", {}), ("SUBMITTED", {}), ("EXIT", {}),
-               ("REASON", {"ratio": 1}))
+    t = Grid(width, ("JOB", {}), ("NAME", {"flex": True, "max": 24}), ("STATE", {}), ("SUBMITTED", {}),
+             ("EXIT", {}), ("REASON", {"flex": True}))
     for j in s.jobs[: sec.shown]:
         style = {"failed": "red", "running": "green", "pending": "yellow"}.get(j.state, "")
         t.add_row(j.id, j.name or "-", Text(j.state, style=style), age(j.submitted_at),
                   "-" if j.exit_code is None else str(j.exit_code), j.reason or "-")
-    out: list[RenderableType] = [t]
+    out: list[RenderableType] = [t.table()]
     if sec.hidden:
         out.append(_more(sec.hidden, "job", " (`pwctl jobs list`)"))
     return out
 
 
-def _slices(s: ClusterStatusView, sec: Section, narrow: bool, *_: object) -> list[RenderableType]:
+def _slices(s: ClusterStatusView, sec: Section, width: int, *_: object) -> list[RenderableType]:
     if sec.shown == 0:
         return [Text(f"slices: {len(s.slices)}", style="bold")]
-    t = _table(("SLICE", {"max_width": 24}), ("STATE", {}), ("DEVICES", {"justify": "right"}),
-               ("ISLAND", {}), ("PROGRAMS", {"justify": "right"}), ("OWNER", {"ratio": 1}))
+    t = Grid(width, ("SLICE", {"flex": True, "max": 24}), ("STATE", {}), ("DEVICES", {"justify": "right"}),
+             ("ISLAND", {"flex": True}), ("PROGRAMS", {"justify": "right"}), ("OWNER", {"flex": True}))
     for sl in s.slices[: sec.shown]:
         islands = ",".join(sorted({d.island for d in sl.devices})) or "-"
         t.add_row(sl.name, Text(sl.state, style="" if sl.state == "ready" else "yellow"), str(len(sl.devices)),
                   islands, str(sl.programs), sl.owner or "-")
-    out: list[RenderableType] = [t]
+    out: list[RenderableType] = [t.table()]
     if sec.hidden:
         out.append(_more(sec.hidden, "slice", " (`pwctl slice list`)"))
     return out
 
 
-def _waits(s: ClusterStatusView, sec: Section, narrow: bool, _stuck: object, _groups: object,
+def _waits(s: ClusterStatusView, sec: Section, width: int, _stuck: object, _groups: object,
            entries: list[tuple[str, QueueEntryView]]) -> list[RenderableType]:
     waiting = sum(q.waiting for q in s.queues)
     if sec.shown == 0:
         return [Text(f"queues: {count(waiting, 'gang')} waiting", style="bold")]
-    t = _table(("WAITING", {"justify": "right"}), ("ISLAND", {}), ("PROGRAM", {"max_width": 24}),
-               ("JOB", {}), ("PRIORITY", {"justify": "right"}), ("WHY", {"ratio": 1}))
+    t = Grid(width, ("WAITING", {"justify": "right"}), ("ISLAND", {"flex": True}),
+             ("PROGRAM", {"flex": True, "max": 24}), ("JOB", {}), ("PRIORITY", {"justify": "right"}),
+             ("WHY", {"flex": True}))
     rows = entries[: sec.shown]
     for island, e in rows:
         t.add_row(seconds(e.waiting_s), island, e.program, e.job or "-", str(e.priority), e.reason or "-")
-    out: list[RenderableType] = [t]
+    out: list[RenderableType] = [t.table()]
     hidden = waiting - len(rows)
     if hidden > 0:
         out.append(_more(hidden, "waiting gang"))

@@ -17,6 +17,7 @@ from schemas import views
 
 from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_USAGE
+from ..version import check_server
 
 ServerOpt = Annotated[
     str | None,
@@ -48,8 +49,16 @@ def hint(message: str) -> None:
     stderr().print(message, highlight=False, soft_wrap=True)
 
 
-def client(server: str | None, timeout: float = 30.0) -> Client:
-    return Client(server=server, timeout=timeout)
+def client(server: str | None, timeout: float = 30.0, check_version: bool = True) -> Client:
+    """A client of the controller, whose version is checked first (pwctl/version.py)."""
+    c = Client(server=server, timeout=timeout)
+    if check_version:
+        try:
+            check_server(c)
+        except BaseException:
+            c.close()
+            raise
+    return c
 
 
 def emit_list(

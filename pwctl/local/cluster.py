@@ -27,7 +27,7 @@ from .workers import running_worker, start_worker, wait_workers_ready, worker_pi
 class UpResult:
     address: str
     islands: list[str]
-    devices: int
+    devices: int | str  # per island, or "all"
     controller_started: bool
     worker_pids: dict[str, int]
     started_workers: list[str] = field(default_factory=list)
@@ -56,7 +56,7 @@ def island_names(n: int) -> list[str]:
 
 def up(
     islands: int = 2,
-    devices: int = 4,
+    devices: int | str = 4,
     listen: str = paths.DEFAULT_ADDRESS,
     db: str | None = None,
     timeout: float = WORKER_READY_TIMEOUT_S,
@@ -65,10 +65,13 @@ def up(
 
     The controller is reused when one is running. Worker `local-<island>` is started unless a
     process of that name already runs. Everything starts at once (workers retry connecting on
-    their own); returns when every worker is ready. Idempotent.
+    their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
+    every accelerator of this machine.
     """
-    if islands < 1 or devices < 1:
-        raise InvalidArgument("--islands and --devices must be at least 1")
+    if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
+        raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
+    if devices == "all" and islands != 1:
+        raise InvalidArgument("--devices all gives every accelerator of this machine to one worker: one island")
     _check_address(listen)
     db = db or paths.default_db_url()
     state = _read_json(paths.cluster_state_path()) or {}

@@ -46,6 +46,17 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
             bad = run_pwctl("up", *args, "--listen", address, env=env)
             assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert json.loads((pw_home / "cluster.json").read_text()) == state
+
+        # a listing piped at 80 columns keeps each row on one line, headers included
+        name = "a-slice-whose-name-alone-takes-more-than-forty-columns"
+        assert run_pwctl("slice", "create", name, "--devices", "1", env=env).returncode == 0
+        for args, first, last in ((["slice", "list", "-o", "wide"], name, "REASON"),
+                                  (["host", "list", "-o", "wide"], "local-a", "LAST HEARTBEAT")):
+            listed = run_pwctl(*args, env={**env, "COLUMNS": "80"})
+            assert listed.returncode == 0, listed.stderr
+            lines = listed.stdout.splitlines()
+            assert len(lines) == 2 and lines[0].rstrip().endswith(last), listed.stdout
+            assert lines[1].split()[0] == first, listed.stdout
     finally:
         down = run_pwctl("down", "-y", env=env, timeout=60)
     assert down.returncode == 0, down.stderr

@@ -33,6 +33,8 @@ class Format(StrEnum):
     name = "name"
 
 
+PIPED_WIDTH = 10_000  # a listing piped somewhere is as wide as its rows, never folded
+
 OutputOpt = Annotated[Format, typer.Option("--output", "-o", help="Output format", case_sensitive=False)]
 
 
@@ -88,7 +90,10 @@ def emit_list(
         if fmt == Format.wide and wide_row is not None:
             cells += list(wide_row(item))
         table.add_row(*cells)
-    stdout().print(table)
+    console = stdout()
+    if not sys.stdout.isatty():
+        console.width = PIPED_WIDTH  # piped: every row on one line, whatever its length (as kubectl)
+    console.print(table)
     if not items:
         hint(f"no {kind.removesuffix('List').lower()}s")
 

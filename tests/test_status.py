@@ -604,3 +604,78 @@ def test_one_shot_screen_without_a_height_shows_the_whole_update() -> None:
     assert all(len(line) <= 80 for line in lines)
     assert "more hosts" not in text and "... and" not in text.replace("... and 0", "")
     assert sum(1 for line in lines if line.startswith("host-")) >= 2 and "SLICE " in text
+
+
+# ------------------------------------------------------------------ the status update, built offline
+
+
+@dataclass
+class IndexedCluster(FakeCluster):
+    """FakeCluster with the per-island index the status update pages through."""
+
+    def host_names(self, island: str) -> list[str]:
+        return sorted(h.name for h in self.hosts.values() if h.island == island)
+
+    def hosts_of(self, island: str) -> list[FakeHost]:
+        return [h for h in self.hosts.values() if h.island == island]
+
+
+def indexed_cluster() -> IndexedCluster:
+    hosts = {"h0": FakeHost("h0", "a", [10, 11]), "h1": FakeHost("h1", "b", [20, 21])}
+    return IndexedCluster(hosts, {"a": None, "b": None})
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_device_names_what_it_runs_and_its_job() -> None:
+    """RUNNING is never empty while utilization is above 0: a device shows the node on it or,
+    between nodes, the last one, with how long ago it ended; idle for the whole window, nothing."""
+    from server.controller.status_view import StatusQuery
+
+    obs = Observer(indexed_cluster(), ring_size=100)
+    run = fake_run(1, "step", "p-aaa", job="job-42")
+    now = time.time_ns()
+    feed(obs, "h0", finished(run, 0, now - S // 2, now - S // 4, [0]))  # ended 0.25 s ago
+    feed(obs, "h1", finished(run, 1, now - 20 * S, now - 19 * S, [1]))  # long before the window
+    feed(obs, "h0", started(run, 1, now - S // 10, [1]))  # on device 1 now
+    snap = obs.snapshot()
+    devices = {(d.host, d.local_index): d for d in snap.devices}
+    d0, d1 = devices[("h0", 0)], devices[("h0", 1)]
+    assert d0.utilization > 0 and d0.running == "step/0 f0" and d0.job == "job-42" and 0 < d0.idle_s < 5
+    assert d1.running == "step/1 f1" and d1.idle_s == 0.0 and d1.job == "job-42"
+    old = devices[("h1", 1)]
+    assert old.utilization == 0 and old.running == "" and old.idle_s > 15
+    assert devices[("h1", 0)].idle_s == -1.0 and devices[("h1", 0)].running == ""  # never ran anything
+    for d in snap.devices:
+        assert d.running or d.utilization == 0, d
+        assert d.host_state == "ready"
+    assert snap.hosts_total == 2
+
+    # one page at a time, in (island, host, local index) order
+    first = obs.snapshot(StatusQuery(device_limit=3))
+    assert [(d.host, d.local_index) for d in first.devices] == [("h0", 0), ("h0", 1), ("h1", 0)]
+    rest = obs.snapshot(StatusQuery(device_limit=3, page_token=first.next_page_token))
+    assert [(d.host, d.local_index) for d in rest.devices] == [("h1", 1)] and rest.next_page_token == ""
+
+
+@pytest.mark.timeout(30)
+def test_queues_count_every_gang_and_keep_the_longest_waits() -> None:
+    from server.controller.status_view import StatusQuery
+    from server.scheduler import GangScheduler, NodeSpec, RunSpec, Submit
+
+    sched = GangScheduler(max_inflight_nodes=1, debug=False)
+    t0 = time.monotonic()
+    for rid in range(1, 5):  # one admitted (the window holds one node), three waiting
+        node = NodeSpec(0, "h0", "a", (0,), (), "n0")
+        sched.handle(Submit(RunSpec(rid, f"p{rid}", f"c{rid}", f"job-{rid}", (node,)), now=t0 - 10 + rid))
+    obs = Observer(indexed_cluster(), ring_size=10, scheduler=sched)
+    full = {q.island: q for q in obs.snapshot().queues}
+    a = full["a"]
+    assert (a.running, a.waiting, a.stalled) == (1, 3, 0) and len(a.entries) == 4
+    assert a.longest_wait_s == pytest.approx(8.0, abs=1.0)  # run 2, submitted ~8 s ago
+    assert full["b"].running == full["b"].waiting == 0 and not full["b"].entries
+    limited = {q.island: q for q in obs.snapshot(StatusQuery(queue_limit=2)).queues}["a"]
+    assert (limited.running, limited.waiting) == (1, 3)  # the counts still cover every gang
+    assert [e.run_id for e in limited.entries] == [2, 3]  # the longest waiting first
+    assert all(e.state == "waiting" and e.waiting_s > 0 for e in limited.entries)
+    with pytest.raises(InvalidArgument, match="invalid page token"):
+        StatusQuery.of(cpb.WatchRequest(page_token="garbage"))

@@ -121,3 +121,29 @@ def test_a_controller_of_another_version_is_refused_up_front(pw_home: Path, tmp_
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_down_stops_the_cluster_after_its_controller_and_a_worker_restarted(pw_home: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    r = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address, env=env, timeout=90)
+    assert r.returncode == 0, r.stderr
+    first = json.loads((pw_home / "cluster.json").read_text())
+    pids: list[int] = []
+    try:
+        for args in (["server", "stop"], ["server", "start", "--listen", address], ["worker", "stop", "local-a"],
+                     ["worker", "start", "--island", "a", "--devices", "1", "--name", "local-a"]):
+            step = run_pwctl(*args, env=env, timeout=90)
+            assert step.returncode == 0, f"{args}: {step.stderr}"
+        controller = json.loads((pw_home / "server.pid").read_text())["pid"]
+        worker = json.loads((pw_home / "workers" / "local-a.pid").read_text())["pid"]
+        pids = [controller, worker, first["worker_pids"]["local-b"]]
+        assert controller != first["controller_pid"] and worker != first["worker_pids"]["local-a"]
+        assert all(local.is_alive(p) for p in pids)
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.strip() == f"stopped 2 worker(s) and the controller (pid {controller})"
+    assert not any(local.is_alive(p) for p in pids)
+    assert run_pwctl("island", "list", env=env).returncode == 1  # nothing answers any more

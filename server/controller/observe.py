@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -75,6 +76,7 @@ class BucketWindow:
         self.n = max(1, round(window_s / bucket_s))
         self._ids = [-1] * self.n
         self._vals = [0.0] * self.n
+        self._newest = -1  # the newest bucket written: a window ending before it holds nothing
 
     def _add(self, bucket: int, value: float) -> None:
         i = bucket % self.n
@@ -83,6 +85,7 @@ class BucketWindow:
                 return  # older than the window: already forgotten
             self._ids[i] = bucket
             self._vals[i] = 0.0
+            self._newest = max(self._newest, bucket)
         self._vals[i] += value
 
     def add_point(self, t_ns: int, value: float = 1.0) -> None:
@@ -104,6 +107,10 @@ class BucketWindow:
 
     def total(self, now_ns: int) -> float:
         lo, hi = self.first_bucket(now_ns), now_ns // self.bucket_ns
+        if self._newest < lo:  # idle for the whole window (most devices of a large idle cluster)
+            return 0.0
+        if self._newest <= hi:  # nothing from the future: one pass in C (status reads every device)
+            return sum(compress(self._vals, map(lo.__le__, self._ids)))
         return sum(v for b, v in zip(self._ids, self._vals, strict=True) if lo <= b <= hi)
 
     def span_ns(self, now_ns: int) -> int:

@@ -77,7 +77,7 @@ class Tmux:
         self.base = ["tmux", "-S", str(socket)]
         # the terminal decides the size: no COLUMNS/LINES from the test's environment
         assignments = [f"{k}={v}" for k, v in env.items() if k not in ("COLUMNS", "LINES", "NO_COLOR", "TMUX")]
-        line = "env -u COLUMNS -u LINES " + shlex.join([*assignments, *command]) + "; sleep 60"
+        line = "env -u COLUMNS -u LINES " + shlex.join([*assignments, *command]) + '; echo "exited $?"; sleep 60'
         subprocess.run([*self.base, "-f", "/dev/null", "new-session", "-d", "-s", "w", "-x", str(width),
                         "-y", str(height), line], check=True, timeout=10)
         self.width, self.height = width, height
@@ -99,6 +99,9 @@ class Tmux:
             return wait_for(check, timeout, what, interval=0.3)
         except TimeoutError as e:
             raise AssertionError(f"{e}; the screen:\n" + "\n".join(last[0])) from None
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run([*self.base, "send-keys", "-t", "w", *keys], check=True, timeout=10)
 
     def close(self) -> None:
         subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=10)
@@ -172,6 +175,11 @@ def test_watch_at_80x24(busy: tuple[LocalCluster, str], tmux: Callable[..., Tmux
     screen = t.wait_screen(shows_work(job), 40, "the screen to show the busy job")
     check_common(screen, 80, cluster.address, job)
     assert "POLICY" not in "\n".join(screen)  # the narrow layout
+    # Ctrl-C leaves the full-screen view: the terminal is back as it was, no traceback
+    t.keys("C-c")
+    after = t.wait_screen(lambda s: any(line.startswith("exited ") for line in s), 20, "pwctl to exit")
+    assert "exited 0" in after and "Traceback" not in "\n".join(after), after
+    assert not any("computations/s" in line for line in after), after
 
 
 @pytest.mark.cluster

@@ -247,7 +247,8 @@ class Observer:
         """The status update `query` asks for (status_view.py); everything by default."""
         return build_status(self, query or StatusQuery())
 
-    def _jobs(self) -> list[cpb.Job]:
+    def recent_jobs(self) -> list[cpb.Job]:
+        """The pending and running jobs, then the most recent that ended (`RECENT_JOBS` in all)."""
         if self.jobs is None:
             return []
         try:

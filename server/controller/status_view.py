@@ -10,19 +10,54 @@ node have no activity record and count as idle without being visited one by one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+from ..scheduler import GangScheduler
 from ..timeutil import now_iso
-from .cluster import READY, device_state, host_state
+from .cluster import READY, Cluster, device_state, host_state
 from .errors import InvalidArgument
+from .hangs import HangReporter
 from .hostviews import _decode, _encode, _hosts_from
 
-if TYPE_CHECKING:
-    from .observe import Observer
+
+class _Running(Protocol):
+    label: str
+    job: str
+
+
+class Activity(Protocol):
+    """What the status reads of one device's activity (observe.DeviceActivity)."""
+
+    last_end_ns: int
+    last_label: str
+    last_job: str
+
+    def running(self) -> _Running | None: ...
+
+    def utilization(self, now_ns: int) -> float: ...
+
+
+class Observer(Protocol):
+    """What the status is built from (observe.Observer; a protocol, so that neither module
+    imports the other)."""
+
+    cluster: Cluster
+    hangs: HangReporter | None
+    scheduler: GangScheduler | None
+    slices: Callable[[], list[cpb.Slice]] | None
+    computations_total: int
+
+    @property
+    def devices(self) -> Mapping[tuple[str, int], Activity]: ...
+
+    def recent_jobs(self) -> list[cpb.Job]: ...
+
+    def computations_per_s(self, now_ns: int | None = None) -> float: ...
 
 BUSY_WITHIN_S = 1.0  # a device that finished a node this recently counts as busy
 
@@ -81,7 +116,7 @@ def build_status(obs: Observer, query: StatusQuery) -> cpb.ClusterStatus:
     _devices(obs, query, status, stalled, now_ns)
     status.slices.extend(obs.slices() if obs.slices is not None else [])
     status.queues.extend(_queues(obs, query.queue_limit))
-    jobs = obs._jobs()
+    jobs = obs.recent_jobs()
     status.jobs.extend(jobs)
     status.jobs_running = sum(1 for j in jobs if j.state in (cpb.JOB_STATE_PENDING, cpb.JOB_STATE_RUNNING))
     status.computations_per_s = round(obs.computations_per_s(now_ns), 2)

@@ -348,9 +348,10 @@ def _waits(s: ClusterStatusView, sec: Section, width: int, _stuck: object, _grou
     for island, e in rows:
         t.add_row(seconds(e.waiting_s), island, e.program, e.job or "-", str(e.priority), e.reason or "-")
     out: list[RenderableType] = [t.table()]
-    hidden = waiting - len(rows)
+    # the counts are per island queue (a gang over two islands waits in both); so are the rows'
+    hidden = waiting - sum(len(island.split(",")) for island, _ in rows)
     if hidden > 0:
-        out.append(_more(hidden, "waiting gang"))
+        out.append(_more(hidden, "waiting gang", " (counted in each island queue it waits in)"))
     return out
 
 

@@ -129,17 +129,23 @@ class Client:
         return self._transport.server_stream(self._stub.StreamLogs, request)
 
     # ---- observe ----
-    def watch(self, interval_s: float = 1.0, timeout: float | None = None) -> Iterator[cpb.ClusterStatus]:
-        """The cluster's status now, then every `interval_s` (server-streamed) until closed."""
-        return self._transport.server_stream(self._stub.Watch, cpb.WatchRequest(interval_s=interval_s), timeout)
+    def watch(self, interval_s: float = 1.0, timeout: float | None = None, device_limit: int = 0,
+              page_token: str = "", queue_limit: int = 0) -> Iterator[cpb.ClusterStatus]:
+        """The cluster's status now, then every `interval_s` (server-streamed) until closed; with
+        `device_limit`, one page of devices from `page_token` on; with `queue_limit`, at most
+        that many entries per island queue (the counts cover every gang)."""
+        request = cpb.WatchRequest(interval_s=interval_s, device_limit=device_limit, page_token=page_token,
+                                   queue_limit=queue_limit)
+        return self._transport.server_stream(self._stub.Watch, request, timeout)
 
-    def status(self) -> cpb.ClusterStatus:
+    def status(self, device_limit: int = 0, page_token: str = "", queue_limit: int = 0) -> cpb.ClusterStatus:
         """One snapshot: the first message of the Watch stream (an idempotent read, so retried
         while the server is unavailable, like the other reads)."""
         retry = self._transport.retry
         attempt = 1
         while True:
-            stream = self.watch(timeout=self.timeout)
+            stream = self.watch(timeout=self.timeout, device_limit=device_limit, page_token=page_token,
+                                queue_limit=queue_limit)
             try:
                 for status in stream:
                     return status

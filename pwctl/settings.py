@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from . import paths
+from .errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,36 @@ class Target:
     token: str | None
 
 
+CONFIG_KEYS = ("server", "token")
+
+
 def _config() -> dict[str, str]:
+    """The config file's settings ({} when there is none). A file that is there but not what it
+    should be (not JSON, not an object, a key it does not know, a value that is not a string) is
+    an error naming the file and the problem, never silently ignored."""
     path = paths.data_dir() / "config.json"
     try:
-        data = json.loads(path.read_text())
-        return {k: str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise InvalidArgument(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"{path} is not valid JSON ({e}); fix or remove it "
+                              '(e.g. {"server": "10.0.0.5:7070", "token": "..."})') from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f'{path} must hold a JSON object such as {{"server": "10.0.0.5:7070"}}, '
+                              f"not a {type(data).__name__}")
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        raise InvalidArgument(f"{path}: unknown key(s) {', '.join(map(repr, unknown))} "
+                              f"(known: {', '.join(CONFIG_KEYS)})")
+    wrong = sorted(k for k, v in data.items() if not isinstance(v, str))
+    if wrong:
+        raise InvalidArgument(f"{path}: {', '.join(map(repr, wrong))} must be a string")
+    return dict(data)
 
 
 def resolve(server: str | None = None, token: str | None = None) -> Target:

@@ -235,7 +235,10 @@ def as_jsonable(doc: BaseModel) -> Any:
 
 class DeviceStatusView(View):
     """A device now: `utilization` is its busy fraction over the last ~5 s, `running` the label
-    ("program/node function") of the node on it now, "" when idle."""
+    ("program/node function") of the node on it now or, when none, of the last one that ran
+    within that window ("" when it ran nothing there), `job` that node's job; `idle_s` is 0 while
+    a node runs, else the seconds since its last node ended (-1: never); `host_state` is its
+    host's state as `host list` shows it (ready, stalled, reconnecting, lost)."""
 
     device_id: int
     island: str
@@ -244,12 +247,16 @@ class DeviceStatusView(View):
     state: str
     utilization: float
     running: str
+    job: str
+    idle_s: float
+    host_state: str
 
     @classmethod
     def of(cls, m: cpb.DeviceStatus) -> DeviceStatusView:
         return cls(device_id=m.device_id, island=m.island, host=m.host, local_index=m.local_index,
                    state=_enum_name(pb.DeviceState.Name(m.state), "DEVICE_STATE_"),
-                   utilization=round(m.utilization, 4), running=m.running)
+                   utilization=round(m.utilization, 4), running=m.running, job=m.job, idle_s=m.idle_s,
+                   host_state=m.host_state)
 
 
 class QueueEntryView(View):
@@ -267,22 +274,51 @@ class QueueEntryView(View):
     reason: str
     stalled_host: str
     stalled_s: float
+    waiting_s: float  # waiting: since submitted; running: since admitted
 
     @classmethod
     def of(cls, m: cpb.QueueEntry) -> QueueEntryView:
         return cls(run_id=m.run_id, program=m.program, client=m.client, job=m.job, state=m.state,
                    priority=m.priority, weight=m.weight, reason=m.reason, stalled_host=m.stalled_host,
-                   stalled_s=m.stalled_s)
+                   stalled_s=m.stalled_s, waiting_s=m.waiting_s)
 
 
 class IslandQueueView(View):
+    """An island's queue: `running`/`waiting`/`stalled` count every gang, `entries` may hold fewer
+    (with a queue limit: held back by a host first, then the longest waiting)."""
+
     island: str
     policy: str  # fifo | priority | fair
+    running: int
+    waiting: int
+    stalled: int
+    longest_wait_s: float
     entries: list[QueueEntryView]
 
     @classmethod
     def of(cls, m: cpb.IslandQueue) -> IslandQueueView:
-        return cls(island=m.island, policy=m.policy, entries=[QueueEntryView.of(e) for e in m.entries])
+        return cls(island=m.island, policy=m.policy, running=m.running, waiting=m.waiting, stalled=m.stalled,
+                   longest_wait_s=m.longest_wait_s, entries=[QueueEntryView.of(e) for e in m.entries])
+
+
+class IslandStatusView(View):
+    """An island now, over all its devices: hosts (ready, stalled), devices (available, busy:
+    running a node now or within the last second) and mean utilization."""
+
+    name: str
+    hosts: int
+    hosts_ready: int
+    hosts_stalled: int
+    devices: int
+    devices_available: int
+    devices_busy: int
+    utilization: float
+
+    @classmethod
+    def of(cls, m: cpb.IslandStatus) -> IslandStatusView:
+        return cls(name=m.name, hosts=m.hosts, hosts_ready=m.hosts_ready, hosts_stalled=m.hosts_stalled,
+                   devices=m.devices, devices_available=m.devices_available, devices_busy=m.devices_busy,
+                   utilization=round(m.utilization, 4))
 
 
 class JobStatusView(View):
@@ -311,7 +347,10 @@ class ClusterStatusView(BaseModel):
     """`pwctl status -o json` (and each line of `--watch -o json`): the cluster at `at` (UTC).
 
     `computations_per_s` counts node runs finished per second over the last few seconds;
-    `computations_total` those since the controller started."""
+    `computations_total` those since the controller started. `island_status` summarises each
+    island over all its devices; `devices` is every device, or one page of `devices_total` with
+    `--limit` (`next_page_token` continues: `--page-token`). `jobs` holds the pending and
+    running ones (`jobs_running` of them) and the most recent that ended."""
 
     model_config = ConfigDict(frozen=True, populate_by_name=True)
 
@@ -325,6 +364,11 @@ class ClusterStatusView(BaseModel):
     jobs: list[JobStatusView]
     computations_per_s: float
     computations_total: int
+    island_status: list[IslandStatusView]
+    hosts_total: int
+    devices_total: int
+    next_page_token: str
+    jobs_running: int
 
     @classmethod
     def of(cls, m: cpb.ClusterStatus) -> ClusterStatusView:
@@ -334,4 +378,6 @@ class ClusterStatusView(BaseModel):
                    queues=[IslandQueueView.of(q) for q in m.queues],
                    jobs=[JobStatusView.of(j) for j in m.jobs],
                    computations_per_s=round(m.computations_per_s, 2),
-                   computations_total=m.computations_total)
+                   computations_total=m.computations_total,
+                   island_status=[IslandStatusView.of(i) for i in m.island_status], hosts_total=m.hosts_total,
+                   devices_total=m.devices_total, next_page_token=m.next_page_token, jobs_running=m.jobs_running)

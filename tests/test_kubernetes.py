@@ -93,6 +93,24 @@ def test_manifests_agree_with_each_other() -> None:
     assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"]  # extended resources
 
 
+def test_the_controller_metrics_are_exposed_for_prometheus() -> None:
+    """The controller serves metrics beyond loopback on the port its container names `metrics`,
+    the Service publishes it, and the pod's prometheus.io annotations point a scrape at it."""
+    from server.controller.metrics import DEFAULT_LISTEN
+
+    docs = load_all()
+    controller = _container(docs, "pathways-controller")
+    ports = {p["name"]: p["containerPort"] for p in controller["ports"]}
+    metrics_port = ports["metrics"]
+    assert str(metrics_port) == DEFAULT_LISTEN.rsplit(":", 1)[1]  # the port the docs name everywhere
+    assert f"--metrics-listen 0.0.0.0:{metrics_port}" in " ".join(controller["args"])
+    service = {p["name"]: p for p in docs[("Service", "pathways-controller")]["spec"]["ports"]}
+    assert service["metrics"]["port"] == metrics_port and service["metrics"]["targetPort"] == "metrics"
+    notes = docs[("StatefulSet", "pathways-controller")]["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/port"] == str(metrics_port)
+    assert notes["prometheus.io/path"] == "/metrics"
+
+
 def _broken_copy(tmp_path: Path, edit: Any) -> list[Path]:
     root = tmp_path / "kubernetes"
     shutil.copytree(MANIFESTS, root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -357,9 +358,44 @@ def test_status_json_snapshot(busy: LocalCluster) -> None:
     assert isinstance(doc["slices"], list) and isinstance(doc["jobs"], list)
     ClusterStatusView.model_validate(doc)  # the documented shape
 
-    r = busy.pwctl("status")  # the table renders too
+    assert sorted(i["name"] for i in doc["island_status"]) == ["a", "b"]
+    assert doc["hosts_total"] == 2 and doc["devices_total"] == 4 and doc["next_page_token"] == ""
+    assert all({"running", "waiting", "stalled", "longest_wait_s"} <= set(q) for q in doc["queues"])
+
+    # piped at 80 columns: every line fits, every device row is one line
+    r = busy.pwctl("status", COLUMNS="80")
     assert r.returncode == 0, r.stderr
-    assert "computations/s" in r.stdout and "UTILIZATION" in r.stdout and "queue of island a" in r.stdout
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), r.stdout
+    assert lines[0].startswith(busy.address) and "computations/s" in r.stdout and "UTIL" in r.stdout
+    header = next(i for i, line in enumerate(lines) if line.startswith("HOST "))
+    rows = lines[header + 1: header + 3]
+    assert all(re.match(r"w-[ab] +\d", row) for row in rows), r.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_status_json_pages_devices(busy: LocalCluster) -> None:
+    """`status -o json --limit N` is one page of devices (island summaries still count all of them);
+    `--page-token` continues; the pages together are every device once, in order."""
+    seen: list[tuple[str, str, int]] = []
+    token = ""
+    for _ in range(5):
+        r = busy.pwctl("status", "-o", "json", "--limit", "3", *(["--page-token", token] if token else []))
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert len(doc["devices"]) <= 3 and doc["devices_total"] == 4
+        assert sum(i["devices"] for i in doc["island_status"]) == 4
+        seen += [(d["island"], d["host"], d["local_index"]) for d in doc["devices"]]
+        token = doc["next_page_token"]
+        if not token:
+            break
+        assert "--page-token" in r.stderr  # says how to get the rest
+    assert seen == sorted(seen) and len(set(seen)) == 4
+    bad = busy.pwctl("status", "-o", "json", "--page-token", "not-a-token")
+    assert bad.returncode == 2 and "invalid page token" in bad.stderr, bad.stderr
+    table = busy.pwctl("status", "--limit", "2")
+    assert table.returncode == 2 and "only with -o json" in table.stderr
 
 
 def read_lines(proc: subprocess.Popen[str], n: int, deadline_s: float) -> Iterator[str]:
@@ -465,3 +501,181 @@ def test_trace_and_status_of_a_job(busy: LocalCluster, tmp_path: Path) -> None:
     xs = wait_for(complete, 30, "every node run of the job in its trace", interval=0.5)
     assert {e["args"]["job"] for e in xs} == {job}
     assert {e["args"]["program"] for e in xs} == {"double", "step"}
+
+
+# ------------------------------------------------------------------ the screen, drawn offline
+
+
+def synthetic_status(hosts: int = 2048, per_host: int = 8, page: int = 1024, jobs: int = 30, stuck: int = 3,
+                     waiting: int = 50) -> ClusterStatusView:
+    """A big cluster's update as the screen asks for it: one page of devices, counts over all."""
+    islands = 16
+    devices = []
+    for k in range(page):
+        h, local = divmod(k, per_host)
+        busy = h % 3 == 0 and local < 4
+        devices.append(cpb.DeviceStatus(
+            device_id=k, island=f"isl-{h % islands:02d}", host=f"host-{h:05d}", local_index=local,
+            state=1, utilization=0.75 if busy else 0.0, running="train/0-3 (step, a_very_long_function_name)"
+            if busy else "", job="job-1a2b3c" if busy else "", idle_s=0.0 if busy else -1.0, host_state="ready"))
+    queues = []
+    for i in range(islands):
+        q = cpb.IslandQueue(island=f"isl-{i:02d}", policy="fifo", running=4, waiting=waiting // islands)
+        for n in range(2):
+            q.entries.add(program="train", client="c-1", job="job-1a2b3c", state="waiting", run_id=i * 100 + n,
+                          waiting_s=1.5 * (i + n), reason="no room in the island's window")
+        if i < stuck:
+            q.entries.add(program="evaluate", client="c-2", job="job-9f8e7d", state="running", run_id=9000 + i,
+                          stalled_host=f"host-{i:05d}", stalled_s=6.0 + i,
+                          reason=f"node 0 of program evaluate: host host-{i:05d} has not started it for {6 + i}.0 s")
+            q.stalled = 1
+        queues.append(q)
+    m = cpb.ClusterStatus(
+        at="2026-11-25T14:00:00.000Z", devices=devices, queues=queues, computations_per_s=12345.6,
+        computations_total=10**9, hosts_total=hosts, devices_total=hosts * per_host, next_page_token="tok",
+        jobs_running=jobs // 2)
+    for i in range(islands):
+        m.islands.add(name=f"isl-{i:02d}", hosts=hosts // islands, devices=hosts * per_host // islands,
+                      available_devices=hosts * per_host // islands)
+        m.island_status.add(name=f"isl-{i:02d}", hosts=hosts // islands, hosts_ready=hosts // islands,
+                            hosts_stalled=1 if i < stuck else 0, devices=hosts * per_host // islands,
+                            devices_available=hosts * per_host // islands, devices_busy=40, utilization=0.3)
+    for j in range(jobs):
+        m.jobs.add(id=f"job-{j:06x}", name=f"train-{j}", state=cpb.JOB_STATE_RUNNING if j < jobs // 2
+                   else cpb.JOB_STATE_SUCCEEDED, submitted_at="2026-11-25T13:00:00Z")
+    m.slices.add(name="train", state=cpb.SLICE_STATE_READY, programs=3, owner="job:job-1a2b3c")
+    return ClusterStatusView.of(m)
+
+
+def screen_lines(view: ClusterStatusView, width: int, height: int | None) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from pwctl.cli.status import render
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, height=height or 1000, no_color=True, color_system=None)
+    console.print(render(view, width, height, "10.0.0.5:7070"), crop=True)
+    return out.getvalue().rstrip("\n").split("\n")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("width", "height"), [(80, 24), (160, 45), (60, 12), (200, 60)])
+def test_screen_of_a_big_cluster_fits_and_summarises(width: int, height: int) -> None:
+    lines = screen_lines(synthetic_status(), width, height)
+    assert len(lines) <= height and all(len(line) <= width for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert lines[0].startswith("10.0.0.5:7070 14:00:00Z") and "16 islands" in lines[0]
+    assert "hosts 2,048/2,048 ready, 3 stalled" in text and "12,346 computations/s" in text
+    # the stuck gangs come first, the longest held first, each with its host and for how long
+    first_stuck = next(i for i, line in enumerate(lines) if line.startswith("STUCK"))
+    assert first_stuck <= 4 and lines[first_stuck].startswith("STUCK for 8.0s: host host-00002 holds back"), text
+    assert not any(line.startswith(("ISLAND", "HOST", "JOB", "...")) for line in lines[:first_stuck]), text
+    # the devices not shown are summarised
+    assert re.search(r"\.\.\. and [\d,]+ more hosts", text) or "devices: 16,384 on 2,048 hosts" in text, text
+    if height >= 24:
+        assert re.search(r"\.\.\. and [\d,]+ more hosts", text), text
+        assert "HOST" in text and "JOB " in text  # devices and jobs get rows even at 80x24
+        devices = [line for line in lines if line.startswith("host-")]
+        assert devices and all(re.match(r"host-\d{5} +\d", line) for line in devices)
+    if height >= 45:
+        assert "WAITING " in text and "SLICE " in text  # there is room for the queues' longest waits
+
+
+def test_screen_layout_gives_every_section_a_share_first() -> None:
+    from pwctl.cli.status.layout import Section, allocate
+
+    secs = [Section("a", 50, first=4), Section("b", 3, first=3), Section("c", 0, first=2)]
+    left = allocate(secs, 12)
+    assert [s.shown for s in secs] == [6, 3, 0] and left == 0  # a: header 6 more; b: header 3
+    assert sum(s.cost() for s in secs) == 12
+    allocate(secs, None)
+    assert [s.shown for s in secs] == [50, 3, 0]
+    allocate(secs, 3)  # too small for rows: one summary line per section
+    assert [s.shown for s in secs] == [0, 0, 0] and sum(s.cost() for s in secs) == 2
+
+
+@pytest.mark.timeout(30)
+def test_one_shot_screen_without_a_height_shows_the_whole_update() -> None:
+    view = synthetic_status(hosts=4, per_host=2, page=8, jobs=2, stuck=1, waiting=16)
+    lines = screen_lines(view, 80, None)
+    text = "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+    assert "more hosts" not in text and "... and" not in text.replace("... and 0", "")
+    assert sum(1 for line in lines if line.startswith("host-")) >= 2 and "SLICE " in text
+
+
+# ------------------------------------------------------------------ the status update, built offline
+
+
+@dataclass
+class IndexedCluster(FakeCluster):
+    """FakeCluster with the per-island index the status update pages through."""
+
+    def host_names(self, island: str) -> list[str]:
+        return sorted(h.name for h in self.hosts.values() if h.island == island)
+
+    def hosts_of(self, island: str) -> list[FakeHost]:
+        return [h for h in self.hosts.values() if h.island == island]
+
+
+def indexed_cluster() -> IndexedCluster:
+    hosts = {"h0": FakeHost("h0", "a", [10, 11]), "h1": FakeHost("h1", "b", [20, 21])}
+    return IndexedCluster(hosts, {"a": None, "b": None})
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_device_names_what_it_runs_and_its_job() -> None:
+    """RUNNING is never empty while utilization is above 0: a device shows the node on it or,
+    between nodes, the last one, with how long ago it ended; idle for the whole window, nothing."""
+    from server.controller.status_view import StatusQuery
+
+    obs = Observer(indexed_cluster(), ring_size=100)
+    run = fake_run(1, "step", "p-aaa", job="job-42")
+    now = time.time_ns()
+    feed(obs, "h0", finished(run, 0, now - S // 2, now - S // 4, [0]))  # ended 0.25 s ago
+    feed(obs, "h1", finished(run, 1, now - 20 * S, now - 19 * S, [1]))  # long before the window
+    feed(obs, "h0", started(run, 1, now - S // 10, [1]))  # on device 1 now
+    snap = obs.snapshot()
+    devices = {(d.host, d.local_index): d for d in snap.devices}
+    d0, d1 = devices[("h0", 0)], devices[("h0", 1)]
+    assert d0.utilization > 0 and d0.running == "step/0 f0" and d0.job == "job-42" and 0 < d0.idle_s < 5
+    assert d1.running == "step/1 f1" and d1.idle_s == 0.0 and d1.job == "job-42"
+    old = devices[("h1", 1)]
+    assert old.utilization == 0 and old.running == "" and old.idle_s > 15
+    assert devices[("h1", 0)].idle_s == -1.0 and devices[("h1", 0)].running == ""  # never ran anything
+    for d in snap.devices:
+        assert d.running or d.utilization == 0, d
+        assert d.host_state == "ready"
+    assert snap.hosts_total == 2
+
+    # one page at a time, in (island, host, local index) order
+    first = obs.snapshot(StatusQuery(device_limit=3))
+    assert [(d.host, d.local_index) for d in first.devices] == [("h0", 0), ("h0", 1), ("h1", 0)]
+    rest = obs.snapshot(StatusQuery(device_limit=3, page_token=first.next_page_token))
+    assert [(d.host, d.local_index) for d in rest.devices] == [("h1", 1)] and rest.next_page_token == ""
+
+
+@pytest.mark.timeout(30)
+def test_queues_count_every_gang_and_keep_the_longest_waits() -> None:
+    from server.controller.status_view import StatusQuery
+    from server.scheduler import GangScheduler, NodeSpec, RunSpec, Submit
+
+    sched = GangScheduler(max_inflight_nodes=1, debug=False)
+    t0 = time.monotonic()
+    for rid in range(1, 5):  # one admitted (the window holds one node), three waiting
+        node = NodeSpec(0, "h0", "a", (0,), (), "n0")
+        sched.handle(Submit(RunSpec(rid, f"p{rid}", f"c{rid}", f"job-{rid}", (node,)), now=t0 - 10 + rid))
+    obs = Observer(indexed_cluster(), ring_size=10, scheduler=sched)
+    full = {q.island: q for q in obs.snapshot().queues}
+    a = full["a"]
+    assert (a.running, a.waiting, a.stalled) == (1, 3, 0) and len(a.entries) == 4
+    assert a.longest_wait_s == pytest.approx(8.0, abs=1.0)  # run 2, submitted ~8 s ago
+    assert full["b"].running == full["b"].waiting == 0 and not full["b"].entries
+    limited = {q.island: q for q in obs.snapshot(StatusQuery(queue_limit=2)).queues}["a"]
+    assert (limited.running, limited.waiting) == (1, 3)  # the counts still cover every gang
+    assert [e.run_id for e in limited.entries] == [2, 3]  # the longest waiting first
+    assert all(e.state == "waiting" and e.waiting_s > 0 for e in limited.entries)
+    with pytest.raises(InvalidArgument, match="invalid page token"):
+        StatusQuery.of(cpb.WatchRequest(page_token="garbage"))

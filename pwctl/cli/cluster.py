@@ -14,30 +14,61 @@ from ..transport import NO_RETRY
 from .common import confirm_or_exit, hint
 from .jobs import TERMINAL
 
-IslandsOpt = Annotated[int, typer.Option("--islands", min=1, help="Islands, one worker each")]
-DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="Virtual CPU devices per island")]
+IslandsOpt = Annotated[int | None, typer.Option(
+    "--islands", min=1, show_default=False, help="Islands, one worker each (default 2; 1 with --devices all)")]
+DevicesOpt = Annotated[str, typer.Option(
+    "--devices", help="Virtual CPU devices per island, or 'all': every accelerator of this machine, one island")]
 ListenOpt = Annotated[str, typer.Option("--listen", help="Controller address, HOST:PORT")]
 DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
                                            help="Database URL (default: SQLite in the data directory)")]
 
 
 def up(
-    islands: IslandsOpt = 2,
-    devices: DevicesOpt = 4,
+    islands: IslandsOpt = None,
+    devices: DevicesOpt = "4",
     listen: ListenOpt = paths.DEFAULT_ADDRESS,
     db: DbOpt = None,
 ) -> None:
-    """Start a local cluster (controller + one worker per island) and wait until it is ready."""
-    hint(f"starting {islands} island(s) x {devices} device(s) ...")
-    result = local.up(islands=islands, devices=devices, listen=listen, db=db)
-    total = islands * devices
-    sys.stdout.write(
-        f"cluster up at {result.address}: {islands} island(s) ({', '.join(result.islands)}), "
-        f"{devices} device(s) each, {total} in all\n"
-    )
-    if not result.started_workers and not result.controller_started:
-        hint("(it was already up)")
-    hint("next: `pwctl island list`, `pwctl device list`; stop with `pwctl down`")
+    """Start a local cluster (controller + one worker per island) and wait until it is ready.
+    Run again, it starts only what is missing and says what runs."""
+    count = _devices(devices)
+    if count is None and islands not in (None, 1):
+        raise typer.BadParameter("--devices all gives every accelerator of this machine to one worker, so one "
+                                 "island: leave --islands out (more islands: `pwctl worker start` on other hosts)",
+                                 param_hint="--islands")
+    n = islands or (2 if count is not None else 1)
+    hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
+    result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db)
+    sizes = _island_sizes(result.address, result.islands)
+    already = not result.started_workers and not result.controller_started
+    what = ", ".join(f"{i} ({sizes.get(i, '?')} device(s))" for i in result.islands)
+    total = sum(v for v in sizes.values())
+    if already:
+        pids = ", ".join(f"{w} pid {p}" for w, p in sorted(result.worker_pids.items()))
+        sys.stdout.write(f"already up at {result.address}: {len(result.islands)} island(s): {what}, {total} device(s) "
+                         f"in all (workers {pids}); nothing started\n")
+    else:
+        sys.stdout.write(f"cluster up at {result.address}: {len(result.islands)} island(s): {what}, "
+                         f"{total} device(s) in all\n")
+    hint("next: `pwctl status --watch`, `pwctl island list`; stop with `pwctl down`")
+
+
+def _devices(text: str) -> int | None:
+    """`--devices`: a positive count, or None for 'all'. Raises BadParameter."""
+    if text.strip().lower() == "all":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise typer.BadParameter(f"{text!r} is neither a positive number nor 'all'", param_hint="--devices")
+    return int(text)
+
+
+def _island_sizes(address: str, names: list[str]) -> dict[str, int]:
+    """Island name -> devices, as the controller counts them ({} when it does not answer)."""
+    try:
+        with Client(address, timeout=10.0, retry=NO_RETRY) as c:
+            return {i.name: i.devices for i in c.islands() if i.name in names}
+    except ConnectionFailed:
+        return {}
 
 
 def down(

@@ -17,6 +17,7 @@ from schemas import views
 
 from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_USAGE
+from ..version import check_server
 
 ServerOpt = Annotated[
     str | None,
@@ -31,6 +32,8 @@ class Format(StrEnum):
     json = "json"
     name = "name"
 
+
+PIPED_WIDTH = 10_000  # a listing piped somewhere is as wide as its rows, never folded
 
 OutputOpt = Annotated[Format, typer.Option("--output", "-o", help="Output format", case_sensitive=False)]
 
@@ -48,8 +51,16 @@ def hint(message: str) -> None:
     stderr().print(message, highlight=False, soft_wrap=True)
 
 
-def client(server: str | None, timeout: float = 30.0) -> Client:
-    return Client(server=server, timeout=timeout)
+def client(server: str | None, timeout: float = 30.0, check_version: bool = True) -> Client:
+    """A client of the controller, whose version is checked first (pwctl/version.py)."""
+    c = Client(server=server, timeout=timeout)
+    if check_version:
+        try:
+            check_server(c)
+        except BaseException:
+            c.close()
+            raise
+    return c
 
 
 def emit_list(
@@ -79,7 +90,10 @@ def emit_list(
         if fmt == Format.wide and wide_row is not None:
             cells += list(wide_row(item))
         table.add_row(*cells)
-    stdout().print(table)
+    console = stdout()
+    if not sys.stdout.isatty():
+        console.width = PIPED_WIDTH  # piped: every row on one line, whatever its length (as kubectl)
+    console.print(table)
     if not items:
         hint(f"no {kind.removesuffix('List').lower()}s")
 

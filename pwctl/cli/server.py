@@ -10,7 +10,8 @@ import typer
 
 from schemas.views import ServerInfoView
 
-from .. import local, paths
+from .. import __version__, local, paths
+from ..version import compatible, mismatch
 from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
 
 app = typer.Typer(help="The controller: start, stop, inspect.", no_args_is_help=True)
@@ -105,9 +106,11 @@ def stop() -> None:
 @app.command("info")
 def info(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Version, address, database, uptime, and what the controller holds."""
-    with client(server, timeout=10.0) as c:
+    with client(server, timeout=10.0, check_version=False) as c:  # it shows the version: no check
         view = ServerInfoView.of(c.info())
     emit_item(output, "ServerInfo", view, _render)
+    if not compatible(__version__, view.version):
+        hint(f"warning: {mismatch(view.version, view.address)}")
 
 
 def _render(v: ServerInfoView) -> None:

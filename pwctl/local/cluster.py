@@ -27,7 +27,7 @@ from .workers import running_worker, start_worker, wait_workers_ready, worker_pi
 class UpResult:
     address: str
     islands: list[str]
-    devices: int
+    devices: int | str  # per island, or "all"
     controller_started: bool
     worker_pids: dict[str, int]
     started_workers: list[str] = field(default_factory=list)
@@ -56,7 +56,7 @@ def island_names(n: int) -> list[str]:
 
 def up(
     islands: int = 2,
-    devices: int = 4,
+    devices: int | str = 4,
     listen: str = paths.DEFAULT_ADDRESS,
     db: str | None = None,
     timeout: float = WORKER_READY_TIMEOUT_S,
@@ -65,10 +65,13 @@ def up(
 
     The controller is reused when one is running. Worker `local-<island>` is started unless a
     process of that name already runs. Everything starts at once (workers retry connecting on
-    their own); returns when every worker is ready. Idempotent.
+    their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
+    every accelerator of this machine.
     """
-    if islands < 1 or devices < 1:
-        raise InvalidArgument("--islands and --devices must be at least 1")
+    if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
+        raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
+    if devices == "all" and islands != 1:
+        raise InvalidArgument("--devices all gives every accelerator of this machine to one worker: one island")
     _check_address(listen)
     db = db or paths.default_db_url()
     state = _read_json(paths.cluster_state_path()) or {}
@@ -120,21 +123,45 @@ def recorded_address() -> str | None:
     return str(state.get("address", "")) or None if state is not None else None
 
 
+def _cluster_controller(state: dict[str, Any]) -> int | None:
+    """The pid of the cluster's controller, running now: the one `up` started or, when that one was
+    restarted since (`pwctl server stop`/`start`), the controller this data directory runs at the
+    cluster's address. None when `up` reused someone else's controller or none runs."""
+    recorded = state.get("controller_pid")
+    if not recorded:
+        return None
+    if runs_module(int(recorded), CONTROLLER_MODULE):
+        return int(recorded)
+    info = _read_json(paths.server_pid_path()) or {}
+    pid = int(info.get("pid", 0) or 0)
+    if pid and info.get("address") == state.get("address") and runs_module(pid, CONTROLLER_MODULE):
+        return pid
+    return None
+
+
 def down(grace: float = STOP_GRACE_S) -> DownResult | None:
-    """Stops exactly what `up` recorded in cluster.json (workers first), by pid; None if nothing."""
+    """Stops the cluster `up` recorded in cluster.json (workers first), by pid, also the controller
+    and workers restarted since under the same names and address; None if nothing was recorded."""
     path = paths.cluster_state_path()
     state = _read_json(path)
     if state is None:
         return None
     workers = {str(n): int(p) for n, p in dict(state.get("worker_pids", {})).items()}
-    ours = {n: p for n, p in workers.items() if runs_module(p, WORKER_MODULE)}
-    terminate(list(ours.values()), grace)
+    ours: dict[str, int] = {}
     for name, pid in workers.items():
+        if runs_module(pid, WORKER_MODULE):
+            ours[name] = pid
+        else:  # restarted since (`pwctl worker start --name local-a`): its pid file names it
+            again = running_worker(name)
+            if again is not None:
+                ours[name] = again
+    terminate(list(ours.values()), grace)
+    for name, pid in ours.items():
         if (_read_json(worker_pid_path(name)) or {}).get("pid") == pid:
             worker_pid_path(name).unlink(missing_ok=True)
-    controller_pid = state.get("controller_pid")
+    controller_pid = _cluster_controller(state)
     stopped_controller: int | None = None
-    if controller_pid and runs_module(int(controller_pid), CONTROLLER_MODULE):
+    if controller_pid is not None:
         stopped_controller = int(controller_pid)
         _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
         if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:

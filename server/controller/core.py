@@ -68,6 +68,7 @@ class Controller:
         self.cluster = Cluster(self.db, write, config.heartbeat_interval, config.heartbeat_timeout)
         self.registry = ProgramRegistry()
         self.slices = SliceService(self.db, write, self.cluster.hosts, self.registry.slice_in_use)
+        self.slices.program_counts = self.registry.slice_counts
         self.scheduler = GangScheduler(
             hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
             max_inflight_nodes=config.window,

@@ -32,14 +32,15 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-from ..timeutil import now_iso
-from .cluster import READY, Cluster, device_state
+from .cluster import Cluster
 from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
+from .status_view import StatusQuery, build_status
 from .trace import DeviceKey, NodeRun, TraceBuilder, _Ring, chrome_trace
 from .trace_store import FLUSH_INTERVAL_S, Segment, TraceStore
 
@@ -75,6 +76,7 @@ class BucketWindow:
         self.n = max(1, round(window_s / bucket_s))
         self._ids = [-1] * self.n
         self._vals = [0.0] * self.n
+        self._newest = -1  # the newest bucket written: a window ending before it holds nothing
 
     def _add(self, bucket: int, value: float) -> None:
         i = bucket % self.n
@@ -83,6 +85,7 @@ class BucketWindow:
                 return  # older than the window: already forgotten
             self._ids[i] = bucket
             self._vals[i] = 0.0
+            self._newest = max(self._newest, bucket)
         self._vals[i] += value
 
     def add_point(self, t_ns: int, value: float = 1.0) -> None:
@@ -104,6 +107,10 @@ class BucketWindow:
 
     def total(self, now_ns: int) -> float:
         lo, hi = self.first_bucket(now_ns), now_ns // self.bucket_ns
+        if self._newest < lo:  # idle for the whole window (most devices of a large idle cluster)
+            return 0.0
+        if self._newest <= hi:  # nothing from the future: one pass in C (status reads every device)
+            return sum(compress(self._vals, map(lo.__le__, self._ids)))
         return sum(v for b, v in zip(self._ids, self._vals, strict=True) if lo <= b <= hi)
 
     def span_ns(self, now_ns: int) -> int:
@@ -114,6 +121,7 @@ class BucketWindow:
 class _Running:
     label: str
     start_ns: int
+    job: str = ""
 
 
 class DeviceActivity:
@@ -123,16 +131,20 @@ class DeviceActivity:
         self.inflight: OrderedDict[tuple[int, int], _Running] = OrderedDict()
         self.busy = BucketWindow(UTIL_WINDOW_S)
         self.last_end_ns = 0
+        self.last_label = ""  # the node that finished last here, and its job
+        self.last_job = ""
 
-    def started(self, key: tuple[int, int], label: str, start_ns: int) -> None:
-        self.inflight[key] = _Running(label, start_ns)
+    def started(self, key: tuple[int, int], label: str, start_ns: int, job: str = "") -> None:
+        self.inflight[key] = _Running(label, start_ns, job)
         while len(self.inflight) > MAX_INFLIGHT_PER_DEVICE:
             self.inflight.popitem(last=False)
 
-    def finished(self, key: tuple[int, int], busy_from_ns: int, end_ns: int) -> None:
+    def finished(self, key: tuple[int, int], busy_from_ns: int, end_ns: int, label: str = "",
+                 job: str = "") -> None:
         self.inflight.pop(key, None)
         self.busy.add_span(busy_from_ns, end_ns)
-        self.last_end_ns = max(self.last_end_ns, end_ns)
+        if end_ns >= self.last_end_ns:
+            self.last_end_ns, self.last_label, self.last_job = end_ns, label, job
 
     def running(self) -> _Running | None:
         return next(iter(self.inflight.values()), None)
@@ -168,7 +180,7 @@ class Observer:
         self.devices: dict[DeviceKey, DeviceActivity] = {}
         self._rate = BucketWindow(RATE_WINDOW_S)
         self.computations_total = 0
-        self._cached: tuple[float, cpb.ClusterStatus] | None = None
+        self._cached: dict[StatusQuery, tuple[float, cpb.ClusterStatus]] = {}
 
     # ------------------------------------------------------------------ events in
     def on_node_event(self, host: str, ev: cpb.NodeEvent, run: RunState | None) -> None:
@@ -182,19 +194,20 @@ class Observer:
     def _node_event(self, host: str, ev: cpb.NodeEvent, run: RunState | None) -> None:
         key = (ev.run_id, ev.segment)
         label = _label(ev, run)
+        session = run.session if run is not None else None
+        job = session.job_id if session is not None else ""
         acts = [self._device(host, d) for d in ev.local_devices]
         if ev.end_ns == 0:
             for a in acts:
-                a.started(key, label, ev.start_ns)
+                a.started(key, label, ev.start_ns, job)
             return
         busy_from = max([ev.start_ns] + [a.last_end_ns for a in acts])
         for a in acts:
-            a.finished(key, busy_from, ev.end_ns)
+            a.finished(key, busy_from, ev.end_ns, label, job)
         size = segment_size(run, ev.segment)
         self.computations_total += size
         self._rate.add_point(ev.end_ns, size)
         h = self.cluster.hosts.get(host)
-        session = run.session if run is not None else None
         program = run.program if run is not None else None
         self._ring.append(
             (host, h.island if h is not None else "", self._ring.shared_devices(tuple(ev.local_devices)),
@@ -230,57 +243,12 @@ class Observer:
         now = now_ns if now_ns is not None else time.time_ns()
         return self._rate.total(now) / (self._rate.span_ns(now) / 1e9)
 
-    def snapshot(self) -> cpb.ClusterStatus:
-        now_ns = time.time_ns()
-        devices = []
-        for h in sorted(self.cluster.hosts.values(), key=lambda h: (h.island, h.name)):
-            for local, dev_id in enumerate(h.device_ids):
-                act = self.devices.get((h.name, local))
-                head = act.running() if act is not None and h.state == READY else None
-                devices.append(cpb.DeviceStatus(
-                    device_id=dev_id, island=h.island, host=h.name, local_index=local,
-                    state=device_state(h.state),
-                    utilization=round(act.utilization(now_ns), 4) if act is not None else 0.0,
-                    running=head.label if head is not None else "",
-                ))
-        return cpb.ClusterStatus(
-            at=now_iso(),
-            islands=self.cluster.island_protos(),
-            devices=devices,
-            slices=self.slices() if self.slices is not None else [],
-            queues=self._queues(),
-            jobs=self._jobs(),
-            computations_per_s=round(self.computations_per_s(now_ns), 2),
-            computations_total=self.computations_total,
-        )
+    def snapshot(self, query: StatusQuery | None = None) -> cpb.ClusterStatus:
+        """The status update `query` asks for (status_view.py); everything by default."""
+        return build_status(self, query or StatusQuery())
 
-    def _queues(self) -> list[cpb.IslandQueue]:
-        sched = self.scheduler
-        if sched is None:
-            return []
-        snap = sched.snapshot()
-        views = {v.island: v for v in snap.islands}
-        stalls = {s.run_id: s for s in self.hangs.stalls()} if self.hangs is not None else {}
-        out = []
-        for island in sorted(set(self.cluster.islands) | set(views)):
-            v = views.get(island)
-            policy = v.policy if v is not None else str(sched.policy(island))
-            q = cpb.IslandQueue(island=island, policy=policy)
-            if v is not None:
-                for state, runs in (("running", v.running), ("waiting", v.waiting)):
-                    for r in runs:
-                        e = cpb.QueueEntry(
-                            program=r.program, client=r.client, job=r.job or "", state=state,
-                            priority=r.priority, weight=r.weight, reason=r.wait_reason, run_id=r.run_id,
-                        )
-                        stall = stalls.get(r.run_id)
-                        if stall is not None:
-                            e.reason, e.stalled_host, e.stalled_s = stall.message, stall.host, round(stall.for_s, 1)
-                        q.entries.append(e)
-            out.append(q)
-        return out
-
-    def _jobs(self) -> list[cpb.Job]:
+    def recent_jobs(self) -> list[cpb.Job]:
+        """The pending and running jobs, then the most recent that ended (`RECENT_JOBS` in all)."""
         if self.jobs is None:
             return []
         try:
@@ -293,21 +261,25 @@ class Observer:
         ended.sort(key=lambda j: j.ended_at or j.submitted_at, reverse=True)
         return running + ended[: max(0, RECENT_JOBS - len(running))]
 
-    def _shared_snapshot(self) -> cpb.ClusterStatus:
+    def _shared_snapshot(self, query: StatusQuery) -> cpb.ClusterStatus:
         now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < SNAPSHOT_REUSE_S:
-            return self._cached[1]
-        snap = self.snapshot()
-        self._cached = (now, snap)
+        cached = self._cached.get(query)
+        if cached is not None and now - cached[0] < SNAPSHOT_REUSE_S:
+            return cached[1]
+        snap = self.snapshot(query)
+        self._cached = {q: c for q, c in self._cached.items() if now - c[0] < SNAPSHOT_REUSE_S}
+        self._cached[query] = (now, snap)
         return snap
 
-    async def watch(self, interval_s: float = 1.0) -> AsyncIterator[cpb.ClusterStatus]:
+    async def watch(self, interval_s: float = 1.0, query: StatusQuery | None = None
+                    ) -> AsyncIterator[cpb.ClusterStatus]:
         """A snapshot now, then one every `interval_s` (at least 0.1 s) until cancelled."""
         interval = max(MIN_WATCH_INTERVAL_S, interval_s)
+        query = query or StatusQuery()
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            yield self._shared_snapshot()
+            yield self._shared_snapshot(query)
             next_at += interval
             await asyncio.sleep(max(0.0, next_at - loop.time()))
 

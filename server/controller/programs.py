@@ -130,6 +130,14 @@ class ProgramRegistry:
                 dropped.append(pid)
         return dropped
 
+    def slice_counts(self) -> dict[str, int]:
+        """Slice name -> how many registered programs are placed on it (one pass)."""
+        counts: dict[str, int] = {}
+        for r in self.programs.values():
+            for name in set(r.slices):
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def slice_users(self, slice_name: str) -> list[ProgramRecord]:
         return [r for r in self.programs.values() if slice_name in r.slices]
 

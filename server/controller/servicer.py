@@ -27,6 +27,7 @@ from .core import Controller
 from .errors import ControllerError, InvalidArgument, NotFound
 from .hostviews import list_devices, list_hosts
 from .links import WorkerLink
+from .status_view import StatusQuery
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -247,7 +248,12 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def Watch(
         self, request: cpb.WatchRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.ClusterStatus]:
-        async for status in _until(self.core.shutdown_event, self.core.observer.watch(request.interval_s or 1.0)):
+        try:
+            query = StatusQuery.of(request)
+        except ControllerError as e:
+            await context.abort(e.code, str(e))
+        watch = self.core.observer.watch(request.interval_s or 1.0, query)
+        async for status in _until(self.core.shutdown_event, watch):
             yield status
 
     @_guard

@@ -99,6 +99,8 @@ class SliceService:
         self._write = write
         self._hosts = hosts
         self._in_use = in_use
+        # slice name -> registered programs placed on it (the controller sets it; none without)
+        self.program_counts: Callable[[], Mapping[str, int]] = dict
         self.listeners: builtins.list[SliceListener] = []
         self._last_write: Future[None] | None = None
         self.epoch = 0  # bumps on every change of any slice
@@ -181,10 +183,13 @@ class SliceService:
         return cpb.CreateSliceResponse(slice=self._proto(first.slice), explanation=first.explanation)
 
     def list(self, owner: str = "") -> list[cpb.Slice]:
-        return [self._proto(s) for s in self.rm.slices.values() if not owner or s.owner == owner]
+        counts = self.program_counts()
+        return [self._proto(s, programs=counts.get(s.name, 0)) for s in self.rm.slices.values()
+                if not owner or s.owner == owner]
 
     def get(self, name: str) -> cpb.Slice:
-        return self._proto(self.rm.slices[self.resolve(name)])
+        full = self.resolve(name)
+        return self._proto(self.rm.slices[full], programs=self.program_counts().get(full, 0))
 
     def resolve(self, name: str) -> str:
         """The full name of the slice `name` names exactly or as a unique prefix."""
@@ -339,7 +344,7 @@ class SliceService:
                     log.exception("slice_changed notification failed for %s", sl.name)
         return done
 
-    def _proto(self, sl: rm.Slice, state: cpb.SliceState.ValueType | None = None) -> cpb.Slice:
+    def _proto(self, sl: rm.Slice, state: cpb.SliceState.ValueType | None = None, programs: int = 0) -> cpb.Slice:
         req = sl.request
         meta = self._meta.get(sl.name)
         devices = []
@@ -385,6 +390,7 @@ class SliceService:
             created_at=iso(meta.created_at) if meta else "",
             history=history,
             generation=sl.generation,
+            programs=programs,
         )
 
 

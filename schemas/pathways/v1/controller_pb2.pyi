@@ -1740,15 +1740,31 @@ class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INTERVAL_S_FIELD_NUMBER: _builtins.int
+    DEVICE_LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    QUEUE_LIMIT_FIELD_NUMBER: _builtins.int
     interval_s: _builtins.float
+    device_limit: _builtins.int
+    """Devices in one update, in (island, host, local index) order: 0 sends every one. With a limit,
+    `ClusterStatus.next_page_token` continues the listing (as ListDevices pages); the island
+    summaries always count every device.
+    """
+    page_token: _builtins.str
+    queue_limit: _builtins.int
+    """Queue entries per island: 0 sends every one; otherwise the gangs held back by a host first,
+    then the longest waiting, then the oldest running (IslandQueue counts them all).
+    """
     def __init__(
         self,
         *,
         interval_s: _builtins.float = ...,
+        device_limit: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        queue_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_limit", b"device_limit", "interval_s", b"interval_s", "page_token", b"page_token", "queue_limit", b"queue_limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1765,6 +1781,9 @@ class DeviceStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     UTILIZATION_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    IDLE_S_FIELD_NUMBER: _builtins.int
+    HOST_STATE_FIELD_NUMBER: _builtins.int
     device_id: _builtins.int
     island: _builtins.str
     host: _builtins.str
@@ -1773,7 +1792,15 @@ class DeviceStatus(_message.Message):
     utilization: _builtins.float
     """busy fraction over the last few seconds"""
     running: _builtins.str
-    """label of the node running now, if any"""
+    """label of the node running now or, when none, the last one that ran"""
+    job: _builtins.str
+    """within the utilization window ("" when it ran nothing there)
+    the job of that node ("" for a client outside a job)
+    """
+    idle_s: _builtins.float
+    """0 while a node runs; else seconds since its last node ended (-1: never)"""
+    host_state: _builtins.str
+    """ready | stalled | lost | ...: its host's state as `host list` shows it"""
     def __init__(
         self,
         *,
@@ -1784,10 +1811,13 @@ class DeviceStatus(_message.Message):
         state: _common_pb2.DeviceState.ValueType = ...,
         utilization: _builtins.float = ...,
         running: _builtins.str = ...,
+        job: _builtins.str = ...,
+        idle_s: _builtins.float = ...,
+        host_state: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "host", b"host", "island", b"island", "local_index", b"local_index", "running", b"running", "state", b"state", "utilization", b"utilization"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "host", b"host", "host_state", b"host_state", "idle_s", b"idle_s", "island", b"island", "job", b"job", "local_index", b"local_index", "running", b"running", "state", b"state", "utilization", b"utilization"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1807,6 +1837,7 @@ class QueueEntry(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     STALLED_HOST_FIELD_NUMBER: _builtins.int
     STALLED_S_FIELD_NUMBER: _builtins.int
+    WAITING_S_FIELD_NUMBER: _builtins.int
     program: _builtins.str
     client: _builtins.str
     job: _builtins.str
@@ -1821,6 +1852,8 @@ class QueueEntry(_message.Message):
     has not started (or not finished) for `stalled_s` seconds; `reason` says which node and why.
     """
     stalled_s: _builtins.float
+    waiting_s: _builtins.float
+    """waiting: since it was submitted; running: since it was admitted"""
     def __init__(
         self,
         *,
@@ -1834,10 +1867,11 @@ class QueueEntry(_message.Message):
         run_id: _builtins.int = ...,
         stalled_host: _builtins.str = ...,
         stalled_s: _builtins.float = ...,
+        waiting_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job", b"job", "priority", b"priority", "program", b"program", "reason", b"reason", "run_id", b"run_id", "stalled_host", b"stalled_host", "stalled_s", b"stalled_s", "state", b"state", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "job", b"job", "priority", b"priority", "program", b"program", "reason", b"reason", "run_id", b"run_id", "stalled_host", b"stalled_host", "stalled_s", b"stalled_s", "state", b"state", "waiting_s", b"waiting_s", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1850,8 +1884,20 @@ class IslandQueue(_message.Message):
     ISLAND_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    STALLED_FIELD_NUMBER: _builtins.int
+    LONGEST_WAIT_S_FIELD_NUMBER: _builtins.int
     island: _builtins.str
     policy: _builtins.str
+    running: _builtins.int
+    """admitted gangs with a node on this island (entries may hold fewer)"""
+    waiting: _builtins.int
+    """gangs waiting"""
+    stalled: _builtins.int
+    """running gangs held back by a host"""
+    longest_wait_s: _builtins.float
+    """the longest a waiting gang has waited (0: none waits)"""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueEntry]: ...
     def __init__(
@@ -1860,14 +1906,63 @@ class IslandQueue(_message.Message):
         island: _builtins.str = ...,
         policy: _builtins.str = ...,
         entries: _abc.Iterable[Global___QueueEntry] | None = ...,
+        running: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        stalled: _builtins.int = ...,
+        longest_wait_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "island", b"island", "policy", b"policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "island", b"island", "longest_wait_s", b"longest_wait_s", "policy", b"policy", "running", b"running", "stalled", b"stalled", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IslandQueue: _TypeAlias = IslandQueue  # noqa: Y015
+
+@_typing.final
+class IslandStatus(_message.Message):
+    """One island's summary in a status update: over every device, whatever the update's device page."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    HOSTS_FIELD_NUMBER: _builtins.int
+    HOSTS_READY_FIELD_NUMBER: _builtins.int
+    HOSTS_STALLED_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    DEVICES_AVAILABLE_FIELD_NUMBER: _builtins.int
+    DEVICES_BUSY_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    hosts: _builtins.int
+    hosts_ready: _builtins.int
+    hosts_stalled: _builtins.int
+    """ready hosts that are late or hold back a gang"""
+    devices: _builtins.int
+    devices_available: _builtins.int
+    devices_busy: _builtins.int
+    """running a node now, or within the last second"""
+    utilization: _builtins.float
+    """mean busy fraction of its devices over the last few seconds"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        hosts: _builtins.int = ...,
+        hosts_ready: _builtins.int = ...,
+        hosts_stalled: _builtins.int = ...,
+        devices: _builtins.int = ...,
+        devices_available: _builtins.int = ...,
+        devices_busy: _builtins.int = ...,
+        utilization: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "devices_available", b"devices_available", "devices_busy", b"devices_busy", "hosts", b"hosts", "hosts_ready", b"hosts_ready", "hosts_stalled", b"hosts_stalled", "name", b"name", "utilization", b"utilization"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IslandStatus: _TypeAlias = IslandStatus  # noqa: Y015
 
 @_typing.final
 class ClusterStatus(_message.Message):
@@ -1881,9 +1976,20 @@ class ClusterStatus(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     COMPUTATIONS_PER_S_FIELD_NUMBER: _builtins.int
     COMPUTATIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    ISLAND_STATUS_FIELD_NUMBER: _builtins.int
+    DEVICES_TOTAL_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    JOBS_RUNNING_FIELD_NUMBER: _builtins.int
+    HOSTS_TOTAL_FIELD_NUMBER: _builtins.int
     at: _builtins.str
     computations_per_s: _builtins.float
     computations_total: _builtins.int
+    devices_total: _builtins.int
+    """devices in the cluster (`devices` is one page of them with a limit)"""
+    next_page_token: _builtins.str
+    jobs_running: _builtins.int
+    """jobs pending or running (`jobs` holds them and the most recent ended)"""
+    hosts_total: _builtins.int
     @_builtins.property
     def islands(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Island]: ...
     @_builtins.property
@@ -1894,6 +2000,8 @@ class ClusterStatus(_message.Message):
     def queues(self) -> _containers.RepeatedCompositeFieldContainer[Global___IslandQueue]: ...
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Job]: ...
+    @_builtins.property
+    def island_status(self) -> _containers.RepeatedCompositeFieldContainer[Global___IslandStatus]: ...
     def __init__(
         self,
         *,
@@ -1905,10 +2013,15 @@ class ClusterStatus(_message.Message):
         jobs: _abc.Iterable[Global___Job] | None = ...,
         computations_per_s: _builtins.float = ...,
         computations_total: _builtins.int = ...,
+        island_status: _abc.Iterable[Global___IslandStatus] | None = ...,
+        devices_total: _builtins.int = ...,
+        next_page_token: _builtins.str = ...,
+        jobs_running: _builtins.int = ...,
+        hosts_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "computations_per_s", b"computations_per_s", "computations_total", b"computations_total", "devices", b"devices", "islands", b"islands", "jobs", b"jobs", "queues", b"queues", "slices", b"slices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "computations_per_s", b"computations_per_s", "computations_total", b"computations_total", "devices", b"devices", "devices_total", b"devices_total", "hosts_total", b"hosts_total", "island_status", b"island_status", "islands", b"islands", "jobs", b"jobs", "jobs_running", b"jobs_running", "next_page_token", b"next_page_token", "queues", b"queues", "slices", b"slices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,124 @@
+"""`pwctl status [--watch]` (and `pwctl trace`, in trace.py).
+
+`status` draws one update of the cluster (screen.py); `--watch` keeps drawing the controller's
+Watch stream (server-pushed, no polling) in a full-screen live view sized to the terminal, or,
+with `-o json` or when stdout is not a terminal, writes one `ClusterStatus` JSON document per
+line per update. On a large cluster the screen summarises ("... and 1,930 more hosts") and
+`-o json` pages its devices with `--limit` and `--page-token`, as `device list` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+
+from schemas.views import ClusterStatusView, dump
+
+from .. import common
+from ..common import ServerOpt, client, hint, stdout
+from .screen import bar, render
+from .trace import parse_since, trace
+
+__all__ = ["bar", "parse_since", "register", "render", "status", "trace"]
+
+SCREEN_DEVICES = 1024  # devices one screen update asks for (it shows them grouped, then "and N more hosts")
+SCREEN_QUEUE = 24  # queue entries per island one screen update asks for (the counts cover every gang)
+
+
+class StatusFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+StatusOutputOpt = Annotated[
+    StatusFormat, typer.Option("--output", "-o", help="Output format", case_sensitive=False)
+]
+
+
+def status(
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Keep updating: a live view fed by the server.")
+                     ] = False,
+    interval: Annotated[float | None, typer.Option("--interval", "-n", min=0.1, show_default=False,
+                                                   help="Seconds between updates with --watch (default 1).")
+                        ] = None,
+    limit: Annotated[int, typer.Option("--limit", "-l", min=0, help="-o json: devices per document (0: all); "
+                                       "the next page with --page-token")] = 0,
+    page_token: Annotated[str, typer.Option("--page-token", show_default=False,
+                                            help="-o json: the devices after the page that printed this token")
+                          ] = "",
+    server: ServerOpt = None,
+    output: StatusOutputOpt = StatusFormat.table,
+) -> None:
+    """The cluster at a glance: the cluster line, gangs held back by a host, islands (utilization,
+    queues), what each device runs now, jobs and the longest waits. With --watch, a live view that
+    fits the terminal; piped or with -o json, one JSON document (kind ClusterStatus) per line per
+    update, with everything the screen shows. Ctrl-C stops watching."""
+    if interval is not None and not watch:
+        raise typer.BadParameter("only with --watch (without it, status shows one snapshot)",
+                                 param_hint="--interval")
+    as_json = output == StatusFormat.json or (watch and not sys.stdout.isatty())
+    if (limit or page_token) and not as_json:
+        raise typer.BadParameter("only with -o json (the screen shows what fits and says how much more there is)",
+                                 param_hint="--limit" if limit else "--page-token")
+    query: dict[str, Any] = {"device_limit": limit, "page_token": page_token} if as_json else \
+        {"device_limit": SCREEN_DEVICES, "queue_limit": SCREEN_QUEUE}
+    with client(server) as c:
+        if not watch:
+            view = ClusterStatusView.of(c.status(**query))
+            if as_json:
+                sys.stdout.write(dump(view) + "\n")
+                _page_hint(view)
+            else:
+                console = stdout()
+                console.print(render(view, console.width, None, c.address), crop=True)
+            return
+        try:
+            updates = (ClusterStatusView.of(s) for s in c.watch(interval or 1.0, **query))
+            if as_json:
+                _json_lines(updates)
+            else:
+                _live(updates, c.address)
+            hint("the controller ended the watch: it is shutting down")
+        except KeyboardInterrupt:
+            pass
+        except BrokenPipeError:  # `pwctl status --watch | head`: the reader left; say nothing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _page_hint(view: ClusterStatusView) -> None:
+    if view.next_page_token:
+        hint(f"{len(view.devices):,} of {view.devices_total:,} devices; the next ones: "
+             f"--page-token {view.next_page_token}")
+
+
+def _json_lines(updates: Iterator[ClusterStatusView]) -> None:
+    for view in updates:
+        sys.stdout.write(view.model_dump_json(by_alias=True) + "\n")
+        sys.stdout.flush()
+
+
+def _live(updates: Iterator[ClusterStatusView], address: str) -> None:
+    """A full-screen view, redrawn for each update at the terminal's size of the moment."""
+    console = common.stdout()
+    first = next(updates, None)
+    if first is None:
+        return
+
+    def draw(view: ClusterStatusView) -> object:
+        width, height = console.size
+        return render(view, width, height - 1, address)
+
+    with Live(draw(first), console=console, auto_refresh=False, screen=True, transient=False) as live:  # type: ignore[arg-type]
+        for view in updates:
+            live.update(draw(view), refresh=True)  # type: ignore[arg-type]
+
+
+def register(root: typer.Typer) -> None:
+    root.command("status")(status)
+    root.command("trace")(trace)

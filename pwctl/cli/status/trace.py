@@ -1,0 +1,81 @@
+"""`pwctl trace (JOB|PROGRAM)`: a job's or program's gang-scheduled timeline as a Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ...errors import NotFound
+from ..common import ServerOpt, client, hint
+
+
+def trace(
+    target: Annotated[str, typer.Argument(
+        help="A job id, or a program id or name (a unique prefix is enough).", show_default=False)],
+    out: Annotated[Path, typer.Option("--output", "-o", help="Where to write the trace ('-': stdout).")
+                   ] = Path("trace.json"),
+    since: Annotated[str, typer.Option(
+        "--since", help="Only node runs that ended since then: a duration ago (90s, 10m, 2h, 1d) or a UTC "
+        "ISO-8601 time.", show_default=False)] = "",
+    last: Annotated[int | None, typer.Option("--last", min=1, help="Only the last N node runs.",
+                                             show_default=False)] = None,
+    server: ServerOpt = None,
+) -> None:
+    """Write the gang-scheduled timeline of a job or program as a Chrome trace (open it in
+    https://ui.perfetto.dev or chrome://tracing): one track per device, one slice per node run.
+    A long job's trace is a window: the newest 200,000 node runs unless --last/--since say."""
+    since_ns = parse_since(since) if since else 0
+    with client(server) as c:
+        try:
+            resp, what = c.trace_window(job=target, since_unix_ns=since_ns, last=last or 0), "job"
+        except NotFound:
+            try:
+                resp, what = c.trace_window(program=target, since_unix_ns=since_ns, last=last or 0), "program"
+            except NotFound:
+                raise NotFound(f"no node runs recorded for a job or program {target!r} (the controller keeps "
+                               "the most recent ones, see --trace-retention; `pwctl jobs list`)") from None
+    text = resp.chrome_trace_json
+    doc = json.loads(text)
+    other = doc.get("otherData", {})
+    if str(out) == "-":
+        sys.stdout.write(text + "\n")
+        where = "stdout"
+    else:
+        out.write_text(text)
+        where = str(out)
+    hosts = sum(1 for e in doc["traceEvents"] if e.get("ph") == "M" and e.get("name") == "process_name")
+    hint(f"wrote {where}: {other.get('node_runs', '?')} node runs of {what} {target} on "
+         f"{other.get('devices', '?')} device(s) of {hosts} host(s); open it at https://ui.perfetto.dev "
+         "or chrome://tracing")
+    if resp.node_runs < resp.node_runs_total:
+        hint(f"the window holds {resp.node_runs} of the {resp.node_runs_total} node runs kept; "
+             "--since and --last choose another")
+
+
+def parse_since(text: str) -> int:
+    """`--since`: a duration ago ('90s', '10m', '2h', '1d', '1h30m') or an ISO-8601 time (UTC unless
+    it says otherwise) -> Unix ns. Raises typer.BadParameter."""
+    t = text.strip()
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", t)
+    if t and parts is not None and any(parts.groups()):
+        d, h, m, s = (float(g) if g else 0.0 for g in parts.groups())
+        return time.time_ns() - int((((d * 24 + h) * 60 + m) * 60 + s) * 1e9)
+    try:
+        at = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is neither a duration (90s, 10m, 2h, 1d) nor an ISO-8601 time",
+                                 param_hint="--since") from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    if not 0 <= at.timestamp() < 2**63 / 1e9:
+        raise typer.BadParameter(f"{text!r} is out of range (1970 to 2262)", param_hint="--since")
+    return int(at.timestamp() * 1e9)
+
+

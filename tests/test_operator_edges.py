@@ -1,0 +1,149 @@
+"""Rough edges an operator meets first: `pwctl up --devices all`, `pwctl up` twice, a config.json
+that is not what it should be, and a pwctl that does not match the controller's version. Real
+processes throughout (a local cluster started by `pwctl up`, a controller that reports another
+version)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, base_env, free_port, log_tail, run_pwctl, wait_for
+
+from pwctl import local
+from pwctl.version import compatible, release
+
+
+@pytest.mark.timeout(120)
+def test_up_with_every_device_then_again(pw_home: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    try:
+        r = run_pwctl("up", "--devices", "all", "--listen", address, env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        islands = json.loads(run_pwctl("island", "list", "-o", "json", env=env).stdout)["items"]
+        assert [i["name"] for i in islands] == ["a"] and islands[0]["devices"] >= 1  # one worker, every device
+        assert r.stdout.startswith(f"cluster up at {address}: 1 island(s): a ({islands[0]['devices']} device(s))")
+
+        # twice: says what runs, starts nothing, exits 0
+        state = json.loads((pw_home / "cluster.json").read_text())
+        again = run_pwctl("up", "--devices", "all", "--listen", address, env=env, timeout=60)
+        assert again.returncode == 0, again.stderr
+        worker_pid = state["worker_pids"]["local-a"]
+        assert again.stdout.startswith(f"already up at {address}: 1 island(s): a (")
+        assert "nothing started" in again.stdout
+        assert f"local-a pid {worker_pid}" in again.stdout
+        assert json.loads((pw_home / "cluster.json").read_text()) == state
+
+        # usage errors: exit 2, one line, nothing started
+        for args, message in ((["--devices", "all", "--islands", "2"], "one island"),
+                              (["--devices", "0"], "neither a positive number nor 'all'"),
+                              (["--devices", "lots"], "neither a positive number nor 'all'")):
+            bad = run_pwctl("up", *args, "--listen", address, env=env)
+            assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert json.loads((pw_home / "cluster.json").read_text()) == state
+
+        # a listing piped at 80 columns keeps each row on one line, headers included
+        name = "a-slice-whose-name-alone-takes-more-than-forty-columns"
+        assert run_pwctl("slice", "create", name, "--devices", "1", env=env).returncode == 0
+        for args, first, last in ((["slice", "list", "-o", "wide"], name, "REASON"),
+                                  (["host", "list", "-o", "wide"], "local-a", "LAST HEARTBEAT")):
+            listed = run_pwctl(*args, env={**env, "COLUMNS": "80"})
+            assert listed.returncode == 0, listed.stderr
+            lines = listed.stdout.splitlines()
+            assert len(lines) == 2 and lines[0].rstrip().endswith(last), listed.stdout
+            assert lines[1].split()[0] == first, listed.stdout
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert not local.is_alive(state["controller_pid"]) and not local.is_alive(worker_pid)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("content", "message"), [
+    ("{bad", "is not valid JSON"),
+    ('["127.0.0.1:7070"]', "must hold a JSON object"),
+    ('{"server": 7070}', "'server' must be a string"),
+    ('{"sever": "127.0.0.1:7070"}', "unknown key(s) 'sever' (known: server, token)"),
+])
+def test_an_invalid_config_file_is_an_error(pw_home: Path, content: str, message: str) -> None:
+    (pw_home / "config.json").write_text(content)
+    r = run_pwctl("island", "list", env=base_env(pw_home))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
+    assert str(pw_home / "config.json") in r.stderr and message in r.stderr
+
+
+def test_versions_are_compatible_within_a_minor_release() -> None:
+    assert release("0.1.0") == (0, 1) and release("1.12.3rc1") == (1, 12) and release("dev") is None
+    assert compatible("0.1.0", "0.1.7") and not compatible("0.1.0", "0.2.0") and not compatible("0.1.0", "")
+
+
+OTHER_VERSION_CONTROLLER = textwrap.dedent("""
+    import runpy, sys
+    import server
+    server.__version__ = "0.99.0"  # what a controller of another release reports
+    sys.argv = ["server.controller", *sys.argv[1:]]
+    runpy.run_module("server.controller", run_name="__main__")
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_controller_of_another_version_is_refused_up_front(pw_home: Path, tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    log = tmp_path / "controller.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-c", OTHER_VERSION_CONTROLLER, "--listen", address, "--db",
+                                 f"sqlite:///{tmp_path / 'pw.db'}", "--metrics-listen", "off"],
+                                env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        def answers() -> subprocess.CompletedProcess[str] | None:
+            r = run_pwctl("server", "info", "-o", "json", env=env)
+            return r if r.returncode == 0 else None
+
+        info = wait_for(answers, 30, "the controller to answer")
+        assert json.loads(info.stdout)["item"]["version"] == "0.99.0", log_tail(log)
+        assert "warning: pwctl 0.1.0 does not talk to the controller" in info.stderr  # info shows, and warns
+
+        r = run_pwctl("island", "list", env=env)
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert r.stderr.strip() == (
+            f"error: pwctl 0.1.0 does not talk to the controller at {address}, which runs version 0.99.0: install "
+            "the same version on both sides (pip install 'pathways==0.99.0'), or use the pwctl installed with the "
+            "controller (PWCTL_SKIP_VERSION_CHECK=1 skips this check)")
+        skipped = run_pwctl("island", "list", env={**env, "PWCTL_SKIP_VERSION_CHECK": "1"})
+        assert skipped.returncode == 0, skipped.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_down_stops_the_cluster_after_its_controller_and_a_worker_restarted(pw_home: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    r = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address, env=env, timeout=90)
+    assert r.returncode == 0, r.stderr
+    first = json.loads((pw_home / "cluster.json").read_text())
+    pids: list[int] = []
+    try:
+        for args in (["server", "stop"], ["server", "start", "--listen", address], ["worker", "stop", "local-a"],
+                     ["worker", "start", "--island", "a", "--devices", "1", "--name", "local-a"]):
+            step = run_pwctl(*args, env=env, timeout=90)
+            assert step.returncode == 0, f"{args}: {step.stderr}"
+        controller = json.loads((pw_home / "server.pid").read_text())["pid"]
+        worker = json.loads((pw_home / "workers" / "local-a.pid").read_text())["pid"]
+        pids = [controller, worker, first["worker_pids"]["local-b"]]
+        assert controller != first["controller_pid"] and worker != first["worker_pids"]["local-a"]
+        assert all(local.is_alive(p) for p in pids)
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.strip() == f"stopped 2 worker(s) and the controller (pid {controller})"
+    assert not any(local.is_alive(p) for p in pids)
+    assert run_pwctl("island", "list", env=env).returncode == 1  # nothing answers any more

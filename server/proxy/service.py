@@ -60,6 +60,8 @@ class Session:
     handles: HandleTable = field(default_factory=HandleTable)
     buffers: HostBuffers = field(default_factory=HostBuffers)
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
+    functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
+    fetches: dict[int, asyncio.Future[bytes]] = field(default_factory=dict)  # downloads under way, by buffer
 
 
 def default_layout(rank: int) -> bytes:
@@ -391,7 +393,7 @@ class ProxyService:
             d.device_kind = dev.kind
             d.default_memory_id = dev.id
             d.memory_ids.append(dev.id)
-            d.debug_string = d.to_string = f"{info.platform_name.upper()}Device(id={dev.id})"
+            d.debug_string = d.to_string = f"{info.platform_name.capitalize()}Device(id={dev.id})"  # as JAX names them
             for key, value in dev.attributes.items():
                 attr = d.attributes.attributes[key]
                 if isinstance(value, int):

@@ -244,3 +244,32 @@ def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, t
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+TRAIN_SCRIPT = """
+import sys
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+mesh = Mesh(np.array(jax.devices()), ("d",))
+x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("d")))
+y = jax.jit(lambda v: v * 2)(x)
+print("run", __name__, sys.argv[1:], jax.devices()[0].platform, len(jax.devices()), y.tolist())
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_submit_proxy_runs_an_unmodified_script_as_a_job(cluster: LocalCluster, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="train", devices=4))
+    r = cluster.pwctl("submit", str(script), "--proxy", "--", "--steps", "3", PATHWAYS_SLICE="train", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run __main__ ['--steps', '3'] cpu 4 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    # without --proxy the same script runs on the job's own CPU: one device
+    r = cluster.pwctl("submit", str(script), "--", "x", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run __main__ ['x'] cpu 1 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    with cluster.client() as c:
+        assert [s.name for s in c.slices()] == ["train"]

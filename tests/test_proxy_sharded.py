@@ -151,6 +151,34 @@ def test_arrays_of_hundreds_of_mib(cluster: LocalCluster, tmp_path: Path) -> Non
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 
 
+REMAP = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jaxlib import _pathways  # RemapArrays, as pathwaysutils sends it (CPU PJRT cannot run it)
+devs = jax.devices()
+mesh = Mesh(np.array(devs), ("d",))
+x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("d")))
+m1, m2 = Mesh(np.array(devs[:2]), ("d",)), Mesh(np.array(devs[2:]), ("d",))
+halves = _pathways._split_by_mesh_axis([x], [0], [4], 0, [2, 4], [[NamedSharding(m1, P("d")),
+                                                                  NamedSharding(m2, P("d"))]], False)[0]
+for a in halves:
+    print("half", a.shape, sorted(d.id for d in a.sharding.device_set), np.asarray(a).ravel().tolist())
+back = _pathways._concatenate_by_mesh_axis([halves], [0], [4], 0, [2, 4], [NamedSharding(mesh, P("d"))], True)[0]
+print("back", np.asarray(back).ravel().tolist(), back.sharding.spec)
+print("sum", float(jax.jit(lambda v: (v * v).sum())(back)))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_remap_arrays_split_and_join_meshes(cluster: LocalCluster, tmp_path: Path) -> None:
+    lines = run_program(REMAP, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    a = np.arange(16, dtype=np.float32)
+    assert lines == [f"half (4, 2) [0, 1] {a[:8].tolist()}", f"half (4, 2) [2, 3] {a[8:].tolist()}",
+                     f"back {a.tolist()} P('d',)", f"sum {float((a * a).sum())}"]
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
 PROXY_LOOP = """
 import numpy as np, jax, jax.numpy as jnp
 from functools import partial

@@ -5,7 +5,7 @@ maps to an `ArrayRecord`, its dtype, shape and sharding (shardings.py) and, for 
 the sharding's device order, a `Part`: a worker buffer (`Buf`) and the index domain of that
 buffer the shard is. An array computed or uploaded whole has one buffer and its shards are the
 sharding's own domains of it; the shards DisassembleIntoSingleDeviceArrays makes are views of
-the same buffer (nothing moves), and AssembleArrayFromSingleDeviceArrays of such views is the
+the same buffer (nothing moves; reshard.py), and AssembleArrayFromSingleDeviceArrays of such views is the
 buffer again. An array whose parts are not one buffer's own layout (shards assembled from
 elsewhere, a remap) is joined on a worker by a small program (compose.py) the first time it is
 read as a whole (an execute argument); a download of one reads its buffers and joins the bytes
@@ -319,74 +319,6 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     resp.copy_to_host_buffer_response.SetInParent()
 
 
-async def fully_replicated_shard(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.fully_replicated_shard_request
-    handle = r.result_handle or session.handles.new_handle()
-    session.handles.reserve(handle)
-    rec = await session.handles.resolve(r.array_handle, ArrayRecord)
-    if rec.domains[0] != full(rec.shape):
-        raise HandleError("INVALID_ARGUMENT", "FullyReplicatedShard of an array that is not fully replicated")
-    shard = new_record(rec.dtype, rec.shape, Sharding(rec.sharding.devices[:1]), rec.parts[:1])
-    session.handles.settle(handle, shard)
-    resp.fully_replicated_shard_response.array_handle = handle
-
-
-async def disassemble(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.disassemble_into_single_device_arrays_request
-    for h in r.result_handles:  # before any await: later requests may use them
-        session.handles.reserve(h)
-    rec = await session.handles.resolve(r.array_handle, ArrayRecord)
-    n = len(rec.parts)
-    results = list(r.result_handles) or [session.handles.new_handle() for _ in range(n)]
-    if len(results) != n:
-        raise HandleError("INVALID_ARGUMENT", f"an array of {n} shards, {len(results)} result handles")
-    for h, part, dom, dev in zip(results, rec.parts, rec.domains, rec.sharding.devices, strict=True):
-        session.handles.settle(h, new_record(rec.dtype, sh.index_shape(dom), Sharding((dev,)), [part]))
-    resp.disassemble_into_single_device_arrays_response.array_handles.extend(results)
-
-
-async def assemble(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.assemble_array_from_single_device_arrays_request
-    handle = r.result_handle or session.handles.new_handle()
-    session.handles.reserve(handle)
-    shards = [await session.handles.resolve(h, ArrayRecord) for h in r.single_device_array_handles]
-    if not shards:
-        raise HandleError("INVALID_ARGUMENT", "an array assembled from no shards")
-    shape = tuple(int(d) for d in r.shape.dims)
-    dtype = numpy_dtype(r.dtype) if r.HasField("dtype") else shards[0].dtype
-    sharding = parse_sharding(session, r.sharding, proto)
-    if len(shards) != len(sharding.devices):
-        raise HandleError("INVALID_ARGUMENT", f"{len(shards)} shards for a sharding over {len(sharding.devices)} "
-                          "devices")
-    parts = []
-    for i, (s, dom) in enumerate(zip(shards, sharding.domains(shape), strict=True)):
-        if len(s.parts) != 1 or s.dtype != dtype or s.shape != sh.index_shape(dom):
-            raise HandleError("INVALID_ARGUMENT", f"shard {i}: a {s.dtype}{list(s.shape)} array where a single-device "
-                              f"{dtype}{list(sh.index_shape(dom))} shard is expected")
-        parts.append(s.parts[0])
-    session.handles.settle(handle, new_record(dtype, shape, sharding, parts))
-    resp.assemble_array_from_single_device_arrays_response.array_handle = handle
-
-
-async def copy_arrays(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.copy_arrays_request
-    results = list(r.result_handles) or [session.handles.new_handle() for _ in r.array_handles]
-    if len(results) != len(r.array_handles):
-        raise HandleError("INVALID_ARGUMENT", f"{len(r.array_handles)} arrays, {len(results)} result handles")
-    for h in results:
-        session.handles.reserve(h)
-    devices = tuple(int(d) for d in r.device_ids)
-    known = {d.id for d in session.backend.slice.devices}
-    if not set(devices) <= known:
-        raise HandleError("INVALID_ARGUMENT", f"devices {sorted(set(devices) - known)} are not the session's")
-    for h, src in zip(results, r.array_handles, strict=True):
-        rec = await session.handles.resolve(src, ArrayRecord)
-        # the value does not move: a buffer is the array's value wherever the client sees it, and
-        # a program reading it places it on its own devices (server/worker/executable.py)
-        session.handles.settle(h, new_record(rec.dtype, rec.shape, rec.sharding.with_devices(devices), list(rec.parts)))
-    resp.copy_arrays_response.array_handles.extend(results)
-
-
 async def check_value_ready(session: Session, req: Message, resp: Message, proto: Any) -> None:
     ids: dict[int, None] = {}
     for h in req.check_value_ready_request.value_handles:
@@ -435,11 +367,7 @@ RESULT_HANDLES = {
 HANDLERS = {
     "make_array_from_host_buffer_request": make_array_from_host_buffer,
     "make_arrays_from_host_buffer_shards_request": make_arrays_from_host_buffer_shards,
-    "disassemble_into_single_device_arrays_request": disassemble,
-    "assemble_array_from_single_device_arrays_request": assemble,
-    "copy_arrays_request": copy_arrays,
     "copy_to_host_buffer_request": copy_to_host_buffer,
-    "fully_replicated_shard_request": fully_replicated_shard,
     "check_value_ready_request": check_value_ready,
     "destruct_array_request": destruct_array,
     "delete_array_request": delete_array,

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from . import arrays, executables
+from . import arrays, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers
@@ -116,7 +116,7 @@ class ProxyService:
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
         }
-        for kind, handler in {**arrays.HANDLERS, **executables.HANDLERS}.items():
+        for kind, handler in {**arrays.HANDLERS, **reshard.HANDLERS, **executables.HANDLERS}.items():
             self._handlers[kind] = functools.partial(handler, proto=self.p)
 
     @property

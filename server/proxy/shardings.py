@@ -32,6 +32,8 @@ class Sharding:
 
     devices: tuple[int, ...]
     op_sharding: bytes | None = None
+    # the shards' domains when no OpSharding says them (a RemapArrays output); () : not known
+    explicit: tuple[Index, ...] | None = None
 
     @property
     def single(self) -> bool:
@@ -40,6 +42,12 @@ class Sharding:
     def domains(self, shape: tuple[int, ...]) -> list[Index]:
         """The index domain of each device's shard, in device order."""
         full = tuple(slice(0, d) for d in shape)
+        if self.explicit is not None:
+            if not self.explicit:
+                raise HandleError("UNIMPLEMENTED", "an array whose shards' places are not known (a "
+                                  "ConcreteEvenSharding that is not fully replicated) is not supported by the "
+                                  "Pathways IFRT proxy")
+            return list(self.explicit)
         if self.op_sharding is None:
             return [full] * len(self.devices)
         from jax._src import op_shardings
@@ -59,7 +67,7 @@ class Sharding:
     def with_devices(self, devices: tuple[int, ...]) -> Sharding:
         if len(devices) != len(self.devices):
             raise HandleError("INVALID_ARGUMENT", f"{len(devices)} devices for a sharding over {len(self.devices)}")
-        return Sharding(devices, self.op_sharding)
+        return Sharding(devices, self.op_sharding, self.explicit)
 
 
 def index_shape(index: Index) -> tuple[int, ...]:
@@ -83,10 +91,8 @@ def parse(sharding: Message, proto: Any, known: set[int]) -> Sharding:
         elif kind == CONCRETE_EVEN:
             even = proto.cls("xla.ifrt.ConcreteEvenShardingProto").FromString(serialized.data)
             devices = tuple(int(d) for d in even.devices.device_ids)
-            if not even.is_fully_replicated and len(devices) > 1:
-                raise HandleError("UNIMPLEMENTED", "a ConcreteEvenSharding that is not fully replicated (its shards' "
-                                  "places in the array are not known) is not supported by the Pathways IFRT proxy")
-            out = Sharding(devices)
+            out = Sharding(devices, None, None if even.is_fully_replicated or len(devices) == 1 else
+                           _even_domains(tuple(even.shape.dims), tuple(even.shard_shape.dims), len(devices)))
         else:
             raise HandleError("UNIMPLEMENTED", f"sharding {kind or '(none)'} is not supported by the Pathways IFRT "
                               "proxy server (single-device and HLO shardings are)")
@@ -99,6 +105,18 @@ def parse(sharding: Message, proto: Any, known: set[int]) -> Sharding:
     if not set(out.devices) <= known:
         raise HandleError("INVALID_ARGUMENT", f"devices {sorted(set(out.devices) - known)} are not the session's")
     return out
+
+
+def _even_domains(shape: tuple[int, ...], shard: tuple[int, ...], n: int) -> tuple[Index, ...]:
+    """The shards' domains of an even sharding when its shapes say them: split along one dimension
+    into as many blocks as devices, in device order. () when they do not (a RemapArrays plan then
+    takes them from its inputs)."""
+    split = [i for i, (d, s) in enumerate(zip(shape, shard, strict=False)) if d != s]
+    if len(shape) != len(shard) or len(split) != 1 or shard[split[0]] * n != shape[split[0]]:
+        return ()
+    k, size = split[0], shard[split[0]]
+    return tuple(tuple(slice(t * size, (t + 1) * size) if i == k else slice(0, d) for i, d in enumerate(shape))
+                 for t in range(n))
 
 
 def to_proto(sharding: Sharding, out: Message, proto: Any) -> None:

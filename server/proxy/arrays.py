@@ -114,7 +114,8 @@ def whole(buf: Buf, sharding: Sharding) -> ArrayRecord:
     return new_record(buf.dtype, buf.shape, sharding, [Part(buf, d) for d in domains])
 
 
-def _drop_buffers(session: Session, bufs: list[Buf]) -> None:
+def drop_buffers(session: Session, bufs: list[Buf]) -> None:
+    """Drops one reader of each buffer; frees those nobody reads any more."""
     done = []
     for b in bufs:
         b.records -= 1
@@ -129,7 +130,7 @@ def unref(session: Session, rec: ArrayRecord) -> None:
     rec.refs -= 1
     if rec.refs == 0:
         bufs, rec.parts = rec.buffers, []
-        _drop_buffers(session, bufs)
+        drop_buffers(session, bufs)
 
 
 async def materialize(session: Session, rec: ArrayRecord) -> Buf:
@@ -157,7 +158,7 @@ async def materialize(session: Session, rec: ArrayRecord) -> Buf:
     buf = Buf(out, rec.dtype, rec.shape)
     buf.records = 1
     old, rec.parts = rec.buffers, [Part(buf, d) for d in rec.domains]
-    _drop_buffers(session, old)
+    drop_buffers(session, old)
     return buf
 
 

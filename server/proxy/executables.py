@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
-from .arrays import DTYPES, ArrayRecord, Buf, materialize, unref, whole
+from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref, whole
 from .backend import ArraySpec, CompiledInfo
 from .handles import HandleError, Pending
 from .shardings import Sharding
@@ -238,22 +238,30 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    for j, (h, b, spec) in enumerate(zip(results, buffers, compiled.outputs, strict=True)):
-        session.handles.settle(h, whole(Buf(b, spec.dtype, spec.shape), exe.out_sharding(j)))
+    out_bufs = [Buf(b, spec.dtype, spec.shape) for b, spec in zip(buffers, compiled.outputs, strict=True)]
+    for j, (h, buf) in enumerate(zip(results, out_bufs, strict=True)):
+        session.handles.settle(h, whole(buf, exe.out_sharding(j)))
     x = resp.loaded_executable_execute_response
     for j, (h, spec) in enumerate(zip(results, compiled.outputs, strict=True)):
         _output(x.outputs.add(), spec, exe.out_sharding(j), h, proto)
     # requirement 2: without fill_status the client CHECK-fails on a status handle
     if r.execute_options.fill_status:
-        x.status_handle = _status_future(session, buffers)
+        x.status_handle = _status_future(session, out_bufs)
 
 
-def _status_future(session: Session, buffers: list[int]) -> int:
-    """A future that completes when the run is over: with its error if it failed."""
+def _status_future(session: Session, bufs: list[Buf]) -> int:
+    """A future that completes when the run is over: with its error if it failed. It holds the
+    outputs meanwhile, so a client that drops them at once does not make it wait for buffers
+    that are gone."""
+    for b in bufs:
+        b.records += 1
 
     async def finished() -> None:
-        if buffers:
-            await session.backend.ready(buffers)
+        try:
+            if bufs:
+                await session.backend.ready([b.id for b in bufs])
+        finally:
+            drop_buffers(session, bufs)
 
     task = asyncio.ensure_future(finished())
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by CheckFuture, or dropped

@@ -143,7 +143,7 @@ def test_sharded_programs_on_four_devices(cluster: LocalCluster, tmp_path: Path)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4)
+@pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)  # big copies starve heartbeats under load
 def test_arrays_of_hundreds_of_mib(cluster: LocalCluster, tmp_path: Path) -> None:
     lines = run_program(BIG, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
     a = np.arange(75 << 20, dtype=np.float32).reshape(4096, -1)
@@ -301,3 +301,41 @@ def test_submit_proxy_runs_an_unmodified_script_as_a_job(cluster: LocalCluster, 
     assert "run __main__ ['x'] cpu 1 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
     with cluster.client() as c:
         assert [s.name for s in c.slices()] == ["train"]
+
+
+SPANNING = """
+import numpy as np, jax, jax.numpy as jnp
+from functools import partial
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jax import shard_map
+line = Mesh(np.array(jax.devices()), ("d",))
+x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(line, P("d")))
+@jax.jit
+@partial(shard_map, mesh=line, in_specs=P("d"), out_specs=P("d"))
+def mix(b):
+    return b + jax.lax.psum(jnp.sum(b, axis=0, keepdims=True), "d")
+y = mix(x)
+print("y", np.asarray(y).tolist(), y.sharding.spec)
+print("shards", [(s.device.id, np.asarray(s.data).tolist()) for s in y.addressable_shards])
+print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Four devices on two workers: sharded results span workers, and are read back whole."""
+    cluster.add_worker("a", 2, name="w-a2")
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="wide", devices=4))
+        assert len({d.host for d in c.slices()[0].devices}) == 2
+    local = run_program(SPANNING, client_env(tmp_path, **LOCAL4))
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    deadline = time.monotonic() + 90
+    while True:  # the island's group of workers forms first (a run before then is refused, saying so)
+        out = subprocess.run([sys.executable, "-c", SPANNING], env=env, capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 or "group is forming" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == local

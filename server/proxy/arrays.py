@@ -25,7 +25,7 @@ import numpy as np
 from schemas.arrays import resolve_dtype
 
 from . import shardings as sh
-from .compose import Piece, piece_function
+from .compose import Piece, gather_function, piece_function
 from .handles import HandleError
 from .shardings import Index, Sharding
 
@@ -52,6 +52,7 @@ class Buf:
     dtype: str
     shape: tuple[int, ...]
     records: int = 0
+    spread: bool = False  # a multi-device program's result: on a slice spanning workers, no one holds it all
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,7 +167,7 @@ async def host_bytes(session: Session, rec: ArrayRecord) -> bytes:
     """The array's bytes (C order), read from its buffers."""
     buf = rec.buffer()
     if buf is not None:
-        return await session.backend.get(buf.id)
+        return await _fetch(session, buf)
     sources = rec.buffers
     datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
     arrays = {id(b): np.frombuffer(d, resolve_dtype(b.dtype)).reshape(b.shape) for b, d in zip(sources, datas,
@@ -184,9 +185,26 @@ async def _fetch(session: Session, buf: Buf) -> bytes:
     """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
     task = session.fetches.get(buf.id)
     if task is None:
-        task = session.fetches[buf.id] = asyncio.ensure_future(session.backend.get(buf.id))
+        task = session.fetches[buf.id] = asyncio.ensure_future(_download(session, buf))
         task.add_done_callback(lambda _: session.fetches.pop(buf.id, None))
     return await asyncio.shield(task)
+
+
+async def _download(session: Session, buf: Buf) -> bytes:
+    info = session.backend.slice
+    if not (buf.spread and info.hosts > 1):
+        return await session.backend.get(buf.id)
+    # a result sharded over workers: a replicated copy first, which the slice's worker can read
+    key = ("gather", buf.dtype, buf.shape)
+    made = session.functions.get(key)
+    if made is None:
+        made = session.functions[key] = await asyncio.to_thread(gather_function, buf.dtype, buf.shape,
+                                                                len(info.devices), info.platform_name)
+    (copy,) = await session.backend.run_function("proxy_gather", made[1], 1, [buf.id])
+    try:
+        return await session.backend.get(copy)
+    finally:
+        session.backend.free([copy])
 
 
 def numpy_dtype(dtype_proto: Message) -> str:

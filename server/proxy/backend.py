@@ -40,6 +40,7 @@ class SliceInfo:
     platform_version: str
     platform_id: int  # PJRT's platform id (a fingerprint of the platform name)
     devices: tuple[DeviceInfo, ...]
+    hosts: int = 1  # workers the slice spans
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def slice_info(sl: cpb.Slice) -> SliceInfo:
     platform = PLATFORMS.get(kind, kind)
     devices = tuple(DeviceInfo(id=d.index, kind=kind) for d in sorted(sl.devices, key=lambda d: d.index))
     return SliceInfo(platform_name=platform, platform_version=f"pathways slice {sl.name}", platform_id=0,
-                     devices=devices)
+                     devices=devices, hosts=len({d.host for d in sl.devices}))
 
 
 class SliceSession:

@@ -63,6 +63,24 @@ def piece_function(inputs: Sequence[tuple[str, tuple[int, ...]]], out: tuple[str
     return _export(f, inputs, platform)
 
 
+def gather_function(dtype: str, shape: tuple[int, ...], devices: int, platform: str) -> tuple[str, bytes]:
+    """(function id, serialized Exported) of the identity over all `devices` whose result is
+    replicated: a sharded array spanning workers, made readable by one of them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    mesh = AbstractMesh((devices,), ("_pw",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    arg = jax.ShapeDtypeStruct(shape, jnp.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+    with jax.enable_x64(True), jax.sharding.use_abstract_mesh(mesh):
+        exp = jax.export.export(jax.jit(lambda x: x, in_shardings=rep, out_shardings=rep),
+                                platforms=(platform,))(arg)
+    data = bytes(exp.serialize())
+    return hashlib.sha256(data).hexdigest(), data
+
+
 def concat_function(dtype: str, sizes: Sequence[int], shape: tuple[int, ...], platform: str) -> tuple[str, bytes]:
     """(function id, serialized Exported) joining flat parts of `sizes` elements into `shape`."""
     import jax.numpy as jnp
@@ -74,7 +92,10 @@ def concat_function(dtype: str, sizes: Sequence[int], shape: tuple[int, ...], pl
 
 
 def flat_parts(nbytes: int, itemsize: int, limit: int) -> list[tuple[int, int]]:
-    """Element ranges [start, stop) of a flat array of `nbytes` cut into parts of at most `limit` bytes."""
+    """Element ranges [start, stop) of a flat array of `nbytes` cut into as few parts of at most
+    `limit` bytes as can be, of equal size (one program per array size, whatever the data)."""
     n = nbytes // itemsize
-    step = max(1, limit // itemsize)
+    per = max(1, limit // itemsize)
+    count = max(1, -(-n // per))
+    step = max(1, -(-n // count))
     return [(i, min(n, i + step)) for i in range(0, n, step)] or [(0, 0)]

@@ -238,7 +238,9 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    out_bufs = [Buf(b, spec.dtype, spec.shape) for b, spec in zip(buffers, compiled.outputs, strict=True)]
+    spread = len(exe.device_ids) > 1
+    out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
+                                                                                strict=True)]
     for j, (h, buf) in enumerate(zip(results, out_bufs, strict=True)):
         session.handles.settle(h, whole(buf, exe.out_sharding(j)))
     x = resp.loaded_executable_execute_response

@@ -126,6 +126,31 @@ def _named(hlo: Any, mesh: Any, ndim: int) -> Any:
     return named
 
 
+_SDY_PER_VALUE = re.compile(r"<@([\w.$-]+), \[(.*?)\]>")
+
+
+def _returned_sharding(main: Any, i: int, in_text: tuple[str | None, ...]) -> str | None:
+    """The sharding of result `i` that main does not annotate but the module still fixes: an
+    argument returned as is, or a result of a shard_map (`sdy.manual_computation` out_shardings)."""
+    from jax._src.lib.mlir import ir
+
+    try:
+        value = main.regions[0].blocks[0].operations[-1].operands[i]
+        if isinstance(value, ir.BlockArgument):
+            return in_text[value.arg_number]
+        if not isinstance(value, ir.OpResult):
+            return None
+        result = value
+        op = result.owner
+        if op.name != "sdy.manual_computation":
+            return None
+        found = _SDY_PER_VALUE.findall(str(op.attributes["out_shardings"]))
+        mesh, dims = found[result.result_number]
+        return f"#sdy.sharding<@{mesh}, [{dims}]>"
+    except Exception:  # anything else is left to XLA's propagation (made replicated)
+        return None
+
+
 _SDY_MESH = re.compile(r'"([^"]+)"=(\d+)')
 _SDY_SHARDING = re.compile(r"#sdy\.sharding<@([\w.$-]+), \[(.*)\]>$")
 
@@ -235,6 +260,8 @@ def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
             main_attrs = main.attributes
             in_text = _shardings(_attr(main_attrs, "arg_attrs"), len(inputs))
             out_text = _shardings(_attr(main_attrs, "res_attrs"), len(outputs))
+            out_text = tuple(t if t is not None else _returned_sharding(main, i, in_text)
+                             for i, t in enumerate(out_text))
             if "arg_attrs" in main.attributes:
                 for i, d in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
                     if any(a in ir.DictAttr(d) for a in DONOR_ATTRS):

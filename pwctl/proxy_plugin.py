@@ -112,3 +112,36 @@ def initialize() -> None:
     from jax._src import xla_bridge
 
     xla_bridge.register_backend_factory(PLATFORM, make_client, priority=-1, fail_quietly=False)
+
+
+JOB_DRIVER = "_pathways_proxy_main.py"  # the driver `pwctl submit --proxy` runs in the job's directory
+_DRIVER = '''\
+"""Written by `pwctl submit --proxy`: runs {entry!r} unmodified, its JAX on the cluster (IFRT proxy)."""
+import os
+import runpy
+import sys
+
+os.environ["JAX_PLATFORMS"] = "proxy"
+os.environ.setdefault("JAX_BACKEND_TARGET", "grpc://" + os.environ["PWCTL_SERVER"])
+os.environ.update({extra!r})
+entry = os.path.abspath({entry!r})
+sys.argv[0] = entry
+sys.path.insert(0, os.path.dirname(entry))
+from importlib.metadata import entry_points
+
+if not any(e.value == "pwctl.proxy_plugin" for e in entry_points(group="jax_plugins")):
+    from pwctl import proxy_plugin  # the project is on PYTHONPATH but not installed: register by hand
+
+    proxy_plugin.initialize()
+del entry_points
+runpy.run_path(entry, run_name="__main__")
+'''
+
+
+def job_driver(entry: str, environ: Mapping[str, str] | None = None) -> bytes:
+    """The driver script of a proxy job: sets JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET (the
+    controller the job runs under), carries the submitter's PATHWAYS_SLICE / PATHWAYS_DEVICES,
+    and runs `entry` (a path in the job's directory) as `__main__`."""
+    env = os.environ if environ is None else environ
+    extra = {k: env[k].strip() for k in ("PATHWAYS_SLICE", "PATHWAYS_DEVICES") if env.get(k, "").strip()}
+    return _DRIVER.format(entry=entry, extra=extra).encode()

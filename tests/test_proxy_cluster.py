@@ -132,16 +132,6 @@ del x
 print("ok")
 """
 
-TOO_BIG = """
-import numpy as np, jax
-try:
-    jax.device_put(np.zeros(17 << 20, np.float32)).block_until_ready()
-except Exception as e:
-    print(type(e).__name__, str(e).splitlines()[0])
-print(np.asarray(jax.device_put(np.arange(3))).tolist())
-"""
-
-
 def run_program(code: str, env: dict[str, str]) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, "\n".join(ln for ln in out.stderr.splitlines() if "insecure" not in ln)[:3000]
@@ -159,11 +149,6 @@ def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) ->
     with cluster.client() as c:  # the session's buffers and slice went with it
         wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
-    # an array the workers cannot take in one upload: a clear error, and the session goes on
-    lines = run_program(TOO_BIG, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
-    assert lines[0].startswith("JaxRuntimeError RESOURCE_EXHAUSTED: an array of 71303168 bytes: arrays over ")
-    assert lines[1:] == ["[0, 1, 2]"]
 
 
 def worker_buffers(cluster: LocalCluster) -> int:

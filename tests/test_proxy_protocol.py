@@ -302,12 +302,12 @@ def test_host_buffer_rpcs_are_bound_to_a_live_session() -> None:
                 # an unsupported request: an error answer for that op, the stream goes on
                 bad = P.IfrtRequest()
                 bad.request_metadata.op_id = 2
-                bad.remap_arrays_request.SetInParent()
+                bad.bitcast_arrays_request.SetInParent()
                 await call.write(bad)
                 resp = await call.read()
                 assert resp.response_metadata.op_id == 2
                 assert resp.response_metadata.status.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
-                assert "remap_arrays_request" in resp.response_metadata.status.message
+                assert "bitcast_arrays_request" in resp.response_metadata.status.message
                 await call.done_writing()
                 assert await call.read() == aio.EOF
             assert sid not in service.sessions

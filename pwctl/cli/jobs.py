@@ -20,6 +20,7 @@ import typer
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import JobView
 
+from .. import proxy_plugin
 from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
 from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
@@ -70,6 +71,19 @@ def zip_working_dir(root: Path, limit: int = MAX_WORKING_DIR_ZIP) -> bytes:
         raise InvalidArgument(f"--working-dir {root} is {len(data) / 2**20:.1f} MiB zipped; "
                               f"the limit is {limit // 2**20} MiB")
     return data
+
+
+def _with_file(zipped: bytes, name: str, data: bytes) -> bytes:
+    """A working-directory zip that also holds `name` (replaced if it was there)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as out:
+        if zipped:
+            with zipfile.ZipFile(io.BytesIO(zipped)) as zin:
+                for info in zin.infolist():
+                    if info.filename != name:
+                        out.writestr(info, zin.read(info))
+        out.writestr(name, data)
+    return buf.getvalue()
 
 
 def _entrypoint(script: Path, working_dir: Path | None) -> str:
@@ -143,6 +157,9 @@ def submit(
         "--output", "-o", case_sensitive=False, show_default=False,
         help="json: print the job document on stdout (attached: when it ended; its output goes to stderr)")
     ] = None,
+    proxy: Annotated[bool, typer.Option(
+        "--proxy", help="Run an unmodified JAX script with JAX_PLATFORMS=proxy: its JAX computes on the "
+                        "cluster (slice: PATHWAYS_SLICE, else a fresh one of PATHWAYS_DEVICES devices)")] = False,
 ) -> None:
     """Run a driver script on the server as a job; attached, stream its output and exit with its code.
 
@@ -160,7 +177,13 @@ def submit(
         raise InvalidArgument(f"{script}: pwctl submit runs .py scripts with Python and .sh scripts with bash; "
                               f"wrap anything else in a .sh script (e.g. `exec ./{script.name} \"$@\"`)")
     zipped = zip_working_dir(working_dir) if working_dir is not None else b""
-    req = cpb.SubmitJobRequest(name=name, entrypoint=_entrypoint(script, working_dir), script=data,
+    entry = _entrypoint(script, working_dir)
+    if proxy:
+        if script.suffix != ".py":
+            raise InvalidArgument(f"{script}: --proxy runs Python scripts")
+        zipped = _with_file(zipped, entry, data)  # the script beside the driver that runs it
+        entry, data, name = proxy_plugin.JOB_DRIVER, proxy_plugin.job_driver(entry), name or script.name
+    req = cpb.SubmitJobRequest(name=name, entrypoint=entry, script=data,
                                args=list(args or []), working_dir_zip=zipped, priority=priority,
                                weight=weight)
     with client(server, timeout=120.0) as c:

@@ -1,23 +1,33 @@
-"""The proxy's array requests: host bytes in and out of worker buffers, and their handles.
+"""The proxy's array requests: host bytes in and out of worker buffers, shards, and their handles.
 
-An array handle (the client's id) maps to an `ArrayRecord`: a worker buffer of the session plus
-what the client told about it. Several handles may share one buffer (FullyReplicatedShard of a
-single-device array is the array itself); the buffer is freed when its last handle goes.
-
-Supported today: single-device arrays (`xla::ifrt::SingleDeviceSharding`), in C order. Other
-shardings and strides answer UNIMPLEMENTED naming what was asked.
+Every array is held as worker buffers with global values: an array handle (the client's id)
+maps to an `ArrayRecord`, its dtype, shape and sharding (shardings.py) and, for each shard in
+the sharding's device order, a `Part`: a worker buffer (`Buf`) and the index domain of that
+buffer the shard is. An array computed or uploaded whole has one buffer and its shards are the
+sharding's own domains of it; the shards DisassembleIntoSingleDeviceArrays makes are views of
+the same buffer (nothing moves; reshard.py), and AssembleArrayFromSingleDeviceArrays of such views is the
+buffer again. An array whose parts are not one buffer's own layout (shards assembled from
+elsewhere, a remap) is joined on a worker by a small program (compose.py) the first time it is
+read as a whole (an execute argument); a download of one reads its buffers and joins the bytes
+here. Buffers are freed when the last record using them goes; a buffer another record still
+uses is never donated (executables.py runs the module's non-donating twin).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from schemas.arrays import resolve_dtype
 
+from . import shardings as sh
+from .compose import Piece, gather_function, piece_function
 from .handles import HandleError
+from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
     from .service import Session
@@ -31,21 +41,170 @@ DTYPES = {
     "KIND_F16": "float16", "KIND_F32": "float32", "KIND_F64": "float64", "KIND_BF16": "bfloat16",
     "KIND_C64": "complex64", "KIND_C128": "complex128",
 }
-SINGLE_DEVICE = "xla::ifrt::SingleDeviceSharding"
-HLO = "xla::ifrt::HloSharding"
+SINGLE_DEVICE = sh.SINGLE_DEVICE
+
+
+@dataclass(eq=False)
+class Buf:
+    """A worker buffer of the session; `records`: how many records read it."""
+
+    id: int
+    dtype: str
+    shape: tuple[int, ...]
+    records: int = 0
+    spread: bool = False  # a multi-device program's result: on a slice spanning workers, no one holds it all
+
+
+@dataclass(frozen=True, eq=False)
+class Part:
+    buf: Buf
+    index: Index  # where in the buffer's value this shard is
 
 
 @dataclass(eq=False)
 class ArrayRecord:
-    buffer_id: int
     dtype: str
     shape: tuple[int, ...]
-    device_id: int
-    refs: int = 1
+    sharding: Sharding
+    parts: list[Part]  # one per device of the sharding, in its order
+    refs: int = 1  # handles and pending executes holding the record
+    _domains: list[Index] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * resolve_dtype(self.dtype).itemsize
+
+    @property
+    def domains(self) -> list[Index]:
+        if self._domains is None:
+            self._domains = self.sharding.domains(self.shape)
+        return self._domains
+
+    def buffer(self) -> Buf | None:
+        """The one buffer whose value this array is, if it is one."""
+        buf = self.parts[0].buf
+        if buf.shape != self.shape:
+            return None
+        for part, dom in zip(self.parts, self.domains, strict=True):
+            if part.buf is not buf or part.index != dom:
+                return None
+        return buf
+
+    @property
+    def buffers(self) -> list[Buf]:
+        return list({id(p.buf): p.buf for p in self.parts}.values())
+
+
+def full(shape: tuple[int, ...]) -> Index:
+    return tuple(slice(0, d) for d in shape)
+
+
+def new_record(dtype: str, shape: tuple[int, ...], sharding: Sharding, parts: list[Part]) -> ArrayRecord:
+    if len(parts) != len(sharding.devices):
+        raise HandleError("INVALID_ARGUMENT", f"{len(parts)} shards for a sharding over {len(sharding.devices)} "
+                          "devices")
+    rec = ArrayRecord(dtype, shape, sharding, parts)
+    for b in rec.buffers:
+        b.records += 1
+    return rec
+
+
+def whole(buf: Buf, sharding: Sharding) -> ArrayRecord:
+    """The array that is `buf`'s value, with `sharding`."""
+    domains = sharding.domains(buf.shape)
+    return new_record(buf.dtype, buf.shape, sharding, [Part(buf, d) for d in domains])
+
+
+def drop_buffers(session: Session, bufs: list[Buf]) -> None:
+    """Drops one reader of each buffer; frees those nobody reads any more."""
+    done = []
+    for b in bufs:
+        b.records -= 1
+        if b.records == 0:
+            done.append(b.id)
+    if done:
+        session.backend.free(done)
+
+
+def unref(session: Session, rec: ArrayRecord) -> None:
+    """Drops one reference to `rec`; its buffers go with its last one (unless others use them)."""
+    rec.refs -= 1
+    if rec.refs == 0:
+        bufs, rec.parts = rec.buffers, []
+        drop_buffers(session, bufs)
+
+
+async def materialize(session: Session, rec: ArrayRecord) -> Buf:
+    """The one buffer holding `rec`'s value, joining its parts on a worker if needed."""
+    buf = rec.buffer()
+    if buf is not None:
+        return buf
+    sources = rec.buffers
+    position = {id(b): i for i, b in enumerate(sources)}
+    pieces, seen = [], set()
+    for part, dom in zip(rec.parts, rec.domains, strict=True):
+        key = tuple((s.start, s.stop) for s in dom)
+        if key not in seen:
+            seen.add(key)
+            pieces.append(Piece(position[id(part.buf)], part.index, dom))
+    inputs = [(b.dtype, b.shape) for b in sources]
+    cache_key = (tuple(inputs), rec.dtype, rec.shape, tuple(
+        (p.source, tuple((s.start, s.stop) for s in p.src), tuple((s.start, s.stop) for s in p.dst)) for p in pieces))
+    made = session.functions.get(cache_key)
+    if made is None:
+        made = await asyncio.to_thread(piece_function, inputs, (rec.dtype, rec.shape), pieces,
+                                       session.backend.slice.platform_name)
+        session.functions[cache_key] = made
+    (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, [b.id for b in sources])
+    buf = Buf(out, rec.dtype, rec.shape)
+    buf.records = 1
+    old, rec.parts = rec.buffers, [Part(buf, d) for d in rec.domains]
+    drop_buffers(session, old)
+    return buf
+
+
+async def host_bytes(session: Session, rec: ArrayRecord) -> bytes:
+    """The array's bytes (C order), read from its buffers."""
+    buf = rec.buffer()
+    if buf is not None:
+        return await _fetch(session, buf)
+    sources = rec.buffers
+    datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
+    arrays = {id(b): np.frombuffer(d, resolve_dtype(b.dtype)).reshape(b.shape) for b, d in zip(sources, datas,
+                                                                                                  strict=True)}
+    if len(rec.parts) == 1 or all(d == full(rec.shape) for d in rec.domains):
+        p = rec.parts[0]
+        return np.ascontiguousarray(arrays[id(p.buf)][p.index]).tobytes()
+    out = np.empty(rec.shape, resolve_dtype(rec.dtype))
+    for part, dom in zip(rec.parts, rec.domains, strict=True):
+        out[dom] = arrays[id(part.buf)][part.index]
+    return out.tobytes()
+
+
+async def _fetch(session: Session, buf: Buf) -> bytes:
+    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
+    task = session.fetches.get(buf.id)
+    if task is None:
+        task = session.fetches[buf.id] = asyncio.ensure_future(_download(session, buf))
+        task.add_done_callback(lambda _: session.fetches.pop(buf.id, None))
+    return await asyncio.shield(task)
+
+
+async def _download(session: Session, buf: Buf) -> bytes:
+    info = session.backend.slice
+    if not (buf.spread and info.hosts > 1):
+        return await session.backend.get(buf.id)
+    # a result sharded over workers: a replicated copy first, which the slice's worker can read
+    key = ("gather", buf.dtype, buf.shape)
+    made = session.functions.get(key)
+    if made is None:
+        made = session.functions[key] = await asyncio.to_thread(gather_function, buf.dtype, buf.shape,
+                                                                len(info.devices), info.platform_name)
+    (copy,) = await session.backend.run_function("proxy_gather", made[1], 1, [buf.id])
+    try:
+        return await session.backend.get(copy)
+    finally:
+        session.backend.free([copy])
 
 
 def numpy_dtype(dtype_proto: Message) -> str:
@@ -57,23 +216,8 @@ def numpy_dtype(dtype_proto: Message) -> str:
     return name
 
 
-def single_device(session: Session, sharding: Message, proto: Any) -> int:
-    """The device of a sharding over one device (SingleDeviceSharding, or an HloSharding whose
-    device list has one device); UNIMPLEMENTED for any other sharding."""
-    serialized = sharding.serialized_sharding
-    device_id: int | None = None
-    if serialized.type_name == SINGLE_DEVICE:
-        device_id = proto.cls("xla.ifrt.SingleDeviceShardingProto").FromString(serialized.data).device_id
-    elif serialized.type_name == HLO:
-        devices = proto.cls("xla.ifrt.HloShardingProto").FromString(serialized.data).devices.device_ids
-        if len(devices) == 1:
-            device_id = devices[0]
-    if device_id is None:
-        raise HandleError("UNIMPLEMENTED", f"arrays with sharding {serialized.type_name or '(none)'} over several "
-                          "devices are not supported by the Pathways IFRT proxy server yet (single-device arrays are)")
-    if device_id not in {d.id for d in session.backend.slice.devices}:
-        raise HandleError("INVALID_ARGUMENT", f"device {device_id} is not one of the session's devices")
-    return int(device_id)
+def parse_sharding(session: Session, sharding: Message, proto: Any) -> Sharding:
+    return sh.parse(sharding, proto, {d.id for d in session.backend.slice.devices})
 
 
 def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
@@ -88,23 +232,94 @@ def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
         raise HandleError("UNIMPLEMENTED", f"byte strides {list(strides.strides)} (only C order is supported)")
 
 
+def strided(raw: bytes, dtype: str, shape: tuple[int, ...], strides: Message | None) -> np.ndarray:
+    """The array a host buffer holds: C order, or the byte strides the client sent (a shard sent
+    as a view into the host array it came from)."""
+    np_dtype = resolve_dtype(dtype)
+    if strides is None or not strides.strides:
+        _check_size(raw, dtype, shape)
+        return np.frombuffer(raw, np_dtype).reshape(shape)
+    st = tuple(int(x) for x in strides.strides)
+    if len(st) != len(shape) or any(x < 0 for x in st):
+        raise HandleError("INVALID_ARGUMENT", f"byte strides {list(st)} for a {len(shape)}-d array")
+    span = 0 if 0 in shape else sum((d - 1) * x for d, x in zip(shape, st, strict=True)) + np_dtype.itemsize
+    if len(raw) < span:
+        raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(raw)} bytes for a {dtype}{list(shape)} array "
+                          f"with byte strides {list(st)} ({span} bytes)")
+    if span == 0:
+        return np.empty(shape, np_dtype)
+    return np.ascontiguousarray(np.ndarray(shape, np_dtype, buffer=raw, strides=st))
+
+
+def _check_size(data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+    expected = math.prod(shape) * resolve_dtype(dtype).itemsize
+    if len(data) != expected:
+        raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(data)} bytes for a {dtype}{list(shape)} "
+                          f"array ({expected} bytes)")
+
+
+async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...], data: bytes) -> ArrayRecord:
+    buffer_id = await session.backend.put(sharding.devices[0], dtype, shape, data)
+    return whole(Buf(buffer_id, dtype, shape), sharding)
+
+
 async def make_array_from_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.make_array_from_host_buffer_request
     handle = r.array_handle or session.handles.new_handle()
     session.handles.reserve(handle)  # before any await: later requests may use it (handles.py)
     dtype = numpy_dtype(r.dtype)
     shape = tuple(int(d) for d in r.shape.dims)
-    device = single_device(session, r.sharding, proto)
-    if r.HasField("byte_strides"):
-        check_c_order(r.byte_strides, dtype, shape)
+    sharding = parse_sharding(session, r.sharding, proto)
     data = await session.buffers.take(r.host_buffer_handle)  # may still be arriving (requirement 5)
-    expected = math.prod(shape) * resolve_dtype(dtype).itemsize
-    if len(data) != expected:
-        raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(data)} bytes for a {dtype}{list(shape)} "
-                          f"array ({expected} bytes)")
-    buffer_id = await session.backend.put(device, dtype, shape, data)
-    session.handles.settle(handle, ArrayRecord(buffer_id, dtype, shape, device))
+    if r.HasField("byte_strides") and r.byte_strides.strides:
+        data = strided(data, dtype, shape, r.byte_strides).tobytes()
+    _check_size(data, dtype, shape)
+    session.handles.settle(handle, await _put(session, sharding, dtype, shape, data))
     resp.make_array_from_host_buffer_response.array_handle = handle
+
+
+async def make_arrays_from_host_buffer_shards(session: Session, req: Message, resp: Message, proto: Any) -> None:
+    r = req.make_arrays_from_host_buffer_shards_request
+    handles = list(r.array_handles) or [session.handles.new_handle() for _ in r.specs]
+    if len(handles) != len(r.specs):
+        raise HandleError("INVALID_ARGUMENT", f"{len(r.specs)} arrays, {len(handles)} handles")
+    for h in handles:
+        session.handles.reserve(h)
+    for h, spec in zip(handles, r.specs, strict=True):
+        dtype = numpy_dtype(spec.array_spec.dtype)
+        shape = tuple(int(d) for d in spec.array_spec.shape.dims)
+        sharding = parse_sharding(session, spec.array_spec.sharding, proto)
+        domains = sharding.domains(shape)
+        if len(spec.addressable_shard_indices) != len(spec.host_buffers):
+            raise HandleError("INVALID_ARGUMENT", "as many shard index lists as host buffers are needed")
+        np_dtype = resolve_dtype(dtype)
+        out: np.ndarray | None = None
+        data: bytes | None = None
+        covered: set[int] = set()
+        for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
+            hb_shape = tuple(int(d) for d in hb.shape.dims)
+            if numpy_dtype(hb.dtype) != dtype:
+                raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
+            raw = await session.buffers.take(hb.host_buffer_handle)
+            value = strided(raw, dtype, hb_shape, hb.byte_strides if hb.HasField("byte_strides") else None)
+            for i in indices.indices:
+                if not 0 <= i < len(domains) or sh.index_shape(domains[i]) != hb_shape:
+                    raise HandleError("INVALID_ARGUMENT", f"shard {i} of a {dtype}{list(shape)} array cannot be a "
+                                      f"{list(hb_shape)} buffer")
+                covered.add(i)
+                if domains[i] == full(shape):
+                    data = value.tobytes()
+                    continue
+                if out is None:
+                    out = np.empty(shape, np_dtype)
+                out[domains[i]] = value
+        if len(covered) != len(domains):
+            raise HandleError("INVALID_ARGUMENT", f"shards {sorted(set(range(len(domains))) - covered)} missing")
+        if data is None:
+            assert out is not None
+            data = out.tobytes()
+        session.handles.settle(h, await _put(session, sharding, dtype, shape, data))
+    resp.make_arrays_from_host_buffer_shards_response.array_handles.extend(handles)
 
 
 async def copy_to_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
@@ -112,40 +327,32 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     if r.HasField("byte_strides"):
         check_c_order(r.byte_strides, rec.dtype, rec.shape)
-    data = await session.backend.get(rec.buffer_id)
+    rec.refs += 1  # a DestructArray right after must not free what is being read
+    try:
+        data = await host_bytes(session, rec)
+    finally:
+        unref(session, rec)
     if len(data) != rec.nbytes:
         raise HandleError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
     session.buffers.store(r.host_buffer_handle, data)
     resp.copy_to_host_buffer_response.SetInParent()
 
 
-async def fully_replicated_shard(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.fully_replicated_shard_request
-    handle = r.result_handle or session.handles.new_handle()
-    session.handles.reserve(handle)
-    rec = await session.handles.resolve(r.array_handle, ArrayRecord)
-    session.handles.settle(handle, rec)  # a single-device array is its own (only) shard
-    rec.refs += 1
-    resp.fully_replicated_shard_response.array_handle = handle
-
-
 async def check_value_ready(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    ids = []
+    ids: dict[int, None] = {}
     for h in req.check_value_ready_request.value_handles:
         value = await session.handles.resolve(h)
         if isinstance(value, ArrayRecord):
-            ids.append(value.buffer_id)
+            ids.update((b.id, None) for b in value.buffers)
     if ids:
-        await session.backend.ready(ids)
+        await session.backend.ready(list(ids))
     resp.check_value_ready_response.SetInParent()
 
 
 async def release(session: Session, handle: int) -> None:
     value = await session.handles.pop_resolved(handle)
     if isinstance(value, ArrayRecord):
-        value.refs -= 1
-        if value.refs == 0:
-            session.backend.free([value.buffer_id])
+        unref(session, value)
 
 
 async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
@@ -178,8 +385,8 @@ RESULT_HANDLES = {
 
 HANDLERS = {
     "make_array_from_host_buffer_request": make_array_from_host_buffer,
+    "make_arrays_from_host_buffer_shards_request": make_arrays_from_host_buffer_shards,
     "copy_to_host_buffer_request": copy_to_host_buffer,
-    "fully_replicated_shard_request": fully_replicated_shard,
     "check_value_ready_request": check_value_ready,
     "destruct_array_request": destruct_array,
     "delete_array_request": delete_array,

@@ -40,6 +40,7 @@ class SliceInfo:
     platform_version: str
     platform_id: int  # PJRT's platform id (a fingerprint of the platform name)
     devices: tuple[DeviceInfo, ...]
+    hosts: int = 1  # workers the slice spans
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class CompiledInfo:
     inputs: tuple[ArraySpec, ...]
     outputs: tuple[ArraySpec, ...]
     donated: tuple[int, ...]  # input indices whose buffers a run consumes
+    in_shardings: tuple[bytes | None, ...] = ()  # serialized xla.OpSharding per input (None: replicated)
+    out_shardings: tuple[bytes | None, ...] = ()
+    keep_program_id: str = ""  # the same program without donation ("" : program_id)
 
 
 class SessionBackend(Protocol):
@@ -74,6 +78,11 @@ class SessionBackend(Protocol):
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         """Submits one run through the scheduler and returns at once: the ids of its output
         buffers, which exist (or carry the run's error) once it ran."""
+        ...
+
+    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int]) -> list[int]:
+        """Runs a serialized `jax.export.Exported` (one device, no donation) that the server made
+        itself, e.g. to assemble an array from shards: registered once, then like `execute`."""
         ...
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:

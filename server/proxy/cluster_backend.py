@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import grpc
 from grpc import aio
 
+from schemas.arrays import resolve_dtype
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -40,6 +41,7 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .compose import concat_function, flat_parts
 from .modules import describe
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ def slice_info(sl: cpb.Slice) -> SliceInfo:
     platform = PLATFORMS.get(kind, kind)
     devices = tuple(DeviceInfo(id=d.index, kind=kind) for d in sorted(sl.devices, key=lambda d: d.index))
     return SliceInfo(platform_name=platform, platform_version=f"pathways slice {sl.name}", platform_id=0,
-                     devices=devices)
+                     devices=devices, hosts=len({d.host for d in sl.devices}))
 
 
 class SliceSession:
@@ -123,7 +125,11 @@ class SliceSession:
         self._programs: dict[tuple[str, tuple[int, ...]], CompiledInfo] = {}  # content key -> program
         self._num_outputs: dict[str, int] = {}
         self._recent: OrderedDict[int, list[int]] = OrderedDict()  # run id -> its output buffers
-        self._failed: dict[int, str] = {}  # output buffer -> the error of the run that never ran
+        self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
+        self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
+        self._functions: dict[str, str] = {}  # function id of a server-made function -> its program
+        self._concats: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[str, bytes]] = {}
+        self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._metadata = (("authorization", f"Bearer {controls.token}"),) if controls.token else ()
@@ -151,38 +157,102 @@ class SliceSession:
         known = self._programs.get(key)
         if known is not None:
             return known
-        if list(device_ids) != [d.id for d in self.slice.devices][: len(device_ids)] or len(device_ids) != 1:
-            raise BackendError("UNIMPLEMENTED", f"programs on devices {list(device_ids)}: the Pathways IFRT proxy "
-                               "server runs programs on one device (the slice's first) so far")
-        manager = self._manager()
+        slice_ids = [d.id for d in self.slice.devices]
+        if len(device_ids) > 1 and list(device_ids) != slice_ids:
+            raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)}: the Pathways IFRT proxy "
+                               f"server runs multi-device programs over all the slice's devices in order "
+                               f"({slice_ids}), or on one device")
+        self._manager()
         # parsing the module imports jax the first time (seconds): not on the event loop
         info = await asyncio.to_thread(describe, module, self.slice.platform_name)
-        n_in, n_out = len(info.inputs), len(info.outputs)
+        if info.num_devices != len(device_ids):
+            raise BackendError("INVALID_ARGUMENT", f"a module for {info.num_devices} devices compiled for "
+                               f"{len(device_ids)}")
+        program_id = self.register(info.name, info.exported, info.function_id, len(info.inputs),
+                                   len(info.outputs), info.donated)
+        keep_id = program_id
+        if info.donated:  # the same module without donation, for inputs that other arrays share
+            keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep")
+            keep_id = self.register(keep.name, keep.exported, keep.function_id, len(keep.inputs),
+                                    len(keep.outputs), ())
+        compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
+                                outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
+                                out_shardings=info.out_shardings, keep_program_id=keep_id)
+        self._programs[key] = compiled
+        return compiled
+
+    def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
+                 donate: Sequence[int]) -> str:
+        """Registers a one-node program running one exported function on the slice; its id."""
+        manager = self._manager()
         graph = cpb.ProgramGraph(
-            name=f"proxy:{info.name}", num_inputs=n_in,
-            nodes=[cpb.ProgramNode(function_id=info.function_id, slice=self.name, num_outputs=n_out, name=info.name,
+            name=f"proxy:{name}", num_inputs=n_in,
+            nodes=[cpb.ProgramNode(function_id=function_id, slice=self.name, num_outputs=n_out, name=name,
                                    inputs=[cpb.ValueRef(program_input=i) for i in range(n_in)])],
             outputs=[cpb.ValueRef(node_output=cpb.NodeOutput(node=0, output=j)) for j in range(n_out)],
         )
-        fn = cpb.FunctionInfo(function_id=info.function_id, name=info.name, exported=info.exported,
-                              donate=list(info.donated))
+        fn = cpb.FunctionInfo(function_id=function_id, name=name, exported=exported, donate=list(donate))
         reply = manager.register_program(self._client, cpb.RegisterProgram(graph=graph, functions=[fn]))
         if reply.error or not reply.program_id:
-            raise BackendError("FAILED_PRECONDITION", f"registering {info.name}: {reply.error or 'refused'}")
-        compiled = CompiledInfo(program_id=reply.program_id, name=info.name, inputs=info.inputs,
-                                outputs=info.outputs, donated=info.donated)
-        self._programs[key] = compiled
-        self._num_outputs[compiled.program_id] = n_out
-        return compiled
+            raise BackendError("FAILED_PRECONDITION", f"registering {name}: {reply.error or 'refused'}")
+        self._num_outputs[reply.program_id] = n_out
+        return str(reply.program_id)
 
     def _drain(self) -> None:
-        """Reads the session's events: a run the controller refused fails its outputs."""
+        """Reads the session's events: a run the controller refused or failed fails its outputs,
+        and wakes whoever waits on them (`_failure`), so nobody waits for buffers that will never
+        exist."""
         queue = self._client.queue
         while not queue.empty():
-            ev = queue.get_nowait()
-            if ev is not None and ev.HasField("finished") and not ev.finished.ok:
-                for b in self._recent.pop(ev.finished.run_id, ()):
-                    self._failed[b] = ev.finished.error
+            self._event(queue.get_nowait())
+
+    def _event(self, ev: cpb.SessionEvent | None) -> None:
+        if ev is None or not ev.HasField("finished") or ev.finished.ok:
+            return
+        for b in self._recent.pop(ev.finished.run_id, ()):
+            self._failed[b] = ev.finished.error
+            for w in self._waiters.pop(b, ()):
+                if not w.done():
+                    w.set_result(ev.finished.error)
+
+    async def _events(self) -> None:
+        while True:
+            self._event(await self._client.queue.get())
+
+    def _failure(self, buffer_ids: Sequence[int]) -> asyncio.Future[str]:
+        """Completes with the error of the first of `buffer_ids` whose run fails."""
+        self._drain()
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        for b in buffer_ids:
+            error = self._failed.get(b)
+            if error is not None:
+                fut.set_result(error)
+                return fut
+        for b in buffer_ids:
+            self._waiters.setdefault(b, []).append(fut)
+        return fut
+
+    def _unwatch(self, buffer_ids: Sequence[int], fut: asyncio.Future[str]) -> None:
+        for b in buffer_ids:
+            waiters = self._waiters.get(b)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[b]
+
+    async def _unless_failed(self, buffer_ids: Sequence[int], work: Any) -> Any:
+        """Awaits `work` unless one of `buffer_ids` fails first (then BackendError with its error)."""
+        failure = self._failure(buffer_ids)
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait([task, failure], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise BackendError("FAILED_PRECONDITION", failure.result())
+        finally:
+            if not task.done():
+                task.cancel()
+            self._unwatch(buffer_ids, failure)
 
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         manager = self._manager()
@@ -202,6 +272,14 @@ class SliceSession:
             self._home[b] = address
         return outputs
 
+    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int]) -> list[int]:
+        function_id = hashlib.sha256(exported).hexdigest()
+        program_id = self._functions.get(function_id)
+        if program_id is None:
+            program_id = self.register(name, exported, function_id, len(inputs), num_outputs, ())
+            self._functions[function_id] = program_id
+        return self.execute(program_id, inputs)
+
     def _check_failed(self, buffer_id: int) -> None:
         self._drain()
         error = self._failed.get(buffer_id)
@@ -209,23 +287,40 @@ class SliceSession:
             raise BackendError("FAILED_PRECONDITION", error)
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
-        if len(data) > MAX_UPLOAD_BYTES:
-            raise BackendError(
-                "RESOURCE_EXHAUSTED",
-                f"an array of {len(data)} bytes: arrays over {MAX_UPLOAD_BYTES} bytes cannot be uploaded through "
-                "the IFRT proxy yet (a worker takes one message of at most 64 MiB per uploaded array)",
-            )
+        if len(data) <= MAX_UPLOAD_BYTES:
+            return (await self._upload([(dtype, shape, data)]))[0]
+        # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
+        # them on the worker with a program (compose.py); the parts go once it ran
+        item = resolve_dtype(dtype).itemsize
+        ranges = flat_parts(len(data), item, MAX_UPLOAD_BYTES)
+        view = memoryview(data)
+        parts = await self._upload([(dtype, (b - a,), view[a * item : b * item]) for a, b in ranges])
+        sizes = tuple(b - a for a, b in ranges)
+        key = (dtype, sizes, shape)
+        made = self._concats.get(key)
+        if made is None:
+            made = self._concats[key] = await asyncio.to_thread(concat_function, dtype, sizes, shape,
+                                                                self.slice.platform_name)
+        (out,) = await self.run_function("proxy_upload", made[1], 1, parts)
+        self.free(parts)
+        return out
+
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], Any]]) -> list[int]:
         address, stub = self._worker()
-        buffer_id = next(self._ids)
-        req = wpb.PutBufferRequest(
-            buffer_id=buffer_id, owner=self._owner, array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=data)
-        )
+        ids = [next(self._ids) for _ in arrays]
+
+        def requests() -> Any:
+            for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
+                yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
+                                           array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=bytes(data)))
+
         try:
-            await stub.PutBuffers(iter([req]), metadata=self._metadata)
+            await stub.PutBuffers(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
-        self._home[buffer_id] = address
-        return buffer_id
+        for b in ids:
+            self._home[b] = address
+        return ids
 
     def _address_of(self, buffer_id: int) -> str:
         address = self._home.get(buffer_id)
@@ -236,16 +331,20 @@ class SliceSession:
     async def get(self, buffer_id: int) -> bytes:
         self._check_failed(buffer_id)
         address, stub = self._worker(self._address_of(buffer_id))
-        parts: list[bytes] = []
-        try:
-            async for chunk in stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
-                                          metadata=self._metadata):
-                if chunk.error:
-                    raise BackendError("FAILED_PRECONDITION", chunk.error)
-                parts.append(chunk.array.data)
-        except grpc.RpcError as e:
-            raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
-        return b"".join(parts)
+
+        async def fetch() -> bytes:
+            parts: list[bytes] = []
+            try:
+                async for chunk in stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
+                                              metadata=self._metadata):
+                    if chunk.error:
+                        raise BackendError("FAILED_PRECONDITION", chunk.error)
+                    parts.append(chunk.array.data)
+            except grpc.RpcError as e:
+                raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+            return b"".join(parts)
+
+        return bytes(await self._unless_failed([buffer_id], fetch()))
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
@@ -254,10 +353,14 @@ class SliceSession:
             by_worker.setdefault(self._address_of(b), []).append(b)
         for address, ids in by_worker.items():
             _, stub = self._worker(address)
-            try:
-                reply = await stub.Wait(wpb.WaitRequest(buffer_ids=ids, timeout_s=WAIT_S), metadata=self._metadata)
-            except grpc.RpcError as e:
-                raise BackendError("UNAVAILABLE", f"waiting on worker {address} failed: {e.details()}") from None
+
+            async def wait(stub: wgrpc.WorkerStub = stub, ids: list[int] = ids, address: str = address) -> Any:
+                try:
+                    return await stub.Wait(wpb.WaitRequest(buffer_ids=ids, timeout_s=WAIT_S), metadata=self._metadata)
+                except grpc.RpcError as e:
+                    raise BackendError("UNAVAILABLE", f"waiting on worker {address} failed: {e.details()}") from None
+
+            reply = await self._unless_failed(ids, wait())
             if reply.error:
                 raise BackendError("FAILED_PRECONDITION", reply.error)
             if not reply.ready:
@@ -281,6 +384,7 @@ class SliceSession:
             manager.dispatcher.flush()
 
     async def close(self) -> None:
+        self._watcher.cancel()
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()

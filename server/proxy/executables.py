@@ -18,9 +18,11 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .arrays import DTYPES, SINGLE_DEVICE, ArrayRecord
+from . import shardings as sh
+from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref, whole
 from .backend import ArraySpec, CompiledInfo
 from .handles import HandleError, Pending
+from .shardings import Sharding
 
 if TYPE_CHECKING:
     from .service import Session
@@ -35,6 +37,16 @@ class LoadedExecutable:
     compiled: CompiledInfo
     device_ids: tuple[int, ...]
     submitted: asyncio.Lock  # the session's: executes go to the scheduler in arrival order
+
+    def in_sharding(self, i: int) -> Sharding:
+        if len(self.device_ids) == 1:
+            return Sharding(self.device_ids)
+        return Sharding(self.device_ids, self.compiled.in_shardings[i])
+
+    def out_sharding(self, j: int) -> Sharding:
+        if len(self.device_ids) == 1:
+            return Sharding(self.device_ids)
+        return Sharding(self.device_ids, self.compiled.out_shardings[j])
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -121,19 +133,22 @@ def _layout(proto: Any, rank: int) -> Message:
 async def metadata(session: Session, req: Message, resp: Message, proto: Any) -> None:
     exe = session.handles.get(req.loaded_executable_metadata_request.loaded_executable_handle, LoadedExecutable)
     m = resp.loaded_executable_metadata_response
-    # no shardings: the module has none on one device, and the client then keeps its own
+    # no shardings on one device (the module has none, and the client then keeps its own)
+    if len(exe.device_ids) > 1:
+        m.parameter_shardings.shardings.extend(
+            sh.op_sharding_proto(exe.in_sharding(i), proto) for i in range(len(exe.compiled.inputs)))
+        m.output_shardings.shardings.extend(
+            sh.op_sharding_proto(exe.out_sharding(j), proto) for j in range(len(exe.compiled.outputs)))
     m.parameter_layouts_list.layouts.extend(_layout(proto, len(s.shape)) for s in exe.compiled.inputs)
     m.output_layouts_list.layouts.extend(_layout(proto, len(s.shape)) for s in exe.compiled.outputs)
     m.donated_input_indices.donated_input_indices.extend(exe.compiled.donated)
 
 
-def _output(out: Message, spec: ArraySpec, device: int, handle: int, proto: Any) -> None:
+def _output(out: Message, spec: ArraySpec, sharding: Sharding, handle: int, proto: Any) -> None:
     dtype_cls = proto.cls("xla.ifrt.DTypeProto")
     out.dtype.kind = dtype_cls.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[KINDS[spec.dtype]].number
     out.shape.dims.extend(spec.shape)
-    out.sharding.serialized_sharding.type_name = SINGLE_DEVICE
-    out.sharding.serialized_sharding.data = proto.cls("xla.ifrt.SingleDeviceShardingProto")(
-        device_id=device).SerializeToString()
+    sh.to_proto(sharding, out.sharding, proto)
     out.array_handle = handle
 
 
@@ -179,15 +194,10 @@ class Pins:
     def release(self) -> None:
         """Drops the references (after the run was submitted: a release waits for it)."""
         self._open = False
-        done = []
         for rec in self.records:
             if rec is not None:
-                rec.refs -= 1
-                if rec.refs == 0:
-                    done.append(rec.buffer_id)
+                unref(self._session, rec)
         self.records = [None] * len(self.records)
-        if done:
-            self._session.backend.free(done)
 
 
 async def execute(session: Session, req: Message, resp: Message, proto: Any) -> None:
@@ -215,7 +225,12 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
                 if (a.dtype, a.shape) != (spec.dtype, spec.shape):
                     raise HandleError("INVALID_ARGUMENT", f"argument {i} of {compiled.name}: a {a.dtype}"
                                       f"{list(a.shape)} array where {spec.dtype}{list(spec.shape)} is expected")
-            buffers = session.backend.execute(compiled.program_id, [a.buffer_id for a in args])
+            bufs: list[Buf] = [await materialize(session, a) for a in args]
+            program = compiled.program_id
+            # a donated buffer that another array (or another argument) still reads is not given up
+            if compiled.donated and any(bufs[i].records > 1 or bufs.count(bufs[i]) > 1 for i in compiled.donated):
+                program = compiled.keep_program_id or program
+            buffers = session.backend.execute(program, [b.id for b in bufs])
     except BaseException as e:
         code = getattr(e, "code", None)  # HandleError, BackendError
         code, message = (code, str(e)) if isinstance(code, str) else ("CANCELLED", "execute cancelled")
@@ -223,15 +238,38 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    device = exe.device_ids[0]
-    for h, b, spec in zip(results, buffers, compiled.outputs, strict=True):
-        session.handles.settle(h, ArrayRecord(b, spec.dtype, spec.shape, device))
+    spread = len(exe.device_ids) > 1
+    out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
+                                                                                strict=True)]
+    for j, (h, buf) in enumerate(zip(results, out_bufs, strict=True)):
+        session.handles.settle(h, whole(buf, exe.out_sharding(j)))
     x = resp.loaded_executable_execute_response
-    for h, spec in zip(results, compiled.outputs, strict=True):
-        _output(x.outputs.add(), spec, device, h, proto)
+    for j, (h, spec) in enumerate(zip(results, compiled.outputs, strict=True)):
+        _output(x.outputs.add(), spec, exe.out_sharding(j), h, proto)
     # requirement 2: without fill_status the client CHECK-fails on a status handle
     if r.execute_options.fill_status:
-        x.status_handle = _done_future(session)
+        x.status_handle = _status_future(session, out_bufs)
+
+
+def _status_future(session: Session, bufs: list[Buf]) -> int:
+    """A future that completes when the run is over: with its error if it failed. It holds the
+    outputs meanwhile, so a client that drops them at once does not make it wait for buffers
+    that are gone."""
+    for b in bufs:
+        b.records += 1
+
+    async def finished() -> None:
+        try:
+            if bufs:
+                await session.backend.ready([b.id for b in bufs])
+        finally:
+            drop_buffers(session, bufs)
+
+    task = asyncio.ensure_future(finished())
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by CheckFuture, or dropped
+    handle = session.handles.new_handle()
+    session.handles.put(handle, task)
+    return handle
 
 
 async def destruct(session: Session, req: Message, resp: Message, proto: Any) -> None:

@@ -7,13 +7,18 @@ unchanged, in a `jax.export.Exported` and serializes that; the workers deseriali
 exactly as they do every `pw.jit` function. The serialized bytes are deterministic for one
 module, so the program registry's content hash (its function id) is the compile cache's key.
 
-Supported: modules whose `main` takes and returns ranked tensors on one device (no tokens, no
-shape polymorphism, no host callbacks); others are refused with UNIMPLEMENTED naming what.
+Supported: modules whose `main` takes and returns ranked tensors (no tokens, no shape
+polymorphism, no host callbacks), on one device or partitioned over several (SPMD, jit over a
+mesh, shard_map): the arguments' and results' `mhlo.sharding` become the export's HLO shardings,
+which the workers place the arguments onto. Replicated modules (pmap) are refused with
+UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,8 @@ class ModuleInfo:
     outputs: tuple[ArraySpec, ...]
     donated: tuple[int, ...]  # input indices the module lets XLA reuse for outputs
     num_devices: int
+    in_shardings: tuple[bytes | None, ...]  # serialized xla.OpSharding per input (None: replicated)
+    out_shardings: tuple[bytes | None, ...]
     exported: bytes  # a serialized jax.export.Exported wrapping the module
     function_id: str  # sha256 of `exported`: the program registry's id for it
 
@@ -63,8 +70,168 @@ def _spec(t: Any, what: str) -> ArraySpec:
     return ArraySpec(dtype, tuple(int(d) for d in rt.shape))
 
 
-def describe(module: bytes, platform: str) -> ModuleInfo:
-    """Reads a StableHLO portable artifact and wraps it for the workers; BackendError if it cannot."""
+def _attr(attrs: Any, name: str) -> Any:
+    return attrs[name] if name in attrs else None  # noqa: SIM401 (MLIR attribute maps have no get())
+
+
+def _shardings(attrs: Any, count: int) -> tuple[str | None, ...]:
+    """The `mhlo.sharding` text of each argument or result (None where there is none)."""
+    from jax._src.lib.mlir import ir
+
+    out: list[str | None] = [None] * count
+    if attrs is None:
+        return tuple(out)
+    for i, d in enumerate(ir.ArrayAttr(attrs)):
+        dic = ir.DictAttr(d)
+        if "sdy.sharding" in dic:
+            out[i] = str(dic["sdy.sharding"])
+        elif "mhlo.sharding" in dic:
+            out[i] = ir.StringAttr(dic["mhlo.sharding"]).value
+    return tuple(out)
+
+
+def _abstract_mesh(n: int) -> Any:
+    """A mesh over `n` devices in order whose axes are n's prime factors: every HLO sharding over
+    the devices in iota order (what jit over a mesh and shard_map produce) is a NamedSharding of it."""
+    from jax.sharding import AbstractMesh
+
+    sizes, rest, p = [], n, 2
+    while rest > 1:
+        while rest % p == 0:
+            sizes.append(p)
+            rest //= p
+        p += 1
+    sizes = sizes or [1]
+    return AbstractMesh(tuple(sizes), tuple(f"_pw{i}" for i in range(len(sizes))))
+
+
+def _named(hlo: Any, mesh: Any, ndim: int) -> Any:
+    """The NamedSharding over `mesh` that is `hlo`; BackendError when there is none."""
+    if hlo is None:
+        return None
+    from jax._src import sharding_impls
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if hlo.is_replicated():
+        return NamedSharding(mesh, PartitionSpec(*([None] * ndim)))
+    try:
+        spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+        named = NamedSharding(mesh, spec)
+        ok = named._to_xla_hlo_sharding(ndim) == hlo
+    except Exception:
+        ok = False
+    if not ok:
+        raise BackendError("UNIMPLEMENTED", f"the sharding {hlo} (devices not in mesh order) is not supported by "
+                           "the Pathways IFRT proxy server")
+    return named
+
+
+_SDY_PER_VALUE = re.compile(r"<@([\w.$-]+), \[(.*?)\]>")
+
+
+def _returned_sharding(main: Any, i: int, in_text: tuple[str | None, ...]) -> str | None:
+    """The sharding of result `i` that main does not annotate but the module still fixes: an
+    argument returned as is, or a result of a shard_map (`sdy.manual_computation` out_shardings)."""
+    from jax._src.lib.mlir import ir
+
+    try:
+        value = main.regions[0].blocks[0].operations[-1].operands[i]
+        if isinstance(value, ir.BlockArgument):
+            return in_text[value.arg_number]
+        if not isinstance(value, ir.OpResult):
+            return None
+        result = value
+        op = result.owner
+        if op.name != "sdy.manual_computation":
+            return None
+        found = _SDY_PER_VALUE.findall(str(op.attributes["out_shardings"]))
+        mesh, dims = found[result.result_number]
+        return f"#sdy.sharding<@{mesh}, [{dims}]>"
+    except Exception:  # anything else is left to XLA's propagation (made replicated)
+        return None
+
+
+_SDY_MESH = re.compile(r'"([^"]+)"=(\d+)')
+_SDY_SHARDING = re.compile(r"#sdy\.sharding<@([\w.$-]+), \[(.*)\]>$")
+
+
+def _sdy_mesh(text: str) -> Any:
+    from jax.sharding import AbstractMesh
+
+    if "device_ids" in text:
+        raise BackendError("UNIMPLEMENTED", f"a mesh with its own device order ({text}) is not supported by the "
+                           "Pathways IFRT proxy server")
+    axes = _SDY_MESH.findall(text)
+    return AbstractMesh(tuple(int(n) for _, n in axes), tuple(a for a, _ in axes))
+
+
+def _sdy_named(text: str, meshes: dict[str, str]) -> tuple[str, Any]:
+    """(mesh name, PartitionSpec) of an `sdy.sharding` attribute's text."""
+    from jax.sharding import PartitionSpec
+
+    m = _SDY_SHARDING.match(text)
+    if m is None or m.group(1) not in meshes or ":" in m.group(2):
+        raise BackendError("UNIMPLEMENTED", f"the sharding {text} is not supported by the Pathways IFRT proxy server")
+    dims = []
+    for dim in re.findall(r"\{([^}]*)\}", m.group(2)):
+        names = tuple(n for n in re.findall(r'"([^"]+)"', dim))
+        dims.append(None if not names else names[0] if len(names) == 1 else names)
+    return m.group(1), PartitionSpec(*dims)
+
+
+def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None, ...], meshes: dict[str, str],
+                     parts: int, inputs: tuple[ArraySpec, ...], outputs: tuple[ArraySpec, ...]
+                     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The module's argument and result shardings as NamedShardings over one abstract mesh (the
+    module's own Shardy mesh, else one over the devices in order): what an export records and
+    the workers place arrays with. On one device, all None. A result without a sharding (left
+    to XLA's propagation, which only a compile decides) is made replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if parts == 1:
+        return (None,) * len(inputs), (None,) * len(outputs)
+    used: set[str] = set()
+    specs: list[tuple[str, Any] | None] = []
+    for text in (*in_text, *out_text):
+        if text is not None and text.startswith("#sdy.sharding"):
+            name, spec = _sdy_named(text, meshes)
+            if _SDY_MESH.search(meshes[name]) is None and "device_ids" not in meshes[name]:
+                spec = PartitionSpec()  # a mesh without axes: replicated
+            else:
+                used.add(name)
+            specs.append((name, spec))
+        else:
+            specs.append(None)
+    own = {name: _sdy_mesh(meshes[name]) for name in used}
+    for name, m in own.items():
+        if math.prod(m.axis_sizes) != parts:
+            raise BackendError("UNIMPLEMENTED", f"mesh {name} of {math.prod(m.axis_sizes)} devices in a module over "
+                               f"{parts}")
+    # one mesh: the module's own (its axis names); several (an array moving from one to another):
+    # each sharding as the same HLO sharding over one mesh of the devices in order
+    mesh = own.popitem()[1] if len(own) == 1 else _abstract_mesh(parts)
+    from jax._src.lib import xla_client as xc
+
+    out: list[Any] = []
+    for i, (text, spec) in enumerate(zip((*in_text, *out_text), specs, strict=True)):
+        ndim = len((*inputs, *outputs)[i].shape)
+        if spec is not None and len(used) > 1 and spec[0] in used:
+            hlo = NamedSharding(_sdy_mesh(meshes[spec[0]]), spec[1])._to_xla_hlo_sharding(ndim)
+            out.append(_named(hlo, mesh, ndim))
+        elif spec is not None:
+            out.append(NamedSharding(mesh, spec[1]))
+        elif text is not None:
+            out.append(_named(xc.HloSharding.from_string(text), mesh, ndim))
+        elif i >= len(inputs):
+            out.append(NamedSharding(mesh, PartitionSpec(*([None] * ndim))))
+        else:
+            out.append(None)
+    return tuple(out[: len(inputs)]), tuple(out[len(inputs):])
+
+
+def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
+    """Reads a StableHLO portable artifact and wraps it for the workers; BackendError if it cannot.
+    `suffix` goes into the function's name (a variant of the same module gets other bytes)."""
     import jax
     from jax._src import core
     from jax._src.interpreters import mlir
@@ -88,6 +255,13 @@ def describe(module: bytes, platform: str) -> ModuleInfo:
             inputs = tuple(_spec(t, f"argument {i}") for i, t in enumerate(ftype.inputs))
             outputs = tuple(_spec(t, f"result {i}") for i, t in enumerate(ftype.results))
             donated: list[int] = []
+            meshes = {ir.StringAttr(op.attributes["sym_name"]).value: str(op.attributes["mesh"])
+                      for op in mod.body.operations if op.operation.name == "sdy.mesh"}
+            main_attrs = main.attributes
+            in_text = _shardings(_attr(main_attrs, "arg_attrs"), len(inputs))
+            out_text = _shardings(_attr(main_attrs, "res_attrs"), len(outputs))
+            out_text = tuple(t if t is not None else _returned_sharding(main, i, in_text)
+                             for i, t in enumerate(out_text))
             if "arg_attrs" in main.attributes:
                 for i, d in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
                     if any(a in ir.DictAttr(d) for a in DONOR_ATTRS):
@@ -98,23 +272,37 @@ def describe(module: bytes, platform: str) -> ModuleInfo:
         raise BackendError("INVALID_ARGUMENT", f"undecodable StableHLO program: {str(e).splitlines()[0]}") from None
     if replicas != 1:
         raise BackendError("UNIMPLEMENTED", f"a module with {replicas} replicas (pmap-style): use jit over a mesh")
-    if parts != 1:
-        raise BackendError("UNIMPLEMENTED", f"a module partitioned over {parts} devices (only single-device "
-                           "programs are supported by the Pathways IFRT proxy server yet)")
+    try:
+        in_named, out_named = _named_shardings(in_text, out_text, meshes, parts, inputs, outputs)
+    except BackendError:
+        raise
+    except Exception as e:
+        raise BackendError("INVALID_ARGUMENT", f"unreadable sharding in the module: {e}") from None
+
+    def hlo(named: Any, ndim: int) -> Any:
+        return None if named is None else named._to_xla_hlo_sharding(ndim)
+
+    in_hlo = tuple(hlo(n, len(a.shape)) for n, a in zip(in_named, inputs, strict=True))
+    out_hlo = tuple(hlo(n, len(a.shape)) for n, a in zip(out_named, outputs, strict=True))
+
+    def op(h: Any) -> bytes | None:
+        return None if h is None or h.is_replicated() else bytes(h.to_proto().SerializeToString())
+
+    in_op, out_op = tuple(op(h) for h in in_hlo), tuple(op(h) for h in out_hlo)
 
     in_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in inputs)
     out_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in outputs)
     exp = jax.export.Exported(
-        fun_name=name,
+        fun_name=name + suffix,
         in_tree=jax.tree.structure((tuple(range(len(inputs))), {})),
         in_avals=in_avals,
         out_tree=jax.tree.structure(tuple(range(len(outputs)))),
         out_avals=out_avals,
-        _has_named_shardings=True,  # all None: unspecified, as for one device
-        _in_named_shardings=(None,) * len(inputs),
-        _out_named_shardings=(None,) * len(outputs),
-        in_shardings_hlo=(None,) * len(inputs),
-        out_shardings_hlo=(None,) * len(outputs),
+        _has_named_shardings=True,  # None: unspecified, as on one device
+        _in_named_shardings=in_named,
+        _out_named_shardings=out_named,
+        in_shardings_hlo=in_hlo,
+        out_shardings_hlo=out_hlo,
         nr_devices=parts * replicas,
         platforms=(platform,),
         ordered_effects=(),
@@ -128,5 +316,5 @@ def describe(module: bytes, platform: str) -> ModuleInfo:
     )
     exported = bytes(exp.serialize())
     return ModuleInfo(name=name, inputs=inputs, outputs=outputs, donated=tuple(donated),
-                      num_devices=parts * replicas, exported=exported,
+                      num_devices=parts * replicas, in_shardings=in_op, out_shardings=out_op, exported=exported,
                       function_id=hashlib.sha256(exported).hexdigest())

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from . import arrays, executables
+from . import arrays, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers
@@ -60,6 +60,8 @@ class Session:
     handles: HandleTable = field(default_factory=HandleTable)
     buffers: HostBuffers = field(default_factory=HostBuffers)
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
+    functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
+    fetches: dict[int, asyncio.Future[bytes]] = field(default_factory=dict)  # downloads under way, by buffer
 
 
 def default_layout(rank: int) -> bytes:
@@ -114,7 +116,7 @@ class ProxyService:
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
         }
-        for kind, handler in {**arrays.HANDLERS, **executables.HANDLERS}.items():
+        for kind, handler in {**arrays.HANDLERS, **reshard.HANDLERS, **executables.HANDLERS}.items():
             self._handlers[kind] = functools.partial(handler, proto=self.p)
 
     @property
@@ -391,7 +393,7 @@ class ProxyService:
             d.device_kind = dev.kind
             d.default_memory_id = dev.id
             d.memory_ids.append(dev.id)
-            d.debug_string = d.to_string = f"{info.platform_name.upper()}Device(id={dev.id})"
+            d.debug_string = d.to_string = f"{info.platform_name.capitalize()}Device(id={dev.id})"  # as JAX names them
             for key, value in dev.attributes.items():
                 attr = d.attributes.attributes[key]
                 if isinstance(value, int):

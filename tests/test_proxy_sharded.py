@@ -1,0 +1,341 @@
+"""Unmodified multi-device JAX programs through the IFRT proxy on a real local cluster: sharded
+arrays (NamedSharding over `jax.devices()`, shard_map with psum, pmap, device_put with a
+sharding, shards read back one by one), arrays moving between meshes, arrays of hundreds of MiB,
+and a proxy client sharing an island with a `pw` client. Each program's output is compared with
+the same program on 4 local CPU devices (or NumPy)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import LocalCluster, wait_for
+from proxy_env import client_env
+from test_proxy_cluster import run_program, worker_buffers
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+LOCAL4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+SHARDED = """
+import numpy as np, jax, jax.numpy as jnp
+from functools import partial
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jax import shard_map
+devs = jax.devices()
+print("devices", len(devs))
+mesh = Mesh(np.array(devs).reshape(2, 2), ("x", "y"))
+a = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8), NamedSharding(mesh, P("x", "y")))
+print("a", a.sharding.spec, [s.device.id for s in a.addressable_shards], [s.index for s in a.addressable_shards])
+print("a shards", [np.asarray(s.data).tolist() for s in a.addressable_shards])
+b = jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(a)
+print("b", b.shape, np.asarray(b).round(4).tolist())
+c = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(mesh, P(None, "y")))(a)
+print("c", c.sharding, np.asarray(c).sum(), [s.data.shape for s in c.addressable_shards])
+line = Mesh(np.array(devs), ("d",))
+x = jax.device_put(np.arange(16, dtype=np.float32).reshape(4, 4), NamedSharding(line, P("d")))
+@jax.jit
+@partial(shard_map, mesh=line, in_specs=P("d"), out_specs=P())
+def total(blk):
+    return jax.lax.psum(jnp.sum(blk, axis=0), "d")
+t = total(x)
+print("psum", np.asarray(t).tolist(), t.sharding.spec)
+print("pmap", np.asarray(jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(np.arange(4.0))).tolist())
+rep = NamedSharding(line, P())
+def loss(w, xb, yb):
+    return jnp.mean((jnp.tanh(xb @ w["a"]) @ w["b"] - yb) ** 2)
+@partial(jax.jit, donate_argnums=0)
+def step(w, xb, yb):
+    l, g = jax.value_and_grad(loss)(w, xb, yb)
+    return jax.tree.map(lambda p, d: p - 0.1 * d, w, g), l
+rng = np.random.default_rng(0)
+xb = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(line, P("d")))
+yb = jax.device_put(rng.standard_normal((16, 2)).astype(np.float32), NamedSharding(line, P("d")))
+w = jax.device_put({"a": rng.standard_normal((8, 4)).astype(np.float32),
+                    "b": rng.standard_normal((4, 2)).astype(np.float32)}, rep)
+losses = []
+for i in range(10):
+    w, l = step(w, xb, yb)
+    losses.append(round(float(l), 5))
+print("losses", losses, losses[-1] < losses[0])
+print("w", np.asarray(w["b"]).round(5).tolist(), w["b"].sharding.spec)
+y = jax.device_put(np.ones(3, np.float32), devs[2])
+print("y", (y * 3).tolist(), (y * 3).devices())
+z = jax.device_put(x, devs[1])
+print("z", np.asarray(z).sum(), z.devices())
+h = jax.device_put(np.arange(6, dtype=jnp.bfloat16), NamedSharding(line, P()))
+print("bf16", (h + 1).tolist(), (h + 1).dtype)
+"""
+
+MESHES = """
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+devs = jax.devices()
+m1 = Mesh(np.array(devs[:2]), ("a",))
+m2 = Mesh(np.array(devs[2:]), ("b",))
+x = jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(m1, P("a")))
+print("x", np.asarray(x).tolist(), [s.device.id for s in x.addressable_shards])
+y = jax.device_put(x, NamedSharding(m2, P("b")))
+print("y", np.asarray(y).tolist(), [s.device.id for s in y.addressable_shards])
+grid = Mesh(np.array(devs).reshape(2, 2), ("p", "q"))
+line = Mesh(np.array(devs), ("d",))
+z = jax.device_put(y, NamedSharding(grid, P("p")))
+print("z", np.asarray(z).tolist(), z.sharding.spec)
+u = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(line, P("d")))(z)
+v = jax.jit(lambda v: v + 1, out_shardings=NamedSharding(grid, P(("p", "q"))))(u)
+print("uv", np.asarray(u).tolist(), u.sharding.spec, np.asarray(v).tolist(), v.sharding.spec)
+print("shards", [np.asarray(s.data).tolist() for s in v.addressable_shards])
+"""
+
+SUBMESH = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+m = Mesh(np.array(jax.devices()[2:]), ("b",))
+y = jax.device_put(np.arange(4.0), NamedSharding(m, P("b")))
+try:
+    jax.jit(lambda v: v * 2)(y).block_until_ready()
+except Exception as e:
+    print("error", type(e).__name__, str(e).splitlines()[0])
+print("after", np.asarray(y).tolist())
+"""
+
+BIG = """
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+a = np.arange(75 << 20, dtype=np.float32)  # 300 MiB
+x = jax.device_put(a)
+back = np.asarray(x * 2)
+print("single", back.nbytes, bool((back == a * 2).all()))
+mesh = Mesh(np.array(jax.devices()), ("d",))
+y = jax.device_put(a.reshape(4096, -1), NamedSharding(mesh, P("d")))
+print("sharded", bool((np.asarray(y).ravel() == a).all()), float(jnp.sum(y[:, :2])))
+"""
+
+
+def proxy_env(cluster: LocalCluster, tmp_path: Path, **extra: str) -> dict[str, str]:
+    return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}", **extra)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_sharded_programs_on_four_devices(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(SHARDED, client_env(tmp_path, **LOCAL4))
+    proxied = run_program(SHARDED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    assert proxied == local
+    assert local[0] == "devices 4"
+    assert "psum [24.0, 28.0, 32.0, 36.0] P()" in local and "pmap [6.0, 6.0, 6.0, 6.0]" in local
+    # arrays between meshes: two sub-meshes, a 2x2 grid and a line over the same four devices
+    local = run_program(MESHES, client_env(tmp_path, **LOCAL4))
+    proxied = run_program(MESHES, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    assert proxied == local
+    assert local[1] == "y [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0] [2, 3]"
+    with cluster.client() as c:
+        wait_for(lambda: not c.slices(), 30, "the proxy sessions' slices to be released")
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy sessions' buffers to be freed")
+    # a program over part of the slice's devices: a clear error naming it, and the session goes on
+    lines = run_program(SUBMESH, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    assert lines[0].startswith("error JaxRuntimeError UNIMPLEMENTED: a program over devices [2, 3]: ")
+    assert lines[1] == "after [0.0, 1.0, 2.0, 3.0]"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)  # big copies starve heartbeats under load
+def test_arrays_of_hundreds_of_mib(cluster: LocalCluster, tmp_path: Path) -> None:
+    lines = run_program(BIG, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    a = np.arange(75 << 20, dtype=np.float32).reshape(4096, -1)
+    assert lines == ["single 314572800 True", f"sharded True {float(a[:, :2].sum())}"]
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
+REMAP = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jaxlib import _pathways  # RemapArrays, as pathwaysutils sends it (CPU PJRT cannot run it)
+devs = jax.devices()
+mesh = Mesh(np.array(devs), ("d",))
+x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("d")))
+m1, m2 = Mesh(np.array(devs[:2]), ("d",)), Mesh(np.array(devs[2:]), ("d",))
+halves = _pathways._split_by_mesh_axis([x], [0], [4], 0, [2, 4], [[NamedSharding(m1, P("d")),
+                                                                  NamedSharding(m2, P("d"))]], False)[0]
+for a in halves:
+    print("half", a.shape, sorted(d.id for d in a.sharding.device_set), np.asarray(a).ravel().tolist())
+back = _pathways._concatenate_by_mesh_axis([halves], [0], [4], 0, [2, 4], [NamedSharding(mesh, P("d"))], True)[0]
+print("back", np.asarray(back).ravel().tolist(), back.sharding.spec)
+print("sum", float(jax.jit(lambda v: (v * v).sum())(back)))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_remap_arrays_split_and_join_meshes(cluster: LocalCluster, tmp_path: Path) -> None:
+    lines = run_program(REMAP, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
+    a = np.arange(16, dtype=np.float32)
+    assert lines == [f"half (4, 2) [0, 1] {a[:8].tolist()}", f"half (4, 2) [2, 3] {a[8:].tolist()}",
+                     f"back {a.tolist()} P('d',)", f"sum {float((a * a).sum())}"]
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
+PROXY_LOOP = """
+import numpy as np, jax, jax.numpy as jnp
+from functools import partial
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jax import shard_map
+mesh = Mesh(np.array(jax.devices()), ("d",))
+@jax.jit
+@partial(shard_map, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+def mix(b):
+    return b * 0.5 + jax.lax.psum(b, "d") * 0.125
+x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("d")))
+for _ in range(40):
+    x = mix(x)
+print("proxy", np.asarray(x).round(4).tolist())
+"""
+
+PW_LOOP = """
+import numpy as np
+import pwctl as pw
+s = pw.make_virtual_device_set().add_slice(devices=4)
+double = pw.pmap(lambda v: v * 2.0 + 1.0, devices=s.devices)
+x = np.arange(4.0)
+for _ in range(40):
+    x = double(x)
+print("pw", np.asarray(x).tolist())
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_a_proxy_and_a_pw_client_share_an_island(cluster: LocalCluster, tmp_path: Path) -> None:
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="shared", devices=4))
+    local = run_program(PROXY_LOOP, client_env(tmp_path, **LOCAL4))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PROXY_LOOP], env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="shared"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen([sys.executable, "-c", PW_LOOP], env=cluster.env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path),
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out.splitlines())
+    assert outs[0] == local
+    x = np.arange(4.0)
+    for _ in range(40):
+        x = x * 2.0 + 1.0
+    assert outs[1] == [f"pw {x.tolist()}"]
+
+
+WAITS = """
+import sys, time
+import numpy as np, jax, jax.numpy as jnp
+f = jax.jit(lambda v: v @ v)
+x = f(jnp.ones((256, 256)))
+x.block_until_ready()
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+try:
+    np.asarray(f(f(x)))
+    print("no error")
+except Exception as e:
+    print("error", type(e).__name__, round(time.monotonic() - t0) < 60, flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=2.0)
+def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The worker freezes (SIGSTOP) while the program waits for a run: the controller declares the
+    host lost and fails the run, and the program gets the error then, not after the proxy's own
+    wait bound (an hour)."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITS], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        name = next(iter(cluster.workers))
+        cluster.stop_worker(name)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=150)
+        assert out.strip() == "error JaxRuntimeError True", err[-3000:]
+        assert time.monotonic() - t0 < 60
+    finally:
+        cluster.cont_worker(next(iter(cluster.workers)))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+TRAIN_SCRIPT = """
+import sys
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+mesh = Mesh(np.array(jax.devices()), ("d",))
+x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("d")))
+y = jax.jit(lambda v: v * 2)(x)
+print("run", __name__, sys.argv[1:], jax.devices()[0].platform, len(jax.devices()), y.tolist())
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_submit_proxy_runs_an_unmodified_script_as_a_job(cluster: LocalCluster, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="train", devices=4))
+    r = cluster.pwctl("submit", str(script), "--proxy", "--", "--steps", "3", PATHWAYS_SLICE="train", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run __main__ ['--steps', '3'] cpu 4 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    # without --proxy the same script runs on the job's own CPU: one device
+    r = cluster.pwctl("submit", str(script), "--", "x", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run __main__ ['x'] cpu 1 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    with cluster.client() as c:
+        assert [s.name for s in c.slices()] == ["train"]
+
+
+SPANNING = """
+import numpy as np, jax, jax.numpy as jnp
+from functools import partial
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jax import shard_map
+line = Mesh(np.array(jax.devices()), ("d",))
+x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(line, P("d")))
+@jax.jit
+@partial(shard_map, mesh=line, in_specs=P("d"), out_specs=P("d"))
+def mix(b):
+    return b + jax.lax.psum(jnp.sum(b, axis=0, keepdims=True), "d")
+y = mix(x)
+print("y", np.asarray(y).tolist(), y.sharding.spec)
+print("shards", [(s.device.id, np.asarray(s.data).tolist()) for s in y.addressable_shards])
+print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Four devices on two workers: sharded results span workers, and are read back whole."""
+    cluster.add_worker("a", 2, name="w-a2")
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="wide", devices=4))
+        assert len({d.host for d in c.slices()[0].devices}) == 2
+    local = run_program(SPANNING, client_env(tmp_path, **LOCAL4))
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    deadline = time.monotonic() + 90
+    while True:  # the island's group of workers forms first (a run before then is refused, saying so)
+        out = subprocess.run([sys.executable, "-c", SPANNING], env=env, capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 or "group is forming" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == local

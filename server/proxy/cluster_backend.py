@@ -38,6 +38,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
+from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .modules import describe
@@ -126,7 +127,10 @@ class SliceSession:
         self._failed: dict[int, str] = {}  # output buffer -> the error of the run that never ran
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
-        self._metadata = (("authorization", f"Bearer {controls.token}"),) if controls.token else ()
+        metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
+        if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
+            metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
+        self._metadata = tuple(metadata)
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:

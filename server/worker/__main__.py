@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--unload-after", type=float, default=60.0, metavar="SECONDS",
                    help="unload compiled programs not run for this long once the worker is idle; they "
                         "compile again when called (default 60; 0 keeps them)")
+    p.add_argument("--no-token", action="store_true",
+                   help="check no cluster token (a private machine); callers still need the credentials "
+                        "the controller issues")
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
     if ns.devices != "all":
@@ -69,7 +72,7 @@ def main() -> None:
             devices=ns.devices,
             name=name,
             listen=ns.listen,
-            token=_token(),
+            token=None if ns.no_token else _token(),
             unload_after_s=ns.unload_after,
         ),
         log_level=ns.log_level,

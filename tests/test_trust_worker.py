@@ -338,3 +338,21 @@ def test_a_pw_program_still_runs_end_to_end(cluster: LocalCluster) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[[2.0, 4.0]]"
 
+
+
+@pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token"])
+def test_pwctl_worker_start_no_token_opts_out_of_the_token_only(cluster: LocalCluster) -> None:
+    """`pwctl worker start --no-token` (a private machine): callers need no token, but still the
+    controller's credentials; the worker registers with the token it finds."""
+    r = cluster.pwctl("worker", "start", "--island", "b", "--devices", "1", "--name", "w-nt", "--no-token",
+                      timeout=90)
+    assert r.returncode == 0, r.stderr
+    try:
+        address = cluster.hosts()["w-nt"].address
+        with grpc.insecure_channel(address) as ch:
+            stub = wgrpc.WorkerStub(ch)
+            assert stub.Stats(wpb.WorkerStatsRequest(), timeout=10).host == "w-nt"  # no token asked
+            assert code_of(lambda: stub.Fetch(wpb.FetchRequest(buffer_id=1, timeout_s=1), timeout=10)) \
+                == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert cluster.pwctl("worker", "stop", "w-nt").returncode == 0

@@ -37,8 +37,8 @@ def main() -> None:
                    help="unload compiled programs not run for this long once the worker is idle; they "
                         "compile again when called (default 60; 0 keeps them)")
     p.add_argument("--no-token", action="store_true",
-                   help="check no cluster token (a private machine); callers still need the credentials "
-                        "the controller issues")
+                   help="require no cluster token of callers (a private machine); they still need the "
+                        "credentials the controller issues, and the worker still presents a token it finds")
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
     if ns.devices != "all":
@@ -72,7 +72,8 @@ def main() -> None:
             devices=ns.devices,
             name=name,
             listen=ns.listen,
-            token=None if ns.no_token else _token(),
+            token=_token(),
+            check_token=not ns.no_token,
             unload_after_s=ns.unload_after,
         ),
         log_level=ns.log_level,

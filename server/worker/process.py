@@ -94,7 +94,8 @@ class WorkerProcess:
         self._wake = asyncio.Event()
         host, _ = paths.split_address(self.config.listen)
         # every call needs the cluster's token, on every address (auth.py), when the worker has one
-        interceptors = [TokenInterceptor(self.config.token)] if self.config.token else []
+        check = self.config.token and self.config.check_token
+        interceptors = [TokenInterceptor(self.config.token)] if check else []
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT

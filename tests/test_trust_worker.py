@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _posixshmem
 import itertools
+import json
 import mmap
 import os
 import queue
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,7 +35,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.credentials import PEER_HEADER, SESSION_HEADER
-from tests.conftest import REPO, LocalCluster, wait_for
+from tests.conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
 
@@ -356,3 +358,26 @@ def test_pwctl_worker_start_no_token_opts_out_of_the_token_only(cluster: LocalCl
                 == grpc.StatusCode.UNAUTHENTICATED
     finally:
         assert cluster.pwctl("worker", "stop", "w-nt").returncode == 0
+
+
+def test_pwctl_up_no_token_starts_workers_that_require_no_token(pw_home: Path) -> None:
+    """`pwctl up --no-token` on a machine whose data directory holds a token: its workers answer
+    callers without one (they would require it otherwise, as the test above shows)."""
+    token = pw_home / "token"
+    token.write_text(secrets.token_urlsafe(32) + "\n")
+    token.chmod(0o600)
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    try:
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, "--no-token", env=env,
+                      timeout=120)
+        assert r.returncode == 0, r.stderr
+        hosts = run_pwctl("host", "list", "-o", "json", env=env)
+        (host,) = json.loads(hosts.stdout)["items"]
+        with grpc.insecure_channel(host["address"]) as ch:
+            assert wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).host == host["name"]
+        (pid,) = json.loads((pw_home / "cluster.json").read_text())["worker_pids"].values()
+        assert b"--no-token" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    finally:
+        down = run_pwctl("down", "-y", env=env)
+        assert down.returncode == 0, down.stderr

@@ -381,3 +381,49 @@ def test_pwctl_up_no_token_starts_workers_that_require_no_token(pw_home: Path) -
     finally:
         down = run_pwctl("down", "-y", env=env)
         assert down.returncode == 0, down.stderr
+
+
+# ---- the pieces, in process ----
+
+def test_a_wait_that_ends_leaves_nothing_and_a_settle_wakes_it_once() -> None:
+    from server.worker.buffers import BufferStore
+
+    store = BufferStore()
+    woken: list[int] = []
+    latches = [(i, store.watch([i], lambda i=i: woken.append(i))) for i in range(1000)]
+    assert store.waiting_ids() == 1000
+    for i, latch in latches[1:]:
+        assert latch is not None
+        store.unwatch([i], latch)  # the caller cancelled, or its wait timed out
+    assert store.waiting_ids() == 1 and woken == []
+    store.put(0, np.zeros(1), 8, owner="client:x", client_ref=True)  # held for its client
+    store.put(0, np.ones(1), 8, owner="client:x", client_ref=True)
+    assert woken == [0] and store.waiting_ids() == 0
+    assert store.watch([0], lambda: woken.append(-1)) is None  # settled already: no wait at all
+    # an upload may not take over another owner's buffer
+    assert not store.put(0, np.ones(1), 8, owner="client:y", client_ref=True, same_owner=True)
+    assert store.owner_of(0) == "client:x"
+
+
+def test_credentials_bind_owner_and_prefix_and_the_key_file_is_private(tmp_path: Path) -> None:
+    from server.credentials import (
+        check_peer,
+        check_session,
+        load_or_create_key,
+        peer_credential,
+        session_credential,
+    )
+
+    key = load_or_create_key(tmp_path / "worker.key")
+    assert (tmp_path / "worker.key").stat().st_mode & 0o777 == 0o600
+    assert load_or_create_key(tmp_path / "worker.key") == key and len(key) == 32
+    cred = session_credential(key, "job:job-1", 77)
+    caller = check_session(key, cred)
+    assert caller is not None and (caller.owner, caller.prefix) == ("job:job-1", 77)
+    assert caller.owns_id(77 << 40 | 5) and not caller.owns_id(78 << 40 | 5)
+    other = secrets.token_bytes(32)
+    for forged in (cred.replace("77|", "78|", 1), cred.replace("job-1", "job-2"), cred[:-1] + "0",
+                   session_credential(other, "job:job-1", 77), "", "|||", "77|job:job-1|"):
+        assert check_session(key, forged) is None, forged
+    assert check_peer(key, peer_credential(key)) and not check_peer(key, peer_credential(other))
+    assert not check_peer(key, cred)

@@ -94,8 +94,8 @@ class WorkerProcess:
         self._wake = asyncio.Event()
         host, _ = paths.split_address(self.config.listen)
         # every call needs the cluster's token, on every address (auth.py), when the worker has one
-        check = self.config.token and self.config.check_token
-        interceptors = [TokenInterceptor(self.config.token)] if check else []
+        token = self.config.token if self.config.check_token else None
+        interceptors = [TokenInterceptor(token)] if token else []
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT

@@ -35,6 +35,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.credentials import PEER_HEADER, SESSION_HEADER
+from server.worker.servicer import MAX_WAIT_IDS
 from tests.conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
@@ -290,6 +291,23 @@ def test_malformed_requests_get_invalid_argument_and_no_traceback(cluster: Local
             == grpc.StatusCode.INVALID_ARGUMENT, arr
     assert code_of(lambda: stub.Wait(wpb.WaitRequest(buffer_ids=[s.id(1)], timeout_s=float("nan")), metadata=md,
                                      timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    # bounds: one request names at most MAX_WAIT_IDS buffers, and one owner's waits in progress too
+    too_many = [s.id(100_000 + i) for i in range(MAX_WAIT_IDS + 1)]
+    assert code_of(lambda: stub.Wait(wpb.WaitRequest(buffer_ids=too_many), metadata=md, timeout=30)) \
+        == grpc.StatusCode.INVALID_ARGUMENT
+    big = stub.Wait.future(wpb.WaitRequest(buffer_ids=too_many[:-1]), metadata=md, timeout=60)
+
+    def small_wait() -> grpc.StatusCode:
+        try:
+            stub.Wait(wpb.WaitRequest(buffer_ids=[s.id(1)], timeout_s=0.1), metadata=md, timeout=10)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+    wait_for(lambda: small_wait() == grpc.StatusCode.RESOURCE_EXHAUSTED, 30,
+             "the big wait to take the owner's whole allowance")
+    big.cancel()  # its allowance comes back
+    wait_for(lambda: small_wait() == grpc.StatusCode.OK, 30, "a wait to be accepted again")
     # the worker is still up and serving
     upload(stub, md, s.id(50), np.ones(2))
     np.testing.assert_array_equal(fetch(stub, md, s.id(50)), np.ones(2))

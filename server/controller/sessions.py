@@ -30,6 +30,8 @@ from .programs import ProgramRecord, ProgramRegistry
 
 log = logging.getLogger(__name__)
 
+MAX_PREFIXES_REMEMBERED = 1 << 16  # prefixes handed out that new sessions avoid (beyond: the live ones)
+
 
 class Slices(Protocol):
     """What sessions need of the slice service."""
@@ -69,6 +71,8 @@ class SessionManager:
         """A random buffer-id prefix no other client of this controller held (ids are
         `prefix << 40 | n`): not the next of a sequence, so no session can guess another's ids.
         Workers serve a session only the ids under its prefix (server/credentials.py)."""
+        if len(self._prefixes_used) >= MAX_PREFIXES_REMEMBERED:  # bounded: then only live ones count
+            self._prefixes_used = {s.id_prefix for s in self.sessions.values()}
         while True:
             prefix = secrets.randbelow((1 << 24) - 1) + 1
             if prefix not in self._prefixes_used:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
-MAX_WAIT_IDS = 65536  # buffers named by one Wait
+MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
 MAX_RANK = 64
 
 
@@ -105,7 +105,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         # own keeps that from starving the default executor that assembles transfers
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pw-fetch",
                                         initializer=name_native_thread)
-        self._waits: dict[str, int] = {}  # owner -> fetches and waits in progress
+        self._waits: dict[str, tuple[int, int]] = {}  # owner -> (fetches and waits, ids) in progress
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -133,19 +133,23 @@ class WorkerServicer(wgrpc.WorkerServicer):
 
     # ---- waiting for buffers ----
     @contextlib.asynccontextmanager
-    async def _wait_slot(self, caller: Caller, context: aio.ServicerContext) -> AsyncIterator[None]:
-        """Counts a fetch or wait against its owner's bound (RESOURCE_EXHAUSTED beyond it)."""
-        n = self._waits.get(caller.owner, 0)
-        if n >= MAX_WAITS_PER_OWNER:
+    async def _wait_slot(self, caller: Caller, ids: int, context: aio.ServicerContext) -> AsyncIterator[None]:
+        """Counts a fetch or wait (and the ids it waits on) against its owner's bounds, so that
+        one owner's waits cost bounded memory (RESOURCE_EXHAUSTED beyond them)."""
+        calls, waited = self._waits.get(caller.owner, (0, 0))
+        if calls >= MAX_WAITS_PER_OWNER or waited + ids > MAX_WAIT_IDS:
+            log.warning("%s refused a wait: %d waits on %d buffers already in progress", caller.owner, calls,
+                        waited)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{MAX_WAITS_PER_OWNER} fetches and waits already in progress for {caller.owner}")
-        self._waits[caller.owner] = n + 1
+                                f"too many fetches and waits in progress for {caller.owner} (at most "
+                                f"{MAX_WAITS_PER_OWNER}, on at most {MAX_WAIT_IDS} buffers)")
+        self._waits[caller.owner] = (calls + 1, waited + ids)
         try:
             yield
         finally:
-            left = self._waits[caller.owner] - 1
-            if left:
-                self._waits[caller.owner] = left
+            calls, waited = self._waits[caller.owner]
+            if calls > 1:
+                self._waits[caller.owner] = (calls - 1, waited - ids)
             else:
                 del self._waits[caller.owner]
 
@@ -189,7 +193,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         bid = request.buffer_id
         await self._check_request(context, caller, [bid], request.timeout_s)
         timeout = _bounded(request.timeout_s)
-        async with self._wait_slot(caller, context):
+        async with self._wait_slot(caller, 1, context):
             ready = await self._settled([bid], timeout)
         if self._foreign(caller, bid):  # it appeared under another owner, or was released meanwhile
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker")
@@ -229,7 +233,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         caller = await self.auth.session(context, "wait")
         ids = list(request.buffer_ids)
         await self._check_request(context, caller, ids, request.timeout_s)
-        async with self._wait_slot(caller, context):
+        async with self._wait_slot(caller, len(ids), context):
             ready = await self._settled(ids, _bounded(request.timeout_s))
         if any(self._foreign(caller, b) for b in ids):
             bad = next(b for b in ids if self._foreign(caller, b))

@@ -30,6 +30,7 @@ SESSION_HEADER = "x-pathways-session"
 PEER_HEADER = "x-pathways-peer"
 KEY_FILE = "worker.key"
 PREFIX_SHIFT = 40  # buffer and run ids are (prefix << PREFIX_SHIFT) | counter
+KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -43,26 +44,39 @@ class Caller:
         return buffer_id >> PREFIX_SHIFT == self.prefix
 
 
-def load_or_create_key(path: Path) -> bytes:
-    """The controller's worker key at `path`, created (32 random bytes, mode 0600) on first use.
-    Created under a temporary name and linked into place, so a concurrent reader never sees it
-    half written."""
+def _read_key(path: Path) -> bytes | None:
     try:
-        return bytes.fromhex(path.read_text().strip())
+        key = bytes.fromhex(path.read_text().strip())
     except (OSError, ValueError):
-        pass
+        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+def load_or_create_key(path: Path) -> bytes:
+    """The controller's worker key at `path`, created (KEY_BYTES random bytes, mode 0600) on first
+    use, or when the file holds no key. Written under a temporary name and moved into place, so
+    a concurrent reader never sees it half written; of two processes creating it at once, the
+    first to link it wins and both use its key."""
+    key = _read_key(path)
+    if key is not None:
+        return key
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
+        fh.write(secrets.token_hex(KEY_BYTES) + "\n")
     try:
-        os.link(tmp, path)  # fails when another process made it first: then read theirs
-    except FileExistsError:
-        pass
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if _read_key(path) is None:  # not a key (damaged): replace it
+                os.replace(tmp, path)
     finally:
-        tmp.unlink()
-    return bytes.fromhex(path.read_text().strip())
+        tmp.unlink(missing_ok=True)
+    key = _read_key(path)
+    if key is None:
+        raise OSError(f"cannot read the worker key {path}")
+    return key
 
 
 def _mac(key: bytes, text: str) -> str:

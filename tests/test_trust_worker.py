@@ -435,6 +435,10 @@ def test_credentials_bind_owner_and_prefix_and_the_key_file_is_private(tmp_path:
     key = load_or_create_key(tmp_path / "worker.key")
     assert (tmp_path / "worker.key").stat().st_mode & 0o777 == 0o600
     assert load_or_create_key(tmp_path / "worker.key") == key and len(key) == 32
+    (tmp_path / "damaged.key").write_text("not hex\n")
+    fresh = load_or_create_key(tmp_path / "damaged.key")
+    assert len(fresh) == 32 and fresh != key and load_or_create_key(tmp_path / "damaged.key") == fresh
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged.key", "worker.key"]  # no temporary left
     cred = session_credential(key, "job:job-1", 77)
     caller = check_session(key, cred)
     assert caller is not None and (caller.owner, caller.prefix) == ("job:job-1", 77)

@@ -449,3 +449,24 @@ def test_credentials_bind_owner_and_prefix_and_the_key_file_is_private(tmp_path:
         assert check_session(key, forged) is None, forged
     assert check_peer(key, peer_credential(key)) and not check_peer(key, peer_credential(other))
     assert not check_peer(key, cred)
+
+
+def test_the_controller_refuses_runs_and_drops_releases_naming_another_sessions_ids() -> None:
+    """The release path goes through the controller: a session's release or run naming ids
+    outside its prefix never reaches a worker (in process, over the real session manager)."""
+    from tests.test_dispatcher import events
+    from tests.test_sessions import Sessions, release
+
+    p = Sessions()
+    s = p.open()  # prefix 0
+    prog = p.register(s)
+    foreign = 5 << 40 | 1
+    for inputs, outputs in (([foreign], [201]), ([100], [foreign])):
+        p.send(s, cpb.ClientMessage(run=cpb.RunProgram(run_id=7, program_id=prog.program_id, input_ids=inputs,
+                                                       output_ids=outputs, input_homes=["a:1"])))
+        assert p.outbox.take() == []  # nothing enqueued anywhere
+        evs = events(s)
+        assert evs[0] == cpb.SessionEvent(finished=cpb.RunFinished(
+            run_id=7, ok=False, error=f"no buffer {foreign:#x} in this session"))
+    p.send(s, release(foreign, 300))
+    assert p.outbox.take() == [("b", cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[300])))]

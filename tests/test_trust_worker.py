@@ -470,3 +470,14 @@ def test_the_controller_refuses_runs_and_drops_releases_naming_another_sessions_
             run_id=7, ok=False, error=f"no buffer {foreign:#x} in this session"))
     p.send(s, release(foreign, 300))
     assert p.outbox.take() == [("b", cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[300])))]
+
+
+def test_prefixes_are_random_distinct_and_keep_ids_signed_64_bit() -> None:
+    """Ids are `prefix << 40 | n` and travel as signed 64-bit integers (traces, the database):
+    the prefix stays below 2**23."""
+    from tests.test_sessions import Sessions
+
+    manager = Sessions().manager
+    prefixes = [manager.new_id_prefix() for _ in range(2000)]
+    assert len(set(prefixes)) == 2000 and all(0 < p < 1 << 23 for p in prefixes)
+    assert max(prefixes) > 1 << 20 and sorted(prefixes) != prefixes  # spread out, not a sequence

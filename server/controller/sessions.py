@@ -74,7 +74,8 @@ class SessionManager:
         if len(self._prefixes_used) >= MAX_PREFIXES_REMEMBERED:  # bounded: then only live ones count
             self._prefixes_used = {s.id_prefix for s in self.sessions.values()}
         while True:
-            prefix = secrets.randbelow((1 << 24) - 1) + 1
+            # below 2**23: ids stay under 2**63 (traces and the database keep them as signed 64-bit)
+            prefix = secrets.randbelow((1 << 23) - 1) + 1
             if prefix not in self._prefixes_used:
                 self._prefixes_used.add(prefix)
                 return prefix

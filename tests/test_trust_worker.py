@@ -481,3 +481,36 @@ def test_prefixes_are_random_distinct_and_keep_ids_signed_64_bit() -> None:
     prefixes = [manager.new_id_prefix() for _ in range(2000)]
     assert len(set(prefixes)) == 2000 and all(0 < p < 1 << 23 for p in prefixes)
     assert max(prefixes) > 1 << 20 and sorted(prefixes) != prefixes  # spread out, not a sequence
+
+
+def test_the_tcp_transfer_port_takes_only_the_clusters_workers(cluster: LocalCluster, worker: Any) -> None:
+    """The workers' raw TCP transfer link (tcplink.py) takes the peer credential in its hello, not
+    the cluster token every tenant holds: a tenant cannot plant a value in another session's
+    buffer through it (nor fail one)."""
+    import socket
+    import struct
+
+    _, _, stub, cch = worker
+    a = open_session(cluster, cch)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+    assert data_address, "the worker serves a TCP transfer port"
+    host, _, port = data_address.rpartition(":")
+    planted = np.full(3, 666.0)
+    secret = (cluster.token or "").encode()
+    header = wpb.TransferChunk(buffer_id=a.id(2), array=pb.ArrayProto(dtype="float64", shape=[3])).SerializeToString()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(struct.pack("!4sH", b"PWH1", len(secret)) + secret)
+        sock.sendall(struct.pack("!4sI", b"PWF1", len(header)) + header + planted.tobytes())
+        sock.settimeout(3.0)
+        try:
+            closed = sock.recv(1) == b""  # refused: the worker hangs up without a word
+        except ConnectionResetError:
+            closed = True  # refused, with the frame still unread
+        except TimeoutError:
+            closed = False  # taken: the link waits for the next frame
+    assert closed, "the worker kept a transfer link opened with the cluster token alone"
+    mine = np.array([1.0, 2.0, 3.0])
+    upload(stub, meta(cluster, a), a.id(2), mine)
+    np.testing.assert_array_equal(fetch(stub, meta(cluster, a), a.id(2)), mine)
+    assert "Traceback" not in worker_log(cluster)
+    a.close()

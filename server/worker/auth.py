@@ -65,6 +65,11 @@ class WorkerAuth:
         assert caller is not None
         return caller
 
+    def peer_secret_ok(self, secret: bytes) -> bool:
+        """Whether `secret` (a TCP transfer link's hello, tcplink.py) is the peer credential."""
+        key = self.key
+        return key is not None and check_peer(key, secret.decode(errors="replace"))
+
     async def peer(self, context: aio.ServicerContext) -> None:
         """Returns when the caller is a worker of this cluster; aborts the call otherwise."""
         key = self.key

@@ -108,7 +108,8 @@ class WorkerProcess:
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
-        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer)  # other hosts' transfers
+        # other hosts' transfers; the hello carries the peer credential (auth.py)
+        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok)
         servicer.data_address = tcp.start()
         await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections

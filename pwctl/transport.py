@@ -94,12 +94,14 @@ class Transport:
     names it in error messages). Cheap to create; close() when done."""
 
     def __init__(self, address: str, token: str | None = None, *, peer: str = "server", timeout: float = 30.0,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.address = address
         self.peer = peer
         self.timeout = timeout
         self.retry = retry
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        # the bearer token, and what else every call carries (a worker's session credential)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata))
         self.channel = channel(address)
 
     def close(self) -> None:

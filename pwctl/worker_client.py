@@ -26,9 +26,12 @@ class WorkerClient:
     long-lived stream, fetches and waits on demand. Array bytes go to and from workers directly,
     never through the controller."""
 
-    def __init__(self, address: str, token: str | None) -> None:
+    def __init__(self, address: str, token: str | None, credential: str = "") -> None:
         self.address = address
-        self._transport = Transport(address, token, peer="worker", retry=NO_RETRY)
+        # the session credential (Welcome.worker_credential): the worker serves this session's
+        # buffers only, and only to it
+        extra = (("x-pathways-session", credential),) if credential else ()
+        self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra)
         self._stub = wgrpc.WorkerStub(self._transport.channel)
         self._puts: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._put_call: Any = None

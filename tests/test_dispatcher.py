@@ -116,7 +116,7 @@ class Parts:
 
 
 def session(client_id: str = "c1", sequential: bool = False) -> ClientSession:
-    return ClientSession(client_id=client_id, id_prefix=1, name="test", job_id="", priority=0, weight=1.0,
+    return ClientSession(client_id=client_id, id_prefix=0, name="test", job_id="", priority=0, weight=1.0,
                          sequential=sequential)
 
 

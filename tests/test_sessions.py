@@ -165,7 +165,8 @@ def test_the_stream_welcomes_serves_and_closes() -> None:
         return got
 
     welcome, registered, error = asyncio.run(scenario())
-    assert welcome.welcome.client_id == "c1" and welcome.welcome.id_prefix > 0
+    assert welcome.welcome.client_id.startswith("c") and welcome.welcome.id_prefix > 0
+    assert welcome.welcome.worker_credential.startswith(f"{welcome.welcome.id_prefix}|client:c")
     assert registered.registered.request_id == 4 and registered.registered.program_id
     assert error == cpb.SessionEvent(error="the controller is shutting down")
     assert p.manager.sessions == {} and p.registry.programs == {}  # closed: its program is gone

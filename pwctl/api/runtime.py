@@ -128,6 +128,7 @@ class Runtime:
         self.client_id = welcome.client_id
         self.owner = f"job:{self.job_id}" if self.job_id else f"client:{welcome.client_id}"
         self._prefix = welcome.id_prefix << 40
+        self._credential = welcome.worker_credential  # what workers check (worker_client.py)
         atexit.register(self.close)
 
     # ---- ids ----
@@ -301,7 +302,7 @@ class Runtime:
         with self._workers_lock:
             conn = self._workers.get(address)
             if conn is None:
-                conn = self._workers[address] = WorkerClient(address, self.client.token)
+                conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential)
             return conn
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ DevicesOpt = Annotated[str, typer.Option(
 ListenOpt = Annotated[str, typer.Option("--listen", help="Controller address, HOST:PORT")]
 DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
                                            help="Database URL (default: SQLite in the data directory)")]
+NoTokenOpt = Annotated[bool, typer.Option("--no-token", help="Workers check no cluster token (a private machine)")]
 
 
 def up(
@@ -28,6 +29,7 @@ def up(
     devices: DevicesOpt = "4",
     listen: ListenOpt = paths.DEFAULT_ADDRESS,
     db: DbOpt = None,
+    no_token: NoTokenOpt = False,
 ) -> None:
     """Start a local cluster (controller + one worker per island) and wait until it is ready.
     Run again, it starts only what is missing and says what runs."""
@@ -38,7 +40,8 @@ def up(
                                  param_hint="--islands")
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
-    result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db)
+    result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
+                      no_token=no_token)
     sizes = _island_sizes(result.address, result.islands)
     already = not result.started_workers and not result.controller_started
     what = ", ".join(f"{i} ({sizes.get(i, '?')} device(s))" for i in result.islands)

@@ -21,6 +21,9 @@ NameOpt = Annotated[str | None, typer.Option("--name", show_default=False,
 ListenOpt = Annotated[str, typer.Option("--listen", help="Address the worker serves on")]
 ForegroundOpt = Annotated[bool, typer.Option("--foreground", help="Run in this terminal, log to stderr")]
 WaitOpt = Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until the worker is registered")]
+NoTokenOpt = Annotated[bool, typer.Option(
+    "--no-token", help="Check no cluster token (a private machine); callers still need the credentials "
+                       "the controller issues")]
 
 
 @app.command("start")
@@ -32,11 +35,13 @@ def start(
     listen: ListenOpt = "127.0.0.1:0",
     foreground: ForegroundOpt = False,
     wait: WaitOpt = True,
+    no_token: NoTokenOpt = False,
 ) -> None:
     """Start a worker that registers with the controller and heartbeats (reconnecting on its own)."""
     address = settings.resolve(server).address
     worker_name = name or local.default_worker_name(island)
-    pid = local.start_worker(address, island, devices, worker_name, listen, detach=not foreground)
+    pid = local.start_worker(address, island, devices, worker_name, listen, detach=not foreground,
+                             no_token=no_token)
     if wait:
         hint(f"waiting for worker {worker_name} to register with {address} ...")
         local.wait_workers_ready(address, {worker_name: pid}, timeout=60.0)

@@ -60,13 +60,15 @@ def up(
     listen: str = paths.DEFAULT_ADDRESS,
     db: str | None = None,
     timeout: float = WORKER_READY_TIMEOUT_S,
+    no_token: bool = False,
 ) -> UpResult:
     """Starts (or completes) a local cluster: the controller and one worker per island.
 
     The controller is reused when one is running. Worker `local-<island>` is started unless a
     process of that name already runs. Everything starts at once (workers retry connecting on
     their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
-    every accelerator of this machine.
+    every accelerator of this machine. `no_token`: the workers it starts check no cluster token
+    (a private machine).
     """
     if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
         raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
@@ -97,7 +99,7 @@ def up(
         name = f"local-{island}"
         pid = worker_pids.get(name) or running_worker(name)
         if pid is None:
-            pid = start_worker(address, island, devices, name)
+            pid = start_worker(address, island, devices, name, no_token=no_token)
             started.append(name)
         worker_pids[name] = pid
 

@@ -49,9 +49,9 @@ def _check_name(name: str, what: str) -> None:
         raise InvalidArgument(f"invalid {what} {name!r}: use letters, digits, '-', '_' or '.'")
 
 
-def _worker_args(server: str, island: str, devices: str, name: str, listen: str) -> list[str]:
+def _worker_args(server: str, island: str, devices: str, name: str, listen: str, no_token: bool = False) -> list[str]:
     return [sys.executable, "-m", WORKER_MODULE, "--server", server, "--island", island,
-            "--devices", devices, "--name", name, "--listen", listen]
+            "--devices", devices, "--name", name, "--listen", listen, *(["--no-token"] if no_token else [])]
 
 
 def _worker_env(server: str) -> dict[str, str]:
@@ -77,11 +77,14 @@ def start_worker(
     name: str | None = None,
     listen: str = "127.0.0.1:0",
     detach: bool = True,
+    no_token: bool = False,
 ) -> int:
     """Starts a worker process; returns its pid. It connects (and reconnects) on its own.
 
     `devices` is a count of virtual CPU devices or "all" (every accelerator found).
     With `detach=False` this process becomes the worker (exec) and never returns.
+    `no_token`: the worker checks no cluster token (a private machine); its callers still need
+    the credentials the controller issues (server/worker/auth.py).
     """
     _check_address(server)
     _check_address(listen)
@@ -96,7 +99,7 @@ def start_worker(
         raise Rejected(
             f"worker {name!r} is already running (pid {pid}); stop it with `pwctl worker stop {name}`"
         )
-    args = _worker_args(server, island, devices, name, listen)
+    args = _worker_args(server, island, devices, name, listen, no_token)
     env = _worker_env(server)
     if not detach:
         _exec(args, env)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import paths
+from ..credentials import KEY_FILE, load_or_create_key
 from ..db.engine import make_engine, session_factory
 from ..db.writer import DbWriter
 from ..scheduler import GangScheduler, Policy
@@ -75,8 +76,10 @@ class Controller:
         )
         self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.cluster.hosts,
                                      self.cluster.host_by_address, self.cluster)
+        # signs the credentials workers check (server/credentials.py); kept across restarts
+        self.worker_key = load_or_create_key(paths.data_dir() / KEY_FILE)
         self.sessions = SessionManager(self.dispatcher, self.registry, self.slices, self.cluster.broadcast,
-                                       config.dispatch)
+                                       config.dispatch, worker_key=self.worker_key)
         self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
                                address=lambda: self.address, token=config.token,

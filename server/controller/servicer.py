@@ -153,6 +153,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     host_id=info.id,
                     heartbeat_interval_s=self.core.cluster.heartbeat_interval,
                     device_ids=info.device_ids,
+                    session_key=self.core.worker_key,
                 )
             )
         )

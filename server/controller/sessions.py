@@ -10,9 +10,8 @@ slices it made without a name.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import random
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -21,6 +20,7 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..credentials import PREFIX_SHIFT, session_credential
 from ..invariants import InvariantError
 from ..scheduler import Batch, Submit
 from .client_session import ClientSession
@@ -29,6 +29,8 @@ from .errors import ControllerError
 from .programs import ProgramRecord, ProgramRegistry
 
 log = logging.getLogger(__name__)
+
+MAX_PREFIXES_REMEMBERED = 1 << 16  # prefixes handed out that new sessions avoid (beyond: the live ones)
 
 
 class Slices(Protocol):
@@ -53,7 +55,8 @@ class SessionManager:
     """
 
     def __init__(self, dispatcher: Dispatcher, registry: ProgramRegistry, slices: Slices,
-                 broadcast: Callable[[cpb.ControllerToWorker], None], default_dispatch: str = "parallel") -> None:
+                 broadcast: Callable[[cpb.ControllerToWorker], None], default_dispatch: str = "parallel",
+                 worker_key: bytes = b"") -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.slices = slices
@@ -61,13 +64,25 @@ class SessionManager:
         self.default_dispatch = default_dispatch
         self.program_listeners: list[ProgramListener] = []
         self.sessions: dict[str, ClientSession] = {}
-        base = random.randrange(1, 1 << 23)
-        self._prefixes = (((base + i) % ((1 << 24) - 1)) + 1 for i in itertools.count())
-        self._client_numbers = itertools.count(1)
+        self.worker_key = worker_key or secrets.token_bytes(32)
+        self._prefixes_used: set[int] = set()
 
     def new_id_prefix(self) -> int:
-        """A buffer-id prefix no other live client holds (ids are `prefix << 40 | n`)."""
-        return next(self._prefixes)
+        """A random buffer-id prefix no other client of this controller held (ids are
+        `prefix << 40 | n`): not the next of a sequence, so no session can guess another's ids.
+        Workers serve a session only the ids under its prefix (server/credentials.py)."""
+        if len(self._prefixes_used) >= MAX_PREFIXES_REMEMBERED:  # bounded: then only live ones count
+            self._prefixes_used = {s.id_prefix for s in self.sessions.values()}
+        while True:
+            # below 2**23: ids stay under 2**63 (traces and the database keep them as signed 64-bit)
+            prefix = secrets.randbelow((1 << 23) - 1) + 1
+            if prefix not in self._prefixes_used:
+                self._prefixes_used.add(prefix)
+                return prefix
+
+    def credential(self, owner: str, prefix: int) -> str:
+        """The session credential workers check (server/credentials.py)."""
+        return session_credential(self.worker_key, owner, prefix)
 
     async def serve(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
@@ -88,7 +103,7 @@ class SessionManager:
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
         session = ClientSession(
-            client_id=f"c{next(self._client_numbers)}",
+            client_id=f"c{secrets.token_hex(6)}",
             id_prefix=self.new_id_prefix(),
             name=hello.client_name,
             job_id=hello.job_id,
@@ -99,7 +114,9 @@ class SessionManager:
         self.sessions[session.client_id] = session
         log.info("session %s opened (%s%s)", session.client_id, session.name,
                  f", job {session.job_id}" if session.job_id else "")
-        yield cpb.SessionEvent(welcome=cpb.Welcome(client_id=session.client_id, id_prefix=session.id_prefix))
+        yield cpb.SessionEvent(welcome=cpb.Welcome(
+            client_id=session.client_id, id_prefix=session.id_prefix,
+            worker_credential=self.credential(session.owner, session.id_prefix)))
         for msg in rest:
             self.handle(session, msg)
         self.dispatcher.flush()
@@ -135,18 +152,31 @@ class SessionManager:
             submits: list[Submit] = []
             for m in msg.batch.messages:
                 if m.WhichOneof("msg") == "run":
-                    self.dispatcher.submit(session, m.run, submits)
+                    if self._own_ids(session, m.run):
+                        self.dispatcher.submit(session, m.run, submits)
                 else:
                     self.handle(session, m)
             if submits:
                 self.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
         elif kind == "run":
-            self.dispatcher.submit(session, msg.run)
+            if self._own_ids(session, msg.run):
+                self.dispatcher.submit(session, msg.run)
         elif kind == "release":
-            for address, ids in session.hold_release(msg.release.address, list(msg.release.buffer_ids)):
+            # only the session's own ids: another session's buffers are not its to free
+            mine = [b for b in msg.release.buffer_ids if b >> PREFIX_SHIFT == session.id_prefix]
+            for address, ids in session.hold_release(msg.release.address, mine):
                 self.dispatcher.release(address, ids)
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
+
+    def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
+        """Whether a run reads and writes only the session's own buffer ids; refuses it if not
+        (as an unknown buffer: another session's ids are not revealed to exist)."""
+        for b in (*run.input_ids, *run.output_ids):
+            if b >> PREFIX_SHIFT != session.id_prefix:
+                session.run_refused(run.run_id, f"no buffer {b:#x} in this session")
+                return False
+        return True
 
     def register_program(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
         """Registers a program for `session` (also the IFRT proxy's way in: server/proxy)."""

@@ -39,6 +39,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
+from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compose import concat_function, flat_parts
@@ -132,7 +133,10 @@ class SliceSession:
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
-        self._metadata = (("authorization", f"Bearer {controls.token}"),) if controls.token else ()
+        metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
+        if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
+            metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
+        self._metadata = tuple(metadata)
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:

@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--unload-after", type=float, default=60.0, metavar="SECONDS",
                    help="unload compiled programs not run for this long once the worker is idle; they "
                         "compile again when called (default 60; 0 keeps them)")
+    p.add_argument("--no-token", action="store_true",
+                   help="require no cluster token of callers (a private machine); they still need the "
+                        "credentials the controller issues, and the worker still presents a token it finds")
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
     if ns.devices != "all":
@@ -70,6 +73,7 @@ def main() -> None:
             name=name,
             listen=ns.listen,
             token=_token(),
+            check_token=not ns.no_token,
             unload_after_s=ns.unload_after,
         ),
         log_level=ns.log_level,

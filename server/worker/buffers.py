@@ -44,16 +44,19 @@ class _Latch:
     a wait for many buffers (a pipeline pass's outputs, a training step's parameters) wakes its
     thread once, not once per buffer. Counted down under the store's lock."""
 
-    __slots__ = ("event", "left")
+    __slots__ = ("callback", "event", "left")
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, callback: Callable[[], None] | None = None) -> None:
         self.left = count
         self.event = threading.Event()
+        self.callback = callback  # called (under the store's lock: it must be quick) when set
 
     def settled(self) -> None:
         self.left -= 1
         if self.left == 0:
             self.event.set()
+            if self.callback is not None:
+                self.callback()
 
 
 class BufferStore:
@@ -98,16 +101,21 @@ class BufferStore:
     # ---- producing ----
     def put(
         self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False,
-        from_peer: bool = False,
-    ) -> None:
+        from_peer: bool = False, same_owner: bool = False,
+    ) -> bool:
         """Supplies a buffer's value. Client uploads pass client_ref=True; a transfer from
-        another worker (from_peer) may overtake the enqueue of its reader, so it is held."""
+        another worker (from_peer) may overtake the enqueue of its reader, so it is held.
+        With same_owner (a client's upload) a buffer recorded under another owner is left as it
+        is and the answer is False."""
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner, hold=from_peer)
+            elif same_owner and e.owner and e.owner != owner:
+                return False
+            e.owner = e.owner or owner
             if e.state == READY:
-                return  # a second copy of the same future: keep the first
+                return True  # a second copy of the same future: keep the first
             if client_ref and not e.released:
                 e.client_ref = True
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
@@ -116,6 +124,7 @@ class BufferStore:
             self._maybe_free(buffer_id, e)
         for cb in callbacks:
             cb()
+        return True
 
     def fail(self, buffer_id: int, error: str) -> None:
         with self._lock:
@@ -216,6 +225,48 @@ class BufferStore:
             if late is not None:
                 raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
             return self._values(buffer_ids)
+
+    def watch(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> _Latch | None:
+        """Calls `callback` once every buffer settled (ready, failed, or gone), from the thread that
+        settles the last; None when all are settled already (then it is not called). Unknown ids
+        are waited for (a fetch may overtake the enqueue that declares them). No thread blocks:
+        the worker's RPC handlers wait on an asyncio future the callback completes, so a caller
+        that gives up (cancels, times out) costs nothing; `unwatch` forgets the latch."""
+        with self._lock:
+            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist=False)]
+            if not pending:
+                return None
+            latch = _Latch(len(pending), callback)
+            for b in pending:
+                self._waiters.setdefault(b, []).append(latch)
+            return latch
+
+    def unwatch(self, buffer_ids: Sequence[int], latch: _Latch) -> None:
+        with self._lock:
+            latch.callback = None
+            for b in dict.fromkeys(buffer_ids):
+                waiting = self._waiters.get(b)
+                if waiting is not None and latch in waiting:
+                    waiting.remove(latch)
+                    if not waiting:
+                        del self._waiters[b]
+
+    def owner_of(self, buffer_id: int) -> str | None:
+        """The owner recorded for a buffer ("" when none was), None when the store has no entry."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            return None if e is None else e.owner
+
+    def released(self, buffer_id: int) -> bool:
+        """Whether the client released this buffer before it existed (a tombstone)."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            return e is not None and e.released and e.state == PENDING
+
+    def waiting_ids(self) -> int:
+        """How many buffer ids have waits on them (tests: waits that ended leave nothing)."""
+        with self._lock:
+            return len(self._waiters)
 
     def _values(self, buffer_ids: Sequence[int]) -> list[Any]:
         """The values of settled buffers (call with the lock held); BufferFailed for the first

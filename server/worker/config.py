@@ -13,5 +13,6 @@ class WorkerConfig:
     name: str
     listen: str = "127.0.0.1:0"
     token: str | None = None
+    check_token: bool = True  # False (--no-token): callers need no token (credentials still checked)
     reconnect_max_s: float = 2.0
     unload_after_s: float = 60.0  # compiled programs not run this long are unloaded when idle (0: never)

@@ -20,12 +20,12 @@ from grpc import aio
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
-from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import heap, paths
 from ..auth import TokenInterceptor
 from ..health import Health
 from . import memory
+from .auth import WorkerAuth
 from .buffers import BufferStore
 from .config import WorkerConfig
 from .executable import unload_unused
@@ -33,7 +33,7 @@ from .executor import Executor
 from .locallink import LocalReceiver
 from .reconnect import Reconnect
 from .reporting import EventBuffer
-from .servicer import WorkerServicer
+from .servicer import WorkerServicer, add_to_server
 from .tcplink import TcpReceiver
 from .transfer import CHANNEL_OPTIONS, TransferSender
 
@@ -72,6 +72,7 @@ class WorkerProcess:
         self.kind = "gpu" if self.devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
         self.store = BufferStore()
         self.sender = TransferSender(token=config.token)
+        self.auth = WorkerAuth()
         self._events = EventBuffer()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,13 +93,12 @@ class WorkerProcess:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         host, _ = paths.split_address(self.config.listen)
-        # beyond loopback, uploads, fetches and peer transfers need the cluster's token too
-        interceptors = (
-            [TokenInterceptor(self.config.token)] if self.config.token and not paths.is_loopback(host) else []
-        )
+        # every call needs the cluster's token, on every address (auth.py), when the worker has one
+        token = self.config.token if self.config.check_token else None
+        interceptors = [TokenInterceptor(token)] if token else []
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
-        servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island)
-        wgrpc.add_WorkerServicer_to_server(servicer, server)
+        servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
+        add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT
         health = Health("pathways.v1.Worker")
         await health.attach(server)
         port = server.add_insecure_port(self.config.listen)
@@ -108,7 +108,8 @@ class WorkerProcess:
         await server.start()
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
-        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer)  # other hosts' transfers
+        # other hosts' transfers; the hello carries the peer credential (auth.py)
+        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok)
         servicer.data_address = tcp.start()
         await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections
@@ -124,6 +125,7 @@ class WorkerProcess:
         trimmer.cancel()
         self.executor.stop()
         self.sender.close()
+        servicer.close()
         local.close()
         tcp.close()
         await server.stop(grace=0.5)
@@ -235,6 +237,9 @@ class WorkerProcess:
             self.executor.reset("the controller restarted")
             if self.executor.runners.group.announced:  # a new registration is in no island group
                 self.executor.join_group(cpb.JoinGroup(num_processes=1), lambda error: None)
+            if msg.registered.session_key:  # callers' credentials are checked with it (auth.py)
+                self.auth.key = msg.registered.session_key
+                self.sender.set_key(msg.registered.session_key)
             self._set_heartbeat(msg.registered.heartbeat_interval_s)
             log.info("registered as host %d", msg.registered.host_id)
         elif kind == "heartbeat":

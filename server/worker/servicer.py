@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import grpc
 import jax
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from schemas.arrays import byte_view, dtype_name, from_bytes, resolve_dtype, to_numpy
@@ -15,55 +21,194 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from ..credentials import Caller
 from ..threadnames import name_native_thread
+from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
 from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
-from .shmring import RingReader, take_segment
+from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
+MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
+MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
+MAX_RANK = 64
 
 
 def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
+    """A peer's array: inline bytes, or a segment the peer made (its name checked by the caller)."""
     if first.shm_name:
         return take_segment(first.shm_name, resolve_dtype(first.dtype), tuple(first.shape))
     data = parts[0] if len(parts) == 1 else b"".join(parts)
     return from_bytes(first.dtype, list(first.shape), data)
 
 
+def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
+    """A client's uploaded array; ValueError saying what is wrong with it."""
+    if array.shm_name:
+        # a name would make the worker open (and unlink) a segment it never handed out
+        raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
+    try:
+        dtype = resolve_dtype(array.dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"unknown dtype {array.dtype!r}") from e
+    if dtype.hasobject:
+        raise ValueError(f"dtype {array.dtype!r} cannot travel as bytes")
+    if len(array.shape) > MAX_RANK or any(d < 0 for d in array.shape):
+        raise ValueError(f"invalid shape {list(array.shape)}")
+    count = 1
+    for d in array.shape:
+        count *= d
+    if count * dtype.itemsize != len(array.data):
+        raise ValueError(f"{len(array.data)} bytes for {array.dtype}{list(array.shape)}, "
+                         f"expected {count * dtype.itemsize}")
+    return from_bytes(array.dtype, list(array.shape), array.data)
+
+
+def _bounded(timeout_s: float) -> float:
+    """A wait's length in seconds: what the caller asked (0: as long as allowed), at most MAX_WAIT_S."""
+    if not timeout_s > 0 or not math.isfinite(timeout_s):
+        return MAX_WAIT_S
+    return min(timeout_s, MAX_WAIT_S)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Completes `fut` from any thread (the one settling a buffer), once."""
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the loop closed: the worker is stopping, nobody waits any more
+        pass
+
+
 class WorkerServicer(wgrpc.WorkerServicer):
-    def __init__(self, store: BufferStore, executor: Executor, host: str, island: str) -> None:
+    """Uploads, fetches and waits serve authenticated sessions their own buffers only; transfers
+    serve the cluster's workers only (auth.py). Waits hold no thread: they end when the buffer
+    settles, when the caller cancels, or after at most MAX_WAIT_S (the client asks again)."""
+
+    def __init__(self, store: BufferStore, executor: Executor, host: str, island: str,
+                 auth: WorkerAuth | None = None) -> None:
         self.store = store
         self.executor = executor
         self.host = host
         self.island = island
-        # fetches block until their buffer is computed: a pool of their own keeps them
-        # from starving the default executor that assembles transfers
+        self.auth = auth or WorkerAuth()
         self.data_address = ""  # of the TCP transfer port (tcplink.py), once it listens
         self._gathering = Gathering()  # parts of multi-host slices' arrays, until whole
-        self._waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-fetch",
-                                            initializer=name_native_thread)
+        # converting a ready value to bytes blocks until its computation is done: a pool of its
+        # own keeps that from starving the default executor that assembles transfers
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pw-fetch",
+                                        initializer=name_native_thread)
+        self._waits: dict[str, tuple[int, int]] = {}  # owner -> (fetches and waits, ids) in progress
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def PutBuffers(
         self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext
     ) -> wpb.PutBuffersResponse:
+        caller = await self.auth.session(context, "upload")
         count = 0
         async for req in request_iterator:
-            arr = _assemble(req.array, [req.array.data])
-            self.store.put(req.buffer_id, arr, arr.nbytes, owner=req.owner, client_ref=True)
+            if not caller.owns_id(req.buffer_id):
+                log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"buffer id {req.buffer_id:#x} is not one of this session's ids")
+            try:
+                arr = _decode_upload(req.array)
+            except ValueError as e:
+                log.warning("upload of buffer %#x by %s refused: %s", req.buffer_id, caller.owner, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {req.buffer_id:#x}: {e}")
+            if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
+                                  same_owner=True):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
             count += 1
         return wpb.PutBuffersResponse(count=count)
 
-    async def Fetch(self, request: wpb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[wpb.FetchChunk]:
-        loop = asyncio.get_running_loop()
-        timeout = request.timeout_s or None
+    # ---- waiting for buffers ----
+    @contextlib.asynccontextmanager
+    async def _wait_slot(self, caller: Caller, ids: int, context: aio.ServicerContext) -> AsyncIterator[None]:
+        """Counts a fetch or wait (and the ids it waits on) against its owner's bounds, so that
+        one owner's waits cost bounded memory (RESOURCE_EXHAUSTED beyond them)."""
+        calls, waited = self._waits.get(caller.owner, (0, 0))
+        if calls >= MAX_WAITS_PER_OWNER or waited + ids > MAX_WAIT_IDS:
+            log.warning("%s refused a wait: %d waits on %d buffers already in progress", caller.owner, calls,
+                        waited)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many fetches and waits in progress for {caller.owner} (at most "
+                                f"{MAX_WAITS_PER_OWNER}, on at most {MAX_WAIT_IDS} buffers)")
+        self._waits[caller.owner] = (calls + 1, waited + ids)
         try:
-            value = await loop.run_in_executor(self._waiters, self.store.wait, request.buffer_id, timeout, False)
+            yield
+        finally:
+            calls, waited = self._waits[caller.owner]
+            if calls > 1:
+                self._waits[caller.owner] = (calls - 1, waited - ids)
+            else:
+                del self._waits[caller.owner]
+
+    async def _settled(self, buffer_ids: list[int], timeout: float) -> bool:
+        """Whether every buffer settled within `timeout` (unknown ones are waited for: a fetch
+        may overtake the enqueue that declares its buffer). Cancelling the call ends the wait."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        latch = self.store.watch(buffer_ids, lambda: _wake(loop, fut))
+        if latch is None:
+            return True
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.store.unwatch(buffer_ids, latch)
+
+    def _foreign(self, caller: Caller, buffer_id: int) -> bool:
+        """Whether the buffer is none of the caller's business: another session's id, another
+        owner's buffer, or one the caller released. Answered like an id that does not exist."""
+        if not caller.owns_id(buffer_id) or self.store.released(buffer_id):
+            return True
+        owner = self.store.owner_of(buffer_id)
+        return bool(owner) and owner != caller.owner
+
+    async def _check_request(self, context: aio.ServicerContext, caller: Caller, ids: list[int],
+                             timeout_s: float) -> None:
+        if len(ids) > MAX_WAIT_IDS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(ids)} buffers in one request; at most {MAX_WAIT_IDS}")
+        if math.isnan(timeout_s) or timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid timeout_s {timeout_s}")
+        for b in ids:
+            if self._foreign(caller, b):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {b:#x} on this worker")
+
+    async def Fetch(self, request: wpb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[wpb.FetchChunk]:
+        caller = await self.auth.session(context, "fetch")
+        bid = request.buffer_id
+        await self._check_request(context, caller, [bid], request.timeout_s)
+        timeout = _bounded(request.timeout_s)
+        async with self._wait_slot(caller, 1, context):
+            ready = await self._settled([bid], timeout)
+        if self._foreign(caller, bid):  # it appeared under another owner, or was released meanwhile
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker")
+        if not ready:
+            yield wpb.FetchChunk(error=f"buffer {bid} is not ready after {timeout:g} s", last=True)
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            value = self.store.wait(bid, 0.0, False)
             if request.parts and is_partial(value):  # a multi-host slice's array: this worker's shards
-                for chunk in part_chunks(await loop.run_in_executor(self._waiters, local_parts, value),
+                for chunk in part_chunks(await loop.run_in_executor(self._pool, local_parts, value),
                                          tuple(value.shape), CHUNK):
                     yield chunk
                 return
-            arr = await loop.run_in_executor(self._waiters, to_numpy, value)
+            arr = await loop.run_in_executor(self._pool, to_numpy, value)
         except (BufferFailed, TimeoutError) as e:
             yield wpb.FetchChunk(error=str(e), last=True)
             return
@@ -85,14 +230,22 @@ class WorkerServicer(wgrpc.WorkerServicer):
             yield wpb.FetchChunk(array=part, last=off + CHUNK >= len(data))
 
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
-        loop = asyncio.get_running_loop()
-        ids, timeout = list(request.buffer_ids), request.timeout_s or None
-        return await loop.run_in_executor(self._waiters, self._wait, ids, timeout)
+        caller = await self.auth.session(context, "wait")
+        ids = list(request.buffer_ids)
+        await self._check_request(context, caller, ids, request.timeout_s)
+        async with self._wait_slot(caller, len(ids), context):
+            ready = await self._settled(ids, _bounded(request.timeout_s))
+        if any(self._foreign(caller, b) for b in ids):
+            bad = next(b for b in ids if self._foreign(caller, b))
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
+        if not ready:
+            return wpb.WaitReply(ready=False)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids)
 
-    def _wait(self, buffer_ids: list[int], timeout: float | None) -> wpb.WaitReply:
-        # one wake for all the buffers (launched), then one wait for their computations
+    def _computed(self, buffer_ids: list[int]) -> wpb.WaitReply:
+        """Waits for the computations behind settled buffers (launched is not computed)."""
         try:
-            jax.block_until_ready(self.store.wait_all(buffer_ids, timeout, must_exist=False))
+            jax.block_until_ready(self.store.wait_all(buffer_ids, 0.0, must_exist=False))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:
@@ -105,6 +258,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext
     ) -> wpb.TransferResponse:
         """A peer's stream of buffers, each one chunk or several (the last marked `last`)."""
+        await self.auth.peer(context)
         loop = asyncio.get_running_loop()
         heads: dict[int, wpb.TransferChunk] = {}
         parts: dict[int, list[bytes]] = {}
@@ -123,10 +277,21 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 continue
             del heads[bid]
             data = parts.pop(bid)
-            if head.array.shm_name or len(data) > 1:
-                arr = await loop.run_in_executor(None, _assemble, head.array, data)
-            else:
-                arr = _assemble(head.array, data)
+            name = head.array.shm_name
+            if name and not is_segment_name(name):  # only a name of the form put_segment makes
+                log.warning("transfer of buffer %#x refused: %r is not a transfer segment", bid, name)
+                self.store.fail(bid, f"transfer of buffer {bid:#x} failed: not a transfer segment")
+                continue
+            try:
+                if name or len(data) > 1:
+                    arr = await loop.run_in_executor(None, _assemble, head.array, data)
+                else:
+                    arr = _assemble(head.array, data)
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("transfer of buffer %#x failed: %s", bid, e)
+                self._gathering.drop(bid)
+                self.store.fail(bid, f"transfer of buffer {bid:#x} failed: {e}")
+                continue
             if head.global_shape:  # one member's part of a multi-host slice's array
                 try:
                     whole = self._gathering.add(bid, tuple(head.global_shape), tuple(head.part_start), arr)
@@ -189,3 +354,94 @@ class WorkerServicer(wgrpc.WorkerServicer):
             segments=self.executor.segment_count,
             data_address=self.data_address,
         )
+
+
+# ---- registration: requests that do not decode are INVALID_ARGUMENT, one log line ----
+class Malformed:
+    """What a request that does not decode turns into (instead of gRPC's UNKNOWN and traceback)."""
+
+    def __init__(self, method: str, error: str) -> None:
+        self.method, self.error = method, error
+
+
+def _tolerant(method: str, cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Malformed(method, str(e) or "undecodable")
+
+    return parse
+
+
+async def _refuse(context: aio.ServicerContext, bad: Malformed) -> None:
+    try:
+        peer = str(context.peer())
+    except Exception:  # only for the log line
+        peer = "?"
+    log.warning("malformed %s request from %s refused: %s", bad.method, peer, bad.error)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {bad.method} request: {bad.error}")
+
+
+def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
+    """Registers the Worker service as the generated `add_WorkerServicer_to_server` does, with
+    request parsing that turns undecodable bytes into INVALID_ARGUMENT after the caller's
+    credentials are checked (UNAUTHENTICATED first), with one log line and no traceback."""
+
+    async def authenticate(method: str, context: aio.ServicerContext) -> None:
+        if method == "Transfer":
+            await servicer.auth.peer(context)
+        elif method != "Stats":
+            await servicer.auth.session(context, method)
+
+    def unary(method: str, fn: Any) -> Any:
+        async def handler(request: Any, context: aio.ServicerContext) -> Any:
+            if isinstance(request, Malformed):
+                await authenticate(method, context)
+                await _refuse(context, request)
+            return await fn(request, context)
+        return handler
+
+    def server_stream(method: str, fn: Any) -> Any:
+        async def handler(request: Any, context: aio.ServicerContext) -> Any:
+            if isinstance(request, Malformed):
+                await authenticate(method, context)
+                await _refuse(context, request)
+            async for item in fn(request, context):
+                yield item
+        return handler
+
+    def client_stream(fn: Any) -> Any:
+        async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+            async def checked() -> AsyncIterator[Any]:
+                async for r in requests:
+                    if isinstance(r, Malformed):
+                        await _refuse(context, r)
+                    yield r
+            return await fn(checked(), context)
+        return handler
+
+    handlers = {
+        "PutBuffers": grpc.stream_unary_rpc_method_handler(
+            client_stream(servicer.PutBuffers),
+            request_deserializer=_tolerant("PutBuffers", wpb.PutBufferRequest),
+            response_serializer=wpb.PutBuffersResponse.SerializeToString),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            server_stream("Fetch", servicer.Fetch),
+            request_deserializer=_tolerant("Fetch", wpb.FetchRequest),
+            response_serializer=wpb.FetchChunk.SerializeToString),
+        "Wait": grpc.unary_unary_rpc_method_handler(
+            unary("Wait", servicer.Wait),
+            request_deserializer=_tolerant("Wait", wpb.WaitRequest),
+            response_serializer=wpb.WaitReply.SerializeToString),
+        "Transfer": grpc.stream_unary_rpc_method_handler(
+            client_stream(servicer.Transfer),
+            request_deserializer=_tolerant("Transfer", wpb.TransferChunk),
+            response_serializer=wpb.TransferResponse.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            unary("Stats", servicer.Stats),
+            request_deserializer=_tolerant("Stats", wpb.WorkerStatsRequest),
+            response_serializer=wpb.WorkerStats.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pathways.v1.Worker", handlers),))
+

@@ -20,6 +20,7 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 import os
+import re
 import secrets
 import threading
 from collections import deque
@@ -27,18 +28,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RingReader", "RingWriter", "aligned_copy", "put_segment", "take_segment"]
+__all__ = ["RingReader", "RingWriter", "aligned_copy", "is_segment_name", "put_segment", "take_segment"]
 
 RING_BYTES = 4 * 1024 * 1024  # arrays up to a quarter (1 MiB; larger ones get a segment each)
 HEADER = 64  # released (the seq of the last array read): uint64 at offset 8
 ALIGN = 64  # each array starts on a cache line (and XLA on CPU can alias it without a copy)
 
 
+PREFIX = "/pw_ring_"
+_NAME = re.compile(r"/pw_ring_[0-9a-f]{16}")
+
+
+def is_segment_name(name: str) -> bool:
+    """Whether `name` is one this module makes: a receiver opens (and unlinks) no other segment,
+    whoever names it."""
+    return _NAME.fullmatch(name) is not None
+
+
 # POSIX shared memory without multiprocessing.shared_memory: on Python 3.11 that registers every
 # segment with a resource-tracker process (started on first use) that unlinks it at exit; here
 # the owners decide, as the module docstring says.
 def _create(size: int) -> tuple[str, mmap.mmap]:
-    name = "/pw_ring_" + secrets.token_hex(8)
+    name = PREFIX + secrets.token_hex(8)
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, size)
@@ -51,6 +62,8 @@ def _create(size: int) -> tuple[str, mmap.mmap]:
 
 
 def _open(name: str) -> mmap.mmap:
+    if not is_segment_name(name):
+        raise ValueError(f"{name!r} is not a transfer segment")
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)

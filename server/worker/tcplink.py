@@ -72,9 +72,13 @@ class TcpReceiver:
     """Accepts peers on `host`; hands each array (or failure notice) to `deliver(header, array)`
     from the connection's own thread, in the order the peer sent them."""
 
-    def __init__(self, host: str, token: str | None, deliver: Deliver) -> None:
+    def __init__(self, host: str, token: str | None, deliver: Deliver,
+                 check: Callable[[bytes], bool] | None = None) -> None:
         self.host = host
         self._token = (token or "").encode()
+        # what the hello must carry: `check(secret)` when given (the worker's peer credential,
+        # server/worker/auth.py: a tenant's cluster token is not enough), else the token
+        self._check = check
         self._deliver = deliver
         self._sock: socket.socket | None = None
         self.address = ""
@@ -126,7 +130,9 @@ class TcpReceiver:
         if magic != HELLO_MAGIC:
             return False
         token = _read(conn, n) if n else b""
-        return token is not None and hmac.compare_digest(token, self._token)
+        if token is None:
+            return False
+        return self._check(token) if self._check is not None else hmac.compare_digest(token, self._token)
 
     def _frame(self, conn: socket.socket) -> bool:
         """Reads one frame and delivers it; False when the peer closed the connection."""

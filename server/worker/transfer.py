@@ -21,6 +21,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from ..credentials import PEER_HEADER, peer_credential
 from ..threadnames import name_native_thread
 from .locallink import LocalPeers
 from .parts import is_partial, local_parts
@@ -116,7 +117,7 @@ class TransferSender:
         self._peers: dict[str, _PeerStream] = {}
         self._local = LocalPeers()  # same-host peers: shared-memory ring + Unix socket
         self._lock = threading.Lock()
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata: tuple[tuple[str, str], ...] | None = (("authorization", f"Bearer {token}"),) if token else None
         # PATHWAYS_TRANSFER: "auto" (shared memory on one host, else the TCP link, else the gRPC
         # stream); "grpc" or "tcp" send by that network path even between workers of one host
         # (tests and benchmarks of the cross-host paths on one machine)
@@ -124,10 +125,30 @@ class TransferSender:
         self.network_only = mode in ("grpc", "tcp")
         self.use_tcp = mode != "grpc"
         self._token = token
+        self._peer_secret = ""  # the peer credential (set_key): what TCP links present in their hello
         self._tcp: dict[str, TcpPeer | float] = {}  # peer -> its TCP link, or when to try again
         # peers already sent to, per transport: the first send of each kind to a peer is logged
         # ("first transfer to ADDRESS by KIND"), which is how tests see which transport an edge used
         self._used: dict[str, set[str]] = {RING: set(), SEGMENT: set(), STREAM: set(), TCP: set()}
+
+    def set_key(self, key: bytes) -> None:
+        """The controller's key (at registration): transfers carry the peer credential made with
+        it, which receivers check (auth.py). Streams opened before are reopened with it."""
+        secret = peer_credential(key)
+        metadata = [(PEER_HEADER, secret)]
+        if self._token:
+            metadata.append(("authorization", f"Bearer {self._token}"))
+        with self._lock:
+            if self._metadata == tuple(metadata):
+                return
+            self._metadata, self._peer_secret = tuple(metadata), secret
+            peers, self._peers = list(self._peers.values()), {}
+            links = [e for e in self._tcp.values() if isinstance(e, TcpPeer)]
+            self._tcp = {}
+        for peer in peers:
+            peer.close()
+        for link in links:
+            link.close()
 
     def _peer(self, address: str) -> _PeerStream:
         with self._lock:
@@ -154,7 +175,7 @@ class TransferSender:
                                                     timeout=TCP_SETUP_S)
             if not stats.data_address:
                 raise OSError("it has no TCP transfer port")
-            peer: TcpPeer | float = TcpPeer(stats.data_address, self._token)
+            peer: TcpPeer | float = TcpPeer(stats.data_address, self._peer_secret)
         except (grpc.RpcError, OSError, ValueError) as e:
             log.info("no TCP link to %s (%s): the gRPC stream carries its transfers", address, e)
             peer = time.monotonic() + TCP_RETRY_S

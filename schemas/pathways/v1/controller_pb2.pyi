@@ -523,8 +523,13 @@ class Registered(_message.Message):
     HOST_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
+    SESSION_KEY_FIELD_NUMBER: _builtins.int
     host_id: _builtins.int
     heartbeat_interval_s: _builtins.float
+    session_key: _builtins.bytes
+    """The key the worker checks its callers' credentials with (server/credentials.py): a client's
+    session credential (Welcome.worker_credential) and its peers' transfer credential.
+    """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """cluster ids of the worker's devices, by local index"""
@@ -535,10 +540,11 @@ class Registered(_message.Message):
         host_id: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
         device_ids: _abc.Iterable[_builtins.int] | None = ...,
+        session_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id", "session_key", b"session_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1320,18 +1326,24 @@ class Welcome(_message.Message):
 
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     ID_PREFIX_FIELD_NUMBER: _builtins.int
+    WORKER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     id_prefix: _builtins.int
     """client buffer/run ids are (id_prefix << 40) | counter"""
+    worker_credential: _builtins.str
+    """What the client presents to workers (metadata `x-pathways-session`): proves its owner and
+    id prefix to them, so it can upload, fetch and wait on its own buffers only.
+    """
     def __init__(
         self,
         *,
         client_id: _builtins.str = ...,
         id_prefix: _builtins.int = ...,
+        worker_credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "id_prefix", b"id_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "id_prefix", b"id_prefix", "worker_credential", b"worker_credential"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,7 +31,7 @@ class PutBufferRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     owner: _builtins.str
-    """"client:<id>" or "job:<id>": freed when the owner goes"""
+    """ignored: a worker records the caller's authenticated owner (server/credentials.py)"""
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto: ...
     def __init__(

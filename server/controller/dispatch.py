@@ -44,6 +44,7 @@ from ..scheduler import (
 )
 from .client_session import ClientSession
 from .cluster import HostInfo
+from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, InvalidArgument
 from .programs import ProgramRecord, ProgramRegistry
 from .segments import GATHERED, PROGRAM_INPUT, SegmentPlan, cut, gathered_count, same_machine
@@ -176,10 +177,13 @@ class Dispatcher:
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
+        self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
         """Starts a run; with `batch`, its Submit is collected for one scheduler pass."""
+        if self.probe is not None:
+            self.probe.arrived(run.run_id)
         prog = self.registry.programs.get(run.program_id)
         try:
             if prog is None:
@@ -196,6 +200,8 @@ class Dispatcher:
         except ControllerError as e:
             session.run_refused(run.run_id, str(e))
             self._progressed.add(session)
+            if self.probe is not None:
+                self.probe.finished(run.run_id, False, 0)
             return
         session.run_opened(run.run_id)
         out_ids = run.output_ids
@@ -377,6 +383,8 @@ class Dispatcher:
             self.release(address, ids)
         for cb in self.run_listeners:
             cb(run, a.ok, a.error)
+        if self.probe is not None:
+            self.probe.finished(a.run_id, a.ok, len(run.plan.segments))
 
     def _drop(self, a: DropRun) -> None:
         skipped: dict[str, list[int]] = {}
@@ -402,6 +410,8 @@ class Dispatcher:
         for name, msgs in outbox.msgs.items():
             for m in msgs:
                 send(name, m)
+        if self.probe is not None:
+            self.probe.flushed()
 
     # ---- worker events ----
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:

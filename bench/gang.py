@@ -138,6 +138,7 @@ class GangResult:
     latencies_s: list[float]  # per measured run: arrival to the last Enqueue handed to gRPC
     queued_s: list[float]  # per measured run: arrival to every Enqueue queued on its link (the flush)
     cpu_s: list[float]  # per measured run: the event loop thread's CPU time from arrival to the last hand-off
+    queued_cpu_s: list[float]  # per measured run: its CPU time from arrival to the flush's end
     tasks: int  # tasks per run (one per member host)
 
     def quantile(self, q: float) -> float:
@@ -198,7 +199,8 @@ def gang_dispatch(address: str, island: str, hosts: int, devices: int, probe: Pa
     lat = [float(recs[r]["handed"]) - float(recs[r]["arrived"]) for r in measured]  # type: ignore[arg-type]
     queued = [float(recs[r]["queued"]) - float(recs[r]["arrived"]) for r in measured]  # type: ignore[arg-type]
     cpu = [float(recs[r]["cpu"]) for r in measured]  # type: ignore[arg-type]
-    return GangResult(island, hosts, devices, create_s, lat, queued, cpu, hosts)
+    queued_cpu = [float(recs[r]["queued_cpu"]) for r in measured]  # type: ignore[arg-type]
+    return GangResult(island, hosts, devices, create_s, lat, queued, cpu, queued_cpu, hosts)
 
 
 def stop_island_services(home: Path) -> int:

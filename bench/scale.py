@@ -362,7 +362,8 @@ def _gang_rows(v: str, address: str, sim: SimWorkers, size: int, probe_file: Pat
                f"max {max(ms):.1f} ms")
     yield _row(v, "gang node admitted and queued", "ms", statistics.median(r.queued_s) * 1e3, "", None,
                "median; the controller's own work: arrival to the end of the flush that put every host's "
-               "Enqueue on its link (the rest to the hand-off is the streams taking them to gRPC)")
+               "Enqueue on its link (the rest to the hand-off is the streams taking them to gRPC); event-loop "
+               f"CPU over it {statistics.median(r.queued_cpu_s) * 1e3:.1f} ms")
     yield _row(v, "gang node event-loop CPU", "ms", statistics.median(r.cpu_s) * 1e3, "", None,
                "median; the event loop thread's CPU time from arrival to the last hand-off (what the interval "
                "would take with a core to itself; heartbeats handled meanwhile included)")

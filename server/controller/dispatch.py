@@ -67,6 +67,18 @@ class Plan:
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
     gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
     addresses: frozenset[str] = frozenset()  # of the workers running its segments
+    # segment -> its outputs' layout in `layouts`: (client output index or -1, (node, output)) per
+    # output. A gang node's member segments share one (its parts of a value share its id), so a
+    # run makes one id list per layout, not one per member.
+    layout_of: list[int] = field(default_factory=list)
+    layouts: list[tuple[tuple[int, tuple[int, int]], ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
+        for seg in self.segments:
+            layout = tuple(zip(seg.client_outputs, seg.outputs, strict=True))
+            self.layout_of.append(index.setdefault(layout, len(index)))
+        self.layouts = list(index)
 
 
 @dataclass(slots=True)
@@ -204,11 +216,13 @@ class Dispatcher:
                 self.probe.finished(run.run_id, False, 0)
             return
         session.run_opened(run.run_id)
-        out_ids = run.output_ids
+        out_ids = list(run.output_ids)
         # one id per program value: the members of a gang node hold their parts of it under one id
+        # (and share one list of them: nothing changes a run's lists)
         ids: dict[tuple[int, int], int] = {}
-        buffers = [[out_ids[k] if k >= 0 else ids.setdefault(key, self._id_base | next(self._ids))
-                    for k, key in zip(seg.client_outputs, seg.outputs, strict=True)] for seg in plan.segments]
+        lists = [[out_ids[k] if k >= 0 else ids.setdefault(key, self._id_base | next(self._ids))
+                  for k, key in layout] for layout in plan.layouts]
+        buffers = [lists[i] for i in plan.layout_of]
         gathered = [self._id_base | next(self._ids) for _ in range(plan.gathered)]
         self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
                                          list(run.input_homes), buffers, gathered)
@@ -314,8 +328,9 @@ class Dispatcher:
         if host is None:
             return
         enq = self._outbox.enqueue(host.name)
-        functions = self._host_functions.setdefault(host.name, set())
-        segments = self._host_segments.setdefault(host.name, set())
+        segments = self._host_segments.get(host.name)
+        if segments is None:
+            segments = self._host_segments[host.name] = set()
         sends: dict[str, list[tuple[int, str]]] = {}
         for d in action.nodes:
             run = self.runs.get(d.run_id)
@@ -324,6 +339,7 @@ class Dispatcher:
             seg = run.plan.segments[d.node_index]
             definition = seg.definition
             if definition.segment_id not in segments:
+                functions = self._host_functions.setdefault(host.name, set())
                 for n in definition.nodes:
                     if n.function_id not in functions:
                         f = self.registry.functions[n.function_id]
@@ -350,13 +366,13 @@ class Dispatcher:
                 visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
                 run.held_ids.setdefault(host.address, []).extend(
                     b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
-            task = wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
-                            segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
-                            output_visible=visible, owner=run.session.owner,
-                            report_promptly=run.session.sequential)
+            # built in place (an append would copy it): a gang run makes one per member host
+            task = enq.tasks.add(run_id=d.run_id, segment=d.node_index, seq=d.seq,
+                                 segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
+                                 output_visible=visible, owner=run.session.owner,
+                                 report_promptly=run.session.sequential)
             if run.gathered and any(k >= 0 for k in seg.route_keys):
                 task.route_ids[:] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
-            enq.tasks.append(task)
         for home, items in sends.items():
             src = self.host_by_address(home)
             if src is None:

@@ -12,11 +12,12 @@ and one per message to a worker. On, per run it records:
   by that worker's WorkerConnect stream, to be written by gRPC (`links.WorkerLink.messages`);
 
 and when the run ends writes one JSON line to the file: `{"run", "ok", "segments", "tasks",
-"arrived", "queued", "handed", "cpu"}`: the three times are `time.monotonic()` seconds; `tasks`
-counts the tasks handed (the run's segments once every one left); `cpu` is the CPU time the event
-loop's thread used from the arrival to the last hand-off (`time.thread_time()`: on a shared
-machine, what the interval would take had the thread had a core to itself; it also counts the
-other work the loop did meanwhile, heartbeats for instance). Lines are written after the run is
+"arrived", "queued", "handed", "queued_cpu", "cpu"}`: the three times are `time.monotonic()`
+seconds; `tasks` counts the tasks handed (the run's segments once every one left); `queued_cpu` and
+`cpu` are the CPU time the event loop's thread used from the arrival to the flush's end and to the
+last hand-off (`time.thread_time()`: on a shared machine, what the interval would take had the
+thread had a core to itself; it also counts the other work the loop did meanwhile, heartbeats for
+instance). Lines are written after the run is
 over, outside what they measure.
 """
 
@@ -44,6 +45,7 @@ class DispatchProbe:
         self._handed_cpu: dict[int, float] = {}
         self._unflushed: list[int] = []
         self._queued: dict[int, float] = {}
+        self._queued_cpu: dict[int, float] = {}
         self._handed: dict[int, float] = {}
         self._tasks: dict[int, int] = {}
 
@@ -64,9 +66,10 @@ class DispatchProbe:
 
     def flushed(self) -> None:
         if self._unflushed:
-            now = time.monotonic()
+            now, cpu = time.monotonic(), time.thread_time()
             for run in self._unflushed:
                 self._queued[run] = now
+                self._queued_cpu[run] = cpu
             self._unflushed.clear()
 
     def handed(self, msg: cpb.ControllerToWorker) -> None:
@@ -89,6 +92,7 @@ class DispatchProbe:
         self._out.write(json.dumps({"run": run_id, "ok": ok, "segments": segments,
                                     "tasks": self._tasks.pop(run_id, 0), "arrived": arrived,
                                     "queued": self._queued.pop(run_id, None),
+                                    "queued_cpu": self._queued_cpu.pop(run_id, arrived_cpu) - arrived_cpu,
                                     "handed": self._handed.pop(run_id, None),
                                     "cpu": None if handed_cpu is None else handed_cpu - arrived_cpu}) + "\n")
         self._out.flush()

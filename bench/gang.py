@@ -51,6 +51,10 @@ def one_node_graph(slice_name: str = SLICE) -> cpb.ProgramGraph:
         outputs=[cpb.ValueRef(node_output=cpb.NodeOutput(node=0, output=0))])
 
 
+class RegistrationRefused(RuntimeError):
+    pass
+
+
 class Session:
     """A client's program session over the real `Session` RPC: messages go up from a queue, events
     are read on a thread of their own."""
@@ -100,7 +104,7 @@ class Session:
             ev = self._next(max(0.1, deadline - time.monotonic()))
             if ev.WhichOneof("msg") == "registered":
                 if ev.registered.error or ev.registered.missing_functions:
-                    raise RuntimeError(f"registration refused: {ev.registered}")
+                    raise RegistrationRefused(ev.registered.error or f"missing {ev.registered.missing_functions}")
                 return ev.registered.program_id
 
     def run(self, program_id: str, outputs: int = 1) -> int:
@@ -170,7 +174,17 @@ def gang_dispatch(address: str, island: str, hosts: int, devices: int, probe: Pa
         session = Session(c)
         measured: list[int] = []
         try:
-            program = session.register(one_node_graph(), [FUNCTION])
+            # CreateSlice waits for the group up to a limit (server/controller/servicer.py): on a
+            # loaded machine it may still be forming, which registration then says
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    program = session.register(one_node_graph(), [FUNCTION])
+                    break
+                except RegistrationRefused as e:
+                    if "forming" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
             for i in range(warmup + runs):
                 run_id = session.run(program)
                 if i >= warmup:

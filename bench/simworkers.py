@@ -9,8 +9,18 @@ waiting as `server/worker/reconnect.py` says (every 50 ms for 5 s, then doubling
 restart looks to the controller as it would with real workers.
 
 It runs nothing: an `Enqueue`'s tasks are reported failed at once (a `NodeEvent` with ok false),
-so a run sent here ends instead of hanging; releases and drops need no answer. Nothing listens at
-the addresses it registers (127.0.0.2:<10000 + i>), so no client may upload to these hosts.
+so a run sent here ends instead of hanging; with `complete` (`--complete`) they are reported done
+(ok, zero duration) at once instead, so a program's runs finish as if each computation took no
+time (what the benchmark's gang dispatch needs: runs that end without a failure and its drops).
+Their outputs exist nowhere: no client may fetch them. Releases and drops need no answer. Nothing
+listens at the addresses it registers (127.0.0.2:<10000 + i>), so no client may upload to these
+hosts.
+
+A `JoinGroup` (the island spans hosts and has a slice over several of them:
+server/controller/groups.py) is answered with `GroupJoined` for its generation at once, as the real
+worker answers once it has joined. A simulated host joins no `jax.distributed` group: it owns no
+devices and runs nothing, so there is nothing to join with (the controller still starts its real
+coordination service per generation, which nobody connects to).
 
 Per host a switch: `silence` (the process froze: no heartbeats, the stream stays open, and no
 reconnection when the controller closes it), `disconnect` (the stream closes, the host stays away)
@@ -88,14 +98,17 @@ class SimHost:
     call: Any = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     events: list[cpb.NodeEvent] = field(default_factory=list)
+    joined: list[int] = field(default_factory=list)  # generations to answer GroupJoined for
+    joins: int = 0
 
 
 class Simulator:
     """The hosts and their streams, on one event loop."""
 
     def __init__(self, server: str, islands: Sequence[str], devices: int = 4, token: str | None = None,
-                 reconnect_max_s: float = 5.0) -> None:
+                 reconnect_max_s: float = 5.0, complete: bool = False) -> None:
         self.server = server
+        self.complete = complete
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.reconnect_max_s = reconnect_max_s
         self.hosts = [SimHost(i, host_name(i), island, devices) for i, island in enumerate(islands)]
@@ -155,6 +168,10 @@ class Simulator:
             while h.mode == SILENT:  # frozen: nothing goes up until resumed
                 await h.changed.wait()
                 h.changed.clear()
+            if h.joined:
+                generations, h.joined = h.joined, []
+                for generation in generations:
+                    yield cpb.WorkerToController(joined=cpb.GroupJoined(generation=generation))
             if h.events:
                 events, h.events = h.events, []
                 yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=events))
@@ -177,10 +194,16 @@ class Simulator:
                 h.interval = msg.heartbeat.heartbeat_interval_s
         elif kind == "enqueue":
             now = time.time_ns()
+            ok = self.complete
+            error = "" if ok else f"simulated host {h.name} runs nothing"
             h.events.extend(
-                cpb.NodeEvent(run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=now, end_ns=now, ok=False,
-                              error=f"simulated host {h.name} runs nothing")
+                cpb.NodeEvent(run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=now, end_ns=now, ok=ok,
+                              error=error)
                 for t in msg.enqueue.tasks)
+            h.changed.set()
+        elif kind == "join":
+            h.joins += 1
+            h.joined.append(msg.join.generation)
             h.changed.set()
         # release and drop: nothing is held here, nothing runs
 
@@ -211,6 +234,7 @@ class Simulator:
         out: dict[str, Any] = {"hosts": len(self.hosts), "registered": len(self.registered()),
                 "registrations": sum(h.registrations for h in self.hosts),
                 "heartbeats": sum(h.heartbeats for h in self.hosts),
+                "joins": sum(h.joins for h in self.hosts),
                 "rejected": sorted({h.rejected for h in self.hosts if h.rejected}),
                 # streams open that the controller has not answered yet, and hosts switched off
                 "waiting": sum(1 for h in self.hosts if h.call is not None and not h.registered_at),
@@ -252,7 +276,7 @@ async def _serve_commands(sim: Simulator) -> None:
 async def _main(ns: argparse.Namespace) -> None:
     sizes = [int(s) for s in ns.islands.split(",")]
     token = ns.token or os.environ.get("PWCTL_TOKEN") or None
-    sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max)
+    sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max, ns.complete)
     sim.start()
     try:
         await _serve_commands(sim)
@@ -268,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=4, help="devices per host")
     p.add_argument("--token", default="", help="the cluster token (default: $PWCTL_TOKEN)")
     p.add_argument("--reconnect-max", type=float, default=5.0, help="longest wait between reconnections (s)")
+    p.add_argument("--complete", action="store_true",
+                   help="report every task done (ok) at once instead of failed (nothing runs either way)")
     ns = p.parse_args(argv)
     if ns.hosts < 1 or ns.devices < 1:
         p.error("--hosts and --devices must be at least 1")
@@ -284,11 +310,14 @@ class SimWorkers:
     """Drives a `python -m bench.simworkers` process (its stdin/stdout commands) and stops it."""
 
     def __init__(self, server: str, hosts: int, islands: Sequence[int] = (4,), devices: int = 4,
-                 token: str | None = None, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+                 token: str | None = None, env: dict[str, str] | None = None, log: Path | None = None,
+                 complete: bool = False) -> None:
         self.names = [host_name(i) for i in range(hosts)]
         self.islands = island_layout(hosts, islands)
         args = [sys.executable, "-m", "bench.simworkers", "--server", server, "--hosts", str(hosts),
                 "--islands", ",".join(str(s) for s in islands), "--devices", str(devices)]
+        if complete:
+            args.append("--complete")
         run_env = dict(env if env is not None else os.environ)
         run_env.pop("PWCTL_TOKEN", None)
         if token:

@@ -1,19 +1,23 @@
 """The simulated workers (bench/simworkers.py) against a real controller that requires its token:
 8 simulated hosts register with 4 devices each in islands of 4, a silenced host and a disconnected
 host are marked lost and come back when resumed, and after a controller restart every host
-registers again and none is marked lost."""
+registers again and none is marked lost. With a slice over an island's hosts, the simulated hosts
+answer the controller's `JoinGroup`s, and a gang node's runs (bench/gang.py) finish and are
+recorded by the dispatch probe."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.scale import island_sizes
+from bench.gang import gang_dispatch, probe_lines, stop_island_services
+from bench.scale import Controller, island_sizes
 from bench.simworkers import SimWorkers, island_layout
-from tests.conftest import LocalCluster, wait_for
+from tests.conftest import LocalCluster, base_env, wait_for
 
 HOSTS = 8
 
@@ -125,3 +129,27 @@ def test_wrong_token_is_rejected(controller: LocalCluster) -> None:
         assert status["registered"] == 0 and status["registrations"] == 0
     with controller.client() as client:
         assert client.hosts() == []
+
+
+@pytest.mark.timeout(120)
+def test_simulated_hosts_join_the_island_group_and_finish_gang_runs(tmp_path: Path) -> None:
+    env = base_env(tmp_path, PATHWAYS_DISPATCH_PROBE=str(tmp_path / "probe.jsonl"))
+    ctl = Controller(tmp_path)
+    ctl.start(env)
+    try:
+        with SimWorkers(ctl.address, 4, (4,), 4, env=env, log=tmp_path / "sim.log", complete=True) as sim:
+            assert sim.wait_registered(timeout=60)["ok"]
+            assert sim.status()["joins"] == 0  # no slice spans hosts yet: no group
+            # a slice over the island's 16 devices spans its 4 hosts: the answer waits for the group
+            r = gang_dispatch(ctl.address, "i0000-4", 4, 16, tmp_path / "probe.jsonl", runs=3, warmup=1)
+            assert sim.status()["joins"] == 4  # one JoinGroup per member, each answered
+            assert r.tasks == 4 and len(r.latencies_s) == 3
+            recs = probe_lines(tmp_path / "probe.jsonl")
+            assert len(recs) == 4 and all(rec["ok"] and rec["tasks"] == rec["segments"] == 4 for rec in recs.values())
+            for rec in recs.values():
+                assert rec["arrived"] <= rec["queued"] <= rec["handed"]  # type: ignore[operator]
+                assert 0 <= rec["queued_cpu"] <= rec["cpu"] <= rec["handed"] - rec["arrived"] + 0.01  # type: ignore[operator]
+            assert sim.status()["rejected"] == []
+    finally:
+        ctl.stop()
+        stop_island_services(tmp_path)

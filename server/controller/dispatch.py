@@ -44,6 +44,7 @@ from ..scheduler import (
 )
 from .client_session import ClientSession
 from .cluster import HostInfo
+from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, InvalidArgument
 from .programs import ProgramRecord, ProgramRegistry
 from .segments import GATHERED, PROGRAM_INPUT, SegmentPlan, cut, gathered_count, same_machine
@@ -66,6 +67,18 @@ class Plan:
     epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
     gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
     addresses: frozenset[str] = frozenset()  # of the workers running its segments
+    # segment -> its outputs' layout in `layouts`: (client output index or -1, (node, output)) per
+    # output. A gang node's member segments share one (its parts of a value share its id), so a
+    # run makes one id list per layout, not one per member.
+    layout_of: list[int] = field(default_factory=list)
+    layouts: list[tuple[tuple[int, tuple[int, int]], ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
+        for seg in self.segments:
+            layout = tuple(zip(seg.client_outputs, seg.outputs, strict=True))
+            self.layout_of.append(index.setdefault(layout, len(index)))
+        self.layouts = list(index)
 
 
 @dataclass(slots=True)
@@ -176,10 +189,13 @@ class Dispatcher:
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
+        self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
         """Starts a run; with `batch`, its Submit is collected for one scheduler pass."""
+        if self.probe is not None:
+            self.probe.arrived(run.run_id)
         prog = self.registry.programs.get(run.program_id)
         try:
             if prog is None:
@@ -196,13 +212,17 @@ class Dispatcher:
         except ControllerError as e:
             session.run_refused(run.run_id, str(e))
             self._progressed.add(session)
+            if self.probe is not None:
+                self.probe.finished(run.run_id, False, 0)
             return
         session.run_opened(run.run_id)
-        out_ids = run.output_ids
+        out_ids = list(run.output_ids)
         # one id per program value: the members of a gang node hold their parts of it under one id
+        # (and share one list of them: nothing changes a run's lists)
         ids: dict[tuple[int, int], int] = {}
-        buffers = [[out_ids[k] if k >= 0 else ids.setdefault(key, self._id_base | next(self._ids))
-                    for k, key in zip(seg.client_outputs, seg.outputs, strict=True)] for seg in plan.segments]
+        lists = [[out_ids[k] if k >= 0 else ids.setdefault(key, self._id_base | next(self._ids))
+                  for k, key in layout] for layout in plan.layouts]
+        buffers = [lists[i] for i in plan.layout_of]
         gathered = [self._id_base | next(self._ids) for _ in range(plan.gathered)]
         self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
                                          list(run.input_homes), buffers, gathered)
@@ -308,8 +328,9 @@ class Dispatcher:
         if host is None:
             return
         enq = self._outbox.enqueue(host.name)
-        functions = self._host_functions.setdefault(host.name, set())
-        segments = self._host_segments.setdefault(host.name, set())
+        segments = self._host_segments.get(host.name)
+        if segments is None:
+            segments = self._host_segments[host.name] = set()
         sends: dict[str, list[tuple[int, str]]] = {}
         for d in action.nodes:
             run = self.runs.get(d.run_id)
@@ -318,6 +339,7 @@ class Dispatcher:
             seg = run.plan.segments[d.node_index]
             definition = seg.definition
             if definition.segment_id not in segments:
+                functions = self._host_functions.setdefault(host.name, set())
                 for n in definition.nodes:
                     if n.function_id not in functions:
                         f = self.registry.functions[n.function_id]
@@ -344,13 +366,13 @@ class Dispatcher:
                 visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
                 run.held_ids.setdefault(host.address, []).extend(
                     b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
-            task = wpb.Task(run_id=d.run_id, segment=d.node_index, seq=d.seq,
-                            segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
-                            output_visible=visible, owner=run.session.owner,
-                            report_promptly=run.session.sequential)
+            # built in place (an append would copy it): a gang run makes one per member host
+            task = enq.tasks.add(run_id=d.run_id, segment=d.node_index, seq=d.seq,
+                                 segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
+                                 output_visible=visible, owner=run.session.owner,
+                                 report_promptly=run.session.sequential)
             if run.gathered and any(k >= 0 for k in seg.route_keys):
                 task.route_ids[:] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
-            enq.tasks.append(task)
         for home, items in sends.items():
             src = self.host_by_address(home)
             if src is None:
@@ -377,6 +399,8 @@ class Dispatcher:
             self.release(address, ids)
         for cb in self.run_listeners:
             cb(run, a.ok, a.error)
+        if self.probe is not None:
+            self.probe.finished(a.run_id, a.ok, len(run.plan.segments))
 
     def _drop(self, a: DropRun) -> None:
         skipped: dict[str, list[int]] = {}
@@ -402,6 +426,8 @@ class Dispatcher:
         for name, msgs in outbox.msgs.items():
             for m in msgs:
                 send(name, m)
+        if self.probe is not None:
+            self.probe.flushed()
 
     # ---- worker events ----
     def node_events(self, host: str, events: cpb.NodeEvents) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 _CLOSE = object()
+
+# Sees every message as a stream takes it to hand to gRPC: the dispatch probe's hook
+# (dispatch_probe.py, only when the controller runs with PATHWAYS_DISPATCH_PROBE), else None.
+on_handed: Callable[[cpb.ControllerToWorker], None] | None = None
 
 
 class WorkerLink:
@@ -33,4 +37,6 @@ class WorkerLink:
             if msg is _CLOSE:
                 return
             assert isinstance(msg, cpb.ControllerToWorker)
+            if on_handed is not None:
+                on_handed(msg)
             yield msg

@@ -268,12 +268,18 @@ class SliceService:
                 self.groups.want(island)
             why = self.groups.describe(island) if self.groups is not None else "no island groups here"
             raise Rejected(f"slice {name} spans hosts {', '.join(hosts)}: {why}")
-        members = tuple(self._hosts[h] for h in g.members if h in hosts)
+        # one pass over the devices (the dispatcher asks again after any host or slice event, and
+        # an island of 512 hosts has 2,048 devices: nothing here per member per device)
+        spans = set(hosts)
+        members = tuple(self._hosts[h] for h in g.members if h in spans)
+        process = {h: p for p, h in enumerate(g.members)}
+        by_member: dict[str, builtins.list[int]] = {m.name: [] for m in members}
         numbers = []
         for dev_id in s.mapping:
             host_name, local = self._local[dev_id]
-            numbers.append(g.process_of(host_name) * GROUP_STRIDE + local)
-        member_devices = tuple(tuple(d for d in s.mapping if self._local[d][0] == m.name) for m in members)
+            numbers.append(process[host_name] * GROUP_STRIDE + local)
+            by_member[host_name].append(dev_id)
+        member_devices = tuple(tuple(by_member[m.name]) for m in members)
         gang = Gang(g.number, members, tuple(numbers), member_devices)
         return Placement(slice=name, host=members[0], local_devices=numbers, generation=s.generation,
                          island=island, gang=gang)

@@ -58,18 +58,22 @@ class Admission(SchedulerBook):
         run.admit_order = self._admit_counter
         run.admitted_at = self._now
         run.wait_reason = ""
-        # The atomic step: every node's seq on its host, in topological (index) order.
+        # The atomic step: every node's seq on its host, in topological (index) order. (Per node
+        # only what is the node's own: a gang run has a node per member host, hundreds of them.)
+        hosts, run_id, now = self._hosts, run.run_id, self._now
         for node in run.nodes:
-            host = self._hosts[node.spec.host]
-            node.seq = host.next_seq
-            host.next_seq += 1
-            host.live[node.seq] = (run.run_id, node.spec.index)
+            host = hosts[node.spec.host]
+            node.seq = seq = host.next_seq
+            host.next_seq = seq + 1
+            host.live[seq] = (run_id, node.spec.index)
             node.to(NodeState.ASSIGNED)
             if node.deps_left == 0:
-                node.ready_at = self._now
-            self._inflight[node.spec.island] = self._inflight.get(node.spec.island, 0) + 1
-            self._share(node.spec.island, run.client).inflight_nodes += 1
+                node.ready_at = now
+        for island, count in run.nodes_per_island.items():
+            self._inflight[island] = self._inflight.get(island, 0) + count
+            self._share(island, run.client).inflight_nodes += count
+        sequential = run.spec.sequential
         for node in run.nodes:
-            if not run.spec.sequential or node.deps_left == 0:
+            if not sequential or node.deps_left == 0:
                 self._dispatch(run, node)
 

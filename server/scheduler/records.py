@@ -82,14 +82,16 @@ class RunRecord:
 
     @classmethod
     def create(cls, spec: RunSpec, order: int, now: float) -> RunRecord:
-        dependents: dict[int, list[int]] = {n.index: [] for n in spec.nodes}
-        for n in spec.nodes:
-            for d in dict.fromkeys(n.deps):
-                dependents[d].append(n.index)
-        nodes = [NodeRecord(n, tuple(dependents[n.index]), len(set(n.deps))) for n in spec.nodes]
+        # a gang run has a node per member host, hundreds, most with no deps: per node, little
+        dependents: dict[int, list[int]] = {}
         per_island: dict[str, int] = {}
         for n in spec.nodes:
+            for d in dict.fromkeys(n.deps) if len(n.deps) > 1 else n.deps:
+                dependents.setdefault(d, []).append(n.index)
             per_island[n.island] = per_island.get(n.island, 0) + 1
+        none: tuple[int, ...] = ()
+        nodes = [NodeRecord(n, tuple(dependents[n.index]) if n.index in dependents else none,
+                            len(set(n.deps)) if len(n.deps) > 1 else len(n.deps)) for n in spec.nodes]
         hosts = tuple(dict.fromkeys(n.host for n in spec.nodes))
         return cls(spec, order, now, nodes, tuple(per_island), hosts, per_island, nodes_left=len(nodes))
 

@@ -91,7 +91,9 @@ class GangScheduler(Views):
         self._admit()
         actions = self._actions
         for host, nodes in self._outbox.items():
-            if nodes:
+            if len(nodes) == 1:  # a gang run's member host: nothing to order
+                actions.append(Dispatch(host, (nodes[0],)))
+            elif nodes:
                 actions.append(Dispatch(host, tuple(sorted(nodes, key=lambda d: d.seq))))
         self._actions = []
         self._outbox = {}

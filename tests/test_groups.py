@@ -5,7 +5,12 @@ death would abort that member). Services are real processes (`sleep`), started a
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +138,34 @@ def test_a_failed_join_or_a_re_registration_forms_the_group_again(tmp_path: Path
                 p.wait()
 
     asyncio.run(main())
+
+
+def _service(home: Path, controller_pid: int, listed: bool) -> subprocess.Popen[bytes]:
+    """A real coordination service whose controller record (in `home`) names `controller_pid`
+    and lists the service or not; its checks every 0.2 s, an orphan after 1 s."""
+    home.mkdir()
+    path = home / "island-services.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PATHWAYS_COORDSVC_CHECK_S="0.2", PATHWAYS_COORDSVC_ORPHAN_S="1")
+    proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", f"127.0.0.1:{port}", "2",
+                             str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    path.write_text(json.dumps({"controller_pid": controller_pid, "pids": [proc.pid] if listed else []}))
+    return proc
+
+
+def test_a_coordination_service_ends_when_orphaned_not_when_its_controller_lives(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = _service(tmp_path / "a", gone.pid, listed=True)
+    assert orphan.wait(timeout=10) == 0  # its controller is gone (and nobody took over): it ends
+    unlisted = _service(tmp_path / "b", os.getpid(), listed=False)
+    assert unlisted.wait(timeout=10) == 0  # the controller no longer lists it
+    kept = _service(tmp_path / "c", os.getpid(), listed=True)
+    time.sleep(2.0)  # twice the orphan time, ten checks
+    assert kept.poll() is None, "a listed service of a live controller ended"
+    kept.terminate()
+    assert kept.wait(timeout=10) == 0

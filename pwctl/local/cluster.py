@@ -141,6 +141,17 @@ def _cluster_controller(state: dict[str, Any]) -> int | None:
     return None
 
 
+ISLAND_SERVICE_MODULE = "server.controller.coordsvc"
+
+
+def _stop_island_services() -> None:
+    """The coordination services of islands spanning hosts (they outlive a controller restart,
+    so stopping the controller leaves them; they would end by themselves a minute later)."""
+    record = _read_json(paths.data_dir() / "island-services.json") or {}
+    pids = [p for p in record.get("pids", []) if isinstance(p, int) and runs_module(p, ISLAND_SERVICE_MODULE)]
+    terminate(pids, 2.0)
+
+
 def down(grace: float = STOP_GRACE_S) -> DownResult | None:
     """Stops the cluster `up` recorded in cluster.json (workers first), by pid, also the controller
     and workers restarted since under the same names and address; None if nothing was recorded."""
@@ -168,6 +179,7 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
         _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
         if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:
             paths.server_pid_path().unlink(missing_ok=True)
+    _stop_island_services()
     path.unlink(missing_ok=True)
     return DownResult(address=str(state.get("address", "")), stopped_workers=ours,
                       controller_pid=stopped_controller)

@@ -98,6 +98,14 @@ class IslandGroups:
         self._wanted: set[str] = set()  # islands with a slice over several hosts (see want)
         self._tasks: set[asyncio.Task[None]] = set()
         self._record_path = paths.data_dir() / "island-services.json"
+        # services an earlier controller left running: listed (so they stay) until reaped
+        self._inherited: list[int] = []
+        try:
+            old = json.loads(self._record_path.read_text()).get("pids", [])
+            self._inherited = [p for p in old if isinstance(p, int) and _is_service(p)]
+        except (OSError, ValueError, AttributeError):
+            pass
+        self._record()  # this controller's pid now: a restart does not orphan the services
 
     # ---- queries ----
     def usable(self, island: str) -> Generation | None:
@@ -294,22 +302,19 @@ class IslandGroups:
         they register again)."""
         pids = [g.service.pid for g in (*self.current.values(), *self._retiring)
                 if g.service is not None and g.service.poll() is None]
+        pids += [p for p in self._inherited if _is_service(p)]
         try:
-            _write_private(self._record_path, json.dumps({"pids": pids}))
+            _write_private(self._record_path, json.dumps({"controller_pid": os.getpid(), "pids": pids}))
         except OSError as e:
             log.warning("cannot record the island services in %s: %s", self._record_path, e)
 
     def reap_orphans(self) -> int:
         """Stops the services an earlier controller left running (their members have registered
         again with this one, which made them leave). Returns how many it stopped."""
-        try:
-            pids = json.loads(self._record_path.read_text()).get("pids", [])
-        except (OSError, ValueError):
-            return 0
-        mine = {g.service.pid for g in (*self.current.values(), *self._retiring) if g.service is not None}
+        pids, self._inherited = self._inherited, []
         stopped = 0
         for pid in pids:
-            if isinstance(pid, int) and pid not in mine and _is_service(pid):
+            if _is_service(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGTERM)
                     stopped += 1
@@ -357,7 +362,8 @@ def coordinator_host(listen: str) -> str:
 def start_service_process(address: str, n: int) -> subprocess.Popen[bytes]:
     """Starts a coordination service for `n` members at `address`, detached (it outlives a
     controller restart), and waits until it listens."""
-    proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", address, str(n)],
+    record = str(paths.data_dir() / "island-services.json")
+    proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", address, str(n), record],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=os.environ.copy())
     assert proc.stdout is not None

@@ -87,12 +87,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
         loop = asyncio.get_running_loop()
         ids, timeout = list(request.buffer_ids), request.timeout_s or None
-        return await loop.run_in_executor(self._waiters, self._wait, ids, timeout)
+        return await loop.run_in_executor(self._waiters, self._wait, ids, timeout, request.must_exist)
 
-    def _wait(self, buffer_ids: list[int], timeout: float | None) -> wpb.WaitReply:
+    def _wait(self, buffer_ids: list[int], timeout: float | None, must_exist: bool = False) -> wpb.WaitReply:
         # one wake for all the buffers (launched), then one wait for their computations
         try:
-            jax.block_until_ready(self.store.wait_all(buffer_ids, timeout, must_exist=False))
+            jax.block_until_ready(self.store.wait_all(buffer_ids, timeout, must_exist=must_exist))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:

@@ -211,3 +211,20 @@ def test_a_job_making_pw_calls_across_a_restart_succeeds(make_cluster: Any, tmp_
     assert any(line.startswith("resumed session") for line in lines), lines  # the runtime says so on stderr
     job = c.pwctl_json("jobs", "describe", job_id)["item"]
     assert job["state"] == "succeeded", job
+
+
+@pytest.mark.cluster(islands=1, devices=1)
+def test_a_wait_that_must_find_its_buffers_fails_at_once_for_an_unknown_one(cluster: LocalCluster) -> None:
+    """What an uncertain future asks its worker: with `must_exist`, an id the worker never saw
+    fails at once naming it; without, it is waited for (it may be on its way)."""
+    from pwctl.worker_client import WorkerClient
+
+    address = next(iter(cluster.hosts().values())).address
+    conn = WorkerClient(address, cluster.token)
+    try:
+        t0 = time.monotonic()
+        done, error = conn.wait([(77 << 40) | 1], 5.0, must_exist=True)
+        assert (done, time.monotonic() - t0 < 4.0) == (False, True) and "does not exist" in error, error
+        assert conn.wait([(77 << 40) | 1], 0.3) == (False, "")  # waited for, not ready
+    finally:
+        conn.close()

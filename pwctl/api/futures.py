@@ -80,6 +80,9 @@ class Future:
             got: list[list[tuple[tuple[int, ...], np.ndarray]]] = []
 
             def fetch(wait_s: float, conn: Any = conn, got: list[Any] = got) -> tuple[bool, str]:
+                unsure = _check_uncertain(self._rt, conn.address, [self], wait_s)
+                if unsure is not None and not unsure[0]:
+                    return unsure
                 parts, error = conn.fetch_parts(self.id, wait_s, self.size * self.dtype.itemsize)
                 if parts is not None:
                     got.append(parts)

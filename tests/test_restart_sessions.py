@@ -228,3 +228,55 @@ def test_a_wait_that_must_find_its_buffers_fails_at_once_for_an_unknown_one(clus
         assert conn.wait([(77 << 40) | 1], 0.3) == (False, "")  # waited for, not ready
     finally:
         conn.close()
+
+
+IN_FLIGHT = """\
+import sys, time
+import numpy as np
+import pwctl as pw
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+f = pw.jit(lambda x: x + 1.0, mesh=s.mesh("x"))
+print(np.asarray(f(np.zeros(2))).tolist(), flush=True)
+sys.stdin.readline()  # the worker is stopped now: the next calls cannot finish
+futures = [f(np.full(2, float(i))) for i in range(5)]
+time.sleep(1.0)  # handed to the controller
+print("sent", flush=True)
+sys.stdin.readline()  # the controller was killed and started again, the worker continued
+for i, fu in enumerate(futures):
+    try:
+        print("ok" if fu.result(timeout=60).tolist() == [i + 1.0] * 2 else "WRONG", flush=True)
+    except pw.PathwaysError as e:
+        print("error", e, flush=True)
+print("after", np.asarray(f(np.ones(2))).tolist(), flush=True)
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=1)
+def test_calls_in_flight_at_a_crash_complete_or_fail_naming_the_restart(cluster: LocalCluster) -> None:
+    """Calls handed to the controller while their worker cannot run them (stopped), then the
+    controller is killed: after the restart each call's future gives its value or a clear error
+    naming the restart (none waits for ever), and the program's next call works."""
+    proc = subprocess.Popen([sys.executable, "-c", IN_FLIGHT], env=cluster.env(), cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "[1.0, 1.0]"
+        cluster.stop_worker("w-a")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "sent"
+        cluster.stop_controller(kill=True)
+        cluster.start_controller()
+        cluster.cont_worker("w-a")
+        out, err = proc.communicate("\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    lines = out.splitlines()
+    assert lines[-1] == "after [2.0, 2.0]", out + err[-3000:]
+    outcomes = lines[:-1]
+    assert len(outcomes) == 5, out
+    for line in outcomes:
+        assert line == "ok" or (line.startswith("error") and "restarted" in line), line

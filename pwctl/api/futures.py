@@ -186,6 +186,9 @@ def settle(rt: Runtime, home: str, futures: list[Future], timeout: float | None)
     it as an input would wait for it for ever)."""
     if not rt.uncertain:
         return
+    why = next((rt.lost_buffers[f.id] for f in futures if f.id in rt.lost_buffers), "")
+    if why:
+        raise ProgramError(f"an input of this call was lost at the controller restart: {why}")
 
     def attempt(wait_s: float) -> tuple[bool, str]:
         return _check_uncertain(rt, home, futures, wait_s) or (True, "")

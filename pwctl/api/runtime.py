@@ -157,11 +157,14 @@ class Runtime:
         self._gen = 0
         self._gen_lock = threading.Lock()
         self._carry: deque[object] = deque()
-        self._handed: deque[int] = deque(maxlen=MAX_HANDED)  # runs handed to the current stream
+        # runs handed to the current stream, with their outputs
+        self._handed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_HANDED)
         self._handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
         self._done_base = 0
         self.uncertain: set[int] = set()  # runs handed to a stream that broke before they were known over
         self.confirmed: set[int] = set()  # buffers of uncertain runs that their workers computed
+        self._uncertain_outputs: set[int] = set()  # the output buffers of the uncertain runs
+        self.lost_buffers: dict[int, str] = {}  # outputs of queued runs not sent after a restart: why
         self.reconnects = 0
         self._resume_token = ""
         self.client_id = ""
@@ -261,7 +264,8 @@ class Runtime:
                         return
                     stop = nxt is _STOP
                 if batch:
-                    runs = [m.run.run_id for m in batch if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
+                    runs = [(m.run.run_id, tuple(m.run.output_ids)) for m in batch
+                            if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
                     with self._gen_lock:  # handed (and remembered as such) only while the stream is current
                         if gen != self._gen:
                             self._carry.extend(batch)
@@ -423,7 +427,9 @@ class Runtime:
                     self.reconnect_s)
         self._next_stream()  # from here on, no run is handed to the old stream
         with self._progress:  # runs handed to the old stream: over for the bound on runs in flight
-            self.uncertain.update(self._handed)
+            for run_id, outputs in self._handed:
+                self.uncertain.add(run_id)
+                self._uncertain_outputs.update(outputs)
             self._handed.clear()
             self._done_base = self._handed_total
             self._runs_done = max(self._runs_done, self._done_base)
@@ -458,6 +464,7 @@ class Runtime:
             self.reconnects += 1
             self._refresh_slices()
             self._wait_hosts(deadline)
+            self._check_queued(deadline)
             ready.set()  # what was queued meanwhile goes now
             log.warning("resumed session %s with the server at %s", self.client_id, address)
             return events
@@ -498,6 +505,64 @@ class Runtime:
             if wanted <= ready:
                 return
             time.sleep(0.1)
+
+    def _check_queued(self, deadline: float) -> None:
+        """Runs queued before the restart was noticed were sent without asking whether their
+        inputs exist: those reading an output of an uncertain run are checked now, and one whose
+        input failed or never reached its worker is not sent (it would wait for that input for
+        ever) but fails, with its outputs as inputs of later queued runs."""
+        with self._gen_lock:  # no stream takes from the queue until `ready`
+            while True:
+                try:
+                    self._carry.append(self._out.get_nowait())
+                except queue.Empty:
+                    break
+            items = list(self._carry)
+        lost: dict[int, str] = {}  # buffer -> why it will never exist
+        keep: list[object] = []
+        failed_runs = 0
+        for item in items:
+            if not (isinstance(item, cpb.ClientMessage) and item.HasField("run")):
+                keep.append(item)
+                continue
+            run = item.run
+            why = next((lost[b] for b in run.input_ids if b in lost), "")
+            if not why:
+                for b, home in zip(run.input_ids, run.input_homes, strict=False):
+                    if b in self._uncertain_outputs and b not in self.confirmed and home:
+                        why = self._exists(b, home.split("|")[0], deadline)
+                        if why:
+                            lost[b] = why
+                            break
+            if why:
+                self._failed_runs[run.run_id] = f"an input of this call was lost at the controller restart: {why}"
+                lost.update(dict.fromkeys(run.output_ids, why))
+                failed_runs += 1
+            else:
+                keep.append(item)
+        self.lost_buffers.update(lost)
+        if failed_runs:
+            with self._gen_lock:
+                self._carry = deque(keep)
+            with self._progress:  # never sent: over
+                self._done_base += failed_runs
+                self._runs_done += failed_runs
+                self._progress.notify_all()
+
+    def _exists(self, buffer_id: int, home: str, deadline: float) -> str:
+        """'' once buffer `buffer_id` (of an uncertain run) is computed on `home`; else why not."""
+        conn = self.worker(home)
+        while not self.closed:
+            wait = max(0.001, min(1.0, deadline - time.monotonic()))
+            done, error = conn.wait([buffer_id], wait, must_exist=True)
+            if done:
+                self.confirmed.add(buffer_id)
+                return ""
+            if error:
+                return self.uncertain_error(error) if "does not exist" in error else error
+            if time.monotonic() >= deadline:
+                return ""  # still computing: the run waits for it
+        return ""
 
     def is_uncertain(self, run_id: int) -> bool:
         """Whether run `run_id` was handed to a stream that broke before it was known over."""

@@ -40,6 +40,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.enable_retries", 0),  # retries are ours (RetryPolicy), for idempotent reads only
+    # a channel whose server went away tries again within 2 s (gRPC's default backoff grows to
+    # 2 minutes): a `pw` session resumes soon after its controller restarted
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

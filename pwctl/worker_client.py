@@ -113,12 +113,13 @@ class WorkerClient:
             parts.append((start, arr))
         return parts, ""
 
-    def wait(self, buffer_ids: list[int], timeout_s: float) -> tuple[bool, str]:
+    def wait(self, buffer_ids: list[int], timeout_s: float, must_exist: bool = False) -> tuple[bool, str]:
         """(True, "") once every buffer is computed, (False, error) when one failed or the worker
-        is unreachable, (False, "") on timeout; no bytes move. Other failures raise."""
+        is unreachable, (False, "") on timeout; no bytes move. Other failures raise. With
+        `must_exist`, a buffer the worker does not know fails at once (else it is waited for)."""
         try:
-            reply = self._transport.unary(self._stub.Wait, wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s),
-                                          timeout=timeout_s + 5.0)
+            request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
+            reply = self._transport.unary(self._stub.Wait, request, timeout=timeout_s + 5.0)
         except ConnectionFailed as e:
             return False, _lost(e)
         return reply.ready, reply.error

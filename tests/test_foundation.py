@@ -227,7 +227,9 @@ except pw.PathwaysError as e:
 def test_a_stopping_controller_ends_worker_watch_and_client_streams_cleanly(cluster: LocalCluster) -> None:
     """Every long-lived stream ends before the server stops: no handler is cancelled (gRPC logs
     those as errors with tracebacks), `status --watch` ends with 0, and a client learns why."""
-    client = subprocess.Popen([sys.executable, "-c", _WAITING_CLIENT], env=cluster.env(), cwd=REPO, text=True,
+    # PWCTL_RECONNECT_S=0: the client does not wait for a next controller (tests/test_restart_sessions.py)
+    client = subprocess.Popen([sys.executable, "-c", _WAITING_CLIENT], env=cluster.env(PWCTL_RECONNECT_S="0"),
+                              cwd=REPO, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     watch = subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "status", "--watch", "--interval", "0.2"],
                              env=cluster.env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

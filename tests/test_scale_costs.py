@@ -33,6 +33,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.cluster import LOST, READY, RECONNECTING, Cluster, beat_interval
 from server.controller.core import Controller, ControllerConfig
+from server.controller.device_rows import rows_of
 from server.controller.groups import stop_service
 from server.controller.hostviews import list_devices, list_hosts
 from server.controller.links import WorkerLink
@@ -109,6 +110,9 @@ async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
         for i in range(n):
             cluster.register(registration(f"h{i:03d}", ISLANDS[i % 2]), WorkerLink(f"h{i:03d}"))
         core.slices.create(cpb.SliceSpec(name="s", devices=4, island=ISLANDS[0]), False, "")
+        for h in list(cluster.hosts.values()):  # every device is running something (for the observer)
+            core.observer.on_node_event(h.name, cpb.NodeEvent(run_id=1, segment=0, start_ns=1,
+                                                              local_devices=range(len(h.device_ids))), None)
         out: dict[str, Work] = {}
         with meter.measure() as out["register"]:
             cluster.register(registration("new", ISLANDS[0]), WorkerLink("new"))
@@ -133,6 +137,10 @@ async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
         out["heartbeat flush (statements)"] = Work(statements=flush.statements)
         # two hosts lost together: the same work whatever the cluster's size
         others = [h for h in cluster.hosts.values() if h.island == ISLANDS[1]]  # not the slice's
+        with meter.measure() as out["observer: a host lost"]:
+            core.observer.host_lost(others[-1], "test")
+        assert [core.observer.devices[(others[-1].name, d)].running() for d in range(4)] == [None] * 4
+        assert core.observer.devices[(others[0].name, 0)].running() is not None  # the others run on
         with meter.measure() as out["loss of two hosts"]:
             cluster.mark_lost_many([(h.name, "test") for h in others[:2]])
         # a quarter of the hosts go silent: found in one pass (the monitor's scan of every host, a
@@ -159,6 +167,62 @@ def test_work_per_event_does_not_grow_with_the_cluster(tmp_path: Path) -> None:
     assert small["list islands"].statements == 0
     assert small["heartbeat flush (statements)"].statements == 1  # one executemany for every host
     assert small["loss of a quarter (statements)"].statements == 2  # the hosts, then their devices
+
+
+def test_a_device_listing_rebuilds_only_the_hosts_that_changed(tmp_path: Path) -> None:
+    """ListDevices keeps each host's encoded entries: a listing after one heartbeat encodes that
+    host's devices again and no other's; a slice change (device slice counts) rebuilds them all;
+    every listing equals one built from scratch."""
+    async def run() -> None:
+        url = f"sqlite:///{tmp_path / 'd.db'}"
+        engine = make_engine(url)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
+        core.slices.load()
+        core.cluster.load()
+        cluster = core.cluster
+        try:
+            for i in range(16):
+                cluster.register(registration(f"h{i:02d}", ISLANDS[i % 2]), WorkerLink(f"h{i:02d}"))
+
+            def listing() -> cpb.ListDevicesResponse:
+                return list_devices(cluster, slice_count=core.device_slice_count, slice_epoch=core.slices.epoch)
+
+            def built() -> dict[str, int]:
+                rows = rows_of(cluster)
+                return {h: id(rows._hosts[h].rows) for h in cluster.hosts}
+
+            def fresh() -> cpb.ListDevicesResponse:
+                rows_of(cluster)._hosts.clear()
+                return listing()
+
+            first = listing()
+            assert len(first.devices) == first.total == 64
+            before = built()
+            again = listing()
+            assert built() == before and again == first  # nothing changed: nothing rebuilt
+            cluster.heartbeat("h05", cpb.Heartbeat())
+            cluster.hosts["h05"].last_seen += 1.0  # a beat a second later, whatever the clock's resolution
+            after_beat = listing()
+            now = built()
+            assert {h for h in now if now[h] != before[h]} == {"h05"}
+            keep = {h: rows_of(cluster)._hosts[h].rows for h in cluster.hosts}  # ids stay unique
+            assert after_beat == fresh()
+            core.slices.create(cpb.SliceSpec(name="s", devices=4, island=ISLANDS[0]), False, "")
+            listing()
+            now = built()
+            assert all(now[h] != id(keep[h]) for h in cluster.hosts)
+            with_slice = listing()
+            assert sum(d.slices for d in with_slice.devices) == 4 and with_slice == fresh()
+            cluster.mark_lost("h03", "test")
+            lost = listing()
+            assert {d.state for d in lost.devices if d.host == "h03"} == {pb.DEVICE_STATE_LOST} and lost == fresh()
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    asyncio.run(run())
 
 
 def test_a_burst_of_registrations_is_one_transaction(tmp_path: Path) -> None:

@@ -50,6 +50,9 @@ class Future:
             nbytes = self.size * self.dtype.itemsize
 
             def fetch(wait_s: float) -> tuple[bool, str]:
+                unsure = _check_uncertain(self._rt, self.home, [self], wait_s)
+                if unsure is not None and not unsure[0]:
+                    return unsure
                 value, error = conn.fetch(self.id, wait_s, nbytes)
                 if value is not None:
                     value.flags.writeable = False
@@ -77,6 +80,9 @@ class Future:
             got: list[list[tuple[tuple[int, ...], np.ndarray]]] = []
 
             def fetch(wait_s: float, conn: Any = conn, got: list[Any] = got) -> tuple[bool, str]:
+                unsure = _check_uncertain(self._rt, conn.address, [self], wait_s)
+                if unsure is not None and not unsure[0]:
+                    return unsure
                 parts, error = conn.fetch_parts(self.id, wait_s, self.size * self.dtype.itemsize)
                 if parts is not None:
                     got.append(parts)
@@ -144,7 +150,50 @@ def block_until_ready(x: Any, timeout: float | None = None) -> Any:
 def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
     conn = rt.worker(home)
     ids = [f.id for f in futures]
-    _poll(rt, {f.run_id for f in futures}, timeout, lambda wait_s: conn.wait(ids, wait_s), "not computed")
+
+    def wait(wait_s: float) -> tuple[bool, str]:
+        unsure = _check_uncertain(rt, home, futures, wait_s)
+        if unsure is not None and not unsure[0]:
+            return unsure
+        return conn.wait(ids, wait_s)
+
+    _poll(rt, {f.run_id for f in futures}, timeout, wait, "not computed")
+
+
+def _check_uncertain(rt: Runtime, home: str, futures: list[Future], wait_s: float) -> tuple[bool, str] | None:
+    """For futures of runs in flight when the controller restarted (`rt.uncertain`, checked on
+    every look: a restart may come while a caller waits): asks their worker whether they exist,
+    waiting up to `wait_s` while they compute. None when no future is uncertain; (True, "") once
+    they are computed; (False, error) when one failed or never reached the worker; (False, "")
+    while they compute."""
+    if not rt.uncertain:
+        return None
+    unsure = [f for f in futures if f.id not in rt.confirmed and rt.is_uncertain(f.run_id)]
+    if not unsure:
+        return None
+    ids = [f.id for f in unsure]
+    done, error = rt.worker(home).wait(ids, wait_s, must_exist=True)
+    if done:
+        rt.confirmed.update(ids)
+    elif "does not exist" in error:
+        error = f"the run of future {unsure[0].id:#x} " + rt.uncertain_error(error)
+    return done, error
+
+
+def settle(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
+    """Returns once the futures of runs in flight at a controller restart among `futures` are
+    known computed; ProgramError when one failed or never reached its worker (a call made with
+    it as an input would wait for it for ever)."""
+    if not rt.uncertain:
+        return
+    why = next((rt.lost_buffers[f.id] for f in futures if f.id in rt.lost_buffers), "")
+    if why:
+        raise ProgramError(f"an input of this call was lost at the controller restart: {why}")
+
+    def attempt(wait_s: float) -> tuple[bool, str]:
+        return _check_uncertain(rt, home, futures, wait_s) or (True, "")
+
+    _poll(rt, {f.run_id for f in futures}, timeout, attempt, "inputs of runs in flight at a restart not computed")
 
 
 def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callable[[float], tuple[bool, str]],

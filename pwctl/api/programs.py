@@ -23,7 +23,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..compile import ExportedFunction, signature_key
 from ..errors import InvalidArgument, ProgramError
-from .futures import Future
+from .futures import Future, settle
 from .runtime import Runtime
 
 if TYPE_CHECKING:
@@ -190,6 +190,8 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     for i, v in enumerate(values):
         slice_name = reg.input_slice[i]
         if isinstance(v, Future):
+            if rt.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
+                settle(rt, v.home, [v], None)
             input_ids.append(v.id)
             homes.append(v.wire_home)
             continue

@@ -4,6 +4,16 @@ It keeps one long-lived Session stream to the controller. Outgoing messages go i
 queue that a sender drains into batches, so a loop of calls costs one message per
 batch and never waits for a reply (the client chooses run and buffer ids itself).
 Array bytes go straight to, and come straight from, the workers.
+
+The session outlives a controller restart. When the stream breaks (or the controller says it
+is going away) the runtime opens it again, with backoff, for up to PWCTL_RECONNECT_S (default
+60 s, the controller's default grace period; 0: never) and resumes its session with the token
+of its Welcome: same client id and id prefix, its slices and its buffers on the workers. It
+registers every program it registered before (the new controller has none), and then sends what
+was queued meanwhile: calls made while the controller was away wait, they do not fail. Runs
+handed to the old stream are *uncertain*: the workers know whether each finished, so a future of
+such a run asks its worker (`Wait` with `must_exist`): a value that was computed is returned, one
+whose run never reached the worker fails with a clear error, and nothing waits forever.
 """
 
 from __future__ import annotations
@@ -13,12 +23,15 @@ import itertools
 import logging
 import os
 import queue
+import random
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any, NamedTuple
 
+from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -37,6 +50,14 @@ MAX_FAILED_RUNS = 4096
 # JAX blocks its async dispatch the same way.
 MAX_IN_FLIGHT = 1024
 _STOP = object()
+_WAKE = object()  # wakes a stream's sender that the stream outlived (it then hands its item on)
+# How long the runtime tries to resume its session after losing the controller (PWCTL_RECONNECT_S).
+RECONNECT_S = 60.0
+# Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
+# are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
+MAX_HANDED = 65536
+UNCERTAIN = ("was in flight when the controller at {address} restarted and never reached the worker "
+             "({error}); call again")
 
 
 class _Release(NamedTuple):
@@ -74,6 +95,27 @@ def keep_local_jax_on_cpu() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def _reconnect_s(value: str) -> float:
+    if not value.strip():
+        return RECONNECT_S
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if s < 0:
+        raise InvalidArgument(f"PWCTL_RECONNECT_S={value!r}: expected seconds (0: never reconnect)")
+    return s
+
+
+class _Lost(Exception):
+    """The session stream ended; `reason` says why (reconnect, unless `final`)."""
+
+    def __init__(self, reason: str, final: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.final = final
+
+
 class Runtime:
     """The process-wide connection: session stream, id allocation, workers, slices."""
 
@@ -106,15 +148,38 @@ class Runtime:
         self._workers_lock = threading.Lock()
         self.known_functions: set[str] = set()  # ids of the functions the server accepted from us
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
-        hello = cpb.Hello(
+        self.reconnect_s = _reconnect_s(os.environ.get("PWCTL_RECONNECT_S", ""))
+        # what a resumed session sends again: every program registered, registrations unanswered
+        self._programs: dict[str, tuple[cpb.ProgramGraph, list[Any]]] = {}
+        self._pending_msgs: dict[int, cpb.ClientMessage] = {}
+        # the streams: a generation per stream; a sender that its stream outlived hands on what
+        # it took (`_carry`, sent first on the next stream)
+        self._gen = 0
+        self._gen_lock = threading.Lock()
+        self._carry: deque[object] = deque()
+        # runs handed to the current stream, with their outputs
+        self._handed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_HANDED)
+        self._handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
+        self._done_base = 0
+        self.uncertain: set[int] = set()  # runs handed to a stream that broke before they were known over
+        self.confirmed: set[int] = set()  # buffers of uncertain runs that their workers computed
+        self._uncertain_outputs: set[int] = set()  # the output buffers of the uncertain runs
+        self.lost_buffers: dict[int, str] = {}  # outputs of queued runs not sent after a restart: why
+        self.reconnects = 0
+        self._resume_token = ""
+        self.client_id = ""
+        self._hello = cpb.Hello(
             client_name=f"pid-{os.getpid()}",
             job_id=self.job_id,
             priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
             weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
         )
-        self._out.put(cpb.ClientMessage(hello=hello))
-        self._call = self.client.session(self._requests())
+        ready = threading.Event()
+        self._ready = ready
+        self._sender_done = threading.Event()
+        self._call = self.client.session(self._requests(0, [cpb.ClientMessage(hello=self._hello)], ready,
+                                                        self._sender_done))
         self._reader = threading.Thread(target=self._read, name="pw-session", daemon=True)
         self._reader.start()
         try:
@@ -125,11 +190,14 @@ class Runtime:
             raise ConnectionFailed(
                 f"cannot reach the server at {self.client.address}: is it running? try `pwctl up`"
             ) from e
-        self.client_id = welcome.client_id
         self.owner = f"job:{self.job_id}" if self.job_id else f"client:{welcome.client_id}"
         self._prefix = welcome.id_prefix << 40
         self._credential = welcome.worker_credential  # what workers check (worker_client.py)
         atexit.register(self.close)
+
+    def _welcomed(self, welcome: cpb.Welcome) -> None:
+        self.client_id = welcome.client_id
+        self._resume_token = welcome.resume_token
 
     # ---- ids ----
     def new_id(self) -> int:
@@ -159,24 +227,72 @@ class Runtime:
         """Runs sent whose end the controller has not reported yet."""
         return self._runs_sent - self._runs_done
 
-    def _requests(self) -> Iterator[cpb.ClientMessage]:
-        while True:
-            item = self._out.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, cpb.ClientMessage | _Release)
-            batch = [item]
-            while len(batch) < MAX_BATCH:
-                try:
-                    nxt = self._out.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
-                    yield self._pack(batch)
+    def _requests(self, gen: int, first: list[cpb.ClientMessage], ready: threading.Event,
+                  done: threading.Event) -> Iterator[cpb.ClientMessage]:
+        """Stream `gen`'s messages: `first` (hello, and on a resumed stream the registrations),
+        then, once the Welcome came (`ready`), what was carried over and what is queued, in
+        batches. A newer stream ends this one: what it took then goes to `_carry`, in order."""
+        try:
+            yield from first
+            while not ready.wait(0.5):
+                if gen != self._gen or self.closed:
                     return
-                assert isinstance(nxt, cpb.ClientMessage | _Release)
-                batch.append(nxt)
-            yield self._pack(batch)
+            while True:
+                with self._gen_lock:
+                    if gen != self._gen:
+                        return
+                    carried = list(self._carry)
+                    self._carry.clear()
+                batch: list[cpb.ClientMessage | _Release] = []
+                stop = False
+                for item in carried:
+                    if item is _STOP:
+                        stop = True
+                    elif item is not _WAKE:
+                        assert isinstance(item, cpb.ClientMessage | _Release)
+                        batch.append(item)
+                if not batch and not stop:
+                    item = self._out.get()
+                    if not self._take(gen, item, batch):
+                        return
+                    stop = item is _STOP
+                while not stop and batch and len(batch) < MAX_BATCH:
+                    try:
+                        nxt = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._take(gen, nxt, batch):
+                        return
+                    stop = nxt is _STOP
+                if batch:
+                    runs = [(m.run.run_id, tuple(m.run.output_ids)) for m in batch
+                            if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
+                    with self._gen_lock:  # handed (and remembered as such) only while the stream is current
+                        if gen != self._gen:
+                            self._carry.extend(batch)
+                            return
+                        if runs:
+                            self._handed.extend(runs)
+                            self._handed_total += len(runs)
+                    yield self._pack(batch)
+                if stop:
+                    return
+        finally:
+            done.set()
+
+    def _take(self, gen: int, item: object, batch: list[cpb.ClientMessage | _Release]) -> bool:
+        """Adds `item` to `batch`; False when stream `gen` is over: then the batch and the item
+        go to `_carry`, in order, for the next stream."""
+        with self._gen_lock:
+            if gen != self._gen:
+                self._carry.extend(batch)
+                if item is not _WAKE:
+                    self._carry.append(item)
+                batch.clear()
+                return False
+        if isinstance(item, cpb.ClientMessage | _Release):
+            batch.append(item)
+        return True
 
     @staticmethod
     def _pack(batch: list[cpb.ClientMessage | _Release]) -> cpb.ClientMessage:
@@ -215,12 +331,50 @@ class Runtime:
 
     # ---- incoming ----
     def _read(self) -> None:
+        call: Any = self._call
+        events: Iterator[cpb.SessionEvent] = iter(call)
         try:
-            for ev in self._call:
+            while True:
+                try:
+                    self._serve(events)
+                    return  # closed by us
+                except _Lost as lost:
+                    if self.closed:
+                        return
+                    if lost.final or not self._welcome.done():
+                        self._session_error = lost.reason
+                        return
+                    if self.reconnect_s <= 0:
+                        address = self.client.address
+                        self._session_error = f"lost the session with the server at {address}: {lost.reason}"
+                        return
+                    resumed = self._reconnect(lost.reason)
+                    if resumed is None:
+                        return
+                    events = resumed
+        finally:
+            with self._progress:  # calls waiting for room see the session's end
+                self._progress.notify_all()
+            if not self._welcome.done():
+                self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
+            for fut in list(self._pending.values()):
+                if not fut.done():
+                    fut.set_exception(ConnectionFailed(self._session_error or "session closed"))
+            self._pending.clear()
+            self._pending_msgs.clear()
+
+    def _serve(self, events: Iterator[cpb.SessionEvent]) -> None:
+        """Handles a stream's events; raises _Lost when it ends (returns when we closed it)."""
+        going_away = ""
+        try:
+            for ev in events:
                 kind = ev.WhichOneof("msg")
                 if kind == "welcome":
+                    self._welcomed(ev.welcome)
                     self._welcome.set_result(ev.welcome)
+                    self._ready.set()
                 elif kind == "registered":
+                    self._pending_msgs.pop(ev.registered.request_id, None)
                     fut = self._pending.pop(ev.registered.request_id, None)
                     if fut is not None:
                         fut.set_result(ev.registered)
@@ -231,31 +385,192 @@ class Runtime:
                             self._failed_runs.popitem(last=False)
                 elif kind == "runs_done":
                     with self._progress:
-                        self._runs_done = ev.runs_done.count
+                        self._runs_done = self._done_base + ev.runs_done.count
+                        if self._runs_done >= self._runs_sent:
+                            self._handed.clear()  # every run handed so far is over
                         self._progress.notify_all()
                 elif kind == "slice_changed":
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
                         vs._update(ev.slice_changed.slice)
+                elif kind == "going_away":
+                    going_away = ev.going_away
                 elif kind == "error":
-                    self._session_error = ev.error
+                    raise _Lost(ev.error, final=True)
         except PathwaysError as e:
+            if self.closed:
+                return
             if not self._welcome.done():  # never connected: the usual one-line advice
-                self._session_error = str(e)
-            elif not self.closed:
-                code = e.code.name.lower() if e.code is not None else "error"
-                self._session_error = (
-                    f"lost the session with the server at {self.client.address}: {code} {e.details}".strip()
-                )
-        finally:
-            with self._progress:  # calls waiting for room see the session's end
+                raise _Lost(str(e), final=True) from None
+            code = e.code.name.lower() if e.code is not None else "error"
+            raise _Lost(going_away or f"{code} {e.details}".strip()) from None
+        if not self.closed:
+            raise _Lost(going_away or "the server ended the session")
+
+    # ---- resuming the session ----
+    def _next_stream(self) -> tuple[int, threading.Event, threading.Event]:
+        """Ends the current stream's sender (it hands on what it took) and opens a generation."""
+        with self._gen_lock:
+            self._gen += 1
+            gen = self._gen
+        self._ready.set()  # a sender waiting for its Welcome looks again, and ends
+        self._out.put(_WAKE)
+        self._sender_done.wait(1.0)  # a sender blocked on the queue wakes; one stuck in gRPC never takes more
+        self._ready = threading.Event()
+        self._sender_done = threading.Event()
+        return gen, self._ready, self._sender_done
+
+    def _reconnect(self, reason: str) -> Iterator[cpb.SessionEvent] | None:
+        """Resumes the session on a new stream, retrying with backoff for `reconnect_s`; the
+        new stream's events (its Welcome read), or None with `_session_error` set."""
+        address = self.client.address
+        log.warning("lost the session with the server at %s (%s); resuming it (for up to %g s)", address, reason,
+                    self.reconnect_s)
+        self._next_stream()  # from here on, no run is handed to the old stream
+        with self._progress:  # runs handed to the old stream: over for the bound on runs in flight
+            for run_id, outputs in self._handed:
+                self.uncertain.add(run_id)
+                self._uncertain_outputs.update(outputs)
+            self._handed.clear()
+            self._done_base = self._handed_total
+            self._runs_done = max(self._runs_done, self._done_base)
+            self._progress.notify_all()
+        deadline = time.monotonic() + self.reconnect_s
+        pause = 0.1
+        last = reason
+        while not self.closed:
+            gen, ready, done = self._next_stream()
+            hello = cpb.Hello()
+            hello.CopyFrom(self._hello)
+            hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
+            first = [cpb.ClientMessage(hello=hello), *self._registrations()]
+            call = self.client.session(self._requests(gen, first, ready, done))
+            events = iter(call)
+            try:
+                ev = next(events)
+            except (PathwaysError, StopIteration) as e:
+                call.cancel()
+                last = f"{e.code.name.lower()} {e.details}".strip() if isinstance(e, PathwaysError) and e.code else last
+                if time.monotonic() + pause > deadline:
+                    break
+                time.sleep(pause * random.uniform(0.8, 1.2))
+                pause = min(2.0, pause * 2)
+                continue
+            if ev.WhichOneof("msg") != "welcome":
+                call.cancel()
+                self._session_error = ev.error or f"the server at {address} did not resume the session"
+                return None
+            self._welcomed(ev.welcome)
+            self._call = call
+            self.reconnects += 1
+            self._refresh_slices()
+            self._wait_hosts(deadline)
+            self._check_queued(deadline)
+            ready.set()  # what was queued meanwhile goes now
+            log.warning("resumed session %s with the server at %s", self.client_id, address)
+            return events
+        self._session_error = (f"lost the session with the server at {address}: {reason}; it did not come "
+                               f"back within {self.reconnect_s:g} s (last: {last})")
+        return None
+
+    def _registrations(self) -> list[cpb.ClientMessage]:
+        """What a resumed session sends first: every program registered before, with its
+        functions' bytes (a new controller has none), then the registrations still unanswered."""
+        out = []
+        for graph, functions in list(self._programs.values()):
+            infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
+                                      exported=f.exported) for f in functions]
+            out.append(cpb.ClientMessage(register=cpb.RegisterProgram(request_id=self.new_id(), graph=graph,
+                                                                      functions=infos)))
+        out.extend(self._pending_msgs.values())
+        return out
+
+    def _refresh_slices(self) -> None:
+        """Slice changes the stream missed while it was down (a remap meanwhile)."""
+        for name, vs in list(self.slices.items()):
+            try:
+                vs._update(self.client.get_slice(name))
+            except PathwaysError as e:
+                log.warning("slice %s after resuming the session: %s", name, e)
+
+    def _wait_hosts(self, deadline: float) -> None:
+        """Waits (until `deadline`) for the hosts of the session's slices to register with the
+        new controller: a run sent before its host is back would be admitted into a queue the
+        host's registration then fails."""
+        wanted = {vs.address for vs in list(self.slices.values())}
+        while wanted and not self.closed and time.monotonic() < deadline:
+            try:
+                ready = {h.address for h in self.client.hosts() if h.state == pb.HOST_STATE_READY}
+            except PathwaysError:
+                ready = set()
+            if wanted <= ready:
+                return
+            time.sleep(0.1)
+
+    def _check_queued(self, deadline: float) -> None:
+        """Runs queued before the restart was noticed were sent without asking whether their
+        inputs exist: those reading an output of an uncertain run are checked now, and one whose
+        input failed or never reached its worker is not sent (it would wait for that input for
+        ever) but fails, with its outputs as inputs of later queued runs."""
+        with self._gen_lock:  # no stream takes from the queue until `ready`
+            while True:
+                try:
+                    self._carry.append(self._out.get_nowait())
+                except queue.Empty:
+                    break
+            items = list(self._carry)
+        lost: dict[int, str] = {}  # buffer -> why it will never exist
+        keep: list[object] = []
+        failed_runs = 0
+        for item in items:
+            if not (isinstance(item, cpb.ClientMessage) and item.HasField("run")):
+                keep.append(item)
+                continue
+            run = item.run
+            why = next((lost[b] for b in run.input_ids if b in lost), "")
+            if not why:
+                for b, home in zip(run.input_ids, run.input_homes, strict=False):
+                    if b in self._uncertain_outputs and b not in self.confirmed and home:
+                        why = self._exists(b, home.split("|")[0], deadline)
+                        if why:
+                            lost[b] = why
+                            break
+            if why:
+                self._failed_runs[run.run_id] = f"an input of this call was lost at the controller restart: {why}"
+                lost.update(dict.fromkeys(run.output_ids, why))
+                failed_runs += 1
+            else:
+                keep.append(item)
+        self.lost_buffers.update(lost)
+        if failed_runs:
+            with self._gen_lock:
+                self._carry = deque(keep)
+            with self._progress:  # never sent: over
+                self._done_base += failed_runs
+                self._runs_done += failed_runs
                 self._progress.notify_all()
-            if not self._welcome.done():
-                self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
-            for fut in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(ConnectionFailed(self._session_error or "session closed"))
-            self._pending.clear()
+
+    def _exists(self, buffer_id: int, home: str, deadline: float) -> str:
+        """'' once buffer `buffer_id` (of an uncertain run) is computed on `home`; else why not."""
+        conn = self.worker(home)
+        while not self.closed:
+            wait = max(0.001, min(1.0, deadline - time.monotonic()))
+            done, error = conn.wait([buffer_id], wait, must_exist=True)
+            if done:
+                self.confirmed.add(buffer_id)
+                return ""
+            if error:
+                return self.uncertain_error(error) if "does not exist" in error else error
+            if time.monotonic() >= deadline:
+                return ""  # still computing: the run waits for it
+        return ""
+
+    def is_uncertain(self, run_id: int) -> bool:
+        """Whether run `run_id` was handed to a stream that broke before it was known over."""
+        return run_id in self.uncertain
+
+    def uncertain_error(self, error: str) -> str:
+        return UNCERTAIN.format(address=self.client.address, error=error)
 
     # ---- programs ----
     def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:
@@ -280,14 +595,17 @@ class Runtime:
         if reply.missing_functions:
             raise ProgramError("the server did not accept the compiled functions")
         known.update(f.function_id for f in functions)
+        self._programs[reply.program_id] = (graph, list(functions))
         return reply.program_id
 
     def _register_once(self, graph: cpb.ProgramGraph, infos: list[cpb.FunctionInfo]) -> cpb.ProgramRegistered:
         request_id = self.new_id()
         fut: CFuture[cpb.ProgramRegistered] = CFuture()
         self._pending[request_id] = fut
-        self.send(cpb.ClientMessage(register=cpb.RegisterProgram(request_id=request_id, graph=graph, functions=infos)))
-        return fut.result(timeout=300)
+        msg = cpb.ClientMessage(register=cpb.RegisterProgram(request_id=request_id, graph=graph, functions=infos))
+        self._pending_msgs[request_id] = msg
+        self.send(msg)
+        return fut.result(timeout=300 + self.reconnect_s)
 
     def run_failed(self, run_id: int) -> str:
         return self._failed_runs.get(run_id, "") or self._session_error

@@ -10,6 +10,7 @@ from .. import paths
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
+from .session_store import DEFAULT_GRACE_S
 from .trace_store import DEFAULT_RETENTION_BYTES, parse_size
 
 
@@ -41,7 +42,12 @@ def main() -> None:
     p.add_argument("--trace-retention", default=f"{DEFAULT_RETENTION_BYTES // 2**20}MiB",
                    help="how much of the finished node runs to keep on disk for `pwctl trace` (in DATA_DIR/traces; "
                         "default %(default)s, the oldest go first; 0 keeps only the last 20,000 in memory)")
+    p.add_argument("--session-grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"after a restart, how long the sessions of `pw` clients of the previous controller "
+                        f"may resume (default {DEFAULT_GRACE_S:g} s): their slices and buffers are kept that long")
     ns = p.parse_args()
+    if ns.session_grace < 0:
+        p.error("--session-grace must not be negative")
     try:
         trace_retention = parse_size(ns.trace_retention)
     except ValueError as e:
@@ -69,6 +75,7 @@ def main() -> None:
         job_log_max_mb=ns.job_log_max_mb,
         metrics_listen=ns.metrics_listen,
         trace_retention=trace_retention,
+        session_grace=ns.session_grace,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

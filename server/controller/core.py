@@ -26,6 +26,7 @@ from .job_files import DEFAULT_LOG_MAX_MB
 from .jobs import JobManager
 from .observe import Observer
 from .programs import ProgramRegistry
+from .session_store import DEFAULT_GRACE_S, SessionStore
 from .sessions import SessionManager
 from .slices import SliceService
 from .trace_store import DEFAULT_RETENTION_BYTES, TraceStore
@@ -51,6 +52,7 @@ class ControllerConfig:
     job_log_max_mb: int = DEFAULT_LOG_MAX_MB  # output kept per job (rotated; older output dropped)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" or "off": none
     trace_retention: int = DEFAULT_RETENTION_BYTES  # bytes of node runs kept for traces on disk; 0: none
+    session_grace: float = DEFAULT_GRACE_S  # how long sessions of the previous controller may resume
 
 
 class Controller:
@@ -79,7 +81,8 @@ class Controller:
         # signs the credentials workers check (server/credentials.py); kept across restarts
         self.worker_key = load_or_create_key(paths.data_dir() / KEY_FILE)
         self.sessions = SessionManager(self.dispatcher, self.registry, self.slices, self.cluster.broadcast,
-                                       config.dispatch, worker_key=self.worker_key)
+                                       config.dispatch, worker_key=self.worker_key,
+                                       store=SessionStore(self.db, write), grace_s=config.session_grace)
         self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
                                address=lambda: self.address, token=config.token,
@@ -113,13 +116,14 @@ class Controller:
 
     async def start(self) -> None:
         self.slices.load()  # before any host event: the cluster's listeners feed the resource manager
-        self.slices.release_clients()
+        self.slices.release_clients(keep=self.sessions.load())  # the sessions that may resume keep theirs
         self.cluster.load()
         self.jobs.load()  # after the slices: releases what jobs of a crashed controller owned
         self.spawn(self.cluster.monitor())
         self.spawn(self._ticker())
         self.spawn(self.observer.persist())
         self.spawn(self._reap_island_services())
+        self.spawn(self.sessions.expire_resumable())
 
     async def stop(self) -> None:
         self.groups.close()

@@ -20,6 +20,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import iso
 from .cluster import READY, Cluster, HostInfo, device_state, host_state
+from .device_rows import rows_of
 from .errors import InvalidArgument
 
 
@@ -103,7 +104,10 @@ def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType
 
 def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.ValueType = pb.DEVICE_STATE_UNSPECIFIED,
                  limit: int = 0, page_token: str = "",
-                 slice_count: Callable[[int], int] | None = None) -> cpb.ListDevicesResponse:
+                 slice_count: Callable[[int], int] | None = None, slice_epoch: int = 0) -> cpb.ListDevicesResponse:
+    """Devices in (island, host, local index) order. Each host's entries come encoded from
+    `device_rows` (rebuilt when the host, or `slice_epoch`, changed) and the page is parsed
+    from their bytes in one call; `slice_epoch` must change whenever a `slice_count` may have."""
     if limit < 0:
         raise InvalidArgument(f"limit must not be negative, got {limit}")
     after = _decode(page_token, 3)
@@ -112,26 +116,30 @@ def list_devices(cluster: Cluster, island: str = "", state: pb.DeviceState.Value
         total = sum(cluster.island_counts(i)[1] for i in islands)
     else:
         total = sum(len(h.device_ids) for i in islands for h in cluster.hosts_of(i) if device_state(h.state) == state)
-    stamps = _Stamps()
-    reply = cpb.ListDevicesResponse(total=total)
-    out = reply.devices
-    add = out.add
+    cache = rows_of(cluster)
+    parts: list[bytes] = []
+    count = 0
+    last: tuple[HostInfo, int] | None = None  # the page's last device
     next_token = ""
     for h in _hosts_from(cluster, island, after):
-        hstate = device_state(h.state)
-        if state != pb.DEVICE_STATE_UNSPECIFIED and hstate != state:
+        if state != pb.DEVICE_STATE_UNSPECIFIED and device_state(h.state) != state:
             continue
         first = int(after[2]) + 1 if after is not None and [h.island, h.name] == after[:2] else 0
-        seen = stamps.of(h)
-        for local in range(first, len(h.device_ids)):
-            if limit and len(out) == limit:
-                last = out[-1]
-                next_token = _encode([last.island, last.host, last.local_index])
-                break
-            dev_id = h.device_ids[local]
-            add(id=dev_id, island=h.island, host=h.name, local_index=local, kind=h.kind, state=hstate,
-                last_heartbeat=seen, slices=slice_count(dev_id) if slice_count else 0)
-        if next_token:
-            reply.next_page_token = next_token
+        n = len(h.device_ids)
+        if first >= n:
+            continue
+        if limit and count == limit:  # a device beyond the page: the next page starts after `last`
+            assert last is not None
+            next_token = _encode([last[0].island, last[0].name, last[1]])
             break
+        rows = cache.of(h, slice_count, slice_epoch)
+        end = min(n, first + limit - count) if limit else n
+        parts.extend(rows[first:end])
+        count += end - first
+        last = (h, end - 1)
+        if end < n:  # the page ends inside this host
+            next_token = _encode([h.island, h.name, end - 1])
+            break
+    reply = cpb.ListDevicesResponse(total=total, next_page_token=next_token)
+    reply.MergeFromString(b"".join(parts))
     return reply

@@ -178,6 +178,7 @@ class Observer:
         self.store = store
         self._written = 0  # ring position up to which records went to the store
         self.devices: dict[DeviceKey, DeviceActivity] = {}
+        self._by_host: dict[str, list[DeviceActivity]] = {}  # the same activities, by host
         self._rate = BucketWindow(RATE_WINDOW_S)
         self.computations_total = 0
         self._cached: dict[StatusQuery, tuple[float, cpb.ClusterStatus]] = {}
@@ -218,16 +219,17 @@ class Observer:
         )
 
     def host_lost(self, host: object, reason: str = "") -> None:
-        """Cluster listener: a lost host runs nothing any more."""
+        """Cluster listener: a lost host runs nothing any more. Visits that host's devices only
+        (a mass loss at thousands of hosts calls this once per host)."""
         name = getattr(host, "name", host)
-        for (h, _), act in self.devices.items():
-            if h == name:
-                act.inflight.clear()
+        for act in self._by_host.get(str(name), ()):
+            act.inflight.clear()
 
     def _device(self, host: str, local: int) -> DeviceActivity:
         act = self.devices.get((host, local))
         if act is None:
             act = self.devices[(host, local)] = DeviceActivity()
+            self._by_host.setdefault(host, []).append(act)
         return act
 
     def records(self) -> list[NodeRun]:

@@ -131,7 +131,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
     ) -> cpb.ListDevicesResponse:
         self.core.require_island(request.island)
         return list_devices(self.core.cluster, request.island, request.state, request.limit, request.page_token,
-                            self.core.device_slice_count)
+                            self.core.device_slice_count, self.core.slices.epoch)
 
     # ---- workers ----
     async def WorkerConnect(

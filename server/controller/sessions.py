@@ -5,6 +5,12 @@ into one batch message) and run failures, the count of finished runs (the client
 runs in flight) and slice changes back. When the stream ends,
 everything the client owned goes: its waiting runs, its buffers on every worker, the
 slices it made without a name.
+
+Except when the controller goes: a session outlives a controller restart (session_store.py). A
+stopping controller tells its clients `going_away` and keeps what they own; the next one keeps
+the sessions it finds in the database for `grace_s`, and a client that comes back within it
+resumes its session (same client id and id prefix, its slices and buffers), registers its
+programs again and goes on. What nobody resumed is released when the grace period ends.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .client_session import ClientSession
 from .dispatch import Dispatcher
 from .errors import ControllerError
 from .programs import ProgramRecord, ProgramRegistry
+from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
 log = logging.getLogger(__name__)
 
@@ -56,33 +63,66 @@ class SessionManager:
 
     def __init__(self, dispatcher: Dispatcher, registry: ProgramRegistry, slices: Slices,
                  broadcast: Callable[[cpb.ControllerToWorker], None], default_dispatch: str = "parallel",
-                 worker_key: bytes = b"") -> None:
+                 worker_key: bytes = b"", store: SessionStore | None = None,
+                 grace_s: float = DEFAULT_GRACE_S) -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.slices = slices
         self.broadcast = broadcast
         self.default_dispatch = default_dispatch
+        self.store = store  # None: sessions do not outlive the controller
+        self.grace_s = grace_s
         self.program_listeners: list[ProgramListener] = []
         self.sessions: dict[str, ClientSession] = {}
         self.worker_key = worker_key or secrets.token_bytes(32)
         self._prefixes_used: set[int] = set()
+        self.resumable: dict[str, Resumable] = {}  # sessions of the previous controller, not resumed yet
+        self.going_away = False
 
     def new_id_prefix(self) -> int:
-        """A random buffer-id prefix no other client of this controller held (ids are
-        `prefix << 40 | n`): not the next of a sequence, so no session can guess another's ids.
-        Workers serve a session only the ids under its prefix (server/credentials.py)."""
+        """A random buffer-id prefix no other client of this controller held, nor a resumable
+        session of the previous one (ids are `prefix << 40 | n`): not the next of a sequence, so no
+        session can guess another's ids. Workers serve a session only the ids under its prefix
+        (server/credentials.py)."""
         if len(self._prefixes_used) >= MAX_PREFIXES_REMEMBERED:  # bounded: then only live ones count
             self._prefixes_used = {s.id_prefix for s in self.sessions.values()}
+        taken = {r.id_prefix for r in self.resumable.values()}
         while True:
             # below 2**23: ids stay under 2**63 (traces and the database keep them as signed 64-bit)
             prefix = secrets.randbelow((1 << 23) - 1) + 1
-            if prefix not in self._prefixes_used:
+            if prefix not in self._prefixes_used and prefix not in taken:
                 self._prefixes_used.add(prefix)
                 return prefix
 
     def credential(self, owner: str, prefix: int) -> str:
         """The session credential workers check (server/credentials.py)."""
         return session_credential(self.worker_key, owner, prefix)
+
+    # ---- sessions of the previous controller ----
+    def load(self) -> set[str]:
+        """Reads the sessions a previous controller left (at start, before any session opens);
+        returns their owners, whose slices stay for the grace period."""
+        if self.store is None:
+            return set()
+        self.resumable = self.store.load()
+        self._prefixes_used |= {r.id_prefix for r in self.resumable.values()}
+        if self.resumable:
+            log.info("%d client session(s) of the previous controller may resume within %g s",
+                     len(self.resumable), self.grace_s)
+        return {r.owner for r in self.resumable.values()}
+
+    async def expire_resumable(self) -> None:
+        """After the grace period: releases what the sessions nobody resumed owned."""
+        await asyncio.sleep(self.grace_s)
+        gone = list(self.resumable.values())
+        self.resumable.clear()
+        for rec in gone:
+            log.info("session %s (%s) did not resume within %g s: releasing what it owned", rec.client_id,
+                     rec.name, self.grace_s)
+            if not rec.job_id:  # a job's resources go when the job ends
+                self.release_owner(rec.owner)
+        if gone and self.store is not None:
+            self.store.closed([r.client_id for r in gone])
 
     async def serve(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
@@ -102,9 +142,27 @@ class SessionManager:
         if dispatch not in ("parallel", "sequential"):
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
+        token = hello.resume_token
+        if hello.resume_client_id:
+            rec = self.resumable.get(hello.resume_client_id)
+            if rec is None or not rec.accepts(token) or rec.job_id != hello.job_id:
+                yield cpb.SessionEvent(error=(
+                    f"cannot resume session {hello.resume_client_id}: this controller does not know it (it "
+                    f"ended, or did not come back within the {self.grace_s:g} s grace period after a restart)"))
+                return
+            del self.resumable[rec.client_id]
+            client_id, prefix = rec.client_id, rec.id_prefix
+        else:
+            client_id, prefix, token = f"c{secrets.token_hex(6)}", self.new_id_prefix(), new_token()
+            if self.store is not None:
+                rec = Resumable(client_id, prefix, token_hash(token), hello.job_id, hello.client_name)
+                try:
+                    await asyncio.wrap_future(self.store.opened(rec))  # resumable once the client knows the token
+                except Exception as e:
+                    log.warning("session %s will not outlive the controller: %s", client_id, e)
         session = ClientSession(
-            client_id=f"c{secrets.token_hex(6)}",
-            id_prefix=self.new_id_prefix(),
+            client_id=client_id,
+            id_prefix=prefix,
             name=hello.client_name,
             job_id=hello.job_id,
             priority=hello.priority,
@@ -112,11 +170,13 @@ class SessionManager:
             sequential=dispatch == "sequential",
         )
         self.sessions[session.client_id] = session
-        log.info("session %s opened (%s%s)", session.client_id, session.name,
+        resumed = bool(hello.resume_client_id)
+        log.info("session %s %s (%s%s)", session.client_id, "resumed" if resumed else "opened", session.name,
                  f", job {session.job_id}" if session.job_id else "")
         yield cpb.SessionEvent(welcome=cpb.Welcome(
             client_id=session.client_id, id_prefix=session.id_prefix,
-            worker_credential=self.credential(session.owner, session.id_prefix)))
+            worker_credential=self.credential(session.owner, session.id_prefix),
+            resume_token=token, resumed=resumed))
         for msg in rest:
             self.handle(session, msg)
         self.dispatcher.flush()
@@ -198,17 +258,25 @@ class SessionManager:
         return cpb.ProgramRegistered(request_id=req.request_id, program_id=rec.program_id)
 
     def end_all(self, reason: str) -> None:
-        """Tells every client why its session ends and ends the streams (the controller is
-        shutting down): clients fail their waits with `reason`, not with a cancelled stream."""
+        """Tells every client why its stream ends and ends the streams (the controller is
+        shutting down). With a store, what the sessions own stays for the next controller, and
+        clients hear `going_away` (they resume there); without, the sessions end with `reason`."""
+        self.going_away = self.store is not None
         for session in list(self.sessions.values()):
-            session.queue.put_nowait(cpb.SessionEvent(error=reason))
+            ev = cpb.SessionEvent(going_away=reason) if self.going_away else cpb.SessionEvent(error=reason)
+            session.queue.put_nowait(ev)
             session.queue.put_nowait(None)
 
     def close(self, session: ClientSession) -> None:
         if self.sessions.pop(session.client_id, None) is None:
             return
-        log.info("session %s closed", session.client_id)
         self.dispatcher.client_gone(session.client_id)
+        if self.going_away:  # the session resumes at the next controller
+            log.info("session %s left for the next controller", session.client_id)
+            return
+        log.info("session %s closed", session.client_id)
+        if self.store is not None:
+            self.store.closed([session.client_id])
         if not session.job_id:  # a job's resources go when the job ends, not its connection
             self.release_owner(session.owner)
 

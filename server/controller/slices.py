@@ -213,10 +213,11 @@ class SliceService:
         """Delete every slice a client or job owned (it disconnected or finished)."""
         self._handle(rm.ReleaseOwner(owner))
 
-    def release_clients(self) -> int:
-        """At start: client sessions do not survive a controller restart (and client ids start
-        over), so the slices they owned go. Job-owned slices are the job manager's to judge."""
-        owners = sorted({s.owner for s in self.rm.slices.values() if s.owner.startswith("client:")})
+    def release_clients(self, keep: Iterable[str] = ()) -> int:
+        """At start: the slices of clients whose sessions did not survive the restart go (those
+        of `keep`, sessions that may resume, stay). Job-owned slices are the job manager's to judge."""
+        kept = set(keep)
+        owners = sorted({s.owner for s in self.rm.slices.values() if s.owner.startswith("client:")} - kept)
         for owner in owners:
             self.release_owner(owner)
         if owners:

@@ -203,3 +203,20 @@ class ProgramRow(Base):
     runs: Mapped[int] = mapped_column(Integer, default=0)
     failures: Mapped[int] = mapped_column(Integer, default=0)
     last_run_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ClientSessionRow(Base):
+    """A `pw` client's session (one stream per client process or job driver), kept so that the
+    session can resume when the controller restarts: its id and id prefix, and a hash of the
+    resume token only the client holds. Deleted when the session ends; rows left by a crashed
+    controller are resumable for the grace period after the next one starts
+    (server/controller/session_store.py)."""
+
+    __tablename__ = "client_sessions"
+
+    client_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    id_prefix: Mapped[int] = mapped_column(Integer)
+    token_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(String(32), default="")
+    name: Mapped[str] = mapped_column(String(128), default="")
+    opened_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -226,14 +226,16 @@ class BufferStore:
                 raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
             return self._values(buffer_ids)
 
-    def watch(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> _Latch | None:
+    def watch(self, buffer_ids: Sequence[int], callback: Callable[[], None],
+              must_exist: bool = False) -> _Latch | None:
         """Calls `callback` once every buffer settled (ready, failed, or gone), from the thread that
         settles the last; None when all are settled already (then it is not called). Unknown ids
-        are waited for (a fetch may overtake the enqueue that declares them). No thread blocks:
+        are waited for (a fetch may overtake the enqueue that declares them) unless `must_exist`,
+        when they count as settled (gone). No thread blocks:
         the worker's RPC handlers wait on an asyncio future the callback completes, so a caller
         that gives up (cancels, times out) costs nothing; `unwatch` forgets the latch."""
         with self._lock:
-            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist=False)]
+            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist=must_exist)]
             if not pending:
                 return None
             latch = _Latch(len(pending), callback)

@@ -153,12 +153,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
             else:
                 del self._waits[caller.owner]
 
-    async def _settled(self, buffer_ids: list[int], timeout: float) -> bool:
+    async def _settled(self, buffer_ids: list[int], timeout: float, must_exist: bool = False) -> bool:
         """Whether every buffer settled within `timeout` (unknown ones are waited for: a fetch
         may overtake the enqueue that declares its buffer). Cancelling the call ends the wait."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        latch = self.store.watch(buffer_ids, lambda: _wake(loop, fut))
+        latch = self.store.watch(buffer_ids, lambda: _wake(loop, fut), must_exist)
         if latch is None:
             return True
         try:
@@ -234,18 +234,20 @@ class WorkerServicer(wgrpc.WorkerServicer):
         ids = list(request.buffer_ids)
         await self._check_request(context, caller, ids, request.timeout_s)
         async with self._wait_slot(caller, len(ids), context):
-            ready = await self._settled(ids, _bounded(request.timeout_s))
+            # must_exist (a client after a controller restart): an id this worker does not hold is
+            # an answer ("does not exist"), not something to wait for
+            ready = await self._settled(ids, _bounded(request.timeout_s), request.must_exist)
         if any(self._foreign(caller, b) for b in ids):
             bad = next(b for b in ids if self._foreign(caller, b))
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
         if not ready:
             return wpb.WaitReply(ready=False)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
 
-    def _computed(self, buffer_ids: list[int]) -> wpb.WaitReply:
+    def _computed(self, buffer_ids: list[int], must_exist: bool = False) -> wpb.WaitReply:
         """Waits for the computations behind settled buffers (launched is not computed)."""
         try:
-            jax.block_until_ready(self.store.wait_all(buffer_ids, 0.0, must_exist=False))
+            jax.block_until_ready(self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:

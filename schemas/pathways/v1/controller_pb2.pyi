@@ -1236,6 +1236,8 @@ class Hello(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
     DISPATCH_FIELD_NUMBER: _builtins.int
+    RESUME_CLIENT_ID_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     client_name: _builtins.str
     job_id: _builtins.str
     """set when running as a managed job driver"""
@@ -1243,6 +1245,12 @@ class Hello(_message.Message):
     weight: _builtins.float
     dispatch: _builtins.str
     """"" (server default) | "parallel" | "sequential" """
+    resume_client_id: _builtins.str
+    """Resuming a session after the controller restarted: the client id and resume token of its
+    Welcome. The session keeps its id, id prefix, slices and buffers; the client registers its
+    programs again. Refused (an error event) when the controller no longer knows the session.
+    """
+    resume_token: _builtins.str
     def __init__(
         self,
         *,
@@ -1251,10 +1259,12 @@ class Hello(_message.Message):
         priority: _builtins.int = ...,
         weight: _builtins.float = ...,
         dispatch: _builtins.str = ...,
+        resume_client_id: _builtins.str = ...,
+        resume_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "priority", b"priority", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "priority", b"priority", "resume_client_id", b"resume_client_id", "resume_token", b"resume_token", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1327,6 +1337,8 @@ class Welcome(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _builtins.int
     ID_PREFIX_FIELD_NUMBER: _builtins.int
     WORKER_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     id_prefix: _builtins.int
     """client buffer/run ids are (id_prefix << 40) | counter"""
@@ -1334,16 +1346,22 @@ class Welcome(_message.Message):
     """What the client presents to workers (metadata `x-pathways-session`): proves its owner and
     id prefix to them, so it can upload, fetch and wait on its own buffers only.
     """
+    resume_token: _builtins.str
+    """proves the session is this client's when it resumes (Hello)"""
+    resumed: _builtins.bool
+    """the Hello resumed an earlier session"""
     def __init__(
         self,
         *,
         client_id: _builtins.str = ...,
         id_prefix: _builtins.int = ...,
         worker_credential: _builtins.str = ...,
+        resume_token: _builtins.str = ...,
+        resumed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "id_prefix", b"id_prefix", "worker_credential", b"worker_credential"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "id_prefix", b"id_prefix", "resume_token", b"resume_token", "resumed", b"resumed", "worker_credential", b"worker_credential"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1435,8 +1453,13 @@ class SessionEvent(_message.Message):
     SLICE_CHANGED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RUNS_DONE_FIELD_NUMBER: _builtins.int
+    GOING_AWAY_FIELD_NUMBER: _builtins.int
     error: _builtins.str
     """session-level error, the stream ends after it"""
+    going_away: _builtins.str
+    """the controller is stopping (why): the stream ends, and the session may resume at the
+    next controller (Hello.resume_*)
+    """
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -1456,12 +1479,13 @@ class SessionEvent(_message.Message):
         slice_changed: Global___SliceChanged | None = ...,
         error: _builtins.str = ...,
         runs_done: Global___RunsDone | None = ...,
+        going_away: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error", "runs_done"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error", "runs_done", "going_away"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

@@ -104,8 +104,13 @@ class WaitRequest(_message.Message):
 
     BUFFER_IDS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    MUST_EXIST_FIELD_NUMBER: _builtins.int
     timeout_s: _builtins.float
     """0: wait forever"""
+    must_exist: _builtins.bool
+    """an id the worker does not know fails at once instead of being waited for (a client asking
+    after a run that was in flight when the controller restarted: it may never have arrived)
+    """
     @_builtins.property
     def buffer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -113,10 +118,11 @@ class WaitRequest(_message.Message):
         *,
         buffer_ids: _abc.Iterable[_builtins.int] | None = ...,
         timeout_s: _builtins.float = ...,
+        must_exist: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "must_exist", b"must_exist", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

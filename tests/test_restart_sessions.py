@@ -218,9 +218,12 @@ def test_a_wait_that_must_find_its_buffers_fails_at_once_for_an_unknown_one(clus
     """What an uncertain future asks its worker: with `must_exist`, an id the worker never saw
     fails at once naming it; without, it is waited for (it may be on its way)."""
     from pwctl.worker_client import WorkerClient
+    from server.credentials import KEY_FILE, load_or_create_key, session_credential
 
     address = next(iter(cluster.hosts().values())).address
-    conn = WorkerClient(address, cluster.token)
+    # a session's credential (workers serve a session its own id range only): prefix 77's
+    credential = session_credential(load_or_create_key(cluster.home / KEY_FILE), "client:test", 77)
+    conn = WorkerClient(address, cluster.token, credential)
     try:
         t0 = time.monotonic()
         done, error = conn.wait([(77 << 40) | 1], 5.0, must_exist=True)

@@ -1,0 +1,390 @@
+"""`python -m bench.transport_probe`: cross-host array transports, measured against raw TCP (issue 27).
+
+Needs root: it makes two hosts as network namespaces on this machine with `tests/hosts.py`'s
+`Hosts` (host A 10.251.K.1, host B 10.251.K.2 on a bridge of their own; only what it created is
+torn down, also on errors and Ctrl-C) and exits with a one-line message where it cannot.
+
+It moves an array of each size from a process on host A (`send` role) to a process on host B
+(`recv` role) by:
+
+* `tcp`: raw TCP, `socket.sendall` of the array's bytes, `recv_into` a preallocated buffer on B;
+* `grpc-N`: our gRPC stream with N-MiB chunks (`server/worker/transfer.py`'s `chunks()` with
+  `CHUNK` set in the sending process), one `Worker.Transfer` call per array into a minimal servicer
+  on B that copies each chunk into a preallocated buffer;
+* `worker-N`: end to end into a real worker (`python -m server.worker`, with a cluster token, on
+  B): the worker's own `TransferSender` (one long-lived stream per peer, chunks of N MiB), then
+  `Worker.Wait` on the buffer, which returns once B's worker stored it;
+* `jax`: JAX's transfer server (`jax.experimental.transfer.start_transfer_server` in each process;
+  A `await_pull`s the array, B `connect(A).pull`s it onto its CPU device).
+
+Each figure is the time on A from the start of a send (serialisation included) to B's
+acknowledgement: a 64-byte reply on the TCP control connection (tcp, jax), the end of the call
+(grpc), the `Wait` reply (worker). Methods take turns within a round (the order rotates per round)
+so drift on a shared machine falls on all of them alike; the figure is the median over the rounds.
+B's worker is restarted every round so that buffers it never releases (no controller) do not pile
+up. Bytes are checked on B (a sample of every 1 MiB) for tcp, grpc and jax.
+
+    sudo python -m bench.transport_probe [--sizes 4,64,256] [--chunks 1,4,16] [--reps 5] [--json F]
+
+Run niced on a shared machine; the load average before and after is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MIB = 1024 * 1024
+MSG = 64  # control messages: fixed 64-byte ASCII, space-padded
+
+
+def _send_msg(sock: socket.socket, text: str) -> None:
+    raw = text.encode()
+    if len(raw) > MSG:
+        raise ValueError(f"control message too long: {text!r}")
+    sock.sendall(raw.ljust(MSG))
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def _recv_msg(sock: socket.socket) -> str:
+    buf = bytearray(MSG)
+    _recv_exact(sock, memoryview(buf))
+    return buf.decode().strip()
+
+
+def pattern(nbytes: int) -> np.ndarray:
+    return (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+
+
+def check(arr: np.ndarray, what: str) -> None:
+    """A sample of the bytes (one every MiB, and the last) against `pattern`."""
+    idx = np.append(np.arange(0, arr.size, MIB), arr.size - 1)
+    if not np.array_equal(arr[idx], (idx % 251).astype(np.uint8)):
+        raise RuntimeError(f"{what}: received bytes differ from those sent")
+
+
+# ---------------------------------------------------------------- host B
+def recv_role(ip: str) -> None:
+    """Host B: the control/raw-TCP listener, a minimal Transfer servicer, a JAX transfer server and
+    (on request) a real worker as a child process. Prints `READY <tcp port> <grpc port>`."""
+    import grpc
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import transfer as jxt
+
+    from schemas.pathways.v1 import worker_pb2 as wpb
+    from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+    from server.worker.transfer import CHANNEL_OPTIONS
+
+    class MinimalTransfer(wgrpc.WorkerServicer):
+        """Copies each chunk of the one array a call carries into a preallocated buffer."""
+
+        def Transfer(self, request_iterator: Iterator[wpb.TransferChunk], context: Any) -> wpb.TransferResponse:
+            out: np.ndarray | None = None
+            off = 0
+            for chunk in request_iterator:
+                if out is None:
+                    out = np.empty(int(np.prod(chunk.array.shape)), np.uint8)
+                data = chunk.array.data
+                out[off : off + len(data)] = np.frombuffer(data, np.uint8)
+                off += len(data)
+            assert out is not None and off == out.size, (off, None if out is None else out.size)
+            check(out, "grpc")
+            return wpb.TransferResponse(bytes=off)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    wgrpc.add_WorkerServicer_to_server(MinimalTransfer(), server)  # type: ignore[abstract]  # Transfer only
+    grpc_port = server.add_insecure_port(f"{ip}:0")
+    server.start()
+
+    device = jax.devices("cpu")[0]
+    jserver = jxt.start_transfer_server(device.client, f"{ip}:0", [f"{ip}:0"])
+    lst = socket.create_server((ip, 0))
+    print(f"READY {lst.getsockname()[1]} {grpc_port}", flush=True)
+    conn, _ = lst.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    bufs: dict[int, np.ndarray] = {}
+    worker: subprocess.Popen[str] | None = None
+    connections: dict[str, Any] = {}
+    try:
+        while True:
+            cmd = _recv_msg(conn).split()
+            if cmd[0] == "tcp":
+                n = int(cmd[1])
+                buf = bufs.get(n)
+                if buf is None:
+                    buf = bufs[n] = np.empty(n, np.uint8)
+                _recv_exact(conn, memoryview(buf))  # type: ignore[arg-type]
+                _send_msg(conn, "ok")
+                check(buf, "tcp")
+            elif cmd[0] == "jax":
+                uuid, n, addr = int(cmd[1]), int(cmd[2]), cmd[3]
+                c = connections.get(addr)
+                if c is None:
+                    c = connections[addr] = jserver.connect(addr)
+                spec = jax.ShapeDtypeStruct((n,), jnp.uint8, sharding=jax.sharding.SingleDeviceSharding(device))
+                (arr,) = c.pull(uuid, [spec])
+                arr.block_until_ready()
+                _send_msg(conn, "ok")
+                check(np.asarray(arr), "jax")
+                del arr
+            elif cmd[0] == "worker":  # (re)start the real worker: `worker TOKEN`
+                if worker is not None:
+                    worker.kill()
+                    worker.wait()
+                worker = _start_worker(ip, cmd[1])
+                _send_msg(conn, f"addr {_worker_address(worker)}")
+            elif cmd[0] == "quit":
+                return
+            else:
+                raise ValueError(f"unknown command {cmd}")
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait()
+        server.stop(0)
+
+
+def _start_worker(ip: str, token: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PWCTL_TOKEN=token)
+    # no controller: the worker serves peers anyway and retries its controller link in the background
+    argv = [sys.executable, "-m", "server.worker", "--island", "probe", "--devices", "1", "--name", "probe-b",
+            "--listen", f"{ip}:0", "--server", "127.0.0.1:9", "--unload-after", "0"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+
+def _worker_address(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if " serving at " in line:
+            addr = line.rsplit(" serving at ", 1)[1].strip()
+            threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+            return addr
+    raise RuntimeError("the worker did not start: " + "".join(lines[-5:]))
+
+
+def _drain(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    for _ in proc.stdout:
+        pass
+
+
+# ---------------------------------------------------------------- host A
+def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes: list[float], reps: int) -> None:
+    """Host A: drives every round and prints one JSON line per measurement."""
+    import grpc
+    import jax
+    from jax.experimental import transfer as jxt
+
+    from schemas.pathways.v1 import worker_pb2 as wpb
+    from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+    from server.worker import transfer
+
+    token = secrets.token_hex(16)
+    ctl = socket.create_connection((peer.split(":")[0], int(peer.split(":")[1])))
+    ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    bip = peer.split(":")[0]
+    stub = wgrpc.WorkerStub(grpc.insecure_channel(f"{bip}:{grpc_port}", options=transfer.CHANNEL_OPTIONS))
+    device = jax.devices("cpu")[0]
+    jserver = jxt.start_transfer_server(device.client, f"{ip}:0", [f"{ip}:0"])
+    jaddr = jserver.address()
+    sender = transfer.TransferSender(token=token)
+    meta = (("authorization", f"Bearer {token}"),)
+    ids = iter(range(1, 1 << 62))
+    wstub: Any = None
+
+    def restart_worker() -> None:
+        nonlocal wstub
+        _send_msg(ctl, f"worker {token}")
+        addr = _recv_msg(ctl).split()[1]
+        wstub = (addr, wgrpc.WorkerStub(grpc.insecure_channel(addr, options=transfer.CHANNEL_OPTIONS)))
+
+    def run(method: str, arr: np.ndarray, jarr: Any) -> float:
+        n = arr.nbytes
+        if method == "tcp":
+            t0 = time.perf_counter()
+            _send_msg(ctl, f"tcp {n}")
+            ctl.sendall(memoryview(arr))  # type: ignore[arg-type]
+            reply = _recv_msg(ctl)
+        elif method == "jax":
+            uuid = next(ids)
+            t0 = time.perf_counter()
+            jserver.await_pull(uuid, [jarr])
+            _send_msg(ctl, f"jax {uuid} {n} {jaddr}")
+            reply = _recv_msg(ctl)
+        elif method.startswith("grpc-"):
+            transfer.CHUNK = int(float(method.split("-")[1]) * MIB)
+            t0 = time.perf_counter()
+            resp = stub.Transfer(transfer.chunks(next(ids), arr))
+            reply = "ok" if resp.bytes == n else f"short: {resp.bytes}"
+        else:  # worker-N
+            transfer.CHUNK = int(float(method.split("-")[1]) * MIB)
+            bid = next(ids)
+            done = threading.Event()
+            t0 = time.perf_counter()
+            sender.send(bid, arr, wstub[0], False, done.set)
+            w = wstub[1].Wait(wpb.WaitRequest(buffer_ids=[bid], timeout_s=120), metadata=meta)
+            reply = "ok" if w.ready else f"not ready: {w.error}"
+        dt = time.perf_counter() - t0
+        if reply != "ok":
+            raise RuntimeError(f"{method}: {reply}")
+        return dt
+
+    methods = ["tcp", *[f"grpc-{c:g}" for c in chunk_sizes], *[f"worker-{c:g}" for c in chunk_sizes], "jax"]
+    restart_worker()
+    warm = pattern(4 * MIB)
+    jwarm = jax.device_put(warm, device)
+    for m in methods:  # connections, streams, first-call costs
+        run(m, warm, jwarm)
+    for size in sizes:
+        arr = pattern(size * MIB)
+        jarr = jax.device_put(arr, device)
+        jarr.block_until_ready()
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for r in range(reps):
+            restart_worker()
+            run("worker-4", warm, jwarm)  # the new worker's stream and first buffer, untimed
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
+            for m in order:
+                times[m].append(run(m, arr, jarr))
+        for m in methods:
+            print(json.dumps({"size_mib": size, "method": m, "seconds": times[m]}), flush=True)
+        del jarr
+    _send_msg(ctl, "quit")
+    sender.close()
+
+
+# ---------------------------------------------------------------- driver (root namespace)
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) -> int:
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo))
+    from tests.hosts import Hosts, NamespaceUnavailable
+
+    if os.geteuid() != 0:
+        print("transport_probe: needs root (it makes network, mount and UTS namespaces)", file=sys.stderr)
+        return 2
+    load_before = _loadavg()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="pw-xferprobe-") as tmp:
+        hosts = Hosts(Path(tmp))
+        try:
+            try:
+                a, b = hosts.start(2)
+            except NamespaceUnavailable as e:
+                print(f"transport_probe: cannot make network namespaces here: {e}", file=sys.stderr)
+                return 2
+            env = {"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
+            me = [sys.executable, "-m", "bench.transport_probe"]
+            recv = b.popen([*me, "--role", "recv", "--ip", b.ip], **env)
+            assert recv.stdout is not None
+            line = ""
+            while not line.startswith("READY"):
+                line = recv.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"host B's receiver did not start (rc {recv.wait()})")
+            tcp_port, grpc_port = line.split()[1:3]
+            threading.Thread(target=_echo, args=(recv, "B"), daemon=True).start()
+            send = a.popen([*me, "--role", "send", "--ip", a.ip, "--peer", f"{b.ip}:{tcp_port}",
+                            "--grpc-port", grpc_port, "--sizes", ",".join(map(str, sizes)),
+                            "--chunks", ",".join(f"{c:g}" for c in chunk_sizes), "--reps", str(reps)], **env)
+            assert send.stdout is not None
+            for out in send.stdout:
+                if out.startswith("{"):
+                    results.append(json.loads(out))
+                else:
+                    print(f"[A] {out}", end="", file=sys.stderr)
+            rc = send.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                recv.wait(timeout=10)
+            if rc != 0:
+                print(f"transport_probe: host A's sender failed (rc {rc})", file=sys.stderr)
+                return 1
+        finally:
+            hosts.close()
+    report(results, load_before, _loadavg(), json_out)
+    return 0
+
+
+def _echo(proc: subprocess.Popen[str], tag: str) -> None:
+    assert proc.stdout is not None
+    for out in proc.stdout:
+        print(f"[{tag}] {out}", end="", file=sys.stderr)
+
+
+def report(results: list[dict[str, Any]], load_before: str, load_after: str, json_out: str) -> None:
+    tcp = {r["size_mib"]: statistics.median(r["seconds"]) for r in results if r["method"] == "tcp"}
+    print(f"load average before: {load_before}; after: {load_after}; {os.cpu_count()} CPUs")
+    print(f"{'size':>8} {'method':>11} {'GB/s median':>12} {'min-max GB/s':>14} {'x raw TCP':>10}")
+    for r in results:
+        n = r["size_mib"] * MIB
+        med = statistics.median(r["seconds"])
+        lo, hi = n / max(r["seconds"]) / 1e9, n / min(r["seconds"]) / 1e9
+        r["gbps_median"] = n / med / 1e9
+        r["ratio_to_tcp"] = tcp[r["size_mib"]] / med
+        print(f"{r['size_mib']:>5}MiB {r['method']:>11} {r['gbps_median']:>12.2f} {lo:>6.2f}-{hi:<7.2f} "
+              f"{r['ratio_to_tcp']:>10.2f}")
+    Path(json_out).write_text(json.dumps({"load_before": load_before, "load_after": load_after,
+                                          "cpus": os.cpu_count(), "results": results}, indent=1))
+    print(f"written to {json_out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.transport_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=["drive", "recv", "send"], default="drive", help=argparse.SUPPRESS)
+    p.add_argument("--ip", help=argparse.SUPPRESS)
+    p.add_argument("--peer", help=argparse.SUPPRESS)
+    p.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", default="4,64,256", help="array sizes in MiB (default 4,64,256)")
+    p.add_argument("--chunks", default="1,4,16", help="gRPC chunk sizes in MiB, fractions allowed (default 1,4,16)")
+    p.add_argument("--reps", type=int, default=5, help="rounds; each figure is the median (default 5)")
+    p.add_argument("--json", default=None,
+                   help="where to write the raw times and figures (default bench/results/transport-<UTC time>.json)")
+    ns = p.parse_args()
+    sizes = [int(s) for s in ns.sizes.split(",")]
+    chunk_sizes = [float(c) for c in ns.chunks.split(",")]
+    if ns.role == "recv":
+        recv_role(ns.ip)
+    elif ns.role == "send":
+        send_role(ns.ip, ns.peer, ns.grpc_port, sizes, chunk_sizes, ns.reps)
+    else:
+        out = ns.json or str(Path(__file__).resolve().parent / "results" /
+                             time.strftime("transport-%Y%m%dT%H%M%SZ.json", time.gmtime()))
+        sys.exit(drive(sizes, chunk_sizes, ns.reps, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,10 @@ It moves an array of each size from a process on host A (`send` role) to a proce
 * `jax`: JAX's transfer server (`jax.experimental.transfer.start_transfer_server` in each process;
   A `await_pull`s the array, B `connect(A).pull`s it onto its CPU device).
 
-Each figure is the time on A from the start of a send (serialisation included) to B's
+Alongside, the CPU time all three processes involved spent (sender on A, receiver and worker on B,
+every thread, from getrusage and /proc/PID/stat) per GB moved: on a shared, loaded machine the
+throughputs measure each method's share of the CPUs as much as the link, and CPU per byte is the
+steadier comparison. Each throughput figure is the time on A from the start of a send (serialisation included) to B's
 acknowledgement: a 64-byte reply on the TCP control connection (tcp, jax), the end of the call
 (grpc), the `Wait` reply (worker). Methods take turns within a round (the order rotates per round)
 so drift on a shared machine falls on all of them alike; the figure is the median over the rounds.
@@ -35,6 +38,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import secrets
 import socket
 import statistics
@@ -74,6 +78,17 @@ def _recv_msg(sock: socket.socket) -> str:
     buf = bytearray(MSG)
     _recv_exact(sock, memoryview(buf))
     return buf.decode().strip()
+
+
+def cpu_ns(pid: int | None = None) -> int:
+    """CPU time (user + system) of a process, every thread including those that already exited
+    (gRPC's per-call request-iterator threads), in ns: this process's from getrusage (µs), another
+    one's from /proc/PID/stat (clock ticks, 10 ms)."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return int((ru.ru_utime + ru.ru_stime) * 1e9)
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def pattern(nbytes: int) -> np.ndarray:
@@ -141,6 +156,7 @@ def recv_role(ip: str) -> None:
                 _recv_exact(conn, memoryview(buf))  # type: ignore[arg-type]
                 _send_msg(conn, "ok")
                 check(buf, "tcp")
+                _send_msg(conn, "checked")
             elif cmd[0] == "jax":
                 uuid, n, addr = int(cmd[1]), int(cmd[2]), cmd[3]
                 c = connections.get(addr)
@@ -152,12 +168,15 @@ def recv_role(ip: str) -> None:
                 _send_msg(conn, "ok")
                 check(np.asarray(arr), "jax")
                 del arr
+                _send_msg(conn, "checked")
             elif cmd[0] == "worker":  # (re)start the real worker: `worker TOKEN`
                 if worker is not None:
                     worker.kill()
                     worker.wait()
                 worker = _start_worker(ip, cmd[1])
                 _send_msg(conn, f"addr {_worker_address(worker)}")
+            elif cmd[0] == "cpu":  # this process's and the worker's CPU time so far
+                _send_msg(conn, f"cpu {cpu_ns()} {cpu_ns(worker.pid) if worker is not None else 0}")
             elif cmd[0] == "quit":
                 return
             else:
@@ -229,8 +248,14 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         addr = _recv_msg(ctl).split()[1]
         wstub = (addr, wgrpc.WorkerStub(grpc.insecure_channel(addr, options=transfer.CHANNEL_OPTIONS)))
 
-    def run(method: str, arr: np.ndarray, jarr: Any) -> float:
+    def b_cpu() -> int:
+        _send_msg(ctl, "cpu")
+        return sum(int(x) for x in _recv_msg(ctl).split()[1:])
+
+    def run(method: str, arr: np.ndarray, jarr: Any) -> tuple[float, float, float]:
+        """(seconds, CPU seconds of the sender on A, CPU seconds of B's receiver and worker)."""
         n = arr.nbytes
+        a0, b0 = cpu_ns(), b_cpu()
         if method == "tcp":
             t0 = time.perf_counter()
             _send_msg(ctl, f"tcp {n}")
@@ -258,7 +283,10 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         dt = time.perf_counter() - t0
         if reply != "ok":
             raise RuntimeError(f"{method}: {reply}")
-        return dt
+        if method == "tcp" or method == "jax":
+            _recv_msg(ctl)  # B's "checked" (its sample of the bytes costs microseconds)
+        a1 = cpu_ns()
+        return dt, (a1 - a0) / 1e9, (b_cpu() - b0) / 1e9
 
     methods = ["tcp", *[f"grpc-{c:g}" for c in chunk_sizes], *[f"worker-{c:g}" for c in chunk_sizes], "jax"]
     restart_worker()
@@ -271,14 +299,20 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         jarr = jax.device_put(arr, device)
         jarr.block_until_ready()
         times: dict[str, list[float]] = {m: [] for m in methods}
+        cpus: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
         for r in range(reps):
             restart_worker()
             run("worker-4", warm, jwarm)  # the new worker's stream and first buffer, untimed
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for m in order:
-                times[m].append(run(m, arr, jarr))
+                dt, cpu_a, cpu_b = run(m, arr, jarr)
+                times[m].append(dt)
+                cpus[m].append((cpu_a, cpu_b))
         for m in methods:
-            print(json.dumps({"size_mib": size, "method": m, "seconds": times[m]}), flush=True)
+            print(json.dumps({"size_mib": size, "method": m, "seconds": times[m],
+                              "cpu_seconds": [a + b for a, b in cpus[m]],
+                              "cpu_sender": [a for a, _ in cpus[m]], "cpu_receiver": [b for _, b in cpus[m]]}),
+                  flush=True)
         del jarr
     _send_msg(ctl, "quit")
     sender.close()
@@ -348,15 +382,23 @@ def _echo(proc: subprocess.Popen[str], tag: str) -> None:
 def report(results: list[dict[str, Any]], load_before: str, load_after: str, json_out: str) -> None:
     tcp = {r["size_mib"]: statistics.median(r["seconds"]) for r in results if r["method"] == "tcp"}
     print(f"load average before: {load_before}; after: {load_after}; {os.cpu_count()} CPUs")
-    print(f"{'size':>8} {'method':>11} {'GB/s median':>12} {'min-max GB/s':>14} {'x raw TCP':>10}")
+    print(f"{'size':>8} {'method':>11} {'GB/s median':>12} {'min-max GB/s':>14} {'x raw TCP':>10} "
+          f"{'CPU s/GB':>9} {'x TCP CPU':>9} {'send/recv s/GB':>15}")
+    tcp_cpu = {r["size_mib"]: statistics.median(r["cpu_seconds"]) for r in results if r["method"] == "tcp"}
     for r in results:
         n = r["size_mib"] * MIB
         med = statistics.median(r["seconds"])
         lo, hi = n / max(r["seconds"]) / 1e9, n / min(r["seconds"]) / 1e9
         r["gbps_median"] = n / med / 1e9
         r["ratio_to_tcp"] = tcp[r["size_mib"]] / med
+        cpu = statistics.median(r["cpu_seconds"])
+        r["cpu_s_per_gb"] = cpu / (n / 1e9)
+        r["cpu_ratio_to_tcp"] = cpu / tcp_cpu[r["size_mib"]]
+        send_cpu = statistics.median(r["cpu_sender"]) / (n / 1e9)
+        recv_cpu = statistics.median(r["cpu_receiver"]) / (n / 1e9)
         print(f"{r['size_mib']:>5}MiB {r['method']:>11} {r['gbps_median']:>12.2f} {lo:>6.2f}-{hi:<7.2f} "
-              f"{r['ratio_to_tcp']:>10.2f}")
+              f"{r['ratio_to_tcp']:>10.2f} {r['cpu_s_per_gb']:>9.2f} {r['cpu_ratio_to_tcp']:>9.1f} "
+              f"{send_cpu:>7.2f}/{recv_cpu:<7.2f}")
     Path(json_out).write_text(json.dumps({"load_before": load_before, "load_after": load_after,
                                           "cpus": os.cpu_count(), "results": results}, indent=1))
     print(f"written to {json_out}")

@@ -1,6 +1,6 @@
 """`python -m bench.transport_probe`: cross-host array transports, measured against raw TCP (issue 27).
 
-Needs root: it makes two hosts as network namespaces on this machine with `tests/hosts.py`'s
+Needs root: it makes two hosts as network namespaces on this machine with `bench/netns.py`'s
 `Hosts` (host A 10.251.K.1, host B 10.251.K.2 on a bridge of their own; only what it created is
 torn down, also on errors and Ctrl-C) and exits with a one-line message where it cannot.
 
@@ -9,11 +9,15 @@ It moves an array of each size from a process on host A (`send` role) to a proce
 
 * `tcp`: raw TCP, `socket.sendall` of the array's bytes, `recv_into` a preallocated buffer on B;
 * `grpc-N`: our gRPC stream with N-MiB chunks (`server/worker/transfer.py`'s `chunks()` with
-  `CHUNK` set in the sending process), one `Worker.Transfer` call per array into a minimal servicer
-  on B that copies each chunk into a preallocated buffer;
+  `TRANSFER_CHUNK`, `CHUNK` before main's cb8da10, set in the sending process), one
+  `Worker.Transfer` call per array into a minimal servicer on B that copies each chunk into a
+  preallocated buffer;
 * `worker-N`: end to end into a real worker (`python -m server.worker`, with a cluster token, on
-  B): the worker's own `TransferSender` (one long-lived stream per peer, chunks of N MiB), then
-  `Worker.Wait` on the buffer, which returns once B's worker stored it;
+  B): the worker's own `TransferSender` forced onto its gRPC stream (`PATHWAYS_TRANSFER=grpc`; one
+  long-lived stream per peer, chunks of N MiB), then `Worker.Wait` on the buffer, which returns
+  once B's worker stored it;
+* `worker-tcp`: the same with the sender's default cross-host path, the worker's TCP link
+  (`server/worker/tcplink.py`);
 * `jax`: JAX's transfer server (`jax.experimental.transfer.start_transfer_server` in each process;
   A `await_pull`s the array, B `connect(A).pull`s it onto its CPU device).
 
@@ -237,7 +241,11 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
     device = jax.devices("cpu")[0]
     jserver = jxt.start_transfer_server(device.client, f"{ip}:0", [f"{ip}:0"])
     jaddr = jserver.address()
-    sender = transfer.TransferSender(token=token)
+    senders = {}
+    for mode in ("grpc", "auto"):  # TransferSender reads PATHWAYS_TRANSFER when it is made
+        os.environ["PATHWAYS_TRANSFER"] = mode
+        senders[mode] = transfer.TransferSender(token=token)
+    os.environ.pop("PATHWAYS_TRANSFER")
     meta = (("authorization", f"Bearer {token}"),)
     ids = iter(range(1, 1 << 62))
     wstub: Any = None
@@ -247,6 +255,14 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         _send_msg(ctl, f"worker {token}")
         addr = _recv_msg(ctl).split()[1]
         wstub = (addr, wgrpc.WorkerStub(grpc.insecure_channel(addr, options=transfer.CHANNEL_OPTIONS)))
+
+    def set_chunk(method: str) -> None:
+        """Peer transfers' chunk size in this process (TRANSFER_CHUNK since main's cb8da10, CHUNK before)."""
+        size = int(float(method.split("-")[1]) * MIB)
+        if hasattr(transfer, "TRANSFER_CHUNK"):
+            transfer.TRANSFER_CHUNK = size
+        else:
+            transfer.CHUNK = size
 
     def b_cpu() -> int:
         _send_msg(ctl, "cpu")
@@ -268,12 +284,15 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
             _send_msg(ctl, f"jax {uuid} {n} {jaddr}")
             reply = _recv_msg(ctl)
         elif method.startswith("grpc-"):
-            transfer.CHUNK = int(float(method.split("-")[1]) * MIB)
+            set_chunk(method)
             t0 = time.perf_counter()
             resp = stub.Transfer(transfer.chunks(next(ids), arr))
             reply = "ok" if resp.bytes == n else f"short: {resp.bytes}"
-        else:  # worker-N
-            transfer.CHUNK = int(float(method.split("-")[1]) * MIB)
+        else:  # worker-N, worker-tcp
+            sender = senders["auto"]
+            if method != "worker-tcp":
+                set_chunk(method)
+                sender = senders["grpc"]
             bid = next(ids)
             done = threading.Event()
             t0 = time.perf_counter()
@@ -288,7 +307,8 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         a1 = cpu_ns()
         return dt, (a1 - a0) / 1e9, (b_cpu() - b0) / 1e9
 
-    methods = ["tcp", *[f"grpc-{c:g}" for c in chunk_sizes], *[f"worker-{c:g}" for c in chunk_sizes], "jax"]
+    methods = ["tcp", *[f"grpc-{c:g}" for c in chunk_sizes], *[f"worker-{c:g}" for c in chunk_sizes], "worker-tcp",
+               "jax"]
     restart_worker()
     warm = pattern(4 * MIB)
     jwarm = jax.device_put(warm, device)
@@ -302,7 +322,13 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         cpus: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
         for r in range(reps):
             restart_worker()
-            run("worker-4", warm, jwarm)  # the new worker's stream and first buffer, untimed
+            run("worker-4", warm, jwarm)  # the new worker's stream, link and first buffers, untimed
+            run("worker-tcp", warm, jwarm)
+            # each path went the way it is named (the sender's record of the first send per peer)
+            used = {kind: addr in senders[mode]._used.get(kind, set()) for mode, kind, addr in
+                    (("grpc", transfer.STREAM, wstub[0]), ("auto", getattr(transfer, "TCP", ""), wstub[0]))}
+            if not all(used.values()):
+                raise RuntimeError(f"a worker path did not use its transport: {used}")
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for m in order:
                 dt, cpu_a, cpu_b = run(m, arr, jarr)
@@ -315,7 +341,8 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
                   flush=True)
         del jarr
     _send_msg(ctl, "quit")
-    sender.close()
+    for sender in senders.values():
+        sender.close()
 
 
 # ---------------------------------------------------------------- driver (root namespace)
@@ -324,12 +351,14 @@ def _loadavg() -> str:
 
 
 def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) -> int:
-    repo = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(repo))
-    from tests.hosts import Hosts, NamespaceUnavailable
+    from .netns import REPO, Hosts, NamespaceUnavailable, unavailable
 
     if os.geteuid() != 0:
         print("transport_probe: needs root (it makes network, mount and UTS namespaces)", file=sys.stderr)
+        return 2
+    why = unavailable()
+    if why is not None:
+        print(f"transport_probe: cannot make network namespaces here: {why}", file=sys.stderr)
         return 2
     load_before = _loadavg()
     results: list[dict[str, Any]] = []
@@ -341,9 +370,8 @@ def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) 
             except NamespaceUnavailable as e:
                 print(f"transport_probe: cannot make network namespaces here: {e}", file=sys.stderr)
                 return 2
-            env = {"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
             me = [sys.executable, "-m", "bench.transport_probe"]
-            recv = b.popen([*me, "--role", "recv", "--ip", b.ip], **env)
+            recv = b.popen([*me, "--role", "recv", "--ip", b.ip], PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
             assert recv.stdout is not None
             line = ""
             while not line.startswith("READY"):
@@ -354,7 +382,8 @@ def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) 
             threading.Thread(target=_echo, args=(recv, "B"), daemon=True).start()
             send = a.popen([*me, "--role", "send", "--ip", a.ip, "--peer", f"{b.ip}:{tcp_port}",
                             "--grpc-port", grpc_port, "--sizes", ",".join(map(str, sizes)),
-                            "--chunks", ",".join(f"{c:g}" for c in chunk_sizes), "--reps", str(reps)], **env)
+                            "--chunks", ",".join(f"{c:g}" for c in chunk_sizes), "--reps", str(reps)],
+                           PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
             assert send.stdout is not None
             for out in send.stdout:
                 if out.startswith("{"):

@@ -307,11 +307,31 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         a1 = cpu_ns()
         return dt, (a1 - a0) / 1e9, (b_cpu() - b0) / 1e9
 
+    def check_workers() -> None:
+        """A fresh worker on B (its buffers are never released without a controller), warmed on
+        both paths, each checked to have gone by the transport it is named after."""
+        restart_worker()
+        run("worker-4", warm, jwarm)  # the new worker's stream, link and first buffers, untimed
+        run("worker-tcp", warm, jwarm)
+        used = {kind: wstub[0] in senders[mode]._used.get(kind, set())
+                for mode, kind in (("grpc", transfer.STREAM), ("auto", getattr(transfer, "TCP", "")))}
+        if not all(used.values()):
+            raise RuntimeError(f"a worker path did not use its transport: {used}")
+
     methods = ["tcp", *[f"grpc-{c:g}" for c in chunk_sizes], *[f"worker-{c:g}" for c in chunk_sizes], "worker-tcp",
                "jax"]
     restart_worker()
     warm = pattern(4 * MIB)
     jwarm = jax.device_put(warm, device)
+    try:
+        run("worker-tcp", warm, jwarm)
+        workers = True
+    except grpc.RpcError as e:
+        # since main's worker-side trust (issue 29) a worker serves transfers and waits only once a
+        # controller registered it and issued credentials; this probe starts no controller yet
+        workers = False
+        methods = [m for m in methods if not m.startswith("worker-")]
+        print(json.dumps({"skipped": "worker-*", "reason": f"{e.code().name}: {e.details()}"}), flush=True)
     for m in methods:  # connections, streams, first-call costs
         run(m, warm, jwarm)
     for size in sizes:
@@ -321,14 +341,8 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         times: dict[str, list[float]] = {m: [] for m in methods}
         cpus: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
         for r in range(reps):
-            restart_worker()
-            run("worker-4", warm, jwarm)  # the new worker's stream, link and first buffers, untimed
-            run("worker-tcp", warm, jwarm)
-            # each path went the way it is named (the sender's record of the first send per peer)
-            used = {kind: addr in senders[mode]._used.get(kind, set()) for mode, kind, addr in
-                    (("grpc", transfer.STREAM, wstub[0]), ("auto", getattr(transfer, "TCP", ""), wstub[0]))}
-            if not all(used.values()):
-                raise RuntimeError(f"a worker path did not use its transport: {used}")
+            if workers:
+                check_workers()
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for m in order:
                 dt, cpu_a, cpu_b = run(m, arr, jarr)
@@ -362,6 +376,7 @@ def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) 
         return 2
     load_before = _loadavg()
     results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pw-xferprobe-") as tmp:
         hosts = Hosts(Path(tmp))
         try:
@@ -387,7 +402,11 @@ def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) 
             assert send.stdout is not None
             for out in send.stdout:
                 if out.startswith("{"):
-                    results.append(json.loads(out))
+                    row = json.loads(out)
+                    if "skipped" in row:
+                        skipped.append(row)
+                    else:
+                        results.append(row)
                 else:
                     print(f"[A] {out}", end="", file=sys.stderr)
             rc = send.wait()
@@ -398,7 +417,7 @@ def drive(sizes: list[int], chunk_sizes: list[float], reps: int, json_out: str) 
                 return 1
         finally:
             hosts.close()
-    report(results, load_before, _loadavg(), json_out)
+    report(results, skipped, load_before, _loadavg(), json_out)
     return 0
 
 
@@ -408,7 +427,8 @@ def _echo(proc: subprocess.Popen[str], tag: str) -> None:
         print(f"[{tag}] {out}", end="", file=sys.stderr)
 
 
-def report(results: list[dict[str, Any]], load_before: str, load_after: str, json_out: str) -> None:
+def report(results: list[dict[str, Any]], skipped: list[dict[str, Any]], load_before: str, load_after: str,
+           json_out: str) -> None:
     tcp = {r["size_mib"]: statistics.median(r["seconds"]) for r in results if r["method"] == "tcp"}
     print(f"load average before: {load_before}; after: {load_after}; {os.cpu_count()} CPUs")
     print(f"{'size':>8} {'method':>11} {'GB/s median':>12} {'min-max GB/s':>14} {'x raw TCP':>10} "
@@ -429,7 +449,10 @@ def report(results: list[dict[str, Any]], load_before: str, load_after: str, jso
               f"{r['ratio_to_tcp']:>10.2f} {r['cpu_s_per_gb']:>9.2f} {r['cpu_ratio_to_tcp']:>9.1f} "
               f"{send_cpu:>7.2f}/{recv_cpu:<7.2f}")
     Path(json_out).write_text(json.dumps({"load_before": load_before, "load_after": load_after,
-                                          "cpus": os.cpu_count(), "results": results}, indent=1))
+                                          "cpus": os.cpu_count(), "results": results, "skipped": skipped},
+                                         indent=1))
+    for sk in skipped:
+        print(f"not measured: {sk['skipped']} ({sk['reason']})")
     print(f"written to {json_out}")
 
 

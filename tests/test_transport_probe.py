@@ -31,8 +31,9 @@ def test_probe_measures_every_method_and_cleans_up(tmp_path: Path) -> None:
     if proc.returncode == 2 and "cannot make network namespaces" in stderr:
         pytest.skip(stderr.strip())
     assert proc.returncode == 0, stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    assert sorted(r["method"] for r in results) == ["grpc-1", "jax", "tcp", "worker-1", "worker-tcp"]
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert sorted(r["method"] for r in results) == ["grpc-1", "jax", "tcp", "worker-1", "worker-tcp"], data["skipped"]
     for r in results:
         assert r["size_mib"] == 1 and len(r["seconds"]) == 1 and r["seconds"][0] > 0, r
         assert r["gbps_median"] > 0 and r["cpu_s_per_gb"] > 0, r

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import resource
-import secrets
 import socket
 import statistics
 import subprocess
@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 MIB = 1024 * 1024
-MSG = 64  # control messages: fixed 64-byte ASCII, space-padded
+MSG = 256  # control messages: fixed-size ASCII, space-padded
 
 
 def _send_msg(sock: socket.socket, text: str) -> None:
@@ -142,6 +142,7 @@ def recv_role(ip: str) -> None:
 
     device = jax.devices("cpu")[0]
     jserver = jxt.start_transfer_server(device.client, f"{ip}:0", [f"{ip}:0"])
+    controller = _start_controller(ip)
     lst = socket.create_server((ip, 0))
     print(f"READY {lst.getsockname()[1]} {grpc_port}", flush=True)
     conn, _ = lst.accept()
@@ -173,7 +174,10 @@ def recv_role(ip: str) -> None:
                 check(np.asarray(arr), "jax")
                 del arr
                 _send_msg(conn, "checked")
-            elif cmd[0] == "worker":  # (re)start the real worker: `worker TOKEN`
+            elif cmd[0] == "creds":  # the cluster token and the controller's worker key
+                token, key = _credentials(controller)
+                _send_msg(conn, f"creds {token} {key.hex()}")
+            elif cmd[0] == "worker":  # (re)start the real worker: `worker NAME`
                 if worker is not None:
                     worker.kill()
                     worker.wait()
@@ -186,17 +190,45 @@ def recv_role(ip: str) -> None:
             else:
                 raise ValueError(f"unknown command {cmd}")
     finally:
-        if worker is not None:
-            worker.kill()
-            worker.wait()
+        for proc in (worker, controller):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
         server.stop(0)
 
 
-def _start_worker(ip: str, token: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PWCTL_TOKEN=token)
-    # no controller: the worker serves peers anyway and retries its controller link in the background
-    argv = [sys.executable, "-m", "server.worker", "--island", "probe", "--devices", "1", "--name", "probe-b",
-            "--listen", f"{ip}:0", "--server", "127.0.0.1:9", "--unload-after", "0"]
+CONTROLLER_PORT = 7070  # on host B's own address: the namespace is private
+
+
+def _start_controller(ip: str) -> subprocess.Popen[bytes]:
+    """A real controller on host B (its data directory is $PATHWAYS_HOME, host B's): since main's
+    worker-side trust (issue 29) a worker serves transfers and waits only once registered."""
+    return subprocess.Popen([sys.executable, "-m", "server.controller", "--listen", f"{ip}:{CONTROLLER_PORT}",
+                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _credentials(controller: subprocess.Popen[bytes]) -> tuple[str, bytes]:
+    """The token and worker key the controller keeps in its data directory (the probe acts as a
+    client and as a peer worker of this cluster, as an operator on the same machine could)."""
+    home = Path(os.environ["PATHWAYS_HOME"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            token = (home / "token").read_text().strip()
+            key = bytes.fromhex((home / "worker.key").read_text().strip())
+            if token and key:
+                return token, key
+        if controller.poll() is not None:
+            raise RuntimeError(f"the controller on host B exited (rc {controller.returncode})")
+        time.sleep(0.2)
+    raise RuntimeError("the controller on host B wrote no token and key within 60 s")
+
+
+def _start_worker(ip: str, name: str) -> subprocess.Popen[str]:
+    # the token from host B's data directory, as any worker started there
+    argv = [sys.executable, "-m", "server.worker", "--island", "probe", "--devices", "1", "--name", name,
+            "--listen", f"{ip}:0", "--server", f"{ip}:{CONTROLLER_PORT}", "--unload-after", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "PWCTL_TOKEN"}
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
 
@@ -231,11 +263,14 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
 
     from schemas.pathways.v1 import worker_pb2 as wpb
     from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+    from server.credentials import PREFIX_SHIFT, SESSION_HEADER, session_credential
     from server.worker import transfer
 
-    token = secrets.token_hex(16)
     ctl = socket.create_connection((peer.split(":")[0], int(peer.split(":")[1])))
     ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _send_msg(ctl, "creds")
+    _, token, key_hex = _recv_msg(ctl).split()
+    key = bytes.fromhex(key_hex)
     bip = peer.split(":")[0]
     stub = wgrpc.WorkerStub(grpc.insecure_channel(f"{bip}:{grpc_port}", options=transfer.CHANNEL_OPTIONS))
     device = jax.devices("cpu")[0]
@@ -245,16 +280,30 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
     for mode in ("grpc", "auto"):  # TransferSender reads PATHWAYS_TRANSFER when it is made
         os.environ["PATHWAYS_TRANSFER"] = mode
         senders[mode] = transfer.TransferSender(token=token)
+        senders[mode].set_key(key)  # as a worker's at registration: the peer credential
     os.environ.pop("PATHWAYS_TRANSFER")
-    meta = (("authorization", f"Bearer {token}"),)
-    ids = iter(range(1, 1 << 62))
+    prefix = 7  # this probe's session: buffer ids under its prefix, waits with its credential
+    meta = (("authorization", f"Bearer {token}"),
+            (SESSION_HEADER, session_credential(key, "client:transport-probe", prefix)))
+    ids = iter(range((prefix << PREFIX_SHIFT) + 1, (prefix + 1) << PREFIX_SHIFT))
     wstub: Any = None
+    workers_started = itertools.count()
 
     def restart_worker() -> None:
+        """A fresh worker (a new name each time), once its controller registered it."""
         nonlocal wstub
-        _send_msg(ctl, f"worker {token}")
+        _send_msg(ctl, f"worker probe-b{next(workers_started)}")
         addr = _recv_msg(ctl).split()[1]
         wstub = (addr, wgrpc.WorkerStub(grpc.insecure_channel(addr, options=transfer.CHANNEL_OPTIONS)))
+        deadline = time.monotonic() + 60
+        while True:  # UNAVAILABLE until registered
+            try:
+                wstub[1].Wait(wpb.WaitRequest(buffer_ids=[next(ids)], timeout_s=0.01), metadata=meta, timeout=5)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def set_chunk(method: str) -> None:
         """Peer transfers' chunk size in this process (TRANSFER_CHUNK since main's cb8da10, CHUNK before)."""

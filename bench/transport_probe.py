@@ -12,8 +12,10 @@ It moves an array of each size from a process on host A (`send` role) to a proce
   `TRANSFER_CHUNK`, `CHUNK` before main's cb8da10, set in the sending process), one
   `Worker.Transfer` call per array into a minimal servicer on B that copies each chunk into a
   preallocated buffer;
-* `worker-N`: end to end into a real worker (`python -m server.worker`, with a cluster token, on
-  B): the worker's own `TransferSender` forced onto its gRPC stream (`PATHWAYS_TRANSFER=grpc`; one
+* `worker-N`: end to end into a real worker (`python -m server.worker` on B, registered with a
+  real controller on B; the probe reads the cluster token and the worker key from host B's data
+  directory and presents the peer and a session credential as a worker and a client would): the
+  worker's own `TransferSender` forced onto its gRPC stream (`PATHWAYS_TRANSFER=grpc`; one
   long-lived stream per peer, chunks of N MiB), then `Worker.Wait` on the buffer, which returns
   once B's worker stored it;
 * `worker-tcp`: the same with the sender's default cross-host path, the worker's TCP link
@@ -24,12 +26,14 @@ It moves an array of each size from a process on host A (`send` role) to a proce
 Alongside, the CPU time all three processes involved spent (sender on A, receiver and worker on B,
 every thread, from getrusage and /proc/PID/stat) per GB moved: on a shared, loaded machine the
 throughputs measure each method's share of the CPUs as much as the link, and CPU per byte is the
-steadier comparison. Each throughput figure is the time on A from the start of a send (serialisation included) to B's
-acknowledgement: a 64-byte reply on the TCP control connection (tcp, jax), the end of the call
-(grpc), the `Wait` reply (worker). Methods take turns within a round (the order rotates per round)
-so drift on a shared machine falls on all of them alike; the figure is the median over the rounds.
-B's worker is restarted every round so that buffers it never releases (no controller) do not pile
-up. Bytes are checked on B (a sample of every 1 MiB) for tcp, grpc and jax.
+steadier comparison (the worker's is read in 10 ms ticks: too coarse for small arrays; the idle
+controller is not counted). Each throughput figure is the time on A from the start of a send
+(serialisation included) to B's acknowledgement: a short reply on the TCP control connection (tcp,
+jax), the end of the call (grpc), the `Wait` reply (worker). Methods take turns within a round (the
+order rotates per round) so drift on a shared machine falls on all of them alike; the figure is the
+median over the rounds. B's worker is restarted (under a new name) every round so that the buffers
+it receives, which nothing releases, do not pile up. Bytes are checked on B (a sample of every
+1 MiB) for tcp, grpc and jax.
 
     sudo python -m bench.transport_probe [--sizes 4,64,256] [--chunks 1,4,16] [--reps 5] [--json F]
 

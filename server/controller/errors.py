@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from ..invariants import InvariantError
+from ..rpcguard import Mapped
+
+log = logging.getLogger(__name__)
 
 
 class ControllerError(Exception):
@@ -29,3 +36,15 @@ class Rejected(ControllerError):
 
 class InUse(ControllerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def classify(e: BaseException) -> Mapped | None:
+    """How the controller's server answers an exception a handler raised (server/rpcguard.py):
+    a ControllerError with its code and message; a broken invariant of a state machine (a bug),
+    logged with the stimuli that led to it, as INTERNAL; anything else is not recognised."""
+    if isinstance(e, ControllerError):
+        return Mapped(e.code, str(e))
+    if isinstance(e, InvariantError):
+        log.error("InvariantError: %s", e)
+        return Mapped(grpc.StatusCode.INTERNAL, f"internal error (a bug): {e.problem}", logging.DEBUG)
+    return None

@@ -1,18 +1,19 @@
 """gRPC servicer: translates requests into calls on the controller's components.
 
-No business logic here; component errors map to status codes in one place (`_guard`).
+No business logic here; component errors map to status codes in one place, for every method,
+streaming ones included: `errors.classify`, applied by the server's `rpcguard.GuardInterceptor`
+(which also answers requests that do not decode with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 from grpc import aio
@@ -22,9 +23,8 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import __version__
 from ..db.engine import redact
-from ..invariants import InvariantError
 from .core import Controller
-from .errors import ControllerError, InvalidArgument, NotFound
+from .errors import InvalidArgument, NotFound
 from .hostviews import list_devices, list_hosts
 from .links import WorkerLink
 from .status_view import StatusQuery
@@ -33,25 +33,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 GROUP_WAIT_S = 30.0  # CreateSlice over several hosts waits this long for the island's group
-
-
-def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Maps ControllerError to its status code with a one-line message; a broken invariant of a
-    state machine (a bug) is logged with the stimuli that led to it and answered INTERNAL."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> T:
-        try:
-            return await fn(self, request, context)
-        except ControllerError as e:
-            await context.abort(e.code, str(e))
-            raise  # unreachable: abort raises
-        except InvariantError as e:
-            log.error("InvariantError in %s: %s", fn.__name__, e)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (a bug): {e.problem}")
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 async def _until(stop: asyncio.Event, stream: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -83,7 +64,6 @@ class ControllerServicer(cgrpc.ControllerServicer):
         self.core = core
 
     # ---- cluster ----
-    @_guard
     async def GetInfo(self, request: cpb.GetInfoRequest, context: aio.ServicerContext) -> cpb.ServerInfo:
         core = self.core
         return cpb.ServerInfo(
@@ -104,12 +84,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
             jobs_total=len(core.jobs.jobs),
         )
 
-    @_guard
     async def Shutdown(self, request: cpb.ShutdownRequest, context: aio.ServicerContext) -> cpb.ShutdownResponse:
         self.core.request_shutdown()
         return cpb.ShutdownResponse()
 
-    @_guard
     async def ListIslands(
         self, request: cpb.ListIslandsRequest, context: aio.ServicerContext
     ) -> cpb.ListIslandsResponse:
@@ -118,14 +96,12 @@ class ControllerServicer(cgrpc.ControllerServicer):
             island.group = self.core.groups.summary(island.name)
         return cpb.ListIslandsResponse(islands=islands)
 
-    @_guard
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
         reply = list_hosts(self.core.cluster, request.island, request.state, request.limit, request.page_token)
         self.core.hangs.annotate_hosts(list(reply.hosts))  # the listed messages, stalled ones marked in place
         return reply
 
-    @_guard
     async def ListDevices(
         self, request: cpb.ListDevicesRequest, context: aio.ServicerContext
     ) -> cpb.ListDevicesResponse:
@@ -184,7 +160,6 @@ class ControllerServicer(cgrpc.ControllerServicer):
             link.close()
 
     # ---- slices (server/controller/slices.py) ----
-    @_guard
     async def CreateSlice(
         self, request: cpb.CreateSliceRequest, context: aio.ServicerContext
     ) -> cpb.CreateSliceResponse:
@@ -199,15 +174,12 @@ class ControllerServicer(cgrpc.ControllerServicer):
             await self.core.groups.wait_usable(created.slice.devices[0].island, GROUP_WAIT_S)
         return created
 
-    @_guard
     async def ListSlices(self, request: cpb.ListSlicesRequest, context: aio.ServicerContext) -> cpb.ListSlicesResponse:
         return cpb.ListSlicesResponse(slices=self.core.slices.list(request.owner))
 
-    @_guard
     async def GetSlice(self, request: cpb.GetSliceRequest, context: aio.ServicerContext) -> cpb.Slice:
         return self.core.slices.get(request.name)
 
-    @_guard
     async def DeleteSlice(
         self, request: cpb.DeleteSliceRequest, context: aio.ServicerContext
     ) -> cpb.DeleteSliceResponse:
@@ -223,19 +195,15 @@ class ControllerServicer(cgrpc.ControllerServicer):
             yield ev
 
     # ---- jobs (server/controller/jobs.py) ----
-    @_guard
     async def SubmitJob(self, request: cpb.SubmitJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return await self.core.jobs.submit(request)
 
-    @_guard
     async def ListJobs(self, request: cpb.ListJobsRequest, context: aio.ServicerContext) -> cpb.ListJobsResponse:
         return cpb.ListJobsResponse(jobs=self.core.hangs.annotate_jobs(self.core.jobs.list(request.state, request.all)))
 
-    @_guard
     async def GetJob(self, request: cpb.GetJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return self.core.hangs.annotate_jobs([self.core.jobs.get(request.id)])[0]
 
-    @_guard
     async def CancelJob(self, request: cpb.CancelJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return await self.core.jobs.cancel(request.id)
 
@@ -249,15 +217,11 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def Watch(
         self, request: cpb.WatchRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.ClusterStatus]:
-        try:
-            query = StatusQuery.of(request)
-        except ControllerError as e:
-            await context.abort(e.code, str(e))
+        query = StatusQuery.of(request)  # a bad query: its ControllerError's status (rpcguard)
         watch = self.core.observer.watch(request.interval_s or 1.0, query)
         async for status in _until(self.core.shutdown_event, watch):
             yield status
 
-    @_guard
     async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
         if request.last < 0 or request.since_unix_ns < 0:
             raise InvalidArgument("last and since must not be negative")

@@ -57,6 +57,9 @@ def proxy_backend(core: Controller) -> ControllerBackend:
 
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
+    sqlite_file = config.db_url.removeprefix("sqlite:///")
+    if sqlite_file != config.db_url and sqlite_file and not sqlite_file.startswith(":memory:"):
+        paths.private_file(Path(sqlite_file))  # 0600 before SQLite creates it (its WAL follows its mode)
     try:
         upgrade_schema(config.db_url)  # first: it forks, and no thread has started yet
     except SchemaUpgradeFailed as e:

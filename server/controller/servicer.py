@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TypeVar
 
 import grpc
@@ -24,8 +24,9 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from .. import __version__
 from ..db.engine import redact
 from .core import Controller
-from .errors import InvalidArgument, NotFound
+from .errors import InvalidArgument, NotFound, Rejected
 from .hostviews import list_devices, list_hosts
+from .limits import check_registration, page_size
 from .links import WorkerLink
 from .status_view import StatusQuery
 
@@ -59,9 +60,33 @@ async def _until(stop: asyncio.Event, stream: AsyncIterator[T]) -> AsyncIterator
         stopped.cancel()
 
 
+class _Gate:
+    """Counts the open streams of one kind and refuses one more beyond `most` (RESOURCE_EXHAUSTED):
+    each open stream holds memory (a session its queue, a watch its snapshots in flight)."""
+
+    def __init__(self, what: str, most: int, flag: str = "") -> None:
+        self.what, self.most, self.flag, self.open = what, most, flag, 0
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        if self.open >= self.most:
+            hint = f" (the controller's {self.flag})" if self.flag else ""
+            raise Rejected(f"{self.open} {self.what} are open, the limit{hint}: close some and retry")
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
 class ControllerServicer(cgrpc.ControllerServicer):
     def __init__(self, core: Controller) -> None:
         self.core = core
+        limits = core.config.limits
+        self.limits = limits
+        self._sessions = _Gate("client sessions", limits.max_sessions, "--max-sessions")
+        self._watches = _Gate("watch streams", limits.max_watches, "--max-watches")
+        self._log_streams = _Gate("log streams", limits.max_log_streams)
 
     # ---- cluster ----
     async def GetInfo(self, request: cpb.GetInfoRequest, context: aio.ServicerContext) -> cpb.ServerInfo:
@@ -98,7 +123,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
 
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
-        reply = list_hosts(self.core.cluster, request.island, request.state, request.limit, request.page_token)
+        reply = list_hosts(self.core.cluster, request.island, request.state, page_size(request.limit),
+                           request.page_token)
         self.core.hangs.annotate_hosts(list(reply.hosts))  # the listed messages, stalled ones marked in place
         return reply
 
@@ -106,8 +132,20 @@ class ControllerServicer(cgrpc.ControllerServicer):
         self, request: cpb.ListDevicesRequest, context: aio.ServicerContext
     ) -> cpb.ListDevicesResponse:
         self.core.require_island(request.island)
-        return list_devices(self.core.cluster, request.island, request.state, request.limit, request.page_token,
-                            self.core.device_slice_count, self.core.slices.epoch)
+        return list_devices(self.core.cluster, request.island, request.state, page_size(request.limit),
+                            request.page_token, self.core.device_slice_count, self.core.slices.epoch)
+
+    async def DeleteHost(self, request: cpb.DeleteHostRequest, context: aio.ServicerContext) -> cpb.DeleteHostResponse:
+        self.core.removal.delete_host(request.name, request.force)
+        await self.core.slices.written()  # the answer promises the rows are gone
+        return cpb.DeleteHostResponse()
+
+    async def DeleteIsland(
+        self, request: cpb.DeleteIslandRequest, context: aio.ServicerContext
+    ) -> cpb.DeleteIslandResponse:
+        self.core.removal.delete_island(request.name)
+        await self.core.slices.written()
+        return cpb.DeleteIslandResponse()
 
     # ---- workers ----
     async def WorkerConnect(
@@ -118,11 +156,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a registration")
             return
         reg = first.register
-        if not reg.name or not reg.island or reg.device_count <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "registration needs a name, an island and devices")
-            return
+        check_registration(reg, self.limits)  # before it costs anything (limits.py)
+        credential, credential_hash = self.core.cluster.admit(reg)  # a live host's name: its credential
         link = WorkerLink(reg.name)
-        info = self.core.cluster.register(reg, link)
+        info = self.core.cluster.register(reg, link, credential_hash)
         link.send(
             cpb.ControllerToWorker(
                 registered=cpb.Registered(
@@ -130,6 +167,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     heartbeat_interval_s=self.core.cluster.heartbeat_interval,
                     device_ids=info.device_ids,
                     session_key=self.core.worker_key,
+                    credential=credential,
                 )
             )
         )
@@ -191,8 +229,9 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def Session(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
     ) -> AsyncIterator[cpb.SessionEvent]:
-        async for ev in self.core.sessions.serve(request_iterator, context):
-            yield ev
+        with self._sessions.enter():
+            async for ev in self.core.sessions.serve(request_iterator, context):
+                yield ev
 
     # ---- jobs (server/controller/jobs.py) ----
     async def SubmitJob(self, request: cpb.SubmitJobRequest, context: aio.ServicerContext) -> cpb.Job:
@@ -210,17 +249,19 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def StreamLogs(
         self, request: cpb.StreamLogsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.LogChunk]:
-        async for chunk in _until(self.core.shutdown_event, self.core.jobs.stream_logs(request, context)):
-            yield chunk
+        with self._log_streams.enter():
+            async for chunk in _until(self.core.shutdown_event, self.core.jobs.stream_logs(request, context)):
+                yield chunk
 
     # ---- observe (server/controller/observe.py) ----
     async def Watch(
         self, request: cpb.WatchRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.ClusterStatus]:
         query = StatusQuery.of(request)  # a bad query: its ControllerError's status (rpcguard)
-        watch = self.core.observer.watch(request.interval_s or 1.0, query)
-        async for status in _until(self.core.shutdown_event, watch):
-            yield status
+        with self._watches.enter():
+            watch = self.core.observer.watch(request.interval_s or 1.0, query)
+            async for status in _until(self.core.shutdown_event, watch):
+                yield status
 
     async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
         if request.last < 0 or request.since_unix_ns < 0:

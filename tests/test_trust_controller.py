@@ -159,6 +159,47 @@ def test_listing_pages_are_bounded() -> None:
         parse_duration("soon")
 
 
+# ---- finding 4: CreateSlice owner ----
+@pytest.mark.cluster(islands=1, devices=2)
+def test_a_caller_owns_slices_only_as_its_own_session_or_job(cluster: LocalCluster) -> None:
+    """`CreateSlice(owner="job:<someone else's job>")` was accepted; now only the caller's own
+    session (or its job) may be named, and nothing changes otherwise."""
+    # channels of one process share a connection; another tenant's process has its own (a
+    # local subchannel pool gives this test's attacker one)
+    victim = grpc.insecure_channel(cluster.address)
+    attacker = grpc.insecure_channel(cluster.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    stop = threading.Event()
+
+    def hello() -> Iterator[cpb.ClientMessage]:
+        yield cpb.ClientMessage(hello=cpb.Hello(client_name="victim", job_id="job-victim"))
+        stop.wait(30)
+
+    try:
+        session = cgrpc.ControllerStub(victim).Session(hello(), timeout=30)
+        assert next(iter(session)).WhichOneof("msg") == "welcome"
+        spec = cpb.SliceSpec(devices=1)
+        bad = cgrpc.ControllerStub(attacker)
+        for owner in ("job:job-victim", "client:c1", "job:nobody"):
+            with pytest.raises(grpc.RpcError) as info:
+                bad.CreateSlice(cpb.CreateSliceRequest(spec=spec, owner=owner), timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (owner, info.value.code())
+            assert "a caller owns slices only as its own session or job" in info.value.details()
+        with cluster.client() as c:
+            assert c.slices() == []
+        # the session's own connection may: the slice is the job's
+        mine = cgrpc.ControllerStub(victim).CreateSlice(cpb.CreateSliceRequest(spec=spec, owner="job:job-victim"),
+                                                        timeout=10)
+        assert mine.slice.owner == "job:job-victim"
+        # a named slice needs no session
+        named = bad.CreateSlice(cpb.CreateSliceRequest(spec=cpb.SliceSpec(name="shared", devices=1)), timeout=10)
+        assert named.slice.owner == ""
+    finally:
+        stop.set()
+        victim.close()
+        attacker.close()
+    no_tracebacks(cluster)
+
+
 # ---- finding 5: host-name takeover ----
 @pytest.mark.cluster(islands=2, devices=2)
 def test_a_live_hosts_name_is_not_taken_without_its_credential(cluster: LocalCluster) -> None:

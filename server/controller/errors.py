@@ -24,6 +24,12 @@ class NotFound(ControllerError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(ControllerError):
+    """The caller may not do this (not its session's or job's to do)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class AlreadyExists(ControllerError):
     code = grpc.StatusCode.ALREADY_EXISTS
 

@@ -28,6 +28,7 @@ from .errors import InvalidArgument, NotFound, Rejected
 from .hostviews import list_devices, list_hosts
 from .limits import check_registration, page_size
 from .links import WorkerLink
+from .owners import ConnectionOwners
 from .status_view import StatusQuery
 
 T = TypeVar("T")
@@ -87,6 +88,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         self._sessions = _Gate("client sessions", limits.max_sessions, "--max-sessions")
         self._watches = _Gate("watch streams", limits.max_watches, "--max-watches")
         self._log_streams = _Gate("log streams", limits.max_log_streams)
+        self._owners = ConnectionOwners()
 
     # ---- cluster ----
     async def GetInfo(self, request: cpb.GetInfoRequest, context: aio.ServicerContext) -> cpb.ServerInfo:
@@ -205,6 +207,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         if island and island not in self.core.cluster.islands:  # not found (exit 3), as everywhere
             known = ", ".join(sorted(self.core.cluster.islands)) or "none"
             raise NotFound(f"unknown island {island!r}; known islands: {known}")
+        self._owners.check(context.peer(), request.owner)  # only the caller's own session or job (owners.py)
         created = self.core.slices.create(request.spec, request.dry_run, request.owner)
         await self.core.slices.written()  # the answer promises a durable slice
         if not request.dry_run and len({d.host for d in created.slice.devices}) > 1:
@@ -229,9 +232,19 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def Session(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
     ) -> AsyncIterator[cpb.SessionEvent]:
+        peer, owner = context.peer(), ""
         with self._sessions.enter():
-            async for ev in self.core.sessions.serve(request_iterator, context):
-                yield ev
+            try:
+                async for ev in self.core.sessions.serve(request_iterator, context):
+                    if not owner and ev.WhichOneof("msg") == "welcome":
+                        session = self.core.sessions.sessions.get(ev.welcome.client_id)
+                        if session is not None:
+                            owner = session.owner
+                            self._owners.opened(peer, owner)
+                    yield ev
+            finally:
+                if owner:
+                    self._owners.closed(peer, owner)
 
     # ---- jobs (server/controller/jobs.py) ----
     async def SubmitJob(self, request: cpb.SubmitJobRequest, context: aio.ServicerContext) -> cpb.Job:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,10 +58,7 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         report["database_integrity"] = cluster.integrity() if (cluster.home / "pw.db").exists() else "missing"
         report["controller_tracebacks"] = cluster.tracebacks("controller")
         report["worker_tracebacks"] = cluster.tracebacks("worker")
-        if home is None:
-            cluster.close()
-        else:
-            cluster.close()
+        cluster.close()  # keeps a --keep directory (only a temporary one is removed)
     k, f = report.get("kills", {}), report.get("fuzz", {})
     report["checks"] = {
         "controller_tracebacks == 0": report["controller_tracebacks"] == 0,
@@ -92,6 +90,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--keep", default=None, help="keep the cluster's data directory (logs, database) here")
     ns = p.parse_args()
+    # a stopped run still stops its cluster (the finally clauses run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = QUICK if ns.quick else FULL
     requests = ns.requests if ns.requests is not None else base["requests"]
     kills = ns.kills if ns.kills is not None else base["kills"]

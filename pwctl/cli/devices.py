@@ -82,7 +82,7 @@ def hosts_delete(
                         "a worker still running registers again")] = False,
     server: ServerOpt = None,
 ) -> None:
-    """Delete lost hosts (and their devices), e.g. one whose credential is gone. Asks first unless -y."""
+    """Delete lost hosts and their devices (one whose credential is gone, say). Asks first unless -y."""
     delete_each("host", names, yes, lambda c, n: c.delete_host(n, force=force), server)
 
 

@@ -2,8 +2,9 @@
 with SIGKILL at random moments, then started again (same port, database and data directory).
 
 Per kill it measures, from the moment of the kill:
-- `error_s`: the time until the first call it affected ended with an error (the first call that
-  ended after the kill, if it failed; a kill no call noticed has none);
+- `error_s`: for the first call the kill failed (one ending with an error between the kill and
+  the recovery), the time from the kill (or from the call's start, if later) to that error; a
+  kill no call noticed has none;
 - `ready_s`: until the controller answered again and every worker was ready;
 - `recovery_s`: until a call that started after that succeeded (the cluster serves again);
 - `stuck`: a call still running `STUCK_S` after the kill (must never happen);
@@ -109,13 +110,14 @@ class KillRun:
             self._check_stuck(w, at, rec)
             time.sleep(0.05)
         calls = self._calls()
-        after = sorted((x for x in calls if x["end"] >= at), key=lambda x: x["end"])
-        if after and not after[0]["ok"]:
-            rec["error_s"] = round(after[0]["end"] - max(at, after[0]["start"]), 3)
-            rec["error"] = after[0].get("error", "")[:200]
         ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= ready_at]
         if ok_after:
             rec["recovery_s"] = round(min(ok_after) - at, 3)
+        until = min(ok_after) if ok_after else deadline
+        failed = sorted((x for x in calls if not x["ok"] and at <= x["end"] <= until), key=lambda x: x["end"])
+        if failed:  # the first call the kill failed: how long until its caller had a clear error
+            rec["error_s"] = round(failed[0]["end"] - max(at, failed[0]["start"]), 3)
+            rec["error"] = failed[0].get("error", "")[:200]
         return rec
 
     def _check_stuck(self, w: Workload, at: float, rec: dict[str, Any]) -> None:

@@ -379,3 +379,17 @@ def test_data_directory_database_and_logs_are_private(pw_home: Path) -> None:
     finally:
         if run_pwctl("server", "stop", env=env).returncode != 0:
             local.stop_controller(timeout=2.0)
+
+
+def test_a_session_that_never_reads_ends_instead_of_growing() -> None:
+    """Events for a client that does not read them are bounded (client_session.MAX_QUEUED)."""
+    from server.controller.client_session import MAX_QUEUED, ClientSession
+
+    s = ClientSession(client_id="c1", id_prefix=1, name="idle", job_id="", priority=0, weight=1.0, sequential=False)
+    for i in range(MAX_QUEUED + 500):
+        s.run_failed(i, "x")
+    assert s.overflowed and s.queue.qsize() == MAX_QUEUED + 2
+    items = [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+    assert items[-1] is None
+    last = items[-2]
+    assert last is not None and "events unread: the controller ended it" in last.error

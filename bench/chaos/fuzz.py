@@ -7,7 +7,9 @@ kept from legitimate effects on what the run compares before and after: `CreateS
 a dry run, a registration names an existing host (a takeover attempt) or an invalid name, and
 shared-memory names are ones that exist nowhere (this machine is shared).
 
-Per method it records the status codes and latencies; UNKNOWN from the controller is a bug (its
+Worker calls carry a real session credential (a session opened for the fuzz: a hostile tenant
+is an authenticated one), so they reach the worker's handlers instead of stopping at its
+authentication. Per method it records the status codes and latencies; UNKNOWN from the controller is a bug (its
 errors have codes), as is a traceback in its log.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +30,7 @@ from google.protobuf.message import Message
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .messages import Generator
@@ -63,8 +67,26 @@ class Fuzzer:
                 for m in module.DESCRIPTOR.services_by_name[service].methods:
                     self.targets.append((f"{service}/{m.name}", address, m, channel))
         self.stats: dict[str, MethodStats] = {}
+        self._stop = threading.Event()
+        self.worker_metadata = self._open_session(controller)
+
+    def _open_session(self, controller: str) -> tuple[tuple[str, str], ...]:
+        """A session of our own, held open for the run: its credential for the worker calls."""
+        channel = grpc.insecure_channel(controller)
+        self._channels.append(channel)
+
+        def hello() -> Iterator[cpb.ClientMessage]:
+            yield cpb.ClientMessage(hello=cpb.Hello(client_name="chaos-fuzz"))
+            self._stop.wait()
+
+        self._session = cgrpc.ControllerStub(channel).Session(hello())
+        welcome = next(iter(self._session)).welcome
+        credential = getattr(welcome, "worker_credential", "")
+        return (("x-pathways-session", credential),) if credential else ()
 
     def close(self) -> None:
+        self._stop.set()
+        self._session.cancel()
         for ch in self._channels:
             ch.close()
 
@@ -113,15 +135,16 @@ class Fuzzer:
 
     def send(self, name: str, m: MethodDescriptor, channel: grpc.Channel) -> str:
         path = f"/pathways.v1.{name}"
+        md = self.worker_metadata if name.startswith("Worker/") else ()
         try:
             if not m.client_streaming and not m.server_streaming:
-                channel.unary_unary(path)(self._message(name, m), timeout=DEADLINE_S)
+                channel.unary_unary(path)(self._message(name, m), timeout=DEADLINE_S, metadata=md)
             elif m.client_streaming and not m.server_streaming:
-                channel.stream_unary(path)(self._stream(name, m), timeout=DEADLINE_S)
+                channel.stream_unary(path)(self._stream(name, m), timeout=DEADLINE_S, metadata=md)
             else:
                 request = self._stream(name, m) if m.client_streaming else self._message(name, m)
                 call = (channel.stream_stream(path) if m.client_streaming else channel.unary_stream(path))(
-                    request, timeout=DEADLINE_S)
+                    request, timeout=DEADLINE_S, metadata=md)
                 try:
                     next(iter(call), None)  # the first answer, then hang up
                 finally:

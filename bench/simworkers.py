@@ -93,6 +93,7 @@ class SimHost:
     device_ids: list[int] = field(default_factory=list)
     registered_at: float = 0.0  # when the current stream's `Registered` arrived (0: not registered)
     registrations: int = 0
+    credential: str = ""  # as the controller issued it (a real worker keeps it the same way)
     heartbeats: int = 0
     rejected: str = ""  # the last error the controller answered with (other than UNAVAILABLE)
     call: Any = None
@@ -158,7 +159,7 @@ class Simulator:
     async def _upstream(self, h: SimHost) -> AsyncIterator[cpb.WorkerToController]:
         yield cpb.WorkerToController(register=cpb.RegisterWorker(
             name=h.name, island=h.island, address=f"127.0.0.2:{10000 + h.index}", pid=os.getpid(),
-            device_kind="cpu", device_count=h.devices, machine_id=f"sim:{h.name}"))
+            device_kind="cpu", device_count=h.devices, machine_id=f"sim:{h.name}", credential=h.credential))
         # real workers start at different moments: spread the first beats over one interval
         next_beat = time.monotonic() + random.uniform(0, h.interval)
         while True:
@@ -185,6 +186,8 @@ class Simulator:
         if kind == "registered":
             h.host_id = msg.registered.host_id
             h.device_ids = list(msg.registered.device_ids)
+            if msg.registered.credential:
+                h.credential = msg.registered.credential
             if msg.registered.heartbeat_interval_s > 0:
                 h.interval = msg.registered.heartbeat_interval_s
             h.registrations += 1

@@ -98,6 +98,12 @@ class Client:
             if not token or (limit and len(out) >= limit):
                 return out, reply.total
 
+    def delete_host(self, name: str, force: bool = False) -> None:
+        self._write(self._stub.DeleteHost, cpb.DeleteHostRequest(name=name, force=force))
+
+    def delete_island(self, name: str) -> None:
+        self._write(self._stub.DeleteIsland, cpb.DeleteIslandRequest(name=name))
+
     # ---- slices ----
     def create_slice(self, spec: cpb.SliceSpec, dry_run: bool = False, owner: str = "") -> cpb.CreateSliceResponse:
         return self._write(self._stub.CreateSlice, cpb.CreateSliceRequest(spec=spec, dry_run=dry_run, owner=owner))

@@ -5,6 +5,10 @@ without `server/`.
 
 Everything lives under one data directory: `$PATHWAYS_HOME` when set, else the user's
 data directory (platformdirs). Tests point `PATHWAYS_HOME` at a temporary folder.
+
+It holds the token, the database, logs and job files: it is private to its user (0700, and
+its folders too; the database and the logs 0600). A folder or file found more open than
+that and owned by this user is tightened when used.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ __all__ = [
     "is_loopback",
     "jobs_dir",
     "logs_dir",
+    "private_dir",
+    "private_file",
     "server_log_path",
     "server_pid_path",
     "split_address",
@@ -35,11 +41,37 @@ DEFAULT_PORT = 7070
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
+def _tighten(path: Path, mode: int) -> None:
+    """Removes group and other permissions from `path` when it has some and is this user's."""
+    try:
+        st = path.stat()
+        if st.st_mode & 0o077 and st.st_uid == os.getuid():
+            os.chmod(path, mode)
+    except OSError:
+        pass
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, created if missing, mode 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(path, 0o700)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """`path`, created empty if missing, mode 0600 (before anyone writes into it)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    except OSError:
+        return path
+    _tighten(path, 0o600)
+    return path
+
+
 def data_dir() -> Path:
     root = os.environ.get("PATHWAYS_HOME")
     path = Path(root) if root else Path(platformdirs.user_data_dir("pathways", appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(path)
 
 
 def default_db_url() -> str:
@@ -64,15 +96,11 @@ def cluster_state_path() -> Path:
 
 
 def logs_dir() -> Path:
-    path = data_dir() / "logs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(data_dir() / "logs")
 
 
 def jobs_dir() -> Path:
-    path = data_dir() / "jobs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(data_dir() / "jobs")
 
 
 def is_loopback(host: str) -> bool:

@@ -16,7 +16,7 @@ from rich.table import Table
 from schemas import views
 
 from ..client import Client
-from ..errors import EXIT_FAILED, EXIT_USAGE
+from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
 from ..version import check_server
 
 ServerOpt = Annotated[
@@ -136,3 +136,26 @@ def confirm_or_exit(question: str, refusal: str, declined: str) -> None:
     if not typer.confirm(question, default=False):
         hint(declined)
         raise typer.Exit(EXIT_FAILED)
+
+
+def delete_each(noun: str, names: list[str], yes: bool, delete: Callable[[Client, str], None],
+                server: str | None) -> None:
+    """Deletes each named `noun` with `delete` after one confirmation (unless `yes`): an error is
+    one line and the rest still go; exits with the first error's code."""
+    names = list(dict.fromkeys(names))
+    if not yes:
+        what = f"{noun}{'s' if len(names) > 1 else ''} {', '.join(names)}"
+        confirm_or_exit(f"delete {what}?", f"refusing to delete {', '.join(names)} without confirmation: "
+                        "stdin is not a terminal; pass -y to delete", "nothing deleted")
+    failed: PathwaysError | None = None
+    with client(server) as c:
+        for n in names:
+            try:
+                delete(c, n)
+            except PathwaysError as e:
+                sys.stderr.write(f"error: {e}\n")
+                failed = failed or e
+                continue
+            hint(f"deleted {noun} {n}")
+    if failed is not None:
+        raise typer.Exit(failed.exit_code)

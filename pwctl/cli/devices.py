@@ -10,7 +10,7 @@ import typer
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.views import DeviceView, HostView
 
-from .common import Format, OutputOpt, ServerOpt, age, client, emit_list, hint
+from .common import Format, OutputOpt, ServerOpt, age, client, delete_each, emit_list, hint
 
 app = typer.Typer(help="Physical devices (accelerators or virtual CPU devices).", no_args_is_help=True)
 hosts_app = typer.Typer(help="Hosts: one worker process each.", no_args_is_help=True)
@@ -71,6 +71,19 @@ def hosts_list(island: IslandOpt = "", state: HostStateOpt = None, limit: LimitO
                          age(h.last_heartbeat)],
               ["pid", "last heartbeat"], lambda h: [str(h.pid), h.last_heartbeat])
     _shown("hosts", len(items), total)
+
+
+@hosts_app.command("delete")
+def hosts_delete(
+    names: Annotated[list[str], typer.Argument(help="Host names")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Delete a live host too: it is marked lost first (its slices move); "
+                        "a worker still running registers again")] = False,
+    server: ServerOpt = None,
+) -> None:
+    """Delete lost hosts and their devices (one whose credential is gone, say). Asks first unless -y."""
+    delete_each("host", names, yes, lambda c, n: c.delete_host(n, force=force), server)
 
 
 def register(root: typer.Typer) -> None:

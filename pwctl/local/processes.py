@@ -130,6 +130,7 @@ def _log_size(path: Path) -> int:
 def _spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Starts a detached process (own session, so Ctrl-C in this terminal leaves it alone)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    paths.private_file(log_path)  # 0600 before the first line (pwctl/paths.py)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             args,

@@ -10,6 +10,14 @@ from .. import paths
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
+from .limits import (
+    DEFAULT_MAX_DEVICES_PER_HOST,
+    DEFAULT_MAX_HOSTS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_WATCHES,
+    Limits,
+)
+from .removal import parse_duration
 from .session_store import DEFAULT_GRACE_S
 from .trace_store import DEFAULT_RETENTION_BYTES, parse_size
 
@@ -45,9 +53,27 @@ def main() -> None:
     p.add_argument("--session-grace", type=float, default=DEFAULT_GRACE_S,
                    help=f"after a restart, how long the sessions of `pw` clients of the previous controller "
                         f"may resume (default {DEFAULT_GRACE_S:g} s): their slices and buffers are kept that long")
+    p.add_argument("--max-devices-per-host", type=int, default=DEFAULT_MAX_DEVICES_PER_HOST,
+                   help="a worker declaring more devices is refused (default %(default)s)")
+    p.add_argument("--max-hosts", type=int, default=DEFAULT_MAX_HOSTS,
+                   help="hosts known at once, lost ones included (default %(default)s)")
+    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="client sessions open at once (default %(default)s)")
+    p.add_argument("--max-watches", type=int, default=DEFAULT_MAX_WATCHES,
+                   help="`status --watch` streams open at once (default %(default)s)")
+    p.add_argument("--lost-host-ttl", default="24h",
+                   help="a host lost this long is deleted, and its island when it was the last host "
+                        "(default %(default)s; s, m, h or d; 0: never)")
     ns = p.parse_args()
     if ns.session_grace < 0:
         p.error("--session-grace must not be negative")
+    try:
+        lost_host_ttl = parse_duration(ns.lost_host_ttl)
+    except ValueError as e:
+        p.error(f"--lost-host-ttl: {e}")
+    for flag in ("max_devices_per_host", "max_hosts", "max_sessions", "max_watches"):
+        if getattr(ns, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
         trace_retention = parse_size(ns.trace_retention)
     except ValueError as e:
@@ -76,6 +102,9 @@ def main() -> None:
         metrics_listen=ns.metrics_listen,
         trace_retention=trace_retention,
         session_grace=ns.session_grace,
+        limits=Limits(max_devices_per_host=ns.max_devices_per_host, max_hosts=ns.max_hosts,
+                      max_sessions=ns.max_sessions, max_watches=ns.max_watches),
+        lost_host_ttl=lost_host_ttl,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -20,7 +20,9 @@ from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
 from ..proxy.cluster_backend import ControllerBackend, Controls
 from ..proxy.service import LazyProxyHandler, ProxyService, is_proxy_method
+from ..rpcguard import GuardInterceptor
 from .core import Controller, ControllerConfig
+from .errors import classify
 from .metrics import DEFAULT_LISTEN as DEFAULT_METRICS_LISTEN
 from .metrics import ControllerCollector, MetricsServer
 from .servicer import ControllerServicer
@@ -55,19 +57,25 @@ def proxy_backend(core: Controller) -> ControllerBackend:
 
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
+    sqlite_file = config.db_url.removeprefix("sqlite:///")
+    if sqlite_file != config.db_url and sqlite_file and not sqlite_file.startswith(":memory:"):
+        paths.private_file(Path(sqlite_file))  # 0600 before SQLite creates it (its WAL follows its mode)
     try:
         upgrade_schema(config.db_url)  # first: it forks, and no thread has started yet
     except SchemaUpgradeFailed as e:
         raise SystemExit(str(e)) from None
+    # first the token (an unauthenticated caller learns nothing), then malformed requests and
+    # the components' errors as status codes (server/rpcguard.py)
     interceptors: list[aio.ServerInterceptor] = []
     if config.require_token or not paths.is_loopback(host):
         config.token = config.token or load_or_create_token()  # job drivers get it too
         interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
-    server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    authenticated = bool(interceptors)
+    server = aio.server(interceptors=[*interceptors, GuardInterceptor(classify)], options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
-    proxy_token = config.token if interceptors else None
+    proxy_token = config.token if authenticated else None
     server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(proxy_backend(core), proxy_token))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)

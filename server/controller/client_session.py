@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+# Events queued for a client that does not read them (its stream's flow control holds them back)
+# before its session is ended: a client far behind is broken, and its queue must not grow the
+# controller without bound (issue 29, finding 2: idle sessions grew it to 1.1 GiB).
+MAX_QUEUED = 10_000
+
 
 @dataclass(eq=False)
 class ClientSession:
@@ -33,13 +38,20 @@ class ClientSession:
     held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
     finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
     _reported: int = 0
+    overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
 
     @property
     def owner(self) -> str:
         return f"job:{self.job_id}" if self.job_id else f"client:{self.client_id}"
 
     def send(self, ev: cpb.SessionEvent) -> None:
-        self.queue.put_nowait(ev)
+        if self.queue.qsize() < MAX_QUEUED:
+            self.queue.put_nowait(ev)
+        elif not self.overflowed:  # one past the bound: the stream ends with why (the None ends it)
+            self.overflowed = True
+            self.queue.put_nowait(cpb.SessionEvent(
+                error=f"this session had {MAX_QUEUED} events unread: the controller ended it"))
+            self.queue.put_nowait(None)
 
     def run_failed(self, run_id: int, error: str) -> None:
         self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))

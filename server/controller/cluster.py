@@ -38,9 +38,8 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import cast
 
-from sqlalchemy import Table, bindparam, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from schemas.pathways.v1 import common_pb2 as pb
@@ -49,12 +48,22 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from ..db.models import DeviceRow, HostRow, IslandRow, utcnow
 from ..db.writer import Write
 from ..timeutil import iso
+from . import hostcreds
+from .cluster_rows import (
+    LOST,
+    READY,
+    delete_host_rows,
+    delete_island_row,
+    save_heartbeats,
+    save_lost,
+    save_registration,
+)
+from .errors import AlreadyExists, Rejected
+from .limits import DEFAULT_MAX_HOSTS
 from .links import WorkerLink
 
 log = logging.getLogger(__name__)
 
-READY = "ready"
-LOST = "lost"
 # In memory only: a host the database knew as ready when this controller started, whose worker
 # has not registered with it yet (the database keeps "ready", so its slices keep their devices).
 RECONNECTING = "reconnecting"
@@ -69,7 +78,6 @@ RECONNECT_PER_HOST_S = 0.005  # added to the reconnection window per host the da
 HOSTS_PER_INTERVAL = 256  # the heartbeat interval doubles each time the hosts double beyond this
 MAX_SCALED_INTERVAL_S = 7.0  # ... up to this: with 2 beats per timeout, found lost within 14.25 s
 BEATS_PER_TIMEOUT = 2
-_BATCH = 500  # ids per IN (...) list in one statement
 
 
 def host_state(state: str) -> pb.HostState.ValueType:
@@ -110,6 +118,9 @@ class HostInfo:
     last_heartbeat: datetime = field(default_factory=utcnow)
     link: WorkerLink | None = None
     persisted_seen: float = 0.0  # `last_seen` as the database last heard of it
+    # SHA-256 of the credential that proves a re-registration is this host (hostcreds.py);
+    # None for a host recorded before credentials existed (the first to register adopts it)
+    credential_hash: str | None = None
 
 
 HostListener = Callable[[HostInfo], None]
@@ -125,13 +136,14 @@ class Cluster:
     keep them in step."""
 
     def __init__(self, sessions: sessionmaker[Session], write: Write, heartbeat_interval: float,
-                 heartbeat_timeout: float):
+                 heartbeat_timeout: float, max_hosts: int = DEFAULT_MAX_HOSTS):
         self._sessions = sessions
         self._write = write
         self.base_interval = heartbeat_interval
         self.base_timeout = heartbeat_timeout
         self.heartbeat_interval = heartbeat_interval  # what workers are told now
         self.heartbeat_timeout = heartbeat_timeout  # silence after which a ready host is lost
+        self.max_hosts = max_hosts  # hosts known (any state); a new name beyond it is refused
         self.hosts: dict[str, HostInfo] = {}
         self.islands: dict[str, datetime] = {}
         self._by_island: dict[str, dict[str, HostInfo]] = {}
@@ -165,6 +177,15 @@ class Cluster:
         members[info.name] = info
         self.hosts[info.name] = info
         self._count(info, 1)
+
+    def _remove(self, info: HostInfo) -> None:
+        """Takes `info` out of the registry and every index (its host was deleted)."""
+        self._count(info, -1)
+        del self._by_island[info.island][info.name]
+        names = self._names[info.island]
+        del names[bisect_left(names, info.name)]
+        del self.hosts[info.name]
+        self._device_ids.pop(info.name, None)
 
     def _count(self, info: HostInfo, sign: int) -> None:
         counts = self._counts.setdefault(info.island, [0, 0])
@@ -222,12 +243,34 @@ class Cluster:
                     device_ids=[d.id for d in rows if d.state != "removed"],
                     state=RECONNECTING if row.state == READY else row.state,
                     last_heartbeat=row.last_heartbeat,
+                    credential_hash=row.credential_hash,
                 ))
         self._rescale()
 
     # ---- registration ----
-    def register(self, msg: cpb.RegisterWorker, link: WorkerLink) -> HostInfo:
-        """Records the host in memory at once and queues its rows (island, host, devices)."""
+    def admit(self, msg: cpb.RegisterWorker) -> tuple[str, str]:
+        """Whether `msg` may take its host name: (the credential to give the worker, "" when it
+        keeps its own; the digest to keep). A live (ready or reconnecting) host's name is taken
+        only with its credential; a lost host's by anyone (a new credential then), a new name
+        while fewer than `max_hosts` hosts are known. Raises AlreadyExists or Rejected."""
+        old = self.hosts.get(msg.name)
+        if old is not None and old.credential_hash and hostcreds.matches(msg.credential, old.credential_hash):
+            return "", old.credential_hash  # the host itself, back
+        if old is not None and old.state != LOST and old.credential_hash is not None:
+            log.warning("refused a registration as host %s (%s, island %s): the host is %s and the "
+                        "registration %s its credential", msg.name, msg.address or "no address", msg.island,
+                        old.state, "lacks" if not msg.credential else "does not carry")
+            raise AlreadyExists(
+                f"host {msg.name} is registered and {old.state}: a registration under its name must carry "
+                "its credential (or stop that worker; `pwctl host delete` removes a lost host)")
+        if old is None and len(self.hosts) >= self.max_hosts:
+            raise Rejected(f"the cluster holds {len(self.hosts)} hosts, the limit (the controller's --max-hosts); "
+                           "`pwctl host delete` removes lost ones")
+        return hostcreds.issue()
+
+    def register(self, msg: cpb.RegisterWorker, link: WorkerLink, credential_hash: str | None = None) -> HostInfo:
+        """Records the host in memory at once and queues its rows (island, host, devices).
+        `credential_hash`: what `admit` returned (the caller checked the registration with it)."""
         now = utcnow()
         created = self.islands.setdefault(msg.island, now)
         old = self.hosts.get(msg.name)
@@ -247,11 +290,12 @@ class Cluster:
             device_ids=[by_index[i] for i in range(msg.device_count)],
             state=READY,
             last_heartbeat=now,
+            credential_hash=credential_hash,
         )
         info.persisted_seen = info.last_seen
         devices = dict(by_index)
         known = old is not None
-        self._write(lambda s: _save_registration(s, msg, host_id, now, created, devices, known))
+        self._write(lambda s: save_registration(s, msg, host_id, now, created, devices, known, credential_hash))
         if old is not None and old.link is not None and old.link is not link:
             old.link.close()
         info.link = link
@@ -263,6 +307,29 @@ class Cluster:
         for cb in self.on_host_up:
             cb(info)
         return info
+
+    # ---- removal (removal.py decides; these keep the registry and the database in step) ----
+    def all_device_ids(self, name: str) -> list[int]:
+        """Every device id host `name` ever had (removed ones too: the database keeps their rows)."""
+        return list(self._device_ids.get(name, {}).values())
+
+    def delete_host(self, info: HostInfo) -> None:
+        """Forgets a host (name, ids, credential) and queues the deletion of its rows."""
+        if info.link is not None:
+            info.link.close()
+            info.link = None
+        self._remove(info)
+        host_id = info.id
+        self._write(lambda s: delete_host_rows(s, host_id))
+
+    def delete_island(self, name: str) -> None:
+        """Forgets an island that holds no host and queues the deletion of its row."""
+        assert not self._by_island.get(name), f"island {name} still holds hosts"
+        self.islands.pop(name, None)
+        self._by_island.pop(name, None)
+        self._names.pop(name, None)
+        self._counts.pop(name, None)
+        self._write(lambda s: delete_island_row(s, name))
 
     def _rescale(self) -> None:
         """Lengthens the heartbeat interval (and the loss timeout with it) when the cluster grew
@@ -326,7 +393,7 @@ class Cluster:
         if not lost:
             return
         rows = [(info.id, info.last_heartbeat) for info, _ in lost]
-        self._write(lambda s: _save_lost(s, rows))
+        self._write(lambda s: save_lost(s, rows))
         for info, reason in lost:
             log.warning("host %s lost: %s", info.name, reason)
             for cb in self.on_host_lost:
@@ -386,7 +453,7 @@ class Cluster:
                 info.persisted_seen = info.last_seen
                 rows.append((info.id, self.last_heartbeat(info, now_wall, now_mono)))
         if rows:
-            self._write(lambda s: _save_heartbeats(s, rows))
+            self._write(lambda s: save_heartbeats(s, rows))
 
     # ---- sending ----
     def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
@@ -413,63 +480,3 @@ class Cluster:
             out.append(pb.Island(name=name, hosts=hosts, devices=devices, available_devices=available,
                                  created_at=iso(created.replace(tzinfo=UTC))))
         return out
-
-
-# ---- database writes (run by the writer, in the order they were queued) ----
-def _save_registration(s: Session, msg: cpb.RegisterWorker, host_id: int, now: datetime,
-                       island_created: datetime, devices: dict[int, int], known: bool) -> None:
-    island = s.scalar(select(IslandRow).where(IslandRow.name == msg.island))
-    if island is None:
-        island = IslandRow(name=msg.island, created_at=island_created)
-        s.add(island)
-        s.flush()
-    host = s.get(HostRow, host_id) if known else None
-    if host is None:
-        host = HostRow(id=host_id, name=msg.name, island_id=island.id, address=msg.address, state=READY,
-                       pid=msg.pid, device_kind=msg.device_kind, machine_id=msg.machine_id)
-        s.add(host)
-    host.island_id = island.id
-    host.address, host.pid, host.state = msg.address, msg.pid, READY
-    host.device_kind, host.machine_id, host.last_heartbeat = msg.device_kind, msg.machine_id, now
-    s.flush()
-    existing = {d.id: d for d in s.scalars(select(DeviceRow).where(DeviceRow.host_id == host_id))} if known else {}
-    for index, dev_id in devices.items():
-        state = "available" if index < msg.device_count else "removed"
-        dev = existing.get(dev_id)
-        if dev is None:
-            s.add(DeviceRow(id=dev_id, host_id=host_id, local_index=index, kind=msg.device_kind, state=state))
-        else:
-            dev.state = state
-            if state == "available":
-                dev.kind = msg.device_kind
-
-
-def _bulk(s: Session, run: Callable[[], object]) -> None:
-    """Runs bulk statements in the writer's session: what earlier jobs of the transaction
-    changed is flushed first, and what the session holds is reloaded after (the bulk statements
-    bypass it; a later job must not see a stale row)."""
-    s.flush()
-    run()
-    s.expire_all()
-
-
-def _save_lost(s: Session, rows: list[tuple[int, datetime]]) -> None:
-    hosts, devices = cast(Table, HostRow.__table__), cast(Table, DeviceRow.__table__)
-
-    def run() -> None:
-        s.execute(hosts.update().where(hosts.c.id == bindparam("hid"))
-                  .values(state=LOST, last_heartbeat=bindparam("seen")),
-                  [{"hid": i, "seen": at} for i, at in rows])
-        ids = [i for i, _ in rows]
-        for k in range(0, len(ids), _BATCH):
-            s.execute(devices.update()
-                      .where(devices.c.host_id.in_(ids[k:k + _BATCH]), devices.c.state == "available")
-                      .values(state="lost"))
-    _bulk(s, run)
-
-
-def _save_heartbeats(s: Session, rows: list[tuple[int, datetime]]) -> None:
-    hosts = cast(Table, HostRow.__table__)
-    _bulk(s, lambda: s.execute(hosts.update().where(hosts.c.id == bindparam("hid"))
-                               .values(last_heartbeat=bindparam("seen")),
-                               [{"hid": i, "seen": at} for i, at in rows]))

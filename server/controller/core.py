@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import paths
@@ -24,8 +24,10 @@ from .groups import IslandGroups, coordinator_host
 from .hangs import HangReporter
 from .job_files import DEFAULT_LOG_MAX_MB
 from .jobs import JobManager
+from .limits import Limits
 from .observe import Observer
 from .programs import ProgramRegistry
+from .removal import DEFAULT_LOST_HOST_TTL_S, Removal, slice_queries
 from .session_store import DEFAULT_GRACE_S, SessionStore
 from .sessions import SessionManager
 from .slices import SliceService
@@ -53,6 +55,8 @@ class ControllerConfig:
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" or "off": none
     trace_retention: int = DEFAULT_RETENTION_BYTES  # bytes of node runs kept for traces on disk; 0: none
     session_grace: float = DEFAULT_GRACE_S  # how long sessions of the previous controller may resume
+    limits: Limits = field(default_factory=Limits)  # bounds on requests (limits.py)
+    lost_host_ttl: float = DEFAULT_LOST_HOST_TTL_S  # a host lost this long is deleted (0: never)
 
 
 class Controller:
@@ -68,7 +72,8 @@ class Controller:
         self.db = session_factory(self.engine)  # reads at start; every write goes through the writer
         self.writer = DbWriter(self.db)
         write = self.writer.submit
-        self.cluster = Cluster(self.db, write, config.heartbeat_interval, config.heartbeat_timeout)
+        self.cluster = Cluster(self.db, write, config.heartbeat_interval, config.heartbeat_timeout,
+                               max_hosts=config.limits.max_hosts)
         self.registry = ProgramRegistry()
         self.slices = SliceService(self.db, write, self.cluster.hosts, self.registry.slice_in_use)
         self.slices.program_counts = self.registry.slice_counts
@@ -87,6 +92,8 @@ class Controller:
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
                                address=lambda: self.address, token=config.token,
                                log_max_mb=config.job_log_max_mb)
+        self.removal = Removal(self.cluster, *slice_queries(lambda: self.slices.rm.slices),
+                               lost_ttl_s=config.lost_host_ttl)
         self.hangs = HangReporter(self.scheduler, self.cluster.hosts, config.heartbeat_interval,
                                   lambda job_id: paths.jobs_dir() / job_id / "output.log")
         store = TraceStore(paths.data_dir() / "traces", config.trace_retention) if config.trace_retention else None
@@ -124,6 +131,7 @@ class Controller:
         self.spawn(self.observer.persist())
         self.spawn(self._reap_island_services())
         self.spawn(self.sessions.expire_resumable())
+        self.spawn(self.removal.run())
 
     async def stop(self) -> None:
         self.groups.close()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from ..invariants import InvariantError
+from ..rpcguard import Mapped
+
+log = logging.getLogger(__name__)
 
 
 class ControllerError(Exception):
@@ -17,6 +24,12 @@ class NotFound(ControllerError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(ControllerError):
+    """The caller may not do this (not its session's or job's to do)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class AlreadyExists(ControllerError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
@@ -29,3 +42,15 @@ class Rejected(ControllerError):
 
 class InUse(ControllerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def classify(e: BaseException) -> Mapped | None:
+    """How the controller's server answers an exception a handler raised (server/rpcguard.py):
+    a ControllerError with its code and message; a broken invariant of a state machine (a bug),
+    logged with the stimuli that led to it, as INTERNAL; anything else is not recognised."""
+    if isinstance(e, ControllerError):
+        return Mapped(e.code, str(e))
+    if isinstance(e, InvariantError):
+        log.error("InvariantError: %s", e)
+        return Mapped(grpc.StatusCode.INTERNAL, f"internal error (a bug): {e.problem}", logging.DEBUG)
+    return None

@@ -1,18 +1,19 @@
 """gRPC servicer: translates requests into calls on the controller's components.
 
-No business logic here; component errors map to status codes in one place (`_guard`).
+No business logic here; component errors map to status codes in one place, for every method,
+streaming ones included: `errors.classify`, applied by the server's `rpcguard.GuardInterceptor`
+(which also answers requests that do not decode with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import TypeVar
 
 import grpc
 from grpc import aio
@@ -22,36 +23,18 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import __version__
 from ..db.engine import redact
-from ..invariants import InvariantError
 from .core import Controller
-from .errors import ControllerError, InvalidArgument, NotFound
+from .errors import InvalidArgument, NotFound, Rejected
 from .hostviews import list_devices, list_hosts
+from .limits import check_registration, page_size
 from .links import WorkerLink
+from .owners import ConnectionOwners
 from .status_view import StatusQuery
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 GROUP_WAIT_S = 30.0  # CreateSlice over several hosts waits this long for the island's group
-
-
-def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Maps ControllerError to its status code with a one-line message; a broken invariant of a
-    state machine (a bug) is logged with the stimuli that led to it and answered INTERNAL."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> T:
-        try:
-            return await fn(self, request, context)
-        except ControllerError as e:
-            await context.abort(e.code, str(e))
-            raise  # unreachable: abort raises
-        except InvariantError as e:
-            log.error("InvariantError in %s: %s", fn.__name__, e)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (a bug): {e.problem}")
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 async def _until(stop: asyncio.Event, stream: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -78,12 +61,36 @@ async def _until(stop: asyncio.Event, stream: AsyncIterator[T]) -> AsyncIterator
         stopped.cancel()
 
 
+class _Gate:
+    """Counts the open streams of one kind and refuses one more beyond `most` (RESOURCE_EXHAUSTED):
+    each open stream holds memory (a session its queue, a watch its snapshots in flight)."""
+
+    def __init__(self, what: str, most: int, flag: str = "") -> None:
+        self.what, self.most, self.flag, self.open = what, most, flag, 0
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        if self.open >= self.most:
+            hint = f" (the controller's {self.flag})" if self.flag else ""
+            raise Rejected(f"{self.open} {self.what} are open, the limit{hint}: close some and retry")
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+
 class ControllerServicer(cgrpc.ControllerServicer):
     def __init__(self, core: Controller) -> None:
         self.core = core
+        limits = core.config.limits
+        self.limits = limits
+        self._sessions = _Gate("client sessions", limits.max_sessions, "--max-sessions")
+        self._watches = _Gate("watch streams", limits.max_watches, "--max-watches")
+        self._log_streams = _Gate("log streams", limits.max_log_streams)
+        self._owners = ConnectionOwners()
 
     # ---- cluster ----
-    @_guard
     async def GetInfo(self, request: cpb.GetInfoRequest, context: aio.ServicerContext) -> cpb.ServerInfo:
         core = self.core
         return cpb.ServerInfo(
@@ -104,12 +111,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
             jobs_total=len(core.jobs.jobs),
         )
 
-    @_guard
     async def Shutdown(self, request: cpb.ShutdownRequest, context: aio.ServicerContext) -> cpb.ShutdownResponse:
         self.core.request_shutdown()
         return cpb.ShutdownResponse()
 
-    @_guard
     async def ListIslands(
         self, request: cpb.ListIslandsRequest, context: aio.ServicerContext
     ) -> cpb.ListIslandsResponse:
@@ -118,20 +123,31 @@ class ControllerServicer(cgrpc.ControllerServicer):
             island.group = self.core.groups.summary(island.name)
         return cpb.ListIslandsResponse(islands=islands)
 
-    @_guard
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
-        reply = list_hosts(self.core.cluster, request.island, request.state, request.limit, request.page_token)
+        reply = list_hosts(self.core.cluster, request.island, request.state, page_size(request.limit),
+                           request.page_token)
         self.core.hangs.annotate_hosts(list(reply.hosts))  # the listed messages, stalled ones marked in place
         return reply
 
-    @_guard
     async def ListDevices(
         self, request: cpb.ListDevicesRequest, context: aio.ServicerContext
     ) -> cpb.ListDevicesResponse:
         self.core.require_island(request.island)
-        return list_devices(self.core.cluster, request.island, request.state, request.limit, request.page_token,
-                            self.core.device_slice_count, self.core.slices.epoch)
+        return list_devices(self.core.cluster, request.island, request.state, page_size(request.limit),
+                            request.page_token, self.core.device_slice_count, self.core.slices.epoch)
+
+    async def DeleteHost(self, request: cpb.DeleteHostRequest, context: aio.ServicerContext) -> cpb.DeleteHostResponse:
+        self.core.removal.delete_host(request.name, request.force)
+        await self.core.slices.written()  # the answer promises the rows are gone
+        return cpb.DeleteHostResponse()
+
+    async def DeleteIsland(
+        self, request: cpb.DeleteIslandRequest, context: aio.ServicerContext
+    ) -> cpb.DeleteIslandResponse:
+        self.core.removal.delete_island(request.name)
+        await self.core.slices.written()
+        return cpb.DeleteIslandResponse()
 
     # ---- workers ----
     async def WorkerConnect(
@@ -142,11 +158,10 @@ class ControllerServicer(cgrpc.ControllerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a registration")
             return
         reg = first.register
-        if not reg.name or not reg.island or reg.device_count <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "registration needs a name, an island and devices")
-            return
+        check_registration(reg, self.limits)  # before it costs anything (limits.py)
+        credential, credential_hash = self.core.cluster.admit(reg)  # a live host's name: its credential
         link = WorkerLink(reg.name)
-        info = self.core.cluster.register(reg, link)
+        info = self.core.cluster.register(reg, link, credential_hash)
         link.send(
             cpb.ControllerToWorker(
                 registered=cpb.Registered(
@@ -154,6 +169,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     heartbeat_interval_s=self.core.cluster.heartbeat_interval,
                     device_ids=info.device_ids,
                     session_key=self.core.worker_key,
+                    credential=credential,
                 )
             )
         )
@@ -184,7 +200,6 @@ class ControllerServicer(cgrpc.ControllerServicer):
             link.close()
 
     # ---- slices (server/controller/slices.py) ----
-    @_guard
     async def CreateSlice(
         self, request: cpb.CreateSliceRequest, context: aio.ServicerContext
     ) -> cpb.CreateSliceResponse:
@@ -192,6 +207,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         if island and island not in self.core.cluster.islands:  # not found (exit 3), as everywhere
             known = ", ".join(sorted(self.core.cluster.islands)) or "none"
             raise NotFound(f"unknown island {island!r}; known islands: {known}")
+        self._owners.check(context.peer(), request.owner)  # only the caller's own session or job (owners.py)
         created = self.core.slices.create(request.spec, request.dry_run, request.owner)
         await self.core.slices.written()  # the answer promises a durable slice
         if not request.dry_run and len({d.host for d in created.slice.devices}) > 1:
@@ -199,15 +215,12 @@ class ControllerServicer(cgrpc.ControllerServicer):
             await self.core.groups.wait_usable(created.slice.devices[0].island, GROUP_WAIT_S)
         return created
 
-    @_guard
     async def ListSlices(self, request: cpb.ListSlicesRequest, context: aio.ServicerContext) -> cpb.ListSlicesResponse:
         return cpb.ListSlicesResponse(slices=self.core.slices.list(request.owner))
 
-    @_guard
     async def GetSlice(self, request: cpb.GetSliceRequest, context: aio.ServicerContext) -> cpb.Slice:
         return self.core.slices.get(request.name)
 
-    @_guard
     async def DeleteSlice(
         self, request: cpb.DeleteSliceRequest, context: aio.ServicerContext
     ) -> cpb.DeleteSliceResponse:
@@ -219,45 +232,50 @@ class ControllerServicer(cgrpc.ControllerServicer):
     async def Session(
         self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
     ) -> AsyncIterator[cpb.SessionEvent]:
-        async for ev in self.core.sessions.serve(request_iterator, context):
-            yield ev
+        peer, owner = context.peer(), ""
+        with self._sessions.enter():
+            try:
+                async for ev in self.core.sessions.serve(request_iterator, context):
+                    if not owner and ev.WhichOneof("msg") == "welcome":
+                        session = self.core.sessions.sessions.get(ev.welcome.client_id)
+                        if session is not None:
+                            owner = session.owner
+                            self._owners.opened(peer, owner)
+                    yield ev
+            finally:
+                if owner:
+                    self._owners.closed(peer, owner)
 
     # ---- jobs (server/controller/jobs.py) ----
-    @_guard
     async def SubmitJob(self, request: cpb.SubmitJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return await self.core.jobs.submit(request)
 
-    @_guard
     async def ListJobs(self, request: cpb.ListJobsRequest, context: aio.ServicerContext) -> cpb.ListJobsResponse:
         return cpb.ListJobsResponse(jobs=self.core.hangs.annotate_jobs(self.core.jobs.list(request.state, request.all)))
 
-    @_guard
     async def GetJob(self, request: cpb.GetJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return self.core.hangs.annotate_jobs([self.core.jobs.get(request.id)])[0]
 
-    @_guard
     async def CancelJob(self, request: cpb.CancelJobRequest, context: aio.ServicerContext) -> cpb.Job:
         return await self.core.jobs.cancel(request.id)
 
     async def StreamLogs(
         self, request: cpb.StreamLogsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.LogChunk]:
-        async for chunk in _until(self.core.shutdown_event, self.core.jobs.stream_logs(request, context)):
-            yield chunk
+        with self._log_streams.enter():
+            async for chunk in _until(self.core.shutdown_event, self.core.jobs.stream_logs(request, context)):
+                yield chunk
 
     # ---- observe (server/controller/observe.py) ----
     async def Watch(
         self, request: cpb.WatchRequest, context: aio.ServicerContext
     ) -> AsyncIterator[cpb.ClusterStatus]:
-        try:
-            query = StatusQuery.of(request)
-        except ControllerError as e:
-            await context.abort(e.code, str(e))
-        watch = self.core.observer.watch(request.interval_s or 1.0, query)
-        async for status in _until(self.core.shutdown_event, watch):
-            yield status
+        query = StatusQuery.of(request)  # a bad query: its ControllerError's status (rpcguard)
+        with self._watches.enter():
+            watch = self.core.observer.watch(request.interval_s or 1.0, query)
+            async for status in _until(self.core.shutdown_event, watch):
+                yield status
 
-    @_guard
     async def GetTrace(self, request: cpb.GetTraceRequest, context: aio.ServicerContext) -> cpb.TraceResponse:
         if request.last < 0 or request.since_unix_ns < 0:
             raise InvalidArgument("last and since must not be negative")

@@ -52,6 +52,8 @@ class HostRow(Base):
     machine_id: Mapped[str] = mapped_column(String(128), default="")
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    # SHA-256 hex digest of the credential the host proves itself with (NULL: from before 0006)
+    credential_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     island: Mapped[IslandRow] = relationship(back_populates="hosts")
     devices: Mapped[list[DeviceRow]] = relationship(back_populates="host", order_by="DeviceRow.local_index")

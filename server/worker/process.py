@@ -21,7 +21,7 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
-from .. import heap, paths
+from .. import heap, host_credential, paths
 from ..auth import TokenInterceptor
 from ..health import Health
 from . import memory
@@ -82,6 +82,8 @@ class WorkerProcess:
         # as the controller says (Registered, HeartbeatSettings); until then the default
         self.heartbeat_interval = DEFAULT_HEARTBEAT_S
         self._urgent: list[cpb.WorkerToController] = []  # sent at the next wake (group joins)
+        # proves this is the host named config.name when it registers again (the controller's)
+        self.credential = host_credential.load(config.name)
 
     def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
                 nbytes: int = 0) -> None:
@@ -187,6 +189,7 @@ class WorkerProcess:
                 device_kind=self.kind,
                 device_count=len(self.devices),
                 machine_id=machine_id(),
+                credential=self.credential,
             )
         )
         assert self._wake is not None
@@ -240,6 +243,9 @@ class WorkerProcess:
             if msg.registered.session_key:  # callers' credentials are checked with it (auth.py)
                 self.auth.key = msg.registered.session_key
                 self.sender.set_key(msg.registered.session_key)
+            if msg.registered.credential:  # a new one: this process took the name (or was its first)
+                self.credential = msg.registered.credential
+                host_credential.save(self.config.name, self.credential)
             self._set_heartbeat(msg.registered.heartbeat_interval_s)
             log.info("registered as host %d", msg.registered.host_id)
         elif kind == "heartbeat":

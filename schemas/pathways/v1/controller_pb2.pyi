@@ -215,9 +215,10 @@ Global___ListIslandsResponse: _TypeAlias = ListIslandsResponse  # noqa: Y015
 
 @_typing.final
 class ListHostsRequest(_message.Message):
-    """Listings are sorted by (island, host[, local index]). Filters narrow them; `limit` (0: no
-    limit) pages them: pass a response's `next_page_token` back as `page_token` for the next page
-    (empty when there is none). `total` counts what the filters match, over all pages.
+    """Listings are sorted by (island, host[, local index]). Filters narrow them; `limit` pages them
+    (0, or more than 10,000: pages of 10,000): pass a response's `next_page_token` back as
+    `page_token` for the next page (empty when there is none). `total` counts what the filters
+    match, over all pages.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -329,6 +330,81 @@ class ListDevicesResponse(_message.Message):
 Global___ListDevicesResponse: _TypeAlias = ListDevicesResponse  # noqa: Y015
 
 @_typing.final
+class DeleteHostRequest(_message.Message):
+    """A host is deleted only while lost (or with force: it is marked lost first), and not while a
+    slice maps its devices; an island only without hosts and without slices asking for it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    force: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        force: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteHostRequest: _TypeAlias = DeleteHostRequest  # noqa: Y015
+
+@_typing.final
+class DeleteHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteHostResponse: _TypeAlias = DeleteHostResponse  # noqa: Y015
+
+@_typing.final
+class DeleteIslandRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteIslandRequest: _TypeAlias = DeleteIslandRequest  # noqa: Y015
+
+@_typing.final
+class DeleteIslandResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteIslandResponse: _TypeAlias = DeleteIslandResponse  # noqa: Y015
+
+@_typing.final
 class RegisterWorker(_message.Message):
     """================= workers ================="""
 
@@ -341,6 +417,7 @@ class RegisterWorker(_message.Message):
     DEVICE_KIND_FIELD_NUMBER: _builtins.int
     DEVICE_COUNT_FIELD_NUMBER: _builtins.int
     MACHINE_ID_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """stable host name: re-registering with it is the same host"""
     island: _builtins.str
@@ -352,6 +429,10 @@ class RegisterWorker(_message.Message):
     device_count: _builtins.int
     machine_id: _builtins.str
     """hosts with equal ids share memory (shared-memory transfers)"""
+    credential: _builtins.str
+    """What proves this is the host that holds `name` (Registered.credential of an earlier
+    registration); "" the first time. A live host's name is refused (ALREADY_EXISTS) without it.
+    """
     def __init__(
         self,
         *,
@@ -362,10 +443,11 @@ class RegisterWorker(_message.Message):
         device_kind: _builtins.str = ...,
         device_count: _builtins.int = ...,
         machine_id: _builtins.str = ...,
+        credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device_count", b"device_count", "device_kind", b"device_kind", "island", b"island", "machine_id", b"machine_id", "name", b"name", "pid", b"pid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "credential", b"credential", "device_count", b"device_count", "device_kind", b"device_kind", "island", b"island", "machine_id", b"machine_id", "name", b"name", "pid", b"pid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -524,11 +606,16 @@ class Registered(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     SESSION_KEY_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_FIELD_NUMBER: _builtins.int
     host_id: _builtins.int
     heartbeat_interval_s: _builtins.float
     session_key: _builtins.bytes
     """The key the worker checks its callers' credentials with (server/credentials.py): a client's
     session credential (Welcome.worker_credential) and its peers' transfer credential.
+    """
+    credential: _builtins.str
+    """A new credential for this host (keep it, mode 0600, and send it when registering again);
+    "" when the registration carried the host's valid credential: keep that one.
     """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -541,10 +628,11 @@ class Registered(_message.Message):
         heartbeat_interval_s: _builtins.float = ...,
         device_ids: _abc.Iterable[_builtins.int] | None = ...,
         session_key: _builtins.bytes = ...,
+        credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id", "session_key", b"session_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id", "session_key", b"session_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,16 @@ class ControllerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesRequest.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesResponse.FromString,
                 _registered_method=True)
+        self.DeleteHost = channel.unary_unary(
+                '/pathways.v1.Controller/DeleteHost',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostResponse.FromString,
+                _registered_method=True)
+        self.DeleteIsland = channel.unary_unary(
+                '/pathways.v1.Controller/DeleteIsland',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandResponse.FromString,
+                _registered_method=True)
         self.WorkerConnect = channel.stream_stream(
                 '/pathways.v1.Controller/WorkerConnect',
                 request_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.WorkerToController.SerializeToString,
@@ -155,6 +165,19 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDevices(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteHost(self, request, context):
+        """Removes a lost host (a live one only with `force`) and an island without hosts or slices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteIsland(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -271,6 +294,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListDevices,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesRequest.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesResponse.SerializeToString,
+            ),
+            'DeleteHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteHost,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostResponse.SerializeToString,
+            ),
+            'DeleteIsland': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteIsland,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandResponse.SerializeToString,
             ),
             'WorkerConnect': grpc.stream_stream_rpc_method_handler(
                     servicer.WorkerConnect,
@@ -473,6 +506,60 @@ class Controller:
             '/pathways.v1.Controller/ListDevices',
             schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesRequest.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_controller__pb2.ListDevicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.v1.Controller/DeleteHost',
+            schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteIsland(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.v1.Controller/DeleteIsland',
+            schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_controller__pb2.DeleteIslandResponse.FromString,
             options,
             channel_credentials,
             insecure,

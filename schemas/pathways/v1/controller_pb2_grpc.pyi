@@ -37,6 +37,9 @@ class ControllerStub:
     ListIslands: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListIslandsRequest, _controller_pb2.ListIslandsResponse]
     ListHosts: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListHostsRequest, _controller_pb2.ListHostsResponse]
     ListDevices: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListDevicesRequest, _controller_pb2.ListDevicesResponse]
+    DeleteHost: _grpc.UnaryUnaryMultiCallable[_controller_pb2.DeleteHostRequest, _controller_pb2.DeleteHostResponse]
+    """Removes a lost host (a live one only with `force`) and an island without hosts or slices."""
+    DeleteIsland: _grpc.UnaryUnaryMultiCallable[_controller_pb2.DeleteIslandRequest, _controller_pb2.DeleteIslandResponse]
     WorkerConnect: _grpc.StreamStreamMultiCallable[_controller_pb2.WorkerToController, _controller_pb2.ControllerToWorker]
     """---- workers: register, heartbeat and report upstream; receive work downstream ----"""
     CreateSlice: _grpc.UnaryUnaryMultiCallable[_controller_pb2.CreateSliceRequest, _controller_pb2.CreateSliceResponse]
@@ -66,6 +69,9 @@ class ControllerAsyncStub(ControllerStub):
     ListIslands: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListIslandsRequest, _controller_pb2.ListIslandsResponse]  # type: ignore[assignment]
     ListHosts: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListHostsRequest, _controller_pb2.ListHostsResponse]  # type: ignore[assignment]
     ListDevices: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListDevicesRequest, _controller_pb2.ListDevicesResponse]  # type: ignore[assignment]
+    DeleteHost: _aio.UnaryUnaryMultiCallable[_controller_pb2.DeleteHostRequest, _controller_pb2.DeleteHostResponse]  # type: ignore[assignment]
+    """Removes a lost host (a live one only with `force`) and an island without hosts or slices."""
+    DeleteIsland: _aio.UnaryUnaryMultiCallable[_controller_pb2.DeleteIslandRequest, _controller_pb2.DeleteIslandResponse]  # type: ignore[assignment]
     WorkerConnect: _aio.StreamStreamMultiCallable[_controller_pb2.WorkerToController, _controller_pb2.ControllerToWorker]  # type: ignore[assignment]
     """---- workers: register, heartbeat and report upstream; receive work downstream ----"""
     CreateSlice: _aio.UnaryUnaryMultiCallable[_controller_pb2.CreateSliceRequest, _controller_pb2.CreateSliceResponse]  # type: ignore[assignment]
@@ -122,6 +128,21 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.ListDevicesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.ListDevicesResponse, _abc.Awaitable[_controller_pb2.ListDevicesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteHost(
+        self,
+        request: _controller_pb2.DeleteHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.DeleteHostResponse, _abc.Awaitable[_controller_pb2.DeleteHostResponse]]:
+        """Removes a lost host (a live one only with `force`) and an island without hosts or slices."""
+
+    @_abc_1.abstractmethod
+    def DeleteIsland(
+        self,
+        request: _controller_pb2.DeleteIslandRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.DeleteIslandResponse, _abc.Awaitable[_controller_pb2.DeleteIslandResponse]]: ...
 
     @_abc_1.abstractmethod
     def WorkerConnect(

@@ -1,0 +1,16 @@
+"""The chaos and fuzz harness: `python -m bench.chaos` (issue 29).
+
+It starts a real local cluster (a controller and one worker per island, `cluster.py`), then:
+
+1. fuzz (`fuzz.py`, `messages.py`): hostile requests generated from the protobuf schemas, and
+   bytes that are no message, to every method of the controller and of every worker; afterwards
+   the controller must be up, its islands, hosts and named slices unchanged, no UNKNOWN status
+   from it, no traceback in its log;
+2. kills (`kills.py`, `workload.py`): while a program across both islands runs in a loop (each
+   result checked), workers and the controller are killed with SIGKILL at random moments and
+   started again; per kill the time to a clear error, the time until the cluster serves again,
+   calls still waiting `STUCK_S` after the kill, and the controller's state after its restarts.
+
+It prints one JSON document (and writes it with `--out`) with a `checks` object: every check
+that must hold, true or false; the exit code is 0 when all hold. Runs are seeded (`--seed`).
+"""

@@ -1,0 +1,113 @@
+"""`python -m bench.chaos [--seed N] [--requests N] [--kills N] [--quick] [--out FILE] [--keep]`"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .cluster import ChaosCluster
+from .fuzz import Fuzzer
+from .kills import KillRun
+
+FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6}
+QUICK = {"requests": 600, "kills": 5, "controller_kills": 1}
+
+
+def rss_mib(pid: int) -> float:
+    return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+
+
+def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path | None = None) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cluster = ChaosCluster(home=home)
+    report: dict[str, Any] = {"seed": seed, "data_dir": str(cluster.home)}
+    try:
+        cluster.start()
+        assert cluster.controller is not None
+        report["controller_rss_mib_before"] = rss_mib(cluster.controller.pid)
+        before = cluster.snapshot()
+        hosts = [f"chaos-{i}" for i in cluster.islands]
+        addresses = [h.address for h in cluster.hosts().values()]
+        fuzzer = Fuzzer(rng, cluster.address, addresses, hosts)
+        try:
+            report["fuzz"] = fuzzer.run(requests)
+        finally:
+            fuzzer.close()
+        report["fuzz"]["controller_up"] = cluster.answers() and cluster.controller.poll() is None
+        report["fuzz"]["state_unchanged"] = report["fuzz"]["controller_up"] and cluster.snapshot() == before
+        report["fuzz"]["workers_alive"] = all(p.poll() is None for p in cluster.workers.values())
+        report["controller_rss_mib_after_fuzz"] = rss_mib(cluster.controller.pid)
+        # a fresh start for the kills: hostile requests may have left a worker wedged (its own issue)
+        for island in cluster.islands:
+            cluster.kill(cluster.workers[island])
+            cluster.start_worker(island)
+        cluster.wait_ready()
+        report["kills"] = KillRun(cluster, rng, kills, controller_kills).run()
+    finally:
+        if cluster.controller is not None and cluster.controller.poll() is None:
+            cluster.controller.terminate()
+            cluster.controller.wait(timeout=30)
+        report["database_integrity"] = cluster.integrity() if (cluster.home / "pw.db").exists() else "missing"
+        report["controller_tracebacks"] = cluster.tracebacks("controller")
+        report["worker_tracebacks"] = cluster.tracebacks("worker")
+        cluster.close()  # keeps a --keep directory (only a temporary one is removed)
+    k, f = report.get("kills", {}), report.get("fuzz", {})
+    report["checks"] = {
+        "controller_tracebacks == 0": report["controller_tracebacks"] == 0,
+        "controller UNKNOWN statuses == 0": f.get("controller_unknown") == 0,
+        "controller up after fuzz": bool(f.get("controller_up")),
+        "islands, hosts, named slices unchanged by fuzz": bool(f.get("state_unchanged")),
+        "wrong results == 0": k.get("wrong_results") == 0,
+        f"calls waiting > {15:g} s after a kill == 0": k.get("stuck_calls") == 0,
+        "every kill recovered": k.get("not_recovered") == 0,
+        "state consistent after controller restarts": k.get("inconsistent_after_restart") == 0,
+        "database integrity ok": report["database_integrity"] == "ok",
+    }
+    report["worker_checks"] = {  # the worker's own hardening is tracked apart (server/worker)
+        "worker_tracebacks == 0": report["worker_tracebacks"] == 0,
+        "worker UNKNOWN statuses == 0": f.get("worker_unknown") == 0,
+        "workers alive after fuzz": bool(f.get("workers_alive")),
+    }
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
+    p.add_argument("--seed", type=int, default=29)
+    p.add_argument("--requests", type=int, default=None, help=f"hostile requests (default {FULL['requests']})")
+    p.add_argument("--kills", type=int, default=None, help=f"kills (default {FULL['kills']})")
+    p.add_argument("--controller-kills", type=int, default=None,
+                   help=f"how many of the kills hit the controller (default {FULL['controller_kills']})")
+    p.add_argument("--quick", action="store_true", help="the short run the test suite does (600 requests, 5 kills)")
+    p.add_argument("--out", default=None, help="also write the JSON report here")
+    p.add_argument("--keep", default=None, help="keep the cluster's data directory (logs, database) here")
+    ns = p.parse_args()
+    # a stopped run still stops its cluster (the finally clauses run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    base = QUICK if ns.quick else FULL
+    requests = ns.requests if ns.requests is not None else base["requests"]
+    kills = ns.kills if ns.kills is not None else base["kills"]
+    ck = ns.controller_kills if ns.controller_kills is not None else min(base["controller_kills"], kills)
+    home = Path(ns.keep) if ns.keep else None
+    if home is not None:
+        home.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    report = run(ns.seed, requests, kills, ck, home)
+    report["seconds"] = round(time.monotonic() - start, 1)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if ns.out:
+        Path(ns.out).write_text(text + "\n")
+    sys.exit(0 if all(report["checks"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Malformed requests and known errors as status codes, for every method of a gRPC server.
+
+grpc.aio decodes a request before the handler runs; a request that does not decode raised
+inside grpc, which answered UNKNOWN and logged a full traceback for every such request (issue
+29, findings 8 and 9). `GuardInterceptor` wraps every handler of the server instead:
+
+- the request deserializer never raises: bytes that do not decode become a `Malformed` value,
+  answered INVALID_ARGUMENT ("malformed request ...") with one warning line, no traceback; on a
+  streaming request the stream ends there, with that status;
+- an exception the `classify` function recognises (the controller's `ControllerError`s, a
+  broken invariant) becomes its status code and one-line message, in every kind of handler,
+  streaming ones included (they had no mapping at all: an unknown job's `logs -f` was UNKNOWN);
+- anything else is a bug: it propagates, and grpc logs its traceback (tracebacks are for bugs).
+
+Warnings about malformed requests are rate-limited (`LOG_EVERY_S` per method), so a flood of
+garbage writes a bounded log.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc import aio
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0  # at most one warning per method per this many seconds (the rest are counted)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not decode as the method's message."""
+
+    type_name: str
+    error: str
+
+    @property
+    def message(self) -> str:
+        return f"malformed request: not a valid {self.type_name} ({self.error})"
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """How a recognised exception is answered."""
+
+    code: grpc.StatusCode
+    message: str
+    log_level: int = logging.DEBUG  # a rejected request is the caller's problem, not the log's
+
+
+Classify = Callable[[BaseException], Mapped | None]
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = getattr(type_name, "full_name", method)
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, or anything a custom deserializer raises
+            return Malformed(name, str(e).split(":")[-1].strip() or type(e).__name__)
+
+    return decode
+
+
+class _Limiter:
+    """One warning per method per `LOG_EVERY_S`; the others are counted into the next one."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warn(self, method: str, peer: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(method, -LOG_EVERY_S) < LOG_EVERY_S:
+            self._quiet[method] = self._quiet.get(method, 0) + 1
+            return
+        self._last[method] = now
+        more = self._quiet.pop(method, 0)
+        log.warning("%s from %s: %s%s", method, peer or "?", text,
+                    f" (and {more} more since the last warning)" if more else "")
+
+
+class GuardInterceptor(aio.ServerInterceptor):
+    """Wraps every handler: malformed requests answered INVALID_ARGUMENT, recognised exceptions
+    mapped by `classify` (module docstring)."""
+
+    def __init__(self, classify: Classify) -> None:
+        self._classify = classify
+        self._limiter = _Limiter()
+        self.malformed = 0  # requests answered INVALID_ARGUMENT because they did not decode
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        decode = _safe(handler.request_deserializer, method)
+        ser = handler.response_serializer
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, False), decode, ser)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method, True), decode, ser)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, False), decode, ser)
+        assert handler.stream_stream is not None
+        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, True), decode, ser)
+
+    # ---- pieces ----
+    async def _reject(self, context: aio.ServicerContext, method: str, bad: Malformed) -> None:
+        self.malformed += 1
+        self._limiter.warn(method, context.peer(), bad.message)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+
+    async def _map(self, context: aio.ServicerContext, method: str, e: Exception) -> None:
+        """Answers a recognised exception with its status; re-raises anything else."""
+        mapped = self._classify(e)
+        if mapped is None:
+            raise e
+        log.log(mapped.log_level, "%s from %s: %s %s", method, context.peer() or "?", mapped.code.name,
+                mapped.message)
+        await context.abort(mapped.code, mapped.message)
+
+    def _requests(self, it: AsyncIterator[Any], context: aio.ServicerContext, method: str) -> AsyncIterator[Any]:
+        """The decoded messages of a request stream; a malformed one ends it, with the status
+        INVALID_ARGUMENT set for when the handler returns."""
+
+        async def gen() -> AsyncIterator[Any]:
+            async for msg in it:
+                if isinstance(msg, Malformed):
+                    self.malformed += 1
+                    self._limiter.warn(method, context.peer(), msg.message)
+                    context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                    context.set_details(msg.message)
+                    return
+                yield msg
+
+        return gen()
+
+    def _unary(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
+        async def wrapped(request: Any, context: aio.ServicerContext) -> Any:
+            if streaming_in:
+                request = self._requests(request, context, method)
+            elif isinstance(request, Malformed):
+                await self._reject(context, method, request)
+            try:
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+            except aio.AbortError:
+                raise
+            except Exception as e:
+                await self._map(context, method, e)
+
+        return wrapped
+
+    def _stream(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
+        async def wrapped(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            if streaming_in:
+                request = self._requests(request, context, method)
+            elif isinstance(request, Malformed):
+                await self._reject(context, method, request)
+            try:
+                result = behavior(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                elif inspect.isawaitable(result):
+                    await result  # a handler that writes with context.write()
+            except aio.AbortError:
+                raise
+            except Exception as e:
+                await self._map(context, method, e)
+
+        return wrapped

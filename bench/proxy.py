@@ -9,7 +9,8 @@ against plain JAX's); a wrong answer is an error row."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import defs
@@ -140,10 +141,20 @@ def bench_proxy(ctx: Ctx, transfer_mib: int = TRANSFER_MIB, cfg: dict[str, Any] 
     docstring). `transfer_mib` and `cfg` (the model's size) let the smoke test shrink them."""
     with Client(server=ctx.cluster.address, timeout=30.0) as c:
         c.create_slice(cpb.SliceSpec(name=SLICE, devices=4, island="a"))
+    load = "load average {:.1f} {:.1f} {:.1f} as the suite began; ".format(*os.getloadavg())
+    parts: list[tuple[str, Callable[[], Iterator[Row]]]] = [
+        ("x+1", lambda: _calls(ctx)), ("transformer step", lambda: _transformer(ctx, cfg)),
+        (f"upload/download {transfer_mib} MiB", lambda: _transfers(ctx, transfer_mib))]
     try:
-        yield from _calls(ctx)
-        yield from _transformer(ctx, cfg)
-        yield from _transfers(ctx, transfer_mib)
+        for name, part in parts:  # one part failing records its error, and the others still run
+            try:
+                for r in part():
+                    yield {**r, "notes": load + r["notes"]} if load else r  # the machine is shared
+                    load = ""
+            except Exception as e:
+                yield {**row("proxy", name, "", "", None), "notes": load.rstrip("; "),
+                       "error": f"{type(e).__name__}: {e}"}
+                load = ""
     finally:
         with contextlib.suppress(Exception), Client(server=ctx.cluster.address, timeout=30.0) as c:
             c.delete_slice(SLICE, force=True)

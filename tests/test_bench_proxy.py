@@ -40,4 +40,5 @@ def test_proxy_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         assert r["pathways"] > 0 and r["jax"] > 0
         assert isinstance(r["meets"], bool) if r["target"] else r["meets"] is None
     assert "pathways slice bench-proxy x4" in rows[0]["notes"]  # the proxy side ran on the cluster
+    assert rows[0]["notes"].startswith("load average ")
     assert rows[3]["meets"] is True  # the loss curve through the proxy matches plain JAX's

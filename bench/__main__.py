@@ -10,6 +10,8 @@ so each may take XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.4) of its memory
 
 `--only scale` (never part of the default run) starts no such cluster: it measures the control plane
 against thousands of simulated hosts (bench/scale.py); alone it writes `scale-latest.*`.
+`--only proxy` alone (it is part of the default run too) writes `proxy-latest.*`: unmodified JAX
+programs through the IFRT proxy against plain JAX (bench/proxy.py).
 `--only multihost` (likewise opt-in; root) makes separate hosts as network namespaces and measures
 islands on them (bench/multihost.py); alone it writes `multihost-latest.*`."""
 
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     standalone = [n for n in names if n not in benches]
     # a standalone suite alone keeps its own latest files, apart from the main table's
     prefix = "gpu-" if ns.gpu else ("" if on_cluster else "-".join(standalone) + "-")
+    if not ns.gpu and names == ["proxy"]:  # the proxy suite alone keeps its own latest files too
+        prefix = "proxy-"
     stamp = prefix + dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     info = machine()
     t_start = time.perf_counter()

@@ -3,6 +3,9 @@
 pipeline baseline uses the 8 devices of the two islands). Each task stays alive: it prints one
 JSON line when ready, then one per request line it reads from stdin, so that its windows can
 alternate with Pathways' (bench/suites.py `JaxServer`).
+
+The same tasks run unmodified through the IFRT proxy (`JAX_PLATFORMS=proxy`, bench/proxy.py):
+`jax.devices()` are then the slice's devices, and `jax_num_cpu_devices` is inert.
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
     input."""
     t = Trainer(cfg)
     losses = [float(t.run(i)) for i in range(steps)]
-    sys.stdout.write(json.dumps({"losses": losses, "params": t.params_count}) + "\n")
+    sys.stdout.write(json.dumps({"losses": losses, "params": t.params_count, "backend": backend()}) + "\n")
     sys.stdout.flush()
     first = steps
     for line in sys.stdin:
@@ -216,8 +219,78 @@ def transformer_serve(cfg: dict[str, Any], steps: int) -> None:
         sys.stdout.flush()
 
 
+def backend() -> str:
+    """Which backend runs this process's computations: "cpu x4" here, "pathways slice NAME x4"
+    through the IFRT proxy (the slice's platform version)."""
+    dev = jax.devices()[0]
+    version = str(getattr(dev.client, "platform_version", ""))
+    name = version if "pathways" in version else dev.platform
+    return f"{name} x{len(jax.devices())}"
+
+
+def calls_serve(count: int) -> None:
+    """The tiny-call rate (bench/proxy.py): a jitted x + 1 on the first device, prints
+    {"ready": true}; then for each line "MODE BUDGET_S" (pipelined: no block between calls, one at
+    the end of the window; opbyop: block each call), calls/s over one window from x = 0, as
+    {"per_s", "calls", "value"}: `value` is the result, which must equal `calls`."""
+    step = jax.jit(defs.inc_step)
+    x0 = jax.device_put(np.zeros((1,), np.float32), jax.devices()[0])
+    step(x0).block_until_ready()
+    sys.stdout.write(json.dumps({"ready": True, "backend": backend()}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        mode, budget = line.split()
+        last: dict[str, Any] = {}
+
+        def run(k: int, block_each: bool = mode == "opbyop", last: dict[str, Any] = last) -> None:
+            x = x0
+            for _ in range(k):
+                x = step(x)
+                if block_each:
+                    x.block_until_ready()
+            x.block_until_ready()
+            last.update(calls=k, x=x)
+
+        rate = defs.throughput(run, count, float(budget) * 3)
+        sys.stdout.write(json.dumps({"per_s": rate, "calls": last["calls"],
+                                     "value": float(np.asarray(last["x"])[0])}) + "\n")
+        sys.stdout.flush()
+
+
+def transfer_serve(mib: int) -> None:
+    """Upload and download rates (bench/proxy.py) of a float32 array of `mib` MiB on the first
+    device, prints {"ready": true} after one untimed round; then for each line I: host data
+    `arange + I` (made untimed), timed `jax.device_put` + `block_until_ready` (upload), an
+    untimed `x * 2` on the device, timed `np.asarray` of that result (download), printed as
+    {"up_s", "down_s", "ok"}: `ok` says the downloaded array equals the host data times 2."""
+    dev = jax.devices()[0]
+    base = np.arange(mib * 2**20 // 4, dtype=np.float32)
+    double = jax.jit(lambda v: v * 2.0)
+
+    def once(i: int) -> dict[str, Any]:
+        host = base + np.float32(i)
+        t0 = time.perf_counter()
+        x = jax.device_put(host, dev)
+        x.block_until_ready()
+        t1 = time.perf_counter()
+        y = double(x)
+        y.block_until_ready()
+        t2 = time.perf_counter()
+        out = np.asarray(y)
+        t3 = time.perf_counter()
+        return {"up_s": t1 - t0, "down_s": t3 - t2, "ok": bool(np.array_equal(out, host * np.float32(2)))}
+
+    once(0)
+    sys.stdout.write(json.dumps({"ready": True, "bytes": int(base.nbytes), "backend": backend()}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        sys.stdout.write(json.dumps(once(int(line))) + "\n")
+        sys.stdout.flush()
+
+
 TASKS: dict[str, Any] = {"dispatch_serve": dispatch_serve, "sweep_serve": sweep_serve, "pipeline_serve": pipeline_serve,
-                         "transformer_serve": transformer_serve}
+                         "transformer_serve": transformer_serve, "calls_serve": calls_serve,
+                         "transfer_serve": transfer_serve}
 
 
 def main() -> None:

@@ -583,6 +583,13 @@ def bench_costs(ctx: Ctx) -> Iterator[Row]:
               + (f"; idle after start: {ctx.notes['pss_idle_gib']:.2f} GiB" if "pss_idle_gib" in ctx.notes else ""))
 
 
+def bench_proxy(ctx: Ctx) -> Iterator[Row]:
+    """Unmodified JAX programs through the IFRT proxy vs plain JAX (bench/proxy.py)."""
+    from bench import proxy
+
+    yield from proxy.bench_proxy(ctx)
+
+
 BENCHES: dict[str, Callable[[Ctx], Iterator[Row]]] = {
     "dispatch": bench_dispatch,
     "sweep": bench_sweep,
@@ -590,6 +597,7 @@ BENCHES: dict[str, Callable[[Ctx], Iterator[Row]]] = {
     "tenancy": bench_tenancy,
     "transformer": bench_transformer,
     "costs": bench_costs,
+    "proxy": bench_proxy,
 }
 
 # Opt-in (`--only NAME`), never in the default run, and without the driver's cluster: each starts

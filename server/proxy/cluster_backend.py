@@ -19,6 +19,7 @@ Runs the controller refuses fail their outputs here (the workers never hear of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -41,6 +42,7 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
+from . import segments
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compose import concat_function, flat_parts
 from .modules import describe
@@ -83,6 +85,10 @@ class Controls:
     new_id_prefix: Any  # () -> int: a buffer-id prefix no live client holds
     token: str | None  # the cluster token the workers may require
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
+
+
+class _Oversized(Exception):
+    """An array over a worker message, which only shared memory could have carried whole."""
 
 
 def _backend_error(e: ControllerError) -> BackendError:
@@ -133,6 +139,7 @@ class SliceSession:
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
+        self._segments_ok: dict[str, bool] = {}  # worker address -> uploads through shared memory
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -291,8 +298,9 @@ class SliceSession:
             raise BackendError("FAILED_PRECONDITION", error)
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
-        if len(data) <= MAX_UPLOAD_BYTES:
-            return (await self._upload([(dtype, shape, data)]))[0]
+        if len(data) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
+            with contextlib.suppress(_Oversized):  # shared memory refused: parts, as below
+                return (await self._upload([(dtype, shape, data)]))[0]
         # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
         # them on the worker with a program (compose.py); the parts go once it ran
         item = resolve_dtype(dtype).itemsize
@@ -309,18 +317,41 @@ class SliceSession:
         self.free(parts)
         return out
 
+    def _by_segment(self, address: str) -> bool:
+        """Whether uploads to `address` go through shared memory (segments.py): a worker on this
+        host, unless a segment upload to it failed (another mount namespace, say)."""
+        ok = self._segments_ok.get(address)
+        if ok is None:
+            ok = self._segments_ok[address] = segments.on_this_host(address)
+        return ok
+
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], Any]]) -> list[int]:
         address, stub = self._worker()
         ids = [next(self._ids) for _ in arrays]
+        names: list[str] = []
+        by_segment = self._by_segment(address)
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
-                yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
-                                           array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=bytes(data)))
+                if by_segment and len(data) >= segments.MIN_BYTES:
+                    req, name = segments.segment_request(buffer_id, self._owner, dtype, shape, data)
+                    names.append(name)
+                    yield req
+                else:
+                    yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
+                                               array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=bytes(data)))
 
         try:
             await stub.PutBuffers(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
+            segments.discard(names)
+            if names and e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not open them
+                log.warning("proxy: worker %s refused a shared-memory upload (%s): uploading through gRPC",
+                            address, e.details())
+                self._segments_ok[address] = False
+                if any(len(data) > MAX_UPLOAD_BYTES for _, _, data in arrays):
+                    raise _Oversized from None
+                return await self._upload(arrays)
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
         for b in ids:
             self._home[b] = address

@@ -189,10 +189,11 @@ class ProxyService:
             chunks = []
             size = 0
             async for req in requests:
-                size += len(req.data)
+                data = req.data  # each read of a bytes field copies it
+                size += len(data)
                 if size > meta.buffer_size:
                     break
-                chunks.append(req.data)
+                chunks.append(data)
             if size != meta.buffer_size:
                 raise HandleError(
                     "INVALID_ARGUMENT", f"host buffer {meta.handle}: {meta.buffer_size} bytes announced, {size} sent"

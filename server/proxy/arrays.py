@@ -383,6 +383,19 @@ RESULT_HANDLES = {
     "remap_arrays_request": ("result_handles",),
 }
 
+# The handles each request kind reads: claimed when the request is read, so a DestructArray
+# read after it waits until it is done (handles.py).
+USED_HANDLES = {
+    "loaded_executable_execute_request": ("args_handles",),
+    "copy_to_host_buffer_request": ("array_handle",),
+    "check_value_ready_request": ("value_handles",),
+    "fully_replicated_shard_request": ("array_handle",),
+    "disassemble_into_single_device_arrays_request": ("array_handle",),
+    "assemble_array_from_single_device_arrays_request": ("single_device_array_handles",),
+    "copy_arrays_request": ("array_handles",),
+    "remap_arrays_request": ("array_handles",),
+}
+
 HANDLERS = {
     "make_array_from_host_buffer_request": make_array_from_host_buffer,
     "make_arrays_from_host_buffer_shards_request": make_arrays_from_host_buffer_shards,

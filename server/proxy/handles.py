@@ -8,6 +8,11 @@ a later use of such a handle fails with the original message, not with "unknown 
 Requests run concurrently (a MakeArray may wait for its bytes), so an op reserves its result
 handles before its first await (`reserve`), in request order; a later request that uses such a
 handle waits for it (`resolve`) until the op settles it or fails.
+
+A request that reads handles claims them when it is read (`claim`, in the session's reader, in
+request order) until it is done (`unclaim`); a DestructArray that arrives later waits for those
+claims (`pop_resolved`). Without them the destruct could run between an op's `settle` and the
+wakeup of an earlier reader of that handle, which then found it gone ("unknown handle").
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class HandleTable:
         self._items: dict[int, Any] = {}
         self._limit = limit  # a bound on what one client can make the controller hold
         self._next = itertools.count(SERVER_HANDLE_BASE)
+        self._claims: dict[int, int] = {}  # handle -> requests read earlier that still use it
+        self._unclaimed: dict[int, asyncio.Future[None]] = {}  # wakes `pop_resolved` at no claims
 
     def __len__(self) -> int:
         return len(self._items)
@@ -109,12 +116,36 @@ class HandleTable:
         value = self._items.pop(handle, None)
         return None if isinstance(value, Failed | Pending) else value
 
+    def claim(self, handles: list[int]) -> None:
+        """Marks `handles` as used by a request read now; `pop_resolved` waits until `unclaim`."""
+        for h in handles:
+            self._claims[h] = self._claims.get(h, 0) + 1
+
+    def unclaim(self, handles: list[int]) -> None:
+        for h in handles:
+            left = self._claims.get(h, 0) - 1
+            if left > 0:
+                self._claims[h] = left
+                continue
+            self._claims.pop(h, None)
+            waiter = self._unclaimed.pop(h, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
     async def pop_resolved(self, handle: int) -> Any:
-        """Removes a handle once its op finished; returns what it held (None if unknown or failed)."""
-        value = self._items.get(handle)
-        if isinstance(value, Pending):
-            await asyncio.shield(value.done)
-        return self.pop(handle)
+        """Removes a handle once its op finished and the requests read before that use it are done;
+        returns what it held (None if unknown or failed)."""
+        while True:
+            value = self._items.get(handle)
+            if isinstance(value, Pending):
+                await asyncio.shield(value.done)
+            elif self._claims.get(handle):
+                waiter = self._unclaimed.get(handle)
+                if waiter is None:
+                    waiter = self._unclaimed[handle] = asyncio.get_running_loop().create_future()
+                await asyncio.shield(waiter)
+            else:
+                return self.pop(handle)
 
     def values(self) -> list[Any]:
         return [v for v in self._items.values() if not isinstance(v, Failed | Pending)]

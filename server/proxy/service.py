@@ -23,7 +23,7 @@ import functools
 import hmac
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,17 @@ def _attributes(attr_map: Message) -> dict[str, Any]:
     for key, value in attr_map.attributes.items():
         kind = value.WhichOneof("value")
         out[key] = getattr(value, kind) if kind else None
+    return out
+
+
+def _handles(req: Message, fields: Mapping[str, Sequence[str]]) -> list[int]:
+    """The handles in the request's `fields[kind]` (arrays.USED_HANDLES, RESULT_HANDLES)."""
+    kind = req.WhichOneof("request") or ""
+    sub = getattr(req, kind, None)
+    out: list[int] = []
+    for name in fields.get(kind, ()):
+        value = getattr(sub, name, 0)
+        out.extend([value] if isinstance(value, int) else value)
     return out
 
 
@@ -288,9 +299,13 @@ class ProxyService:
         pending: set[asyncio.Task[None]] = set()
         slots = asyncio.Semaphore(MAX_PENDING)
 
-        async def run(req: Message) -> None:
+        async def run(req: Message, used: list[int]) -> None:
             try:
-                await out.put(await self._answer(session, req))
+                try:
+                    resp = await self._answer(session, req)
+                finally:
+                    session.handles.unclaim(used)
+                await out.put(resp)
             finally:
                 slots.release()
 
@@ -305,7 +320,9 @@ class ProxyService:
                         undecodable = True
                         break
                     await slots.acquire()
-                    task = asyncio.create_task(run(req))
+                    used = _handles(req, arrays.USED_HANDLES)
+                    session.handles.claim(used)  # here, in request order: see handles.py
+                    task = asyncio.create_task(run(req, used))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
             finally:

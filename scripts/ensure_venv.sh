@@ -1,5 +1,5 @@
 # Sourced by demo.sh and test.sh: makes .venv and installs the project with the extras in $EXTRAS
-# ("" or "[dev]"), but only when .venv is new or pyproject.toml changed since the last install
+# ("", or "[dev,bench]" for the tests), but only when .venv is new or pyproject.toml changed since the last install
 # with those extras, so that both commands work offline once installed.
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

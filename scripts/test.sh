@@ -25,7 +25,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-EXTRAS="[dev]"
+EXTRAS="[dev,bench]"  # bench: optax, for the tests that run the benchmark suites (tests/test_bench_*.py)
 # shellcheck source=scripts/ensure_venv.sh
 . scripts/ensure_venv.sh
 .venv/bin/ruff check .

@@ -1,5 +1,7 @@
 """Separate hosts on one machine for tests: the `hosts` fixture over bench/netns.py (the
-namespace machinery, shared with the multi-host benchmarks), whose names are re-exported here.
+namespace machinery, shared with the multi-host benchmarks), whose names are re-exported here,
+and what the tests on such hosts share: a controller started on one of them (`start_controller`)
+and reading a program's output lines as they come (`read_until`).
 
 `hosts` (fixture): a factory, `hosts(3)` -> list[Host]; skips with the reason when namespaces
 cannot be made (not root, no `ip`/`nsenter`/`unshare`, or the kernel refuses).
@@ -7,6 +9,9 @@ cannot be made (not root, no `ip`/`nsenter`/`unshare`, or the kernel refuses).
 
 from __future__ import annotations
 
+import re
+import select
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,35 @@ from bench.netns import (  # noqa: F401  (re-exported for the tests)
     _pids_in_netns,
     unavailable,
 )
+
+
+def start_controller(host: Host, heartbeat_timeout: float, port: int = 0) -> tuple[str, str]:
+    """`pwctl server start` on `host`, listening on its own address; (address, cluster token).
+    Beyond loopback the controller requires the token: it wrote it to the host's data directory."""
+    r = host.pwctl("server", "start", "--listen", f"{host.ip}:{port}", "--heartbeat-timeout", f"{heartbeat_timeout:g}")
+    assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
+    m = re.search(r"at (\S+:\d+)", r.stdout)
+    assert m, r.stdout
+    address = m.group(1)
+    assert address.startswith(host.ip + ":"), address
+    return address, (host.home / "token").read_text().strip()
+
+
+def read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
+    """Lines of `proc`'s stdout (collected in `lines`) until one starts with `pattern` (returned),
+    the stream ends or the process exits (None), or the monotonic `deadline` passes (None)."""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            lines.append(line)
+            if line.startswith(pattern):
+                return line
+        elif proc.poll() is not None:
+            return None
+    return None
 
 
 @pytest.fixture

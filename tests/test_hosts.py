@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hosts import Host, Hosts, NamespaceUnavailable, _pids_in_netns, hosts  # noqa: F401  (the fixture)
+from hosts import (
+    Host,
+    Hosts,
+    NamespaceUnavailable,
+    _pids_in_netns,
+    hosts,  # noqa: F401  (the fixture)
+    read_until,
+    start_controller,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,14 +80,7 @@ else:  # until the program across hosts fails; then host 1's island alone, three
 class Cluster:
     def __init__(self, hs: list[Host]) -> None:
         self.hosts = hs
-        h0 = hs[0]
-        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:0", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
-        assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
-        m = re.search(r"at (\S+:\d+)", r.stdout)
-        assert m, r.stdout
-        self.address = m.group(1)
-        assert self.address.startswith(h0.ip + ":")
-        self.token = (h0.home / "token").read_text().strip()  # beyond loopback the token is required
+        self.address, self.token = start_controller(hs[0], HEARTBEAT_TIMEOUT_S)
         for i, h in enumerate(hs[1:], start=1):
             r = h.pwctl("worker", "start", "--island", f"h{i}", "--devices", "2", "--name", f"w{i}",
                         "--listen", f"{h.ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
@@ -123,22 +123,6 @@ def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> No
     assert re.search(rf"first transfer to {re.escape(hs[1].ip)}:\d+ by shared-memory", sender), sender[-3000:]
 
 
-def _read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
-    """Lines of `proc`'s stdout until one starts with `pattern` (returned) or the deadline."""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                return None
-            lines.append(line)
-            if line.startswith(pattern):
-                return line
-        elif proc.poll() is not None:
-            return None
-    return None
-
-
 def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
     cl = Cluster(hs)
@@ -149,11 +133,11 @@ def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_
     proc = hs[0].popen([sys.executable, str(prog), str(tmp_path / "x.npy"), "loop"], **cl.env())
     lines: list[str] = []
     try:
-        assert _read_until(proc, "ok 3", time.monotonic() + 90, lines), "".join(lines)
+        assert read_until(proc, "ok 3", time.monotonic() + 90, lines), "".join(lines)
         killed = hs[2].kill_all()
         assert killed, "host 2 had no processes to kill"
         t0 = time.monotonic()
-        err = _read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+        err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
         took = time.monotonic() - t0
         assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing host 2:\n{''.join(lines)}"
         assert took < ERROR_BOUND_S
@@ -162,7 +146,7 @@ def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_
         assert "Traceback" not in err
         # host 1 keeps working: its island alone, three more times
         for _ in range(3):
-            assert _read_until(proc, "local ok", time.monotonic() + 60, lines), "".join(lines)
+            assert read_until(proc, "local ok", time.monotonic() + 60, lines), "".join(lines)
         assert proc.wait(timeout=30) == 0, "".join(lines)
     finally:
         if proc.poll() is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hosts import Host, hosts  # noqa: F401  (the fixture)
+from hosts import Host, hosts, read_until, start_controller  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,14 +98,7 @@ print("host axis ok", flush=True)
 class Cluster:
     def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0) -> None:
         self.hosts = hs
-        h0 = hs[0]
-        r = h0.pwctl("server", "start", "--listen", f"{h0.ip}:{port}",
-                     "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}")
-        assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
-        m = re.search(r"at (\S+:\d+)", r.stdout)
-        assert m, r.stdout
-        self.address = m.group(1)
-        self.token = (h0.home / "token").read_text().strip()
+        self.address, self.token = start_controller(hs[0], HEARTBEAT_TIMEOUT_S, port)
         for i in range(1, len(hs)):  # hosts 1.. in turn on each island: 1, 2 on the first...
             self.start_worker(i, islands[(i - 1) * len(islands) // (len(hs) - 1)])
 
@@ -132,23 +125,6 @@ class Cluster:
         return {h["name"] for h in doc["items"] if str(h.get("state", "")).lower().endswith("ready")}
 
 
-def _read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
-    import select
-
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                return None
-            lines.append(line)
-            if line.startswith(pattern):
-                return line
-        elif proc.poll() is not None:
-            return None
-    return None
-
-
 def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
     cl = Cluster(hs)
@@ -168,10 +144,10 @@ def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Pa
     proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())
     lines: list[str] = []
     try:
-        assert _read_until(proc, "ok 2", time.monotonic() + 120, lines), "".join(lines) + cl.controller_log()[-3000:]
+        assert read_until(proc, "ok 2", time.monotonic() + 120, lines), "".join(lines) + cl.controller_log()[-3000:]
         assert hs[2].kill_all(), "host 2 had no processes"
         t0 = time.monotonic()
-        err = _read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+        err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
         assert err is not None, f"no error within {ERROR_BOUND_S:g} s:\n{''.join(lines)}"
         assert "w2" in err or hs[2].ip in err, err  # by name, or by the address it was reached at
         proc.wait(timeout=30)

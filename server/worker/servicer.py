@@ -270,8 +270,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if chunk.error:
                 heads.pop(bid, None)
                 parts.pop(bid, None)
-                self._gathering.drop(bid)
-                self.store.fail(bid, chunk.error)
+                self.deliver_peer(chunk, None)
                 continue
             head = heads.setdefault(bid, chunk)
             parts.setdefault(bid, []).append(chunk.array.data)
@@ -294,39 +293,31 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 self._gathering.drop(bid)
                 self.store.fail(bid, f"transfer of buffer {bid:#x} failed: {e}")
                 continue
-            if head.global_shape:  # one member's part of a multi-host slice's array
-                try:
-                    whole = self._gathering.add(bid, tuple(head.global_shape), tuple(head.part_start), arr)
-                except ValueError as e:
-                    self._gathering.drop(bid)
-                    self.store.fail(bid, f"gathering buffer {bid}: {e}")
-                    continue
-                if whole is None:
-                    continue
-                arr = whole
-            self.store.put(bid, arr, arr.nbytes, from_peer=True)
-            total += arr.nbytes
+            total += self.deliver_peer(head, arr)
         return wpb.TransferResponse(bytes=total)
 
-    def deliver_peer(self, header: wpb.TransferChunk, arr: np.ndarray | None) -> None:
-        """A peer's array from the TCP link (tcplink.py), or its failure notice (arr None);
-        called from that connection's thread, in the peer's order."""
+    def deliver_peer(self, header: wpb.TransferChunk, arr: np.ndarray | None) -> int:
+        """A peer's array, whole or one member's part of a multi-host slice's array (gathered
+        until its parts cover it), or its failure notice (arr None): from the TCP link
+        (tcplink.py, that connection's thread) or the gRPC stream (`Transfer`), in the peer's
+        order. Returns the bytes it stored (0 for a part that left the array incomplete)."""
         bid = header.buffer_id
         if arr is None:
             self._gathering.drop(bid)
             self.store.fail(bid, header.error or "the producer failed")
-            return
-        if header.global_shape:  # one member's part of a multi-host slice's array
+            return 0
+        if header.global_shape:
             try:
                 whole = self._gathering.add(bid, tuple(header.global_shape), tuple(header.part_start), arr)
             except ValueError as e:
                 self._gathering.drop(bid)
                 self.store.fail(bid, f"gathering buffer {bid}: {e}")
-                return
+                return 0
             if whole is None:
-                return
+                return 0
             arr = whole
         self.store.put(bid, arr, arr.nbytes, from_peer=True)
+        return int(arr.nbytes)
 
     def deliver_local(self, ring: RingReader, notice: wpb.TransferChunk) -> None:
         """A same-host peer's array, in its shared-memory ring (locallink.py); called from the

@@ -49,7 +49,7 @@ MAX_PAYLOAD = 1 << 36  # 64 GiB: a larger frame is malformed
 CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 120.0
 
-Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], None]
+Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:

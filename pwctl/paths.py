@@ -26,6 +26,7 @@ __all__ = [
     "data_dir",
     "default_db_url",
     "is_loopback",
+    "island_services_path",
     "jobs_dir",
     "logs_dir",
     "private_dir",
@@ -88,6 +89,13 @@ def server_pid_path() -> Path:
 
 def server_log_path() -> Path:
     return data_dir() / "server.log"
+
+
+def island_services_path() -> Path:
+    """The controller's record of its islands' coordination services (server/controller/groups.py):
+    its pid and theirs, so that a restarted controller, the services themselves and `pwctl down`
+    know which are still wanted."""
+    return data_dir() / "island-services.json"
 
 
 def cluster_state_path() -> Path:

@@ -147,7 +147,7 @@ ISLAND_SERVICE_MODULE = "server.controller.coordsvc"
 def _stop_island_services() -> None:
     """The coordination services of islands spanning hosts (they outlive a controller restart,
     so stopping the controller leaves them; they would end by themselves a minute later)."""
-    record = _read_json(paths.data_dir() / "island-services.json") or {}
+    record = _read_json(paths.island_services_path()) or {}
     pids = [p for p in record.get("pids", []) if isinstance(p, int) and runs_module(p, ISLAND_SERVICE_MODULE)]
     terminate(pids, 2.0)
 

@@ -97,7 +97,7 @@ class IslandGroups:
         self._ready_events: dict[str, asyncio.Event] = {}  # wait_usable's wake-ups
         self._wanted: set[str] = set()  # islands with a slice over several hosts (see want)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._record_path = paths.data_dir() / "island-services.json"
+        self._record_path = paths.island_services_path()
         # services an earlier controller left running: listed (so they stay) until reaped
         self._inherited: list[int] = []
         try:
@@ -362,7 +362,7 @@ def coordinator_host(listen: str) -> str:
 def start_service_process(address: str, n: int) -> subprocess.Popen[bytes]:
     """Starts a coordination service for `n` members at `address`, detached (it outlives a
     controller restart), and waits until it listens."""
-    record = str(paths.data_dir() / "island-services.json")
+    record = str(paths.island_services_path())
     proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", address, str(n), record],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=os.environ.copy())

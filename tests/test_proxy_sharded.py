@@ -212,7 +212,11 @@ print("pw", np.asarray(x).tolist())
 def test_a_proxy_and_a_pw_client_share_an_island(cluster: LocalCluster, tmp_path: Path) -> None:
     with cluster.client() as c:
         c.create_slice(cpb.SliceSpec(name="shared", devices=4))
-    local = run_program(PROXY_LOOP, client_env(tmp_path, **LOCAL4))
+    # Plain JAX must block each call: pipelined collectives deadlock on CPU (docs/facts.md), which
+    # is exactly what the proxy's worker gates against; the proxied program below pipelines freely.
+    blocking = PROXY_LOOP.replace("x = mix(x)", "x = mix(x).block_until_ready()")
+    assert blocking != PROXY_LOOP
+    local = run_program(blocking, client_env(tmp_path, **LOCAL4))
     procs = [
         subprocess.Popen([sys.executable, "-c", PROXY_LOOP], env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="shared"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),

@@ -8,6 +8,7 @@ print again. No workers are started: the jobs make no `pw` calls.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import psutil
 import pytest
 
 from server.controller.job_files import LogReader
-from server.controller.jobsup import Output
+from server.controller.jobsup import Output, own_cgroup
 from tests.conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -114,6 +115,40 @@ def test_a_setsid_grandchild_ends_with_its_job(make_cluster: Any, tmp_path: Path
     finally:
         if not gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def cgroups_writable() -> bool:
+    home = own_cgroup()
+    return home is not None and os.access(home, os.W_OK)
+
+
+@pytest.mark.skipif(not cgroups_writable(), reason="no writable cgroup v2 hierarchy here")
+def test_a_killed_supervisor_leaves_nothing_of_its_job(make_cluster: Any, tmp_path: Path) -> None:
+    """The subreaper cannot end the tree once it is dead itself (an OOM kill): the job's cgroup
+    can. Without it the `setsid` grandchild was left running under init."""
+    c = cluster(make_cluster)
+    job_id = submit(c, tmp_path, "orphaner.py", ORPHANER, "stay")
+    pid = grandchild_pid(c, job_id)
+    info = json.loads((job_dir(c, job_id) / "sup.json").read_text())
+    group = Path(info["cgroup"])
+    assert pid in [int(p) for p in (group / "cgroup.procs").read_text().split()]
+    try:
+        os.kill(info["pid"], signal.SIGKILL)  # the supervisor alone
+        assert c.pwctl("wait", job_id, "--timeout", "30").returncode != 0
+        job = describe(c, job_id)
+        assert job["state"] == "failed" and "supervisor died" in job["reason"], job
+        wait_for(lambda: gone(pid) and gone(info["driver_pid"]), 10, "the job's processes to end")
+        wait_for(lambda: not group.exists(), 10, "the job's cgroup to be removed")
+    finally:
+        for p in (pid, info["driver_pid"]):
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+    done = submit(c, tmp_path, "burner.py", "sum(range(3_000_000))\n")
+    assert c.pwctl("wait", done, "--timeout", "30").returncode == 0
+    exit_doc = json.loads((job_dir(c, done) / "exit.json").read_text())
+    assert exit_doc["cpu_s"] > 0.01, exit_doc  # the tree's CPU time, counted by its cgroup
+    assert not Path(json.loads((job_dir(c, done) / "sup.json").read_text())["cgroup"]).exists()
 
 
 @pytest.mark.parametrize("kill", [True, False], ids=["crash", "stop"])

@@ -249,6 +249,29 @@ def adopt(job_dir: Path) -> Supervisor | None:
                       pidfd=pidfd, job_dir=job_dir)
 
 
+def end_leftovers(job_dir: Path, driver_pid: int) -> int:
+    """Ends what a job whose supervisor died left running: everything in the job's cgroup where
+    the supervisor made one (a `setsid` grandchild included), else the driver's process group.
+    Returns how many processes the cgroup held (0 without one)."""
+    try:
+        path = json.loads((job_dir / jobsup.INFO).read_text()).get("cgroup")
+    except (OSError, ValueError, AttributeError):
+        path = None
+    killed = jobsup.kill_cgroup(Path(path)) if isinstance(path, str) and path else 0
+    kill_group(driver_pid, signal.SIGKILL)
+    return killed
+
+
+def read_usage(job_dir: Path) -> dict[str, float]:
+    """The job tree's resource use as its supervisor recorded it (cpu_s; memory_peak_bytes where
+    the memory controller is on): empty without a cgroup."""
+    try:
+        doc = json.loads((job_dir / jobsup.EXIT).read_text())
+        return {k: float(doc[k]) for k in ("cpu_s", "memory_peak_bytes") if k in doc}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
 def read_exit(job_dir: Path) -> tuple[int, bool, datetime | None] | None:
     """(the driver's exit code, whether it was cancelled, when it ended) as its supervisor recorded
     it, or None."""
@@ -273,8 +296,8 @@ def end_all(jobs_dir: Path, grace: float = 10.0) -> int:
         time.sleep(0.05)
     for s in sups:
         if lock_held(s.job_dir):
-            kill_group(s.driver_pid, signal.SIGKILL)
             s.signal(signal.SIGKILL)
+            end_leftovers(s.job_dir, s.driver_pid)
         if s.pidfd is not None:
             os.close(s.pidfd)
     return len(sups)

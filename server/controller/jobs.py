@@ -67,10 +67,12 @@ from .job_process import (
     adopt,
     driver_command,
     driver_env,
+    end_leftovers,
     exit_reason,
     kill_group,
     pid_is_job,
     read_exit,
+    read_usage,
     start_supervisor,
 )
 from .job_stats import ProgramStats
@@ -355,13 +357,20 @@ class JobManager:
         job_dir = paths.jobs_dir() / rec.id
         status = read_exit(job_dir)
         if status is None:
-            if rec.pid and pid_is_job(rec.pid, rec.id):  # its supervisor was killed, not the driver
-                kill_group(rec.pid, signal.SIGKILL)
+            # its supervisor was killed, maybe not the tree: end what is left (the cgroup holds
+            # even `setsid` descendants; without one, the driver's group, if the pid is still it)
+            left = end_leftovers(job_dir, rec.pid if rec.pid and pid_is_job(rec.pid, rec.id) else 0)
+            if left:
+                log.warning("job %s: its supervisor died; killed the %d process(es) left in its cgroup", rec.id, left)
             reason = ("its supervisor died and recorded no exit status (did the machine restart?)"
                       if (job_dir / "sup.json").exists() else "the controller stopped before the driver started")
             self._end(rec, cpb.JOB_STATE_FAILED, reason, None)
             return
         rc, cancelled, ended_at = status
+        if usage := read_usage(job_dir):
+            peak = usage.get("memory_peak_bytes")
+            log.info("job %s: its process tree used %.2f s of CPU%s", rec.id, usage.get("cpu_s", 0.0),
+                     f", at most {peak / 2**20:.0f} MiB" if peak else "")
         if cancelled or rec.cancel_requested:
             self._end(rec, cpb.JOB_STATE_CANCELLED, "cancelled", rc if rc >= 0 else None, ended_at)
         elif rc == 0:

@@ -8,6 +8,11 @@ that it imports nothing beyond the standard library; its environment is the driv
 - is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so every descendant of the driver, a `setsid`
   grandchild included, stays its descendant when its parent dies; when the driver exits, whatever
   is left of the tree is killed (SIGKILL) and reaped;
+- where the unified (v2) cgroup hierarchy is writable, moves itself into a cgroup of its own
+  before it starts the driver (`Cgroup`), named in `sup.json`: the tree then cannot leave it, so
+  a controller that finds the supervisor killed (an OOM kill, `kill -9`) still ends everything the
+  job left (`kill_cgroup`), which the subreaper alone cannot do once it is dead; the tree's CPU
+  time and, where the memory controller is on, peak memory go in `exit.json`;
 - on SIGTERM (a cancel) sends SIGTERM to the whole tree, SIGKILL after the grace period;
 - copies the tree's output (one pipe: stdout and stderr) to `output.log`, rotated at half of
   `--log-max-bytes` into `output.log.1`, so at most that many bytes are kept; what rotation
@@ -40,6 +45,7 @@ EXIT = "exit.json"
 LOG = "output.log"
 LOG_OLD = "output.log.1"
 LOG_STATE = "log.json"
+CGROUP_PREFIX = "pathways-"  # a job's cgroup: pathways-<job id>-<supervisor pid>, beside the supervisor's own
 PR_SET_CHILD_SUBREAPER = 36
 CHUNK = 64 * 1024
 DRAIN_S = 5.0  # after the tree is gone, output still buffered in the pipe is read for this long
@@ -90,9 +96,132 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def signal_tree(sig: int) -> int:
-    """Sends `sig` to every descendant; returns how many there were."""
-    pids = descendants(os.getpid())
+def cgroup2_mount() -> tuple[Path, str] | None:
+    """(mount point, the mount's root within the hierarchy) of the unified cgroup hierarchy:
+    /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified on a hybrid one; None without one."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if right.split()[:1] == ["cgroup2"] and len(fields) >= 5:
+            return Path(fields[4]), fields[3]
+    return None
+
+
+def own_cgroup() -> Path | None:
+    """The directory of this process's v2 cgroup, or None (no unified hierarchy, or ours is not
+    under the mount, as in some containers)."""
+    found = cgroup2_mount()
+    if found is None:
+        return None
+    mount, root = found
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            rel = line[3:]
+            if rel != root and not rel.startswith(root.rstrip("/") + "/"):
+                return None
+            return mount / rel[len(root.rstrip("/")):].lstrip("/")
+    return None
+
+
+class Cgroup:
+    """The job's cgroup: a child of the supervisor's own, holding the supervisor and its tree."""
+
+    def __init__(self, path: Path, home: Path) -> None:
+        self.path = path
+        self.home = home  # where the supervisor came from, and goes back to before removing it
+
+    @classmethod
+    def enter(cls, job_id: str) -> Cgroup | None:
+        """Makes the cgroup and moves this process into it; None where that is not allowed."""
+        home = own_cgroup()
+        if home is None:
+            return None
+        path = home / f"{CGROUP_PREFIX}{job_id}-{os.getpid()}"
+        try:
+            path.mkdir()
+        except OSError:
+            return None
+        try:
+            (path / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            return None
+        return cls(path, home)
+
+    def pids(self) -> list[int]:
+        return cgroup_pids(self.path)
+
+    def usage(self) -> dict[str, float]:
+        """The tree's CPU seconds (cpu.stat exists with or without the cpu controller) and peak
+        memory in bytes (memory.peak, only where the memory controller is enabled)."""
+        out: dict[str, float] = {}
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.path / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    out["cpu_s"] = int(value) / 1e6
+        with contextlib.suppress(OSError, ValueError):
+            out["memory_peak_bytes"] = int((self.path / "memory.peak").read_text())
+        return out
+
+    def leave(self) -> None:
+        """Back into the cgroup it came from; the job's cgroup is removed once empty."""
+        with contextlib.suppress(OSError):
+            (self.home / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            self.path.rmdir()
+
+
+def cgroup_pids(path: Path) -> list[int]:
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def kill_cgroup(path: Path) -> int:
+    """SIGKILLs every process in a job's cgroup (`cgroup.kill` where the kernel has it, else each
+    listed pid) and removes it once empty; returns how many processes were in it. For a
+    controller whose job's supervisor is gone. A path that is not a job's cgroup is left alone."""
+    found = cgroup2_mount()
+    if found is None or not path.name.startswith(CGROUP_PREFIX) or not path.is_relative_to(found[0]) \
+            or ".." in path.parts:
+        return 0
+    pids = cgroup_pids(path)
+    if pids:
+        try:
+            (path / "cgroup.kill").write_text("1\n")
+        except OSError:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        try:
+            path.rmdir()  # fails (EBUSY) while a killed process has not exited
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.01)
+    return len(pids)
+
+
+def signal_tree(sig: int, cgroup: Cgroup | None = None) -> int:
+    """Sends `sig` to every descendant, and to every other process of the job's cgroup; returns
+    how many there were."""
+    me = os.getpid()
+    pids = set(descendants(me))
+    if cgroup is not None:
+        pids.update(p for p in cgroup.pids() if p != me)
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -148,8 +277,10 @@ class Output:
 
 
 class Supervisor:
-    def __init__(self, job_dir: Path, argv: list[str], log_max_bytes: int, grace: float) -> None:
+    def __init__(self, job_dir: Path, argv: list[str], log_max_bytes: int, grace: float,
+                 cgroup: Cgroup | None = None) -> None:
         self.dir = job_dir
+        self.cgroup = cgroup
         self.argv = argv
         self.grace = grace
         self.out = Output(job_dir, log_max_bytes)
@@ -177,7 +308,7 @@ class Supervisor:
     def on_term(self, signum: int, frame: object) -> None:
         if self.term_at is None:
             self.term_at = time.monotonic()
-            signal_tree(signal.SIGTERM)
+            signal_tree(signal.SIGTERM, self.cgroup)
 
     def write(self, data: bytes) -> None:
         try:
@@ -224,11 +355,11 @@ class Supervisor:
             now = time.monotonic()
             if self.term_at is not None and not self.killed and now - self.term_at > self.grace:
                 self.killed = True
-                signal_tree(signal.SIGKILL)
+                signal_tree(signal.SIGKILL, self.cgroup)
             if self.status is not None and tree_gone_at is None:
                 # the driver ended: so does everything it left behind
                 end = now + 10.0
-                while signal_tree(signal.SIGKILL) and time.monotonic() < end:
+                while signal_tree(signal.SIGKILL, self.cgroup) and time.monotonic() < end:
                     time.sleep(0.01)
                     self.reap()
                 tree_gone_at = time.monotonic()
@@ -258,13 +389,15 @@ def main() -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, "another supervisor holds this job's lock") from None
-        sup = Supervisor(job_dir, ns.argv, ns.log_max_bytes, ns.grace)
+        cgroup = Cgroup.enter(job_dir.name)  # before the driver: the whole tree is born inside it
+        sup = Supervisor(job_dir, ns.argv, ns.log_max_bytes, ns.grace, cgroup)
         signal.signal(signal.SIGTERM, sup.on_term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         driver = sup.spawn()
         me = os.getpid()
-        write_json(job_dir / INFO, {"pid": me, "start": start_time(me), "driver_pid": driver})
+        write_json(job_dir / INFO, {"pid": me, "start": start_time(me), "driver_pid": driver,
+                                    "cgroup": str(cgroup.path) if cgroup else None})
     except OSError as e:
         reply.write(json.dumps({"error": str(e)}) + "\n")
         reply.flush()
@@ -275,7 +408,11 @@ def main() -> None:
     os.dup2(null, 1)  # the controller may go: nothing of ours may depend on its pipe
     os.close(null)
     code = sup.run()
-    write_json(job_dir / EXIT, {"code": code, "cancelled": sup.term_at is not None, "ended_at": time.time()})
+    usage = cgroup.usage() if cgroup else {}
+    if cgroup:
+        cgroup.leave()
+    write_json(job_dir / EXIT, {"code": code, "cancelled": sup.term_at is not None, "ended_at": time.time(),
+                                **usage})
 
 
 if __name__ == "__main__":

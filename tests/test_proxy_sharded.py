@@ -299,6 +299,12 @@ def test_submit_proxy_runs_an_unmodified_script_as_a_job(cluster: LocalCluster, 
     r = cluster.pwctl("submit", str(script), "--proxy", "--", "--steps", "3", PATHWAYS_SLICE="train", timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "run __main__ ['--steps', '3'] cpu 4 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    # a fresh slice of the size asked (freed when the job ends), whatever the submitter's env says
+    r = cluster.pwctl("submit", str(script), "--proxy", "--devices", "2", PATHWAYS_SLICE="train", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run __main__ [] cpu 2 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in r.stdout.splitlines()
+    r = cluster.pwctl("submit", str(script), "--slice", "train", timeout=60)
+    assert r.returncode == 2 and "--proxy" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # without --proxy the same script runs on the job's own CPU: one device
     r = cluster.pwctl("submit", str(script), "--", "x", timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -159,7 +159,12 @@ def submit(
     ] = None,
     proxy: Annotated[bool, typer.Option(
         "--proxy", help="Run an unmodified JAX script with JAX_PLATFORMS=proxy: its JAX computes on the "
-                        "cluster (slice: PATHWAYS_SLICE, else a fresh one of PATHWAYS_DEVICES devices)")] = False,
+                        "cluster (slice: --slice, else a fresh one of --devices devices)")] = False,
+    slice_name: Annotated[str, typer.Option(
+        "--slice", help="With --proxy: the named slice the script computes on (default: $PATHWAYS_SLICE)")] = "",
+    devices: Annotated[int, typer.Option(
+        "--devices", help="With --proxy and no slice: the size of the fresh slice (default: $PATHWAYS_DEVICES, "
+                          "else every free device of the island with the most)")] = 0,
 ) -> None:
     """Run a driver script on the server as a job; attached, stream its output and exit with its code.
 
@@ -176,13 +181,26 @@ def submit(
     if script.suffix not in DRIVER_SUFFIXES:
         raise InvalidArgument(f"{script}: pwctl submit runs .py scripts with Python and .sh scripts with bash; "
                               f"wrap anything else in a .sh script (e.g. `exec ./{script.name} \"$@\"`)")
+    if (slice_name or devices) and not proxy:
+        raise InvalidArgument("--slice and --devices choose the slice of a --proxy job (a `pw` driver picks "
+                              "its own slices)")
+    if devices < 0:
+        raise InvalidArgument(f"--devices must be > 0, not {devices}")
     zipped = zip_working_dir(working_dir) if working_dir is not None else b""
     entry = _entrypoint(script, working_dir)
     if proxy:
         if script.suffix != ".py":
             raise InvalidArgument(f"{script}: --proxy runs Python scripts")
         zipped = _with_file(zipped, entry, data)  # the script beside the driver that runs it
-        entry, data, name = proxy_plugin.JOB_DRIVER, proxy_plugin.job_driver(entry), name or script.name
+        environ = dict(os.environ)
+        if slice_name:
+            environ["PATHWAYS_SLICE"] = slice_name
+        if devices:
+            environ["PATHWAYS_DEVICES"] = str(devices)
+            if not slice_name:
+                environ.pop("PATHWAYS_SLICE", None)
+        entry, data = proxy_plugin.JOB_DRIVER, proxy_plugin.job_driver(entry, environ)
+        name = name or script.name
     req = cpb.SubmitJobRequest(name=name, entrypoint=entry, script=data,
                                args=list(args or []), working_dir_zip=zipped, priority=priority,
                                weight=weight)

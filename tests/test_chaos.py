@@ -1,6 +1,6 @@
 """The short chaos and fuzz run (`python -m bench.chaos --quick`): 400 hostile requests to every
 controller and worker method, then 5 kills (one of them the controller) while a program across
-two islands runs; every check of the report must hold, the controller's and the workers'
+two islands, a collective, an unmodified JAX program through the proxy and a job run; every check of the report must hold, the controller's and the workers'
 (bench/chaos/__init__.py)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from conftest import REPO, base_env
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_quick_chaos_run_keeps_the_controller_sound(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     r = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--requests", "400", "--seed", "7",
                         "--out", str(out), "--keep", str(tmp_path / "run")],
-                       env=base_env(tmp_path / "home"), cwd=REPO, capture_output=True, text=True, timeout=140)
+                       env=base_env(tmp_path / "home"), cwd=REPO, capture_output=True, text=True, timeout=230)
     assert out.exists(), r.stderr[-3000:]
     report = json.loads(out.read_text())
     failed = [name for name, ok in {**report["checks"], **report["worker_checks"]}.items() if not ok]
@@ -29,5 +29,10 @@ def test_quick_chaos_run_keeps_the_controller_sound(tmp_path: Path) -> None:
     kills = report["kills"]
     assert kills["kills"] == 5 and kills["controller_kills"] == 1
     assert kills["calls_ok"] > 0 and kills["time_to_error_s"]["n"] >= 1
+    # the mixed load: a collective and an unmodified JAX program through the proxy beside the
+    # program across islands, each checked; and a job that lived through every kill
+    assert set(kills["workloads"]) == {"across", "psum", "proxy"}
+    assert all(w["calls_ok"] > 0 for w in kills["workloads"].values()), kills["workloads"]
+    assert kills["job"]["state"] == "JOB_STATE_SUCCEEDED" and kills["job"]["calls_ok"] > 0, kills["job"]
     assert report["fuzz"]["requests"] == 400
     assert set(report["fuzz"]["methods"]) >= {"Controller/WorkerConnect", "Controller/Session", "Worker/Fetch"}

@@ -65,7 +65,12 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         "controller UNKNOWN statuses == 0": f.get("controller_unknown") == 0,
         "controller up after fuzz": bool(f.get("controller_up")),
         "islands, hosts, named slices unchanged by fuzz": bool(f.get("state_unchanged")),
-        "wrong results == 0": k.get("wrong_results") == 0,
+        "wrong results == 0": k.get("wrong_results") == 0 and k.get("job", {}).get("wrong_results", 0) == 0,
+        "every workload (across, psum, proxy) served again after the last kill":
+            bool(k.get("workloads")) and all(w["served_after_last_kill"] for w in k["workloads"].values()),
+        "the job survived every kill (succeeded, served after the last)":
+            k.get("job", {}).get("state") == "JOB_STATE_SUCCEEDED" and bool(k["job"].get("served_after_last_kill"))
+            and k["job"].get("stuck_calls") == 0,
         f"calls waiting > {15:g} s after a kill == 0": k.get("stuck_calls") == 0,
         "every kill recovered": k.get("not_recovered") == 0,
         "state consistent after controller restarts": k.get("inconsistent_after_restart") == 0,

@@ -1,4 +1,5 @@
-"""The kill part: a workload (workload.py) runs while workers and the controller are killed
+"""The kill part: workloads (workload.py: a program across islands, a collective, an unmodified
+JAX program through the IFRT proxy) and a job run while workers and the controller are killed
 with SIGKILL at random moments, then started again (same port, database and data directory).
 
 Per kill it measures, from the moment of the kill:
@@ -9,11 +10,15 @@ Per kill it measures, from the moment of the kill:
 - `recovery_s`: until a call that started after that succeeded (the cluster serves again);
 - `stuck`: a call still running `STUCK_S` after the kill (must never happen);
 - `consistent`: after a controller kill, its islands, hosts and named slices are as before.
-Every result is checked against NumPy (`wrong` must stay 0).
+Every result is checked against NumPy (`wrong` must stay 0). A workload that exits (its session
+ended, or a proxy program's call failed) is started again. The job (the `across` workload as a
+job's driver) runs through every kill; at the end it is told to stop and must have succeeded, its
+session having come back after each controller restart (`jobs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
@@ -25,15 +30,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.cluster import REPO
+from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import ChaosCluster
+from .workload import KINDS
 
 STUCK_S = 15.0
 RECOVERY_LIMIT_S = 60.0
 
 
+# the job's driver: the `across` workload in job mode (workload.py)
+JOB_DRIVER = """import os, runpy, sys
+os.environ["CHAOS_JOB"] = "1"
+sys.argv = ["workload", "across"]
+runpy.run_module("bench.chaos.workload", run_name="__main__")
+"""
+JOB_END_S = 60.0
+
+
 @dataclass
 class Workload:
+    kind: str
     proc: subprocess.Popen[str]
     calls: list[dict[str, Any]] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -54,31 +71,43 @@ class Workload:
 
 
 class KillRun:
-    def __init__(self, cluster: ChaosCluster, rng: random.Random, kills: int, controller_kills: int) -> None:
+    def __init__(self, cluster: ChaosCluster, rng: random.Random, kills: int, controller_kills: int,
+                 kinds: tuple[str, ...] = KINDS, job: bool = True) -> None:
         self.cluster = cluster
+        self.kinds = kinds
+        self.job = job
+        self.job_id = ""
         self.rng = rng
         targets = ["controller"] * controller_kills + [
             self.rng.choice(cluster.islands) for _ in range(max(0, kills - controller_kills))]
         self.rng.shuffle(targets)
         self.targets = targets
         self.workloads: list[Workload] = []
+        self.live: dict[str, Workload] = {}
         self.records: list[dict[str, Any]] = []
         self.stuck = 0
+        self.settled: dict[str, bool] = {}
+        self.jobs: dict[str, Any] = {}
 
     # ---- the workload ----
-    def _workload(self) -> Workload:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.chaos.workload"], env=self.cluster.env(), cwd=REPO,
+    def _workload(self, kind: str) -> Workload:
+        c = self.cluster
+        env = c.env(JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{c.address}", PATHWAYS_DEVICES="1") \
+            if kind == "proxy" else c.env()
+        proc = subprocess.Popen([sys.executable, "-m", "bench.chaos.workload", kind], env=env, cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
-        w = Workload(proc)
+        w = Workload(kind, proc)
         threading.Thread(target=w.read, daemon=True).start()
         self.workloads.append(w)
+        self.live[kind] = w
         return w
 
-    def _current(self) -> Workload:
-        w = self.workloads[-1] if self.workloads else None
+    def _current(self, kind: str = "across") -> Workload:
+        """The running workload of `kind`, started again if it exited."""
+        w = self.live.get(kind)
         if w is None or w.proc.poll() is not None:
-            w = self._workload()
+            w = self._workload(kind)
         return w
 
     def _calls(self) -> list[dict[str, Any]]:
@@ -95,7 +124,7 @@ class KillRun:
             c.kill(c.workers[target])
             time.sleep(self.rng.uniform(0.0, 1.0))  # down for a moment: calls meet the loss
             c.start_worker(target)
-        rec: dict[str, Any] = {"target": target if target == "controller" else f"worker {target}",
+        rec: dict[str, Any] = {"target": target if target == "controller" else f"worker {target}", "at": at,
                                "ready_s": None, "error_s": None, "recovery_s": None, "stuck": False}
         c.wait_ready(RECOVERY_LIMIT_S)
         ready_at = time.time()
@@ -107,10 +136,11 @@ class KillRun:
             w = self._current()
             if any(x["ok"] and x["start"] >= ready_at for x in w.calls):
                 break
-            self._check_stuck(w, at, rec)
+            for kind in self.kinds:
+                self._check_stuck(self._current(kind), at, rec)
             time.sleep(0.05)
         calls = self._calls()
-        ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= ready_at]
+        ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= ready_at and x.get("kind") == "across"]
         if ok_after:
             rec["recovery_s"] = round(min(ok_after) - at, 3)
         until = min(ok_after) if ok_after else deadline
@@ -124,6 +154,7 @@ class KillRun:
         """A workload silent for STUCK_S after the kill holds a call that waits too long."""
         if w.proc.poll() is None and w.ready.is_set() and time.time() - max(w.last_line, at) > STUCK_S:
             rec["stuck"] = True
+            rec.setdefault("stuck_kinds", []).append(w.kind)
             self.stuck += 1
             w.proc.kill()
 
@@ -134,14 +165,26 @@ class KillRun:
             from schemas.pathways.v1 import controller_pb2 as cpb
             cl.create_slice(cpb.SliceSpec(name="chaos-named", devices=1))
         self.baseline = c.snapshot()
-        w = self._current()
-        if not w.ready.wait(90):
-            raise RuntimeError("the workload did not start")
+        for kind in self.kinds:
+            if not self._current(kind).ready.wait(90):
+                raise RuntimeError(f"the {kind} workload did not start")
+        if self.job:
+            with c.client(timeout=30) as cl:
+                self.job_id = cl.submit_job(cpb.SubmitJobRequest(name="chaos-job", entrypoint="driver.py",
+                                                                 script=JOB_DRIVER.encode())).id
+            deadline = time.time() + 90
+            while not any(x["ok"] for x in self._job_calls()):  # the kills start once it serves
+                if time.time() > deadline:
+                    raise RuntimeError(f"job {self.job_id} made no call in 90 s (see {c.home / 'jobs'})")
+                time.sleep(0.2)
         start = time.time()
         for target in self.targets:
             time.sleep(self.rng.uniform(0.3, 1.5))  # calls flow, then the kill comes at a random moment
-            self._current()
+            for kind in self.kinds:
+                self._current(kind)
             self.records.append(self._kill(target))
+        self.settled = self._settle()
+        self.jobs = self._end_job() if self.job else {}
         for w in self.workloads:
             if w.proc.poll() is None:
                 w.proc.terminate()
@@ -151,8 +194,63 @@ class KillRun:
                     w.proc.kill()
         return self.summary(time.time() - start)
 
+    def _settle(self) -> dict[str, bool]:
+        """After the last kill: whether each kind served a call again (checking none is stuck)."""
+        since = time.time()
+        rec: dict[str, Any] = {}
+        served = {kind: False for kind in self.kinds}
+        while time.time() < since + RECOVERY_LIMIT_S and not all(served.values()):
+            for kind in self.kinds:
+                w = self._current(kind)
+                served[kind] = served[kind] or any(x["ok"] and x["start"] >= since for x in w.calls)
+                self._check_stuck(w, since, rec)
+            time.sleep(0.05)
+        return served
+
+    def _job_calls(self) -> list[dict[str, Any]]:
+        """The job's calls so far, from its output (JSON lines, workload.py)."""
+        calls = []
+        for name in ("output.log.1", "output.log"):
+            with contextlib.suppress(OSError):
+                for raw in (self.cluster.home / "jobs" / self.job_id / name).read_text(errors="replace").splitlines():
+                    with contextlib.suppress(ValueError):
+                        line = json.loads(raw)
+                        if isinstance(line, dict) and "start" in line:
+                            calls.append(line)
+        return calls
+
+    def _end_job(self) -> dict[str, Any]:
+        """Stops the job (a file in its directory), waits for its end, reads its calls."""
+        c = self.cluster
+        job_dir = c.home / "jobs" / self.job_id
+        (job_dir / "stop").write_text("")
+        deadline = time.time() + JOB_END_S
+        job = None
+        while time.time() < deadline:
+            with c.client(timeout=10) as cl:
+                job = cl.get_job(self.job_id)
+            if job.state not in (cpb.JOB_STATE_PENDING, cpb.JOB_STATE_RUNNING):
+                break
+            time.sleep(0.2)
+        calls = self._job_calls()
+        last_kill = max((r["at"] for r in self.records), default=0.0)
+        return {
+            "state": cpb.JobState.Name(job.state) if job else "unknown",
+            "reason": job.reason if job else "",
+            "calls": len(calls),
+            "calls_ok": sum(1 for x in calls if x["ok"]),
+            "wrong_results": sum(1 for x in calls if x.get("wrong")),
+            "stuck_calls": sum(1 for x in calls if x["end"] - x["start"] > STUCK_S),
+            "served_after_last_kill": any(x["ok"] and x["start"] >= last_kill for x in calls),
+        }
+
     def summary(self, seconds: float) -> dict[str, Any]:
         calls = self._calls()
+        kinds = {kind: {"calls": sum(1 for x in calls if x.get("kind") == kind),
+                        "calls_ok": sum(1 for x in calls if x.get("kind") == kind and x["ok"]),
+                        "wrong_results": sum(1 for x in calls if x.get("kind") == kind and x.get("wrong")),
+                        "programs_started": sum(1 for w in self.workloads if w.kind == kind),
+                        "served_after_last_kill": self.settled.get(kind, False)} for kind in self.kinds}
         errors = [r["error_s"] for r in self.records if r["error_s"] is not None]
         recov = [r["recovery_s"] for r in self.records if r["recovery_s"] is not None]
         return {
@@ -168,6 +266,8 @@ class KillRun:
             "inconsistent_after_restart": sum(1 for r in self.records if r.get("consistent") is False),
             "time_to_error_s": _dist(errors),
             "recovery_s": _dist(recov),
+            "workloads": kinds,
+            "job": self.jobs,
             "per_kill": self.records,
         }
 

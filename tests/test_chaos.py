@@ -1,7 +1,7 @@
 """The short chaos and fuzz run (`python -m bench.chaos --quick`): 400 hostile requests to every
 controller and worker method, then 5 kills (one of them the controller) while a program across
-two islands, a collective, an unmodified JAX program through the proxy and a job run; every check of the report must hold, the controller's and the workers'
-(bench/chaos/__init__.py)."""
+two islands, a collective, an unmodified JAX program through the proxy and a job run; every check
+of the report must hold, the controller's and the workers' (bench/chaos/__init__.py)."""
 
 from __future__ import annotations
 

@@ -248,3 +248,72 @@ def test_an_input_held_by_a_worker_that_is_not_ready_is_refused_at_once() -> Non
     assert "c:1" not in p.dispatcher.runs[9].plan.addresses
     p.dispatcher.host_lost(p.hosts["c"], "gone")
     assert (9, False, "host c lost: it held inputs of program p") in p.finished
+
+
+def gang_parts() -> tuple[Parts, list[HostInfo]]:
+    """Parts with slice "sg" over hosts g0, g1, g2 (island p, 2 devices each: a gang)."""
+    from server.controller.segments import Gang
+
+    p = Parts()
+    members = [HostInfo(id=100 + m, name=f"g{m}", island="p", address=f"g{m}:1", pid=1, kind="cpu",
+                        machine_id=f"m-g{m}", device_ids=[30 + 2 * m, 31 + 2 * m], state="ready") for m in range(3)]
+    for h in members:
+        p.hosts[h.name] = h
+        p.dispatcher.host_up(h)
+    p.outbox.take()
+    gang = Gang(generation=4, members=tuple(members), devices=tuple(range(6)),
+                member_devices=tuple(tuple(h.device_ids) for h in members))
+    where = p.slices.where
+
+    class GangSlices(Slices):
+        def placement(self, name: str) -> Placement:
+            if name == "sg":
+                return Placement("sg", members[0], list(range(6)), 0, "p", gang=gang)
+            return Slices.placement(self, name)
+
+    p.slices = GangSlices(p.hosts)
+    p.slices.where = where
+    p.dispatcher.placements = p.slices
+    return p, members
+
+
+def test_the_tasks_of_a_gang_node_differ_only_in_segment_seq_and_id() -> None:
+    """Members of a gang node get the same ids (a program input held elsewhere sent to each, an
+    own part read in place, a part gathered elsewhere under one id) whichever way the dispatcher
+    builds their tasks, in every run."""
+    p, members = gang_parts()
+    graph = cpb.ProgramGraph(name="g", num_inputs=1, outputs=[out(2)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sg", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sg", inputs=[out(0)], num_outputs=1, name="n1"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(1)], num_outputs=1, name="n2"),
+    ])
+    assert p.registry.add_functions([FUNCTION]) == []
+    prog = p.registry.register(graph, "client:c1")
+    s = session()
+    for run_id, output in ((7, 200), (8, 201)):
+        run = p.run(s, run_id, prog, output=output)
+        plan = run.plan
+        assert plan.group_of == [0, 0, 0, 1, 1, 1, -1]
+        sent = p.outbox.by_host()
+        assert [t.buffer_id for m in sent["a"] for t in m.enqueue.sends] == [100, 100, 100]
+        assert [t.address for m in sent["a"] for t in m.enqueue.sends] == ["g0:1", "g1:1", "g2:1"]
+        n0_out, n1_out, gathered = run.buffers[0][0], run.buffers[3][0], run.gathered[0]
+        for m, h in enumerate(members):
+            tasks = [t for msg in sent[h.name] for t in msg.enqueue.tasks]
+            seg0, seg1 = plan.segments[m], plan.segments[3 + m]
+            assert seg0.host is h and seg1.host is h
+            assert tasks == [
+                wpb.Task(run_id=run_id, segment=m, seq=tasks[0].seq, segment_id=seg0.definition.segment_id,
+                         input_ids=[100], output_ids=[n0_out], output_visible=[False], owner="client:c1"),
+                wpb.Task(run_id=run_id, segment=3 + m, seq=tasks[1].seq, segment_id=seg1.definition.segment_id,
+                         input_ids=[n0_out], output_ids=[n1_out], output_visible=[False], owner="client:c1",
+                         route_ids=[gathered]),
+            ]
+            assert tasks[1].seq == tasks[0].seq + 1 == (run_id - 7) * 2 + 2
+        assert [t.input_ids for msg in sent["b"] for t in msg.enqueue.tasks] == [[gathered]]
+        for m in range(3):
+            p.report(f"g{m}", run_id, m)
+            p.report(f"g{m}", run_id, 3 + m)
+        p.report("b", run_id, 6)
+        assert p.finished[-1] == (run_id, True, "")
+        p.outbox.take()

@@ -72,6 +72,10 @@ class Plan:
     # run makes one id list per layout, not one per member.
     layout_of: list[int] = field(default_factory=list)
     layouts: list[tuple[tuple[int, tuple[int, int]], ...]] = field(default_factory=list)
+    # segment -> its task group, or -1: the member segments of a gang node read and write the
+    # same buffer ids, so a run's tasks for them differ only in segment, seq and segment id. A run
+    # builds one `Task` per group and copies it per member (`Dispatcher._dispatch`).
+    group_of: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
@@ -79,6 +83,23 @@ class Plan:
             layout = tuple(zip(seg.client_outputs, seg.outputs, strict=True))
             self.layout_of.append(index.setdefault(layout, len(index)))
         self.layouts = list(index)
+        self.group_of = task_groups(self.segments, self.layout_of)
+
+
+def task_groups(segments: Sequence[SegmentPlan], layout_of: Sequence[int]) -> list[int]:
+    """Per segment: its group (>= 0) when another segment's tasks carry the same ids in every
+    run (same inputs, outputs, visibility and routes: the members of a gang node), else -1."""
+    keys = []
+    for seg in segments:
+        # an input made by a segment is that segment's output list (shared by its layout)
+        inputs = tuple((source if source < 0 else -3 - layout_of[source], k) for source, k in seg.inputs)
+        keys.append((inputs, layout_of[seg.index], tuple(seg.visible), tuple(seg.read_later_here),
+                     tuple(seg.route_keys)))
+    count: dict[object, int] = {}
+    for key in keys:
+        count[key] = count.get(key, 0) + 1
+    groups: dict[object, int] = {}
+    return [groups.setdefault(key, len(groups)) if count[key] > 1 else -1 for key in keys]
 
 
 @dataclass(slots=True)
@@ -94,6 +115,7 @@ class RunState:
     # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
+    templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
 
 
 def _check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
@@ -348,6 +370,23 @@ class Dispatcher:
                         functions.add(n.function_id)
                 enq.segments.append(definition)
                 segments.add(definition.segment_id)
+            group = run.plan.group_of[d.node_index]
+            if group >= 0 and not run.session.sequential:
+                # a gang member: the group's task with this member's segment, seq and id (its
+                # program inputs held elsewhere still go to this member's host)
+                template = run.templates.get(group)
+                if template is not None:
+                    for source, k in seg.inputs:
+                        if source == PROGRAM_INPUT:
+                            home = run.input_homes[k]
+                            if home and home != host.address and "|" not in home:
+                                sends.setdefault(home, []).append((run.input_ids[k], host.address))
+                    task = enq.tasks.add()
+                    task.CopyFrom(template)
+                    task.segment = d.node_index
+                    task.seq = d.seq
+                    task.segment_id = definition.segment_id
+                    continue
             inputs = []
             for source, k in seg.inputs:
                 if source == PROGRAM_INPUT:
@@ -373,6 +412,9 @@ class Dispatcher:
                                  report_promptly=run.session.sequential)
             if run.gathered and any(k >= 0 for k in seg.route_keys):
                 task.route_ids[:] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
+            if group >= 0 and not run.session.sequential:
+                run.templates[group] = template = wpb.Task()
+                template.CopyFrom(task)  # a copy: the first member's task leaves with its message
         for home, items in sends.items():
             src = self.host_by_address(home)
             if src is None:

@@ -62,6 +62,30 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to loopback port `port` (Linux
+    /proc). A client that talks to a server only inside its main loop is then past its imports
+    and set-up: a test may interrupt it there, where a fixed sleep would race its start."""
+    sockets = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    sockets.add(link[len("socket:["):-1])
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... inode
+            if (len(fields) > 9 and fields[9] in sockets and fields[3] == "01"
+                    and int(fields[2].rsplit(":", 1)[1], 16) == port):
+                return True
+    return False
+
+
 def wait_for(predicate: Callable[[], T | None], timeout: float = 30.0, what: str = "condition",
              interval: float = POLL_S) -> T:
     """Polls `predicate` until it returns something truthy; returns that value."""

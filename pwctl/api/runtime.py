@@ -18,9 +18,9 @@ import os
 import queue
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -55,15 +55,20 @@ class _Release(NamedTuple):
     address: str
 
 
-def _max_in_flight(value: str) -> int:
+N = TypeVar("N", int, float)
+
+
+def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], expected: str) -> N:
+    """The value of environment variable `name` (`value`) as an amount >= 0 (`parse`: int or
+    float); `default` when it is blank; InvalidArgument saying what was `expected` otherwise."""
     if not value.strip():
-        return MAX_IN_FLIGHT
+        return default
     try:
-        n = int(value)
+        n = parse(value)
     except ValueError:
-        n = -1
+        n = parse("-1")
     if n < 0:
-        raise InvalidArgument(f"PWCTL_MAX_IN_FLIGHT={value!r}: expected a number of runs (0: no bound)")
+        raise InvalidArgument(f"{name}={value!r}: expected {expected}")
     return n
 
 
@@ -80,18 +85,6 @@ def keep_local_jax_on_cpu() -> None:
     if getattr(jax.config, "jax_platforms", None) or (started is not None and started()):
         return
     jax.config.update("jax_platforms", "cpu")
-
-
-def _reconnect_s(value: str) -> float:
-    if not value.strip():
-        return RECONNECT_S
-    try:
-        s = float(value)
-    except ValueError:
-        s = -1.0
-    if s < 0:
-        raise InvalidArgument(f"PWCTL_RECONNECT_S={value!r}: expected seconds (0: never reconnect)")
-    return s
 
 
 class _Lost(Exception):
@@ -126,7 +119,8 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
-        self.max_in_flight = _max_in_flight(os.environ.get("PWCTL_MAX_IN_FLIGHT", ""))
+        self.max_in_flight = env_amount("PWCTL_MAX_IN_FLIGHT", os.environ.get("PWCTL_MAX_IN_FLIGHT", ""),
+                                        MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
         self._runs_sent = 0
         self._runs_done = 0  # as the controller last reported (RunsDone)
         self._progress = threading.Condition()
@@ -135,7 +129,8 @@ class Runtime:
         self._workers_lock = threading.Lock()
         self.known_functions: set[str] = set()  # ids of the functions the server accepted from us
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
-        self.reconnect_s = _reconnect_s(os.environ.get("PWCTL_RECONNECT_S", ""))
+        self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
+                                      RECONNECT_S, float, "seconds (0: never reconnect)")
         # what a resumed session sends again: every program registered, registrations unanswered
         self._programs: dict[str, tuple[cpb.ProgramGraph, list[Any]]] = {}
         self._pending_msgs: dict[int, cpb.ClientMessage] = {}

@@ -6,6 +6,7 @@ would), print one JSON line, and meet at a start barrier (a `go` file) so that t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -30,16 +31,25 @@ class ClientProc:
 
     def __init__(self, cluster: LocalCluster, script: str, *args: str, **env: str) -> None:
         self.script = script
-        self.proc = subprocess.Popen([sys.executable, str(CLIENTS / script), *args], env=cluster.env(**env),
-                                     cwd=CLIENTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.cluster = cluster
+        # PYTHONFAULTHANDLER: a client that overstays gets SIGABRT first and prints where each of
+        # its threads was (a hang once left nothing to go on)
+        self.proc = subprocess.Popen([sys.executable, str(CLIENTS / script), *args],
+                                     env=cluster.env(PYTHONFAULTHANDLER="1", **env), cwd=CLIENTS,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def result(self, timeout: float = 60) -> dict[str, Any]:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"{self.script} did not finish in {timeout:g} s:\n{err[-3000:]}") from None
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack to stderr
+            try:
+                out, err = self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+            raise AssertionError(f"{self.script} did not finish in {timeout:g} s:\n{err[-6000:]}\n"
+                                 f"cluster warnings:\n{cluster_warnings(self.cluster)}") from None
         assert self.proc.returncode == 0, f"{self.script} exited {self.proc.returncode}:\n{err[-3000:]}"
         return json.loads(out.strip().splitlines()[-1])
 
@@ -47,6 +57,13 @@ class ClientProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
+
+
+def cluster_warnings(cluster: LocalCluster, lines: int = 40) -> str:
+    """The last warnings and errors the cluster's processes logged (what a stuck client waited on)."""
+    found = [f"{log.name}: {line}" for log in sorted(cluster.home.glob("*.log"))
+             for line in log.read_text(errors="replace").splitlines() if " WARNING " in line or " ERROR " in line]
+    return "\n".join(found[-lines:]) or "(none)"
 
 
 def start_together(clients: Sequence[ClientProc], workdir: Path, names: Sequence[str],

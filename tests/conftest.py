@@ -46,6 +46,11 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.05
 XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=20"
+# The controller's --heartbeat-timeout for test clusters. On the shared 2-core machine a worker
+# went silent for over 2 s now and then (an idle one, too), so at 2 s the controller marked it
+# lost mid-test and it registered again: its runs failed ("host w-a lost: it held node 0") and its
+# seqs restarted. A test that wants a silent worker found lost names a short timeout itself.
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:
@@ -60,6 +65,30 @@ def default_sigint() -> None:
     A test runner started in the background by a non-interactive shell inherits SIGINT ignored,
     and Python leaves an ignored SIGINT ignored, so the child would never see the test's SIGINT."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to loopback port `port` (Linux
+    /proc). A client that talks to a server only inside its main loop is then past its imports
+    and set-up: a test may interrupt it there, where a fixed sleep would race its start."""
+    sockets = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    sockets.add(link[len("socket:["):-1])
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... inode
+            if (len(fields) > 9 and fields[9] in sockets and fields[3] == "01"
+                    and int(fields[2].rsplit(":", 1)[1], 16) == port):
+                return True
+    return False
 
 
 def wait_for(predicate: Callable[[], T | None], timeout: float = 30.0, what: str = "condition",
@@ -144,7 +173,7 @@ class LocalCluster:
     and nothing else.
     """
 
-    def __init__(self, home: Path, heartbeat_timeout: float = 2.0,
+    def __init__(self, home: Path, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  controller_args: Sequence[str] = (), worker_env: dict[str, str] | None = None) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
@@ -360,7 +389,7 @@ def _cluster_from_marker(request: pytest.FixtureRequest, home: Path) -> Iterator
     islands = int(kw.get("islands", 2))
     devices = int(kw.get("devices", 2))
     names = [chr(ord("a") + i) for i in range(islands)]
-    with LocalCluster(home, heartbeat_timeout=float(kw.get("heartbeat_timeout", 2.0)),
+    with LocalCluster(home, heartbeat_timeout=float(kw.get("heartbeat_timeout", HEARTBEAT_TIMEOUT_S)),
                       controller_args=kw.get("controller_args", ()), worker_env=kw.get("worker_env")) as c:
         c.start([(n, devices) for n in names])
         yield c
@@ -383,11 +412,11 @@ def module_cluster(request: pytest.FixtureRequest,
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     """Factory for tests needing special clusters: make_cluster(islands=1, devices=2,
-    controller_args=(), heartbeat_timeout=2.0, start=True). All are closed at teardown."""
+    controller_args=(), heartbeat_timeout=HEARTBEAT_TIMEOUT_S, start=True). All are closed at teardown."""
     made: list[LocalCluster] = []
 
     def make(islands: int = 1, devices: int = 2, controller_args: Sequence[str] = (),
-             heartbeat_timeout: float = 2.0, start: bool = True) -> LocalCluster:
+             heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, start: bool = True) -> LocalCluster:
         c = LocalCluster(tmp_path / f"cluster-{len(made)}", heartbeat_timeout, controller_args)
         made.append(c)
         if start:

@@ -64,13 +64,24 @@ def test_dropped_futures_are_queued_as_ids_and_leave_as_one_release_per_worker()
 
 
 def test_the_bound_on_runs_in_flight_comes_from_the_environment() -> None:
-    from pwctl.api.runtime import MAX_IN_FLIGHT, _max_in_flight
+    from pwctl.api.resume import RECONNECT_S
+    from pwctl.api.runtime import MAX_IN_FLIGHT, env_amount
     from pwctl.errors import InvalidArgument
 
-    assert _max_in_flight("") == MAX_IN_FLIGHT and _max_in_flight("8") == 8 and _max_in_flight("0") == 0
-    for bad in ("many", "-3"):
-        with pytest.raises(InvalidArgument, match="PWCTL_MAX_IN_FLIGHT"):
-            _max_in_flight(bad)
+    def runs(value: str) -> int:
+        return env_amount("PWCTL_MAX_IN_FLIGHT", value, MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
+
+    def seconds(value: str) -> float:
+        return env_amount("PWCTL_RECONNECT_S", value, RECONNECT_S, float, "seconds (0: never reconnect)")
+
+    assert runs("") == MAX_IN_FLIGHT and runs(" ") == MAX_IN_FLIGHT and runs("8") == 8 and runs("0") == 0
+    assert seconds("") == RECONNECT_S and seconds("2.5") == 2.5 and seconds("0") == 0.0
+    for bad in ("many", "-3", "1.5"):
+        with pytest.raises(InvalidArgument, match=r"PWCTL_MAX_IN_FLIGHT=.*expected a number of runs"):
+            runs(bad)
+    for bad in ("soon", "-1"):
+        with pytest.raises(InvalidArgument, match=r"PWCTL_RECONNECT_S=.*expected seconds"):
+            seconds(bad)
 
 
 _PLATFORMS = """

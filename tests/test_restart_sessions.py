@@ -57,7 +57,7 @@ while after is None or n < after:
 final = np.asarray(x)
 assert (final == n).all(), (final, n)
 rt = Runtime.get()
-print("done", n, final.tolist(), "reconnects", rt.reconnects, "redone", redone, "slice", s.name, flush=True)
+print("done", n, final.tolist(), "reconnects", rt.resume.reconnects, "redone", redone, "slice", s.name, flush=True)
 for e in errors:
     print("error:", e, flush=True)
 """

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -96,17 +96,40 @@ def registration(name: str, island: str, devices: int = 4) -> cpb.RegisterWorker
                               pid=1, device_kind="cpu", device_count=devices, machine_id=name)
 
 
-async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
-    url = f"sqlite:///{tmp_path / f'c{n}.db'}"
-    engine = make_engine(url)
-    Base.metadata.create_all(engine)
-    engine.dispose()
-    core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
-    core.slices.load()
-    core.cluster.load()
-    meter = Meter(core)
-    cluster = core.cluster
-    try:
+MakeCore = Callable[..., AbstractContextManager[Controller]]
+
+
+@pytest.fixture
+def make_core(tmp_path: Path) -> MakeCore:
+    """`with make_core("x.db", load_slices=True, **config) as core`: a real controller core in this
+    process (its components, the database writer) on SQLite database tmp_path/x.db, made with the
+    schema when it is new (a second core on the same file is the first one restarted), its state
+    loaded as at start (the slices only with `load_slices`); its writer and engine closed after."""
+
+    @contextmanager
+    def make(db: str, *, load_slices: bool = True, **config: Any) -> Iterator[Controller]:
+        url = f"sqlite:///{tmp_path / db}"
+        if not (tmp_path / db).exists():
+            engine = make_engine(url)
+            Base.metadata.create_all(engine)
+            engine.dispose()
+        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, **config))
+        if load_slices:
+            core.slices.load()
+        core.cluster.load()
+        try:
+            yield core
+        finally:
+            core.writer.close(30)
+            core.engine.dispose()
+
+    return make
+
+
+async def costs(make_core: MakeCore, n: int) -> dict[str, Work]:
+    with make_core(f"c{n}.db") as core:
+        meter = Meter(core)
+        cluster = core.cluster
         for i in range(n):
             cluster.register(registration(f"h{i:03d}", ISLANDS[i % 2]), WorkerLink(f"h{i:03d}"))
         core.slices.create(cpb.SliceSpec(name="s", devices=4, island=ISLANDS[0]), False, "")
@@ -153,14 +176,11 @@ async def costs(tmp_path: Path, n: int) -> dict[str, Work]:
         assert all(h.state == LOST for h in lost)
         out["loss of a quarter (statements)"] = Work(statements=loss.statements)
         return out
-    finally:
-        core.writer.close(30)
-        core.engine.dispose()
 
 
-def test_work_per_event_does_not_grow_with_the_cluster(tmp_path: Path) -> None:
-    small = asyncio.run(costs(tmp_path, 8))
-    large = asyncio.run(costs(tmp_path, 32))
+def test_work_per_event_does_not_grow_with_the_cluster(make_core: MakeCore) -> None:
+    small = asyncio.run(costs(make_core, 8))
+    large = asyncio.run(costs(make_core, 32))
     for what, work in small.items():
         assert large[what] == work, f"{what}: {work} at 8 hosts, {large[what]} at 32"
     assert small["heartbeat"] == Work(statements=0, lines=small["heartbeat"].lines)
@@ -169,20 +189,13 @@ def test_work_per_event_does_not_grow_with_the_cluster(tmp_path: Path) -> None:
     assert small["loss of a quarter (statements)"].statements == 2  # the hosts, then their devices
 
 
-def test_a_device_listing_rebuilds_only_the_hosts_that_changed(tmp_path: Path) -> None:
+def test_a_device_listing_rebuilds_only_the_hosts_that_changed(make_core: MakeCore) -> None:
     """ListDevices keeps each host's encoded entries: a listing after one heartbeat encodes that
     host's devices again and no other's; a slice change (device slice counts) rebuilds them all;
     every listing equals one built from scratch."""
     async def run() -> None:
-        url = f"sqlite:///{tmp_path / 'd.db'}"
-        engine = make_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
-        core.slices.load()
-        core.cluster.load()
-        cluster = core.cluster
-        try:
+        with make_core("d.db") as core:
+            cluster = core.cluster
             for i in range(16):
                 cluster.register(registration(f"h{i:02d}", ISLANDS[i % 2]), WorkerLink(f"h{i:02d}"))
 
@@ -218,59 +231,43 @@ def test_a_device_listing_rebuilds_only_the_hosts_that_changed(tmp_path: Path) -
             cluster.mark_lost("h03", "test")
             lost = listing()
             assert {d.state for d in lost.devices if d.host == "h03"} == {pb.DEVICE_STATE_LOST} and lost == fresh()
-        finally:
-            core.writer.close(30)
-            core.engine.dispose()
 
     asyncio.run(run())
 
 
-def test_a_burst_of_registrations_is_one_transaction(tmp_path: Path) -> None:
+def test_a_burst_of_registrations_is_one_transaction(make_core: MakeCore) -> None:
     """Registrations queued while the writer is busy commit together (the writer's batching),
     and the event loop waits on none of them."""
     async def run() -> int:
-        url = f"sqlite:///{tmp_path / 'b.db'}"
-        engine = make_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
-        core.cluster.load()
         commits = 0
 
         def commit(conn: Any) -> None:
             nonlocal commits
             commits += 1
 
-        event.listen(core.engine, "commit", commit)
         gate = threading.Event()
-        try:
-            busy = core.writer.submit(lambda s: gate.wait(30))  # the writer is in a transaction
-            for i in range(64):
-                core.cluster.register(registration(f"h{i}", ISLANDS[i % 2]), WorkerLink(f"h{i}"))
-            assert not busy.done() and len(core.cluster.hosts) == 64  # registered without the database
-            gate.set()
-            core.writer.submit(lambda s: None).result(timeout=30)
-            with core.db() as s:
-                assert s.scalar(select(func.count()).select_from(HostRow)) == 64
-            return commits
-        finally:
-            gate.set()
-            core.writer.close(30)
-            core.engine.dispose()
+        with make_core("b.db", load_slices=False) as core:
+            event.listen(core.engine, "commit", commit)
+            try:
+                busy = core.writer.submit(lambda s: gate.wait(30))  # the writer is in a transaction
+                for i in range(64):
+                    core.cluster.register(registration(f"h{i}", ISLANDS[i % 2]), WorkerLink(f"h{i}"))
+                assert not busy.done() and len(core.cluster.hosts) == 64  # registered without the database
+                gate.set()
+                core.writer.submit(lambda s: None).result(timeout=30)
+                with core.db() as s:
+                    assert s.scalar(select(func.count()).select_from(HostRow)) == 64
+                return commits
+            finally:
+                gate.set()
 
     assert asyncio.run(run()) <= 3  # the busy job's, the burst's (and the barrier's)
 
 
-def test_listings_page_in_order_and_filter(tmp_path: Path) -> None:
+def test_listings_page_in_order_and_filter(make_core: MakeCore) -> None:
     async def run() -> None:
-        url = f"sqlite:///{tmp_path / 'p.db'}"
-        engine = make_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
-        core.cluster.load()
-        cluster = core.cluster
-        try:
+        with make_core("p.db", load_slices=False) as core:
+            cluster = core.cluster
             names = [f"h{i:02d}" for i in range(10)]
             for i, name in enumerate(reversed(names)):
                 cluster.register(registration(name, ISLANDS[i % 2], devices=3), WorkerLink(name))
@@ -308,28 +305,19 @@ def test_listings_page_in_order_and_filter(tmp_path: Path) -> None:
             from server.controller.errors import InvalidArgument
             with pytest.raises(InvalidArgument, match="invalid page token"):
                 list_hosts(cluster, page_token="not-a-token")
-        finally:
-            core.writer.close(30)
-            core.engine.dispose()
 
     asyncio.run(run())
 
 
-def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(tmp_path: Path) -> None:
+def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(make_core: MakeCore) -> None:
     assert [beat_interval(1.0, n) for n in (1, 256, 257, 512, 513, 1024, 1025, 2048, 100_000)] == [
         1, 1, 2, 2, 4, 4, 7, 7, 7]
     assert beat_interval(0.2, 600) == 0.8 and beat_interval(8.0, 5000) == 8.0
 
     async def run() -> None:
-        url = f"sqlite:///{tmp_path / 'h.db'}"
-        engine = make_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=5.0))
-        core.cluster.load()
-        cluster = core.cluster
-        links = []
-        try:
+        with make_core("h.db", load_slices=False, heartbeat_timeout=5.0) as core:
+            cluster = core.cluster
+            links = []
             for i in range(513):
                 link = WorkerLink(f"h{i}")
                 links.append(link)
@@ -340,38 +328,22 @@ def test_heartbeat_interval_grows_with_the_cluster_and_workers_hear_of_it(tmp_pa
                 first.append(links[0]._queue.get_nowait())  # type: ignore[arg-type]
             assert [m.heartbeat.heartbeat_interval_s for m in first if m.HasField("heartbeat")] == [2.0, 4.0]
             assert links[-2]._queue.qsize() == 1  # one notice each, at a step
-        finally:
-            core.writer.close(30)
-            core.engine.dispose()
 
     asyncio.run(run())
 
 
-def test_after_a_restart_hosts_have_a_window_that_grows_with_the_cluster(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'r.db'}"
-    engine = make_engine(url)
-    Base.metadata.create_all(engine)
-    engine.dispose()
-
+def test_after_a_restart_hosts_have_a_window_that_grows_with_the_cluster(make_core: MakeCore) -> None:
     async def run(register: int) -> Cluster:
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=2.0))
-        core.cluster.load()
-        try:
+        with make_core("r.db", load_slices=False, heartbeat_timeout=2.0) as core:
             for i in range(register):
                 core.cluster.register(registration(f"h{i}", ISLANDS[0]), WorkerLink(f"h{i}"))
             return core.cluster
-        finally:
-            core.writer.close(30)
-            core.engine.dispose()
 
     asyncio.run(run(400))
 
     async def restarted() -> None:
-        core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_timeout=2.0))
-        core.slices.load()
-        core.cluster.load()
-        cluster = core.cluster
-        try:
+        with make_core("r.db", heartbeat_timeout=2.0) as core:  # the same database: a restart
+            cluster = core.cluster
             assert {h.state for h in cluster.hosts.values()} == {RECONNECTING}
             start = 1000.0
             closes = cluster.open_reconnect_window(start)
@@ -382,9 +354,6 @@ def test_after_a_restart_hosts_have_a_window_that_grows_with_the_cluster(tmp_pat
             cluster.check_silence(closes + 0.1)
             states = {h.name: h.state for h in cluster.hosts.values()}
             assert states.pop("h0") == READY and set(states.values()) == {LOST}
-        finally:
-            core.writer.close(30)
-            core.engine.dispose()
 
     asyncio.run(restarted())
 
@@ -409,7 +378,7 @@ def test_cli_lists_filter_and_limit(cluster: Any) -> None:
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
-async def _simulated(tmp_path: Path, hosts: int) -> dict[str, int]:
+async def _simulated(make_core: MakeCore, tmp_path: Path, hosts: int) -> dict[str, int]:
     """A controller core served over real gRPC in this process (no monitor: its scan of every
     host each tick is a tick's cost, not an event's), `hosts` simulated workers registering and
     heartbeating through `bench.simworkers`: the SQL statements their registrations and a
@@ -420,53 +389,46 @@ async def _simulated(tmp_path: Path, hosts: int) -> dict[str, int]:
     from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
     from server.controller.servicer import ControllerServicer
 
-    url = f"sqlite:///{tmp_path / f's{hosts}.db'}"
-    engine = make_engine(url)
-    Base.metadata.create_all(engine)
-    engine.dispose()
-    core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url, heartbeat_interval=0.2))
-    core.slices.load()
-    core.cluster.load()
-    meter = Meter(core)
-    server = aio.server()
-    cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    sim = SimWorkers(f"127.0.0.1:{port}", hosts, (4,), 4, log=tmp_path / f"sim{hosts}.log")
-    try:
-        reg = await asyncio.to_thread(sim.wait_registered, None, 0.0, 30.0)
-        assert reg["ok"], reg
-        await asyncio.to_thread(meter.settle)
-        islands = len(core.cluster.islands)  # one INSERT each, with its first host
-        out = {"per registration": (meter.statements - islands) // hosts,
-               "left over": (meter.statements - islands) % hosts}
-        beats = sim.status()["heartbeats"]
-        while sim.status()["heartbeats"] < beats + 2 * hosts:  # every host beats twice more
-            await asyncio.sleep(0.05)
-        await asyncio.to_thread(meter.settle)
-        out["heartbeats"] = meter.statements - islands - hosts * out["per registration"] - out["left over"]
-        before = meter.statements
-        core.cluster.flush_heartbeats()
-        await asyncio.to_thread(meter.settle)
-        out["flush"] = meter.statements - before
-        return out
-    finally:
-        await asyncio.to_thread(sim.close)
-        core.cluster.closing = True
-        core.end_streams()
-        await server.stop(0.5)
-        core.writer.close(30)
-        core.engine.dispose()
+    with make_core(f"s{hosts}.db", heartbeat_interval=0.2) as core:
+        meter = Meter(core)
+        server = aio.server()
+        cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        sim = SimWorkers(f"127.0.0.1:{port}", hosts, (4,), 4, log=tmp_path / f"sim{hosts}.log")
+        try:
+            reg = await asyncio.to_thread(sim.wait_registered, None, 0.0, 30.0)
+            assert reg["ok"], reg
+            await asyncio.to_thread(meter.settle)
+            islands = len(core.cluster.islands)  # one INSERT each, with its first host
+            out = {"per registration": (meter.statements - islands) // hosts,
+                   "left over": (meter.statements - islands) % hosts}
+            beats = sim.status()["heartbeats"]
+            while sim.status()["heartbeats"] < beats + 2 * hosts:  # every host beats twice more
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(meter.settle)
+            out["heartbeats"] = meter.statements - islands - hosts * out["per registration"] - out["left over"]
+            before = meter.statements
+            core.cluster.flush_heartbeats()
+            await asyncio.to_thread(meter.settle)
+            out["flush"] = meter.statements - before
+            return out
+        finally:
+            await asyncio.to_thread(sim.close)
+            core.cluster.closing = True
+            core.end_streams()
+            await server.stop(0.5)
 
 
-def test_simulated_workers_cost_the_same_statements_per_host_at_8_and_32(tmp_path: Path) -> None:
-    small = asyncio.run(_simulated(tmp_path, 8))
-    large = asyncio.run(_simulated(tmp_path, 32))
+def test_simulated_workers_cost_the_same_statements_per_host_at_8_and_32(make_core: MakeCore,
+                                                                        tmp_path: Path) -> None:
+    small = asyncio.run(_simulated(make_core, tmp_path, 8))
+    large = asyncio.run(_simulated(make_core, tmp_path, 32))
     assert small == large, f"8 hosts: {small}, 32 hosts: {large}"
     assert small["left over"] == 0 and small["heartbeats"] == 0 and small["flush"] == 1
 
 
-async def _gang_costs(tmp_path: Path, n: int) -> dict[str, Work]:
+async def _gang_costs(make_core: MakeCore, n: int) -> dict[str, Work]:
     """A controller core (as `costs`), `n` hosts of 4 devices in one island, a slice over all
     of them (their group formed: a real coordination service, and each member's GroupJoined
     handed to the groups as the WorkerConnect handler hands it), a one-node program on it: the
@@ -476,85 +438,77 @@ async def _gang_costs(tmp_path: Path, n: int) -> dict[str, Work]:
     from bench.gang import FUNCTION, one_node_graph
     from server.controller.client_session import ClientSession
 
-    url = f"sqlite:///{tmp_path / f'g{n}.db'}"
-    engine = make_engine(url)
-    Base.metadata.create_all(engine)
-    engine.dispose()
-    core = Controller(ControllerConfig(listen="127.0.0.1:0", db_url=url))
-    core.slices.load()
-    core.cluster.load()
-    meter = Meter(core)
-    links = {f"h{i:03d}": WorkerLink(f"h{i:03d}") for i in range(n)}
-    try:
-        for name, link in links.items():
-            core.cluster.register(registration(name, "big"), link)
-        core.cluster.register(registration("other", "small"), WorkerLink("other"))
-        core.slices.create(cpb.SliceSpec(name="gang", devices=4 * n, island="big"), False, "")
-        core.groups.want("big")
-        deadline = time.monotonic() + 30
-        while (g := core.groups.current.get("big")) is None:
-            assert time.monotonic() < deadline, "the island's group did not start forming"
-            await asyncio.sleep(0.05)
-        for member in g.members:
-            core.groups.joined(member, g.number, "")
-        assert core.groups.usable("big") is g and len(g.members) == n
-        session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
-                                sequential=False)
-        registered = core.sessions.register_program(
-            session, cpb.RegisterProgram(request_id=1, graph=one_node_graph(), functions=[FUNCTION]))
-        assert registered.program_id, registered.error
-        runs = iter(range(1, 100))
-
-        def submit() -> None:
-            r = next(runs)
-            core.dispatcher.submit(session, cpb.RunProgram(run_id=r, program_id=registered.program_id,
-                                                           output_ids=[1000 + r]))
-            core.dispatcher.flush()
-
-        def taken() -> list[tuple[str, Any]]:
-            """The tasks the flush put on the links (what the streams would hand to gRPC)."""
-            tasks = []
+    with make_core(f"g{n}.db") as core:
+        meter = Meter(core)
+        links = {f"h{i:03d}": WorkerLink(f"h{i:03d}") for i in range(n)}
+        try:
             for name, link in links.items():
-                while not link._queue.empty():
-                    msg = link._queue.get_nowait()
-                    if isinstance(msg, cpb.ControllerToWorker) and msg.WhichOneof("msg") == "enqueue":
-                        tasks += [(name, t) for t in msg.enqueue.tasks]
-            return tasks
+                core.cluster.register(registration(name, "big"), link)
+            core.cluster.register(registration("other", "small"), WorkerLink("other"))
+            core.slices.create(cpb.SliceSpec(name="gang", devices=4 * n, island="big"), False, "")
+            core.groups.want("big")
+            deadline = time.monotonic() + 30
+            while (g := core.groups.current.get("big")) is None:
+                assert time.monotonic() < deadline, "the island's group did not start forming"
+                await asyncio.sleep(0.05)
+            for member in g.members:
+                core.groups.joined(member, g.number, "")
+            assert core.groups.usable("big") is g and len(g.members) == n
+            session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
+                                    sequential=False)
+            registered = core.sessions.register_program(
+                session, cpb.RegisterProgram(request_id=1, graph=one_node_graph(), functions=[FUNCTION]))
+            assert registered.program_id, registered.error
+            runs = iter(range(1, 100))
 
-        def complete(tasks: list[tuple[str, Any]]) -> None:
-            for name, t in tasks:
-                core.dispatcher.node_events(name, cpb.NodeEvents(events=[cpb.NodeEvent(
-                    run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=1, end_ns=2, ok=True)]))
+            def submit() -> None:
+                r = next(runs)
+                core.dispatcher.submit(session, cpb.RunProgram(run_id=r, program_id=registered.program_id,
+                                                               output_ids=[1000 + r]))
+                core.dispatcher.flush()
 
-        taken()  # the JoinGroups
-        submit()  # the first run also registers the segments and the function on every member
-        complete(taken())
-        out: dict[str, Work] = {}
-        with meter.measure() as out["gang run: admit and dispatch"]:
-            submit()
-        tasks = taken()
-        assert sorted(name for name, _ in tasks) == sorted(links)  # one task per member host
-        with meter.measure() as out["gang run: completion"]:
-            complete(tasks)
-        assert not core.dispatcher.runs
-        core.cluster.register(registration("other", "small"), WorkerLink("other"))  # elsewhere
-        with meter.measure() as out["gang run after a host event"]:
-            submit()
-        assert len(taken()) == n
-        return out
-    finally:
-        core.writer.close(30)
-        core.engine.dispose()
-        for gen in core.groups.current.values():
-            stop_service(gen.service)
+            def taken() -> list[tuple[str, Any]]:
+                """The tasks the flush put on the links (what the streams would hand to gRPC)."""
+                tasks = []
+                for name, link in links.items():
+                    while not link._queue.empty():
+                        msg = link._queue.get_nowait()
+                        if isinstance(msg, cpb.ControllerToWorker) and msg.WhichOneof("msg") == "enqueue":
+                            tasks += [(name, t) for t in msg.enqueue.tasks]
+                return tasks
+
+            def complete(tasks: list[tuple[str, Any]]) -> None:
+                for name, t in tasks:
+                    core.dispatcher.node_events(name, cpb.NodeEvents(events=[cpb.NodeEvent(
+                        run_id=t.run_id, segment=t.segment, seq=t.seq, start_ns=1, end_ns=2, ok=True)]))
+
+            taken()  # the JoinGroups
+            submit()  # the first run also registers the segments and the function on every member
+            complete(taken())
+            out: dict[str, Work] = {}
+            with meter.measure() as out["gang run: admit and dispatch"]:
+                submit()
+            tasks = taken()
+            assert sorted(name for name, _ in tasks) == sorted(links)  # one task per member host
+            with meter.measure() as out["gang run: completion"]:
+                complete(tasks)
+            assert not core.dispatcher.runs
+            core.cluster.register(registration("other", "small"), WorkerLink("other"))  # elsewhere
+            with meter.measure() as out["gang run after a host event"]:
+                submit()
+            assert len(taken()) == n
+            return out
+        finally:
+            for gen in core.groups.current.values():
+                stop_service(gen.service)
 
 
 @pytest.mark.timeout(120)
-def test_a_gang_runs_work_is_linear_in_its_members(tmp_path: Path) -> None:
+def test_a_gang_runs_work_is_linear_in_its_members(make_core: MakeCore) -> None:
     """Admission and dispatch of a node over an island's hosts (issue 31's 512-host island):
     the controller's work per run is a constant per member host, the same at 4, 8 and 16
     members, and small; no database statement on the way."""
-    works = {n: asyncio.run(_gang_costs(tmp_path, n)) for n in (4, 8, 16)}
+    works = {n: asyncio.run(_gang_costs(make_core, n)) for n in (4, 8, 16)}
     lines = {what: {n: w[what].lines for n, w in works.items()} for what in works[4]}
     for what, by_n in lines.items():
         per_member = (by_n[8] - by_n[4]) / 4

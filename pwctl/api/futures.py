@@ -161,22 +161,23 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
 
 
 def _check_uncertain(rt: Runtime, home: str, futures: list[Future], wait_s: float) -> tuple[bool, str] | None:
-    """For futures of runs in flight when the controller restarted (`rt.uncertain`, checked on
+    """For futures of runs in flight when the controller restarted (`rt.resume`, checked on
     every look: a restart may come while a caller waits): asks their worker whether they exist,
     waiting up to `wait_s` while they compute. None when no future is uncertain; (True, "") once
     they are computed; (False, error) when one failed or never reached the worker; (False, "")
     while they compute."""
-    if not rt.uncertain:
+    resume = rt.resume
+    if not resume.uncertain:
         return None
-    unsure = [f for f in futures if f.id not in rt.confirmed and rt.is_uncertain(f.run_id)]
+    unsure = [f for f in futures if f.id not in resume.confirmed and resume.is_uncertain(f.run_id)]
     if not unsure:
         return None
     ids = [f.id for f in unsure]
     done, error = rt.worker(home).wait(ids, wait_s, must_exist=True)
     if done:
-        rt.confirmed.update(ids)
+        resume.confirmed.update(ids)
     elif "does not exist" in error:
-        error = f"the run of future {unsure[0].id:#x} " + rt.uncertain_error(error)
+        error = f"the run of future {unsure[0].id:#x} " + resume.error(error)
     return done, error
 
 
@@ -184,9 +185,10 @@ def settle(rt: Runtime, home: str, futures: list[Future], timeout: float | None)
     """Returns once the futures of runs in flight at a controller restart among `futures` are
     known computed; ProgramError when one failed or never reached its worker (a call made with
     it as an input would wait for it for ever)."""
-    if not rt.uncertain:
+    lost_buffers = rt.resume.lost_buffers
+    if not rt.resume.uncertain:
         return
-    why = next((rt.lost_buffers[f.id] for f in futures if f.id in rt.lost_buffers), "")
+    why = next((lost_buffers[f.id] for f in futures if f.id in lost_buffers), "")
     if why:
         raise ProgramError(f"an input of this call was lost at the controller restart: {why}")
 

@@ -190,7 +190,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     for i, v in enumerate(values):
         slice_name = reg.input_slice[i]
         if isinstance(v, Future):
-            if rt.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
+            if rt.resume.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
                 settle(rt, v.home, [v], None)
             input_ids.append(v.id)
             homes.append(v.wire_home)

@@ -5,15 +5,8 @@ queue that a sender drains into batches, so a loop of calls costs one message pe
 batch and never waits for a reply (the client chooses run and buffer ids itself).
 Array bytes go straight to, and come straight from, the workers.
 
-The session outlives a controller restart. When the stream breaks (or the controller says it
-is going away) the runtime opens it again, with backoff, for up to PWCTL_RECONNECT_S (default
-60 s, the controller's default grace period; 0: never) and resumes its session with the token
-of its Welcome: same client id and id prefix, its slices and its buffers on the workers. It
-registers every program it registered before (the new controller has none), and then sends what
-was queued meanwhile: calls made while the controller was away wait, they do not fail. Runs
-handed to the old stream are *uncertain*: the workers know whether each finished, so a future of
-such a run asks its worker (`Wait` with `must_exist`): a value that was computed is returned, one
-whose run never reached the worker fails with a clear error, and nothing waits forever.
+The session outlives a controller restart: when the stream breaks, `Resume` (resume.py) opens
+it again and resumes the session; the runtime keeps the stream machinery it uses.
 """
 
 from __future__ import annotations
@@ -23,21 +16,19 @@ import itertools
 import logging
 import os
 import queue
-import random
 import threading
-import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as CFuture
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..client import Client
 from ..errors import ConnectionFailed, InvalidArgument, PathwaysError, ProgramError
 from ..worker_client import WorkerClient
+from .resume import RECONNECT_S, Resume
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +42,9 @@ MAX_FAILED_RUNS = 4096
 MAX_IN_FLIGHT = 1024
 _STOP = object()
 _WAKE = object()  # wakes a stream's sender that the stream outlived (it then hands its item on)
-# How long the runtime tries to resume its session after losing the controller (PWCTL_RECONNECT_S).
-RECONNECT_S = 60.0
 # Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
 # are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
 MAX_HANDED = 65536
-UNCERTAIN = ("was in flight when the controller at {address} restarted and never reached the worker "
-             "({error}); call again")
 
 
 class _Release(NamedTuple):
@@ -68,15 +55,20 @@ class _Release(NamedTuple):
     address: str
 
 
-def _max_in_flight(value: str) -> int:
+N = TypeVar("N", int, float)
+
+
+def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], expected: str) -> N:
+    """The value of environment variable `name` (`value`) as an amount >= 0 (`parse`: int or
+    float); `default` when it is blank; InvalidArgument saying what was `expected` otherwise."""
     if not value.strip():
-        return MAX_IN_FLIGHT
+        return default
     try:
-        n = int(value)
+        n = parse(value)
     except ValueError:
-        n = -1
+        n = parse("-1")
     if n < 0:
-        raise InvalidArgument(f"PWCTL_MAX_IN_FLIGHT={value!r}: expected a number of runs (0: no bound)")
+        raise InvalidArgument(f"{name}={value!r}: expected {expected}")
     return n
 
 
@@ -93,18 +85,6 @@ def keep_local_jax_on_cpu() -> None:
     if getattr(jax.config, "jax_platforms", None) or (started is not None and started()):
         return
     jax.config.update("jax_platforms", "cpu")
-
-
-def _reconnect_s(value: str) -> float:
-    if not value.strip():
-        return RECONNECT_S
-    try:
-        s = float(value)
-    except ValueError:
-        s = -1.0
-    if s < 0:
-        raise InvalidArgument(f"PWCTL_RECONNECT_S={value!r}: expected seconds (0: never reconnect)")
-    return s
 
 
 class _Lost(Exception):
@@ -139,7 +119,8 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
-        self.max_in_flight = _max_in_flight(os.environ.get("PWCTL_MAX_IN_FLIGHT", ""))
+        self.max_in_flight = env_amount("PWCTL_MAX_IN_FLIGHT", os.environ.get("PWCTL_MAX_IN_FLIGHT", ""),
+                                        MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
         self._runs_sent = 0
         self._runs_done = 0  # as the controller last reported (RunsDone)
         self._progress = threading.Condition()
@@ -148,7 +129,8 @@ class Runtime:
         self._workers_lock = threading.Lock()
         self.known_functions: set[str] = set()  # ids of the functions the server accepted from us
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
-        self.reconnect_s = _reconnect_s(os.environ.get("PWCTL_RECONNECT_S", ""))
+        self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
+                                      RECONNECT_S, float, "seconds (0: never reconnect)")
         # what a resumed session sends again: every program registered, registrations unanswered
         self._programs: dict[str, tuple[cpb.ProgramGraph, list[Any]]] = {}
         self._pending_msgs: dict[int, cpb.ClientMessage] = {}
@@ -161,11 +143,7 @@ class Runtime:
         self._handed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_HANDED)
         self._handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
         self._done_base = 0
-        self.uncertain: set[int] = set()  # runs handed to a stream that broke before they were known over
-        self.confirmed: set[int] = set()  # buffers of uncertain runs that their workers computed
-        self._uncertain_outputs: set[int] = set()  # the output buffers of the uncertain runs
-        self.lost_buffers: dict[int, str] = {}  # outputs of queued runs not sent after a restart: why
-        self.reconnects = 0
+        self.resume = Resume(self)  # across controller restarts; what is known of runs in flight at one
         self._resume_token = ""
         self.client_id = ""
         self._hello = cpb.Hello(
@@ -348,8 +326,9 @@ class Runtime:
                         address = self.client.address
                         self._session_error = f"lost the session with the server at {address}: {lost.reason}"
                         return
-                    resumed = self._reconnect(lost.reason)
+                    resumed, error = self.resume.reconnect(lost.reason)
                     if resumed is None:
+                        self._session_error = error
                         return
                     events = resumed
         finally:
@@ -420,58 +399,27 @@ class Runtime:
         self._sender_done = threading.Event()
         return gen, self._ready, self._sender_done
 
-    def _reconnect(self, reason: str) -> Iterator[cpb.SessionEvent] | None:
-        """Resumes the session on a new stream, retrying with backoff for `reconnect_s`; the
-        new stream's events (its Welcome read), or None with `_session_error` set."""
-        address = self.client.address
-        log.warning("lost the session with the server at %s (%s); resuming it (for up to %g s)", address, reason,
-                    self.reconnect_s)
-        self._next_stream()  # from here on, no run is handed to the old stream
-        with self._progress:  # runs handed to the old stream: over for the bound on runs in flight
+    # ---- hooks for Resume (resume.py) ----
+    def _strand_handed(self) -> None:
+        """The runs handed to the stream that broke are uncertain, and over for the bound on runs
+        in flight (calls waiting for room go on)."""
+        with self._progress:
             for run_id, outputs in self._handed:
-                self.uncertain.add(run_id)
-                self._uncertain_outputs.update(outputs)
+                self.resume.strand(run_id, outputs)
             self._handed.clear()
             self._done_base = self._handed_total
             self._runs_done = max(self._runs_done, self._done_base)
             self._progress.notify_all()
-        deadline = time.monotonic() + self.reconnect_s
-        pause = 0.1
-        last = reason
-        while not self.closed:
-            gen, ready, done = self._next_stream()
-            hello = cpb.Hello()
-            hello.CopyFrom(self._hello)
-            hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
-            first = [cpb.ClientMessage(hello=hello), *self._registrations()]
-            call = self.client.session(self._requests(gen, first, ready, done))
-            events = iter(call)
-            try:
-                ev = next(events)
-            except (PathwaysError, StopIteration) as e:
-                call.cancel()
-                last = f"{e.code.name.lower()} {e.details}".strip() if isinstance(e, PathwaysError) and e.code else last
-                if time.monotonic() + pause > deadline:
-                    break
-                time.sleep(pause * random.uniform(0.8, 1.2))
-                pause = min(2.0, pause * 2)
-                continue
-            if ev.WhichOneof("msg") != "welcome":
-                call.cancel()
-                self._session_error = ev.error or f"the server at {address} did not resume the session"
-                return None
-            self._welcomed(ev.welcome)
-            self._call = call
-            self.reconnects += 1
-            self._refresh_slices()
-            self._wait_hosts(deadline)
-            self._check_queued(deadline)
-            ready.set()  # what was queued meanwhile goes now
-            log.warning("resumed session %s with the server at %s", self.client_id, address)
-            return events
-        self._session_error = (f"lost the session with the server at {address}: {reason}; it did not come "
-                               f"back within {self.reconnect_s:g} s (last: {last})")
-        return None
+
+    def _open_stream(self) -> tuple[Any, threading.Event]:
+        """A new stream that resumes the session: its call, and the event that lets its sender
+        go on past the hello and the registrations (set once the session is resumed)."""
+        gen, ready, done = self._next_stream()
+        hello = cpb.Hello()
+        hello.CopyFrom(self._hello)
+        hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
+        first = [cpb.ClientMessage(hello=hello), *self._registrations()]
+        return self.client.session(self._requests(gen, first, ready, done)), ready
 
     def _registrations(self) -> list[cpb.ClientMessage]:
         """What a resumed session sends first: every program registered before, with its
@@ -485,92 +433,34 @@ class Runtime:
         out.extend(self._pending_msgs.values())
         return out
 
-    def _refresh_slices(self) -> None:
-        """Slice changes the stream missed while it was down (a remap meanwhile)."""
-        for name, vs in list(self.slices.items()):
-            try:
-                vs._update(self.client.get_slice(name))
-            except PathwaysError as e:
-                log.warning("slice %s after resuming the session: %s", name, e)
+    def _resumed(self, call: Any, welcome: cpb.Welcome) -> None:
+        """The session goes on on `call`, whose Welcome this is."""
+        self._welcomed(welcome)
+        self._call = call
 
-    def _wait_hosts(self, deadline: float) -> None:
-        """Waits (until `deadline`) for the hosts of the session's slices to register with the
-        new controller: a run sent before its host is back would be admitted into a queue the
-        host's registration then fails."""
-        wanted = {vs.address for vs in list(self.slices.values())}
-        while wanted and not self.closed and time.monotonic() < deadline:
-            try:
-                ready = {h.address for h in self.client.hosts() if h.state == pb.HOST_STATE_READY}
-            except PathwaysError:
-                ready = set()
-            if wanted <= ready:
-                return
-            time.sleep(0.1)
-
-    def _check_queued(self, deadline: float) -> None:
-        """Runs queued before the restart was noticed were sent without asking whether their
-        inputs exist: those reading an output of an uncertain run are checked now, and one whose
-        input failed or never reached its worker is not sent (it would wait for that input for
-        ever) but fails, with its outputs as inputs of later queued runs."""
-        with self._gen_lock:  # no stream takes from the queue until `ready`
+    def _queued(self) -> list[object]:
+        """Everything queued for the next stream, in order; no stream takes from the queue until
+        its `ready` is set."""
+        with self._gen_lock:
             while True:
                 try:
                     self._carry.append(self._out.get_nowait())
                 except queue.Empty:
                     break
-            items = list(self._carry)
-        lost: dict[int, str] = {}  # buffer -> why it will never exist
-        keep: list[object] = []
-        failed_runs = 0
-        for item in items:
-            if not (isinstance(item, cpb.ClientMessage) and item.HasField("run")):
-                keep.append(item)
-                continue
-            run = item.run
-            why = next((lost[b] for b in run.input_ids if b in lost), "")
-            if not why:
-                for b, home in zip(run.input_ids, run.input_homes, strict=False):
-                    if b in self._uncertain_outputs and b not in self.confirmed and home:
-                        why = self._exists(b, home.split("|")[0], deadline)
-                        if why:
-                            lost[b] = why
-                            break
-            if why:
-                self._failed_runs[run.run_id] = f"an input of this call was lost at the controller restart: {why}"
-                lost.update(dict.fromkeys(run.output_ids, why))
-                failed_runs += 1
-            else:
-                keep.append(item)
-        self.lost_buffers.update(lost)
-        if failed_runs:
-            with self._gen_lock:
-                self._carry = deque(keep)
-            with self._progress:  # never sent: over
-                self._done_base += failed_runs
-                self._runs_done += failed_runs
-                self._progress.notify_all()
+            return list(self._carry)
 
-    def _exists(self, buffer_id: int, home: str, deadline: float) -> str:
-        """'' once buffer `buffer_id` (of an uncertain run) is computed on `home`; else why not."""
-        conn = self.worker(home)
-        while not self.closed:
-            wait = max(0.001, min(1.0, deadline - time.monotonic()))
-            done, error = conn.wait([buffer_id], wait, must_exist=True)
-            if done:
-                self.confirmed.add(buffer_id)
-                return ""
-            if error:
-                return self.uncertain_error(error) if "does not exist" in error else error
-            if time.monotonic() >= deadline:
-                return ""  # still computing: the run waits for it
-        return ""
+    def _fail_run(self, run_id: int, error: str) -> None:
+        """A queued run that will not be sent fails here (its futures report `error`)."""
+        self._failed_runs[run_id] = error
 
-    def is_uncertain(self, run_id: int) -> bool:
-        """Whether run `run_id` was handed to a stream that broke before it was known over."""
-        return run_id in self.uncertain
-
-    def uncertain_error(self, error: str) -> str:
-        return UNCERTAIN.format(address=self.client.address, error=error)
+    def _requeue(self, keep: list[object], failed_runs: int) -> None:
+        """Only `keep` stays queued: `failed_runs` runs were taken out, never sent, so over."""
+        with self._gen_lock:
+            self._carry = deque(keep)
+        with self._progress:
+            self._done_base += failed_runs
+            self._runs_done += failed_runs
+            self._progress.notify_all()
 
     # ---- programs ----
     def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:

@@ -3,6 +3,7 @@
     load.py psum DIR NAME RUNS        psum program on a 4-device slice of island a, RUNS runs, exact check
     load.py busy DIR NAME SECONDS     ~1.5 ms matmul loop on a 1-device slice of island a, as fast as it can
                                       for SECONDS, up to OUTSTANDING runs in flight; logs (time, completed)
+                                      and says its session's client id (the controller's traces name it)
     load.py burst DIR NAME RUNS       RUNS busy calls submitted at once, then logs when each chunk completed
 
 Every mode warms up (trace, register, compile, one run), writes DIR/ready-NAME and waits for DIR/go
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pwctl as pw
+from pwctl.api.runtime import Runtime
 
 mode, workdir, name, amount = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 CHUNK = 8  # block on every CHUNK-th future (a client's runs on one device complete in order)
@@ -94,7 +96,8 @@ else:
             last.block_until_ready()
             done = submitted - len(pending)
             log.append((time.time(), done))
-        out.update(go=go, stop=stop, submitted=submitted, log=log, ok=bool(np.array_equal(np.asarray(last), ref)))
+        out.update(go=go, stop=stop, submitted=submitted, log=log, ok=bool(np.array_equal(np.asarray(last), ref)),
+                   client=Runtime.get().client_id)
     else:  # burst
         runs = int(amount)
         go = barrier()

@@ -187,11 +187,17 @@ def test_a_reset_fails_work_not_launched_unreported_and_restarts_the_order() -> 
     assert m.handle(Reset("the controller restarted")) == [
         Fail(t2, "the controller restarted", report=False), Fail(c3, "the controller restarted", report=False),
         Fail(t5, "the controller restarted", report=False)]
-    assert m.next_seq == 1 and m.backlog == 0
-    n1 = task(1, collective=True)
-    assert m.handle(Enqueued([n1])) == [Launch(n1)]  # the old epoch is not waited for
-    assert m.handle(Completed([t1])) == [] and m.handle(InputsReady(t2)) == []  # old epoch: ignored
-    assert m.handle(Launched([n1])) == [] and m.in_flight == {1: n1}
+    assert m.next_seq == 1 and m.backlog == 1 and m.draining == [t1]  # t1 still computes
+    n1, n2 = task(1, collective=True), task(2, collective=True, devices=frozenset({2}))
+    # the new order's collective on t1's devices waits for it (two collective computations at
+    # once deadlock on CPU); one on other devices does not
+    assert m.handle(Enqueued([n1, n2])) == [Launch(n1, (t1,))]
+    assert m.handle(InputsReady(t2)) == []  # old epoch: ignored
+    assert m.handle(Launched([n1])) == [Launch(n2)] and m.in_flight == {1: n1}
+    assert m.handle(Completed([t1])) == [] and m.draining == []
+    assert m.handle(Launched([n2])) == []
+    n3 = task(3, collective=True)
+    assert m.handle(Enqueued([n3])) == [Launch(n3, (n1,))]  # t1 is no longer waited for
 
 
 def test_validation_failure_carries_the_recent_stimuli() -> None:

@@ -163,6 +163,9 @@ class WorkerState:
     # launched and not known to have completed (the executor reports completions in batches;
     # waiting for one that already completed costs nothing)
     in_flight: dict[int, Task] = field(default_factory=dict)
+    # launched before the last reset and not known to have completed: their seqs belong to the
+    # old order, but they still compute on the devices, so a collective waits for them too
+    draining: list[Task] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)  # run -> reason
     lost_peers: dict[str, str] = field(default_factory=dict)  # peer -> reason
     validate_each: bool = field(default_factory=validation_enabled)
@@ -188,6 +191,8 @@ class WorkerState:
             for t in stimulus.tasks:
                 if self.in_flight.get(t.seq) is t:
                     del self.in_flight[t.seq]
+            if self.draining:
+                self._drained(stimulus.tasks)
         elif isinstance(stimulus, InputsMissing):
             t = stimulus.task
             if self.launching.pop(t.seq, None) is t:
@@ -201,6 +206,8 @@ class WorkerState:
             t = stimulus.task
             if self.launching.get(t.seq) is t:
                 del self.launching[t.seq]
+            elif self.draining:
+                self._drained([t])
         elif isinstance(stimulus, Skipped):
             for seq in stimulus.seqs:
                 if seq >= self.next_seq and seq not in self.queued:
@@ -225,7 +232,8 @@ class WorkerState:
                     return  # gang order: the collective waits for every earlier task to launch
                 self.held = None
                 self.launching[held.seq] = held
-                out.append(Launch(held, tuple(f for f in self.in_flight.values() if f.devices & held.devices)))
+                running = (*self.in_flight.values(), *self.draining) if self.draining else self.in_flight.values()
+                out.append(Launch(held, tuple(f for f in running if f.devices & held.devices)))
             t = self.queued.pop(self.next_seq, None)
             if t is None:
                 return
@@ -282,17 +290,26 @@ class WorkerState:
         self.lost_peers[s.peer] = s.reason
         self._fail_doomed(False, out)  # its other inputs may be others' too
 
+    def _drained(self, tasks: list[Task]) -> None:
+        done = {id(t) for t in tasks}
+        self.draining = [t for t in self.draining if id(t) not in done]
+
     def _reset(self, reason: str, out: list[Instruction]) -> None:
         """A new registration: seqs restart; work not launched yet fails (unreported: the new
-        controller does not know it)."""
+        controller does not know it). What was launched goes on computing: it moves to
+        `draining`, which the new order's first collectives on its devices wait for (two
+        computations with collectives at once deadlock on CPU; the wait is bounded by the
+        collective timeouts)."""
         stale = [t for t in self.queued.values() if t is not _SKIP] + list(self.waiting.values())
         if self.held is not None:
             stale.append(self.held)
         out.extend(Fail(t, reason, report=False) for t in sorted(stale, key=lambda t: t.seq))
         self.queued.clear()
         self.waiting.clear()
-        self.launching.clear()  # their outcomes, if any come, are ignored
-        self.in_flight.clear()  # the old epoch's computations are not waited for
+        self.draining.extend(self.launching.values())  # launched: their outcomes are ignored
+        self.draining.extend(self.in_flight.values())
+        self.launching.clear()
+        self.in_flight.clear()
         self.held = None
         self.lost_peers.clear()
         self.next_seq = 1
@@ -338,7 +355,8 @@ class WorkerState:
     def backlog(self) -> int:
         """Tasks not over yet: queued, held, launching, waiting or computing."""
         queued = sum(1 for t in self.queued.values() if t is not _SKIP)
-        return queued + (self.held is not None) + len(self.launching) + len(self.waiting) + len(self.in_flight)
+        return (queued + (self.held is not None) + len(self.launching) + len(self.waiting) + len(self.in_flight)
+                + len(self.draining))
 
 
 def _describe(s: Stimulus_) -> str:

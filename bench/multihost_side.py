@@ -6,7 +6,8 @@ others print one JSON line at the end.
 - `tcp_recv` / `tcp_send`: raw TCP, the baseline of the transfer row: on each "go" the receiver
   asks the sender (one byte) for NBYTES and times their arrival into a preallocated buffer.
 - `transfer_pw`: a Pathways client; a program makes NBYTES on island a (host A), and a second
-  computation takes them on island b (host B: the transfer) or on island a (no transfer).
+  computation takes them on island b (host B: the transfer) or on island a (no transfer); and
+  the same two programs keeping the NBYTES as an output (so that both write them).
 - `pipeline`: the pipeline suite's 4 stages (islands a and b) against the same stages in one
   plain-JAX process (`bench.jaxrun pipeline_serve`), windows alternating.
 - `psum_member`: one process of a plain multi-controller `jax.distributed` group (gloo advertised
@@ -107,29 +108,43 @@ def transfer_pw(nbytes: int) -> None:
     def local(s: Any) -> Any:
         return take_a(gen(s))
 
+    # the same two programs keeping the 64 MiB as a second output: on one island the fused
+    # computation then writes them too, so the two differ by the transfer alone (in `local` XLA
+    # fuses the broadcast into the slice and never writes the 64 MiB that `across` must produce)
+    @pw.program
+    def across_kept(s: Any) -> Any:
+        y = gen(s)
+        return take_b(y), y
+
+    @pw.program
+    def local_kept(s: Any) -> Any:
+        y = gen(s)
+        return take_a(y), y
+
     seed = np.ones((1,), np.float32)
 
     def once(fn: Callable[[Any], Any]) -> float:
         t0 = time.perf_counter()
-        out = np.asarray(fn(seed))
+        got = fn(seed)
+        out = np.asarray(got[0] if isinstance(got, tuple) else got)
         dt = time.perf_counter() - t0
         if out.shape != (1,) or float(out[0]) != 2.0:
             raise RuntimeError(f"wrong result {out!r}")
         return dt
 
-    once(across)
-    once(local)
+    programs = {"across": across, "local": local, "across_kept": across_kept, "local_kept": local_kept}
+    for fn in programs.values():
+        once(fn)
     _say({"ready": True})
     for line in sys.stdin:
         parts = line.split()
         if not parts or parts[0] != "go":
             break
-        a: list[float] = []
-        b: list[float] = []
+        times: dict[str, list[float]] = {k: [] for k in programs}
         for _ in range(int(parts[1])):
-            a.append(once(across))
-            b.append(once(local))
-        _say({"across": _median(a), "local": _median(b), "across_all": a, "local_all": b})
+            for k, fn in programs.items():
+                times[k].append(once(fn))
+        _say({**{k: _median(v) for k, v in times.items()}, **{f"{k}_all": v for k, v in times.items()}})
 
 
 # -------------------------------------------------------------------------------------- pipeline

@@ -12,7 +12,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["byte_view", "c_order", "dtype_name", "from_bytes", "resolve_dtype", "to_bytes", "to_numpy"]
+__all__ = ["ALIGN", "aligned_empty", "byte_view", "c_order", "dtype_name", "from_bytes", "from_parts",
+           "resolve_dtype", "to_bytes", "to_numpy"]
+
+
+# XLA on CPU adopts a host array that starts on a 64-byte boundary without copying it (a jit call's
+# argument or `jax.device_put`: the device buffer aliases the numpy memory); numpy's own allocations
+# are only 16-byte aligned, so a 64 MiB array received into `np.empty` costs another 64 MiB copy
+# into a fresh (page-faulting) device buffer when its consumer runs (bench/FINDINGS.md, "mhperf")
+ALIGN = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-order array whose data starts on an `ALIGN`-byte boundary."""
+    dt = np.dtype(dtype)
+    shp = tuple(int(d) for d in shape)
+    nbytes = math.prod(shp) * dt.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)  # numpy asks for huge pages on large allocations
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dt).reshape(shp)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -41,6 +59,25 @@ def from_bytes(dtype: str, shape: Sequence[int], data: Any) -> np.ndarray:
     if got < need:
         raise ValueError(f"{got} bytes for {dtype}{list(shp)}, expected {need}")
     return np.frombuffer(data, dtype=dt, count=count).reshape(shp)
+
+
+def from_parts(dtype: str, shape: Sequence[int], parts: Sequence[bytes]) -> np.ndarray:
+    """The array whose bytes are `parts` joined (a chunked stream's messages), copied once into
+    an aligned array (`aligned_empty`) rather than joined into bytes that XLA would copy again;
+    raises ValueError when they are too few."""
+    dt = resolve_dtype(dtype)
+    out = aligned_empty(shape, dt)
+    view = byte_view(out)
+    need, off = len(view), 0
+    for p in parts:
+        if off >= need:
+            break
+        take = min(len(p), need - off)
+        view[off:off + take] = memoryview(p)[:take]
+        off += take
+    if off < need:
+        raise ValueError(f"{sum(len(p) for p in parts)} bytes for {dtype}{list(out.shape)}, expected {need}")
+    return out
 
 
 def to_bytes(a: Any) -> tuple[str, list[int], bytes]:

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from schemas.arrays import ALIGN
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server.worker.tcplink import FRAME, FRAME_MAGIC, HELLO, HELLO_MAGIC, TcpPeer, TcpReceiver
@@ -62,6 +63,29 @@ def test_arrays_parts_and_failures_arrive_in_order() -> None:
     assert got[2][1] is not None and got[2][1].shape == (0, 4)
     assert list(got[3][0].part_start) == [2, 0] and list(got[3][0].global_shape) == [4, 3]
     assert got[4][1] is None and got[4][0].error == "producer failed"
+    peer.close()
+    rx.close()
+
+
+def test_a_received_array_is_aligned_so_jax_takes_it_without_a_copy() -> None:
+    """The receiver's array starts on a 64-byte boundary: XLA on CPU then adopts its memory
+    (device_put, or a jit call's argument) instead of copying it (schemas/arrays.py)."""
+    import jax
+
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "s3cret", inbox.deliver)
+    peer = TcpPeer(rx.start(), "s3cret")
+    arrays = [np.arange(n, dtype=np.float32) for n in (1, 17, 1 << 20)]
+    for i, a in enumerate(arrays):
+        peer.send(_head(i, a), a)
+    got = inbox.wait(len(arrays))
+    cpu = jax.devices("cpu")[0]
+    for (_, arr), want in zip(got, arrays, strict=True):
+        assert arr is not None and arr.ctypes.data % ALIGN == 0
+        np.testing.assert_array_equal(arr, want)
+        on_device = jax.device_put(arr, cpu)
+        assert on_device.unsafe_buffer_pointer() == arr.ctypes.data  # the same memory: no copy
+        np.testing.assert_array_equal(np.asarray(on_device), want)
     peer.close()
     rx.close()
 

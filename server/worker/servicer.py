@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from schemas.arrays import byte_view, dtype_name, from_bytes, resolve_dtype, to_numpy
+from schemas.arrays import byte_view, dtype_name, from_bytes, from_parts, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -42,8 +42,9 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     """A peer's array: inline bytes, or a segment the peer made (its name checked by the caller)."""
     if first.shm_name:
         return take_segment(first.shm_name, resolve_dtype(first.dtype), tuple(first.shape))
-    data = parts[0] if len(parts) == 1 else b"".join(parts)
-    return from_bytes(first.dtype, list(first.shape), data)
+    if len(parts) == 1:
+        return from_bytes(first.dtype, list(first.shape), parts[0])
+    return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
 
 
 def _decode_upload(array: pb.ArrayProto) -> np.ndarray:

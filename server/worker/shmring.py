@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from schemas.arrays import ALIGN, aligned_empty
+
 __all__ = ["RingReader", "RingWriter", "aligned_copy", "is_segment_name", "put_segment", "take_segment"]
 
 RING_BYTES = 4 * 1024 * 1024  # arrays up to a quarter (1 MiB; larger ones get a segment each)
 HEADER = 64  # released (the seq of the last array read): uint64 at offset 8
-ALIGN = 64  # each array starts on a cache line (and XLA on CPU can alias it without a copy)
+# each array starts on a cache line, ALIGN (64) bytes (and XLA on CPU can alias it without a copy)
 
 
 PREFIX = "/pw_ring_"
@@ -112,9 +114,7 @@ def _copy_from(m: mmap.mmap, offset: int, dtype: np.dtype[Any], shape: tuple[int
 
 def aligned_copy(src: np.ndarray) -> np.ndarray:
     """A C-order copy of `src` starting on a 64-byte boundary."""
-    raw = np.empty(src.nbytes + ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    out = raw[start:start + src.nbytes].view(src.dtype).reshape(src.shape)
+    out = aligned_empty(src.shape, src.dtype)
     out[...] = src
     return out
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from schemas.arrays import byte_view, resolve_dtype
+from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..threadnames import name_native_thread
@@ -153,7 +153,7 @@ class TcpReceiver:
         shape = tuple(int(d) for d in header.array.shape)
         if any(d < 0 for d in shape) or dtype.itemsize * math.prod(shape) > MAX_PAYLOAD:
             raise ValueError(f"malformed array {header.array.dtype}{list(shape)}")
-        arr = np.empty(shape, dtype)
+        arr = aligned_empty(shape, dtype)  # XLA on CPU then takes it without a copy (schemas/arrays.py)
         if arr.nbytes and not _recv_exact(conn, byte_view(arr)):
             return False
         self._deliver(header, arr)

@@ -38,6 +38,7 @@ import pytest
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
+from pwctl.paths import load_or_create_token
 from schemas.pathways.v1 import common_pb2 as pb
 from server.controller.job_process import end_all as end_job_supervisors
 
@@ -277,8 +278,11 @@ class LocalCluster:
 
     def start(self, workers: Sequence[tuple[str, int | str]] = (("a", 2), ("b", 2))) -> LocalCluster:
         """Starts the controller and the given (island, devices) workers at once; waits for all."""
-        # with a token the workers need it, and the controller creates it when it starts
-        self.start_controller(wait="--require-token" in self.controller_args)
+        # the workers need the token (every call does, unless --no-token): made first, as `pwctl up`
+        # does, so that the controller (which reads it) and the workers start at once
+        if "--no-token" not in self.controller_args:
+            load_or_create_token(self.home / "token")
+        self.start_controller(wait=False)
         for island, devices in workers:
             self.add_worker(island, devices, wait=False)
         self.wait_controller()

@@ -20,6 +20,7 @@ cannot pass unnoticed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 
 from pwctl.client import Client
@@ -154,6 +156,44 @@ def run_pwctl(*args: str, env: dict[str, str], timeout: float = 60.0) -> subproc
                           capture_output=True, text=True, timeout=timeout)
 
 
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call, as pwctl's transport does."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header], d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+def token_channel(address: str, token: str | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to `address` whose every call carries the cluster `token` (none: a plain one)."""
+    channel = grpc.insecure_channel(address, options=list(options))
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
 @dataclass
 class WorkerProc:
     name: str
@@ -200,6 +240,10 @@ class LocalCluster:
             return (self.home / "token").read_text().strip() or None
         except OSError:
             return None
+
+    def channel(self, address: str | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A raw gRPC channel to the controller (or a worker's `address`) that sends the token."""
+        return token_channel(address or self.address, self.token, options)
 
     def client(self, timeout: float = 5.0) -> Client:
         return Client(server=self.address, token=self.token, timeout=timeout)

@@ -72,6 +72,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     if not config.no_token:
         config.token = config.token or load_or_create_token()  # job drivers get it too
         interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
+    elif not paths.is_loopback(host):
+        log.warning("--no-token on %s: whoever reaches this address can use the cluster", config.listen)
     server = aio.server(interceptors=[*interceptors, GuardInterceptor(classify)], options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)

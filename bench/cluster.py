@@ -17,6 +17,7 @@ from typing import Any
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
+from pwctl.paths import load_or_create_token
 from schemas.pathways.v1 import common_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,18 @@ class BenchCluster:
         return subprocess.Popen(args, env=self.env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=fh,
                                 stderr=subprocess.STDOUT)
 
+    @property
+    def token(self) -> str | None:
+        """The cluster token (None with the controller's --no-token)."""
+        try:
+            return (self.home / "token").read_text().strip() or None
+        except OSError:
+            return None
+
     def start(self, timeout: float = 90.0) -> BenchCluster:
+        if "--no-token" not in self.controller_args:
+            # every call needs it, the workers' registration too: made before they all start at once
+            load_or_create_token(self.home / "token")
         self.controller = self._spawn(
             [sys.executable, "-m", "server.controller", "--listen", self.address, "--db",
              f"sqlite:///{self.home / 'pw.db'}", "--log-level", "WARNING", *self.controller_args],
@@ -78,7 +90,7 @@ class BenchCluster:
 
     def _ready(self) -> bool:
         try:
-            with Client(server=self.address, timeout=1.0) as c:
+            with Client(server=self.address, token=self.token, timeout=1.0) as c:
                 hosts = {h.name: h for h in c.hosts()}
         except (ConnectionFailed, PathwaysError):
             return False
@@ -88,7 +100,7 @@ class BenchCluster:
         )
 
     def worker_addresses(self) -> dict[str, str]:
-        with Client(server=self.address, timeout=5.0) as c:
+        with Client(server=self.address, token=self.token, timeout=5.0) as c:
             return {h.island: h.address for h in c.hosts() if h.name.startswith("bench-")}
 
     def pids(self) -> dict[str, int]:

@@ -164,10 +164,10 @@ def probe_lines(path: Path) -> dict[int, dict[str, object]]:
 
 
 def gang_dispatch(address: str, island: str, hosts: int, devices: int, probe: Path, runs: int = RUNS,
-                  warmup: int = WARMUP) -> GangResult:
+                  warmup: int = WARMUP, token: str | None = None) -> GangResult:
     """Creates a slice of `devices` devices on `island` (`hosts` hosts), runs a one-node program on
     it `warmup + runs` times through a session, and reads the probe's latencies of the last `runs`."""
-    with Client(server=address, timeout=60.0) as c:
+    with Client(server=address, token=token, timeout=60.0) as c:  # token None: found as pwctl finds it
         t0 = time.monotonic()
         c.create_slice(cpb.SliceSpec(name=SLICE, devices=devices, island=island))
         create_s = time.monotonic() - t0

@@ -139,7 +139,7 @@ def _transfers(ctx: Ctx, mib: int) -> Iterator[Row]:
 def bench_proxy(ctx: Ctx, transfer_mib: int = TRANSFER_MIB, cfg: dict[str, Any] | None = None) -> Iterator[Row]:
     """The proxy rows: tiny-call rate, the transformer step, upload and download (the module's
     docstring). `transfer_mib` and `cfg` (the model's size) let the smoke test shrink them."""
-    with Client(server=ctx.cluster.address, timeout=30.0) as c:
+    with Client(server=ctx.cluster.address, token=ctx.cluster.token, timeout=30.0) as c:
         c.create_slice(cpb.SliceSpec(name=SLICE, devices=4, island="a"))
     load = "load average {:.1f} {:.1f} {:.1f} as the suite began; ".format(*os.getloadavg())
     parts: list[tuple[str, Callable[[], Iterator[Row]]]] = [
@@ -156,5 +156,6 @@ def bench_proxy(ctx: Ctx, transfer_mib: int = TRANSFER_MIB, cfg: dict[str, Any] 
                        "error": f"{type(e).__name__}: {e}"}
                 load = ""
     finally:
-        with contextlib.suppress(Exception), Client(server=ctx.cluster.address, timeout=30.0) as c:
+        with contextlib.suppress(Exception), \
+                Client(server=ctx.cluster.address, token=ctx.cluster.token, timeout=30.0) as c:
             c.delete_slice(SLICE, force=True)

@@ -95,6 +95,14 @@ class Controller:
         self.starts = 0
         self.log = home / "controller-0.log"
 
+    @property
+    def token(self) -> str | None:
+        """The cluster token the controller made in its data directory (every call needs it)."""
+        try:
+            return (self.home / "token").read_text().strip() or None
+        except OSError:
+            return None
+
     def start(self, env: dict[str, str]) -> float:
         """Starts it; returns when it answers (monotonic)."""
         self.log = self.home / f"controller-{self.starts}.log"
@@ -276,7 +284,7 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
                        f"marked lost from the start to the end of the heartbeat window (controller log): "
                        f"{_reasons(flaps)}; {extra} registrations beyond the first of each host")
 
-            with Client(server=ctl.address, timeout=30.0) as c:
+            with Client(server=ctl.address, token=ctl.token, timeout=30.0) as c:
                 for name, fn in (("ListIslands", c.islands), ("ListHosts", c.hosts), ("ListDevices", c.devices),
                                  ("status", c.status)):
                     med, worst = _timed(fn)
@@ -338,7 +346,7 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
             yield _row(v, "restart: every host back", "s", took, "every host", bool(back["ok"]), notes)
             yield _row(v, "restart: hosts marked lost", "hosts", float(lost_after), "0",
                        lost_after == 0, f"distinct hosts in the restarted controller's log: {_reasons(losses)}")
-            yield from _gang_rows(v, ctl.address, sim, sizes[0], probe_file, big)
+            yield from _gang_rows(v, ctl.address, sim, sizes[0], probe_file, big, ctl.token)
         finally:
             sim.close()
             probe.stop()
@@ -346,10 +354,11 @@ def measure(hosts: int, env: dict[str, str]) -> Iterator[Row]:
             stop_island_services(home)  # a stopped controller leaves its island services to their members
 
 
-def _gang_rows(v: str, address: str, sim: SimWorkers, size: int, probe_file: Path, big: bool) -> Iterator[Row]:
+def _gang_rows(v: str, address: str, sim: SimWorkers, size: int, probe_file: Path, big: bool,
+               token: str | None = None) -> Iterator[Row]:
     """Admission and dispatch of one gang node over every device of the first (largest) island."""
     island = sim.islands[0]
-    r = gang_dispatch(address, island, size, size * DEVICES_PER_HOST, probe_file)
+    r = gang_dispatch(address, island, size, size * DEVICES_PER_HOST, probe_file, token=token)
     ms = [x * 1e3 for x in r.latencies_s]
     med = statistics.median(ms)
     yield _row(v, "gang node admit+dispatch", "ms", med, "<= 5 ms at 2,048 (512-host island)",

@@ -52,6 +52,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from pwctl import settings
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from server.worker.reconnect import Reconnect
@@ -278,7 +279,7 @@ async def _serve_commands(sim: Simulator) -> None:
 
 async def _main(ns: argparse.Namespace) -> None:
     sizes = [int(s) for s in ns.islands.split(",")]
-    token = ns.token or os.environ.get("PWCTL_TOKEN") or None
+    token = ns.token or settings.resolve(ns.server).token  # $PWCTL_TOKEN, the config file, the token file
     sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max, ns.complete)
     sim.start()
     try:
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--islands", default="4", help="island sizes in hosts, e.g. 512,64,64,4 (the last repeats)")
     p.add_argument("--devices", type=int, default=4, help="devices per host")
-    p.add_argument("--token", default="", help="the cluster token (default: $PWCTL_TOKEN)")
+    p.add_argument("--token", default="", help="the cluster token (default: found as pwctl finds it: "
+                   "$PWCTL_TOKEN, the config file, the data directory's token file)")
     p.add_argument("--reconnect-max", type=float, default=5.0, help="longest wait between reconnections (s)")
     p.add_argument("--complete", action="store_true",
                    help="report every task done (ok) at once instead of failed (nothing runs either way)")

@@ -475,11 +475,12 @@ def _pss(pids: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def _worker_stats(addresses: dict[str, str]) -> tuple[int, int]:
+def _worker_stats(addresses: dict[str, str], token: str | None) -> tuple[int, int]:
     buffers = nbytes = 0
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     for address in addresses.values():
         with grpc.insecure_channel(address) as ch:
-            st = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+            st = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), metadata=metadata, timeout=10)
         buffers += st.buffers
         nbytes += st.buffer_bytes
     return buffers, nbytes
@@ -543,11 +544,11 @@ def bench_costs(ctx: Ctx) -> Iterator[Row]:
     x.result(timeout=120)
 
     def settled() -> tuple[int, int]:
-        last = _worker_stats(addresses)
+        last = _worker_stats(addresses, ctx.cluster.token)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             time.sleep(0.1)
-            now = _worker_stats(addresses)
+            now = _worker_stats(addresses, ctx.cluster.token)
             if now == last:
                 break
             last = now

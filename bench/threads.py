@@ -100,6 +100,7 @@ def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
     with BenchCluster() as cluster:
         cluster.start()
         os.environ["PWCTL_SERVER"] = cluster.address
+        os.environ["PWCTL_TOKEN"] = cluster.token or ""  # every call needs the cluster's token
         import jax
 
         jax.config.update("jax_num_cpu_devices", 4)  # the same devices as bench.jaxrun's side

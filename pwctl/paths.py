@@ -14,6 +14,7 @@ that and owned by this user is tightened when used.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import platformdirs
@@ -28,6 +29,7 @@ __all__ = [
     "is_loopback",
     "island_services_path",
     "jobs_dir",
+    "load_or_create_token",
     "logs_dir",
     "private_dir",
     "private_file",
@@ -81,6 +83,33 @@ def default_db_url() -> str:
 
 def token_path() -> Path:
     return data_dir() / "token"
+
+
+def load_or_create_token(path: Path | None = None) -> str:
+    """The cluster token in the data directory, created (mode 0600) on first use. Atomic: a
+    token is written whole under a temporary name and linked into place, so concurrent starters
+    (`pwctl up` and the controller it spawns) agree on one token and no reader sees half of one."""
+    path = path or token_path()
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # someone else's won (or an empty file was left: replace it)
+            if not path.read_text().strip():
+                os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _tighten(path, 0o600)
+    return path.read_text().strip()
 
 
 def server_pid_path() -> Path:

@@ -1,31 +1,18 @@
-"""Bearer-token check for a controller listening beyond loopback."""
+"""The cluster token's check on the servers (controller and workers), on every address."""
 
 from __future__ import annotations
 
 import hmac
-import os
-import secrets
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc import aio
 
-from . import paths
 from .health import is_health_method
+from .paths import load_or_create_token
 
-
-def load_or_create_token(path: Path | None = None) -> str:
-    """Returns the server token, creating it (mode 0600) on first use."""
-    path = path or paths.token_path()
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
-    return token
+__all__ = ["TokenInterceptor", "load_or_create_token"]
 
 
 class TokenInterceptor(aio.ServerInterceptor):

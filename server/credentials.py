@@ -9,7 +9,11 @@ registration (`Registered.session_key`, over the token-authenticated WorkerConne
   A worker serves a caller only the buffers of that owner and only ids under that prefix, so a
   session can neither read nor feed another session's buffers, whatever ids it sends;
 - a *peer credential* (metadata `x-pathways-peer`) lets workers push transfers to each other;
-  a client cannot present one, so it cannot inject or fail buffers through `Transfer`.
+  a client cannot present one, so it cannot inject or fail buffers through `Transfer`;
+- a *job secret* (`$PWCTL_JOB_SECRET`, which the controller puts in the environment of the
+  driver it starts) binds a session's `Hello.job_id`: only the job's driver can act as the job
+  (own its slices and buffers as "job:<id>"). Signed with a key of its own (`job.key`), which
+  workers never see.
 
 Both are HMAC-SHA256 under the key; the key is a random secret in the controller's data
 directory (mode 0600) so that credentials survive a controller restart. Limitation: any process
@@ -31,6 +35,8 @@ PEER_HEADER = "x-pathways-peer"
 KEY_FILE = "worker.key"
 PREFIX_SHIFT = 40  # buffer and run ids are (prefix << PREFIX_SHIFT) | counter
 KEY_BYTES = 32
+JOB_KEY_FILE = "job.key"
+JOB_SECRET_ENV = "PWCTL_JOB_SECRET"
 
 
 @dataclass(frozen=True)
@@ -105,3 +111,13 @@ def peer_credential(key: bytes) -> str:
 
 def check_peer(key: bytes, value: str) -> bool:
     return hmac.compare_digest(value.encode(), peer_credential(key).encode())
+
+
+def job_secret(key: bytes, job_id: str) -> str:
+    """The secret the driver of job `job_id` presents in its Hello (`$PWCTL_JOB_SECRET`)."""
+    return _mac(key, f"job|{job_id}")
+
+
+def check_job_secret(key: bytes, job_id: str, secret: str) -> bool:
+    """Whether `secret` is job `job_id`'s secret under `key`."""
+    return bool(secret) and hmac.compare_digest(secret.encode(), job_secret(key, job_id).encode())

@@ -20,6 +20,7 @@ cannot pass unnoticed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -33,11 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
+from pwctl.paths import load_or_create_token
 from schemas.pathways.v1 import common_pb2 as pb
 from server.controller.job_process import end_all as end_job_supervisors
 
@@ -153,6 +156,44 @@ def run_pwctl(*args: str, env: dict[str, str], timeout: float = 60.0) -> subproc
                           capture_output=True, text=True, timeout=timeout)
 
 
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call, as pwctl's transport does."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header], d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+def token_channel(address: str, token: str | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to `address` whose every call carries the cluster `token` (none: a plain one)."""
+    channel = grpc.insecure_channel(address, options=list(options))
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
 @dataclass
 class WorkerProc:
     name: str
@@ -199,6 +240,10 @@ class LocalCluster:
             return (self.home / "token").read_text().strip() or None
         except OSError:
             return None
+
+    def channel(self, address: str | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A raw gRPC channel to the controller (or a worker's `address`) that sends the token."""
+        return token_channel(address or self.address, self.token, options)
 
     def client(self, timeout: float = 5.0) -> Client:
         return Client(server=self.address, token=self.token, timeout=timeout)
@@ -277,8 +322,11 @@ class LocalCluster:
 
     def start(self, workers: Sequence[tuple[str, int | str]] = (("a", 2), ("b", 2))) -> LocalCluster:
         """Starts the controller and the given (island, devices) workers at once; waits for all."""
-        # with a token the workers need it, and the controller creates it when it starts
-        self.start_controller(wait="--require-token" in self.controller_args)
+        # the workers need the token (every call does, unless --no-token): made first, as `pwctl up`
+        # does, so that the controller (which reads it) and the workers start at once
+        if "--no-token" not in self.controller_args:
+            load_or_create_token(self.home / "token")
+        self.start_controller(wait=False)
         for island, devices in workers:
             self.add_worker(island, devices, wait=False)
         self.wait_controller()

@@ -26,7 +26,7 @@ def test_proxy_suite_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         rows = list(bench_proxy(Ctx(cluster=cluster, quick=True), transfer_mib=1, cfg=TINY))
         from pwctl.client import Client
 
-        with Client(server=cluster.address, timeout=10) as c:
+        with Client(server=cluster.address, token=cluster.token, timeout=10) as c:
             assert SLICE not in [s.name for s in c.slices()]  # the suite's slice is gone
     variants = [r["variant"] for r in rows]
     assert variants == ["x+1 pipelined", "x+1 op-by-op", "transformer step", "proxy transformer step",

@@ -85,7 +85,7 @@ def _write_config(home: Path, **config: str) -> None:
 
 def test_config_file_names_the_server_and_token(make_cluster: Callable[..., LocalCluster],
                                                 tmp_path: Path) -> None:
-    c = make_cluster(islands=1, devices=1, controller_args=["--require-token"])
+    c = make_cluster(islands=1, devices=1)
     token = c.token
     assert token
     home = tmp_path / "elsewhere"  # a machine with neither the token file nor PWCTL_* set
@@ -112,7 +112,7 @@ def test_config_file_names_the_server_and_token(make_cluster: Callable[..., Loca
 
 
 def test_worker_start_and_stop(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
-    c = make_cluster(islands=1, devices=1, controller_args=["--require-token"])
+    c = make_cluster(islands=1, devices=1)
     home = tmp_path / "elsewhere"
     env = base_env(home)
     token = c.token

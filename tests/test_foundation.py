@@ -253,7 +253,7 @@ def test_a_stopping_controller_ends_worker_watch_and_client_streams_cleanly(clus
 
 
 def test_token_required_and_accepted(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
-    c = make_cluster(islands=1, devices=1, controller_args=["--require-token"])
+    c = make_cluster(islands=1, devices=1)
     token_file = c.home / "token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = c.token
@@ -327,6 +327,8 @@ def test_up_down_stops_exactly_what_it_started(pw_local: Path, module_cluster: L
     r = run_pwctl("up", "--islands", "2", "--devices", "2", "--listen", address, env=env)
     assert r.returncode == 0, r.stderr
     assert address in r.stdout
+    # out of the box the cluster needs the token, which `up` made and every local caller finds
+    assert stat.S_IMODE((pw_local / "token").stat().st_mode) == 0o600
 
     state = json.loads((pw_local / "cluster.json").read_text())
     assert state["address"] == address

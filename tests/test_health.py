@@ -37,9 +37,9 @@ def watch_until_end(stream: grpc.Future) -> tuple[list[int], grpc.StatusCode | N
     return seen, None
 
 
-@pytest.mark.cluster(islands=1, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=1)
 def test_health_serving_without_token_and_only_health(cluster: LocalCluster) -> None:
-    assert cluster.token, "the controller was started with --require-token"
+    assert cluster.token, "the controller requires the token by default"
     assert check(cluster.address) == SERVING
     assert check(cluster.address, "pathways.v1.Controller") == SERVING
     with grpc.insecure_channel(cluster.address) as ch:
@@ -56,7 +56,7 @@ def test_health_serving_without_token_and_only_health(cluster: LocalCluster) -> 
     assert check(worker.address, "pathways.v1.Worker") == SERVING
 
 
-@pytest.mark.cluster(islands=1, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=1)
 def test_health_not_serving_on_shutdown(cluster: LocalCluster) -> None:
     worker_address = cluster.hosts()["w-a"].address
     with grpc.insecure_channel(cluster.address) as ctl, grpc.insecure_channel(worker_address) as wk:

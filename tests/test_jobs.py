@@ -249,8 +249,8 @@ runpy.run_path(sys.argv[0].replace("token_check.py", "seed_program.py"), run_nam
 """
 
 
-def test_a_job_under_require_token_gets_the_token(make_cluster: Any, tmp_path: Path) -> None:
-    c: LocalCluster = make_cluster(islands=1, devices=2, controller_args=["--require-token"])
+def test_a_job_gets_the_token(make_cluster: Any, tmp_path: Path) -> None:
+    c: LocalCluster = make_cluster(islands=1, devices=2)
     assert c.token
     wd = tmp_path / "proj"
     wd.mkdir()

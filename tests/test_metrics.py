@@ -74,7 +74,7 @@ def metrics_url(c: LocalCluster) -> str:
 @pytest.mark.cluster(islands=2, devices=2, controller_args=["--metrics-listen", "127.0.0.1:0"])
 def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: LocalCluster) -> None:
     url = metrics_url(cluster)
-    before = scrape(url)
+    before = scrape(url, cluster.token)
     assert value(before, "pathways_hosts", island="a", state="ready") == 1
     assert value(before, "pathways_hosts", island="b", state="stalled") == 0
     assert value(before, "pathways_devices", island="b", state="available") == 2
@@ -92,7 +92,7 @@ def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: Loca
         return value(s, "pathways_runs_total", outcome="ok") + value(s, "pathways_runs_total", outcome="failed")
 
     def reported() -> Samples | None:  # workers report node events in batches, off the hot path
-        s = scrape(url)
+        s = scrape(url, cluster.token)
         return s if value(s, "pathways_computations_total") >= 40 and finished(s) >= 20 else None
 
     after = wait_for(reported, 30, "the computations and runs to be counted")
@@ -117,15 +117,15 @@ def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: Loca
     families = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in served}
     documented = set(re.findall(r"`(pathways_[a-z_]+)`", DOC.read_text()))
     assert families <= documented, sorted(families - documented)
-    assert status_of(url.replace("/metrics", "/nothing")) == 404
+    assert status_of(url.replace("/metrics", "/nothing"), {"Authorization": f"Bearer {cluster.token}"}) == 404
     info = cluster.pwctl_json("server", "info")["item"]
     assert info["policy"] == "fifo" and info["jobs"] == 0 and info["jobs_total"] == 0
     table = cluster.pwctl("server", "info").stdout
     assert url in table and "fifo" in table
 
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token", "--metrics-listen", "127.0.0.1:0"])
-def test_with_a_token_required_a_scrape_needs_it_as_a_bearer_token(cluster: LocalCluster) -> None:
+@pytest.mark.cluster(islands=1, devices=1, controller_args=["--metrics-listen", "127.0.0.1:0"])
+def test_a_scrape_needs_the_token_as_a_bearer_token(cluster: LocalCluster) -> None:
     url = metrics_url(cluster)
     token = cluster.token
     assert token

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env
@@ -33,6 +32,7 @@ except Exception as e:
 
 
 def start(cluster: LocalCluster, tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    env = {"PWCTL_TOKEN": cluster.token or "", **env}  # a program elsewhere: the token from the environment
     full = client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
                       PATHWAYS_CONNECT_TIMEOUT_S="3", **env)
     return subprocess.Popen([sys.executable, "-c", PROGRAM], env=full, stdin=subprocess.PIPE,
@@ -49,7 +49,7 @@ def proxy_slices(cluster: LocalCluster) -> list[cpb.Slice]:
         return [s for s in c.slices() if s.owner.startswith("client:proxy-")]
 
 
-@pytest.mark.cluster(islands=2, devices=2, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=2, devices=2)
 def test_proxy_sessions_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     token = cluster.token
     assert token
@@ -86,7 +86,7 @@ def test_proxy_sessions_on_the_cluster(cluster: LocalCluster, tmp_path: Path) ->
     wait_for(lambda: not proxy_slices(cluster), 30, "the proxy session's slice to be released")
 
 
-@pytest.mark.cluster(islands=1, devices=2, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=1, devices=2)
 def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -> None:
     token = cluster.token
     assert token
@@ -143,7 +143,8 @@ def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) ->
     local = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="cpu",
                                            XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     proxied = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
-                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                                             PWCTL_TOKEN=cluster.token or ""))
     assert proxied == local
     assert local[-1] == "ok"
     with cluster.client() as c:  # the session's buffers and slice went with it
@@ -154,7 +155,7 @@ def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) ->
 def worker_buffers(cluster: LocalCluster) -> int:
     total = 0
     for host in cluster.hosts().values():
-        with grpc.insecure_channel(host.address) as ch:
+        with cluster.channel(host.address) as ch:
             total += wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
     return total
 
@@ -172,7 +173,7 @@ sys.stdin.readline()
 @pytest.mark.cluster(islands=1, devices=2)
 def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
     env = client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                     JAX_BACKEND_TARGET=f"grpc://{cluster.address}")
+                     JAX_BACKEND_TARGET=f"grpc://{cluster.address}", PWCTL_TOKEN=cluster.token or "")
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

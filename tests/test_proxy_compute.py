@@ -64,7 +64,8 @@ print("decreased", losses[-1] < losses[0])
 def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
     proxied = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                                             PWCTL_TOKEN=cluster.token or ""))
     assert proxied == local
     assert local[-2:] == ["bad shapes TypeError", "after True"]
     with cluster.client() as c:  # the session's programs, buffers and slice went with it
@@ -74,7 +75,8 @@ def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Pat
     local = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="cpu",
                                               XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     proxied = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
-                                                JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+                                                JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                                                PWCTL_TOKEN=cluster.token or ""))
     assert proxied == local == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
 
 
@@ -82,6 +84,7 @@ def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Pat
 def test_a_training_loop_with_donation(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="cpu"))
     proxied = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}"))
+                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                                            PWCTL_TOKEN=cluster.token or ""))
     assert proxied == local
     assert local[-1] == "decreased True"

@@ -117,7 +117,8 @@ print("sharded", bool((np.asarray(y).ravel() == a).all()), float(jnp.sum(y[:, :2
 
 
 def proxy_env(cluster: LocalCluster, tmp_path: Path, **extra: str) -> dict[str, str]:
-    return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}", **extra)
+    return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                      PWCTL_TOKEN=cluster.token or "", **extra)
 
 
 @pytest.mark.timeout(300)

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from conftest import LocalCluster, wait_for
 
@@ -98,7 +97,7 @@ def run_one(cluster: LocalCluster, script: str, *args: str, timeout: float = 60,
 
 def worker_stats(cluster: LocalCluster, name: str) -> wpb.WorkerStats:
     address = cluster.hosts()[name].address
-    with grpc.insecure_channel(address) as ch:
+    with cluster.channel(address) as ch:
         return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import LocalCluster, base_env, free_port, run_pwctl, wait_for
+from conftest import LocalCluster, base_env, free_port, run_pwctl, token_channel, wait_for
 
 from pwctl import local
 from schemas.pathways.v1 import common_pb2 as pb
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 class RawWorker:
     """A WorkerConnect stream driven by hand: sends `reg`, then stays open until closed."""
 
-    def __init__(self, address: str, reg: cpb.RegisterWorker) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, reg: cpb.RegisterWorker, token: str | None = None) -> None:
+        self.channel = token_channel(address, token)
         self._stop = threading.Event()
         self._reg = reg
         self.call = cgrpc.ControllerStub(self.channel).WorkerConnect(self._upstream(), timeout=30)
@@ -57,8 +57,8 @@ def registration(name: str, island: str, devices: int, credential: str = "") -> 
     return reg
 
 
-def refused(address: str, reg: cpb.RegisterWorker) -> grpc.RpcError:
-    w = RawWorker(address, reg)
+def refused(cluster: LocalCluster, reg: cpb.RegisterWorker) -> grpc.RpcError:
+    w = RawWorker(cluster.address, reg, cluster.token)
     try:
         with pytest.raises(grpc.RpcError) as info:
             w.first()
@@ -78,7 +78,7 @@ def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster: LocalClus
     """50,000 devices froze the controller for ~107 s and left an island nothing could remove;
     now: INVALID_ARGUMENT naming the limit, nothing recorded, the controller answering."""
     start = time.monotonic()
-    err = refused(cluster.address, registration("huge", "evil", 50_000))
+    err = refused(cluster, registration("huge", "evil", 50_000))
     took = time.monotonic() - start
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "50000 devices, over the limit of 1024 per host" in err.details()
@@ -93,7 +93,7 @@ def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster: LocalClus
         (registration("ok", "i" * 65, 1), "invalid island name"),
         (registration("ok", "a", 0), "at least one device"),
     ]:
-        e = refused(cluster.address, reg)
+        e = refused(cluster, reg)
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.details(), (e.code(), e.details())
     assert sorted(cluster.hosts()) == ["w-a"]
     no_tracebacks(cluster)
@@ -101,14 +101,14 @@ def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster: LocalClus
 
 @pytest.mark.cluster(islands=1, devices=1, controller_args=["--max-devices-per-host", "1"])
 def test_the_device_cap_is_configurable(cluster: LocalCluster) -> None:
-    err = refused(cluster.address, registration("two", "a", 2))
+    err = refused(cluster, registration("two", "a", 2))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 1 per host" in err.details()
 
 
 @pytest.mark.cluster(islands=1, devices=1, controller_args=["--max-sessions", "2", "--max-watches", "1"])
 def test_open_sessions_and_watches_are_bounded(cluster: LocalCluster) -> None:
     """Idle sessions and unread watch streams grew the controller from 164 MiB to 1.1 GiB."""
-    channel = grpc.insecure_channel(cluster.address)
+    channel = cluster.channel()
     stub = cgrpc.ControllerStub(channel)
     stop = threading.Event()
 
@@ -166,30 +166,31 @@ def test_a_caller_owns_slices_only_as_its_own_session_or_job(cluster: LocalClust
     session (or its job) may be named, and nothing changes otherwise."""
     # channels of one process share a connection; another tenant's process has its own (a
     # local subchannel pool gives this test's attacker one)
-    victim = grpc.insecure_channel(cluster.address)
-    attacker = grpc.insecure_channel(cluster.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    victim = cluster.channel()
+    attacker = cluster.channel(options=[("grpc.use_local_subchannel_pool", 1)])
     stop = threading.Event()
 
     def hello() -> Iterator[cpb.ClientMessage]:
-        yield cpb.ClientMessage(hello=cpb.Hello(client_name="victim", job_id="job-victim"))
+        yield cpb.ClientMessage(hello=cpb.Hello(client_name="victim"))
         stop.wait(30)
 
     try:
         session = cgrpc.ControllerStub(victim).Session(hello(), timeout=30)
-        assert next(iter(session)).WhichOneof("msg") == "welcome"
+        welcome = next(iter(session))
+        assert welcome.WhichOneof("msg") == "welcome"
+        own = f"client:{welcome.welcome.client_id}"
         spec = cpb.SliceSpec(devices=1)
         bad = cgrpc.ControllerStub(attacker)
-        for owner in ("job:job-victim", "client:c1", "job:nobody"):
+        for owner in (own, "job:job-victim", "client:c1", "job:nobody"):
             with pytest.raises(grpc.RpcError) as info:
                 bad.CreateSlice(cpb.CreateSliceRequest(spec=spec, owner=owner), timeout=10)
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (owner, info.value.code())
             assert "a caller owns slices only as its own session or job" in info.value.details()
         with cluster.client() as c:
             assert c.slices() == []
-        # the session's own connection may: the slice is the job's
-        mine = cgrpc.ControllerStub(victim).CreateSlice(cpb.CreateSliceRequest(spec=spec, owner="job:job-victim"),
-                                                        timeout=10)
-        assert mine.slice.owner == "job:job-victim"
+        # the session's own connection may: the slice is the session's
+        mine = cgrpc.ControllerStub(victim).CreateSlice(cpb.CreateSliceRequest(spec=spec, owner=own), timeout=10)
+        assert mine.slice.owner == own
         # a named slice needs no session
         named = bad.CreateSlice(cpb.CreateSliceRequest(spec=cpb.SliceSpec(name="shared", devices=1)), timeout=10)
         assert named.slice.owner == ""
@@ -207,7 +208,7 @@ def test_a_live_hosts_name_is_not_taken_without_its_credential(cluster: LocalClu
     reset); now it is ALREADY_EXISTS and the real host keeps its place."""
     before = cluster.hosts()["w-a"]
     for wrong in ("", "not-the-credential"):
-        err = refused(cluster.address, registration("w-a", "a", 2, credential=wrong))
+        err = refused(cluster, registration("w-a", "a", 2, credential=wrong))
         assert err.code() == grpc.StatusCode.ALREADY_EXISTS, (err.code(), err.details())
         assert "host w-a is registered and ready" in err.details()
     cred_file = cluster.home / "hosts" / "w-a.credential"
@@ -235,7 +236,7 @@ def test_a_live_hosts_name_is_not_taken_without_its_credential(cluster: LocalClu
     # once lost, the name is anyone's: a new process takes it and gets a new credential
     cluster.kill_worker("w-b")
     cluster.wait_host_state("w-b", pb.HOST_STATE_LOST)
-    w = RawWorker(cluster.address, registration("w-b", "b", 2))
+    w = RawWorker(cluster.address, registration("w-b", "b", 2), cluster.token)
     try:
         got = w.first()
         assert got.registered.credential and got.registered.credential != credential
@@ -313,7 +314,7 @@ GARBAGE = b"\xff\xff\xff\xff\x0f\x08garbage"
 
 @pytest.mark.cluster(islands=1, devices=1)
 def test_malformed_requests_are_invalid_argument_without_tracebacks(cluster: LocalCluster) -> None:
-    channel = grpc.insecure_channel(cluster.address)
+    channel = cluster.channel()
     try:
         for method in UNARY:
             call = channel.unary_unary(f"/pathways.v1.Controller/{method}")
@@ -347,7 +348,7 @@ def test_malformed_requests_are_invalid_argument_without_tracebacks(cluster: Loc
 
 @pytest.mark.cluster(islands=1, devices=1)
 def test_unknown_ids_are_not_found(cluster: LocalCluster) -> None:
-    stub = cgrpc.ControllerStub(grpc.insecure_channel(cluster.address))
+    stub = cgrpc.ControllerStub(cluster.channel())
     calls = {
         "StreamLogs": lambda: list(stub.StreamLogs(cpb.StreamLogsRequest(id="job-nope"), timeout=10)),
         "GetJob": lambda: stub.GetJob(cpb.GetJobRequest(id="job-nope"), timeout=10),

@@ -317,7 +317,7 @@ def test_malformed_requests_get_invalid_argument_and_no_traceback(cluster: Local
 
 # ---- finding 4: a loopback worker checked no token even when its controller required one ----
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=1, devices=1)
 def test_the_worker_requires_the_token_on_loopback(cluster: LocalCluster, worker: Any) -> None:
     _, wch, stub, cch = worker
     assert cluster.token
@@ -360,7 +360,7 @@ def test_a_pw_program_still_runs_end_to_end(cluster: LocalCluster) -> None:
 
 
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--require-token"])
+@pytest.mark.cluster(islands=1, devices=1)
 def test_pwctl_worker_start_no_token_opts_out_of_the_token_only(cluster: LocalCluster) -> None:
     """`pwctl worker start --no-token` (a private machine): callers need no token, but still the
     controller's credentials; the worker registers with the token it finds."""
@@ -394,6 +394,8 @@ def test_pwctl_up_no_token_starts_workers_that_require_no_token(pw_home: Path) -
         (host,) = json.loads(hosts.stdout)["items"]
         with grpc.insecure_channel(host["address"]) as ch:
             assert wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).host == host["name"]
+        with grpc.insecure_channel(address) as ch:  # the controller too: `up --no-token` passed it on
+            assert cgrpc.ControllerStub(ch).GetInfo(cpb.GetInfoRequest(), timeout=10).address == address
         (pid,) = json.loads((pw_home / "cluster.json").read_text())["worker_pids"].values()
         assert b"--no-token" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     finally:

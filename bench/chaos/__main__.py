@@ -36,7 +36,7 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         before = cluster.snapshot()
         hosts = [f"chaos-{i}" for i in cluster.islands]
         addresses = [h.address for h in cluster.hosts().values()]
-        fuzzer = Fuzzer(rng, cluster.address, addresses, hosts)
+        fuzzer = Fuzzer(rng, cluster.address, addresses, hosts, cluster.token)
         try:
             report["fuzz"] = fuzzer.run(requests)
         finally:

@@ -20,6 +20,7 @@ from bench.cluster import REPO, XLA_FLAGS, free_port
 from pwctl.client import Client
 from pwctl.errors import PathwaysError
 from pwctl.local import stop_children
+from pwctl.paths import load_or_create_token
 from schemas.pathways.v1 import common_pb2 as pb
 
 POLL_S = 0.05
@@ -70,7 +71,16 @@ class ChaosCluster:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
 
+    @property
+    def token(self) -> str | None:
+        """The cluster token, which every call needs (the workers' registration too)."""
+        try:
+            return (self.home / "token").read_text().strip() or None
+        except OSError:
+            return None
+
     def start(self, timeout: float = 90.0) -> ChaosCluster:
+        load_or_create_token(self.home / "token")  # before the controller and the workers start at once
         self.start_controller()
         for island in self.islands:
             self.start_worker(island)
@@ -79,7 +89,7 @@ class ChaosCluster:
 
     # ---- state ----
     def client(self, timeout: float = 5.0) -> Client:
-        return Client(server=self.address, timeout=timeout)
+        return Client(server=self.address, token=self.token, timeout=timeout)
 
     def answers(self) -> bool:
         try:

@@ -54,8 +54,11 @@ class MethodStats:
 
 
 class Fuzzer:
-    def __init__(self, rng: random.Random, controller: str, workers: list[str], hosts: list[str]) -> None:
+    def __init__(self, rng: random.Random, controller: str, workers: list[str], hosts: list[str],
+                 token: str | None = None) -> None:
         self.gen = Generator(rng)
+        # a hostile token holder: the token gets its requests past the check to the handlers
+        self._auth: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.rng = rng
         self.hosts = hosts  # real host names: registrations under them are takeover attempts
         self.targets: list[tuple[str, str, MethodDescriptor, Any]] = []
@@ -79,10 +82,10 @@ class Fuzzer:
             yield cpb.ClientMessage(hello=cpb.Hello(client_name="chaos-fuzz"))
             self._stop.wait()
 
-        self._session = cgrpc.ControllerStub(channel).Session(hello())
+        self._session = cgrpc.ControllerStub(channel).Session(hello(), metadata=self._auth)
         welcome = next(iter(self._session)).welcome
         credential = getattr(welcome, "worker_credential", "")
-        return (("x-pathways-session", credential),) if credential else ()
+        return self._auth + ((("x-pathways-session", credential),) if credential else ())
 
     def close(self) -> None:
         self._stop.set()
@@ -135,7 +138,7 @@ class Fuzzer:
 
     def send(self, name: str, m: MethodDescriptor, channel: grpc.Channel) -> str:
         path = f"/pathways.v1.{name}"
-        md = self.worker_metadata if name.startswith("Worker/") else ()
+        md = self.worker_metadata if name.startswith("Worker/") else self._auth
         try:
             if not m.client_streaming and not m.server_streaming:
                 channel.unary_unary(path)(self._message(name, m), timeout=DEADLINE_S, metadata=md)

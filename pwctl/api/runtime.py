@@ -149,6 +149,7 @@ class Runtime:
         self._hello = cpb.Hello(
             client_name=f"pid-{os.getpid()}",
             job_id=self.job_id,
+            job_secret=os.environ.get("PWCTL_JOB_SECRET", "") if self.job_id else "",  # proves it is the driver
             priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
             weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),

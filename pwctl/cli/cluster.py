@@ -21,7 +21,8 @@ DevicesOpt = Annotated[str, typer.Option(
 ListenOpt = Annotated[str, typer.Option("--listen", help="Controller address, HOST:PORT")]
 DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
                                            help="Database URL (default: SQLite in the data directory)")]
-NoTokenOpt = Annotated[bool, typer.Option("--no-token", help="Workers check no cluster token (a private machine)")]
+NoTokenOpt = Annotated[bool, typer.Option(
+    "--no-token", help="The controller and workers require no cluster token (a private machine)")]
 
 
 def up(

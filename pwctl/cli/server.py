@@ -41,11 +41,14 @@ HangOpt = Annotated[float, typer.Option("--hang-timeout",
 WindowOpt = Annotated[int, typer.Option("--window",
                                         help="Admitted unfinished nodes per island; beyond it runs wait and the "
                                              "policy picks the next (smaller: priority and fair share bite sooner)")]
-TokenOpt = Annotated[bool, typer.Option("--require-token",
-                                        help="Require the token on loopback too (always beyond loopback)")]
+NoTokenOpt = Annotated[bool, typer.Option("--no-token",
+                                          help="Require no cluster token of callers, on any address (a private "
+                                               "machine); by default every call and scrape needs it")]
+# the old opt-in, now the default: accepted and ignored so existing scripts keep working
+RequireTokenOpt = Annotated[bool, typer.Option("--require-token", hidden=True)]
 MetricsOpt = Annotated[str, typer.Option("--metrics-listen",
                                          help="Prometheus metrics endpoint HOST:PORT (port 0: a free one; 'off'); "
-                                              "beyond loopback a scrape needs the token (docs/metrics.md)")]
+                                              "a scrape needs the token (docs/metrics.md)")]
 RetentionOpt = Annotated[str, typer.Option("--trace-retention",
                                            help="Node runs kept on disk for `pwctl trace` (e.g. 512MiB, 2GiB; "
                                                 "0: only the last 20,000 in memory)")]
@@ -61,7 +64,8 @@ def start(
     policy: PolicyOpt = Policy.fifo,
     hang_timeout: HangOpt = 60.0,
     window: WindowOpt = 256,
-    require_token: TokenOpt = False,
+    no_token: NoTokenOpt = False,
+    require_token: RequireTokenOpt = False,
     metrics_listen: MetricsOpt = "127.0.0.1:9464",
     trace_retention: RetentionOpt = "512MiB",
 ) -> None:
@@ -72,6 +76,9 @@ def start(
         raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
     if window < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--window")
+    if no_token and require_token:
+        raise typer.BadParameter("contradicts --no-token (the token is required by default)",
+                                 param_hint="--require-token")
     if metrics_listen.strip() != "off":
         try:
             paths.split_address(metrics_listen.strip())
@@ -79,8 +86,8 @@ def start(
             raise typer.BadParameter(f"{e} (or 'off')", param_hint="--metrics-listen") from None
     extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
              "--metrics-listen", metrics_listen, "--trace-retention", trace_retention]
-    if require_token:
-        extra.append("--require-token")
+    if no_token:
+        extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
                                     heartbeat_timeout=heartbeat_timeout, extra_args=extra)
     if handle.already_running:
@@ -88,8 +95,7 @@ def start(
         return
     sys.stdout.write(f"controller started (pid {handle.pid}) at {handle.address}\n")
     hint(f"log: {handle.log_path}; stop with `pwctl server stop`")
-    host, _ = paths.split_address(handle.address)
-    if require_token or not paths.is_loopback(host):
+    if not no_token:
         hint(f"calls need the token in {paths.token_path()} (clients elsewhere: set PWCTL_TOKEN)")
 
 

@@ -67,8 +67,9 @@ def up(
     The controller is reused when one is running. Worker `local-<island>` is started unless a
     process of that name already runs. Everything starts at once (workers retry connecting on
     their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
-    every accelerator of this machine. `no_token`: the workers it starts check no cluster token
-    (a private machine).
+    every accelerator of this machine. The cluster token is made first (in the data directory,
+    0600) so that the controller and the workers starting beside it agree on it; `no_token`: the
+    controller and the workers it starts require none (a private machine).
     """
     if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
         raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
@@ -80,10 +81,12 @@ def up(
     running = running_controller()
     proc: subprocess.Popen[bytes] | None = None
     log_offset = 0
+    if not no_token:
+        paths.load_or_create_token()
     if running is not None:
         address = running.address
     else:
-        proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, ())
+        proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, ("--no-token",) if no_token else ())
         address = listen
     if proc is not None and paths.split_address(listen)[1] == 0:
         # the port is known only once the controller serves: workers must wait for it

@@ -14,6 +14,7 @@ from .limits import (
     DEFAULT_MAX_DEVICES_PER_HOST,
     DEFAULT_MAX_HOSTS,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SESSIONS_PER_CALLER,
     DEFAULT_MAX_WATCHES,
     Limits,
 )
@@ -38,15 +39,17 @@ def main() -> None:
                         "sooner, a larger one keeps more work queued on the workers")
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--require-token", action="store_true",
-                   help="require the token even on a loopback address, for gRPC and metrics scrapes alike "
-                        "(always required beyond loopback)")
+    p.add_argument("--no-token", action="store_true",
+                   help="require no cluster token of callers, for gRPC and metrics scrapes alike (a private "
+                        "machine; by default every call needs it, on loopback too)")
+    # the old opt-in, now the default: accepted and ignored, so existing scripts keep working
+    p.add_argument("--require-token", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job-log-max-mb", type=int, default=DEFAULT_LOG_MAX_MB,
                    help=f"output kept per job (default {DEFAULT_LOG_MAX_MB} MiB): its log rotates at half of "
                         "that and older output is dropped; `pwctl logs` says when it was")
     p.add_argument("--metrics-listen", default=DEFAULT_METRICS_LISTEN,
                    help="HOST:PORT of the Prometheus metrics endpoint (default %(default)s; port 0 picks a free one; "
-                        "'off' disables it); beyond loopback a scrape needs the cluster token as a bearer token")
+                        "'off' disables it); a scrape needs the cluster token as a bearer token (docs/metrics.md)")
     p.add_argument("--trace-retention", default=f"{DEFAULT_RETENTION_BYTES // 2**20}MiB",
                    help="how much of the finished node runs to keep on disk for `pwctl trace` (in DATA_DIR/traces; "
                         "default %(default)s, the oldest go first; 0 keeps only the last 20,000 in memory)")
@@ -59,19 +62,24 @@ def main() -> None:
                    help="hosts known at once, lost ones included (default %(default)s)")
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="client sessions open at once (default %(default)s)")
+    p.add_argument("--max-sessions-per-caller", type=int, default=DEFAULT_MAX_SESSIONS_PER_CALLER,
+                   help="client sessions one caller may hold open at once: one machine's address, or one "
+                        "job's driver (default %(default)s)")
     p.add_argument("--max-watches", type=int, default=DEFAULT_MAX_WATCHES,
                    help="`status --watch` streams open at once (default %(default)s)")
     p.add_argument("--lost-host-ttl", default="24h",
                    help="a host lost this long is deleted, and its island when it was the last host "
                         "(default %(default)s; s, m, h or d; 0: never)")
     ns = p.parse_args()
+    if ns.no_token and ns.require_token:
+        p.error("--no-token and --require-token contradict each other (the token is required by default)")
     if ns.session_grace < 0:
         p.error("--session-grace must not be negative")
     try:
         lost_host_ttl = parse_duration(ns.lost_host_ttl)
     except ValueError as e:
         p.error(f"--lost-host-ttl: {e}")
-    for flag in ("max_devices_per_host", "max_hosts", "max_sessions", "max_watches"):
+    for flag in ("max_devices_per_host", "max_hosts", "max_sessions", "max_sessions_per_caller", "max_watches"):
         if getattr(ns, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
@@ -97,13 +105,14 @@ def main() -> None:
         hang_timeout=ns.hang_timeout,
         policy=ns.policy,
         window=ns.window,
-        require_token=ns.require_token,
+        no_token=ns.no_token,
         job_log_max_mb=ns.job_log_max_mb,
         metrics_listen=ns.metrics_listen,
         trace_retention=trace_retention,
         session_grace=ns.session_grace,
         limits=Limits(max_devices_per_host=ns.max_devices_per_host, max_hosts=ns.max_hosts,
-                      max_sessions=ns.max_sessions, max_watches=ns.max_watches),
+                      max_sessions=ns.max_sessions, max_sessions_per_caller=ns.max_sessions_per_caller,
+                      max_watches=ns.max_watches),
         lost_host_ttl=lost_host_ttl,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))

@@ -66,16 +66,19 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         raise SystemExit(str(e)) from None
     # first the token (an unauthenticated caller learns nothing), then malformed requests and
     # the components' errors as status codes (server/rpcguard.py)
+    # on every address, loopback included (a machine's loopback is shared by all its users);
+    # `--no-token` opts out on a private machine
     interceptors: list[aio.ServerInterceptor] = []
-    if config.require_token or not paths.is_loopback(host):
+    if not config.no_token:
         config.token = config.token or load_or_create_token()  # job drivers get it too
         interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
-    authenticated = bool(interceptors)
+    elif not paths.is_loopback(host):
+        log.warning("--no-token on %s: whoever reaches this address can use the cluster", config.listen)
     server = aio.server(interceptors=[*interceptors, GuardInterceptor(classify)], options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
-    proxy_token = config.token if authenticated else None
+    proxy_token = None if config.no_token else config.token
     server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(proxy_backend(core), proxy_token))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
@@ -117,9 +120,10 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
 
 
 async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsServer | None:
-    """Serves the Prometheus endpoint (None when off). Beyond loopback, or with `--require-token`,
-    scrapes need the cluster token. The default address falls back to a free port when 9464 is
-    taken (several controllers on one machine); an address given explicitly must be free."""
+    """Serves the Prometheus endpoint (None when off). Scrapes need the cluster token as a bearer
+    token, as gRPC calls do, on every address (none with `--no-token`). The default address falls
+    back to a free port when 9464 is taken (several controllers on one machine); an address given
+    explicitly must be free."""
     listen = config.metrics_listen.strip()
     if not listen or listen == "off":
         return None
@@ -128,7 +132,7 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
     except ValueError as e:
         raise SystemExit(f"--metrics-listen: {e} (or 'off')") from None
     token = None
-    if config.require_token or not paths.is_loopback(host):
+    if not config.no_token:
         token = config.token = config.token or load_or_create_token()
     collector = ControllerCollector(core.cluster, core.observer, core.scheduler, core.jobs.jobs, core.hangs,
                                     core.slice_count, dispatch=core.dispatch, policy=config.policy)

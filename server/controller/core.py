@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import paths
-from ..credentials import KEY_FILE, load_or_create_key
+from ..credentials import JOB_KEY_FILE, KEY_FILE, job_secret, load_or_create_key
 from ..db.engine import make_engine, session_factory
 from ..db.writer import DbWriter
 from ..scheduler import GangScheduler, Policy
@@ -50,7 +50,7 @@ class ControllerConfig:
     policy: str = "fifo"  # default time-multiplexing policy of every island: fifo | priority | fair
     window: int = 256  # admitted unfinished nodes per island; the policy orders only what waits beyond it
     token: str | None = None
-    require_token: bool = False  # also on loopback (tests check rejection without a public address)
+    no_token: bool = False  # True (--no-token, a private machine): no call needs the cluster token
     job_log_max_mb: int = DEFAULT_LOG_MAX_MB  # output kept per job (rotated; older output dropped)
     metrics_listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" or "off": none
     trace_retention: int = DEFAULT_RETENTION_BYTES  # bytes of node runs kept for traces on disk; 0: none
@@ -85,13 +85,17 @@ class Controller:
                                      self.cluster.host_by_address, self.cluster)
         # signs the credentials workers check (server/credentials.py); kept across restarts
         self.worker_key = load_or_create_key(paths.data_dir() / KEY_FILE)
+        # signs the job secrets of drivers (kept across restarts: drivers outlive the controller)
+        job_key = load_or_create_key(paths.data_dir() / JOB_KEY_FILE)
         self.sessions = SessionManager(self.dispatcher, self.registry, self.slices, self.cluster.broadcast,
                                        config.dispatch, worker_key=self.worker_key,
-                                       store=SessionStore(self.db, write), grace_s=config.session_grace)
+                                       store=SessionStore(self.db, write), grace_s=config.session_grace,
+                                       job_key=job_key, max_per_caller=config.limits.max_sessions_per_caller)
         self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
                                address=lambda: self.address, token=config.token,
-                               log_max_mb=config.job_log_max_mb)
+                               log_max_mb=config.job_log_max_mb,
+                               job_secret=lambda job_id: job_secret(job_key, job_id))
         self.removal = Removal(self.cluster, *slice_queries(lambda: self.slices.rm.slices),
                                lost_ttl_s=config.lost_host_ttl)
         self.hangs = HangReporter(self.scheduler, self.cluster.hosts, config.heartbeat_interval,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ..credentials import JOB_SECRET_ENV
 from . import jobsup
 
 MEMORY_ENV = "PATHWAYS_JOB_MEMORY_MB"
@@ -80,8 +81,9 @@ def driver_command(entrypoint: str, args: list[str]) -> list[str]:
 
 
 def driver_env(job_id: str, priority: int, weight: float, address: str, token: str | None,
-               data_dir: Path) -> dict[str, str]:
-    """The driver's environment: this one without PWCTL_*, plus where and as whom to connect."""
+               data_dir: Path, job_secret: str = "") -> dict[str, str]:
+    """The driver's environment: this one without PWCTL_*, plus where and as whom to connect
+    (the cluster token, and the job's secret that proves to the controller it is this job's driver)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PWCTL_")}
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]", ""):
@@ -96,6 +98,8 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
     )
     if token:
         env["PWCTL_TOKEN"] = token
+    if job_secret:
+        env[JOB_SECRET_ENV] = job_secret
     # `import pwctl` works in the driver even when the project is not installed
     root = str(Path(__file__).resolve().parents[2])
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -9,6 +9,7 @@ bound has a name, a default and, where an operator may need another, a controlle
 | devices per host | 1,024 | `--max-devices-per-host` |
 | hosts | 4,096 (the scale target is 2,048) | `--max-hosts` |
 | open client sessions | 1,024 | `--max-sessions` |
+| open client sessions of one caller (an address, or a job's driver: callers.py) | 256 | `--max-sessions-per-caller` |
 | open `Watch` streams | 64 | `--max-watches` |
 | open `StreamLogs` streams | 256 | - |
 | host / island names | 1-128 / 1-64 characters of `A-Z a-z 0-9 _ . : + -`, not starting with a sign | - |
@@ -32,6 +33,7 @@ from .errors import InvalidArgument
 DEFAULT_MAX_DEVICES_PER_HOST = 1024
 DEFAULT_MAX_HOSTS = 4096
 DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_MAX_SESSIONS_PER_CALLER = 256  # a quarter: one caller cannot take every place
 DEFAULT_MAX_WATCHES = 64
 MAX_LOG_STREAMS = 256
 MAX_HOST_NAME = 128
@@ -48,6 +50,7 @@ class Limits:
     max_devices_per_host: int = DEFAULT_MAX_DEVICES_PER_HOST
     max_hosts: int = DEFAULT_MAX_HOSTS
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions_per_caller: int = DEFAULT_MAX_SESSIONS_PER_CALLER
     max_watches: int = DEFAULT_MAX_WATCHES
     max_log_streams: int = MAX_LOG_STREAMS
 

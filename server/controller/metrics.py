@@ -4,9 +4,9 @@ Everything is read at scrape time by one collector from what the components alre
 hosts, the observer's counters, the scheduler's queues and `stats`, the jobs): nothing is added
 to the dispatch path. The endpoint is a small asyncio HTTP server on the controller's event loop,
 so a scrape reads the components on the thread that changes them (no locks, no torn reads);
-`prometheus-client` formats the exposition. Beyond loopback (or with `--require-token`) a scrape
-must carry the cluster token as `Authorization: Bearer <token>`, as Prometheus'
-`authorization: {credentials_file: ...}` sends it.
+`prometheus-client` formats the exposition. A scrape must carry the cluster token as
+`Authorization: Bearer <token>` (on loopback too; not with the controller's `--no-token`), as
+Prometheus' `authorization: {credentials_file: ...}` sends it.
 """
 
 from __future__ import annotations

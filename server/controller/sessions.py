@@ -16,9 +16,10 @@ programs again and goes on. What nobody resumed is released when the grace perio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
 from grpc import aio
@@ -26,12 +27,14 @@ from grpc import aio
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..credentials import PREFIX_SHIFT, session_credential
+from ..credentials import JOB_SECRET_ENV, PREFIX_SHIFT, check_job_secret, session_credential
 from ..invariants import InvariantError
 from ..scheduler import Batch, Submit
+from .callers import CallerSessions, caller_of
 from .client_session import ClientSession
 from .dispatch import Dispatcher
-from .errors import ControllerError
+from .errors import ControllerError, PermissionDenied
+from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
 from .programs import ProgramRecord, ProgramRegistry
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
@@ -64,7 +67,8 @@ class SessionManager:
     def __init__(self, dispatcher: Dispatcher, registry: ProgramRegistry, slices: Slices,
                  broadcast: Callable[[cpb.ControllerToWorker], None], default_dispatch: str = "parallel",
                  worker_key: bytes = b"", store: SessionStore | None = None,
-                 grace_s: float = DEFAULT_GRACE_S) -> None:
+                 grace_s: float = DEFAULT_GRACE_S, job_key: bytes = b"",
+                 max_per_caller: int = DEFAULT_MAX_SESSIONS_PER_CALLER) -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.slices = slices
@@ -75,6 +79,8 @@ class SessionManager:
         self.program_listeners: list[ProgramListener] = []
         self.sessions: dict[str, ClientSession] = {}
         self.worker_key = worker_key or secrets.token_bytes(32)
+        self.job_key = job_key or secrets.token_bytes(32)  # job secrets (server/credentials.py)
+        self.callers = CallerSessions(max_per_caller)
         self._prefixes_used: set[int] = set()
         self.resumable: dict[str, Resumable] = {}  # sessions of the previous controller, not resumed yet
         self.going_away = False
@@ -125,8 +131,10 @@ class SessionManager:
             self.store.closed([r.client_id for r in gone])
 
     async def serve(
-        self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext
+        self, request_iterator: AsyncIterator[cpb.ClientMessage], context: aio.ServicerContext | None
     ) -> AsyncIterator[cpb.SessionEvent]:
+        """Serves one session stream. `context`: the call's (its peer names the caller, callers.py);
+        None in-process (tests: one caller)."""
         it = aiter(request_iterator)
         first = await anext(it, None)
         if first is not None and first.WhichOneof("msg") == "batch" and first.batch.messages:
@@ -142,6 +150,19 @@ class SessionManager:
         if dispatch not in ("parallel", "sequential"):
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
+        if hello.job_id and not check_job_secret(self.job_key, hello.job_id, hello.job_secret):
+            shown = hello.job_id if len(hello.job_id) <= 40 else hello.job_id[:40] + "..."
+            raise PermissionDenied(
+                f"this session cannot act as job {shown!r}: only the job's driver can, with the secret the "
+                f"controller gave it (${JOB_SECRET_ENV})")
+        with self.callers.enter(caller_of(context.peer() if context is not None else "", hello.job_id)):
+            async with contextlib.aclosing(self._open(hello, dispatch, rest, it)) as events:  # its finally runs now
+                async for ev in events:
+                    yield ev
+
+    async def _open(self, hello: cpb.Hello, dispatch: str, rest: list[cpb.ClientMessage],
+                    it: AsyncIterator[cpb.ClientMessage]) -> AsyncGenerator[cpb.SessionEvent, None]:
+        """Opens (or resumes) the session `hello` asks for and serves it until it ends."""
         token = hello.resume_token
         if hello.resume_client_id:
             rec = self.resumable.get(hello.resume_client_id)

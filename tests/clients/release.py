@@ -9,16 +9,19 @@ import grpc
 import numpy as np
 
 import pwctl as pw
+from pwctl import settings
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 addresses = sys.argv[1:]
+token = settings.resolve().token  # the workers require the cluster token, as pwctl finds it
+metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def buffers() -> int:
     total = 0
     for a in addresses:
-        total += wgrpc.WorkerStub(grpc.insecure_channel(a)).Stats(wpb.WorkerStatsRequest()).buffers
+        total += wgrpc.WorkerStub(grpc.insecure_channel(a)).Stats(wpb.WorkerStatsRequest(), metadata=metadata).buffers
     return total
 
 

@@ -1326,6 +1326,7 @@ class Hello(_message.Message):
     DISPATCH_FIELD_NUMBER: _builtins.int
     RESUME_CLIENT_ID_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
+    JOB_SECRET_FIELD_NUMBER: _builtins.int
     client_name: _builtins.str
     job_id: _builtins.str
     """set when running as a managed job driver"""
@@ -1339,6 +1340,11 @@ class Hello(_message.Message):
     programs again. Refused (an error event) when the controller no longer knows the session.
     """
     resume_token: _builtins.str
+    job_secret: _builtins.str
+    """With job_id: the job's secret ($PWCTL_JOB_SECRET, which the controller gives the driver it
+    starts). A Hello naming a job without its secret is refused PERMISSION_DENIED: only the job's
+    driver acts as the job.
+    """
     def __init__(
         self,
         *,
@@ -1349,10 +1355,11 @@ class Hello(_message.Message):
         dispatch: _builtins.str = ...,
         resume_client_id: _builtins.str = ...,
         resume_token: _builtins.str = ...,
+        job_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "priority", b"priority", "resume_client_id", b"resume_client_id", "resume_token", b"resume_token", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "job_secret", b"job_secret", "priority", b"priority", "resume_client_id", b"resume_client_id", "resume_token", b"resume_token", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -98,6 +98,14 @@ def is_proxy_method(method: str) -> bool:
     return method.startswith(SERVICE_PREFIX)
 
 
+def guards_itself(method: str) -> bool:
+    """The proxy session stream decodes its own requests (an undecodable one ends the session
+    with INVALID_ARGUMENT) and answers every error itself, so the controller's
+    `rpcguard.GuardInterceptor` leaves it unwrapped: its wrappers cost two generator hops per
+    message on the tiny-call hot path (bench/FINDINGS.md)."""
+    return method == SERVICE_PREFIX + "IfrtSession"
+
+
 class LazyProxyHandler(grpc.GenericRpcHandler):
     """Serves the proxy service, building it (and scanning jaxlib for the protocol) on the first
     proxy call, so a controller that never sees a proxy client never pays for it."""

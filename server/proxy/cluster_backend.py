@@ -42,9 +42,10 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
-from . import segments
+from . import segments, wire
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compose import concat_function, flat_parts
+from .handles import HostData
 from .modules import describe
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
+FETCH_METHOD = "/pathways.v1.Worker/Fetch"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
@@ -139,6 +141,7 @@ class SliceSession:
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
+        self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
         self._segments_ok: dict[str, bool] = {}  # worker address -> uploads through shared memory
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
@@ -297,12 +300,14 @@ class SliceSession:
         if error is not None:
             raise BackendError("FAILED_PRECONDITION", error)
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
         if len(data) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
             with contextlib.suppress(_Oversized):  # shared memory refused: parts, as below
                 return (await self._upload([(dtype, shape, data)]))[0]
         # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
         # them on the worker with a program (compose.py); the parts go once it ran
+        if isinstance(data, HostData):
+            data = data.tobytes()
         item = resolve_dtype(dtype).itemsize
         ranges = flat_parts(len(data), item, MAX_UPLOAD_BYTES)
         view = memoryview(data)
@@ -338,8 +343,9 @@ class SliceSession:
                     names.append(name)
                     yield req
                 else:
+                    raw = data.tobytes() if isinstance(data, HostData) else bytes(data)
                     yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
-                                               array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=bytes(data)))
+                                               array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=raw))
 
         try:
             await stub.PutBuffers(requests(), metadata=self._metadata)
@@ -363,23 +369,40 @@ class SliceSession:
             raise BackendError("NOT_FOUND", f"buffer {buffer_id} is not this session's")
         return address
 
-    async def get(self, buffer_id: int) -> bytes:
+    async def get(self, buffer_id: int) -> HostData:
         self._check_failed(buffer_id)
-        address, stub = self._worker(self._address_of(buffer_id))
+        address = self._address_of(buffer_id)
+        fetch_raw = self._fetch_raw(address)
 
-        async def fetch() -> bytes:
-            parts: list[bytes] = []
+        async def fetch() -> HostData:
+            # the chunks are read as wire format (wire.py): views of what gRPC received, no copies
+            parts: list[bytes | memoryview] = []
             try:
-                async for chunk in stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
-                                              metadata=self._metadata):
-                    if chunk.error:
-                        raise BackendError("FAILED_PRECONDITION", chunk.error)
-                    parts.append(chunk.array.data)
+                async for raw in fetch_raw(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
+                                           metadata=self._metadata):
+                    try:
+                        data, error = wire.fetch_chunk(raw)
+                    except wire.WireError as e:
+                        raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
+                    if error:
+                        raise BackendError("FAILED_PRECONDITION", error)
+                    parts.append(data)
             except grpc.RpcError as e:
                 raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
-            return b"".join(parts)
+            return HostData(parts)
 
-        return bytes(await self._unless_failed([buffer_id], fetch()))
+        result: HostData = await self._unless_failed([buffer_id], fetch())
+        return result
+
+    def _fetch_raw(self, address: str) -> Any:
+        """The worker's `Fetch` with its answers left serialized (parsed by `wire.fetch_chunk`)."""
+        self._worker(address)
+        channel = self._channels[address][0]
+        call = self._fetchers.get(channel)
+        if call is None:
+            call = self._fetchers[channel] = channel.unary_stream(
+                FETCH_METHOD, request_serializer=wpb.FetchRequest.SerializeToString, response_deserializer=None)
+        return call
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
@@ -423,6 +446,7 @@ class SliceSession:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._fetchers.clear()
         self._home.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)

@@ -1,0 +1,108 @@
+"""Bulk bytes on the proxy's transfer paths without protobuf's copies.
+
+Parsing a message with a large `bytes` field and reading the field copies the bytes (upb makes
+a new `bytes` object on every access), and building one copies them into the message and again
+to serialize it. The host-buffer messages (`GrpcHostBufferStoreRequest`,
+`GrpcHostBufferLookupResponse`: nothing but `bytes data = 1`) and the worker's `FetchChunk` are
+read and written here straight from and into the wire format instead: a field is a view of the
+bytes gRPC received, and a message is its bytes behind a 1-6 byte header. Wire format:
+https://protobuf.dev/programming-guides/encoding/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+VARINT, I64, LEN, I32 = 0, 1, 2, 5
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed message of the expected kind."""
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise WireError("truncated varint")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not b & 0x80:
+            return value, pos
+
+
+def fields(data: bytes | memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field in order: an int for varints and fixed
+    widths, a view (no copy) for length-delimited fields."""
+    buf = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    pos, end = 0, len(buf)
+    while pos < end:
+        tag, pos = _varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if number == 0:
+            raise WireError("field number 0")
+        if wire == VARINT:
+            value, pos = _varint(buf, pos)
+            yield number, wire, value
+        elif wire == LEN:
+            size, pos = _varint(buf, pos)
+            if pos + size > end:
+                raise WireError("length-delimited field past the end")
+            yield number, wire, buf[pos : pos + size]
+            pos += size
+        elif wire in (I64, I32):
+            width = 8 if wire == I64 else 4
+            if pos + width > end:
+                raise WireError("fixed-width field past the end")
+            yield number, wire, int.from_bytes(buf[pos : pos + width], "little")
+            pos += width
+        else:
+            raise WireError(f"wire type {wire}")
+
+
+def data_field(raw: bytes) -> memoryview:
+    """Field 1 (`bytes data`) of a message that has nothing else; the last occurrence wins, as
+    protobuf's own parser does. WireError for anything else."""
+    out = memoryview(b"")
+    for number, wire, value in fields(raw):
+        if number != 1 or wire != LEN:
+            raise WireError(f"unexpected field {number}")
+        assert isinstance(value, memoryview)
+        out = value
+    return out
+
+
+def _header(size: int) -> bytes:
+    head = bytearray(b"\x0a")  # field 1, length-delimited
+    while True:
+        b = size & 0x7F
+        size >>= 7
+        if size:
+            head.append(b | 0x80)
+        else:
+            head.append(b)
+            return bytes(head)
+
+
+def data_message(data: bytes | memoryview) -> bytes:
+    """The serialized message `{bytes data = 1}` holding `data` (one copy of it)."""
+    return b"".join((_header(len(data)), data)) if len(data) else b""
+
+
+def fetch_chunk(raw: bytes) -> tuple[memoryview, str]:
+    """The array bytes (`array.data`) and the error of a serialized `pathways.v1.FetchChunk`
+    (worker.proto: array = 1 {dtype = 1, shape = 2, data = 3, shm_name = 4}, last = 2,
+    error = 3, ...): views of `raw`, not copies."""
+    data, error = memoryview(b""), ""
+    for number, wire, value in fields(raw):
+        if number == 1 and wire == LEN:
+            assert isinstance(value, memoryview)
+            for n, w, v in fields(value):
+                if n == 3 and w == LEN:
+                    assert isinstance(v, memoryview)
+                    data = v
+        elif number == 3 and wire == LEN:
+            assert isinstance(value, memoryview)
+            error = bytes(value).decode(errors="replace")
+    return data, error

@@ -1,0 +1,58 @@
+"""The proxy's bulk-bytes wire format (server/proxy/wire.py) against protobuf's own parser and
+serializer: what one writes the other reads, and malformed bytes are a WireError, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.proxy import protocol as proto_mod
+from server.proxy import wire
+from server.proxy.handles import HostData
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20, (1 << 20) + 5])
+def test_data_messages_match_protobuf(size: int) -> None:
+    p = proto_mod.protocol()
+    data = bytes(i % 251 for i in range(size))
+    # what the client sends is read without a copy
+    raw = p.GrpcHostBufferStoreRequest(data=data).SerializeToString()
+    view = wire.data_field(raw)
+    assert isinstance(view, memoryview) and bytes(view) == data
+    # what the server sends parses as the client's message
+    assert p.GrpcHostBufferLookupResponse.FromString(wire.data_message(memoryview(data))).data == data
+    assert wire.data_message(data) == p.GrpcHostBufferLookupResponse(data=data).SerializeToString()
+
+
+def test_data_field_last_occurrence_wins_and_other_fields_are_refused() -> None:
+    p = proto_mod.protocol()
+    twice = wire.data_message(b"first") + wire.data_message(b"second")
+    assert bytes(wire.data_field(twice)) == p.GrpcHostBufferStoreRequest.FromString(twice).data == b"second"
+    assert bytes(wire.data_field(b"")) == b""
+    for bad in (b"\x0a\x05abc", b"\x0a", b"\x10\x01", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x07",
+                b"\x00\x01"):
+        with pytest.raises(wire.WireError):
+            wire.data_field(bad)
+
+
+def test_fetch_chunks_match_protobuf() -> None:
+    data = bytes(range(256)) * 100
+    full = wpb.FetchChunk(array=pb.ArrayProto(dtype="float32", shape=[2, 3200], data=data), last=True, part=3,
+                          part_start=[1, 2], global_shape=[4, 5])
+    got, error = wire.fetch_chunk(full.SerializeToString())
+    assert bytes(got) == data and error == ""
+    got, error = wire.fetch_chunk(wpb.FetchChunk(error="buffer 7 failed: boom", last=True).SerializeToString())
+    assert bytes(got) == b"" and error == "buffer 7 failed: boom"
+    with pytest.raises(wire.WireError):
+        wire.fetch_chunk(full.SerializeToString()[:-3])
+
+
+def test_host_data_joins_only_when_asked() -> None:
+    one = b"abc"
+    assert HostData([one]).tobytes() is one  # nothing to join
+    parts = HostData([b"ab", memoryview(b"xcdx")[1:3], b"", b"e"])
+    assert len(parts) == parts.nbytes == 5 and len(parts.parts) == 3
+    assert parts.tobytes() == b"abcde"

@@ -224,15 +224,19 @@ def parse_sharding(session: Session, sharding: Message, proto: Any) -> Sharding:
     return sh.parse(sharding, proto, {d.id for d in session.backend.slice.devices})
 
 
-def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
-    if not strides.strides:
-        return
-    item = resolve_dtype(dtype).itemsize
-    expected, step = [], item
+def c_strides(dtype: str, shape: tuple[int, ...]) -> list[int]:
+    """The byte strides of a C-order array."""
+    expected, step = [], resolve_dtype(dtype).itemsize
     for d in reversed(shape):
         expected.append(step)
         step *= d
-    if list(strides.strides) != expected[::-1]:
+    return expected[::-1]
+
+
+def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
+    if not strides.strides:
+        return
+    if list(strides.strides) != c_strides(dtype, shape):
         raise HandleError("UNIMPLEMENTED", f"byte strides {list(strides.strides)} (only C order is supported)")
 
 
@@ -276,7 +280,10 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
     shape = tuple(int(d) for d in r.shape.dims)
     sharding = parse_sharding(session, r.sharding, proto)
     data: bytes | HostData = await session.buffers.take(r.host_buffer_handle)  # may still be arriving (req. 5)
-    if r.HasField("byte_strides") and r.byte_strides.strides:
+    strides = list(r.byte_strides.strides) if r.HasField("byte_strides") else []
+    nbytes = math.prod(shape) * resolve_dtype(dtype).itemsize
+    # jax.device_put sends a contiguous array's C-order strides: then the parts go on as they came
+    if strides and (strides != c_strides(dtype, shape) or len(data) != nbytes):
         data = strided(_joined(data), dtype, shape, r.byte_strides).tobytes()
     _check_size(data, dtype, shape)
     session.handles.settle(handle, await _put(session, sharding, dtype, shape, data))

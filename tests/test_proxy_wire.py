@@ -56,3 +56,26 @@ def test_host_data_joins_only_when_asked() -> None:
     parts = HostData([b"ab", memoryview(b"xcdx")[1:3], b"", b"e"])
     assert len(parts) == parts.nbytes == 5 and len(parts.parts) == 3
     assert parts.tobytes() == b"abcde"
+
+
+@pytest.mark.parametrize(("buffer_id", "owner", "dtype", "shape", "size"), [
+    (7, "client:proxy-ab", "float32", (2, 3), 24), ((1 << 40) | 5, "client:x", "bfloat16", (300,), 600),
+    (0, "", "float32", (), 4), (3, "o", "int8", (0, 5), 0), (9, "o", "uint8", (1 << 20,), 1 << 20)])
+def test_put_buffer_requests_match_protobuf(buffer_id: int, owner: str, dtype: str, shape: tuple[int, ...],
+                                            size: int) -> None:
+    data = bytes(i % 253 for i in range(size))
+    parts = HostData([data[:5], memoryview(data)[5:11], data[11:]]).parts
+    raw = wire.put_buffer_request(buffer_id, owner, dtype, shape, parts)
+    expected = wpb.PutBufferRequest(buffer_id=buffer_id, owner=owner,
+                                    array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=data))
+    assert raw == expected.SerializeToString()
+    assert wpb.PutBufferRequest.FromString(raw) == expected
+
+
+def test_host_data_slices_are_views_of_its_parts() -> None:
+    raw = bytes(range(100))
+    whole = HostData([raw[:10], memoryview(raw)[10:40], raw[40:]])
+    for start, stop in [(0, 100), (0, 10), (5, 15), (10, 40), (39, 41), (99, 100), (50, 50)]:
+        part = whole.slice(start, stop)
+        assert part.tobytes() == raw[start:stop] and len(part) == stop - start
+        assert all(isinstance(p, memoryview) for p in part.parts)

@@ -33,7 +33,6 @@ import grpc
 from grpc import aio
 
 from schemas.arrays import resolve_dtype
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -58,7 +57,7 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
-FETCH_METHOD = "/pathways.v1.Worker/Fetch"
+FETCH_METHOD, PUT_METHOD = "/pathways.v1.Worker/Fetch", "/pathways.v1.Worker/PutBuffers"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
@@ -142,6 +141,7 @@ class SliceSession:
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
+        self._putters: dict[aio.Channel, Any] = {}  # a channel's PutBuffers taking serialized requests
         self._segments_ok: dict[str, bool] = {}  # worker address -> uploads through shared memory
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
@@ -301,17 +301,15 @@ class SliceSession:
             raise BackendError("FAILED_PRECONDITION", error)
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
-        if len(data) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
+        host = data if isinstance(data, HostData) else HostData([data])
+        if len(host) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
             with contextlib.suppress(_Oversized):  # shared memory refused: parts, as below
-                return (await self._upload([(dtype, shape, data)]))[0]
+                return (await self._upload([(dtype, shape, host)]))[0]
         # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
         # them on the worker with a program (compose.py); the parts go once it ran
-        if isinstance(data, HostData):
-            data = data.tobytes()
         item = resolve_dtype(dtype).itemsize
-        ranges = flat_parts(len(data), item, MAX_UPLOAD_BYTES)
-        view = memoryview(data)
-        parts = await self._upload([(dtype, (b - a,), view[a * item : b * item]) for a, b in ranges])
+        ranges = flat_parts(len(host), item, MAX_UPLOAD_BYTES)
+        parts = await self._upload([(dtype, (b - a,), host.slice(a * item, b * item)) for a, b in ranges])
         sizes = tuple(b - a for a, b in ranges)
         key = (dtype, sizes, shape)
         made = self._concats.get(key)
@@ -330,8 +328,8 @@ class SliceSession:
             ok = self._segments_ok[address] = segments.on_this_host(address)
         return ok
 
-    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], Any]]) -> list[int]:
-        address, stub = self._worker()
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> list[int]:
+        address, _ = self._worker()
         ids = [next(self._ids) for _ in arrays]
         names: list[str] = []
         by_segment = self._by_segment(address)
@@ -341,14 +339,12 @@ class SliceSession:
                 if by_segment and len(data) >= segments.MIN_BYTES:
                     req, name = segments.segment_request(buffer_id, self._owner, dtype, shape, data)
                     names.append(name)
-                    yield req
-                else:
-                    raw = data.tobytes() if isinstance(data, HostData) else bytes(data)
-                    yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
-                                               array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=raw))
+                    yield req.SerializeToString()
+                else:  # serialized here from the parts (wire.py): one copy of the bytes
+                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
 
         try:
-            await stub.PutBuffers(requests(), metadata=self._metadata)
+            await self._put_raw(address)(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
             segments.discard(names)
             if names and e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not open them
@@ -393,6 +389,16 @@ class SliceSession:
 
         result: HostData = await self._unless_failed([buffer_id], fetch())
         return result
+
+    def _put_raw(self, address: str) -> Any:
+        """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
+        self._worker(address)
+        channel = self._channels[address][0]
+        call = self._putters.get(channel)
+        if call is None:
+            call = self._putters[channel] = channel.stream_unary(
+                PUT_METHOD, request_serializer=None, response_deserializer=wpb.PutBuffersResponse.FromString)
+        return call
 
     def _fetch_raw(self, address: str) -> Any:
         """The worker's `Fetch` with its answers left serialized (parsed by `wire.fetch_chunk`)."""
@@ -447,6 +453,7 @@ class SliceSession:
             await channel.close()
         self._channels.clear()
         self._fetchers.clear()
+        self._putters.clear()
         self._home.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)

@@ -170,6 +170,17 @@ class HostData:
             return self.parts[0]
         return b"".join(self.parts)
 
+    def slice(self, start: int, stop: int) -> HostData:
+        """Bytes `start:stop`, as views of the parts (no copy)."""
+        out: list[bytes | memoryview] = []
+        offset = 0
+        for part in self.parts:
+            end = offset + len(part)
+            if end > start and offset < stop:
+                out.append(memoryview(part).cast("B")[max(start - offset, 0) : min(stop, end) - offset])
+            offset = end
+        return HostData(out)
+
 
 class HostBuffers:
     """Bytes the client stored with HostBufferStore, by handle, until a request takes them.

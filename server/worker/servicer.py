@@ -63,10 +63,11 @@ def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
     count = 1
     for d in array.shape:
         count *= d
-    if count * dtype.itemsize != len(array.data):
-        raise ValueError(f"{len(array.data)} bytes for {array.dtype}{list(array.shape)}, "
+    data = array.data  # each read of a bytes field copies it: once
+    if count * dtype.itemsize != len(data):
+        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, "
                          f"expected {count * dtype.itemsize}")
-    return from_bytes(array.dtype, list(array.shape), array.data)
+    return from_bytes(array.dtype, list(array.shape), data)
 
 
 def _bounded(timeout_s: float) -> float:

@@ -7,8 +7,8 @@ import pytest
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
+from server import wire
 from server.proxy import protocol as proto_mod
-from server.proxy import wire
 from server.proxy.handles import HostData
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,3 +79,17 @@ def test_host_data_slices_are_views_of_its_parts() -> None:
         part = whole.slice(start, stop)
         assert part.tobytes() == raw[start:stop] and len(part) == stop - start
         assert all(isinstance(p, memoryview) for p in part.parts)
+
+
+@pytest.mark.parametrize(("dtype", "shape", "size", "last"), [
+    ("float32", (2, 3), 24, True), ("", (), 4096, False), ("bfloat16", (), 2, True), ("float32", (0,), 0, True),
+    ("", (), 0, False)])
+def test_fetch_chunk_messages_match_protobuf(dtype: str, shape: tuple[int, ...], size: int, last: bool) -> None:
+    data = bytes(i % 241 for i in range(size))
+    raw = wire.fetch_chunk_message(memoryview(data), dtype, shape, last)
+    expected = wpb.FetchChunk(last=last)
+    if dtype or shape or data:
+        expected.array.CopyFrom(pb.ArrayProto(dtype=dtype, shape=list(shape), data=data))
+    assert raw == expected.SerializeToString()
+    got, error = wire.fetch_chunk(raw)
+    assert bytes(got) == data and error == ""

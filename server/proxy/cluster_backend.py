@@ -37,11 +37,12 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
-from . import segments, wire
+from . import segments
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compose import concat_function, flat_parts
 from .handles import HostData

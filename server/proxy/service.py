@@ -30,7 +30,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from . import arrays, executables, reshard, wire
+from .. import wire
+from . import arrays, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers, HostData

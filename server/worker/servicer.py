@@ -21,6 +21,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import wire
 from ..credentials import Caller
 from ..threadnames import name_native_thread
 from .auth import WorkerAuth
@@ -68,6 +69,11 @@ def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
         raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, "
                          f"expected {count * dtype.itemsize}")
     return from_bytes(array.dtype, list(array.shape), data)
+
+
+def _serialized(message: Any) -> bytes:
+    """A response already serialized (server/wire.py), or a message to serialize."""
+    return message if isinstance(message, bytes) else bytes(message.SerializeToString())
 
 
 def _bounded(timeout_s: float) -> float:
@@ -190,7 +196,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if self._foreign(caller, b):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {b:#x} on this worker")
 
-    async def Fetch(self, request: wpb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[wpb.FetchChunk]:
+    async def Fetch(  # type: ignore[override]  # yields chunks serialized already (server/wire.py)
+        self, request: wpb.FetchRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[wpb.FetchChunk | bytes]:
         caller = await self.auth.session(context, "fetch")
         bid = request.buffer_id
         await self._check_request(context, caller, [bid], request.timeout_s)
@@ -220,16 +228,13 @@ class WorkerServicer(wgrpc.WorkerServicer):
             yield wpb.FetchChunk(error=group.explain(error) if group.active else error, last=True)
             return
         data = byte_view(arr)
-        head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
-        if len(data) <= CHUNK:
-            head.data = bytes(data)
-            yield wpb.FetchChunk(array=head, last=True)
-            return
-        for off in range(0, len(data), CHUNK):
-            part = pb.ArrayProto(data=bytes(data[off : off + CHUNK]))
-            if off == 0:
-                part.dtype, part.shape[:] = head.dtype, head.shape
-            yield wpb.FetchChunk(array=part, last=off + CHUNK >= len(data))
+        dtype, shape = dtype_name(arr.dtype), list(arr.shape)
+        # serialized here from views of the array (server/wire.py): one copy of each chunk, not
+        # one to slice it, one into the message and one to serialize it
+        for off in range(0, max(len(data), 1), CHUNK):
+            first = off == 0
+            yield wire.fetch_chunk_message(data[off : off + CHUNK], dtype if first else "", shape if first else (),
+                                           off + CHUNK >= len(data))
 
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
         caller = await self.auth.session(context, "wait")
@@ -424,7 +429,7 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         "Fetch": grpc.unary_stream_rpc_method_handler(
             server_stream("Fetch", servicer.Fetch),
             request_deserializer=_tolerant("Fetch", wpb.FetchRequest),
-            response_serializer=wpb.FetchChunk.SerializeToString),
+            response_serializer=_serialized),
         "Wait": grpc.unary_unary_rpc_method_handler(
             unary("Wait", servicer.Wait),
             request_deserializer=_tolerant("Wait", wpb.WaitRequest),

@@ -1,4 +1,4 @@
-"""Bulk bytes on the proxy's transfer paths without protobuf's copies.
+"""Bulk bytes on the transfer paths (the IFRT proxy's, the worker's Fetch) without protobuf's copies.
 
 Parsing a message with a large `bytes` field and reading the field copies the bytes (upb makes
 a new `bytes` object on every access), and building one copies them into the message and again
@@ -128,3 +128,15 @@ def fetch_chunk(raw: bytes) -> tuple[memoryview, str]:
             assert isinstance(value, memoryview)
             error = bytes(value).decode(errors="replace")
     return data, error
+
+
+def fetch_chunk_message(data: bytes | memoryview, dtype: str, shape: Sequence[int], last: bool) -> bytes:
+    """A serialized `pathways.v1.FetchChunk` {array {dtype, shape, data}, last} (`dtype` and
+    `shape` are left out when empty, as the first chunk alone carries them): one copy of `data`."""
+    dt = dtype.encode()
+    packed = b"".join(_uvarint(int(d)) for d in shape)
+    head = (_len_field(1, len(dt)) + dt if dt else b"") + (_len_field(2, len(packed)) + packed if packed else b"")
+    head += _len_field(3, len(data)) if len(data) else b""
+    array_size = len(head) + len(data)
+    return b"".join((_len_field(1, array_size) if array_size else b"", head, data,
+                     _uvarint(2 << 3 | VARINT) + b"\x01" if last else b""))

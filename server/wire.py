@@ -12,6 +12,7 @@ https://protobuf.dev/programming-guides/encoding/.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 
@@ -140,3 +141,80 @@ def fetch_chunk_message(data: bytes | memoryview, dtype: str, shape: Sequence[in
     array_size = len(head) + len(data)
     return b"".join((_len_field(1, array_size) if array_size else b"", head, data,
                      _uvarint(2 << 3 | VARINT) + b"\x01" if last else b""))
+
+
+@dataclass(frozen=True)
+class Array:
+    """A parsed `pathways.v1.ArrayProto` whose `data` is a view of the received bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+    shm_name: str
+
+
+@dataclass(frozen=True)
+class PutBuffer:
+    """A parsed `pathways.v1.PutBufferRequest` (its `owner` is ignored by the worker)."""
+
+    buffer_id: int
+    array: Array
+
+
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _text(value: memoryview) -> str:
+    try:
+        return bytes(value).decode()
+    except UnicodeDecodeError:
+        raise WireError("a string field is not UTF-8") from None
+
+
+def _array(raw: memoryview) -> Array:
+    dtype, shape, data, shm_name = "", [], memoryview(b""), ""
+    for number, wire, value in fields(raw):
+        if number == 1 and wire == LEN:
+            assert isinstance(value, memoryview)
+            dtype = _text(value)
+        elif number == 2 and wire == LEN:  # packed
+            assert isinstance(value, memoryview)
+            pos = 0
+            while pos < len(value):
+                d, pos = _varint(value, pos)
+                shape.append(_int64(d))
+        elif number == 2 and wire == VARINT:
+            assert isinstance(value, int)
+            shape.append(_int64(value))
+        elif number == 3 and wire == LEN:
+            assert isinstance(value, memoryview)
+            data = value
+        elif number == 4 and wire == LEN:
+            assert isinstance(value, memoryview)
+            shm_name = _text(value)
+        elif number in (1, 2, 3, 4):
+            raise WireError(f"ArrayProto field {number} with wire type {wire}")
+    return Array(dtype, tuple(shape), data, shm_name)
+
+
+def put_buffer(raw: bytes) -> PutBuffer:
+    """Parses a serialized `PutBufferRequest` without copying its array's bytes (protobuf's
+    parser copies them, and again on each read of `data`). WireError when malformed, or when
+    the array comes in more than one piece (which protobuf would merge; no encoder does it)."""
+    buffer_id, array = 0, None
+    for number, wire, value in fields(raw):
+        if number == 1 and wire == VARINT:
+            assert isinstance(value, int)
+            buffer_id = value
+        elif number == 2 and wire == LEN:
+            if array is not None:
+                raise WireError("the array in more than one piece")
+            assert isinstance(value, memoryview)
+            array = _array(value)
+        elif number == 3 and wire == LEN:
+            assert isinstance(value, memoryview)
+            _text(value)
+        elif number in (1, 2, 3):
+            raise WireError(f"PutBufferRequest field {number} with wire type {wire}")
+    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""))

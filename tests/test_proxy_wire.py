@@ -93,3 +93,24 @@ def test_fetch_chunk_messages_match_protobuf(dtype: str, shape: tuple[int, ...],
     assert raw == expected.SerializeToString()
     got, error = wire.fetch_chunk(raw)
     assert bytes(got) == data and error == ""
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (), (0, 4), (1 << 40,)])
+def test_put_buffers_are_parsed_as_protobuf_does(shape: tuple[int, ...]) -> None:
+    data = bytes(range(200))
+    for msg in (wpb.PutBufferRequest(buffer_id=(1 << 63) + 9, owner="client:x",
+                                     array=pb.ArrayProto(dtype="float32", shape=list(shape), data=data)),
+                wpb.PutBufferRequest(buffer_id=4, array=pb.ArrayProto(dtype="int8", shm_name="pw-seg"))):
+        got = wire.put_buffer(msg.SerializeToString())
+        assert got.buffer_id == msg.buffer_id
+        assert (got.array.dtype, got.array.shape, bytes(got.array.data), got.array.shm_name) == (
+            msg.array.dtype, tuple(msg.array.shape), msg.array.data, msg.array.shm_name)
+    assert wire.put_buffer(b"").array.shape == ()
+    unpacked = b"\x12\x06\x10\x02\x10\x03\x10\x05"  # array {shape: 2, 3, 5} written unpacked
+    assert wire.put_buffer(unpacked).array.shape == tuple(wpb.PutBufferRequest.FromString(unpacked).array.shape) \
+        == (2, 3, 5)
+    negative = wpb.PutBufferRequest(array=pb.ArrayProto(shape=[-1])).SerializeToString()
+    assert wire.put_buffer(negative).array.shape == (-1,)
+    for bad in (b"\x12\x03\x0a\x02\xff\xfe", b"\x12\x05\x1a\x09abc", b"\x12\x00\x12\x00", b"\x0a\x01x"):
+        with pytest.raises(wire.WireError):
+            wire.put_buffer(bad)

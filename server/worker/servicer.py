@@ -48,7 +48,7 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
 
 
-def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
+def _decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
     """A client's uploaded array; ValueError saying what is wrong with it."""
     if array.shm_name:
         # a name would make the worker open (and unlink) a segment it never handed out
@@ -64,7 +64,7 @@ def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
     count = 1
     for d in array.shape:
         count *= d
-    data = array.data  # each read of a bytes field copies it: once
+    data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
     if count * dtype.itemsize != len(data):
         raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, "
                          f"expected {count * dtype.itemsize}")
@@ -118,8 +118,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def PutBuffers(
-        self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext
+    async def PutBuffers(  # type: ignore[override]  # requests parsed by wire.put_buffer
+        self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
     ) -> wpb.PutBuffersResponse:
         caller = await self.auth.session(context, "upload")
         count = 0
@@ -364,6 +364,14 @@ class Malformed:
         self.method, self.error = method, error
 
 
+def _put_request(data: bytes) -> wire.PutBuffer | Malformed:
+    """An upload, parsed without copying its bytes (server/wire.py), or Malformed."""
+    try:
+        return wire.put_buffer(data)
+    except wire.WireError as e:
+        return Malformed("PutBuffers", str(e))
+
+
 def _tolerant(method: str, cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
@@ -424,7 +432,7 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
     handlers = {
         "PutBuffers": grpc.stream_unary_rpc_method_handler(
             client_stream(servicer.PutBuffers),
-            request_deserializer=_tolerant("PutBuffers", wpb.PutBufferRequest),
+            request_deserializer=_put_request,
             response_serializer=wpb.PutBuffersResponse.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             server_stream("Fetch", servicer.Fetch),

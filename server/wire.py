@@ -96,10 +96,11 @@ def data_message(data: bytes | memoryview) -> bytes:
 
 
 def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[int],
-                       parts: Sequence[bytes | memoryview]) -> bytes:
+                       parts: Sequence[bytes | memoryview], offset: int = 0, total_bytes: int = 0) -> bytes:
     """A serialized `pathways.v1.PutBufferRequest` (worker.proto: buffer_id = 1, array = 2
-    {dtype = 1, shape = 2 (packed), data = 3}, owner = 3) whose data is `parts`, one after
-    another: the bytes are copied once, here, instead of into a message and again to serialize it."""
+    {dtype = 1, shape = 2 (packed), data = 3}, owner = 3, offset = 4, total_bytes = 5) whose data
+    is `parts`, one after another: the bytes are copied once, here, instead of into a message and
+    again to serialize it."""
     size = sum(len(p) for p in parts)
     dt = dtype.encode()
     packed = b"".join(_uvarint(int(d)) for d in shape)
@@ -110,6 +111,8 @@ def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[i
         _uvarint(1 << 3 | VARINT) + _uvarint(buffer_id) if buffer_id else b"",
         _len_field(2, len(head) + size), head, *parts,
         _len_field(3, len(owned)) + owned if owned else b"",
+        _uvarint(4 << 3 | VARINT) + _uvarint(offset) if offset else b"",
+        _uvarint(5 << 3 | VARINT) + _uvarint(total_bytes) if total_bytes else b"",
     ))
 
 
@@ -159,6 +162,8 @@ class PutBuffer:
 
     buffer_id: int
     array: Array
+    offset: int = 0  # a piece of a larger array (worker.proto): where its bytes go
+    total_bytes: int = 0
 
 
 def _int64(value: int) -> int:
@@ -202,11 +207,17 @@ def put_buffer(raw: bytes) -> PutBuffer:
     """Parses a serialized `PutBufferRequest` without copying its array's bytes (protobuf's
     parser copies them, and again on each read of `data`). WireError when malformed, or when
     the array comes in more than one piece (which protobuf would merge; no encoder does it)."""
-    buffer_id, array = 0, None
+    buffer_id, array, offset, total = 0, None, 0, 0
     for number, wire, value in fields(raw):
         if number == 1 and wire == VARINT:
             assert isinstance(value, int)
             buffer_id = value
+        elif number == 4 and wire == VARINT:
+            assert isinstance(value, int)
+            offset = value
+        elif number == 5 and wire == VARINT:
+            assert isinstance(value, int)
+            total = value
         elif number == 2 and wire == LEN:
             if array is not None:
                 raise WireError("the array in more than one piece")
@@ -215,6 +226,6 @@ def put_buffer(raw: bytes) -> PutBuffer:
         elif number == 3 and wire == LEN:
             assert isinstance(value, memoryview)
             _text(value)
-        elif number in (1, 2, 3):
+        elif number in (1, 2, 3, 4, 5):
             raise WireError(f"PutBufferRequest field {number} with wire type {wire}")
-    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""))
+    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""), offset, total)

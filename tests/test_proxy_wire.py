@@ -65,11 +65,14 @@ def test_put_buffer_requests_match_protobuf(buffer_id: int, owner: str, dtype: s
                                             size: int) -> None:
     data = bytes(i % 253 for i in range(size))
     parts = HostData([data[:5], memoryview(data)[5:11], data[11:]]).parts
-    raw = wire.put_buffer_request(buffer_id, owner, dtype, shape, parts)
-    expected = wpb.PutBufferRequest(buffer_id=buffer_id, owner=owner,
-                                    array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=data))
-    assert raw == expected.SerializeToString()
-    assert wpb.PutBufferRequest.FromString(raw) == expected
+    for offset, total in ((0, 0), (0, 3 * size), (size, 3 * size)):
+        raw = wire.put_buffer_request(buffer_id, owner, dtype, shape, parts, offset, total)
+        expected = wpb.PutBufferRequest(buffer_id=buffer_id, owner=owner, offset=offset, total_bytes=total,
+                                        array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=data))
+        assert raw == expected.SerializeToString()
+        assert wpb.PutBufferRequest.FromString(raw) == expected
+        got = wire.put_buffer(raw)
+        assert (got.offset, got.total_bytes) == (offset, total)
 
 
 def test_host_data_slices_are_views_of_its_parts() -> None:

@@ -19,7 +19,6 @@ Runs the controller refuses fail their outputs here (the workers never hear of t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -32,7 +31,6 @@ from typing import Any, Protocol
 import grpc
 from grpc import aio
 
-from schemas.arrays import resolve_dtype
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -44,7 +42,6 @@ from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from . import segments
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
-from .compose import concat_function, flat_parts
 from .handles import HostData
 from .modules import describe
 
@@ -58,6 +55,7 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
+UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
 FETCH_METHOD, PUT_METHOD = "/pathways.v1.Worker/Fetch", "/pathways.v1.Worker/PutBuffers"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
@@ -87,10 +85,6 @@ class Controls:
     new_id_prefix: Any  # () -> int: a buffer-id prefix no live client holds
     token: str | None  # the cluster token the workers may require
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
-
-
-class _Oversized(Exception):
-    """An array over a worker message, which only shared memory could have carried whole."""
 
 
 def _backend_error(e: ControllerError) -> BackendError:
@@ -137,7 +131,6 @@ class SliceSession:
         self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
         self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
         self._functions: dict[str, str] = {}  # function id of a server-made function -> its program
-        self._concats: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[str, bytes]] = {}
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
@@ -303,23 +296,7 @@ class SliceSession:
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
         host = data if isinstance(data, HostData) else HostData([data])
-        if len(host) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
-            with contextlib.suppress(_Oversized):  # shared memory refused: parts, as below
-                return (await self._upload([(dtype, shape, host)]))[0]
-        # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
-        # them on the worker with a program (compose.py); the parts go once it ran
-        item = resolve_dtype(dtype).itemsize
-        ranges = flat_parts(len(host), item, MAX_UPLOAD_BYTES)
-        parts = await self._upload([(dtype, (b - a,), host.slice(a * item, b * item)) for a, b in ranges])
-        sizes = tuple(b - a for a, b in ranges)
-        key = (dtype, sizes, shape)
-        made = self._concats.get(key)
-        if made is None:
-            made = self._concats[key] = await asyncio.to_thread(concat_function, dtype, sizes, shape,
-                                                                self.slice.platform_name)
-        (out,) = await self.run_function("proxy_upload", made[1], 1, parts)
-        self.free(parts)
-        return out
+        return (await self._upload([(dtype, shape, host)]))[0]
 
     def _by_segment(self, address: str) -> bool:
         """Whether uploads to `address` go through shared memory (segments.py): a worker on this
@@ -341,8 +318,13 @@ class SliceSession:
                     req, name = segments.segment_request(buffer_id, self._owner, dtype, shape, data)
                     names.append(name)
                     yield req.SerializeToString()
-                else:  # serialized here from the parts (wire.py): one copy of the bytes
+                elif len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
                     yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
+                else:  # over one worker message: in pieces, which the worker copies into one array
+                    for start in range(0, len(data), UPLOAD_PIECE_BYTES):
+                        piece = data.slice(start, start + UPLOAD_PIECE_BYTES)
+                        yield wire.put_buffer_request(buffer_id, self._owner, dtype if start == 0 else "",
+                                                      shape if start == 0 else (), piece.parts, start, len(data))
 
         try:
             await self._put_raw(address)(requests(), metadata=self._metadata)
@@ -352,8 +334,6 @@ class SliceSession:
                 log.warning("proxy: worker %s refused a shared-memory upload (%s): uploading through gRPC",
                             address, e.details())
                 self._segments_ok[address] = False
-                if any(len(data) > MAX_UPLOAD_BYTES for _, _, data in arrays):
-                    raise _Oversized from None
                 return await self._upload(arrays)
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
         for b in ids:

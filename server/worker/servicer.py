@@ -30,13 +30,13 @@ from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK
+from .uploads import Assembly, add_piece, check_spec
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
-MAX_RANK = 64
 
 
 def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
@@ -53,21 +53,10 @@ def _decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
     if array.shm_name:
         # a name would make the worker open (and unlink) a segment it never handed out
         raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
-    try:
-        dtype = resolve_dtype(array.dtype)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"unknown dtype {array.dtype!r}") from e
-    if dtype.hasobject:
-        raise ValueError(f"dtype {array.dtype!r} cannot travel as bytes")
-    if len(array.shape) > MAX_RANK or any(d < 0 for d in array.shape):
-        raise ValueError(f"invalid shape {list(array.shape)}")
-    count = 1
-    for d in array.shape:
-        count *= d
+    _, nbytes = check_spec(array.dtype, list(array.shape))
     data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
-    if count * dtype.itemsize != len(data):
-        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, "
-                         f"expected {count * dtype.itemsize}")
+    if nbytes != len(data):
+        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, expected {nbytes}")
     return from_bytes(array.dtype, list(array.shape), data)
 
 
@@ -123,20 +112,36 @@ class WorkerServicer(wgrpc.WorkerServicer):
     ) -> wpb.PutBuffersResponse:
         caller = await self.auth.session(context, "upload")
         count = 0
+        pieces: Assembly | None = None  # an array over one message, in pieces (uploads.py)
         async for req in request_iterator:
             if not caller.owns_id(req.buffer_id):
                 log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"buffer id {req.buffer_id:#x} is not one of this session's ids")
             try:
-                arr = _decode_upload(req.array)
+                if req.total_bytes:
+                    pieces = add_piece(pieces, req)
+                    if not pieces.done:
+                        continue
+                    arr, pieces = pieces.array(), None
+                elif pieces is not None:
+                    raise ValueError(f"buffer {pieces.buffer_id:#x} ends after {pieces.filled} of its "
+                                     f"{len(pieces.out)} bytes")
+                else:
+                    arr = _decode_upload(req.array)
             except ValueError as e:
                 log.warning("upload of buffer %#x by %s refused: %s", req.buffer_id, caller.owner, e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {req.buffer_id:#x}: {e}")
+            except MemoryError:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"buffer {req.buffer_id:#x}: {req.total_bytes} bytes cannot be allocated")
             if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
                                   same_owner=True):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
             count += 1
+        if pieces is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
+                                f"after {pieces.filled} of its {len(pieces.out)} bytes")
         return wpb.PutBuffersResponse(count=count)
 
     # ---- waiting for buffers ----

@@ -73,3 +73,10 @@ def wpb_segment() -> bytes:
     from schemas.pathways.v1 import worker_pb2 as wpb
     return wpb.PutBufferRequest(buffer_id=1, total_bytes=4, array=pb.ArrayProto(dtype="float32", shape=[1],
                                                                                  shm_name="pw-x")).SerializeToString()
+
+
+def test_assembled_arrays_are_aligned_for_xla() -> None:
+    arr = np.arange(10_000, dtype=np.float32)
+    got = assemble(pieces(5, arr, 4096)).array()
+    assert got.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(got, arr)

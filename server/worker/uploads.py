@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.arrays import resolve_dtype
+from schemas.arrays import aligned_empty, resolve_dtype
 
 from .. import wire
 
@@ -66,7 +66,8 @@ def add_piece(current: Assembly | None, req: wire.PutBuffer) -> Assembly:
         if nbytes != req.total_bytes:
             raise ValueError(f"{req.total_bytes} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
                              f"expected {nbytes}")
-        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), np.empty(nbytes, np.uint8))
+        # 64-byte aligned: XLA on CPU adopts the array without another copy (schemas/arrays.py)
+        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((nbytes,), np.uint8))
     elif req.buffer_id != current.buffer_id or req.offset != current.filled or req.total_bytes != len(current.out):
         raise ValueError(f"a piece of buffer {req.buffer_id:#x} at offset {req.offset} where buffer "
                          f"{current.buffer_id:#x} continues at {current.filled}")

@@ -98,7 +98,7 @@ def test_host_buffers_wait_for_late_stores_and_are_bounded() -> None:
         await asyncio.sleep(0)
         assert not taker.done()
         buffers.store(4, b"abcd")
-        assert await taker == b"abcd"
+        assert (await taker).tobytes() == b"abcd"
         assert buffers.held_bytes == 0
         buffers.store(5, b"123456")
         with pytest.raises(HandleError, match="at most 10 bytes"):

@@ -24,7 +24,7 @@ from server.proxy import shardings as sh
 from server.proxy.arrays import ArrayRecord
 from server.proxy.backend import ArraySpec, CompiledInfo
 from server.proxy.executables import KINDS, LoadedExecutable
-from server.proxy.handles import HandleError
+from server.proxy.handles import HandleError, HostData
 from server.proxy.service import ProxyService
 
 
@@ -37,9 +37,9 @@ class HeldUploads(DescribedSlice):
         self.gate = asyncio.Event()
         self.freed: list[int] = []
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
         buffer_id = len(self.data) + 1
-        self.data[buffer_id] = data
+        self.data[buffer_id] = data.tobytes() if isinstance(data, HostData) else data
         self.waiting.set()
         await self.gate.wait()
         return buffer_id
@@ -142,7 +142,7 @@ def test_a_destruct_waits_for_earlier_readers_of_its_handle() -> None:
             if len(answered) == 6:
                 (session,) = service.sessions.values()
                 try:
-                    data: bytes | None = session.buffers.lookup(8)
+                    data: bytes | None = session.buffers.lookup(8).tobytes()
                 except HandleError:
                     data = None
                 answered[0] = (data, session.handles.peek(25), session.handles.peek(26),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from server.proxy import segments
+from server.proxy.handles import HostData
 from server.worker.shmring import take_segment
 
 pytestmark = pytest.mark.timeout(30)
@@ -38,3 +39,12 @@ def test_discard_unlinks_what_nobody_took() -> None:
     segments.discard([name])
     with pytest.raises(FileNotFoundError):
         take_segment(name, np.dtype("uint8"), (4,))
+
+
+def test_segment_request_writes_host_data_part_by_part() -> None:
+    arr = np.arange(5 * 1000, dtype=np.float32)
+    raw = arr.tobytes()
+    parts = HostData([raw[:7], memoryview(raw)[7:9000], b"", raw[9000:]])  # uneven, one empty
+    req, name = segments.segment_request(8, "client:x", "float32", arr.shape, parts)
+    assert req.array.shm_name == name and not req.array.data
+    np.testing.assert_array_equal(take_segment(name, np.dtype("float32"), arr.shape), arr)

@@ -19,7 +19,7 @@ from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
 from ..proxy.cluster_backend import ControllerBackend, Controls
-from ..proxy.service import LazyProxyHandler, ProxyService, is_proxy_method
+from ..proxy.service import LazyProxyHandler, ProxyService, guards_itself, is_proxy_method
 from ..rpcguard import GuardInterceptor
 from .core import Controller, ControllerConfig
 from .errors import classify
@@ -74,7 +74,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         interceptors.append(TokenInterceptor(config.token, open_method=is_proxy_method))
     elif not paths.is_loopback(host):
         log.warning("--no-token on %s: whoever reaches this address can use the cluster", config.listen)
-    server = aio.server(interceptors=[*interceptors, GuardInterceptor(classify)], options=GRPC_OPTIONS)
+    guard = GuardInterceptor(classify, skip=guards_itself)
+    server = aio.server(interceptors=[*interceptors, guard], options=GRPC_OPTIONS)
     core = Controller(config)
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token

@@ -26,7 +26,7 @@ from schemas.arrays import resolve_dtype
 
 from . import shardings as sh
 from .compose import Piece, gather_function, piece_function
-from .handles import HandleError
+from .handles import HandleError, HostData
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -163,14 +163,18 @@ async def materialize(session: Session, rec: ArrayRecord) -> Buf:
     return buf
 
 
-async def host_bytes(session: Session, rec: ArrayRecord) -> bytes:
-    """The array's bytes (C order), read from its buffers."""
+def _joined(data: bytes | HostData) -> bytes:
+    return data.tobytes() if isinstance(data, HostData) else data
+
+
+async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
+    """The array's bytes (C order), read from its buffers (one buffer's: as the worker sent them)."""
     buf = rec.buffer()
     if buf is not None:
         return await _fetch(session, buf)
     sources = rec.buffers
     datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
-    arrays = {id(b): np.frombuffer(d, resolve_dtype(b.dtype)).reshape(b.shape) for b, d in zip(sources, datas,
+    arrays = {id(b): np.frombuffer(_joined(d), resolve_dtype(b.dtype)).reshape(b.shape) for b, d in zip(sources, datas,
                                                                                                   strict=True)}
     if len(rec.parts) == 1 or all(d == full(rec.shape) for d in rec.domains):
         p = rec.parts[0]
@@ -181,7 +185,7 @@ async def host_bytes(session: Session, rec: ArrayRecord) -> bytes:
     return out.tobytes()
 
 
-async def _fetch(session: Session, buf: Buf) -> bytes:
+async def _fetch(session: Session, buf: Buf) -> bytes | HostData:
     """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
     task = session.fetches.get(buf.id)
     if task is None:
@@ -190,7 +194,7 @@ async def _fetch(session: Session, buf: Buf) -> bytes:
     return await asyncio.shield(task)
 
 
-async def _download(session: Session, buf: Buf) -> bytes:
+async def _download(session: Session, buf: Buf) -> bytes | HostData:
     info = session.backend.slice
     if not (buf.spread and info.hosts > 1):
         return await session.backend.get(buf.id)
@@ -220,15 +224,19 @@ def parse_sharding(session: Session, sharding: Message, proto: Any) -> Sharding:
     return sh.parse(sharding, proto, {d.id for d in session.backend.slice.devices})
 
 
-def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
-    if not strides.strides:
-        return
-    item = resolve_dtype(dtype).itemsize
-    expected, step = [], item
+def c_strides(dtype: str, shape: tuple[int, ...]) -> list[int]:
+    """The byte strides of a C-order array."""
+    expected, step = [], resolve_dtype(dtype).itemsize
     for d in reversed(shape):
         expected.append(step)
         step *= d
-    if list(strides.strides) != expected[::-1]:
+    return expected[::-1]
+
+
+def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
+    if not strides.strides:
+        return
+    if list(strides.strides) != c_strides(dtype, shape):
         raise HandleError("UNIMPLEMENTED", f"byte strides {list(strides.strides)} (only C order is supported)")
 
 
@@ -251,14 +259,15 @@ def strided(raw: bytes, dtype: str, shape: tuple[int, ...], strides: Message | N
     return np.ascontiguousarray(np.ndarray(shape, np_dtype, buffer=raw, strides=st))
 
 
-def _check_size(data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+def _check_size(data: bytes | HostData, dtype: str, shape: tuple[int, ...]) -> None:
     expected = math.prod(shape) * resolve_dtype(dtype).itemsize
     if len(data) != expected:
         raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(data)} bytes for a {dtype}{list(shape)} "
                           f"array ({expected} bytes)")
 
 
-async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...], data: bytes) -> ArrayRecord:
+async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
+               data: bytes | HostData) -> ArrayRecord:
     buffer_id = await session.backend.put(sharding.devices[0], dtype, shape, data)
     return whole(Buf(buffer_id, dtype, shape), sharding)
 
@@ -270,9 +279,12 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
     dtype = numpy_dtype(r.dtype)
     shape = tuple(int(d) for d in r.shape.dims)
     sharding = parse_sharding(session, r.sharding, proto)
-    data = await session.buffers.take(r.host_buffer_handle)  # may still be arriving (requirement 5)
-    if r.HasField("byte_strides") and r.byte_strides.strides:
-        data = strided(data, dtype, shape, r.byte_strides).tobytes()
+    data: bytes | HostData = await session.buffers.take(r.host_buffer_handle)  # may still be arriving (req. 5)
+    strides = list(r.byte_strides.strides) if r.HasField("byte_strides") else []
+    nbytes = math.prod(shape) * resolve_dtype(dtype).itemsize
+    # jax.device_put sends a contiguous array's C-order strides: then the parts go on as they came
+    if strides and (strides != c_strides(dtype, shape) or len(data) != nbytes):
+        data = strided(_joined(data), dtype, shape, r.byte_strides).tobytes()
     _check_size(data, dtype, shape)
     session.handles.settle(handle, await _put(session, sharding, dtype, shape, data))
     resp.make_array_from_host_buffer_response.array_handle = handle
@@ -300,7 +312,7 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
             hb_shape = tuple(int(d) for d in hb.shape.dims)
             if numpy_dtype(hb.dtype) != dtype:
                 raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
-            raw = await session.buffers.take(hb.host_buffer_handle)
+            raw = (await session.buffers.take(hb.host_buffer_handle)).tobytes()
             value = strided(raw, dtype, hb_shape, hb.byte_strides if hb.HasField("byte_strides") else None)
             for i in indices.indices:
                 if not 0 <= i < len(domains) or sh.index_shape(domains[i]) != hb_shape:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .handles import HostData
+
 
 class BackendError(Exception):
     """A request the cluster refused or failed; `code` is a grpc.StatusCode name (e.g. NOT_FOUND)."""
@@ -85,11 +87,12 @@ class SessionBackend(Protocol):
         itself, e.g. to assemble an array from shards: registered once, then like `execute`."""
         ...
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
-        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id."""
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id.
+        `data` may be a `HostData` (the parts the client sent), joined only if need be."""
         ...
 
-    async def get(self, buffer_id: int) -> bytes:
+    async def get(self, buffer_id: int) -> bytes | HostData:
         """A buffer's bytes (C order), once it is computed; BackendError if its run failed."""
         ...
 

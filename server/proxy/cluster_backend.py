@@ -19,7 +19,6 @@ Runs the controller refuses fail their outputs here (the workers never hear of t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -32,19 +31,18 @@ from typing import Any, Protocol
 import grpc
 from grpc import aio
 
-from schemas.arrays import resolve_dtype
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from . import segments
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
-from .compose import concat_function, flat_parts
+from .handles import HostData
 from .modules import describe
 
 log = logging.getLogger(__name__)
@@ -57,6 +55,8 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
+UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
+FETCH_METHOD, PUT_METHOD = "/pathways.v1.Worker/Fetch", "/pathways.v1.Worker/PutBuffers"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
@@ -85,10 +85,6 @@ class Controls:
     new_id_prefix: Any  # () -> int: a buffer-id prefix no live client holds
     token: str | None  # the cluster token the workers may require
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
-
-
-class _Oversized(Exception):
-    """An array over a worker message, which only shared memory could have carried whole."""
 
 
 def _backend_error(e: ControllerError) -> BackendError:
@@ -135,10 +131,11 @@ class SliceSession:
         self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
         self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
         self._functions: dict[str, str] = {}  # function id of a server-made function -> its program
-        self._concats: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[str, bytes]] = {}
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
+        self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
+        self._putters: dict[aio.Channel, Any] = {}  # a channel's PutBuffers taking serialized requests
         self._segments_ok: dict[str, bool] = {}  # worker address -> uploads through shared memory
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
@@ -297,25 +294,9 @@ class SliceSession:
         if error is not None:
             raise BackendError("FAILED_PRECONDITION", error)
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
-        if len(data) <= MAX_UPLOAD_BYTES or self._by_segment(self._worker()[0]):
-            with contextlib.suppress(_Oversized):  # shared memory refused: parts, as below
-                return (await self._upload([(dtype, shape, data)]))[0]
-        # a worker takes one message of at most 64 MiB per array: upload flat parts, and join
-        # them on the worker with a program (compose.py); the parts go once it ran
-        item = resolve_dtype(dtype).itemsize
-        ranges = flat_parts(len(data), item, MAX_UPLOAD_BYTES)
-        view = memoryview(data)
-        parts = await self._upload([(dtype, (b - a,), view[a * item : b * item]) for a, b in ranges])
-        sizes = tuple(b - a for a, b in ranges)
-        key = (dtype, sizes, shape)
-        made = self._concats.get(key)
-        if made is None:
-            made = self._concats[key] = await asyncio.to_thread(concat_function, dtype, sizes, shape,
-                                                                self.slice.platform_name)
-        (out,) = await self.run_function("proxy_upload", made[1], 1, parts)
-        self.free(parts)
-        return out
+    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+        host = data if isinstance(data, HostData) else HostData([data])
+        return (await self._upload([(dtype, shape, host)]))[0]
 
     def _by_segment(self, address: str) -> bool:
         """Whether uploads to `address` go through shared memory (segments.py): a worker on this
@@ -325,8 +306,8 @@ class SliceSession:
             ok = self._segments_ok[address] = segments.on_this_host(address)
         return ok
 
-    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], Any]]) -> list[int]:
-        address, stub = self._worker()
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> list[int]:
+        address, _ = self._worker()
         ids = [next(self._ids) for _ in arrays]
         names: list[str] = []
         by_segment = self._by_segment(address)
@@ -336,21 +317,23 @@ class SliceSession:
                 if by_segment and len(data) >= segments.MIN_BYTES:
                     req, name = segments.segment_request(buffer_id, self._owner, dtype, shape, data)
                     names.append(name)
-                    yield req
-                else:
-                    yield wpb.PutBufferRequest(buffer_id=buffer_id, owner=self._owner,
-                                               array=pb.ArrayProto(dtype=dtype, shape=list(shape), data=bytes(data)))
+                    yield req.SerializeToString()
+                elif len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
+                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
+                else:  # over one worker message: in pieces, which the worker copies into one array
+                    for start in range(0, len(data), UPLOAD_PIECE_BYTES):
+                        piece = data.slice(start, start + UPLOAD_PIECE_BYTES)
+                        yield wire.put_buffer_request(buffer_id, self._owner, dtype if start == 0 else "",
+                                                      shape if start == 0 else (), piece.parts, start, len(data))
 
         try:
-            await stub.PutBuffers(requests(), metadata=self._metadata)
+            await self._put_raw(address)(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
             segments.discard(names)
             if names and e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not open them
                 log.warning("proxy: worker %s refused a shared-memory upload (%s): uploading through gRPC",
                             address, e.details())
                 self._segments_ok[address] = False
-                if any(len(data) > MAX_UPLOAD_BYTES for _, _, data in arrays):
-                    raise _Oversized from None
                 return await self._upload(arrays)
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
         for b in ids:
@@ -363,23 +346,50 @@ class SliceSession:
             raise BackendError("NOT_FOUND", f"buffer {buffer_id} is not this session's")
         return address
 
-    async def get(self, buffer_id: int) -> bytes:
+    async def get(self, buffer_id: int) -> HostData:
         self._check_failed(buffer_id)
-        address, stub = self._worker(self._address_of(buffer_id))
+        address = self._address_of(buffer_id)
+        fetch_raw = self._fetch_raw(address)
 
-        async def fetch() -> bytes:
-            parts: list[bytes] = []
+        async def fetch() -> HostData:
+            # the chunks are read as wire format (wire.py): views of what gRPC received, no copies
+            parts: list[bytes | memoryview] = []
             try:
-                async for chunk in stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
-                                              metadata=self._metadata):
-                    if chunk.error:
-                        raise BackendError("FAILED_PRECONDITION", chunk.error)
-                    parts.append(chunk.array.data)
+                async for raw in fetch_raw(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
+                                           metadata=self._metadata):
+                    try:
+                        data, error = wire.fetch_chunk(raw)
+                    except wire.WireError as e:
+                        raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
+                    if error:
+                        raise BackendError("FAILED_PRECONDITION", error)
+                    parts.append(data)
             except grpc.RpcError as e:
                 raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
-            return b"".join(parts)
+            return HostData(parts)
 
-        return bytes(await self._unless_failed([buffer_id], fetch()))
+        result: HostData = await self._unless_failed([buffer_id], fetch())
+        return result
+
+    def _put_raw(self, address: str) -> Any:
+        """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
+        self._worker(address)
+        channel = self._channels[address][0]
+        call = self._putters.get(channel)
+        if call is None:
+            call = self._putters[channel] = channel.stream_unary(
+                PUT_METHOD, request_serializer=None, response_deserializer=wpb.PutBuffersResponse.FromString)
+        return call
+
+    def _fetch_raw(self, address: str) -> Any:
+        """The worker's `Fetch` with its answers left serialized (parsed by `wire.fetch_chunk`)."""
+        self._worker(address)
+        channel = self._channels[address][0]
+        call = self._fetchers.get(channel)
+        if call is None:
+            call = self._fetchers[channel] = channel.unary_stream(
+                FETCH_METHOD, request_serializer=wpb.FetchRequest.SerializeToString, response_deserializer=None)
+        return call
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
@@ -423,6 +433,8 @@ class SliceSession:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._fetchers.clear()
+        self._putters.clear()
         self._home.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)

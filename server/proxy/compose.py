@@ -1,7 +1,7 @@
 """Arrays made of pieces of other arrays, built on the workers by small programs the server makes.
 
 The client moves shards around (AssembleArrayFromSingleDeviceArrays, DisassembleIntoSingleDevice-
-Arrays, RemapArrays) and uploads arrays larger than one worker message. The server holds every
+Arrays, RemapArrays). The server holds every
 array as one worker buffer with its global value, so such an array is computed from pieces of
 others: `piece_function` writes a jitted JAX function that slices each piece out of its source
 and places it into the result, exported (`jax.export`) for the slice's platform, and the workers
@@ -79,23 +79,3 @@ def gather_function(dtype: str, shape: tuple[int, ...], devices: int, platform: 
                                 platforms=(platform,))(arg)
     data = bytes(exp.serialize())
     return hashlib.sha256(data).hexdigest(), data
-
-
-def concat_function(dtype: str, sizes: Sequence[int], shape: tuple[int, ...], platform: str) -> tuple[str, bytes]:
-    """(function id, serialized Exported) joining flat parts of `sizes` elements into `shape`."""
-    import jax.numpy as jnp
-
-    def f(*xs: Any) -> Any:
-        return jnp.concatenate(xs).reshape(shape)
-
-    return _export(f, [(dtype, (n,)) for n in sizes], platform)
-
-
-def flat_parts(nbytes: int, itemsize: int, limit: int) -> list[tuple[int, int]]:
-    """Element ranges [start, stop) of a flat array of `nbytes` cut into as few parts of at most
-    `limit` bytes as can be, of equal size (one program per array size, whatever the data)."""
-    n = nbytes // itemsize
-    per = max(1, limit // itemsize)
-    count = max(1, -(-n // per))
-    step = max(1, -(-n // count))
-    return [(i, min(n, i + step)) for i in range(0, n, step)] or [(0, 0)]

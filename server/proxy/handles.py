@@ -151,6 +151,37 @@ class HandleTable:
         return [v for v in self._items.values() if not isinstance(v, Failed | Pending)]
 
 
+class HostData:
+    """Host bytes kept as the parts they arrived in (the client's 1 MiB chunks, the worker's
+    fetch chunks): an upload writes them on one by one, and only a consumer that needs them
+    contiguous joins them (`tobytes`), so 64 MiB is not copied to be joined and again to be sent."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self.parts = [p for p in parts if len(p)]
+        self.nbytes = sum(len(p) for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def tobytes(self) -> bytes:
+        if len(self.parts) == 1 and isinstance(self.parts[0], bytes):
+            return self.parts[0]
+        return b"".join(self.parts)
+
+    def slice(self, start: int, stop: int) -> HostData:
+        """Bytes `start:stop`, as views of the parts (no copy)."""
+        out: list[bytes | memoryview] = []
+        offset = 0
+        for part in self.parts:
+            end = offset + len(part)
+            if end > start and offset < stop:
+                out.append(memoryview(part).cast("B")[max(start - offset, 0) : min(stop, end) - offset])
+            offset = end
+        return HostData(out)
+
+
 class HostBuffers:
     """Bytes the client stored with HostBufferStore, by handle, until a request takes them.
 
@@ -159,7 +190,7 @@ class HostBuffers:
     """
 
     def __init__(self, limit_bytes: int = 8 << 30, wait_s: float = 60.0) -> None:
-        self._data: dict[int, bytes] = {}
+        self._data: dict[int, HostData] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._held = 0
         self._limit = limit_bytes
@@ -177,7 +208,9 @@ class HostBuffers:
                 f"host buffer of {size} bytes: the session holds {self._held} of at most {self._limit} bytes",
             )
 
-    def store(self, handle: int, data: bytes) -> None:
+    def store(self, handle: int, data: bytes | HostData) -> None:
+        if not isinstance(data, HostData):
+            data = HostData([data])
         if handle in self._data:
             raise HandleError("ALREADY_EXISTS", f"host buffer {handle} already stored")
         self.reserve(len(data))
@@ -187,13 +220,13 @@ class HostBuffers:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def lookup(self, handle: int) -> bytes:
+    def lookup(self, handle: int) -> HostData:
         data = self._data.get(handle)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
         return data
 
-    async def take(self, handle: int) -> bytes:
+    async def take(self, handle: int) -> HostData:
         """The bytes stored under `handle` (waiting for them), removed from the store."""
         if handle not in self._data:
             waiter = self._waiters.get(handle)
@@ -208,7 +241,7 @@ class HostBuffers:
                 ) from None
         return self.delete(handle)
 
-    def delete(self, handle: int) -> bytes:
+    def delete(self, handle: int) -> HostData:
         data = self._data.pop(handle, None)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")

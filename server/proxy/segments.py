@@ -19,7 +19,8 @@ import numpy as np
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..worker.shmring import put_segment
+from ..worker.shmring import put_parts_segment, put_segment
+from .handles import HostData
 
 MIN_BYTES = 1 << 20  # smaller arrays go inline: a segment (shm_open, mmap, page faults) costs more
 
@@ -37,8 +38,12 @@ def on_this_host(address: str) -> bool:
 
 def segment_request(buffer_id: int, owner: str, dtype: str, shape: tuple[int, ...], data: Any) -> tuple[
         wpb.PutBufferRequest, str]:
-    """A `PutBufferRequest` whose bytes are in a new segment, and the segment's name."""
-    name = put_segment(np.frombuffer(data, np.uint8))
+    """A `PutBufferRequest` whose bytes are in a new segment, and the segment's name. A
+    `HostData` is written part by part, as the client sent it."""
+    if isinstance(data, HostData):
+        name = put_parts_segment(data.parts, data.nbytes)
+    else:
+        name = put_segment(np.frombuffer(data, np.uint8))
     array = pb.ArrayProto(dtype=dtype, shape=list(shape), shm_name=name)
     return wpb.PutBufferRequest(buffer_id=buffer_id, owner=owner, array=array), name
 

@@ -30,15 +30,17 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from .. import wire
 from . import arrays, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
-from .handles import HandleError, HandleTable, HostBuffers
+from .handles import HandleError, HandleTable, HostBuffers, HostData
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # requests of one session in flight at once
 LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
+EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an empty lookup chunk)
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
@@ -61,7 +63,7 @@ class Session:
     buffers: HostBuffers = field(default_factory=HostBuffers)
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
     functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
-    fetches: dict[int, asyncio.Future[bytes]] = field(default_factory=dict)  # downloads under way, by buffer
+    fetches: dict[int, asyncio.Future[bytes | HostData]] = field(default_factory=dict)  # downloads under way, by buffer
 
 
 def default_layout(rank: int) -> bytes:
@@ -96,6 +98,14 @@ def is_proxy_method(method: str) -> bool:
     cannot carry the bearer token: sessions present it in their initialization data, and the
     host-buffer RPCs name an unguessable session id."""
     return method.startswith(SERVICE_PREFIX)
+
+
+def guards_itself(method: str) -> bool:
+    """The proxy session stream decodes its own requests (an undecodable one ends the session
+    with INVALID_ARGUMENT) and answers every error itself, so the controller's
+    `rpcguard.GuardInterceptor` leaves it unwrapped: its wrappers cost two generator hops per
+    message on the tiny-call hot path (bench/FINDINGS.md)."""
+    return method == SERVICE_PREFIX + "IfrtSession"
 
 
 class LazyProxyHandler(grpc.GenericRpcHandler):
@@ -149,11 +159,10 @@ class ProxyService:
                 # requests arrive as bytes and are parsed in IfrtSession: grpc would end the stream
                 # silently, with OK, on an undecodable one
                 "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, ser),
-                "HostBufferStore": grpc.stream_unary_rpc_method_handler(
-                    self.HostBufferStore, p.GrpcHostBufferStoreRequest.FromString, ser
-                ),
+                # the bulk bytes skip protobuf's copies: read and written as wire format (wire.py)
+                "HostBufferStore": grpc.stream_unary_rpc_method_handler(self.HostBufferStore, None, None),
                 "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
-                    self.HostBufferLookup, p.GrpcHostBufferLookupRequest.FromString, ser
+                    self.HostBufferLookup, p.GrpcHostBufferLookupRequest.FromString, None
                 ),
                 "HostBufferDelete": grpc.unary_unary_rpc_method_handler(
                     self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, ser
@@ -185,7 +194,7 @@ class ProxyService:
         assert session is not None
         return session
 
-    async def HostBufferStore(self, requests: AsyncIterator[Message], context: aio.ServicerContext) -> Message:
+    async def HostBufferStore(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> bytes:
         raw = dict(context.invocation_metadata() or ()).get(proto_mod.HOST_BUFFER_METADATA_HEADER)
         meta = self.p.GrpcHostBufferStoreMetadata()
         try:
@@ -197,10 +206,15 @@ class ProxyService:
         session = await self._session_of(meta.session_id, context)
         try:
             session.buffers.reserve(meta.buffer_size)
-            chunks = []
+            # the chunks stay views of the bytes gRPC received (wire.py): no copy to parse or join
+            chunks: list[bytes | memoryview] = []
             size = 0
-            async for req in requests:
-                data = req.data  # each read of a bytes field copies it
+            async for message in requests:
+                try:
+                    data = wire.data_field(message)
+                except wire.WireError as e:
+                    raise HandleError("INVALID_ARGUMENT", f"host buffer {meta.handle}: undecodable "
+                                      f"GrpcHostBufferStoreRequest ({e})") from None
                 size += len(data)
                 if size > meta.buffer_size:
                     break
@@ -209,21 +223,24 @@ class ProxyService:
                 raise HandleError(
                     "INVALID_ARGUMENT", f"host buffer {meta.handle}: {meta.buffer_size} bytes announced, {size} sent"
                 )
-            session.buffers.store(meta.handle, b"".join(chunks))
+            session.buffers.store(meta.handle, HostData(chunks))
         except HandleError as e:
             log.info("proxy: session %x: HostBufferStore refused: %s", session.id, e)
             await context.abort(grpc.StatusCode[e.code], str(e))
-        return self.p.GrpcHostBufferStoreResponse()
+        return EMPTY
 
-    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> AsyncIterator[Message]:
+    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         session = await self._session_of(request.session_id, context)
         try:
             data = session.buffers.lookup(request.handle)
         except HandleError as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
-        view = memoryview(data)
-        for offset in range(0, max(len(data), 1), LOOKUP_CHUNK):
-            yield self.p.GrpcHostBufferLookupResponse(data=bytes(view[offset : offset + LOOKUP_CHUNK]))
+        if not data.nbytes:
+            yield EMPTY
+        for part in data.parts:  # serialized here: one copy of each chunk (wire.py)
+            view = memoryview(part).cast("B")
+            for offset in range(0, len(view), LOOKUP_CHUNK):
+                yield wire.data_message(view[offset : offset + LOOKUP_CHUNK])
 
     async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
         session = await self._session_of(request.session_id, context)

@@ -21,6 +21,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import wire
 from ..credentials import Caller
 from ..threadnames import name_native_thread
 from .auth import WorkerAuth
@@ -29,13 +30,13 @@ from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK
+from .uploads import Assembly, add_piece, check_spec
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
-MAX_RANK = 64
 
 
 def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
@@ -47,26 +48,21 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
 
 
-def _decode_upload(array: pb.ArrayProto) -> np.ndarray:
+def _decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
     """A client's uploaded array; ValueError saying what is wrong with it."""
     if array.shm_name:
         # a name would make the worker open (and unlink) a segment it never handed out
         raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
-    try:
-        dtype = resolve_dtype(array.dtype)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"unknown dtype {array.dtype!r}") from e
-    if dtype.hasobject:
-        raise ValueError(f"dtype {array.dtype!r} cannot travel as bytes")
-    if len(array.shape) > MAX_RANK or any(d < 0 for d in array.shape):
-        raise ValueError(f"invalid shape {list(array.shape)}")
-    count = 1
-    for d in array.shape:
-        count *= d
-    if count * dtype.itemsize != len(array.data):
-        raise ValueError(f"{len(array.data)} bytes for {array.dtype}{list(array.shape)}, "
-                         f"expected {count * dtype.itemsize}")
-    return from_bytes(array.dtype, list(array.shape), array.data)
+    _, nbytes = check_spec(array.dtype, list(array.shape))
+    data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
+    if nbytes != len(data):
+        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, expected {nbytes}")
+    return from_bytes(array.dtype, list(array.shape), data)
+
+
+def _serialized(message: Any) -> bytes:
+    """A response already serialized (server/wire.py), or a message to serialize."""
+    return message if isinstance(message, bytes) else bytes(message.SerializeToString())
 
 
 def _bounded(timeout_s: float) -> float:
@@ -111,25 +107,41 @@ class WorkerServicer(wgrpc.WorkerServicer):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def PutBuffers(
-        self, request_iterator: AsyncIterator[wpb.PutBufferRequest], context: aio.ServicerContext
+    async def PutBuffers(  # type: ignore[override]  # requests parsed by wire.put_buffer
+        self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
     ) -> wpb.PutBuffersResponse:
         caller = await self.auth.session(context, "upload")
         count = 0
+        pieces: Assembly | None = None  # an array over one message, in pieces (uploads.py)
         async for req in request_iterator:
             if not caller.owns_id(req.buffer_id):
                 log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"buffer id {req.buffer_id:#x} is not one of this session's ids")
             try:
-                arr = _decode_upload(req.array)
+                if req.total_bytes:
+                    pieces = add_piece(pieces, req)
+                    if not pieces.done:
+                        continue
+                    arr, pieces = pieces.array(), None
+                elif pieces is not None:
+                    raise ValueError(f"buffer {pieces.buffer_id:#x} ends after {pieces.filled} of its "
+                                     f"{len(pieces.out)} bytes")
+                else:
+                    arr = _decode_upload(req.array)
             except ValueError as e:
                 log.warning("upload of buffer %#x by %s refused: %s", req.buffer_id, caller.owner, e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {req.buffer_id:#x}: {e}")
+            except MemoryError:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"buffer {req.buffer_id:#x}: {req.total_bytes} bytes cannot be allocated")
             if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
                                   same_owner=True):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
             count += 1
+        if pieces is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
+                                f"after {pieces.filled} of its {len(pieces.out)} bytes")
         return wpb.PutBuffersResponse(count=count)
 
     # ---- waiting for buffers ----
@@ -189,7 +201,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if self._foreign(caller, b):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {b:#x} on this worker")
 
-    async def Fetch(self, request: wpb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[wpb.FetchChunk]:
+    async def Fetch(  # type: ignore[override]  # yields chunks serialized already (server/wire.py)
+        self, request: wpb.FetchRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[wpb.FetchChunk | bytes]:
         caller = await self.auth.session(context, "fetch")
         bid = request.buffer_id
         await self._check_request(context, caller, [bid], request.timeout_s)
@@ -219,16 +233,13 @@ class WorkerServicer(wgrpc.WorkerServicer):
             yield wpb.FetchChunk(error=group.explain(error) if group.active else error, last=True)
             return
         data = byte_view(arr)
-        head = pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
-        if len(data) <= CHUNK:
-            head.data = bytes(data)
-            yield wpb.FetchChunk(array=head, last=True)
-            return
-        for off in range(0, len(data), CHUNK):
-            part = pb.ArrayProto(data=bytes(data[off : off + CHUNK]))
-            if off == 0:
-                part.dtype, part.shape[:] = head.dtype, head.shape
-            yield wpb.FetchChunk(array=part, last=off + CHUNK >= len(data))
+        dtype, shape = dtype_name(arr.dtype), list(arr.shape)
+        # serialized here from views of the array (server/wire.py): one copy of each chunk, not
+        # one to slice it, one into the message and one to serialize it
+        for off in range(0, max(len(data), 1), CHUNK):
+            first = off == 0
+            yield wire.fetch_chunk_message(data[off : off + CHUNK], dtype if first else "", shape if first else (),
+                                           off + CHUNK >= len(data))
 
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
         caller = await self.auth.session(context, "wait")
@@ -358,6 +369,14 @@ class Malformed:
         self.method, self.error = method, error
 
 
+def _put_request(data: bytes) -> wire.PutBuffer | Malformed:
+    """An upload, parsed without copying its bytes (server/wire.py), or Malformed."""
+    try:
+        return wire.put_buffer(data)
+    except wire.WireError as e:
+        return Malformed("PutBuffers", str(e))
+
+
 def _tolerant(method: str, cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
@@ -418,12 +437,12 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
     handlers = {
         "PutBuffers": grpc.stream_unary_rpc_method_handler(
             client_stream(servicer.PutBuffers),
-            request_deserializer=_tolerant("PutBuffers", wpb.PutBufferRequest),
+            request_deserializer=_put_request,
             response_serializer=wpb.PutBuffersResponse.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             server_stream("Fetch", servicer.Fetch),
             request_deserializer=_tolerant("Fetch", wpb.FetchRequest),
-            response_serializer=wpb.FetchChunk.SerializeToString),
+            response_serializer=_serialized),
         "Wait": grpc.unary_unary_rpc_method_handler(
             unary("Wait", servicer.Wait),
             request_deserializer=_tolerant("Wait", wpb.WaitRequest),

@@ -24,6 +24,7 @@ import re
 import secrets
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,26 @@ def put_segment(arr: np.ndarray) -> str:
     dst = np.ndarray(arr.shape, arr.dtype, buffer=m)
     dst[...] = arr
     del dst  # the map cannot close while a view of it exists
+    m.close()
+    return name
+
+
+def put_parts_segment(parts: Sequence[Any], nbytes: int) -> str:
+    """Like `put_segment` for bytes in parts (buffer-protocol objects, `nbytes` in all), written
+    one after another: nothing is joined first."""
+    name, m = _create(max(1, nbytes))
+    try:
+        offset = 0
+        for part in parts:
+            view = memoryview(part).cast("B")
+            m[offset : offset + len(view)] = view
+            offset += len(view)
+        if offset != nbytes:
+            raise ValueError(f"{offset} bytes in parts of {nbytes}")
+    except BaseException:
+        m.close()
+        _unlink(name)
+        raise
     m.close()
     return name
 

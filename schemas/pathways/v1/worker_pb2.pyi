@@ -29,9 +29,18 @@ class PutBufferRequest(_message.Message):
     BUFFER_ID_FIELD_NUMBER: _builtins.int
     ARRAY_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     owner: _builtins.str
     """ignored: a worker records the caller's authenticated owner (server/credentials.py)"""
+    offset: _builtins.int
+    """An array over one message goes in pieces: each carries bytes [offset, offset + len(data)) of
+    an array of total_bytes bytes (0: the message holds the whole array). The first piece
+    (offset 0) names dtype and shape; the pieces of one buffer follow each other in order in
+    one stream, and the worker stores the array when the last has arrived.
+    """
+    total_bytes: _builtins.int
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto: ...
     def __init__(
@@ -40,10 +49,12 @@ class PutBufferRequest(_message.Message):
         buffer_id: _builtins.int = ...,
         array: _common_pb2.ArrayProto | None = ...,
         owner: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "owner", b"owner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "offset", b"offset", "owner", b"owner", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,79 @@
+"""An upload over one gRPC message, in pieces (`PutBufferRequest.offset` / `total_bytes`).
+
+The worker takes messages of at most 64 MiB (transfer.py). A larger array used to go as several
+arrays joined by a program on the worker; now its pieces are copied, as they arrive, into one
+array of the announced size, stored when the last piece is in. The pieces of one buffer come in
+order, back to back, in one `PutBuffers` stream; anything else is refused (ValueError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.arrays import aligned_empty, resolve_dtype
+
+from .. import wire
+
+MAX_RANK = 64
+
+
+def check_spec(dtype_name: str, shape: tuple[int, ...] | list[int]) -> tuple[np.dtype, int]:
+    """(dtype, bytes) of an uploaded array's spec; ValueError saying what is wrong with it."""
+    try:
+        dtype = resolve_dtype(dtype_name)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"unknown dtype {dtype_name!r}") from e
+    if dtype.hasobject:
+        raise ValueError(f"dtype {dtype_name!r} cannot travel as bytes")
+    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+        raise ValueError(f"invalid shape {list(shape)}")
+    count = 1
+    for d in shape:
+        count *= d
+    return dtype, count * dtype.itemsize
+
+
+@dataclass
+class Assembly:
+    """One array being assembled from its pieces."""
+
+    buffer_id: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    out: np.ndarray  # uint8, total bytes
+    filled: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.filled == len(self.out)
+
+    def array(self) -> np.ndarray:
+        return self.out.view(self.dtype).reshape(self.shape)
+
+
+def add_piece(current: Assembly | None, req: wire.PutBuffer) -> Assembly:
+    """`current` (None: none under way) with the piece `req` copied in; ValueError for a piece
+    out of order, of another buffer, past the announced size, or a spec that disagrees with it.
+    MemoryError when the announced size cannot be allocated."""
+    if req.array.shm_name:
+        raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
+    data = req.array.data
+    if current is None:
+        if req.offset != 0:
+            raise ValueError(f"a piece at offset {req.offset} before the piece at 0")
+        dtype, nbytes = check_spec(req.array.dtype, req.array.shape)
+        if nbytes != req.total_bytes:
+            raise ValueError(f"{req.total_bytes} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
+                             f"expected {nbytes}")
+        # 64-byte aligned: XLA on CPU adopts the array without another copy (schemas/arrays.py)
+        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((nbytes,), np.uint8))
+    elif req.buffer_id != current.buffer_id or req.offset != current.filled or req.total_bytes != len(current.out):
+        raise ValueError(f"a piece of buffer {req.buffer_id:#x} at offset {req.offset} where buffer "
+                         f"{current.buffer_id:#x} continues at {current.filled}")
+    end = current.filled + len(data)
+    if end > len(current.out):
+        raise ValueError(f"pieces of {end} bytes or more for an array of {len(current.out)}")
+    current.out[current.filled : end] = np.frombuffer(data, np.uint8)
+    current.filled = end
+    return current

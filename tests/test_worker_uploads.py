@@ -1,0 +1,82 @@
+"""An upload over one worker message, in pieces (server/worker/uploads.py): the pieces of one
+buffer, in order, make the array; anything else is refused with a reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server import wire
+from server.worker.uploads import Assembly, add_piece
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def pieces(buffer_id: int, arr: np.ndarray, size: int) -> list[wire.PutBuffer]:
+    raw = arr.tobytes()
+    return [wire.put_buffer(wire.put_buffer_request(buffer_id, "o", arr.dtype.name if i == 0 else "",
+                                                    arr.shape if i == 0 else (), [raw[i:i + size]], i, len(raw)))
+            for i in range(0, len(raw), size)]
+
+
+def assemble(reqs: list[wire.PutBuffer]) -> Assembly:
+    current = None
+    for r in reqs:
+        current = add_piece(current, r)
+    assert current is not None
+    return current
+
+
+def test_pieces_in_order_make_the_array() -> None:
+    arr = np.arange(3 * 1000, dtype=np.float32).reshape(3, 1000)
+    for size in (7, 4096, 12000):  # uneven, and one piece for all
+        got = assemble(pieces(5, arr, size))
+        assert got.done and got.buffer_id == 5
+        np.testing.assert_array_equal(got.array(), arr)
+    partial = assemble(pieces(5, arr, 4096)[:2])
+    assert not partial.done and partial.filled == 8192
+
+
+def test_pieces_out_of_order_or_of_another_buffer_are_refused() -> None:
+    arr = np.arange(2000, dtype=np.int32)
+    first, second, third = pieces(5, arr, 3000)[:3]
+    with pytest.raises(ValueError, match="before the piece at 0"):
+        add_piece(None, second)
+    started = add_piece(None, first)
+    with pytest.raises(ValueError, match="continues at 3000"):
+        add_piece(started, third)
+    other = pieces(6, arr, 3000)[1]
+    with pytest.raises(ValueError, match="continues at 3000"):
+        add_piece(started, other)
+
+
+def test_sizes_that_disagree_are_refused() -> None:
+    arr = np.arange(100, dtype=np.float32)
+    raw = arr.tobytes()
+    wrong_total = wire.put_buffer(wire.put_buffer_request(1, "o", "float32", (100,), [raw[:40]], 0, 399))
+    with pytest.raises(ValueError, match="399 bytes announced"):
+        add_piece(None, wrong_total)
+    started = add_piece(None, wire.put_buffer(wire.put_buffer_request(1, "o", "float32", (100,), [raw[:300]], 0,
+                                                                      400)))
+    too_much = wire.put_buffer(wire.put_buffer_request(1, "o", "", (), [raw[:200]], 300, 400))
+    with pytest.raises(ValueError, match="for an array of 400"):
+        add_piece(started, too_much)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        add_piece(None, wire.put_buffer(wire.put_buffer_request(1, "o", "nope", (4,), [raw[:4]], 0, 16)))
+    segment = wire.put_buffer(wpb_segment())
+    with pytest.raises(ValueError, match="shared-memory name"):
+        add_piece(None, segment)
+
+
+def wpb_segment() -> bytes:
+    from schemas.pathways.v1 import common_pb2 as pb
+    from schemas.pathways.v1 import worker_pb2 as wpb
+    return wpb.PutBufferRequest(buffer_id=1, total_bytes=4, array=pb.ArrayProto(dtype="float32", shape=[1],
+                                                                                 shm_name="pw-x")).SerializeToString()
+
+
+def test_assembled_arrays_are_aligned_for_xla() -> None:
+    arr = np.arange(10_000, dtype=np.float32)
+    got = assemble(pieces(5, arr, 4096)).array()
+    assert got.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(got, arr)

@@ -40,7 +40,6 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
-from . import segments
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .handles import HostData
 from .modules import describe
@@ -136,7 +135,6 @@ class SliceSession:
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
         self._putters: dict[aio.Channel, Any] = {}  # a channel's PutBuffers taking serialized requests
-        self._segments_ok: dict[str, bool] = {}  # worker address -> uploads through shared memory
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -298,27 +296,13 @@ class SliceSession:
         host = data if isinstance(data, HostData) else HostData([data])
         return (await self._upload([(dtype, shape, host)]))[0]
 
-    def _by_segment(self, address: str) -> bool:
-        """Whether uploads to `address` go through shared memory (segments.py): a worker on this
-        host, unless a segment upload to it failed (another mount namespace, say)."""
-        ok = self._segments_ok.get(address)
-        if ok is None:
-            ok = self._segments_ok[address] = segments.on_this_host(address)
-        return ok
-
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> list[int]:
         address, _ = self._worker()
         ids = [next(self._ids) for _ in arrays]
-        names: list[str] = []
-        by_segment = self._by_segment(address)
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
-                if by_segment and len(data) >= segments.MIN_BYTES:
-                    req, name = segments.segment_request(buffer_id, self._owner, dtype, shape, data)
-                    names.append(name)
-                    yield req.SerializeToString()
-                elif len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
+                if len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
                     yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
                 else:  # over one worker message: in pieces, which the worker copies into one array
                     for start in range(0, len(data), UPLOAD_PIECE_BYTES):
@@ -329,12 +313,6 @@ class SliceSession:
         try:
             await self._put_raw(address)(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
-            segments.discard(names)
-            if names and e.code() != grpc.StatusCode.UNAVAILABLE:  # the worker could not open them
-                log.warning("proxy: worker %s refused a shared-memory upload (%s): uploading through gRPC",
-                            address, e.details())
-                self._segments_ok[address] = False
-                return await self._upload(arrays)
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
         for b in ids:
             self._home[b] = address

@@ -106,6 +106,27 @@ def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -
         assert c.slices() == []
 
 
+@pytest.mark.cluster(islands=1, devices=2, controller_args=["--max-sessions-per-caller", "1"])
+def test_proxy_sessions_count_against_their_callers_cap(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A proxy session takes a place among its caller's sessions like a `pw` session (one caller:
+    this machine's loopback address), so proxy programs cannot get round the cap."""
+    first = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
+    assert first.stdout is not None
+    assert first.stdout.readline().strip() == "devices 1 cpu"  # holds the one place
+    second = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
+    rc, lines, err = finish(second)
+    assert rc != 0 and lines == []
+    last = err.strip().splitlines()[-1]
+    assert "RESOURCE_EXHAUSTED" in last and "--max-sessions-per-caller" in last, last
+    rc, lines, err = finish(first)
+    assert rc == 0 and lines == ["ones [1.0, 1.0, 1.0]"], err
+    wait_for(lambda: not proxy_slices(cluster), 30, "the first session to end")
+    third = start(cluster, tmp_path, PATHWAYS_DEVICES="1")  # the place came back with the session's end
+    rc, lines, err = finish(third)
+    assert rc == 0 and lines == ["devices 1 cpu", "ones [1.0, 1.0, 1.0]"], err
+    assert "Traceback" not in cluster.controller_logs()
+
+
 @pytest.mark.cluster(islands=1, devices=2)
 def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_path: Path) -> None:
     proc = start(cluster, tmp_path, PATHWAYS_DEVICES="1")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,11 +20,13 @@ from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
+from ..proxy.backend import BackendError
 from ..proxy.cluster_backend import ControllerBackend, Controls
-from ..proxy.service import LazyProxyHandler, ProxyService, guards_itself, is_proxy_method
+from ..proxy.service import Admit, LazyProxyHandler, ProxyService, guards_itself, is_proxy_method
 from ..rpcguard import GuardInterceptor
+from .callers import caller_of
 from .core import Controller, ControllerConfig
-from .errors import classify
+from .errors import Rejected, classify
 from .metrics import DEFAULT_LISTEN as DEFAULT_METRICS_LISTEN
 from .metrics import ControllerCollector, MetricsServer
 from .servicer import ControllerServicer
@@ -55,6 +59,25 @@ def proxy_backend(core: Controller) -> ControllerBackend:
     return ControllerBackend(core.slices, controls)
 
 
+def proxy_admission(core: Controller) -> Admit:
+    """A proxy session's place among its caller's sessions: the per-caller cap counts `pw` and
+    proxy sessions together (callers.py)."""
+
+    @contextlib.contextmanager
+    def admit(peer: str) -> Iterator[None]:
+        place = core.sessions.callers.enter(caller_of(peer))
+        try:
+            place.__enter__()
+        except Rejected as e:
+            raise BackendError("RESOURCE_EXHAUSTED", str(e)) from None
+        try:
+            yield
+        finally:
+            place.__exit__(None, None, None)
+
+    return admit
+
+
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     host, _port = paths.split_address(config.listen)
     sqlite_file = config.db_url.removeprefix("sqlite:///")
@@ -80,7 +103,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
     proxy_token = None if config.no_token else config.token
-    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(proxy_backend(core), proxy_token))])
+    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(
+        proxy_backend(core), proxy_token, config.limits.max_sessions, proxy_admission(core)))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
     try:

@@ -9,7 +9,8 @@ bound has a name, a default and, where an operator may need another, a controlle
 | devices per host | 1,024 | `--max-devices-per-host` |
 | hosts | 4,096 (the scale target is 2,048) | `--max-hosts` |
 | open client sessions | 1,024 | `--max-sessions` |
-| open client sessions of one caller (an address, or a job's driver: callers.py) | 256 | `--max-sessions-per-caller` |
+| open sessions of one caller (callers.py), `pw` and IFRT proxy together | 256 | `--max-sessions-per-caller` |
+| open IFRT proxy sessions | 1,024 (the same flag's value) | `--max-sessions` |
 | open `Watch` streams | 64 | `--max-watches` |
 | open `StreamLogs` streams | 256 | - |
 | host / island names | 1-128 / 1-64 characters of `A-Z a-z 0-9 _ . : + -`, not starting with a sign | - |

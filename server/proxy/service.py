@@ -19,11 +19,13 @@ executes in executables.py; request kinds this server does not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +66,7 @@ class Session:
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
     functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
     fetches: dict[int, asyncio.Future[bytes | HostData]] = field(default_factory=dict)  # downloads under way, by buffer
+    place: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # its caller's place, until it ends
 
 
 def default_layout(rank: int) -> bytes:
@@ -124,13 +127,21 @@ class LazyProxyHandler(grpc.GenericRpcHandler):
         return self._handler.service(handler_call_details)
 
 
-class ProxyService:
-    """The servicer. `token`: the cluster token sessions must present (None: no check)."""
+Admit = Callable[[str], AbstractContextManager[None]]  # the caller's peer -> its place (BackendError: none left)
 
-    def __init__(self, cluster: ClusterBackend, token: str | None = None) -> None:
+
+class ProxyService:
+    """The servicer. `token`: the cluster token sessions must present (None: no check).
+    `max_sessions`: proxy sessions open at once; `admit`: holds a place among its caller's
+    sessions for a session's life (the controller's per-caller cap, shared with `pw` sessions)."""
+
+    def __init__(self, cluster: ClusterBackend, token: str | None = None, max_sessions: int = 1024,
+                 admit: Admit | None = None) -> None:
         self.p = proto_mod.protocol()  # ~0.3 s the first time: see LazyProxyHandler
         self._cluster = cluster
         self._token = token.encode() if token else None
+        self._max_sessions = max_sessions
+        self._admit = admit
         self._sessions: dict[int, Session] = {}
         self._handlers: dict[str, Callable[[Session, Message, Message], Awaitable[None]]] = {
             "init_request": self._init,
@@ -277,19 +288,29 @@ class ProxyService:
                     "UNAUTHENTICATED",
                     "missing or wrong cluster token: set PWCTL_TOKEN (or run where `pwctl` finds the token)",
                 )
+        if len(self._sessions) >= self._max_sessions:
+            raise RequestError("RESOURCE_EXHAUSTED", f"{len(self._sessions)} IFRT proxy sessions are open, the "
+                               "controller's limit (--max-sessions): retry when one ends")
         slice_name = init.get(SLICE_KEY)
         devices = init.get(DEVICES_KEY)
+        place = contextlib.ExitStack()
         try:
+            if self._admit is not None:
+                place.enter_context(self._admit(context.peer()))
             backend = await self._cluster.open_session(
                 slice_name.decode() if isinstance(slice_name, bytes) else None,
                 devices if isinstance(devices, int) and not isinstance(devices, bool) else None,
             )
         except BackendError as e:
+            place.close()
             raise RequestError(e.code, str(e)) from None
+        except BaseException:
+            place.close()
+            raise
         session_id = secrets.randbits(64) or 1
         while session_id in self._sessions:
             session_id = secrets.randbits(64) or 1
-        session = Session(id=session_id, version=version, backend=backend)
+        session = Session(id=session_id, version=version, backend=backend, place=place)
         self._sessions[session_id] = session
         log.info(
             "proxy: session %x opened for %s on %d devices", session_id, context.peer(), len(backend.slice.devices)
@@ -367,6 +388,7 @@ class ProxyService:
 
     async def _close(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
+        session.place.close()  # the stream is over: its caller's place is free
         session.buffers.clear()
         try:
             await session.backend.close()

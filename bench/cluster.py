@@ -17,7 +17,7 @@ from typing import Any
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
-from pwctl.paths import load_or_create_token
+from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,10 +60,7 @@ class BenchCluster:
     @property
     def token(self) -> str | None:
         """The cluster token (None with the controller's --no-token)."""
-        try:
-            return (self.home / "token").read_text().strip() or None
-        except OSError:
-            return None
+        return read_token(self.home / "token")
 
     def start(self, timeout: float = 90.0) -> BenchCluster:
         if "--no-token" not in self.controller_args:

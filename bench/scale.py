@@ -54,6 +54,7 @@ from bench.gang import WARMUP as GANG_WARMUP
 from bench.gang import gang_dispatch, stop_island_services
 from bench.simworkers import SimWorkers
 from pwctl.client import Client
+from pwctl.paths import read_token
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.cluster import RECONNECT_PER_HOST_S
@@ -98,10 +99,7 @@ class Controller:
     @property
     def token(self) -> str | None:
         """The cluster token the controller made in its data directory (every call needs it)."""
-        try:
-            return (self.home / "token").read_text().strip() or None
-        except OSError:
-            return None
+        return read_token(self.home / "token")
 
     def start(self, env: dict[str, str]) -> float:
         """Starts it; returns when it answers (monotonic)."""

@@ -85,6 +85,15 @@ def token_path() -> Path:
     return data_dir() / "token"
 
 
+def read_token(path: Path | None = None) -> str | None:
+    """The cluster token in `path` (default: the data directory's), or None where there is none
+    (not made yet, unreadable, or a controller run with --no-token)."""
+    try:
+        return (path or token_path()).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def load_or_create_token(path: Path | None = None) -> str:
     """The cluster token in the data directory, created (mode 0600) on first use. Atomic: a
     token is written whole under a temporary name and linked into place, so concurrent starters

@@ -57,9 +57,4 @@ def resolve(server: str | None = None, token: str | None = None) -> Target:
     cfg = _config()
     address = server or os.environ.get("PWCTL_SERVER") or cfg.get("server") or paths.DEFAULT_ADDRESS
     tok = token or os.environ.get("PWCTL_TOKEN") or cfg.get("token")
-    if not tok:
-        try:
-            tok = paths.token_path().read_text().strip() or None
-        except OSError:
-            tok = None
-    return Target(address=address, token=tok)
+    return Target(address=address, token=tok or paths.read_token())

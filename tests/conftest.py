@@ -40,7 +40,7 @@ import pytest
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
-from pwctl.paths import load_or_create_token
+from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
 from server.controller.job_process import end_all as end_job_supervisors
 
@@ -236,10 +236,7 @@ class LocalCluster:
 
     @property
     def token(self) -> str | None:
-        try:
-            return (self.home / "token").read_text().strip() or None
-        except OSError:
-            return None
+        return read_token(self.home / "token")
 
     def channel(self, address: str | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A raw gRPC channel to the controller (or a worker's `address`) that sends the token."""

@@ -20,7 +20,7 @@ from bench.cluster import REPO, XLA_FLAGS, free_port
 from pwctl.client import Client
 from pwctl.errors import PathwaysError
 from pwctl.local import stop_children
-from pwctl.paths import load_or_create_token
+from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
 
 POLL_S = 0.05
@@ -74,10 +74,7 @@ class ChaosCluster:
     @property
     def token(self) -> str | None:
         """The cluster token, which every call needs (the workers' registration too)."""
-        try:
-            return (self.home / "token").read_text().strip() or None
-        except OSError:
-            return None
+        return read_token(self.home / "token")
 
     def start(self, timeout: float = 90.0) -> ChaosCluster:
         load_or_create_token(self.home / "token")  # before the controller and the workers start at once

@@ -80,3 +80,42 @@ def test_assembled_arrays_are_aligned_for_xla() -> None:
     got = assemble(pieces(5, arr, 4096)).array()
     assert got.ctypes.data % 64 == 0
     np.testing.assert_array_equal(got, arr)
+
+
+def staged(buffer_id: int, raw: bytes, size: int, total: int = 0) -> list[wire.PutBuffer]:
+    """A staged upload's byte pieces (of `total` bytes, default all of `raw`): no dtype or shape."""
+    return [wire.put_buffer(wire.put_buffer_request(buffer_id, "o", "", (), [raw[i:i + size]], i,
+                                                    total or len(raw)))
+            for i in range(0, len(raw), size)]
+
+
+def spec_piece(buffer_id: int, dtype: str, shape: tuple[int, ...], offset: int, total: int,
+               data: bytes = b"") -> wire.PutBuffer:
+    return wire.put_buffer(wire.put_buffer_request(buffer_id, "o", dtype, shape, [data], offset, total))
+
+
+def test_a_staged_upload_is_an_array_once_its_spec_arrives() -> None:
+    arr = np.arange(3000, dtype=np.float32).reshape(30, 100)
+    raw = arr.tobytes()
+    current = assemble(staged(9, raw, 1000))
+    assert current.filled == len(raw) and not current.done  # the bytes, but not yet the spec
+    current = add_piece(current, spec_piece(9, "float32", (30, 100), len(raw), len(raw)))
+    assert current.done
+    np.testing.assert_array_equal(current.array(), arr)
+    # the spec may also come with the last bytes
+    last = assemble(staged(9, raw[:2000], 1000, len(raw)))
+    last = add_piece(last, spec_piece(9, "float32", (30, 100), 2000, len(raw), raw[2000:]))
+    assert last.done
+    np.testing.assert_array_equal(last.array(), arr)
+
+
+def test_a_staged_spec_that_disagrees_with_the_bytes_is_refused() -> None:
+    raw = np.arange(100, dtype=np.float32).tobytes()
+    current = assemble(staged(9, raw, 100))
+    with pytest.raises(ValueError, match=r"array \(800 bytes\) from 400 bytes"):
+        add_piece(current, spec_piece(9, "float64", (100,), len(raw), len(raw)))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        add_piece(current, spec_piece(9, "nope", (100,), len(raw), len(raw)))
+    given = add_piece(assemble(staged(9, raw[:200], 100, len(raw))), spec_piece(9, "float32", (100,), 200, len(raw)))
+    with pytest.raises(ValueError, match="a second dtype and shape"):
+        add_piece(given, spec_piece(9, "float32", (100,), 200, len(raw), raw[200:]))

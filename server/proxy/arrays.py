@@ -26,7 +26,7 @@ from schemas.arrays import resolve_dtype
 
 from . import shardings as sh
 from .compose import Piece, gather_function, piece_function
-from .handles import HandleError, HostData
+from .handles import HandleError, HostData, Staged
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ def strided(raw: bytes, dtype: str, shape: tuple[int, ...], strides: Message | N
     return np.ascontiguousarray(np.ndarray(shape, np_dtype, buffer=raw, strides=st))
 
 
-def _check_size(data: bytes | HostData, dtype: str, shape: tuple[int, ...]) -> None:
+def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, ...]) -> None:
     expected = math.prod(shape) * resolve_dtype(dtype).itemsize
     if len(data) != expected:
         raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(data)} bytes for a {dtype}{list(shape)} "
@@ -272,6 +272,14 @@ async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[in
     return whole(Buf(buffer_id, dtype, shape), sharding)
 
 
+async def _read_back(staged: Staged) -> HostData:
+    try:
+        return await staged.materialize()
+    except BaseException:
+        staged.discard()
+        raise
+
+
 async def make_array_from_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.make_array_from_host_buffer_request
     handle = r.array_handle or session.handles.new_handle()
@@ -279,9 +287,24 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
     dtype = numpy_dtype(r.dtype)
     shape = tuple(int(d) for d in r.shape.dims)
     sharding = parse_sharding(session, r.sharding, proto)
-    data: bytes | HostData = await session.buffers.take(r.host_buffer_handle)  # may still be arriving (req. 5)
+    held = await session.buffers.take_any(r.host_buffer_handle)  # may still be arriving (req. 5)
     strides = list(r.byte_strides.strides) if r.HasField("byte_strides") else []
     nbytes = math.prod(shape) * resolve_dtype(dtype).itemsize
+    if not isinstance(held, HostData):  # staged on the worker (staging.py)
+        if strides and strides != c_strides(dtype, shape):
+            data: bytes | HostData = await _read_back(held)
+        else:
+            try:
+                _check_size(held, dtype, shape)
+            except HandleError:
+                held.discard()
+                raise
+            buffer_id = await held.finish(dtype, shape)
+            session.handles.settle(handle, whole(Buf(buffer_id, dtype, shape), sharding))
+            resp.make_array_from_host_buffer_response.array_handle = handle
+            return
+    else:
+        data = held
     # jax.device_put sends a contiguous array's C-order strides: then the parts go on as they came
     if strides and (strides != c_strides(dtype, shape) or len(data) != nbytes):
         data = strided(_joined(data), dtype, shape, r.byte_strides).tobytes()

@@ -43,6 +43,7 @@ from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .handles import HostData
 from .modules import describe
+from .staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +318,16 @@ class SliceSession:
         for b in ids:
             self._home[b] = address
         return ids
+
+    def stage(self, nbytes: int) -> Staging:
+        """A staged upload of `nbytes` host bytes to the worker `put` would upload them to (staging.py)."""
+        address, _ = self._worker()
+        call = self._put_raw(address)(metadata=self._metadata)
+        return Staging(self, call, address, next(self._ids), self._owner, nbytes)
+
+    def adopt(self, buffer_id: int, address: str) -> None:
+        """Records a buffer a staged upload stored on worker `address`."""
+        self._home[buffer_id] = address
 
     def _address_of(self, buffer_id: int) -> str:
         address = self._home.get(buffer_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 SERVER_HANDLE_BASE = 1 << 62
 
@@ -182,15 +182,30 @@ class HostData:
         return HostData(out)
 
 
+class Staged(Protocol):
+    """A host buffer whose bytes went on to a worker as they arrived (staging.Staging)."""
+
+    def __len__(self) -> int: ...
+
+    async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
+        """Makes the bytes the array `dtype[shape]` on the worker; its buffer id."""
+        ...
+
+    async def materialize(self) -> HostData: ...
+
+    def discard(self) -> None: ...
+
+
 class HostBuffers:
-    """Bytes the client stored with HostBufferStore, by handle, until a request takes them.
+    """Bytes the client stored with HostBufferStore, by handle, until a request takes them: held
+    here (`HostData`), or staged on a worker (`Staged`, staging.py).
 
     A MakeArray can arrive before its HostBufferStore has finished (requirement 5), so `take`
-    waits, up to `wait_s`. Bounded: at most `limit_bytes` held per session.
+    waits, up to `wait_s`. Bounded: at most `limit_bytes` held or staged per session.
     """
 
     def __init__(self, limit_bytes: int = 8 << 30, wait_s: float = 60.0) -> None:
-        self._data: dict[int, HostData] = {}
+        self._data: dict[int, HostData | Staged] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._held = 0
         self._limit = limit_bytes
@@ -208,8 +223,8 @@ class HostBuffers:
                 f"host buffer of {size} bytes: the session holds {self._held} of at most {self._limit} bytes",
             )
 
-    def store(self, handle: int, data: bytes | HostData) -> None:
-        if not isinstance(data, HostData):
+    def store(self, handle: int, data: bytes | HostData | Staged) -> None:
+        if isinstance(data, bytes):
             data = HostData([data])
         if handle in self._data:
             raise HandleError("ALREADY_EXISTS", f"host buffer {handle} already stored")
@@ -220,14 +235,41 @@ class HostBuffers:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def lookup(self, handle: int) -> HostData:
+    def lookup(self, handle: int) -> HostData | Staged:
         data = self._data.get(handle)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
         return data
 
+    async def lookup_bytes(self, handle: int) -> HostData:
+        """The bytes stored under `handle`, read back here if they were staged (and kept here)."""
+        data = self.lookup(handle)
+        if isinstance(data, HostData):
+            return data
+        self.delete(handle)
+        try:
+            held = await data.materialize()
+        except BaseException:
+            data.discard()
+            raise
+        if handle not in self._data:  # else stored again meanwhile: that one stays
+            self.store(handle, held)
+        return held
+
     async def take(self, handle: int) -> HostData:
-        """The bytes stored under `handle` (waiting for them), removed from the store."""
+        """The bytes stored under `handle` (waiting for them, reading staged ones back), removed
+        from the store."""
+        data = await self.take_any(handle)
+        if isinstance(data, HostData):
+            return data
+        try:
+            return await data.materialize()
+        except BaseException:
+            data.discard()
+            raise
+
+    async def take_any(self, handle: int) -> HostData | Staged:
+        """What is stored under `handle` (waiting for it), removed from the store."""
         if handle not in self._data:
             waiter = self._waiters.get(handle)
             if waiter is None:
@@ -241,14 +283,24 @@ class HostBuffers:
                 ) from None
         return self.delete(handle)
 
-    def delete(self, handle: int) -> HostData:
+    def delete(self, handle: int) -> HostData | Staged:
+        """Removes `handle`'s entry and returns it (the caller discards a staged one it does not use)."""
         data = self._data.pop(handle, None)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
         self._held -= len(data)
         return data
 
+    def drop(self, handle: int) -> None:
+        """Deletes `handle`, freeing what a staged buffer holds on its worker."""
+        data = self.delete(handle)
+        if not isinstance(data, HostData):
+            data.discard()
+
     def clear(self) -> None:
+        for data in self._data.values():
+            if not isinstance(data, HostData):
+                data.discard()
         self._data.clear()
         self._held = 0
         for w in self._waiters.values():

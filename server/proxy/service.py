@@ -37,11 +37,13 @@ from . import arrays, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers, HostData
+from .staging import Staging
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # requests of one session in flight at once
 LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
+STREAM_MIN_BYTES = 4 << 20  # a host buffer this large streams on to its worker as it arrives (staging.py)
 EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an empty lookup chunk)
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
@@ -215,8 +217,13 @@ class ProxyService:
         if raw is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HostBufferStore without its metadata header")
         session = await self._session_of(meta.session_id, context)
+        staging: Staging | None = None
+        stored = False
         try:
             session.buffers.reserve(meta.buffer_size)
+            stage = getattr(session.backend, "stage", None)
+            if stage is not None and meta.buffer_size >= STREAM_MIN_BYTES:
+                staging = stage(meta.buffer_size)  # the bytes go on to the worker as they come
             # the chunks stay views of the bytes gRPC received (wire.py): no copy to parse or join
             chunks: list[bytes | memoryview] = []
             size = 0
@@ -229,22 +236,29 @@ class ProxyService:
                 size += len(data)
                 if size > meta.buffer_size:
                     break
-                chunks.append(data)
+                if staging is not None:
+                    await staging.write(data)
+                else:
+                    chunks.append(data)
             if size != meta.buffer_size:
                 raise HandleError(
                     "INVALID_ARGUMENT", f"host buffer {meta.handle}: {meta.buffer_size} bytes announced, {size} sent"
                 )
-            session.buffers.store(meta.handle, HostData(chunks))
-        except HandleError as e:
+            session.buffers.store(meta.handle, staging if staging is not None else HostData(chunks))
+            stored = True
+        except (HandleError, BackendError) as e:
             log.info("proxy: session %x: HostBufferStore refused: %s", session.id, e)
             await context.abort(grpc.StatusCode[e.code], str(e))
+        finally:
+            if staging is not None and not stored:
+                staging.discard()
         return EMPTY
 
     async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         session = await self._session_of(request.session_id, context)
         try:
-            data = session.buffers.lookup(request.handle)
-        except HandleError as e:
+            data = await session.buffers.lookup_bytes(request.handle)
+        except (HandleError, BackendError) as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
         if not data.nbytes:
             yield EMPTY
@@ -256,7 +270,7 @@ class ProxyService:
     async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
         session = await self._session_of(request.session_id, context)
         try:
-            session.buffers.delete(request.handle)
+            session.buffers.drop(request.handle)
         except HandleError as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
         return self.p.GrpcHostBufferDeleteResponse()

@@ -140,8 +140,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
             count += 1
         if pieces is not None:
+            missing = "" if pieces.dtype is not None else ", without its dtype and shape"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
-                                f"after {pieces.filled} of its {len(pieces.out)} bytes")
+                                f"after {pieces.filled} of its {len(pieces.out)} bytes{missing}")
         return wpb.PutBuffersResponse(count=count)
 
     # ---- waiting for buffers ----

@@ -3,7 +3,12 @@
 The worker takes messages of at most 64 MiB (transfer.py). A larger array used to go as several
 arrays joined by a program on the worker; now its pieces are copied, as they arrive, into one
 array of the announced size, stored when the last piece is in. The pieces of one buffer come in
-order, back to back, in one `PutBuffers` stream; anything else is refused (ValueError)."""
+order, back to back, in one `PutBuffers` stream; anything else is refused (ValueError).
+
+A staged upload (the IFRT proxy streams a host buffer on before it knows the array's type) sends
+its first piece without a dtype: the bytes are collected as they come, and the spec arrives on a
+later piece (an empty one after the last bytes is fine); the array is stored only once both the
+bytes and the spec are in, and only if the spec's size is the bytes announced."""
 
 from __future__ import annotations
 
@@ -39,16 +44,17 @@ class Assembly:
     """One array being assembled from its pieces."""
 
     buffer_id: int
-    dtype: np.dtype
+    dtype: np.dtype | None  # None: a staged upload whose spec has not come yet
     shape: tuple[int, ...]
     out: np.ndarray  # uint8, total bytes
     filled: int = 0
 
     @property
     def done(self) -> bool:
-        return self.filled == len(self.out)
+        return self.filled == len(self.out) and self.dtype is not None
 
     def array(self) -> np.ndarray:
+        assert self.dtype is not None
         return self.out.view(self.dtype).reshape(self.shape)
 
 
@@ -62,15 +68,25 @@ def add_piece(current: Assembly | None, req: wire.PutBuffer) -> Assembly:
     if current is None:
         if req.offset != 0:
             raise ValueError(f"a piece at offset {req.offset} before the piece at 0")
-        dtype, nbytes = check_spec(req.array.dtype, req.array.shape)
-        if nbytes != req.total_bytes:
-            raise ValueError(f"{req.total_bytes} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
-                             f"expected {nbytes}")
+        dtype: np.dtype | None = None
+        if req.array.dtype:
+            dtype, nbytes = check_spec(req.array.dtype, req.array.shape)
+            if nbytes != req.total_bytes:
+                raise ValueError(f"{req.total_bytes} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
+                                 f"expected {nbytes}")
         # 64-byte aligned: XLA on CPU adopts the array without another copy (schemas/arrays.py)
-        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((nbytes,), np.uint8))
+        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((req.total_bytes,), np.uint8))
     elif req.buffer_id != current.buffer_id or req.offset != current.filled or req.total_bytes != len(current.out):
         raise ValueError(f"a piece of buffer {req.buffer_id:#x} at offset {req.offset} where buffer "
                          f"{current.buffer_id:#x} continues at {current.filled}")
+    elif req.array.dtype:  # the spec of a staged upload
+        if current.dtype is not None:
+            raise ValueError(f"buffer {req.buffer_id:#x}: a second dtype and shape")
+        dtype, nbytes = check_spec(req.array.dtype, req.array.shape)
+        if nbytes != len(current.out):
+            raise ValueError(f"a {req.array.dtype}{list(req.array.shape)} array ({nbytes} bytes) from "
+                             f"{len(current.out)} bytes")
+        current.dtype, current.shape = dtype, tuple(req.array.shape)
     end = current.filled + len(data)
     if end > len(current.out):
         raise ValueError(f"pieces of {end} bytes or more for an array of {len(current.out)}")

@@ -38,7 +38,10 @@ class PutBufferRequest(_message.Message):
     """An array over one message goes in pieces: each carries bytes [offset, offset + len(data)) of
     an array of total_bytes bytes (0: the message holds the whole array). The first piece
     (offset 0) names dtype and shape; the pieces of one buffer follow each other in order in
-    one stream, and the worker stores the array when the last has arrived.
+    one stream, and the worker stores the array when the last has arrived. A staged upload (the
+    IFRT proxy forwarding host bytes before it knows their array) names no dtype on its first
+    piece: a later piece (possibly empty, at offset total_bytes) names dtype and shape, which
+    must be total_bytes in size, and the array is stored once both bytes and spec are in.
     """
     total_bytes: _builtins.int
     @_builtins.property

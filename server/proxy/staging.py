@@ -1,0 +1,111 @@
+"""A host buffer streamed on to its worker as the client sends it (issue 28: bounded memory).
+
+The jaxlib client stores a host buffer (HostBufferStore, in chunks) before the MakeArray that says
+what array it is. Instead of holding the whole buffer, the controller opens a `PutBuffers` stream
+to the worker that will hold the array and forwards each chunk as a piece of a staged upload
+(worker/uploads.py: pieces without a dtype). The MakeArray then ends the stream with the array's
+dtype and shape (`finish`), which the worker checks against the bytes; a consumer that needs the
+bytes themselves (a strided buffer, a shard to assemble, a lookup) gets them back from the worker
+(`materialize`); a buffer deleted unused is dropped by cancelling the stream (`discard`), so the
+worker never stores it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from .. import wire
+from .backend import BackendError
+from .handles import HostData
+
+PIECE_BYTES = 4 << 20  # a chunk larger than this goes on in pieces of this size (worker messages ≤ 64 MiB)
+
+
+class Owner(Protocol):
+    """What a staging needs of its session (cluster_backend.SliceSession)."""
+
+    async def get(self, buffer_id: int) -> HostData: ...
+
+    def free(self, buffer_ids: Sequence[int]) -> None: ...
+
+    def adopt(self, buffer_id: int, address: str) -> None: ...
+
+
+class Staging:
+    """One host buffer on its way to a worker: `write` its bytes in order, then exactly one of
+    `finish`, `materialize`, `discard`. `call` is the worker's PutBuffers (serialized requests),
+    opened without a request iterator."""
+
+    def __init__(self, session: Owner, call: Any, address: str, buffer_id: int, owner: str, nbytes: int) -> None:
+        self._session = session
+        self._call = call
+        self.address = address
+        self.buffer_id = buffer_id
+        self._owner = owner
+        self.nbytes = nbytes
+        self.sent = 0
+        self._closed = False
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    async def _send(self, message: bytes) -> None:
+        try:
+            await self._call.write(message)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            raise await self._error() from None
+
+    async def _error(self) -> BackendError:
+        """The worker's reason for ending the stream (it aborts with one)."""
+        self._closed = True
+        try:
+            await self._call
+        except grpc.RpcError as e:
+            return BackendError("UNAVAILABLE" if e.code() == grpc.StatusCode.UNAVAILABLE else e.code().name,
+                                f"uploading to worker {self.address}: {e.details()}")
+        except asyncio.CancelledError:
+            pass
+        return BackendError("UNAVAILABLE", f"uploading to worker {self.address}: the stream ended")
+
+    async def write(self, chunk: bytes | memoryview) -> None:
+        """Forwards the next bytes of the buffer (the caller checks the total stays in `nbytes`)."""
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), PIECE_BYTES):
+            piece = view[start : start + PIECE_BYTES]
+            await self._send(wire.put_buffer_request(self.buffer_id, self._owner, "", (), [piece], self.sent,
+                                                     self.nbytes))
+            self.sent += len(piece)
+
+    async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
+        """Makes the staged bytes the array `dtype[shape]` on the worker; its buffer id."""
+        assert self.sent == self.nbytes and not self._closed
+        await self._send(wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.sent,
+                                                 self.nbytes))
+        try:
+            await self._call.done_writing()
+            reply = await self._call
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            raise await self._error() from None
+        self._closed = True
+        if reply.count != 1:
+            raise BackendError("INTERNAL", f"worker {self.address} stored {reply.count} buffers of an upload of one")
+        self._session.adopt(self.buffer_id, self.address)
+        return self.buffer_id
+
+    async def materialize(self) -> HostData:
+        """The buffer's bytes, read back from the worker (for consumers that need them here)."""
+        buffer_id = await self.finish("uint8", (self.nbytes,))
+        try:
+            return await self._session.get(buffer_id)
+        finally:
+            self._session.free([buffer_id])
+
+    def discard(self) -> None:
+        """Drops the staged bytes: the worker drops an upload whose stream is cancelled."""
+        if not self._closed:
+            self._closed = True
+            self._call.cancel()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from typing import Annotated
 
 import typer
@@ -12,8 +11,8 @@ from rich.table import Table
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import SliceView
 
-from ..errors import InvalidArgument, PathwaysError
-from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
+from ..errors import InvalidArgument
+from .common import Format, OutputOpt, ServerOpt, age, client, delete_each, emit_item, emit_list, hint, stdout
 
 app = typer.Typer(
     help="Virtual slices: N devices (optionally a mesh, an island, a kind) mapped onto physical devices.",
@@ -153,22 +152,8 @@ def delete(
     """Delete slices, freeing their devices. Asks first unless -y."""
     with client(server) as c:
         # Resolve every name first so a typo deletes nothing and the prompt shows full names.
-        full = list(dict.fromkeys(c.get_slice(n).name for n in names))
-        if not yes:
-            what = f"slice{'s' if len(full) > 1 else ''} {', '.join(full)}"
-            confirm_or_exit(f"delete {what}?", f"refusing to delete {', '.join(full)} without confirmation: "
-                            "stdin is not a terminal; pass -y to delete", "nothing deleted")
-        failed: PathwaysError | None = None
-        for n in full:
-            try:
-                c.delete_slice(n, force=force)
-            except PathwaysError as e:
-                sys.stderr.write(f"error: {e}\n")
-                failed = failed or e
-                continue
-            hint(f"deleted slice {n}")
-    if failed is not None:
-        raise typer.Exit(failed.exit_code)
+        full = [c.get_slice(n).name for n in names]
+    delete_each("slice", full, yes, lambda c, n: c.delete_slice(n, force=force), server)
 
 
 def register(root: typer.Typer) -> None:

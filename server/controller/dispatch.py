@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -35,7 +35,6 @@ from ..scheduler import (
     HostLost,
     HostUp,
     NodeFinished,
-    NodeSpec,
     NodeStarted,
     RunFinished,
     RunSpec,
@@ -46,8 +45,9 @@ from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, InvalidArgument
+from .plans import Plan, check_spread_inputs
 from .programs import ProgramRecord, ProgramRegistry
-from .segments import GATHERED, PROGRAM_INPUT, SegmentPlan, cut, gathered_count, same_machine
+from .segments import GATHERED, PROGRAM_INPUT, cut, gathered_count, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -55,51 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECENT_RUNS = 4_000  # finished runs kept to attribute their late node events
-
-
-@dataclass
-class Plan:
-    """A program's segments for one placement of its slices (cached per program)."""
-
-    key: tuple[Any, ...]
-    segments: list[SegmentPlan]
-    specs: tuple[NodeSpec, ...]
-    epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
-    gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
-    addresses: frozenset[str] = frozenset()  # of the workers running its segments
-    # segment -> its outputs' layout in `layouts`: (client output index or -1, (node, output)) per
-    # output. A gang node's member segments share one (its parts of a value share its id), so a
-    # run makes one id list per layout, not one per member.
-    layout_of: list[int] = field(default_factory=list)
-    layouts: list[tuple[tuple[int, tuple[int, int]], ...]] = field(default_factory=list)
-    # segment -> its task group, or -1: the member segments of a gang node read and write the
-    # same buffer ids, so a run's tasks for them differ only in segment, seq and segment id. A run
-    # builds one `Task` per group and copies it per member (`Dispatcher._dispatch`).
-    group_of: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
-        for seg in self.segments:
-            layout = tuple(zip(seg.client_outputs, seg.outputs, strict=True))
-            self.layout_of.append(index.setdefault(layout, len(index)))
-        self.layouts = list(index)
-        self.group_of = task_groups(self.segments, self.layout_of)
-
-
-def task_groups(segments: Sequence[SegmentPlan], layout_of: Sequence[int]) -> list[int]:
-    """Per segment: its group (>= 0) when another segment's tasks carry the same ids in every
-    run (same inputs, outputs, visibility and routes: the members of a gang node), else -1."""
-    keys = []
-    for seg in segments:
-        # an input made by a segment is that segment's output list (shared by its layout)
-        inputs = tuple((source if source < 0 else -3 - layout_of[source], k) for source, k in seg.inputs)
-        keys.append((inputs, layout_of[seg.index], tuple(seg.visible), tuple(seg.read_later_here),
-                     tuple(seg.route_keys)))
-    count: dict[object, int] = {}
-    for key in keys:
-        count[key] = count.get(key, 0) + 1
-    groups: dict[object, int] = {}
-    return [groups.setdefault(key, len(groups)) if count[key] > 1 else -1 for key in keys]
 
 
 @dataclass(slots=True)
@@ -116,23 +71,6 @@ class RunState:
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
     templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
-
-
-def _check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
-    """An input that is an array of a multi-host slice (its home lists every member's address,
-    "a|b") stays where it is: each member reads its own part. Only computations on those
-    members can read it."""
-    spread = {k: home.split("|") for k, home in enumerate(homes) if "|" in home}
-    if not spread:
-        return
-    for seg in plan.segments:
-        for source, k in seg.inputs:
-            if source == PROGRAM_INPUT and k in spread and not (
-                    seg.definition.group_generation and seg.host.address in spread[k]):
-                raise InvalidArgument(
-                    f"input {k} is an array of a multi-host slice (its parts are on {', '.join(spread[k])}); "
-                    f"{seg.definition.label} is not a computation of that slice's hosts: pass it within one "
-                    "@pw.program (the parts are then gathered where they are read) or fetch it")
 
 
 class Placements(Protocol):
@@ -229,7 +167,7 @@ class Dispatcher:
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
             plan = self._plan(prog, session.sequential)
-            _check_spread_inputs(plan, run.input_homes)
+            check_spread_inputs(plan, run.input_homes)
             reads_from = self._input_hosts(plan, run.input_homes)
         except ControllerError as e:
             session.run_refused(run.run_id, str(e))

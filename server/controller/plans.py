@@ -1,0 +1,76 @@
+"""A program's plan for one placement of its slices: its segments (`segments.py`), the scheduler's
+node specs, and what lets a run's per-segment work be shared (output layouts, task groups).
+The dispatcher (`dispatch.py`) caches one per (program, dispatch mode) and checks it against the
+slices' epoch before each run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..scheduler import NodeSpec
+from .errors import InvalidArgument
+from .segments import PROGRAM_INPUT, SegmentPlan
+
+
+@dataclass
+class Plan:
+    """A program's segments for one placement of its slices (cached per program)."""
+
+    key: tuple[Any, ...]
+    segments: list[SegmentPlan]
+    specs: tuple[NodeSpec, ...]
+    epoch: tuple[int, int] = (-1, -1)  # (slice epoch, host epoch) it was last checked at
+    gathered: int = 0  # values of gang nodes gathered where they are read (segments.cut)
+    addresses: frozenset[str] = frozenset()  # of the workers running its segments
+    # segment -> its outputs' layout in `layouts`: (client output index or -1, (node, output)) per
+    # output. A gang node's member segments share one (its parts of a value share its id), so a
+    # run makes one id list per layout, not one per member.
+    layout_of: list[int] = field(default_factory=list)
+    layouts: list[tuple[tuple[int, tuple[int, int]], ...]] = field(default_factory=list)
+    # segment -> its task group, or -1: the member segments of a gang node read and write the
+    # same buffer ids, so a run's tasks for them differ only in segment, seq and segment id. A run
+    # builds one `Task` per group and copies it per member (`Dispatcher._dispatch`).
+    group_of: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
+        for seg in self.segments:
+            layout = tuple(zip(seg.client_outputs, seg.outputs, strict=True))
+            self.layout_of.append(index.setdefault(layout, len(index)))
+        self.layouts = list(index)
+        self.group_of = task_groups(self.segments, self.layout_of)
+
+
+def task_groups(segments: Sequence[SegmentPlan], layout_of: Sequence[int]) -> list[int]:
+    """Per segment: its group (>= 0) when another segment's tasks carry the same ids in every
+    run (same inputs, outputs, visibility and routes: the members of a gang node), else -1."""
+    keys = []
+    for seg in segments:
+        # an input made by a segment is that segment's output list (shared by its layout)
+        inputs = tuple((source if source < 0 else -3 - layout_of[source], k) for source, k in seg.inputs)
+        keys.append((inputs, layout_of[seg.index], tuple(seg.visible), tuple(seg.read_later_here),
+                     tuple(seg.route_keys)))
+    count: dict[object, int] = {}
+    for key in keys:
+        count[key] = count.get(key, 0) + 1
+    groups: dict[object, int] = {}
+    return [groups.setdefault(key, len(groups)) if count[key] > 1 else -1 for key in keys]
+
+
+def check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
+    """An input that is an array of a multi-host slice (its home lists every member's address,
+    "a|b") stays where it is: each member reads its own part. Only computations on those
+    members can read it."""
+    spread = {k: home.split("|") for k, home in enumerate(homes) if "|" in home}
+    if not spread:
+        return
+    for seg in plan.segments:
+        for source, k in seg.inputs:
+            if source == PROGRAM_INPUT and k in spread and not (
+                    seg.definition.group_generation and seg.host.address in spread[k]):
+                raise InvalidArgument(
+                    f"input {k} is an array of a multi-host slice (its parts are on {', '.join(spread[k])}); "
+                    f"{seg.definition.label} is not a computation of that slice's hosts: pass it within one "
+                    "@pw.program (the parts are then gathered where they are read) or fetch it")

@@ -64,8 +64,9 @@ def test_dropped_futures_are_queued_as_ids_and_leave_as_one_release_per_worker()
 
 
 def test_the_bound_on_runs_in_flight_comes_from_the_environment() -> None:
+    from pwctl.api.env import env_amount
     from pwctl.api.resume import RECONNECT_S
-    from pwctl.api.runtime import MAX_IN_FLIGHT, env_amount
+    from pwctl.api.runtime import MAX_IN_FLIGHT
     from pwctl.errors import InvalidArgument
 
     def runs(value: str) -> int:
@@ -87,7 +88,7 @@ def test_the_bound_on_runs_in_flight_comes_from_the_environment() -> None:
 _PLATFORMS = """
 import jax, sys
 from jax._src import xla_bridge
-from pwctl.api.runtime import keep_local_jax_on_cpu
+from pwctl.api.env import keep_local_jax_on_cpu
 if sys.argv[1] == "started":
     jax.numpy.ones(1)  # the program ran JAX before it opened the runtime
 keep_local_jax_on_cpu()

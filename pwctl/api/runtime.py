@@ -18,16 +18,17 @@ import os
 import queue
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..client import Client
-from ..errors import ConnectionFailed, InvalidArgument, PathwaysError, ProgramError
+from ..errors import ConnectionFailed, PathwaysError, ProgramError
 from ..worker_client import WorkerClient
+from .env import env_amount, keep_local_jax_on_cpu
 from .resume import RECONNECT_S, Resume
 
 log = logging.getLogger(__name__)
@@ -53,38 +54,6 @@ class _Release(NamedTuple):
 
     buffer_id: int
     address: str
-
-
-N = TypeVar("N", int, float)
-
-
-def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], expected: str) -> N:
-    """The value of environment variable `name` (`value`) as an amount >= 0 (`parse`: int or
-    float); `default` when it is blank; InvalidArgument saying what was `expected` otherwise."""
-    if not value.strip():
-        return default
-    try:
-        n = parse(value)
-    except ValueError:
-        n = parse("-1")
-    if n < 0:
-        raise InvalidArgument(f"{name}={value!r}: expected {expected}")
-    return n
-
-
-def keep_local_jax_on_cpu() -> None:
-    """A client lowers functions for the workers and runs nothing on accelerators itself, so unless
-    JAX_PLATFORMS (or `jax_platforms`) says otherwise its JAX starts only the CPU backend. On a GPU
-    host it would otherwise open a CUDA context (~0.5 GiB of the GPU) beside the worker that owns
-    the GPU, and at its first array preallocate 75% of the GPU's memory. Backends already started
-    by the program (it ran JAX before opening the runtime) are left as they are."""
-    import jax
-    from jax._src import xla_bridge
-
-    started = getattr(xla_bridge, "backends_are_initialized", None)  # private: absent, the update is harmless
-    if getattr(jax.config, "jax_platforms", None) or (started is not None and started()):
-        return
-    jax.config.update("jax_platforms", "cpu")
 
 
 class _Lost(Exception):

@@ -147,3 +147,44 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
                                          device_count=1, machine_id="m"), WorkerLink("w3"))
     assert (cluster2.hosts["w3"].id, cluster2.hosts["w3"].device_ids) == (3, [5])
     assert w2.close(10)
+
+
+def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cleanly(
+        db: sessionmaker[Session]) -> None:
+    """An auto-named slice that was remapped, then released with its owner, then a new slice
+    taking the same name: the database must hold the new slice alone (no remap of the old one),
+    or a restarted controller refuses to load it ("1 remaps but generation 0", seen once in the
+    chaos run when a proxy session's fresh slice went through exactly this)."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from server.controller.cluster import Cluster
+    from server.controller.links import WorkerLink
+    from server.controller.slices import SliceService
+
+    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
+        cluster = Cluster(db, w.submit, 1.0, 5.0)
+        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+        cluster.on_host_up.append(slices.host_up)
+        cluster.on_host_lost.append(slices.host_lost)
+        slices.load()
+        cluster.load()
+        return cluster, slices
+
+    w = DbWriter(db)
+    cluster, slices = parts(w)
+    for name in ("w1", "w2"):
+        cluster.register(cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
+                                            device_count=1, machine_id="m"), WorkerLink(name))
+    first = slices.create(cpb.SliceSpec(devices=1), False, "client:p").slice
+    host = next(h.name for h in cluster.hosts.values() if first.devices[0].device_id in h.device_ids)
+    cluster.mark_lost(host, "killed")
+    assert slices.rm.slices[first.name].generation == 1  # remapped onto the other host
+    slices.release_owner("client:p")
+    again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
+    assert again.name == first.name  # the freed name comes back
+    assert w.close(10)
+
+    w2 = DbWriter(db)
+    _, slices2 = parts(w2)
+    reloaded = slices2.rm.slices[first.name]
+    assert (reloaded.owner, reloaded.generation, reloaded.history) == ("client:q", 0, ())
+    assert w2.close(10)

@@ -48,6 +48,19 @@ def delete(name: str):  # type: ignore[no-untyped-def]
     return job
 
 
+def busy(w: DbWriter, gate: threading.Event) -> None:
+    """Submits a job that holds the writer until `gate` opens; returns once the writer runs it
+    (so what is submitted next waits in the queue, in a later transaction)."""
+    running = threading.Event()
+
+    def hold(s: Session) -> bool:
+        running.set()
+        return gate.wait(10)
+
+    w.submit(hold)
+    assert running.wait(10)
+
+
 def test_submit_returns_at_once_and_jobs_commit_in_order_in_one_transaction(db: sessionmaker[Session]) -> None:
     w = DbWriter(db)
     gate = threading.Event()
@@ -181,6 +194,77 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
     slices.release_owner("client:p")
     again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
     assert again.name == first.name  # the freed name comes back
+    assert w.close(10)
+
+    w2 = DbWriter(db)
+    _, slices2 = parts(w2)
+    reloaded = slices2.rm.slices[first.name]
+    assert (reloaded.owner, reloaded.generation, reloaded.history) == ("client:q", 0, ())
+    assert w2.close(10)
+
+
+def test_a_write_still_lands_when_the_task_awaiting_it_is_cancelled(db: sessionmaker[Session]) -> None:
+    """A request that awaits its write and is then cancelled (its client went away) must not
+    take the write with it: `asyncio.wrap_future` cancels the writer's future when its awaiter
+    is cancelled, and a cancelled job that the writer skipped lost a slice's delete once (the
+    chaos run's restart that failed with '1 remaps but generation 0')."""
+    w = DbWriter(db)
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        busy(w, gate)
+        waiter = asyncio.ensure_future(asyncio.wrap_future(w.submit(add("kept"))))
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # the awaiting request is cancelled while the writer is busy
+        await asyncio.sleep(0.01)
+        gate.set()
+
+    asyncio.run(scenario())
+    assert w.close(10)
+    assert names(db) == ["kept"]
+
+
+def test_a_release_whose_request_was_cancelled_is_still_written_before_the_name_comes_back(
+        db: sessionmaker[Session]) -> None:
+    """The chaos sequence: a remapped slice is released by a session whose close is cancelled
+    while it awaits the write; a new slice takes the freed name. The database must hold the new
+    slice alone, so a restarted controller loads it."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from server.controller.cluster import Cluster
+    from server.controller.links import WorkerLink
+    from server.controller.slices import SliceService
+
+    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
+        cluster = Cluster(db, w.submit, 1.0, 5.0)
+        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+        cluster.on_host_up.append(slices.host_up)
+        cluster.on_host_lost.append(slices.host_lost)
+        slices.load()
+        cluster.load()
+        return cluster, slices
+
+    w = DbWriter(db)
+    cluster, slices = parts(w)
+    for name in ("w1", "w2"):
+        cluster.register(cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
+                                            device_count=1, machine_id="m"), WorkerLink(name))
+    first = slices.create(cpb.SliceSpec(devices=1), False, "client:p").slice
+    host = next(h.name for h in cluster.hosts.values() if first.devices[0].device_id in h.device_ids)
+    cluster.mark_lost(host, "killed")
+    gate = threading.Event()
+
+    async def close_cancelled() -> None:
+        busy(w, gate)  # the writer is in a transaction, as under load
+        slices.release_owner("client:p")
+        closing = asyncio.ensure_future(slices.written())
+        await asyncio.sleep(0.01)
+        closing.cancel()  # the session's task is cancelled while it awaits the write
+        await asyncio.sleep(0.01)
+        gate.set()
+
+    asyncio.run(close_cancelled())
+    again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
+    assert again.name == first.name
     assert w.close(10)
 
     w2 = DbWriter(db)

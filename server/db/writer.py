@@ -10,6 +10,12 @@ retried in its own, so one bad job fails alone and the others still land, in ord
 Order: jobs commit in submission order (one thread, one FIFO queue), so a slice created and then
 deleted is never written the other way round. `close` runs every job submitted before it.
 
+Cancelling: a write cannot be cancelled. Once submitted it runs; a request that awaits it and
+is cancelled (its client went away) only stops waiting. `asyncio.wrap_future` cancels the future
+it wraps when its awaiter is cancelled: a writer that honoured that skipped the delete of a
+released slice whose session was closing, and the restarted controller then refused the
+database (a slice's row carrying an older slice's remaps).
+
 Bound: the queue holds what the control plane submits between two commits (registrations, host
 losses, slice changes, job transitions, one heartbeat flush every few seconds and one program
 statistics flush a second); the hot path submits nothing. `MAX_BATCH` bounds one transaction.
@@ -40,6 +46,14 @@ class Write(Protocol):
     def __call__(self, job: Callable[[Session], T], /) -> Future[T]: ...
 
 
+class _WriteFuture(Future[T]):
+    """A write's outcome; `cancel` refuses (see the module docstring), so every waiter of the
+    same write sees it end as it did."""
+
+    def cancel(self) -> bool:
+        return False
+
+
 class WriterClosed(RuntimeError):
     """A write was submitted after `close`."""
 
@@ -57,7 +71,7 @@ class DbWriter:
 
     def submit(self, job: Callable[[Session], T]) -> Future[T]:
         """Queues `job`; its future holds what it returned once committed, or why it failed."""
-        fut: Future[T] = Future()
+        fut: Future[T] = _WriteFuture()
         with self._lock:
             if self._closed:
                 raise WriterClosed("the database writer is closed")

@@ -147,3 +147,24 @@ def test_down_stops_the_cluster_after_its_controller_and_a_worker_restarted(pw_h
     assert down.stdout.strip() == f"stopped 2 worker(s) and the controller (pid {controller})"
     assert not any(local.is_alive(p) for p in pids)
     assert run_pwctl("island", "list", env=env).returncode == 1  # nothing answers any more
+
+
+@pytest.mark.timeout(120)
+def test_up_starts_workers_with_its_own_token_when_the_environment_names_another(pw_home: Path) -> None:
+    """A user whose shell carries another cluster's PWCTL_TOKEN: `pwctl up` must start workers
+    that present this cluster's token (they used to take the environment's and be refused)."""
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address, PWCTL_TOKEN="the-token-of-some-other-cluster")
+    try:
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        token = (pw_home / "token").read_text().strip()
+        assert token and token != env["PWCTL_TOKEN"]
+        hosts = json.loads(run_pwctl("host", "list", "-o", "json", env={**env, "PWCTL_TOKEN": token}).stdout)
+        assert [(h["name"], h["state"]) for h in hosts["items"]] == [("local-a", "ready")], hosts
+        refused = run_pwctl("host", "list", env=env)  # the environment's token is still the caller's
+        assert refused.returncode != 0 and "PWCTL_TOKEN" in refused.stderr, refused.stderr
+        assert "$PWCTL_TOKEN is not this cluster's token" in r.stderr, r.stderr
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr

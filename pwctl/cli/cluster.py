@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -43,7 +44,7 @@ def up(
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
                       no_token=no_token)
-    sizes = _island_sizes(result.address, result.islands)
+    sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
     what = ", ".join(f"{i} ({sizes.get(i, '?')} device(s))" for i in result.islands)
     total = sum(v for v in sizes.values())
@@ -55,6 +56,10 @@ def up(
         sys.stdout.write(f"cluster up at {result.address}: {len(result.islands)} island(s): {what}, "
                          f"{total} device(s) in all\n")
     hint("next: `pwctl status --watch`, `pwctl island list`; stop with `pwctl down`")
+    theirs = os.environ.get("PWCTL_TOKEN")
+    if result.token and theirs and theirs != result.token:
+        hint(f"note: $PWCTL_TOKEN is not this cluster's token ({paths.token_path()}); pwctl calls made with it "
+             "are refused: unset it to talk to this cluster")
 
 
 def _devices(text: str) -> int | None:
@@ -66,10 +71,10 @@ def _devices(text: str) -> int | None:
     return int(text)
 
 
-def _island_sizes(address: str, names: list[str]) -> dict[str, int]:
+def _island_sizes(address: str, names: list[str], token: str | None) -> dict[str, int]:
     """Island name -> devices, as the controller counts them ({} when it does not answer)."""
     try:
-        with Client(address, timeout=10.0, retry=NO_RETRY) as c:
+        with Client(address, token=token, timeout=10.0, retry=NO_RETRY) as c:
             return {i.name: i.devices for i in c.islands() if i.name in names}
     except ConnectionFailed:
         return {}
@@ -98,7 +103,8 @@ def down(
 def _cancel_running_jobs(address: str, yes: bool) -> None:
     """Cancels the jobs still running on the controller at `address` (none if it does not answer)."""
     try:
-        with Client(address, timeout=15.0, retry=NO_RETRY) as c:  # a cancel waits up to ~8 s
+        # the local cluster's own token, whatever $PWCTL_TOKEN says (it may name another cluster)
+        with Client(address, token=paths.read_token(), timeout=15.0, retry=NO_RETRY) as c:  # a cancel: ~8 s
             live = [j for j in c.jobs() if j.state not in TERMINAL]
             if not live:
                 return

@@ -31,6 +31,7 @@ class UpResult:
     controller_started: bool
     worker_pids: dict[str, int]
     started_workers: list[str] = field(default_factory=list)
+    token: str | None = None  # the cluster's own token (None: it requires none)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def up(
     running = running_controller()
     proc: subprocess.Popen[bytes] | None = None
     log_offset = 0
-    if not no_token:
-        paths.load_or_create_token()
+    # the local cluster's own token: workers started here present it even where the caller's
+    # environment names another cluster's ($PWCTL_TOKEN), which the controller would refuse
+    token = None if no_token else paths.load_or_create_token()
     if running is not None:
         address = running.address
     else:
@@ -102,7 +104,7 @@ def up(
         name = f"local-{island}"
         pid = worker_pids.get(name) or running_worker(name)
         if pid is None:
-            pid = start_worker(address, island, devices, name, no_token=no_token)
+            pid = start_worker(address, island, devices, name, no_token=no_token, token=token)
             started.append(name)
         worker_pids[name] = pid
 
@@ -117,9 +119,9 @@ def up(
         new_state["controller_pid"] = controller_pid
     # written before waiting, so `down` can clean up even when a worker fails to come up
     _write_json(paths.cluster_state_path(), new_state)
-    wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout)
+    wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout, token)
     return UpResult(address=address, islands=names, devices=devices, controller_started=proc is not None,
-                    worker_pids=worker_pids, started_workers=started)
+                    worker_pids=worker_pids, started_workers=started, token=token)
 
 
 def recorded_address() -> str | None:

@@ -54,10 +54,10 @@ def _worker_args(server: str, island: str, devices: str, name: str, listen: str,
             "--devices", devices, "--name", name, "--listen", listen, *(["--no-token"] if no_token else [])]
 
 
-def _worker_env(server: str) -> dict[str, str]:
+def _worker_env(server: str, token: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PWCTL_SERVER"] = server
-    token = settings.resolve(server).token
+    token = token or settings.resolve(server).token
     if token:
         env["PWCTL_TOKEN"] = token  # the worker reads its token from the environment only
     return env
@@ -78,13 +78,15 @@ def start_worker(
     listen: str = "127.0.0.1:0",
     detach: bool = True,
     no_token: bool = False,
+    token: str | None = None,
 ) -> int:
     """Starts a worker process; returns its pid. It connects (and reconnects) on its own.
 
     `devices` is a count of virtual CPU devices or "all" (every accelerator found).
     With `detach=False` this process becomes the worker (exec) and never returns.
     `no_token`: the worker checks no cluster token (a private machine); its callers still need
-    the credentials the controller issues (server/worker/auth.py).
+    the credentials the controller issues (server/worker/auth.py). `token`: the cluster token
+    the worker presents (default: as `pwctl` finds it, `$PWCTL_TOKEN` first).
     """
     _check_address(server)
     _check_address(listen)
@@ -100,7 +102,7 @@ def start_worker(
             f"worker {name!r} is already running (pid {pid}); stop it with `pwctl worker stop {name}`"
         )
     args = _worker_args(server, island, devices, name, listen, no_token)
-    env = _worker_env(server)
+    env = _worker_env(server, token)
     if not detach:
         _exec(args, env)
     proc = _spawn(args, worker_log_path(name), env)
@@ -126,7 +128,7 @@ def stop_worker(name: str, grace: float = STOP_GRACE_S) -> int:
 
 
 def wait_workers_ready(
-    address: str, workers: dict[str, int], timeout: float = WORKER_READY_TIMEOUT_S
+    address: str, workers: dict[str, int], timeout: float = WORKER_READY_TIMEOUT_S, token: str | None = None
 ) -> None:
     """Polls the controller until every `name -> pid` is registered and ready.
 
@@ -144,7 +146,7 @@ def wait_workers_ready(
                     why = _log_tail(log_path) or "no log output"
                     raise PathwaysError(f"worker {name} (pid {pid}) exited: {why} (log: {log_path})")
             try:
-                client = client or Client(server=address, timeout=2.0, retry=NO_RETRY)
+                client = client or Client(server=address, token=token, timeout=2.0, retry=NO_RETRY)
                 for h in client.hosts():
                     if h.name in pending and h.pid == pending[h.name] and h.state == pb.HOST_STATE_READY:
                         del pending[h.name]

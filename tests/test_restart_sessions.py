@@ -283,3 +283,32 @@ def test_calls_in_flight_at_a_crash_complete_or_fail_naming_the_restart(cluster:
     assert len(outcomes) == 5, out
     for line in outcomes:
         assert line == "ok" or (line.startswith("error") and "restarted" in line), line
+
+
+def test_a_session_resumes_when_its_worker_came_back_at_a_new_address(make_cluster: Any, tmp_path: Path) -> None:
+    """The controller and the slice's worker both restart; the worker listens on a new port. The
+    resuming client waited for the worker's *old* address for its whole reconnect window (the
+    chaos run's job: 60 s of 'cannot reach the worker' per controller restart, as slice events
+    are not read while it waits). It must wait for the host by name and read the slice again."""
+    c: LocalCluster = make_cluster(islands=1, devices=1)
+    proc, flag = _start_loop(c, tmp_path, PWCTL_RECONNECT_S="600")  # the old wait outlasts the test
+    try:
+        time.sleep(0.5)
+        old = c.hosts()["w-a"].address
+        c.stop_controller(kill=True)
+        c.kill_worker("w-a")
+        c.start_controller()
+        time.sleep(3.0)  # the client resumes and waits for its slice's host
+        c.add_worker("a", 1)
+        assert c.hosts()["w-a"].address != old
+        flag.write_text("")
+        out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = next(line for line in out.splitlines() if line.startswith("done"))
+    assert "reconnects 1" in done, out
+    for line in out.splitlines():  # the lost worker's buffers or the restart: never the stale address
+        if line.startswith("error:"):
+            assert "cannot reach the worker" not in line or old in line, line  # never a wrong address

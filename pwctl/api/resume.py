@@ -114,15 +114,24 @@ class Resume:
     def _wait_hosts(self, deadline: float) -> None:
         """Waits (until `deadline`) for the hosts of the session's slices to register with the
         new controller: a run sent before its host is back would be admitted into a queue the
-        host's registration then fails."""
+        host's registration then fails.
+
+        Hosts are waited for by name, and the slices read again each time: a host that comes
+        back at a new address (a restarted worker), or a slice remapped meanwhile, is seen, as
+        the stream's slice events are not read while this waits. A host the controller has
+        marked lost is not waited for (its slices fail their runs with a clear error until it
+        returns or they are remapped)."""
         rt = self.rt
-        wanted = {vs.address for vs in list(rt.slices.values())}
-        while wanted and not rt.closed and time.monotonic() < deadline:
+        while rt.slices and not rt.closed:
+            self._refresh_slices()
+            wanted = {d.host for vs in list(rt.slices.values()) for d in vs.info.devices if d.host}
             try:
-                ready = {h.address for h in rt.client.hosts() if h.state == pb.HOST_STATE_READY}
+                states = {h.name: h.state for h in rt.client.hosts()}
             except PathwaysError:
-                ready = set()
-            if wanted <= ready:
+                states = {}
+            if not any(states.get(h, pb.HOST_STATE_RECONNECTING) == pb.HOST_STATE_RECONNECTING for h in wanted):
+                return  # every host registered again, or marked lost
+            if time.monotonic() >= deadline:
                 return
             time.sleep(0.1)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,9 +95,10 @@ class KillRun:
         c = self.cluster
         env = c.env(JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{c.address}", PATHWAYS_DEVICES="1") \
             if kind == "proxy" else c.env()
-        proc = subprocess.Popen([sys.executable, "-m", "bench.chaos.workload", kind], env=env, cwd=REPO,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+        # stderr (the client's log, and the stacks of a stuck one) is kept beside the cluster's logs
+        with open(c.home / f"workload-{kind}-{len(self.workloads)}.log", "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "bench.chaos.workload", kind], env=env, cwd=REPO,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True)
         w = Workload(kind, proc)
         threading.Thread(target=w.read, daemon=True).start()
         self.workloads.append(w)
@@ -156,6 +158,8 @@ class KillRun:
             rec["stuck"] = True
             rec.setdefault("stuck_kinds", []).append(w.kind)
             self.stuck += 1
+            w.proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (workload.py)
+            time.sleep(0.5)
             w.proc.kill()
 
     # ---- the run ----

@@ -21,8 +21,10 @@ file `stop` appears in its working directory.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +87,8 @@ def main() -> None:
     if kind not in KINDS:
         sys.exit(f"workload: KIND is one of {', '.join(KINDS)}, not {kind!r}")
     as_job = os.environ.get("CHAOS_JOB") == "1"
+    # the chaos run sends SIGUSR1 before it kills a stuck workload: every thread's stack, on stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from pwctl.api.runtime import Runtime
     from pwctl.errors import ConnectionFailed
 

@@ -71,6 +71,19 @@ class ChaosCluster:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
 
+    def dump_stacks(self) -> None:
+        """Every thread's stack of the controller and the workers, into their logs (SIGUSR1,
+        server/stackdump.py), and the controller's status document beside them: what a stuck
+        call is diagnosed from."""
+        for p in [self.controller, *self.workers.values()]:
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(PathwaysError, OSError), self.client() as c:
+            from google.protobuf import json_format
+
+            status = c.status()
+            (self.home / f"status-{time.time():.3f}.json").write_text(json_format.MessageToJson(status))
+
     @property
     def token(self) -> str | None:
         """The cluster token, which every call needs (the workers' registration too)."""

@@ -159,6 +159,7 @@ class KillRun:
             rec.setdefault("stuck_kinds", []).append(w.kind)
             self.stuck += 1
             w.proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (workload.py)
+            self.cluster.dump_stacks()  # and the servers': where does the call wait?
             time.sleep(0.5)
             w.proc.kill()
 

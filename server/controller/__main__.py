@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from .. import paths
+from .. import paths, stackdump
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
@@ -96,6 +96,7 @@ def main() -> None:
         except ValueError as e:
             p.error(f"--metrics-listen: {e} (or 'off')")
     configure_logging(ns.log_level)
+    stackdump.install()
     config = ControllerConfig(
         listen=ns.listen,
         db_url=ns.db or paths.default_db_url(),

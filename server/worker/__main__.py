@@ -10,6 +10,8 @@ import argparse
 import os
 import socket
 
+from .. import stackdump
+
 COLLECTIVE_TIMEOUT_S = 5
 
 
@@ -41,6 +43,7 @@ def main() -> None:
                         "credentials the controller issues, and the worker still presents a token it finds")
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
+    stackdump.install()
     if ns.devices != "all":
         if not ns.devices.isdigit() or int(ns.devices) <= 0:
             p.error("--devices must be a positive number or 'all'")

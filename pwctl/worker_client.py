@@ -3,6 +3,7 @@ the controller. Kept apart from `pwctl.client` so the CLI does not import NumPy.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from .errors import ConnectionFailed, DeadlineExceeded
 from .transport import NO_RETRY, Transport
 
 _STOP = object()
+log = logging.getLogger(__name__)
 
 
 class WorkerClient:
@@ -37,9 +39,10 @@ class WorkerClient:
         self._put_call: Any = None
         self._lock = threading.Lock()
 
-    def _put_iter(self) -> Iterator[wpb.PutBufferRequest]:
+    @staticmethod
+    def _put_iter(puts: queue.SimpleQueue[object]) -> Iterator[wpb.PutBufferRequest]:
         while True:
-            item = self._puts.get()
+            item = puts.get()
             if item is _STOP:
                 return
             assert isinstance(item, wpb.PutBufferRequest)
@@ -54,9 +57,18 @@ class WorkerClient:
             owner=owner,
         )
         with self._lock:
-            if self._put_call is None:
-                self._put_call = self._transport.client_stream_future(self._stub.PutBuffers, self._put_iter())
-        self._puts.put(req)
+            if self._put_call is None or self._put_call.done():
+                # a stream the worker ended (it restarted, or refused an upload) is opened again:
+                # uploads queued behind an ended stream would otherwise never be sent, and the
+                # runs reading them would wait for them
+                if self._put_call is not None:
+                    _log_ended(self.address, self._put_call)
+                    # each stream reads its own queue: the ended one's reader takes nothing more
+                    self._puts.put(_STOP)
+                    self._puts = queue.SimpleQueue()
+                self._put_call = self._transport.client_stream_future(self._stub.PutBuffers,
+                                                                      self._put_iter(self._puts))
+            self._puts.put(req)
 
     def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
         """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")
@@ -127,6 +139,14 @@ class WorkerClient:
     def close(self) -> None:
         self._puts.put(_STOP)
         self._transport.close()
+
+
+def _log_ended(address: str, call: Any) -> None:
+    """Says why an upload stream ended, when it failed (an ended stream's uploads were lost)."""
+    try:
+        call.result(timeout=0)
+    except Exception as e:  # the typed error of the transport, or gRPC's
+        log.warning("uploads to the worker at %s ended: %s; opening a new stream", address, e)
 
 
 def _lost(e: ConnectionFailed) -> str:

@@ -516,3 +516,59 @@ def test_the_tcp_transfer_port_takes_only_the_clusters_workers(cluster: LocalClu
     np.testing.assert_array_equal(fetch(stub, meta(cluster, a), a.id(2)), mine)
     assert "Traceback" not in worker_log(cluster)
     a.close()
+
+
+def test_an_upload_that_comes_before_the_workers_registration_waits_for_it(cluster: LocalCluster) -> None:
+    """A restarted worker's clients learn its address from the controller as the controller
+    registers it, so their first upload can reach the worker before its Registered message does.
+    It was refused at once (UNAVAILABLE), which ended the client's upload stream for good: the
+    chaos run's stuck calls. It now waits for the registration (and the client opens a new
+    stream when one ended, pwctl/worker_client.py)."""
+    import re
+    import threading
+
+    with grpc.insecure_channel(cluster.address) as cch:
+        s = open_session(cluster, cch)
+        cluster.stop_controller(kill=True)
+        cluster.kill_worker("w-a")
+        w = cluster.add_worker("a", 1, wait=False)  # serves, but cannot register: no controller
+        address = wait_for(lambda: (m := re.search(r"serving at (\S+)", w.log.read_text(errors="replace")))
+                           and m.group(1), 60, "the new worker serving")
+        result: dict[str, Any] = {}
+
+        def put() -> None:
+            with grpc.insecure_channel(address) as wch:
+                try:
+                    result["reply"] = upload(wgrpc.WorkerStub(wch), meta(cluster, s), s.id(1), np.arange(3.0))
+                except grpc.RpcError as e:
+                    result["error"] = e.code()
+
+        t = threading.Thread(target=put)
+        t.start()
+        time.sleep(1.0)  # the upload waits while the worker has no controller
+        assert t.is_alive(), result
+        cluster.start_controller()
+        t.join(30)
+        assert result.get("reply") is not None and result["reply"].count == 1, result
+        with grpc.insecure_channel(address) as wch:
+            assert fetch(wgrpc.WorkerStub(wch), meta(cluster, s), s.id(1)).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_the_clients_uploads_go_on_after_the_worker_ended_their_stream(cluster: LocalCluster, worker: Any) -> None:
+    """An upload stream the worker ends (here: an upload it refuses) is opened again for the next
+    upload; before, every later upload to that worker was queued behind the ended stream and never
+    sent, and the runs reading them waited for them."""
+    from pwctl.worker_client import WorkerClient
+
+    address, _, _, cch = worker
+    s = open_session(cluster, cch)
+    wc = WorkerClient(address, cluster.token, s.credential)
+    try:
+        wc.put((s.prefix ^ 1) << 40 | 5, np.zeros(2), s.owner)  # another session's id prefix: refused, the stream ends
+        assert wait_for(lambda: wc._put_call.done(), 10, "the worker ending the stream")
+        wc.put(s.id(7), np.arange(4.0), s.owner)
+        value, error = wc.fetch(s.id(7), 10.0)
+        assert error == "" and value is not None and value.tolist() == [0.0, 1.0, 2.0, 3.0], error
+    finally:
+        wc.close()
+        s.close()

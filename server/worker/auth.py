@@ -9,12 +9,17 @@ Two layers, on every address (loopback included: a machine's loopback is shared 
 2. Credentials the controller issues (server/credentials.py), checked per call whatever the token:
    uploads, fetches and waits need a session credential, which names the caller's owner and
    buffer-id prefix; peer transfers need the peer credential. The worker learns the key at
-   registration; until then such calls are UNAVAILABLE (the client retries or reports it).
+   registration. A call that comes before it waits for it a moment (`REGISTRATION_WAIT_S`): a
+   restarted worker's clients learn its address from the controller as the controller registers
+   it, so their first upload can overtake the worker's own Registered message. After that wait
+   such calls are UNAVAILABLE (the client retries or reports it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import grpc
 from grpc import aio
@@ -22,6 +27,8 @@ from grpc import aio
 from ..credentials import PEER_HEADER, SESSION_HEADER, Caller, check_peer, check_session
 
 log = logging.getLogger(__name__)
+
+REGISTRATION_WAIT_S = 5.0  # how long a call that came before the worker's registration waits for it
 
 
 def _metadata(context: aio.ServicerContext, key: str) -> str:
@@ -44,16 +51,21 @@ class WorkerAuth:
     def __init__(self) -> None:
         self.key: bytes | None = None
 
-    async def _not_registered(self, context: aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            "this worker is not registered with its controller yet; try again")
+    async def _registered_key(self, context: aio.ServicerContext) -> bytes:
+        """The key; a call before registration waits for it up to REGISTRATION_WAIT_S, then is
+        UNAVAILABLE (rare, and at start only: polled, not signalled)."""
+        deadline = time.monotonic() + REGISTRATION_WAIT_S
+        while self.key is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.key is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this worker is not registered with its controller yet; try again")
+        assert self.key is not None
+        return self.key
 
     async def session(self, context: aio.ServicerContext, what: str) -> Caller:
         """The calling session; aborts the call (UNAUTHENTICATED) without a valid credential."""
-        key = self.key
-        if key is None:
-            await self._not_registered(context)
-            raise AssertionError("abort raises")
+        key = self.key if self.key is not None else await self._registered_key(context)
         value = _metadata(context, SESSION_HEADER)
         caller = check_session(key, value) if value else None
         if caller is None:
@@ -72,10 +84,7 @@ class WorkerAuth:
 
     async def peer(self, context: aio.ServicerContext) -> None:
         """Returns when the caller is a worker of this cluster; aborts the call otherwise."""
-        key = self.key
-        if key is None:
-            await self._not_registered(context)
-            return
+        key = self.key if self.key is not None else await self._registered_key(context)
         value = _metadata(context, PEER_HEADER)
         if not value or not check_peer(key, value):
             log.warning("transfer from %s refused: %s peer credential", _peer_name(context),

@@ -5,10 +5,12 @@ Three hosts: the controller and every client on host 0 (the root namespace has n
 hosts), host A (1) and host B (2) with a worker each, islands `a` and `b`, 4 CPU devices each.
 Every row compares with its baseline in the same run:
 
-- transfer: a program makes 64 MiB on island a and a computation on island b takes them (worker to
-  worker, host A to host B, the worker's gRPC stream), against the same program with both
-  computations on island a (no transfer): the difference of the two is the transfer; vs raw TCP
-  between the same two namespaces (one socket, the same bytes), windows alternating;
+- transfer: a 64 MiB array already made on island a (host A) and waited for; a computation
+  reading it on island b (moved worker to worker, host A to host B, by the TCP link) against the
+  same computation on island a (read in place): the difference of the two is the transfer; vs raw
+  TCP between the same two namespaces (one socket, the same bytes), windows alternating. Two
+  context rows time a program that makes the 64 MiB and reads them on b, minus the same on a;
+  they count producing the bytes too (bench/FINDINGS.md);
 - pipeline: the pipeline suite's 4 stages of 256x256, stages 0-1 on host A's island and 2-3 on
   host B's (one hop between hosts per micro-batch), vs the same stages in one plain-JAX process;
 - psum: blocking psum calls over 2 hosts x 2 devices: plain multi-controller `jax.distributed` in
@@ -152,11 +154,13 @@ def transfer(cl: Cluster, windows: int, reps: int) -> Iterator[Row]:
         procs.append(pw)
         pw.read(300)
         tcp: list[float] = []
-        move: list[float] = []
+        moved: list[float] = []  # the headline: a materialised array moved (a call on b - the same on a)
+        move: list[float] = []  # the program making them on A, read on B, minus the same on A (fused)
         kept: list[float] = []
         e2e: list[float] = []
         local: list[float] = []
         local_kept: list[float] = []
+        calls: list[tuple[float, float]] = []
 
         def rate(diff: float) -> float:
             return NBYTES / diff / GB if diff > 0 else float("nan")
@@ -164,6 +168,8 @@ def transfer(cl: Cluster, windows: int, reps: int) -> Iterator[Row]:
         for _ in range(windows):
             tcp.append(NBYTES / defs.median([recv.ask("go", 60)["s"] for _ in range(reps)]) / GB)
             got = pw.ask(f"go {reps}", 300)
+            moved.append(rate(got["moved"] - got["in_place"]))
+            calls.append((got["moved"], got["in_place"]))
             e2e.append(NBYTES / got["across"] / GB)
             local.append(got["local"])
             local_kept.append(got["local_kept"])
@@ -174,28 +180,46 @@ def transfer(cl: Cluster, windows: int, reps: int) -> Iterator[Row]:
     log = cl.worker_log(1, "wa")
     via = re.search(rf"first transfer to {re.escape(hb.ip)}:\d+ by ([\w -]+)", log)
     transport = via.group(1).strip() if via else "unknown (no 'first transfer' line in host A's worker log)"
-    ok = [m for m in move if m == m]
-    p = defs.median(ok) if ok else None
     t = defs.median(tcp)
+    tcp_note = " vs TCP " + "/".join(f"{v:.2f}" for v in tcp)
+
+    def med(values: list[float]) -> float | None:
+        ok = [v for v in values if v == v]
+        return defs.median(ok) if ok else None
+
+    def paired(values: list[float]) -> float | None:
+        return paired_ratio([v if v == v else 0.0 for v in values], tcp)
+
+    p = med(moved)
     yield row("multihost", "transfer 64 MiB host A -> B vs raw TCP", "GB/s", "GB/s", p, t, ">= 0.5x raw TCP",
               None if p is None else p >= 0.5 * t,
-              f"pathways: 64 MiB / (program across hosts - the same program on one island), medians of {reps} "
-              f"calls per window, {windows} windows alternating with raw TCP (one socket between the same two "
-              f"namespaces, the same bytes into a preallocated buffer); edge transport: {transport}; windows "
-              + "/".join(f"{v:.2f}" for v in move) + " vs TCP " + "/".join(f"{v:.2f}" for v in tcp)
+              f"pathways: a materialised 64 MiB array (float32, made on host A's worker and waited for, untimed) "
+              f"read by a computation on island b (moved worker to worker, host A to B) minus the same "
+              f"computation on island a (read in place): 64 MiB / the difference of the two calls' times, "
+              f"medians of {reps} calls per window (a fresh array each call), {windows} windows alternating "
+              f"with raw TCP (one socket between the same two namespaces, the same bytes `sendall` into a "
+              f"preallocated buffer by `recv_into`); edge transport: {transport}; windows "
+              + "/".join(f"{v:.2f}" for v in moved) + tcp_note
+              + "; the calls on b / on a, ms: " + "/".join(f"{b * 1e3:.0f}-{a * 1e3:.0f}" for b, a in calls),
+              paired=paired(moved))
+    yield row("multihost", "transfer 64 MiB A -> B, program making them (producing counted)", "GB/s", "GB/s",
+              med(move), t,
+              notes="the headline row until 2026-11-25 evening: a program making the 64 MiB on island a and "
+              "reading them on island b, minus the same program on island a alone; on one island XLA fuses "
+              "the two computations and never writes the 64 MiB, so the difference also counts writing them "
+              "(fresh memory, page faults) as transfer; windows "
+              + "/".join(f"{v:.2f}" for v in move) + tcp_note
               + f"; the whole program across hosts, 64 MiB over its time: {defs.median(e2e):.2f} GB/s; "
               f"the program on one island: {defs.median(local) * 1e3:.0f} ms",
-              paired=paired_ratio([m if m == m else 0.0 for m in move], tcp))
-    ok = [m for m in kept if m == m]
-    k = defs.median(ok) if ok else None
-    yield row("multihost", "transfer 64 MiB host A -> B, both programs writing the 64 MiB", "GB/s", "GB/s", k, t,
-              notes="as the row above, but both programs also return the 64 MiB (a second output, not fetched), "
-              "so that the one-island program writes them too: the one-island program of the row above is "
-              "fused by XLA into a computation that never writes the 64 MiB, which the program across hosts "
-              "must produce before sending them, so its difference counts that as transfer; windows "
-              + "/".join(f"{v:.2f}" for v in kept) + " vs TCP " + "/".join(f"{v:.2f}" for v in tcp)
+              paired=paired(move))
+    yield row("multihost", "transfer 64 MiB A -> B, program making them, both writing them", "GB/s", "GB/s",
+              med(kept), t,
+              notes="as the row above, but both programs also return the 64 MiB (a second output, not "
+              "fetched), so that the one-island program writes them too; a difference of two ~100 ms "
+              "program times, the noisiest row; windows "
+              + "/".join(f"{v:.2f}" for v in kept) + tcp_note
               + f"; the one-island program writing them: {defs.median(local_kept) * 1e3:.0f} ms",
-              paired=paired_ratio([m if m == m else 0.0 for m in kept], tcp))
+              paired=paired(kept))
     yield from stream_alone(cl, t, rounds=2 if windows <= 2 else 4, reps=3)
 
 

@@ -5,9 +5,11 @@ others print one JSON line at the end.
 
 - `tcp_recv` / `tcp_send`: raw TCP, the baseline of the transfer row: on each "go" the receiver
   asks the sender (one byte) for NBYTES and times their arrival into a preallocated buffer.
-- `transfer_pw`: a Pathways client; a program makes NBYTES on island a (host A), and a second
-  computation takes them on island b (host B: the transfer) or on island a (no transfer); and
-  the same two programs keeping the NBYTES as an output (so that both write them).
+- `transfer_pw`: a Pathways client. The transfer: NBYTES made on island a (host A) and waited
+  for, then a computation reading them timed on island b (host B: moved worker to worker) and on
+  island a (read in place). For context: a program that makes NBYTES on island a and a second
+  computation takes them on island b or on island a; and the same two programs keeping the NBYTES
+  as an output (so that both write them).
 - `pipeline`: the pipeline suite's 4 stages (islands a and b) against the same stages in one
   plain-JAX process (`bench.jaxrun pipeline_serve`), windows alternating.
 - `psum_member`: one process of a plain multi-controller `jax.distributed` group (gloo advertised
@@ -77,9 +79,10 @@ def tcp_send(ip: str, port: int, nbytes: int) -> None:
 
 
 def transfer_pw(nbytes: int) -> None:
-    """Prints {"ready"} once both programs ran once; for each line "go R", runs the cross-host
-    program and the one-island program R times each, alternating, each call blocking until its
-    (1-element) result is back, and prints their median seconds {"across", "local"}."""
+    """Prints {"ready"} once every variant ran once; for each line "go R", runs each variant R
+    times, taking turns, each call blocking until its (1-element) result is back, and prints
+    their median seconds: "moved" / "in_place" (a materialised array read on island b / a),
+    "across" / "local" (the program making and reading it), "across_kept" / "local_kept"."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -132,9 +135,25 @@ def transfer_pw(nbytes: int) -> None:
             raise RuntimeError(f"wrong result {out!r}")
         return dt
 
-    programs = {"across": across, "local": local, "across_kept": across_kept, "local_kept": local_kept}
+    def resident(take: Any) -> float:
+        """The transfer alone: the 64 MiB made on host A's worker and waited for (materialised,
+        untimed), then `take` of that array timed, on island b (moved from A to B) or on island a
+        (read where it is). A fresh array each call, so that no copy of it is already on B."""
+        y = gen(seed).block_until_ready(timeout=120)
+        t0 = time.perf_counter()
+        out = np.asarray(take(y))
+        dt = time.perf_counter() - t0
+        if out.shape != (1,) or float(out[0]) != 2.0:
+            raise RuntimeError(f"wrong result {out!r}")
+        del y
+        return dt
+
+    programs: dict[str, Callable[[], float]] = {
+        "moved": lambda: resident(take_b), "in_place": lambda: resident(take_a),
+        "across": lambda: once(across), "local": lambda: once(local),
+        "across_kept": lambda: once(across_kept), "local_kept": lambda: once(local_kept)}
     for fn in programs.values():
-        once(fn)
+        fn()
     _say({"ready": True})
     for line in sys.stdin:
         parts = line.split()
@@ -143,7 +162,7 @@ def transfer_pw(nbytes: int) -> None:
         times: dict[str, list[float]] = {k: [] for k in programs}
         for _ in range(int(parts[1])):
             for k, fn in programs.items():
-                times[k].append(once(fn))
+                times[k].append(fn())
         _say({**{k: _median(v) for k, v in times.items()}, **{f"{k}_all": v for k, v in times.items()}})
 
 

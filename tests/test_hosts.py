@@ -155,6 +155,88 @@ def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_
 
 
 
+# 64 MiB made on host 1's island and waited for (materialised there), then read whole on host 2's
+# island (worker to worker, by the TCP link) and fetched back: exact. "loop": such moves until one
+# fails, then host 2's island alone three times.
+BIG = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+import pwctl as pw
+
+n = 16 * 2**20  # 64 MiB of float32; every value exact (integers below 2**24, halved, plus one)
+vs = pw.make_virtual_device_set()
+s1, s2 = vs.add_slice(devices=1, island="h1"), vs.add_slice(devices=1, island="h2")
+make = pw.jit(lambda s: jnp.arange(n, dtype=jnp.float32) * s[0], mesh=s1.mesh(("d",)))
+take = pw.jit(lambda y: y + 1.0, mesh=s2.mesh(("d",)))
+alone = pw.jit(lambda s: s * 3.0, mesh=s2.mesh(("d",)))
+seed = np.full((1,), 0.5, np.float32)
+want = np.arange(n, dtype=np.float32) * np.float32(0.5) + np.float32(1.0)
+if sys.argv[1] == "once":
+    y = make(seed).block_until_ready(timeout=120)
+    got = np.asarray(take(y))
+    assert got.dtype == np.float32 and got.shape == (n,), (got.dtype, got.shape)
+    np.testing.assert_array_equal(got, want)
+    print("equal", flush=True)
+else:
+    k = 0
+    while True:
+        try:
+            y = make(seed).block_until_ready(timeout=120)
+            got = take(y)
+            print("moving", k, flush=True)
+            assert float(np.asarray(got)[-1]) == float(want[-1])
+            k += 1
+        except Exception as e:
+            print("error", type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+            break
+    for _ in range(3):
+        assert float(np.asarray(alone(seed))[0]) == 1.5
+        print("alone ok", flush=True)
+"""
+
+
+def test_a_64_mib_array_moves_between_hosts_exactly(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    """The multi-host benchmark's transfer (bench/multihost.py): an array already made on host 1,
+    read on host 2, arrives bit for bit, by the TCP link."""
+    hs = hosts(3)
+    cl = Cluster(hs)
+    prog = tmp_path / "big.py"
+    prog.write_text(BIG)
+    r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
+    assert r.returncode == 0 and "equal" in r.stdout, f"program failed: {r.stdout}{r.stderr}"
+    assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by TCP link", cl.worker_log(1))
+
+
+def test_a_transfer_whose_sender_dies_fails_cleanly(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    """Host 1 (the sender of 64 MiB moves to host 2) killed -9 while they run: the move that was
+    under way fails within 15 s with a one-line error, and host 2's worker (the receiver, perhaps
+    with half an array read) keeps serving its island."""
+    hs = hosts(3)
+    cl = Cluster(hs)
+    prog = tmp_path / "big.py"
+    prog.write_text(BIG)
+    proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())
+    lines: list[str] = []
+    try:
+        assert read_until(proc, "moving 2", time.monotonic() + 120, lines), "".join(lines)
+        assert hs[1].kill_all(), "host 1 had no processes to kill"
+        t0 = time.monotonic()
+        err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+        assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing host 1:\n{''.join(lines)}"
+        assert re.search(r"w1|host|worker|lost|unavailable", err, re.IGNORECASE), err
+        assert "Traceback" not in err
+        for _ in range(3):
+            assert read_until(proc, "alone ok", time.monotonic() + 60, lines), "".join(lines)
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    receiver = cl.worker_log(2)
+    assert "Traceback" not in receiver, receiver[-3000:]
+
+
 ECHO_SERVER = """
 import socket, sys
 s = socket.create_server((sys.argv[1], 0))

@@ -122,3 +122,30 @@ def test_a_wrong_token_or_a_malformed_frame_delivers_nothing() -> None:
     assert [h.buffer_id for h, _ in got] == [7]
     ok.close()
     rx.close()
+
+
+def test_a_sender_gone_in_the_middle_of_an_array_delivers_nothing_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that closes (or dies) after half of an array's bytes: nothing is delivered, one
+    warning names the buffer, and the receiver serves the next connection."""
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right", inbox.deliver)
+    address = rx.start()
+    host, port = address.rsplit(":", 1)
+    x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+    h = _head(0x51, x).SerializeToString()
+    with caplog.at_level("WARNING", logger="server.worker.tcplink"):
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
+            raw.sendall(x.view(np.uint8)[: x.nbytes // 2].tobytes())
+        deadline = time.monotonic() + 10
+        while "closed in the middle of buffer 0x51" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "closed in the middle of buffer 0x51 (4194304 bytes)" in caplog.text, caplog.text
+    ok = TcpPeer(address, "right")
+    ok.send(_head(7, x), x)
+    got = inbox.wait(1)
+    assert [h.buffer_id for h, _ in got] == [7]  # the half array never arrived
+    np.testing.assert_array_equal(got[0][1], x)
+    ok.close()
+    rx.close()

@@ -117,7 +117,7 @@ class TcpReceiver:
                 if not self._hello(conn):
                     log.warning("TCP transfer connection from %s refused: wrong token", peer)
                     return
-                while self._frame(conn):
+                while self._frame(conn, peer):
                     pass
             except (OSError, ValueError) as e:
                 log.warning("TCP transfer connection from %s ended: %s", peer, e)
@@ -134,7 +134,7 @@ class TcpReceiver:
             return False
         return self._check(token) if self._check is not None else hmac.compare_digest(token, self._token)
 
-    def _frame(self, conn: socket.socket) -> bool:
+    def _frame(self, conn: socket.socket, peer: object) -> bool:
         """Reads one frame and delivers it; False when the peer closed the connection."""
         prefix = _read(conn, FRAME.size)
         if prefix is None:
@@ -155,6 +155,10 @@ class TcpReceiver:
             raise ValueError(f"malformed array {header.array.dtype}{list(shape)}")
         arr = aligned_empty(shape, dtype)  # XLA on CPU then takes it without a copy (schemas/arrays.py)
         if arr.nbytes and not _recv_exact(conn, byte_view(arr)):
+            # the sender died or closed mid-array: nothing is delivered; the reader's run fails
+            # when the controller learns the sender is gone
+            log.warning("TCP transfer connection from %s closed in the middle of buffer %#x (%d bytes)", peer,
+                        header.buffer_id, arr.nbytes)
             return False
         self._deliver(header, arr)
         return True

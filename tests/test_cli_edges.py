@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -86,3 +87,30 @@ def test_server_start_checks_the_metrics_address(pw_home: Path) -> None:
                        env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--metrics-listen" in r.stderr and "invalid address 'nowhere'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_large_working_dir_shows_progress_and_stops_at_the_limit(module_cluster: LocalCluster,
+                                                                   tmp_path: Path) -> None:
+    """`submit --working-dir` says what it zips before it starts (it printed nothing for a minute),
+    stops as soon as the zip passes 50 MiB, and says how far it got."""
+    from pwctl.cli.workdir import zip_working_dir
+
+    wd = tmp_path / "big"
+    wd.mkdir()
+    for k in range(9):  # 63 MiB that do not compress
+        (wd / f"blob{k}.bin").write_bytes(os.urandom(7 * 2**20))
+    (wd / "main.py").write_text("print('never')\n")
+    r = module_cluster.pwctl("submit", str(wd / "main.py"), "--working-dir", str(wd), "-d")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == f"zipping {wd}: 10 files, 63 MiB (at most 50 MiB zipped) ...", lines
+    assert lines[1].startswith(f"error: --working-dir {wd} is over 50 MiB zipped after 56 of its 63 MiB"), lines
+    assert len(lines) == 2 and r.stdout == ""
+
+    seen: list[tuple[int, int]] = []
+    small = tmp_path / "small"
+    small.mkdir()
+    for k in range(3):
+        (small / f"f{k}.txt").write_text("x" * (k + 1) * 1000)
+    zip_working_dir(small, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1000, 6000), (3000, 6000), (6000, 6000)]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,3 +115,29 @@ def test_a_large_working_dir_shows_progress_and_stops_at_the_limit(module_cluste
         (small / f"f{k}.txt").write_text("x" * (k + 1) * 1000)
     zip_working_dir(small, progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1000, 6000), (3000, 6000), (6000, 6000)]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C while pwctl is still importing its CLI (a few tenths of a second): it printed a
+    traceback from the middle of an import. Interrupted once the CLI's imports are under way
+    (`-X importtime` says when Typer is in), it exits 130 and prints nothing."""
+    for module in ("pwctl.cli.main", "pwctl"):
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", module, "--server", "127.0.0.1:9",
+                                 "wait", "job-x"], env=base_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+        assert proc.stderr is not None
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if re.search(r"\|\s+typer$", line.rstrip()):
+                    break
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert re.search(r"\|\s+typer$", lines[-1].rstrip()), lines[-5:]
+        err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("import time:"))
+        assert proc.returncode == 130 and "Traceback" not in err, (module, proc.returncode, err)

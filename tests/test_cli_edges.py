@@ -141,3 +141,16 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
         assert re.search(r"\|\s+typer$", lines[-1].rstrip()), lines[-5:]
         err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("import time:"))
         assert proc.returncode == 130 and "Traceback" not in err, (module, proc.returncode, err)
+
+
+def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended
+    listed = c.pwctl_json("jobs", "list", "--all")["items"]
+    info = c.pwctl_json("server", "info")["item"]
+    active = sum(j["state"] in ("pending", "running") for j in listed)
+    assert info["jobs_total"] == len(listed) >= 1 and info["jobs"] == active < len(listed), (info, listed)
+    assert info["policy"] == "fifo"
+    table = c.pwctl("server", "info").stdout
+    assert re.search(rf"^jobs\s+{len(listed)} \({active} pending or running\)\s*$", table, re.M), table
+    assert re.search(r"^policy\s+fifo\s*$", table, re.M), table

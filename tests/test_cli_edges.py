@@ -154,3 +154,16 @@ def test_server_info_counts_every_job_not_only_running_ones(module_cluster: Loca
     table = c.pwctl("server", "info").stdout
     assert re.search(rf"^jobs\s+{len(listed)} \({active} pending or running\)\s*$", table, re.M), table
     assert re.search(r"^policy\s+fifo\s*$", table, re.M), table
+
+
+@pytest.mark.timeout(60)
+def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path) -> None:
+    """`pwctl server start` takes --lost-host-ttl (it was only the controller's flag) and
+    --trace-retention; a bad value is one line naming the flag."""
+    for flag, value, message in (("--lost-host-ttl", "soon", "invalid duration 'soon'"),
+                                 ("--trace-retention", "lots", "invalid size 'lots'")):
+        r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen",
+                            "127.0.0.1:0", flag, value], env=base_env(pw_home), cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode != 0 and f"{flag}: {message}" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,3 +88,82 @@ def test_server_start_checks_the_metrics_address(pw_home: Path) -> None:
                        env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--metrics-listen" in r.stderr and "invalid address 'nowhere'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_large_working_dir_shows_progress_and_stops_at_the_limit(module_cluster: LocalCluster,
+                                                                   tmp_path: Path) -> None:
+    """`submit --working-dir` says what it zips before it starts (it printed nothing for a minute),
+    stops as soon as the zip passes 50 MiB, and says how far it got."""
+    from pwctl.cli.workdir import zip_working_dir
+
+    wd = tmp_path / "big"
+    wd.mkdir()
+    for k in range(9):  # 63 MiB that do not compress
+        (wd / f"blob{k}.bin").write_bytes(os.urandom(7 * 2**20))
+    (wd / "main.py").write_text("print('never')\n")
+    r = module_cluster.pwctl("submit", str(wd / "main.py"), "--working-dir", str(wd), "-d")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == f"zipping {wd}: 10 files, 63 MiB (at most 50 MiB zipped) ...", lines
+    assert lines[1].startswith(f"error: --working-dir {wd} is over 50 MiB zipped after 56 of its 63 MiB"), lines
+    assert len(lines) == 2 and r.stdout == ""
+
+    seen: list[tuple[int, int]] = []
+    small = tmp_path / "small"
+    small.mkdir()
+    for k in range(3):
+        (small / f"f{k}.txt").write_text("x" * (k + 1) * 1000)
+    zip_working_dir(small, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1000, 6000), (3000, 6000), (6000, 6000)]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C while pwctl is still importing its CLI (a few tenths of a second): it printed a
+    traceback from the middle of an import. Interrupted once the CLI's imports are under way
+    (`-X importtime` says when Typer is in), it exits 130 and prints nothing."""
+    for module in ("pwctl.cli.main", "pwctl"):
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", module, "--server", "127.0.0.1:9",
+                                 "wait", "job-x"], env=base_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+        assert proc.stderr is not None
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if re.search(r"\|\s+typer$", line.rstrip()):
+                    break
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert re.search(r"\|\s+typer$", lines[-1].rstrip()), lines[-5:]
+        err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("import time:"))
+        assert proc.returncode == 130 and "Traceback" not in err, (module, proc.returncode, err)
+
+
+def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended
+    listed = c.pwctl_json("jobs", "list", "--all")["items"]
+    info = c.pwctl_json("server", "info")["item"]
+    active = sum(j["state"] in ("pending", "running") for j in listed)
+    assert info["jobs_total"] == len(listed) >= 1 and info["jobs"] == active < len(listed), (info, listed)
+    assert info["policy"] == "fifo"
+    table = c.pwctl("server", "info").stdout
+    assert re.search(rf"^jobs\s+{len(listed)} \({active} pending or running\)\s*$", table, re.M), table
+    assert re.search(r"^policy\s+fifo\s*$", table, re.M), table
+
+
+@pytest.mark.timeout(60)
+def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path) -> None:
+    """`pwctl server start` takes --lost-host-ttl (it was only the controller's flag) and
+    --trace-retention; a bad value is one line naming the flag."""
+    for flag, value, message in (("--lost-host-ttl", "soon", "invalid duration 'soon'"),
+                                 ("--trace-retention", "lots", "invalid size 'lots'")):
+        r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen",
+                            "127.0.0.1:0", flag, value], env=base_env(pw_home), cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode != 0 and f"{flag}: {message}" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr

@@ -141,6 +141,11 @@ def test_down_stops_the_cluster_after_its_controller_and_a_worker_restarted(pw_h
         pids = [controller, worker, first["worker_pids"]["local-b"]]
         assert controller != first["controller_pid"] and worker != first["worker_pids"]["local-a"]
         assert all(local.is_alive(p) for p in pids)
+        # `up` again after the restarts: it runs, and the restarted controller stays the cluster's
+        again = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert again.returncode == 0 and again.stdout.startswith(f"already up at {address}"), again.stderr
+        assert "not by `pwctl up`" not in again.stderr, again.stderr
+        assert json.loads((pw_home / "cluster.json").read_text())["controller_pid"] == controller
     finally:
         down = run_pwctl("down", "-y", env=env, timeout=60)
     assert down.returncode == 0, down.stderr
@@ -168,3 +173,24 @@ def test_up_starts_workers_with_its_own_token_when_the_environment_names_another
     finally:
         down = run_pwctl("down", "-y", env=env, timeout=60)
     assert down.returncode == 0, down.stderr
+
+
+@pytest.mark.timeout(120)
+def test_up_says_when_it_reuses_a_controller_it_did_not_start_and_down_leaves_it(pw_home: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+    assert run_pwctl("server", "start", "--listen", address, env=env, timeout=90).returncode == 0
+    controller = json.loads((pw_home / "server.pid").read_text())["pid"]
+    try:
+        up = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert up.returncode == 0, up.stderr
+        assert (f"the controller (pid {controller}) was started by `pwctl server start`, not by `pwctl up`: "
+                "`pwctl down` leaves it running (`pwctl server stop` stops it)") in up.stderr
+        worker = json.loads((pw_home / "cluster.json").read_text())["worker_pids"]["local-a"]
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+        assert down.returncode == 0 and down.stdout.strip() == "stopped 1 worker(s)", down.stdout + down.stderr
+        assert f"left the controller (pid {controller}) running: `pwctl up` did not start it" in down.stderr
+        assert local.is_alive(controller) and not local.is_alive(worker)
+    finally:
+        stop = run_pwctl("server", "stop", env=env, timeout=60)
+    assert stop.returncode == 0 and not local.is_alive(controller)

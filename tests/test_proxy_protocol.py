@@ -368,3 +368,33 @@ def test_hostile_input_fails_only_its_own_request(caplog: pytest.LogCaptureFixtu
 
     asyncio.run(main())
     assert not [r for r in caplog.records if r.exc_info], "a rejected request logged a traceback"
+
+
+def test_a_jaxlib_without_the_protocol_is_refused_with_why() -> None:
+    """A controller whose installed jaxlib carries no IFRT proxy protocol answers a proxy client's
+    first call FAILED_PRECONDITION saying so (it raised inside gRPC's handler lookup: UNKNOWN)."""
+    from server.proxy.service import LazyProxyHandler
+
+    def make() -> ProxyService:
+        raise proto_mod.ProtocolError(f"the installed jaxlib embeds no {proto_mod.SERVICE_FILE}: it has no IFRT "
+                                      "proxy client")
+
+    async def main() -> None:
+        server = aio.server()
+        server.add_generic_rpc_handlers([LazyProxyHandler(make)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                for _ in range(2):
+                    call = ch.unary_unary(f"/{proto_mod.SERVICE_NAME}/GetVersion")
+                    with pytest.raises(aio.AioRpcError) as e:
+                        await call(P.GrpcGetVersionRequest().SerializeToString(), timeout=10)
+                    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert e.value.details() == ("this controller cannot serve IFRT proxy clients: the installed "
+                                                 f"jaxlib embeds no {proto_mod.SERVICE_FILE}: it has no IFRT proxy "
+                                                 "client")
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -243,7 +243,8 @@ def test_fifo_vs_priority(policy: Policy, order: list[int]) -> None:
     reasons = {w.run_id: w.wait_reason for w in s.snapshot().islands[0].waiting}
     first, second = order
     assert reasons[first] == "window full: 1 nodes in flight on island a"
-    expected = "behind earlier run 2" if policy is Policy.FIFO else "behind higher-priority run 3"
+    expected = "behind an earlier run of p-2 (client b)" if policy is Policy.FIFO else \
+        "behind a higher-priority run of p-3 (client c)"
     assert reasons[second] == expected
     assert s.handle(fin(1, 0)) == [RunFinished(1, True, ""), Dispatch("h0", (d(first, 0, 2),))]
     assert s.handle(fin(first, 0)) == [RunFinished(first, True, ""), Dispatch("h0", (d(second, 0, 3),))]
@@ -257,8 +258,8 @@ def test_priority_never_reorders_one_clients_runs() -> None:
     s.handle(Submit(chain(3, 1, client="y", priority=9), now=2.0))
     s.handle(Submit(chain(4, 1, client="z", priority=5), now=3.0))
     reasons = {w.run_id: w.wait_reason for w in s.snapshot().islands[0].waiting}
-    assert reasons[3] == "behind run 2 of the same client"
-    assert reasons[2] == "behind higher-priority run 4"
+    assert reasons[3] == "behind an earlier run of the same client"
+    assert reasons[2] == "behind a higher-priority run of p-4 (client z)"
     assert s.handle(fin(1, 0))[-1] == Dispatch("h0", (d(4, 0, 2),))
     assert s.handle(fin(4, 0))[-1] == Dispatch("h0", (d(2, 0, 3),))
     assert s.handle(fin(2, 0))[-1] == Dispatch("h0", (d(3, 0, 4),))

@@ -470,7 +470,7 @@ def test_trace_of_an_unknown_id_exits_3(busy: LocalCluster, tmp_path: Path) -> N
     out = tmp_path / "nothing.json"
     r = busy.pwctl("trace", "no-such-thing", "-o", str(out))
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "no node runs recorded" in r.stderr and "no-such-thing" in r.stderr
+    assert "no job or program 'no-such-thing' has node runs recorded" in r.stderr
     assert not out.exists()
 
 
@@ -679,3 +679,41 @@ def test_queues_count_every_gang_and_keep_the_longest_waits() -> None:
     assert all(e.state == "waiting" and e.waiting_s > 0 for e in limited.entries)
     with pytest.raises(InvalidArgument, match="invalid page token"):
         StatusQuery.of(cpb.WatchRequest(page_token="garbage"))
+
+
+@pytest.mark.timeout(30)
+def test_waiting_gangs_of_one_client_share_a_row_without_run_ids() -> None:
+    """A client's pipelined runs wait behind each other: the longest waits are one row per
+    program, job and reason, with how many runs it stands for (12 rows of the same thing pushed
+    everything else off the screen), and no 64-bit run id pads the reasons."""
+    m = cpb.ClusterStatus(at="2026-11-25T14:00:00.000Z", hosts_total=1, devices_total=2, jobs_running=2)
+    m.island_status.add(name="a", hosts=1, hosts_ready=1, devices=2, devices_available=2)
+    q = m.queues.add(island="a", policy="fifo", running=1, waiting=14)
+    q.entries.add(program="step", client="c-1", job="job-1", state="waiting", run_id=2**62 + 1, waiting_s=3.0,
+                  reason="window full: 2 nodes in flight on island a")
+    for n in range(12):
+        q.entries.add(program="step", client="c-1", job="job-1", state="waiting", run_id=2**62 + 2 + n,
+                      waiting_s=2.9 - n / 10, reason="behind an earlier run of the same client")
+    q.entries.add(program="eval", client="c-2", job="job-2", state="waiting", run_id=2**62 + 99, waiting_s=1.0,
+                  reason="behind an earlier run of step (job-1)")
+    lines = screen_lines(ClusterStatusView.of(m), 120, 30)
+    header = next(i for i, line in enumerate(lines) if line.startswith("WAITING "))
+    assert lines[header].split() == ["WAITING", "ISLAND", "PROGRAM", "JOB", "RUNS", "PRIORITY", "WHY"]
+    rows = [line.rstrip().split(None, 6) for line in lines[header + 1:]]
+    assert rows == [["3.0s", "a", "step", "job-1", "1", "0", "window full: 2 nodes in flight on island a"],
+                    ["2.9s", "a", "step", "job-1", "12", "0", "behind an earlier run of the same client"],
+                    ["1.0s", "a", "eval", "job-2", "1", "0", "behind an earlier run of step (job-1)"]], lines
+    assert not any(str(2**62)[:6] in line for line in lines)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("width", "height"), [(80, 24), (160, 45)])
+def test_the_json_document_carries_everything_the_screen_shows(width: int, height: int) -> None:
+    """The screen is drawn from the ClusterStatus document alone: the same screen comes back from
+    what `status -o json` printed."""
+    from schemas.views import dump
+
+    view = synthetic_status(hosts=64, per_host=4, page=256, jobs=6, stuck=2, waiting=32)
+    again = ClusterStatusView.model_validate_json(dump(view))
+    assert again == view
+    assert screen_lines(again, width, height) == screen_lines(view, width, height)

@@ -170,3 +170,31 @@ def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalClus
     assert r.returncode == 0 and json.loads(out.read_text())["otherData"]["node_runs"] == 0
     r = cluster.pwctl("trace", "lasting", "--since", "yesterday")
     assert r.returncode == 2 and "neither a duration" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.cluster(islands=1, devices=2, controller_args=["--trace-retention", "1B"])
+def test_trace_of_any_listed_job_says_what_there_is(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`pwctl trace JOB` for a job that ran no computation is an empty trace (exit 0); for one whose
+    node runs the retention dropped (here 1 byte: every segment goes once written) the error says
+    so, rather than "no node runs recorded ... `pwctl jobs list`" as for a job that does not exist."""
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("print('no computation')\n")
+    assert cluster.pwctl("submit", str(quiet)).returncode == 0
+    busy = tmp_path / "busy.py"
+    busy.write_text(CLIENT)
+    assert cluster.pwctl("submit", str(busy)).returncode == 0
+    jobs = {j["name"]: j for j in cluster.pwctl_json("jobs", "list", "--all")["items"]}
+    out = tmp_path / "t.json"
+    r = cluster.pwctl("trace", jobs["quiet"]["id"], "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"job {jobs['quiet']['id']} has run no computations on the cluster (yet): its trace is empty" in r.stderr
+    assert json.loads(out.read_text())["traceEvents"] == []
+    job = jobs["busy"]["id"]
+    assert jobs["busy"]["runs"] >= 12
+    wait_for(lambda: cluster.pwctl("trace", job, "-o", str(out)).returncode == 3, 30, "its segments to go")
+    r = cluster.pwctl("trace", job, "-o", str(out))
+    assert r.stderr.strip() == (f"error: job {job} ran {jobs['busy']['runs']:,} program run(s), but none of its node "
+                                "runs are kept any more: the controller keeps the newest up to `pwctl server start "
+                                "--trace-retention` (default 512MiB), the oldest go first")
+    r = cluster.pwctl("trace", "job-nothing")
+    assert r.returncode == 3 and "no job or program 'job-nothing' has node runs recorded" in r.stderr

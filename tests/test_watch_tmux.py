@@ -24,7 +24,9 @@ import pytest
 from conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [
-    pytest.mark.cluster(islands=2, devices=2, controller_args=["--hang-timeout", "40"], heartbeat_timeout=60),
+    # a window of 4 nodes in flight per island: the job's pipelined runs also wait (the queues' section)
+    pytest.mark.cluster(islands=2, devices=2, controller_args=["--hang-timeout", "40", "--window", "4"],
+                        heartbeat_timeout=60),
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/test.sh installs it)"),
 ]
 
@@ -82,9 +84,10 @@ class Tmux:
                         "-y", str(height), line], check=True, timeout=10)
         self.width, self.height = width, height
 
-    def screen(self) -> list[str]:
-        r = subprocess.run([*self.base, "capture-pane", "-p", "-t", "w"], capture_output=True, text=True,
-                           timeout=10, check=True)
+    def screen(self, colours: bool = False) -> list[str]:
+        """The screen's lines; with `colours`, with their escape sequences (SGR) as the terminal has them."""
+        r = subprocess.run([*self.base, "capture-pane", "-p", *(["-e"] if colours else []), "-t", "w"],
+                           capture_output=True, text=True, timeout=10, check=True)
         lines = r.stdout.split("\n")
         return lines[: self.height]
 
@@ -192,6 +195,19 @@ def test_watch_at_160x45(busy: tuple[LocalCluster, str], tmux: Callable[..., Tmu
     text = "\n".join(screen)
     assert "POLICY" in text and "(id " in text  # the wide layout: more columns
     assert screen[1] == ""  # room for blank lines between the sections
+    # the queues: the island's waiting count and longest wait, then the longest waits, one row per
+    # program, job and reason, with how many runs it stands for
+    screen = t.wait_screen(lambda s: any(line.startswith("WAITING ") for line in s) and shows_work(job)(s), 40,
+                           "the job's waiting gangs on the screen")
+    check_common(screen, 160, cluster.address, job)
+    header = next(i for i, line in enumerate(screen) if line.startswith("WAITING "))
+    assert screen[header].split()[:7] == ["WAITING", "ISLAND", "PROGRAM", "JOB", "RUNS", "PRIORITY", "WHY"]
+    waits = section(screen, "WAITING ")
+    assert waits and all(re.match(r" *\d+(\.\d)?s +a(,b)? +busy_step +" + job + r" +\d+ +0 +\S", row)
+                         for row in waits), waits
+    assert not re.search(r"\d{12}", "\n".join(waits))  # no 64-bit run ids in the reasons
+    islands = section(screen, "ISLAND ")
+    assert any(int(row.split()[6]) > 0 and row.split()[7].endswith("s") for row in islands), islands  # WAITING, LONGEST
 
 
 @pytest.mark.cluster
@@ -213,6 +229,9 @@ def test_watch_shows_the_stuck_gang_and_its_host(busy: tuple[LocalCluster, str],
         assert "1 stalled" in screen[0], screen[0]  # the cluster line counts it
         assert sum("STUCK" in row for row in screen) == 1, screen  # one gang over two islands: one entry
         assert len(screen) <= 24 and all(len(row) <= 80 for row in screen)
+        # the stuck line in red (SGR 31)
+        coloured = next(line for line in t.screen(colours=True) if "STUCK for" in line)
+        assert re.search(r"\x1b\[(?:[0-9;]*;)?31m(?:\x1b\[[0-9;]*m)*STUCK for", coloured), repr(coloured)
     finally:
         cluster.cont_worker("w-b")
     t.wait_screen(lambda s: not any(line.startswith("STUCK") for line in s), 30, "the stuck gang to go")

@@ -55,6 +55,9 @@ def up(
     else:
         sys.stdout.write(f"cluster up at {result.address}: {len(result.islands)} island(s): {what}, "
                          f"{total} device(s) in all\n")
+    if result.foreign_controller is not None:
+        hint(f"the controller (pid {result.foreign_controller}) was started by `pwctl server start`, not by `pwctl "
+             "up`: `pwctl down` leaves it running (`pwctl server stop` stops it)")
     hint("next: `pwctl status --watch`, `pwctl island list`; stop with `pwctl down`")
     theirs = os.environ.get("PWCTL_TOKEN")
     if result.token and theirs and theirs != result.token:
@@ -98,6 +101,9 @@ def down(
     if result.controller_pid:
         what.append(f"the controller (pid {result.controller_pid})")
     sys.stdout.write(f"stopped {' and '.join(what)}\n")
+    if result.left_controller is not None:
+        hint(f"left the controller (pid {result.left_controller}) running: `pwctl up` did not start it "
+             "(`pwctl server stop` stops it)")
 
 
 def _cancel_running_jobs(address: str, yes: bool) -> None:

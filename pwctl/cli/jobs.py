@@ -23,10 +23,20 @@ from schemas.views import JobView
 from .. import proxy_plugin
 from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
-from .common import Format, OutputOpt, ServerOpt, age, client, confirm_or_exit, emit_item, emit_list, hint, stdout
+from .common import (
+    Format,
+    OutputOpt,
+    ServerOpt,
+    age,
+    client,
+    confirm_or_exit,
+    emit_item,
+    emit_list,
+    hint,
+    stdout,
+)
+from .workdir import zip_with_progress
 
-MAX_WORKING_DIR_ZIP = 50 * 1024 * 1024  # the server's limit too
-SKIP_DIRS = {"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 DRIVER_SUFFIXES = (".py", ".sh")  # the server's too: Python and bash
 TERMINAL = {cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED}
 
@@ -48,31 +58,6 @@ JobIdArg = Annotated[str, typer.Argument(help="Job id (a unique prefix is enough
 
 
 # ---------------------------------------------------------------- helpers
-def zip_working_dir(root: Path, limit: int = MAX_WORKING_DIR_ZIP) -> bytes:
-    """Zips a directory (skipping caches and VCS folders); InvalidArgument past `limit` bytes."""
-    if not root.is_dir():
-        raise InvalidArgument(f"--working-dir {root}: not a directory")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-            for f in sorted(filenames):
-                path = Path(dirpath) / f
-                if not path.is_file():
-                    continue
-                zf.write(path, path.relative_to(root).as_posix())
-                if buf.tell() > limit:
-                    raise InvalidArgument(
-                        f"--working-dir {root} is over {limit // 2**20} MiB zipped: leave data out of it "
-                        "(read large files from shared storage)"
-                    )
-    data = buf.getvalue()
-    if len(data) > limit:
-        raise InvalidArgument(f"--working-dir {root} is {len(data) / 2**20:.1f} MiB zipped; "
-                              f"the limit is {limit // 2**20} MiB")
-    return data
-
-
 def _with_file(zipped: bytes, name: str, data: bytes) -> bytes:
     """A working-directory zip that also holds `name` (replaced if it was there)."""
     buf = io.BytesIO()
@@ -186,7 +171,7 @@ def submit(
                               "its own slices)")
     if devices < 0:
         raise InvalidArgument(f"--devices must be > 0, not {devices}")
-    zipped = zip_working_dir(working_dir) if working_dir is not None else b""
+    zipped = zip_with_progress(working_dir) if working_dir is not None else b""
     entry = _entrypoint(script, working_dir)
     if proxy:
         if script.suffix != ".py":

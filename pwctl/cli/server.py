@@ -52,6 +52,9 @@ MetricsOpt = Annotated[str, typer.Option("--metrics-listen",
 RetentionOpt = Annotated[str, typer.Option("--trace-retention",
                                            help="Node runs kept on disk for `pwctl trace` (e.g. 512MiB, 2GiB; "
                                                 "0: only the last 20,000 in memory)")]
+LostHostTtlOpt = Annotated[str, typer.Option("--lost-host-ttl",
+                                             help="A host lost this long is deleted, and its island when it was "
+                                                  "the last host (s, m, h or d; 0: never)")]
 
 
 @app.command("start")
@@ -68,6 +71,7 @@ def start(
     require_token: RequireTokenOpt = False,
     metrics_listen: MetricsOpt = "127.0.0.1:9464",
     trace_retention: RetentionOpt = "512MiB",
+    lost_host_ttl: LostHostTtlOpt = "24h",
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     if heartbeat_timeout <= 0:
@@ -85,7 +89,7 @@ def start(
         except ValueError as e:
             raise typer.BadParameter(f"{e} (or 'off')", param_hint="--metrics-listen") from None
     extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
-             "--metrics-listen", metrics_listen, "--trace-retention", trace_retention]
+             "--metrics-listen", metrics_listen, "--trace-retention", trace_retention, "--lost-host-ttl", lost_host_ttl]
     if no_token:
         extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

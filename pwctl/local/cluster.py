@@ -32,6 +32,7 @@ class UpResult:
     worker_pids: dict[str, int]
     started_workers: list[str] = field(default_factory=list)
     token: str | None = None  # the cluster's own token (None: it requires none)
+    foreign_controller: int | None = None  # the pid of a running controller `up` did not start: `down` leaves it
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DownResult:
     address: str
     stopped_workers: dict[str, int]
     controller_pid: int | None
+    left_controller: int | None = None  # a controller of this data directory `up` did not start, left running
 
 
 def island_names(n: int) -> list[str]:
@@ -113,7 +115,9 @@ def up(
         address = _wait_controller(proc, log_offset, db).address
         controller_pid = proc.pid
     elif running is not None and controller_pid != running.pid:
-        controller_pid = None  # someone else's controller: `down` leaves it alone
+        # the cluster's controller restarted since (`pwctl server stop`/`start`) stays the cluster's;
+        # one `up` never started (`pwctl server start` before the first `up`) is left alone by `down`
+        controller_pid = running.pid if _cluster_controller(state) == running.pid else None
     new_state: dict[str, Any] = {"address": address, "worker_pids": worker_pids}
     if controller_pid:
         new_state["controller_pid"] = controller_pid
@@ -121,7 +125,8 @@ def up(
     _write_json(paths.cluster_state_path(), new_state)
     wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout, token)
     return UpResult(address=address, islands=names, devices=devices, controller_started=proc is not None,
-                    worker_pids=worker_pids, started_workers=started, token=token)
+                    worker_pids=worker_pids, started_workers=started, token=token,
+                    foreign_controller=None if controller_pid or running is None else running.pid)
 
 
 def recorded_address() -> str | None:
@@ -144,6 +149,12 @@ def _cluster_controller(state: dict[str, Any]) -> int | None:
     if pid and info.get("address") == state.get("address") and runs_module(pid, CONTROLLER_MODULE):
         return pid
     return None
+
+
+def running_controller_pid() -> int | None:
+    """The pid of this data directory's controller (its pid file) when that process runs."""
+    pid = int((_read_json(paths.server_pid_path()) or {}).get("pid", 0) or 0)
+    return pid if pid and runs_module(pid, CONTROLLER_MODULE) else None
 
 
 ISLAND_SERVICE_MODULE = "server.controller.coordsvc"
@@ -179,12 +190,17 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
             worker_pid_path(name).unlink(missing_ok=True)
     controller_pid = _cluster_controller(state)
     stopped_controller: int | None = None
+    left_controller: int | None = None
     if controller_pid is not None:
         stopped_controller = int(controller_pid)
         _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
         if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:
             paths.server_pid_path().unlink(missing_ok=True)
+    else:
+        left = running_controller_pid()
+        if left is not None and (_read_json(paths.server_pid_path()) or {}).get("address") == state.get("address"):
+            left_controller = left
     _stop_island_services()
     path.unlink(missing_ok=True)
     return DownResult(address=str(state.get("address", "")), stopped_workers=ours,
-                      controller_pid=stopped_controller)
+                      controller_pid=stopped_controller, left_controller=left_controller)

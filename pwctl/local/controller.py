@@ -16,6 +16,7 @@ from .. import paths
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
 from ..transport import NO_RETRY
+from ..version import check_jax
 from .processes import (
     CONTROLLER_MODULE,
     CONTROLLER_START_TIMEOUT_S,
@@ -100,6 +101,7 @@ def _controller_args(listen: str, db: str, dispatch: str, heartbeat_timeout: flo
 def _spawn_controller(listen: str, db: str, dispatch: str, heartbeat_timeout: float,
                       extra_args: Sequence[str]) -> tuple[subprocess.Popen[bytes], int]:
     """Starts the controller detached; returns the process and where its log output begins."""
+    check_jax("the controller")  # it would refuse too, in its log: say it here, before spawning
     log_path = paths.server_log_path()
     offset = _log_size(log_path)
     args = [sys.executable, "-m", CONTROLLER_MODULE,
@@ -166,6 +168,7 @@ def run_controller_foreground(
     Exec rather than serving in-process so that the pid file names a `python -m server.controller`
     process, which `pwctl server stop` and `pwctl server start` recognise.
     """
+    check_jax("the controller")
     args = [sys.executable, "-m", CONTROLLER_MODULE,
             *_controller_args(listen, db, dispatch, heartbeat_timeout, extra_args),
             "--pid-file", str(paths.server_pid_path())]

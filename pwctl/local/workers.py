@@ -14,6 +14,7 @@ from .. import paths, settings
 from ..client import Client
 from ..errors import ConnectionFailed, InvalidArgument, NotFound, PathwaysError, Rejected
 from ..transport import NO_RETRY
+from ..version import check_jax
 from .processes import (
     READY_POLL_S,
     STOP_GRACE_S,
@@ -101,6 +102,7 @@ def start_worker(
         raise Rejected(
             f"worker {name!r} is already running (pid {pid}); stop it with `pwctl worker stop {name}`"
         )
+    check_jax("the worker")  # the process would refuse too, in its log: say it here, before spawning
     args = _worker_args(server, island, devices, name, listen, no_token)
     env = _worker_env(server, token)
     if not detach:

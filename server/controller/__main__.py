@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
 from pathlib import Path
+
+from pwctl.errors import FailedPrecondition
+from pwctl.version import check_jax
 
 from .. import paths, stackdump
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
@@ -95,8 +100,15 @@ def main() -> None:
             paths.split_address(ns.metrics_listen.strip())
         except ValueError as e:
             p.error(f"--metrics-listen: {e} (or 'off')")
+    try:
+        jax_warnings = check_jax("the controller")
+    except FailedPrecondition as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     configure_logging(ns.log_level)
     stackdump.install()
+    for warning in jax_warnings:
+        logging.getLogger("server.controller").warning("%s", warning)
     config = ControllerConfig(
         listen=ns.listen,
         db_url=ns.db or paths.default_db_url(),

@@ -125,8 +125,30 @@ class LazyProxyHandler(grpc.GenericRpcHandler):
         if not is_proxy_method(handler_call_details.method):
             return None
         if self._handler is None:
-            self._handler = self._make().generic_handler()
+            try:
+                self._handler = self._make().generic_handler()
+            except proto_mod.ProtocolError as e:  # the installed jaxlib: every proxy call says why, once logged
+                why = f"this controller cannot serve IFRT proxy clients: {e}"
+                log.warning("proxy: %s", why)
+                self._handler = _refusing(why)
         return self._handler.service(handler_call_details)
+
+
+def _refusing(why: str) -> grpc.GenericRpcHandler:
+    """Answers every proxy call FAILED_PRECONDITION with `why` (the jaxlib client shows it at its
+    first call, GetVersion)."""
+
+    async def refuse(_request: bytes, context: aio.ServicerContext) -> bytes:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        return b""
+
+    handler = grpc.unary_unary_rpc_method_handler(refuse)
+
+    class Refusing(grpc.GenericRpcHandler):
+        def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            return handler if is_proxy_method(handler_call_details.method) else None
+
+    return Refusing()
 
 
 Admit = Callable[[str], AbstractContextManager[None]]  # the caller's peer -> its place (BackendError: none left)

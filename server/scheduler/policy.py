@@ -29,14 +29,20 @@ def order_candidates(
     return sorted(candidates, key=lambda r: r.order)
 
 
+def whose(run: RunRecord) -> str:
+    """A run as an operator knows it: its program and its job (or client). Not its run id, a
+    64-bit number no command takes, which only made the reasons (and the tables showing them) wide."""
+    return f"{run.spec.program} ({run.spec.job or 'client ' + run.spec.client})"
+
+
 def reason_behind(policy: Policy, run: RunRecord, first: RunRecord, shares: Mapping[str, Share]) -> str:
     """Why `run` waits while `first` (the island's best candidate, itself blocked) goes before it."""
     if policy is Policy.PRIORITY and first.spec.priority > run.spec.priority:
-        return f"behind higher-priority run {first.run_id}"
+        return f"behind a higher-priority run of {whose(first)}"
     if policy is Policy.FAIR:
         share = shares.get(run.client, Share())
         return f"fair share: client {run.client} used {share.used:.1f} s at weight {share.weight:g}"
-    return f"behind earlier run {first.run_id}"
+    return f"behind an earlier run of {whose(first)}"
 
 
 def catch_up(shares: dict[str, Share], client: str, weight: float, active: set[str], period: int) -> None:

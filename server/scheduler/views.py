@@ -56,7 +56,7 @@ class Views(Admission):
         reason = ""
         if run.state is RunState.WAITING:
             head = self._queues[run.client][0]
-            reason = f"behind run {head} of the same client" if head != run.run_id else run.wait_reason
+            reason = "behind an earlier run of the same client" if head != run.run_id else run.wait_reason
         spec = run.spec
         return RunView(
             run_id=spec.run_id,

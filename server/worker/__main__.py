@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 from .. import stackdump
 
@@ -44,6 +45,15 @@ def main() -> None:
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args()
     stackdump.install()
+    from pwctl.errors import FailedPrecondition
+    from pwctl.version import check_jax
+
+    try:  # before jax is imported: a jax of another release may fail in ways that name nothing
+        for warning in check_jax("the worker"):
+            sys.stderr.write(f"WARNING {warning}\n")
+    except FailedPrecondition as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     if ns.devices != "all":
         if not ns.devices.isdigit() or int(ns.devices) <= 0:
             p.error("--devices must be a positive number or 'all'")

@@ -117,9 +117,26 @@ def stuck(s: ClusterStatusView) -> list[tuple[str, QueueEntryView]]:
     return sorted(_by_run(s, lambda e: bool(e.stalled_host)), key=lambda x: -x[1].stalled_s)
 
 
-def waits(s: ClusterStatusView) -> list[tuple[str, QueueEntryView]]:
-    """(islands, entry) of the waiting gangs, the longest waiting first."""
-    return sorted(_by_run(s, lambda e: e.state == "waiting"), key=lambda x: -x[1].waiting_s)
+@dataclass
+class WaitGroup:
+    """Waiting gangs of one program and job, on the same islands, waiting for the same reason
+    (a client's pipelined runs wait behind each other): one row. `entry` is the longest waiting."""
+
+    islands: str
+    entry: QueueEntryView
+    runs: int = 1
+
+
+def waits(s: ClusterStatusView) -> list[WaitGroup]:
+    """The waiting gangs, grouped, the group that has waited longest first."""
+    groups: dict[tuple[str, str, str, str, int], WaitGroup] = {}
+    for islands, e in sorted(_by_run(s, lambda e: e.state == "waiting"), key=lambda x: -x[1].waiting_s):
+        key = (islands, e.program, e.job, e.reason, e.priority)
+        if key in groups:
+            groups[key].runs += 1
+        else:
+            groups[key] = WaitGroup(islands, e)
+    return list(groups.values())
 
 
 def cluster_lines(s: ClusterStatusView, width: int, address: str = "") -> list[Text]:
@@ -205,13 +222,14 @@ def render(s: ClusterStatusView, width: int = 80, height: int | None = None, add
     # line for "... and N more": one item more than it can show
     partial = len({d.host for d in s.devices}) < s.hosts_total or len(s.devices) < s.devices_total
     waiting = sum(q.waiting for q in s.queues)
+    listed = sum(g.runs * len(g.islands.split(",")) for g in wait_entries)  # counted per island queue
     sections = [
         Section("stuck", len(stuck_entries), first=2, height=2, header=0),
         Section("islands", len(s.island_status), first=4),
         Section("devices", len(groups) + (1 if partial and groups else 0), first=4),
         Section("jobs", len(s.jobs), first=3),
         Section("slices", len(s.slices), first=2),
-        Section("waits", max(len(wait_entries), waiting), first=2),
+        Section("waits", len(wait_entries) + (1 if waiting > listed else 0), first=2),
     ]
     left = allocate(sections, None if height is None else height - len(head),
                     ["devices", "jobs", "islands", "slices", "waits", "stuck"])
@@ -337,19 +355,21 @@ def _slices(s: ClusterStatusView, sec: Section, width: int, *_: object) -> list[
 
 
 def _waits(s: ClusterStatusView, sec: Section, width: int, _stuck: object, _groups: object,
-           entries: list[tuple[str, QueueEntryView]]) -> list[RenderableType]:
+           groups: list[WaitGroup]) -> list[RenderableType]:
     waiting = sum(q.waiting for q in s.queues)
     if sec.shown == 0:
         return [Text(f"queues: {count(waiting, 'gang')} waiting", style="bold")]
     t = Grid(width, ("WAITING", {"justify": "right"}), ("ISLAND", {"flex": True}),
-             ("PROGRAM", {"flex": True, "max": 24}), ("JOB", {}), ("PRIORITY", {"justify": "right"}),
-             ("WHY", {"flex": True}))
-    rows = entries[: sec.shown]
-    for island, e in rows:
-        t.add_row(seconds(e.waiting_s), island, e.program, e.job or "-", str(e.priority), e.reason or "-")
+             ("PROGRAM", {"flex": True, "max": 24}), ("JOB", {}), ("RUNS", {"justify": "right"}),
+             ("PRIORITY", {"justify": "right"}), ("WHY", {"flex": True}))
+    rows = groups[: sec.shown]
+    for g in rows:
+        e = g.entry
+        t.add_row(seconds(e.waiting_s), g.islands, e.program, e.job or "-", str(g.runs), str(e.priority),
+                  e.reason or "-")
     out: list[RenderableType] = [t.table()]
     # the counts are per island queue (a gang over two islands waits in both); so are the rows'
-    hidden = waiting - sum(len(island.split(",")) for island, _ in rows)
+    hidden = waiting - sum(g.runs * len(g.islands.split(",")) for g in rows)
     if hidden > 0:
         out.append(_more(hidden, "waiting gang", " (counted in each island queue it waits in)"))
     return out

@@ -12,6 +12,9 @@ from typing import Annotated
 
 import typer
 
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from ...client import Client
 from ...errors import NotFound
 from ..common import ServerOpt, client, hint
 
@@ -39,8 +42,7 @@ def trace(
             try:
                 resp, what = c.trace_window(program=target, since_unix_ns=since_ns, last=last or 0), "program"
             except NotFound:
-                raise NotFound(f"no node runs recorded for a job or program {target!r} (the controller keeps "
-                               "the most recent ones, see --trace-retention; `pwctl jobs list`)") from None
+                resp, what = _no_runs_kept(c, target), "job"
     text = resp.chrome_trace_json
     doc = json.loads(text)
     other = doc.get("otherData", {})
@@ -57,6 +59,23 @@ def trace(
     if resp.node_runs < resp.node_runs_total:
         hint(f"the window holds {resp.node_runs} of the {resp.node_runs_total} node runs kept; "
              "--since and --last choose another")
+
+
+def _no_runs_kept(c: Client, target: str) -> cpb.TraceResponse:
+    """The controller holds no node runs for `target`: an empty trace for a listed job that ran
+    none (yet), else NotFound saying why (a job whose node runs were dropped, or nothing by that name)."""
+    try:
+        job = c.get_job(target)
+    except NotFound:
+        raise NotFound(f"no job or program {target!r} has node runs recorded (`pwctl jobs list`; a program's id "
+                       "or name)") from None
+    if job.runs:
+        raise NotFound(f"job {job.id} ran {job.runs:,} program run(s), but none of its node runs are kept any more: "
+                       "the controller keeps the newest up to `pwctl server start --trace-retention` (default "
+                       "512MiB), the oldest go first")
+    hint(f"job {job.id} has run no computations on the cluster (yet): its trace is empty")
+    doc = {"traceEvents": [], "displayTimeUnit": "ms", "otherData": {"job": job.id, "node_runs": 0, "devices": 0}}
+    return cpb.TraceResponse(chrome_trace_json=json.dumps(doc))
 
 
 def parse_since(text: str) -> int:

@@ -162,12 +162,15 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
     assert w2.close(10)
 
 
+@pytest.mark.parametrize("close_cancelled", [False, True], ids=["released", "close-cancelled"])
 def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cleanly(
-        db: sessionmaker[Session]) -> None:
+        db: sessionmaker[Session], close_cancelled: bool) -> None:
     """An auto-named slice that was remapped, then released with its owner, then a new slice
     taking the same name: the database must hold the new slice alone (no remap of the old one),
-    or a restarted controller refuses to load it ("1 remaps but generation 0", seen once in the
-    chaos run when a proxy session's fresh slice went through exactly this)."""
+    or a restarted controller refuses to load it ("1 remaps but generation 0", seen in the chaos
+    run when a proxy session's fresh slice went through exactly this). `close_cancelled`: the
+    releasing session's close is cancelled while it awaits the write (its client went away), as
+    in the chaos run; the write must still land before the name comes back."""
     from schemas.pathways.v1 import controller_pb2 as cpb
     from server.controller.cluster import Cluster
     from server.controller.links import WorkerLink
@@ -191,7 +194,21 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
     host = next(h.name for h in cluster.hosts.values() if first.devices[0].device_id in h.device_ids)
     cluster.mark_lost(host, "killed")
     assert slices.rm.slices[first.name].generation == 1  # remapped onto the other host
-    slices.release_owner("client:p")
+    if close_cancelled:
+        gate = threading.Event()
+
+        async def close() -> None:
+            busy(w, gate)  # the writer is in a transaction, as under load
+            slices.release_owner("client:p")
+            closing = asyncio.ensure_future(slices.written())
+            await asyncio.sleep(0.01)
+            closing.cancel()  # the session's task is cancelled while it awaits the write
+            await asyncio.sleep(0.01)
+            gate.set()
+
+        asyncio.run(close())
+    else:
+        slices.release_owner("client:p")
     again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
     assert again.name == first.name  # the freed name comes back
     assert w.close(10)
@@ -222,53 +239,3 @@ def test_a_write_still_lands_when_the_task_awaiting_it_is_cancelled(db: sessionm
     asyncio.run(scenario())
     assert w.close(10)
     assert names(db) == ["kept"]
-
-
-def test_a_release_whose_request_was_cancelled_is_still_written_before_the_name_comes_back(
-        db: sessionmaker[Session]) -> None:
-    """The chaos sequence: a remapped slice is released by a session whose close is cancelled
-    while it awaits the write; a new slice takes the freed name. The database must hold the new
-    slice alone, so a restarted controller loads it."""
-    from schemas.pathways.v1 import controller_pb2 as cpb
-    from server.controller.cluster import Cluster
-    from server.controller.links import WorkerLink
-    from server.controller.slices import SliceService
-
-    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
-        cluster = Cluster(db, w.submit, 1.0, 5.0)
-        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
-        cluster.on_host_up.append(slices.host_up)
-        cluster.on_host_lost.append(slices.host_lost)
-        slices.load()
-        cluster.load()
-        return cluster, slices
-
-    w = DbWriter(db)
-    cluster, slices = parts(w)
-    for name in ("w1", "w2"):
-        cluster.register(cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
-                                            device_count=1, machine_id="m"), WorkerLink(name))
-    first = slices.create(cpb.SliceSpec(devices=1), False, "client:p").slice
-    host = next(h.name for h in cluster.hosts.values() if first.devices[0].device_id in h.device_ids)
-    cluster.mark_lost(host, "killed")
-    gate = threading.Event()
-
-    async def close_cancelled() -> None:
-        busy(w, gate)  # the writer is in a transaction, as under load
-        slices.release_owner("client:p")
-        closing = asyncio.ensure_future(slices.written())
-        await asyncio.sleep(0.01)
-        closing.cancel()  # the session's task is cancelled while it awaits the write
-        await asyncio.sleep(0.01)
-        gate.set()
-
-    asyncio.run(close_cancelled())
-    again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
-    assert again.name == first.name
-    assert w.close(10)
-
-    w2 = DbWriter(db)
-    _, slices2 = parts(w2)
-    reloaded = slices2.rm.slices[first.name]
-    assert (reloaded.owner, reloaded.generation, reloaded.history) == ("client:q", 0, ())
-    assert w2.close(10)

@@ -29,7 +29,6 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from schemas.pathways.v1 import controller_pb2 as cpb
-from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .cluster import READY, HostInfo
 
@@ -157,7 +156,8 @@ class Relays:
 
     def _batch(self, relay: HostInfo, members: list[HostInfo],
                msgs: Mapping[str, list[cpb.ControllerToWorker]]) -> None:
-        parts = []
+        batch = cpb.ControllerToWorker()
+        parts = batch.relay.messages  # added in place: a list of parts would be copied in
         via = self._via.setdefault(relay.name, set())
         for info in members:
             link = info.link
@@ -167,12 +167,11 @@ class Relays:
                 m = link.stamp(m)
                 if not own:  # the relay's own part is lost only with the relay's registration
                     link.retain(m)
-                parts.append(wpb.RelayedMessage(host=info.name, address=info.address, link=link.link_id,
-                                                message=m.SerializeToString()))
+                parts.add(host=info.name, address=info.address, link=link.link_id, message=m.SerializeToString())
             if not own:
                 via.add(info.name)
         assert relay.link is not None
-        relay.link.send_unnumbered(cpb.ControllerToWorker(relay=cpb.RelayBatch(messages=parts)))
+        relay.link.send_unnumbered(batch)
         self.batches += 1
         self.relayed += len(parts)
         self.writes += 1

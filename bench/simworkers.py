@@ -187,7 +187,7 @@ class Simulator:
         if msg is None:
             return
         h.relayed_in += 1
-        for m in h.inbox.accept(msg):
+        for m in h.inbox.accept(msg, time.monotonic()):
             self._handle(h, m)
 
     def _relay_failed(self, h: SimHost, hosts: Sequence[str]) -> None:
@@ -202,7 +202,7 @@ class Simulator:
                 h.forwarder.key = h.session_key or None
             h.forwarder.forward(msg.relay)
             return
-        for m in h.inbox.accept(msg):
+        for m in h.inbox.accept(msg, time.monotonic()):
             self._handle(h, m)
 
     # ---- one host ----
@@ -255,6 +255,8 @@ class Simulator:
                 for generation in generations:
                     yield cpb.WorkerToController(joined=cpb.GroupJoined(generation=generation),
                                                  delivered=h.inbox.delivered)
+            if h.inbox.stalled(time.monotonic()):  # a relayed message never came (server/worker/relay.py)
+                h.unreachable.append(h.name)
             if h.unreachable:
                 hosts, h.unreachable = h.unreachable, []
                 yield cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=hosts), delivered=h.inbox.delivered)

@@ -23,7 +23,9 @@ from conftest import LocalCluster, wait_for
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
-from server.controller.relays import groups_of
+from server.controller.cluster import LOST, READY, HostInfo
+from server.controller.links import WorkerLink
+from server.controller.relays import Relays, groups_of
 from server.worker.relay import Inbox
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,6 +54,71 @@ def test_the_inbox_hands_out_messages_in_their_order_once() -> None:
     assert _seqs(box.accept(cpb.ControllerToWorker(release=wpb.ReleaseBuffers()))) == [0]  # unnumbered: at once
     box.reset()  # a new registration
     assert box.delivered == 0 and _seqs(box.accept(_msg(1))) == [1]
+
+
+def test_a_gap_left_open_is_reported_once_per_limit() -> None:
+    box = Inbox()
+    box.accept(_msg(1), now=0.0)
+    assert not box.stalled(100.0)  # nothing waits
+    box.accept(_msg(3), now=10.0)  # 2 is missing
+    assert not box.stalled(14.0, limit=5.0) and box.stalled(15.0, limit=5.0)
+    assert not box.stalled(16.0, limit=5.0) and box.stalled(20.5, limit=5.0)  # again a limit later
+    box.accept(_msg(2), now=21.0)  # filled
+    assert box.gap_since is None and not box.stalled(100.0)
+
+
+def _relay_setup(n: int) -> tuple[Relays, dict[str, HostInfo]]:
+    hosts = {}
+    for i in range(n):
+        info = HostInfo(id=i, name=f"h{i}", island="big", address=f"10.0.0.{i}:7000", pid=0, kind="cpu",
+                        machine_id=f"m{i}", device_ids=[i], state=READY)
+        info.link = WorkerLink(info.name)
+        info.link.ack(0)
+        info.link.send(cpb.ControllerToWorker(registered=cpb.Registered(link=info.link.link_id)))
+        info.link.ack(1)  # it handled its Registered: relayable
+        hosts[info.name] = info
+    return Relays(hosts, lambda island: sorted(hosts), min_hosts=2, group_size=n), hosts
+
+
+def _queued(info: HostInfo) -> list[cpb.ControllerToWorker]:
+    assert info.link is not None
+    out = []
+    while not info.link._queue.empty():
+        m = info.link._queue.get_nowait()
+        assert isinstance(m, cpb.ControllerToWorker)
+        out.append(m)
+    return out
+
+
+def _flush(relays: Relays, names: list[str]) -> None:
+    relays.send_all({n: [cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7]))] for n in names})
+
+
+def test_relayed_messages_are_sent_again_directly_when_their_relay_fails_or_is_lost() -> None:
+    relays, hosts = _relay_setup(4)
+    for h in hosts.values():
+        _queued(h)
+    _flush(relays, ["h1", "h2", "h3"])  # one group, relay h0 (it has nothing of its own)
+    [batch] = _queued(hosts["h0"])
+    parts = batch.relay.messages
+    assert [p.host for p in parts] == ["h1", "h2", "h3"] and batch.seq == 0
+    assert all(cpb.ControllerToWorker.FromString(p.message).seq == 2 for p in parts)
+    assert not any(_queued(hosts[n]) for n in ("h1", "h2", "h3"))
+    hosts["h1"].link.ack(2)  # type: ignore[union-attr]  # h1 got it through h0
+    relays.failed("h0", ["h2"])  # h0 could not reach h2: h2 gets it directly, and from now on
+    assert [m.seq for m in _queued(hosts["h2"])] == [2]
+    _flush(relays, ["h1", "h2", "h3"])
+    [batch] = _queued(hosts["h0"])
+    assert [p.host for p in batch.relay.messages] == ["h1", "h3"]
+    assert [m.seq for m in _queued(hosts["h2"])] == [3]
+    relays.host_lost(hosts["h0"], "its connection closed")  # what h0 carried and nobody acknowledged
+    assert _queued(hosts["h1"])[0].seq == 3
+    assert [m.seq for m in _queued(hosts["h3"])] == [2, 3]
+    assert not _queued(hosts["h2"])
+    hosts["h0"].state = LOST
+    _flush(relays, ["h1", "h3"])  # the group is h1..h3 now: relay h1
+    [batch] = _queued(hosts["h1"])
+    assert [p.host for p in batch.relay.messages] == ["h1", "h3"]
 
 
 def test_groups_are_consecutive_and_balanced() -> None:

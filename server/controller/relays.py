@@ -117,7 +117,10 @@ class Relays:
                 continue
             info.link.relayable = False
             n = info.link.resend_retained()
-            log.warning("relay %s could not reach host %s: %d message(s) sent again directly", relay, name, n)
+            if name == relay:  # the host itself: a relayed message never came (server/worker/relay.py)
+                log.warning("host %s misses a relayed message: %d message(s) sent again directly", name, n)
+            else:
+                log.warning("relay %s could not reach host %s: %d message(s) sent again directly", relay, name, n)
 
     # ---- sending ----
     def send(self, host: str, msg: cpb.ControllerToWorker) -> None:

@@ -33,6 +33,7 @@ from .executable import unload_unused
 from .executor import Executor
 from .locallink import LocalReceiver
 from .reconnect import Reconnect
+from .relay import GAP_S as RELAY_GAP_S
 from .relay import Forwarder, Inbox, relayed_message
 from .reporting import EventBuffer
 from .servicer import WorkerServicer, add_to_server
@@ -221,6 +222,10 @@ class WorkerProcess:
             while self._urgent:
                 yield self._acked(self._urgent.pop(0))
             now = loop.time()
+            if self.inbox.stalled(now, RELAY_GAP_S):  # a relayed message never came: ask for it directly
+                log.warning("controller message %d did not come through its relay in %g s; asking for it "
+                            "directly", self.inbox.next, RELAY_GAP_S)
+                yield self._acked(cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=[self.config.name])))
             if now - last_stale >= STALE_START_S / 2:
                 last_stale = now
                 stale = self.executor.stale_starts(STALE_START_S)
@@ -246,8 +251,11 @@ class WorkerProcess:
             if self.forwarder is not None:
                 self.forwarder.forward(msg.relay)
             return
-        for m in self.inbox.accept(msg):
+        for m in self.inbox.accept(msg, self._now()):
             self._handle(m)
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
 
     def _relayed(self, part: wpb.RelayedMessage) -> None:
         """A message for this worker that came through a relay (or was a relay batch's own part)."""
@@ -255,7 +263,7 @@ class WorkerProcess:
         if msg is None:
             return
         self.relayed_in += 1
-        for m in self.inbox.accept(msg):
+        for m in self.inbox.accept(msg, self._now()):
             self._handle(m)
 
     def _relay_failed(self, hosts: Sequence[str]) -> None:

@@ -24,7 +24,10 @@ lost (its stream closes: handled as any closed stream) or reports that it could 
 (`RelayFailed`), sends those messages again on the host's own stream: nothing is lost, and what
 the relay did forward before it failed is dropped as a duplicate. A relayed message for an
 earlier registration of the worker (`RelayedMessage.link` is not this registration's) is stale
-and dropped: that registration's state is gone with it.
+and dropped: that registration's state is gone with it. A gap that stays open for `GAP_S`
+(a relay that is alive to the controller but did not deliver, which it would otherwise not
+notice) makes the worker report itself in a `RelayFailed`: the controller then sends it what it
+has not acknowledged directly, and relays to it no more.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..credentials import PEER_HEADER, peer_credential
 log = logging.getLogger(__name__)
 
 RELAYED_METHOD = "/pathways.v1.Worker/Relayed"
+GAP_S = 5.0  # a message missing this long while later ones wait: asked for directly
 # one connection per member, as separate hosts have (no sharing of one subchannel by address)
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
@@ -59,19 +63,30 @@ class Inbox:
         self.next = 1
         self.pending: dict[int, cpb.ControllerToWorker] = {}
         self.duplicates = 0
+        self.gap_since: float | None = None  # when the oldest waiting message came (none waiting: None)
 
     def reset(self) -> None:
         """A new stream to the controller: a new registration, its messages numbered from 1."""
         self.link = 0
         self.next = 1
         self.pending.clear()
+        self.gap_since = None
+
+    def stalled(self, now: float, limit: float = GAP_S) -> bool:
+        """Whether messages have waited for a missing one for `limit` seconds; the clock starts
+        again (the next report is due `limit` later if the gap is still open)."""
+        if self.gap_since is None or now - self.gap_since < limit:
+            return False
+        self.gap_since = now
+        return True
 
     @property
     def delivered(self) -> int:
         """The highest seq handed out (every one up to it was)."""
         return self.next - 1
 
-    def accept(self, msg: cpb.ControllerToWorker) -> list[cpb.ControllerToWorker]:
+    def accept(self, msg: cpb.ControllerToWorker, now: float = 0.0) -> list[cpb.ControllerToWorker]:
+        """`now` (monotonic): when it came, for `stalled`."""
         seq = msg.seq
         if seq == 0:
             return [msg]  # outside the order (an older controller)
@@ -79,6 +94,8 @@ class Inbox:
             self.duplicates += 1
             return []
         if seq != self.next:
+            if not self.pending:
+                self.gap_since = now
             self.pending[seq] = msg
             return []
         out = [msg]
@@ -89,6 +106,10 @@ class Inbox:
                 break
             out.append(nxt)
             self.next += 1
+        if not self.pending:
+            self.gap_since = None
+        elif len(out) > 1:
+            self.gap_since = now  # the gap moved on: a new one, timed from now
         return out
 
 

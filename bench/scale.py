@@ -27,7 +27,10 @@ from 1,024 hosts on one island of 512 (`island_sizes`). Then, in order:
    server/controller/dispatch_probe.py, which this benchmark's controller runs with), the part of
    it that is the controller's own work (admitted, and every Enqueue queued on its link), and the
    event loop's CPU time over it. The simulated hosts report every task done at once
-   (`--complete`).
+   (`--complete`). The controller runs with its default relays (server/controller/relays.py:
+   islands of 32 hosts or more, groups of 64: 8 relays for the 512-host island), so the hand-off
+   is that of the relay batches; a row also gives when the last member host had its task (the
+   simulator's clock, the relay hop included: in this one process on the machine's cores).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ and one per message to a worker. On, per run it records:
 - `queued`: when the dispatcher's flush after its arrival returned: the scheduler admitted it and
   every member's `Enqueue` is in its worker link's queue (the controller's own work);
 - `handed`: when the last `Enqueue` carrying one of its tasks was taken off a worker link's queue
-  by that worker's WorkerConnect stream, to be written by gRPC (`links.WorkerLink.messages`);
+  by that worker's WorkerConnect stream, to be written by gRPC (`links.WorkerLink.messages`); with
+  relays (relays.py), the last relay batch carrying one: the controller's part ends there, the
+  relay's forwarding is the relay worker's;
 
 and when the run ends writes one JSON line to the file: `{"run", "ok", "segments", "tasks",
 "arrived", "queued", "handed", "queued_cpu", "cpu"}`: the three times are `time.monotonic()`

@@ -27,7 +27,8 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pwctl.client import Client
@@ -144,6 +145,9 @@ class GangResult:
     cpu_s: list[float]  # per measured run: the event loop thread's CPU time from arrival to the last hand-off
     queued_cpu_s: list[float]  # per measured run: its CPU time from arrival to the flush's end
     tasks: int  # tasks per run (one per member host)
+    # per measured run: arrival to the last member host receiving its task (the simulator's clock,
+    # the same monotonic clock); empty when no simulator was asked
+    received_s: list[float] = field(default_factory=list)
 
     def quantile(self, q: float) -> float:
         s = sorted(self.latencies_s)
@@ -164,9 +168,12 @@ def probe_lines(path: Path) -> dict[int, dict[str, object]]:
 
 
 def gang_dispatch(address: str, island: str, hosts: int, devices: int, probe: Path, runs: int = RUNS,
-                  warmup: int = WARMUP, token: str | None = None) -> GangResult:
+                  warmup: int = WARMUP, token: str | None = None,
+                  received: Callable[[list[int]], list[float | None]] | None = None) -> GangResult:
     """Creates a slice of `devices` devices on `island` (`hosts` hosts), runs a one-node program on
-    it `warmup + runs` times through a session, and reads the probe's latencies of the last `runs`."""
+    it `warmup + runs` times through a session, and reads the probe's latencies of the last `runs`;
+    with `received` (the simulator's `SimWorkers.received`), also when each run's last task
+    reached its host."""
     with Client(server=address, token=token, timeout=60.0) as c:  # token None: found as pwctl finds it
         t0 = time.monotonic()
         c.create_slice(cpb.SliceSpec(name=SLICE, devices=devices, island=island))
@@ -214,7 +221,12 @@ def gang_dispatch(address: str, island: str, hosts: int, devices: int, probe: Pa
     queued = [float(recs[r]["queued"]) - float(recs[r]["arrived"]) for r in measured]  # type: ignore[arg-type]
     cpu = [float(recs[r]["cpu"]) for r in measured]  # type: ignore[arg-type]
     queued_cpu = [float(recs[r]["queued_cpu"]) for r in measured]  # type: ignore[arg-type]
-    return GangResult(island, hosts, devices, create_s, lat, queued, cpu, queued_cpu, hosts)
+    got: list[float] = []
+    if received is not None:
+        times = received(measured)
+        got = [t - float(recs[r]["arrived"]) for r, t in zip(measured, times, strict=True)  # type: ignore[arg-type]
+               if t is not None]
+    return GangResult(island, hosts, devices, create_s, lat, queued, cpu, queued_cpu, hosts, got)
 
 
 def stop_island_services(home: Path) -> int:

@@ -8,13 +8,22 @@ Bearer` metadata when there is one. After a stream ends it connects again on a f
 waiting as `server/worker/reconnect.py` says (every 50 ms for 5 s, then doubling), so a controller
 restart looks to the controller as it would with real workers.
 
+Relays (server/worker/relay.py, server/controller/relays.py): as the real worker, a simulated
+host handles the controller's messages in their `seq` order whichever way each came (the same
+`Inbox`), acknowledges them on every message it sends up (`delivered`), and as a relay forwards a
+`RelayBatch`'s parts to their hosts over real `Relayed` streams (the same `Forwarder`, one TCP
+connection per member), reporting a member it cannot reach (`RelayFailed`). The hosts of islands
+of at least `listen_min` hosts (`--listen-min`, default 32: the controller's default relay
+threshold) listen for `Relayed` streams on a loopback port each (127.0.0.1:<port>, one gRPC server
+for all of them in this process, which does not check the peer credential); the others register
+an address nothing listens at (127.0.0.2:<10000 + i>), so no client may upload to any of them.
+Per run it records when the host that got the run's tasks last received them (`received`).
+
 It runs nothing: an `Enqueue`'s tasks are reported failed at once (a `NodeEvent` with ok false),
 so a run sent here ends instead of hanging; with `complete` (`--complete`) they are reported done
 (ok, zero duration) at once instead, so a program's runs finish as if each computation took no
 time (what the benchmark's gang dispatch needs: runs that end without a failure and its drops).
-Their outputs exist nowhere: no client may fetch them. Releases and drops need no answer. Nothing
-listens at the addresses it registers (127.0.0.2:<10000 + i>), so no client may upload to these
-hosts.
+Their outputs exist nowhere: no client may fetch them. Releases and drops need no answer.
 
 A `JoinGroup` (the island spans hosts and has a slice over several of them:
 server/controller/groups.py) is answered with `GroupJoined` for its generation at once, as the real
@@ -55,7 +64,9 @@ from grpc import aio
 from pwctl import settings
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from schemas.pathways.v1 import worker_pb2 as wpb
 from server.worker.reconnect import Reconnect
+from server.worker.relay import Forwarder, Inbox, relayed_message
 
 NORMAL, SILENT, CLOSED = "normal", "silent", "closed"
 DEFAULT_INTERVAL_S = 1.0  # until the controller's `Registered` says otherwise
@@ -102,23 +113,49 @@ class SimHost:
     events: list[cpb.NodeEvent] = field(default_factory=list)
     joined: list[int] = field(default_factory=list)  # generations to answer GroupJoined for
     joins: int = 0
+    address: str = ""
+    inbox: Inbox = field(default_factory=Inbox)  # the controller's messages in their order (relay.py)
+    forwarder: Forwarder | None = None  # as a relay (made on its first batch)
+    unreachable: list[str] = field(default_factory=list)  # hosts to report in RelayFailed
+    relayed_in: int = 0
+    session_key: bytes = b""  # the peer credential's key (the controller's Registered)
 
 
 class Simulator:
     """The hosts and their streams, on one event loop."""
 
     def __init__(self, server: str, islands: Sequence[str], devices: int = 4, token: str | None = None,
-                 reconnect_max_s: float = 5.0, complete: bool = False) -> None:
+                 reconnect_max_s: float = 5.0, complete: bool = False, listen_min: int = 32) -> None:
         self.server = server
         self.complete = complete
+        self.token = token
+        self.listen_min = listen_min
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.reconnect_max_s = reconnect_max_s
         self.hosts = [SimHost(i, host_name(i), island, devices) for i, island in enumerate(islands)]
         self.by_name = {h.name: h for h in self.hosts}
         self._tasks: list[asyncio.Task[None]] = []
         self.started_at = 0.0
+        self._server: aio.Server | None = None
+        self.received: dict[int, float] = {}  # run id -> when the last of its tasks arrived (monotonic)
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        sizes: dict[str, int] = {}
+        for h in self.hosts:
+            sizes[h.island] = sizes.get(h.island, 0) + 1
+        listening = [h for h in self.hosts if self.listen_min > 0 and sizes[h.island] >= self.listen_min]
+        if listening:
+            self._server = aio.server()
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pathways.v1.Worker", {
+                "Relayed": grpc.stream_unary_rpc_method_handler(
+                    self._relayed_stream, request_deserializer=wpb.RelayedMessage.FromString,
+                    response_serializer=wpb.RelayedResponse.SerializeToString)}),))
+            for h in listening:
+                port = self._server.add_insecure_port("127.0.0.1:0")
+                h.address = f"127.0.0.1:{port}"
+            await self._server.start()
+        for h in self.hosts:
+            h.address = h.address or f"127.0.0.2:{10000 + h.index}"
         self.started_at = time.monotonic()
         self._tasks = [asyncio.create_task(self._run(h)) for h in self.hosts]
 
@@ -126,6 +163,47 @@ class Simulator:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for h in self.hosts:
+            if h.forwarder is not None:
+                h.forwarder.close()
+        if self._server is not None:
+            await self._server.stop(None)
+
+    # ---- relaying (server/worker/relay.py) ----
+    async def _relayed_stream(self, requests: AsyncIterator[wpb.RelayedMessage],
+                              context: aio.ServicerContext) -> wpb.RelayedResponse:
+        n = 0
+        async for part in requests:
+            h = self.by_name.get(part.host)
+            if h is None or h.mode == SILENT:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no host {part.host} here")
+                raise AssertionError("abort raises")
+            self._relayed(h, part)
+            n += 1
+        return wpb.RelayedResponse(count=n)
+
+    def _relayed(self, h: SimHost, part: wpb.RelayedMessage) -> None:
+        msg = relayed_message(part, h.inbox)
+        if msg is None:
+            return
+        h.relayed_in += 1
+        for m in h.inbox.accept(msg, time.monotonic()):
+            self._handle(h, m)
+
+    def _relay_failed(self, h: SimHost, hosts: Sequence[str]) -> None:
+        h.unreachable.extend(hosts)
+        h.changed.set()
+
+    def _receive(self, h: SimHost, msg: cpb.ControllerToWorker) -> None:
+        if msg.WhichOneof("msg") == "relay":
+            if h.forwarder is None:
+                h.forwarder = Forwarder(h.name, lambda part: self._relayed(h, part),
+                                        lambda hosts: self._relay_failed(h, hosts), self.token)
+                h.forwarder.key = h.session_key or None
+            h.forwarder.forward(msg.relay)
+            return
+        for m in h.inbox.accept(msg, time.monotonic()):
+            self._handle(h, m)
 
     # ---- one host ----
     async def _run(self, h: SimHost) -> None:
@@ -138,11 +216,12 @@ class Simulator:
             rejected = False
             async with aio.insecure_channel(self.server, options=CHANNEL_OPTIONS) as channel:
                 stub = cgrpc.ControllerStub(channel)
+                h.inbox.reset()  # a new registration: its messages are numbered from 1
                 h.call = stub.WorkerConnect(self._upstream(h), metadata=self.metadata)
                 try:
                     async for msg in h.call:
                         retry.connected()
-                        self._handle(h, msg)
+                        self._receive(h, msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
                     if rejected:
@@ -159,7 +238,7 @@ class Simulator:
 
     async def _upstream(self, h: SimHost) -> AsyncIterator[cpb.WorkerToController]:
         yield cpb.WorkerToController(register=cpb.RegisterWorker(
-            name=h.name, island=h.island, address=f"127.0.0.2:{10000 + h.index}", pid=os.getpid(),
+            name=h.name, island=h.island, address=h.address, pid=os.getpid(),
             device_kind="cpu", device_count=h.devices, machine_id=f"sim:{h.name}", credential=h.credential))
         # real workers start at different moments: spread the first beats over one interval
         next_beat = time.monotonic() + random.uniform(0, h.interval)
@@ -170,17 +249,25 @@ class Simulator:
             while h.mode == SILENT:  # frozen: nothing goes up until resumed
                 await h.changed.wait()
                 h.changed.clear()
+            # every message acknowledges what the host handled (relayed ones are kept until then)
             if h.joined:
                 generations, h.joined = h.joined, []
                 for generation in generations:
-                    yield cpb.WorkerToController(joined=cpb.GroupJoined(generation=generation))
+                    yield cpb.WorkerToController(joined=cpb.GroupJoined(generation=generation),
+                                                 delivered=h.inbox.delivered)
+            if h.inbox.stalled(time.monotonic()):  # a relayed message never came (server/worker/relay.py)
+                h.unreachable.append(h.name)
+            if h.unreachable:
+                hosts, h.unreachable = h.unreachable, []
+                yield cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=hosts), delivered=h.inbox.delivered)
             if h.events:
                 events, h.events = h.events, []
-                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=events))
+                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=events), delivered=h.inbox.delivered)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + h.interval
                 h.heartbeats += 1
-                yield cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=0, buffer_bytes=0))
+                yield cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=0, buffer_bytes=0),
+                                             delivered=h.inbox.delivered)
 
     def _handle(self, h: SimHost, msg: cpb.ControllerToWorker) -> None:
         kind = msg.WhichOneof("msg")
@@ -193,10 +280,20 @@ class Simulator:
                 h.interval = msg.registered.heartbeat_interval_s
             h.registrations += 1
             h.registered_at = time.monotonic()
+            h.inbox.link = msg.registered.link  # relayed messages of this registration carry it
+            if h.forwarder is not None and msg.registered.session_key:
+                h.forwarder.key = msg.registered.session_key
+            h.session_key = msg.registered.session_key
         elif kind == "heartbeat":
             if msg.heartbeat.heartbeat_interval_s > 0:
                 h.interval = msg.heartbeat.heartbeat_interval_s
         elif kind == "enqueue":
+            mono = time.monotonic()
+            for t in msg.enqueue.tasks:
+                self.received[t.run_id] = mono
+            if len(self.received) > 4096:
+                for run in list(self.received)[:2048]:
+                    del self.received[run]
             now = time.time_ns()
             ok = self.complete
             error = "" if ok else f"simulated host {h.name} runs nothing"
@@ -243,7 +340,10 @@ class Simulator:
                 # streams open that the controller has not answered yet, and hosts switched off
                 "waiting": sum(1 for h in self.hosts if h.call is not None and not h.registered_at),
                 "off": sum(1 for h in self.hosts if h.mode != NORMAL),
-                "cpu_s": ru.ru_utime + ru.ru_stime, "started_at": self.started_at}
+                "cpu_s": ru.ru_utime + ru.ru_stime, "started_at": self.started_at,
+                "relayed_in": sum(h.relayed_in for h in self.hosts),
+                "relayed_out": sum(h.forwarder.forwarded for h in self.hosts if h.forwarder is not None),
+                "duplicates": sum(h.inbox.duplicates for h in self.hosts)}
         if detail:
             out["device_ids"] = {h.name: h.device_ids for h in self.hosts if h.registered_at}
             out["intervals"] = sorted({h.interval for h in self.hosts})
@@ -266,6 +366,8 @@ async def _serve_commands(sim: Simulator) -> None:
                                               float(cmd.get("timeout", 60.0)))
             reply.update(ok=len(times) >= int(cmd["count"]), count=len(times), last=times[-1] if times else None,
                          first=times[0] if times else None)
+        elif op == "received":  # when the last task of each run arrived (monotonic; None: not seen)
+            reply["times"] = [sim.received.get(int(r)) for r in cmd["runs"]]
         elif op in ("silence", "disconnect", "resume"):
             sim.set_mode(cmd["hosts"], {"silence": SILENT, "disconnect": CLOSED, "resume": NORMAL}[op])
             reply["at"] = time.monotonic()
@@ -280,8 +382,9 @@ async def _serve_commands(sim: Simulator) -> None:
 async def _main(ns: argparse.Namespace) -> None:
     sizes = [int(s) for s in ns.islands.split(",")]
     token = ns.token or settings.resolve(ns.server).token  # $PWCTL_TOKEN, the config file, the token file
-    sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max, ns.complete)
-    sim.start()
+    sim = Simulator(ns.server, island_layout(ns.hosts, sizes), ns.devices, token, ns.reconnect_max, ns.complete,
+                    ns.listen_min)
+    await sim.start()
     try:
         await _serve_commands(sim)
     finally:
@@ -299,12 +402,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reconnect-max", type=float, default=5.0, help="longest wait between reconnections (s)")
     p.add_argument("--complete", action="store_true",
                    help="report every task done (ok) at once instead of failed (nothing runs either way)")
+    p.add_argument("--listen-min", type=int, default=32,
+                   help="hosts of islands this large listen for relayed messages (0: none)")
     ns = p.parse_args(argv)
     if ns.hosts < 1 or ns.devices < 1:
         p.error("--hosts and --devices must be at least 1")
     # one socket per host and a few for the process: raise the soft limit on open files
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max(soft, 2 * ns.hosts + 256)
+    want = max(soft, 5 * ns.hosts + 256)  # streams, listeners, relays' streams (both ends)
     if hard != resource.RLIM_INFINITY:
         want = min(want, hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
@@ -316,13 +421,14 @@ class SimWorkers:
 
     def __init__(self, server: str, hosts: int, islands: Sequence[int] = (4,), devices: int = 4,
                  token: str | None = None, env: dict[str, str] | None = None, log: Path | None = None,
-                 complete: bool = False) -> None:
+                 complete: bool = False, listen_min: int = 32) -> None:
         self.names = [host_name(i) for i in range(hosts)]
         self.islands = island_layout(hosts, islands)
         args = [sys.executable, "-m", "bench.simworkers", "--server", server, "--hosts", str(hosts),
                 "--islands", ",".join(str(s) for s in islands), "--devices", str(devices)]
         if complete:
             args.append("--complete")
+        args += ["--listen-min", str(listen_min)]
         run_env = dict(env if env is not None else os.environ)
         run_env.pop("PWCTL_TOKEN", None)
         if token:
@@ -347,6 +453,10 @@ class SimWorkers:
     def wait_registered(self, count: int | None = None, since: float = 0.0, timeout: float = 60.0) -> dict[str, Any]:
         """Waits until `count` hosts (default all) registered at or after `since` (monotonic)."""
         return self.ask("wait", count=len(self.names) if count is None else count, since=since, timeout=timeout)
+
+    def received(self, runs: Sequence[int]) -> list[float | None]:
+        """When the last task of each run reached its host (monotonic), None for one not seen."""
+        return list(self.ask("received", runs=list(runs))["times"])
 
     def silence(self, names: Sequence[str]) -> float:
         return float(self.ask("silence", hosts=list(names))["at"])

@@ -167,3 +167,10 @@ def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path
                            text=True, timeout=60)
         assert r.returncode != 0 and f"{flag}: {message}" in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_server_start_checks_the_relay_settings(pw_home: Path) -> None:
+    for flag, value in (("--relay-group", "0"), ("--relay-min-hosts", "-1")):
+        r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", flag, value],
+                           env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr

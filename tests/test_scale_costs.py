@@ -428,6 +428,32 @@ def test_simulated_workers_cost_the_same_statements_per_host_at_8_and_32(make_co
     assert small["left over"] == 0 and small["heartbeats"] == 0 and small["flush"] == 1
 
 
+async def _gang_program(core: Controller, links: dict[str, WorkerLink]) -> tuple[Any, str]:
+    """Registers `links`' hosts in island "big" (and one elsewhere), a slice over all of their
+    devices with its group formed, and a one-node program on it: (the session, the program id)."""
+    from bench.gang import FUNCTION, one_node_graph
+    from server.controller.client_session import ClientSession
+
+    for name, link in links.items():
+        core.cluster.register(registration(name, "big"), link)
+    core.cluster.register(registration("other", "small"), WorkerLink("other"))
+    core.slices.create(cpb.SliceSpec(name="gang", devices=4 * len(links), island="big"), False, "")
+    core.groups.want("big")
+    deadline = time.monotonic() + 30
+    while (g := core.groups.current.get("big")) is None:
+        assert time.monotonic() < deadline, "the island's group did not start forming"
+        await asyncio.sleep(0.05)
+    for member in g.members:
+        core.groups.joined(member, g.number, "")
+    assert core.groups.usable("big") is g and len(g.members) == len(links)
+    session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
+                            sequential=False)
+    registered = core.sessions.register_program(
+        session, cpb.RegisterProgram(request_id=1, graph=one_node_graph(), functions=[FUNCTION]))
+    assert registered.program_id, registered.error
+    return session, registered.program_id
+
+
 async def _gang_costs(make_core: MakeCore, n: int) -> dict[str, Work]:
     """A controller core (as `costs`), `n` hosts of 4 devices in one island, a slice over all
     of them (their group formed: a real coordination service, and each member's GroupJoined
@@ -435,35 +461,16 @@ async def _gang_costs(make_core: MakeCore, n: int) -> dict[str, Work]:
     work of one run's admission and dispatch (submit, then the flush into the worker links), of
     its completion (each member's report), and of the next run's after a host elsewhere
     registered (the cached cut re-checked against the placement)."""
-    from bench.gang import FUNCTION, one_node_graph
-    from server.controller.client_session import ClientSession
-
     with make_core(f"g{n}.db") as core:
         meter = Meter(core)
         links = {f"h{i:03d}": WorkerLink(f"h{i:03d}") for i in range(n)}
         try:
-            for name, link in links.items():
-                core.cluster.register(registration(name, "big"), link)
-            core.cluster.register(registration("other", "small"), WorkerLink("other"))
-            core.slices.create(cpb.SliceSpec(name="gang", devices=4 * n, island="big"), False, "")
-            core.groups.want("big")
-            deadline = time.monotonic() + 30
-            while (g := core.groups.current.get("big")) is None:
-                assert time.monotonic() < deadline, "the island's group did not start forming"
-                await asyncio.sleep(0.05)
-            for member in g.members:
-                core.groups.joined(member, g.number, "")
-            assert core.groups.usable("big") is g and len(g.members) == n
-            session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
-                                    sequential=False)
-            registered = core.sessions.register_program(
-                session, cpb.RegisterProgram(request_id=1, graph=one_node_graph(), functions=[FUNCTION]))
-            assert registered.program_id, registered.error
+            session, program_id = await _gang_program(core, links)
             runs = iter(range(1, 100))
 
             def submit() -> None:
                 r = next(runs)
-                core.dispatcher.submit(session, cpb.RunProgram(run_id=r, program_id=registered.program_id,
+                core.dispatcher.submit(session, cpb.RunProgram(run_id=r, program_id=program_id,
                                                                output_ids=[1000 + r]))
                 core.dispatcher.flush()
 
@@ -515,8 +522,64 @@ def test_a_gang_runs_work_is_linear_in_its_members(make_core: MakeCore) -> None:
         assert by_n[16] - by_n[8] == 8 * per_member, f"{what}: not linear in the members: {lines}"
         assert all(w[what].statements == 0 for w in works.values()), what
     per = {what: (by_n[8] - by_n[4]) / 4 for what, by_n in lines.items()}
-    # lines of server/ per member host: today 90, 128 and 130 (before bench/FINDINGS.md's
-    # 2026-11-25 gang entry: 103, 128, and a re-check quadratic in the members)
-    assert per["gang run: admit and dispatch"] <= 95, per
+    # lines of server/ per member host: today 99, 134 and 131 (90, 128 and 130 before each
+    # message was numbered in its host's order and looked up in the relay groups, relays.py;
+    # before bench/FINDINGS.md's 2026-11-25 gang entry: 103, 128, and a re-check quadratic in
+    # the members). Below the relay threshold (these islands) every host is still one write.
+    assert per["gang run: admit and dispatch"] <= 100, per
     assert per["gang run: completion"] <= 135, per
     assert per["gang run after a host event"] <= 135, per
+
+
+async def _relay_writes(make_core: MakeCore, n: int, **config: Any) -> tuple[int, dict[str, int]]:
+    """A controller core (as `_gang_costs`) with `config` (the relay settings), `n` hosts whose
+    links acknowledged their registration: one gang run's admission and dispatch, and what it put
+    on the links: (the writes, one per message queued on a worker's stream; each host's tasks,
+    whichever way they went)."""
+    with make_core(f"r{n}-{len(config)}-{config.get('relay_min_hosts')}.db", **config) as core:
+        links = {f"h{i:03d}": WorkerLink(f"h{i:03d}") for i in range(n)}
+        try:
+            session, program_id = await _gang_program(core, links)
+
+            def drain() -> list[tuple[str, cpb.ControllerToWorker]]:
+                out = []
+                for name, link in links.items():
+                    while not link._queue.empty():
+                        msg = link._queue.get_nowait()
+                        assert isinstance(msg, cpb.ControllerToWorker)
+                        out.append((name, msg))
+                return out
+
+            for run in (1, 2):  # the first run also carries the definitions; the second is measured
+                drain()
+                for link in links.values():
+                    link.ack(link.next_seq - 1)  # the workers handled everything so far
+                core.dispatcher.submit(session, cpb.RunProgram(run_id=run, program_id=program_id,
+                                                               output_ids=[1000 + run]))
+                core.dispatcher.flush()
+            written = drain()
+            tasks: dict[str, int] = {}
+            for name, msg in written:
+                inner = [(name, msg)] if msg.WhichOneof("msg") != "relay" else [
+                    (p.host, cpb.ControllerToWorker.FromString(p.message)) for p in msg.relay.messages]
+                for host, m in inner:
+                    assert m.seq > 0, "every message for a host is numbered in its host's order"
+                    tasks[host] = tasks.get(host, 0) + len(m.enqueue.tasks)
+            return len(written), tasks
+        finally:
+            for gen in core.groups.current.values():
+                stop_service(gen.service)
+
+
+@pytest.mark.timeout(120)
+def test_a_gang_node_over_a_large_island_costs_one_write_per_relay(make_core: MakeCore) -> None:
+    """With relays (server/controller/relays.py), one gang node's dispatch writes one message per
+    relay group to the streams, not one per member host: 2, 4 and 8 writes for 16, 32 and 64
+    hosts in groups of 8, every member still getting its one task; without relays, one write
+    per host."""
+    for n in (16, 32, 64):
+        writes, tasks = asyncio.run(_relay_writes(make_core, n, relay_min_hosts=4, relay_group=8))
+        assert writes == n // 8, f"{n} hosts: {writes} writes"
+        assert tasks == {f"h{i:03d}": 1 for i in range(n)}, tasks
+    writes, tasks = asyncio.run(_relay_writes(make_core, 16, relay_min_hosts=0))
+    assert writes == 16 and tasks == {f"h{i:03d}": 1 for i in range(16)}

@@ -154,3 +154,30 @@ def test_simulated_hosts_join_the_island_group_and_finish_gang_runs(tmp_path: Pa
     finally:
         ctl.stop()
         stop_island_services(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_simulated_hosts_relay_a_gang_nodes_enqueues(tmp_path: Path) -> None:
+    """The simulator speaks the relay protocol (server/worker/relay.py): 8 hosts in one island,
+    a controller relaying from 4 hosts on in groups of 4: each gang run leaves the controller as
+    two relay batches, the relays forward over real `Relayed` streams, and every member receives
+    its task once (the dispatch probe counts 8 tasks a run, the simulator none twice)."""
+    env = base_env(tmp_path, PATHWAYS_DISPATCH_PROBE=str(tmp_path / "probe.jsonl"))
+    ctl = Controller(tmp_path, ("--relay-min-hosts", "4", "--relay-group", "4"))
+    ctl.start(env)
+    try:
+        with SimWorkers(ctl.address, 8, (8,), 4, env=env, log=tmp_path / "sim.log", complete=True,
+                        listen_min=4) as sim:
+            assert sim.wait_registered(timeout=60)["ok"]
+            time.sleep(1.5)  # a heartbeat each: every host acknowledged its registration (relayable)
+            r = gang_dispatch(ctl.address, "i0000-8", 8, 32, tmp_path / "probe.jsonl", runs=4, warmup=1,
+                              token=ctl.token, received=sim.received)
+            st = sim.status()
+            assert r.tasks == 8 and len(r.latencies_s) == 4
+            assert st["relayed_out"] >= 4 * 6, st  # each run: 3 members of each of the 2 groups
+            assert st["relayed_in"] >= 4 * 8, st  # ... and the relays' own parts
+            assert st["duplicates"] == 0 and st["rejected"] == [], st
+            assert len(r.received_s) == 4 and all(0 < x < 10 for x in r.received_s), r.received_s
+    finally:
+        ctl.stop()
+        stop_island_services(tmp_path)

@@ -55,6 +55,10 @@ RetentionOpt = Annotated[str, typer.Option("--trace-retention",
 LostHostTtlOpt = Annotated[str, typer.Option("--lost-host-ttl",
                                              help="A host lost this long is deleted, and its island when it was "
                                                   "the last host (s, m, h or d; 0: never)")]
+RelayMinOpt = Annotated[int, typer.Option("--relay-min-hosts",
+                                          help="Islands of this many hosts or more get their hosts' messages "
+                                               "through relays, one per group of hosts (0: never)")]
+RelayGroupOpt = Annotated[int, typer.Option("--relay-group", help="Hosts per relay group")]
 
 
 @app.command("start")
@@ -72,6 +76,8 @@ def start(
     metrics_listen: MetricsOpt = "127.0.0.1:9464",
     trace_retention: RetentionOpt = "512MiB",
     lost_host_ttl: LostHostTtlOpt = "24h",
+    relay_min_hosts: RelayMinOpt = 32,
+    relay_group: RelayGroupOpt = 64,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     if heartbeat_timeout <= 0:
@@ -80,6 +86,10 @@ def start(
         raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
     if window < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--window")
+    if relay_min_hosts < 0:
+        raise typer.BadParameter("must not be negative", param_hint="--relay-min-hosts")
+    if relay_group < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--relay-group")
     if no_token and require_token:
         raise typer.BadParameter("contradicts --no-token (the token is required by default)",
                                  param_hint="--require-token")
@@ -89,7 +99,8 @@ def start(
         except ValueError as e:
             raise typer.BadParameter(f"{e} (or 'off')", param_hint="--metrics-listen") from None
     extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
-             "--metrics-listen", metrics_listen, "--trace-retention", trace_retention, "--lost-host-ttl", lost_host_ttl]
+             "--metrics-listen", metrics_listen, "--trace-retention", trace_retention, "--lost-host-ttl", lost_host_ttl,
+             "--relay-min-hosts", str(relay_min_hosts), "--relay-group", str(relay_group)]
     if no_token:
         extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

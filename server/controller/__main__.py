@@ -23,6 +23,7 @@ from .limits import (
     DEFAULT_MAX_WATCHES,
     Limits,
 )
+from .relays import DEFAULT_GROUP_SIZE, DEFAULT_MIN_HOSTS
 from .removal import parse_duration
 from .session_store import DEFAULT_GRACE_S
 from .trace_store import DEFAULT_RETENTION_BYTES, parse_size
@@ -75,7 +76,14 @@ def main() -> None:
     p.add_argument("--lost-host-ttl", default="24h",
                    help="a host lost this long is deleted, and its island when it was the last host "
                         "(default %(default)s; s, m, h or d; 0: never)")
+    p.add_argument("--relay-min-hosts", type=int, default=DEFAULT_MIN_HOSTS,
+                   help="an island of this many ready hosts or more gets its hosts' messages through relays, "
+                        "one per group of hosts (server/controller/relays.py; default %(default)s; 0: never)")
+    p.add_argument("--relay-group", type=int, default=DEFAULT_GROUP_SIZE,
+                   help="hosts per relay group (default %(default)s)")
     ns = p.parse_args()
+    if ns.relay_min_hosts < 0 or ns.relay_group < 1:
+        p.error("--relay-min-hosts must not be negative and --relay-group must be at least 1")
     if ns.no_token and ns.require_token:
         p.error("--no-token and --require-token contradict each other (the token is required by default)")
     if ns.session_grace < 0:
@@ -127,6 +135,8 @@ def main() -> None:
                       max_sessions=ns.max_sessions, max_sessions_per_caller=ns.max_sessions_per_caller,
                       max_watches=ns.max_watches),
         lost_host_ttl=lost_host_ttl,
+        relay_min_hosts=ns.relay_min_hosts,
+        relay_group=ns.relay_group,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -27,6 +27,7 @@ from .jobs import JobManager
 from .limits import Limits
 from .observe import Observer
 from .programs import ProgramRegistry
+from .relays import DEFAULT_GROUP_SIZE, DEFAULT_MIN_HOSTS, Relays
 from .removal import DEFAULT_LOST_HOST_TTL_S, Removal, slice_queries
 from .session_store import DEFAULT_GRACE_S, SessionStore
 from .sessions import SessionManager
@@ -57,6 +58,8 @@ class ControllerConfig:
     session_grace: float = DEFAULT_GRACE_S  # how long sessions of the previous controller may resume
     limits: Limits = field(default_factory=Limits)  # bounds on requests (limits.py)
     lost_host_ttl: float = DEFAULT_LOST_HOST_TTL_S  # a host lost this long is deleted (0: never)
+    relay_min_hosts: int = DEFAULT_MIN_HOSTS  # islands this large send through relays (relays.py); 0: never
+    relay_group: int = DEFAULT_GROUP_SIZE  # hosts per relay
 
 
 class Controller:
@@ -81,8 +84,10 @@ class Controller:
             hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
             max_inflight_nodes=config.window,
         )
+        # the dispatcher's messages: direct, or through a relay per group of a large island's hosts
+        self.relays = Relays(self.cluster.hosts, self.cluster.host_names, config.relay_min_hosts, config.relay_group)
         self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.cluster.hosts,
-                                     self.cluster.host_by_address, self.cluster)
+                                     self.cluster.host_by_address, self.relays)
         # signs the credentials workers check (server/credentials.py); kept across restarts
         self.worker_key = load_or_create_key(paths.data_dir() / KEY_FILE)
         # signs the job secrets of drivers (kept across restarts: drivers outlive the controller)
@@ -104,8 +109,10 @@ class Controller:
         self.observer = Observer(self.cluster, scheduler=self.scheduler, slices=self.slices.list,
                                  jobs=self.jobs.list, hangs=self.hangs, store=store)
         # the slices first: the dispatcher's placements and the clients' notices read them
-        self.cluster.on_host_up += [self.slices.host_up, self.dispatcher.host_up]
-        self.cluster.on_host_lost += [self.slices.host_lost, self.dispatcher.host_lost, self.observer.host_lost]
+        # the relays first: a lost relay's hosts get their messages again before anything new
+        self.cluster.on_host_up += [self.relays.host_up, self.slices.host_up, self.dispatcher.host_up]
+        self.cluster.on_host_lost += [self.relays.host_lost, self.slices.host_lost, self.dispatcher.host_lost,
+                                      self.observer.host_lost]
         # islands spanning hosts: after the slices and the dispatcher (a lost host's runs fail first)
         self.groups = IslandGroups(self.cluster.hosts, self.cluster.hosts_of, self.cluster.send,
                                    coordinator_host(config.listen))

@@ -9,7 +9,9 @@ and one per message to a worker. On, per run it records:
 - `queued`: when the dispatcher's flush after its arrival returned: the scheduler admitted it and
   every member's `Enqueue` is in its worker link's queue (the controller's own work);
 - `handed`: when the last `Enqueue` carrying one of its tasks was taken off a worker link's queue
-  by that worker's WorkerConnect stream, to be written by gRPC (`links.WorkerLink.messages`);
+  by that worker's WorkerConnect stream, to be written by gRPC (`links.WorkerLink.messages`); with
+  relays (relays.py), the last relay batch carrying one: the controller's part ends there, the
+  relay's forwarding is the relay worker's;
 
 and when the run ends writes one JSON line to the file: `{"run", "ok", "segments", "tasks",
 "arrived", "queued", "handed", "queued_cpu", "cpu"}`: the three times are `time.monotonic()`
@@ -83,7 +85,7 @@ class DispatchProbe:
             self._unflushed.clear()
 
     def handed(self, msg: cpb.ControllerToWorker) -> None:
-        if msg.WhichOneof("msg") != "enqueue":
+        if msg.WhichOneof("msg") not in ("enqueue", "relay"):
             return
         self._taken.append((msg, time.monotonic(), self._next_mark))
         if not self._mark_pending:
@@ -106,7 +108,7 @@ class DispatchProbe:
         keep = []
         for entry in self._taken:
             msg, when, mark = entry
-            runs = [t.run_id for t in msg.enqueue.tasks]
+            runs = _task_runs(msg)
             if run_id in runs:
                 tasks += runs.count(run_id)
                 if handed is None or when >= handed:
@@ -124,3 +126,15 @@ class DispatchProbe:
                                     "handed": handed,
                                     "cpu": None if handed_cpu is None else handed_cpu - arrived_cpu}) + "\n")
         self._out.flush()
+
+
+def _task_runs(msg: cpb.ControllerToWorker) -> list[int]:
+    """The run id of each task a handed message carries: an Enqueue's, or those of the Enqueues in
+    a relay batch's parts (relays.py; parsed here, after the run, outside what is measured)."""
+    if msg.WhichOneof("msg") == "enqueue":
+        return [t.run_id for t in msg.enqueue.tasks]
+    runs: list[int] = []
+    for part in msg.relay.messages:
+        inner = cpb.ControllerToWorker.FromString(part.message)
+        runs.extend(t.run_id for t in inner.enqueue.tasks)
+    return runs

@@ -170,6 +170,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     device_ids=info.device_ids,
                     session_key=self.core.worker_key,
                     credential=credential,
+                    link=link.link_id,
                 )
             )
         )
@@ -187,6 +188,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
         heartbeat, node_events = self.core.cluster.heartbeat, self.core.dispatcher.node_events
         try:
             async for msg in request_iterator:
+                if msg.delivered:
+                    link.ack(msg.delivered)  # relayed messages it has: forgotten (relays.py)
                 kind = msg.WhichOneof("msg")
                 if kind == "heartbeat":
                     heartbeat(name, msg.heartbeat)
@@ -194,6 +197,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
                     node_events(name, msg.node_events)
                 elif kind == "joined":
                     self.core.groups.joined(name, msg.joined.generation, msg.joined.error)
+                elif kind == "relay_failed":
+                    self.core.relays.failed(name, list(msg.relay_failed.hosts))
         except (aio.AioRpcError, aio.UsageError):
             pass
         finally:

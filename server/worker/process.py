@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import jax
@@ -20,6 +20,7 @@ from grpc import aio
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import heap, host_credential, paths
 from ..auth import TokenInterceptor
@@ -32,6 +33,8 @@ from .executable import unload_unused
 from .executor import Executor
 from .locallink import LocalReceiver
 from .reconnect import Reconnect
+from .relay import GAP_S as RELAY_GAP_S
+from .relay import Forwarder, Inbox, relayed_message
 from .reporting import EventBuffer
 from .servicer import WorkerServicer, add_to_server
 from .tcplink import TcpReceiver
@@ -84,6 +87,10 @@ class WorkerProcess:
         self._urgent: list[cpb.WorkerToController] = []  # sent at the next wake (group joins)
         # proves this is the host named config.name when it registers again (the controller's)
         self.credential = host_credential.load(config.name)
+        # controller messages in their order, whichever way each came (relay.py)
+        self.inbox = Inbox()
+        self.relayed_in = 0
+        self.forwarder: Forwarder | None = None  # once serving: this worker as a relay
 
     def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
                 nbytes: int = 0) -> None:
@@ -101,6 +108,9 @@ class WorkerProcess:
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT
+        self.forwarder = Forwarder(self.config.name, self._relayed, self._relay_failed, self.config.token)
+        servicer.on_relayed = self._relayed
+        servicer.relay_counts = lambda: (self.relayed_in, self.forwarder.forwarded if self.forwarder else 0)
         health = Health("pathways.v1.Worker")
         await health.attach(server)
         port = server.add_insecure_port(self.config.listen)
@@ -130,6 +140,7 @@ class WorkerProcess:
         servicer.close()
         local.close()
         tcp.close()
+        self.forwarder.close()
         await server.stop(grace=0.5)
 
     async def _controller_loop(self) -> None:
@@ -141,10 +152,11 @@ class WorkerProcess:
             async with aio.insecure_channel(self.config.server, options=CHANNEL_OPTIONS) as channel:
                 stub = cgrpc.ControllerStub(channel)
                 try:
+                    self.inbox.reset()  # a new registration: its messages are numbered from 1
                     call = stub.WorkerConnect(self._upstream(), metadata=metadata)
                     async for msg in call:
                         retry.connected()
-                        self._handle(msg)
+                        self._receive(msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() != grpc.StatusCode.UNAVAILABLE
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -208,20 +220,54 @@ class WorkerProcess:
                     pass
             self._wake.clear()
             while self._urgent:
-                yield self._urgent.pop(0)
+                yield self._acked(self._urgent.pop(0))
             now = loop.time()
+            if self.inbox.stalled(now, RELAY_GAP_S):  # a relayed message never came: ask for it directly
+                log.warning("controller message %d did not come through its relay in %g s; asking for it "
+                            "directly", self.inbox.next, RELAY_GAP_S)
+                yield self._acked(cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=[self.config.name])))
             if now - last_stale >= STALE_START_S / 2:
                 last_stale = now
                 stale = self.executor.stale_starts(STALE_START_S)
                 if stale:
                     self._report(stale)
             if self._events.due_in() == 0:
-                yield cpb.WorkerToController(node_events=cpb.NodeEvents(events=self._events.take()))
+                yield self._acked(cpb.WorkerToController(node_events=cpb.NodeEvents(events=self._events.take())))
             now = loop.time()
             if now - last_beat >= interval * 0.9:
                 last_beat = now
                 n, nbytes = self.store.stats()
-                yield cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=n, buffer_bytes=nbytes))
+                yield self._acked(cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=n, buffer_bytes=nbytes)))
+
+    def _acked(self, msg: cpb.WorkerToController) -> cpb.WorkerToController:
+        """`msg` telling the controller which of its messages this worker handled (relay.py)."""
+        msg.delivered = self.inbox.delivered
+        return msg
+
+    def _receive(self, msg: cpb.ControllerToWorker) -> None:
+        """A message on the controller stream: a batch to relay, or this worker's own, handled
+        in the controller's order (relay.py's Inbox)."""
+        if msg.WhichOneof("msg") == "relay":
+            if self.forwarder is not None:
+                self.forwarder.forward(msg.relay)
+            return
+        for m in self.inbox.accept(msg, self._now()):
+            self._handle(m)
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
+
+    def _relayed(self, part: wpb.RelayedMessage) -> None:
+        """A message for this worker that came through a relay (or was a relay batch's own part)."""
+        msg = relayed_message(part, self.inbox)
+        if msg is None:
+            return
+        self.relayed_in += 1
+        for m in self.inbox.accept(msg, self._now()):
+            self._handle(m)
+
+    def _relay_failed(self, hosts: Sequence[str]) -> None:
+        self._send_now(cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=list(hosts))))
 
     def _handle(self, msg: cpb.ControllerToWorker) -> None:
         kind = msg.WhichOneof("msg")
@@ -240,9 +286,12 @@ class WorkerProcess:
             self.executor.reset("the controller restarted")
             if self.executor.runners.group.announced:  # a new registration is in no island group
                 self.executor.join_group(cpb.JoinGroup(num_processes=1), lambda error: None)
+            self.inbox.link = msg.registered.link  # relayed messages of this registration carry it
             if msg.registered.session_key:  # callers' credentials are checked with it (auth.py)
                 self.auth.key = msg.registered.session_key
                 self.sender.set_key(msg.registered.session_key)
+                if self.forwarder is not None:
+                    self.forwarder.key = msg.registered.session_key
             if msg.registered.credential:  # a new one: this process took the name (or was its first)
                 self.credential = msg.registered.credential
                 host_credential.save(self.config.name, self.credential)

@@ -103,6 +103,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pw-fetch",
                                         initializer=name_native_thread)
         self._waits: dict[str, tuple[int, int]] = {}  # owner -> (fetches and waits, ids) in progress
+        # relayed controller messages (relay.py): the worker process handles them; its counts for Stats
+        self.on_relayed: Callable[[wpb.RelayedMessage], None] = lambda part: None
+        self.relay_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -347,8 +350,23 @@ class WorkerServicer(wgrpc.WorkerServicer):
             return
         self.store.put(notice.buffer_id, arr, arr.nbytes, from_peer=True)
 
+    async def Relayed(
+        self, request_iterator: AsyncIterator[wpb.RelayedMessage], context: aio.ServicerContext
+    ) -> wpb.RelayedResponse:
+        """A relay's stream of this worker's controller messages (relay.py): peers only."""
+        await self.auth.peer(context)
+        n = 0
+        async for part in request_iterator:
+            if part.host != self.host:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"this is worker {self.host}, not {part.host}")
+            self.on_relayed(part)
+            n += 1
+        return wpb.RelayedResponse(count=n)
+
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()
+        relayed_in, relayed_out = self.relay_counts()
         return wpb.WorkerStats(
             host=self.host,
             island=self.island,
@@ -359,6 +377,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
             executed_order=[f"{r}:{n}@{q}" for r, n, q in list(self.executor.recent_order)],
             segments=self.executor.segment_count,
             data_address=self.data_address,
+            relayed_in=relayed_in,
+            relayed_out=relayed_out,
         )
 
 
@@ -452,6 +472,10 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             client_stream(servicer.Transfer),
             request_deserializer=_tolerant("Transfer", wpb.TransferChunk),
             response_serializer=wpb.TransferResponse.SerializeToString),
+        "Relayed": grpc.stream_unary_rpc_method_handler(
+            client_stream(servicer.Relayed),
+            request_deserializer=_tolerant("Relayed", wpb.RelayedMessage),
+            response_serializer=wpb.RelayedResponse.SerializeToString),
         "Stats": grpc.unary_unary_rpc_method_handler(
             unary("Stats", servicer.Stats),
             request_deserializer=_tolerant("Stats", wpb.WorkerStatsRequest),

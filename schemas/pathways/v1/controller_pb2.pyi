@@ -572,6 +572,12 @@ class WorkerToController(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     NODE_EVENTS_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
+    RELAY_FAILED_FIELD_NUMBER: _builtins.int
+    DELIVERED_FIELD_NUMBER: _builtins.int
+    delivered: _builtins.int
+    """The highest `ControllerToWorker.seq` of the current registration this worker has handled
+    (every one up to it, in order): the controller forgets the relayed messages up to it.
+    """
     @_builtins.property
     def register(self) -> Global___RegisterWorker: ...
     @_builtins.property
@@ -580,6 +586,8 @@ class WorkerToController(_message.Message):
     def node_events(self) -> Global___NodeEvents: ...
     @_builtins.property
     def joined(self) -> Global___GroupJoined: ...
+    @_builtins.property
+    def relay_failed(self) -> Global___RelayFailed: ...
     def __init__(
         self,
         *,
@@ -587,16 +595,42 @@ class WorkerToController(_message.Message):
         heartbeat: Global___Heartbeat | None = ...,
         node_events: Global___NodeEvents | None = ...,
         joined: Global___GroupJoined | None = ...,
+        relay_failed: Global___RelayFailed | None = ...,
+        delivered: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register", "relay_failed", b"relay_failed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered", b"delivered", "heartbeat", b"heartbeat", "joined", b"joined", "msg", b"msg", "node_events", b"node_events", "register", b"register", "relay_failed", b"relay_failed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "node_events", "joined"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "node_events", "joined", "relay_failed"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___WorkerToController: _TypeAlias = WorkerToController  # noqa: Y015
+
+@_typing.final
+class RelayFailed(_message.Message):
+    """A relay could not forward the controller's messages to these hosts (their `Relayed` stream
+    failed): the controller sends them their messages again, directly.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOSTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        hosts: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayFailed: _TypeAlias = RelayFailed  # noqa: Y015
 
 @_typing.final
 class Registered(_message.Message):
@@ -607,6 +641,7 @@ class Registered(_message.Message):
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     SESSION_KEY_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FIELD_NUMBER: _builtins.int
+    LINK_FIELD_NUMBER: _builtins.int
     host_id: _builtins.int
     heartbeat_interval_s: _builtins.float
     session_key: _builtins.bytes
@@ -616,6 +651,10 @@ class Registered(_message.Message):
     credential: _builtins.str
     """A new credential for this host (keep it, mode 0600, and send it when registering again);
     "" when the registration carried the host's valid credential: keep that one.
+    """
+    link: _builtins.int
+    """This registration's id: relayed messages carry it (RelayedMessage.link) so that one sent to
+    an earlier registration of the host is told apart. 0: the controller relays nothing.
     """
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -629,10 +668,11 @@ class Registered(_message.Message):
         device_ids: _abc.Iterable[_builtins.int] | None = ...,
         session_key: _builtins.bytes = ...,
         credential: _builtins.str = ...,
+        link: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id", "session_key", b"session_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential", b"credential", "device_ids", b"device_ids", "heartbeat_interval_s", b"heartbeat_interval_s", "host_id", b"host_id", "link", b"link", "session_key", b"session_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,6 +688,13 @@ class ControllerToWorker(_message.Message):
     DROP_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     JOIN_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Its place in the order of its host's registration (1, 2, 3, ...: Registered is 1): a worker
+    handles its messages in this order whether they came on its own stream or through a relay,
+    and each once. 0 (an older controller, and a RelayBatch itself): handled as it arrives.
+    """
     @_builtins.property
     def registered(self) -> Global___Registered: ...
     @_builtins.property
@@ -660,6 +707,8 @@ class ControllerToWorker(_message.Message):
     def heartbeat(self) -> Global___HeartbeatSettings: ...
     @_builtins.property
     def join(self) -> Global___JoinGroup: ...
+    @_builtins.property
+    def relay(self) -> Global___RelayBatch: ...
     def __init__(
         self,
         *,
@@ -669,16 +718,44 @@ class ControllerToWorker(_message.Message):
         drop: Global___Drop | None = ...,
         heartbeat: Global___HeartbeatSettings | None = ...,
         join: Global___JoinGroup | None = ...,
+        relay: Global___RelayBatch | None = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "relay", b"relay", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "enqueue", b"enqueue", "heartbeat", b"heartbeat", "join", b"join", "msg", b"msg", "registered", b"registered", "relay", b"relay", "release", b"release", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop", "heartbeat", "join"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "enqueue", "release", "drop", "heartbeat", "join", "relay"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___ControllerToWorker: _TypeAlias = ControllerToWorker  # noqa: Y015
+
+@_typing.final
+class RelayBatch(_message.Message):
+    """For a relay (server/worker/relay.py): controller messages for hosts of its island, each to be
+    forwarded to its host (or handled here: a part for the relay itself). Sent by the controller
+    instead of one message per host's stream when several hosts of a relay group have messages in
+    one flush (server/controller/relays.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_worker_pb2.RelayedMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[_worker_pb2.RelayedMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayBatch: _TypeAlias = RelayBatch  # noqa: Y015
 
 @_typing.final
 class JoinGroup(_message.Message):

@@ -315,6 +315,8 @@ class WorkerStats(_message.Message):
     EXECUTED_ORDER_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     DATA_ADDRESS_FIELD_NUMBER: _builtins.int
+    RELAYED_IN_FIELD_NUMBER: _builtins.int
+    RELAYED_OUT_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -328,6 +330,10 @@ class WorkerStats(_message.Message):
     """registered segments (programs in use place them)"""
     data_address: _builtins.str
     """HOST:PORT of its TCP transfer port (server/worker/tcplink.py); "" none"""
+    relayed_in: _builtins.int
+    """controller messages that reached this worker through a relay"""
+    relayed_out: _builtins.int
+    """controller messages this worker forwarded to other workers as a relay"""
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -344,14 +350,72 @@ class WorkerStats(_message.Message):
         executed_order: _abc.Iterable[_builtins.str] | None = ...,
         segments: _builtins.int = ...,
         data_address: _builtins.str = ...,
+        relayed_in: _builtins.int = ...,
+        relayed_out: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
+
+@_typing.final
+class RelayedMessage(_message.Message):
+    """One controller message for one worker, carried by a relay (server/worker/relay.py): the
+    controller puts these in a `RelayBatch` to the relay, which forwards each to its `address` on a
+    `Relayed` stream (or delivers it itself when `host` is its own name).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LINK_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    """the receiving worker's name: it refuses a message for another"""
+    address: _builtins.str
+    """the receiving worker's address (where its Worker service listens)"""
+    link: _builtins.int
+    """Registered.link of the receiver's current registration: else stale"""
+    message: _builtins.bytes
+    """a serialized ControllerToWorker carrying its `seq`"""
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        address: _builtins.str = ...,
+        link: _builtins.int = ...,
+        message: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host", b"host", "link", b"link", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedMessage: _TypeAlias = RelayedMessage  # noqa: Y015
+
+@_typing.final
+class RelayedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedResponse: _TypeAlias = RelayedResponse  # noqa: Y015
 
 @_typing.final
 class OutputRoute(_message.Message):

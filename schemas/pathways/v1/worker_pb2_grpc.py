@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Relayed = channel.stream_unary(
+                '/pathways.v1.Worker/Relayed',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -100,6 +105,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relayed(self, request_iterator, context):
+        """Relay -> member worker (peer credential): controller messages for this worker that the
+        controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStatsRequest.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'Relayed': grpc.stream_unary_rpc_method_handler(
+                    servicer.Relayed,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Worker:
             '/pathways.v1.Worker/Stats',
             schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStatsRequest.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relayed(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pathways.v1.Worker/Relayed',
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.FromString,
             options,
             channel_credentials,
             insecure,

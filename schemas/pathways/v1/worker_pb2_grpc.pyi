@@ -46,6 +46,10 @@ class WorkerStub:
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]
     """Introspection: buffer counts, executables, devices."""
+    Relayed: _grpc.StreamUnaryMultiCallable[_worker_pb2.RelayedMessage, _worker_pb2.RelayedResponse]
+    """Relay -> member worker (peer credential): controller messages for this worker that the
+    controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -62,6 +66,10 @@ class WorkerAsyncStub(WorkerStub):
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]  # type: ignore[assignment]
     """Introspection: buffer counts, executables, devices."""
+    Relayed: _aio.StreamUnaryMultiCallable[_worker_pb2.RelayedMessage, _worker_pb2.RelayedResponse]  # type: ignore[assignment]
+    """Relay -> member worker (peer credential): controller messages for this worker that the
+    controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -105,5 +113,15 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.WorkerStats, _abc.Awaitable[_worker_pb2.WorkerStats]]:
         """Introspection: buffer counts, executables, devices."""
+
+    @_abc_1.abstractmethod
+    def Relayed(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.RelayedMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.RelayedResponse, _abc.Awaitable[_worker_pb2.RelayedResponse]]:
+        """Relay -> member worker (peer credential): controller messages for this worker that the
+        controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,180 @@
+"""Relay groups: a flush's messages for many hosts of an island leave as one write per relay.
+
+Why (issue 31, bench/FINDINGS.md): one gang node over a 512-host island is 512 `Enqueue`s, and
+each write to a worker's stream costs the event loop ~35 µs inside grpc.aio (most of it the
+kernel's `sendmsg`): ~18 ms for the writes alone, against a 5 ms target for admission and
+dispatch. Here an island of at least `min_hosts` ready hosts is cut into groups of about
+`group_size` hosts (consecutive in name order, the sizes balanced); when two or more hosts of a
+group have messages in one flush, the controller sends their messages in one `RelayBatch` to the
+group's *relay* (its first eligible host by name), which forwards each to its host
+(server/worker/relay.py). Smaller islands, and a group with one host to write to, keep direct
+sends: no extra hop where there is nothing to save.
+
+Order and failures: each message carries its host's `seq` (links.py), and the worker handles its
+messages in that order whichever way each came, so relaying changes no worker's sequence of
+messages, and with it no island's gang order (server/worker/relay.py argues it). Relayed
+messages stay on their host's link until the host acknowledges them. A relay that is lost (its
+stream closed or it stopped beating: it is marked lost like any host) or re-registers, or that
+reports it could not reach a host (`RelayFailed`), has the unacknowledged messages of the hosts
+it carried sent again directly; the workers drop the copies of those the relay did deliver. A
+host a relay could not reach gets direct sends until it registers again.
+
+Only hosts that acknowledged their registration (`WorkerToController.delivered` >= 1: they know
+its `link` id, which relayed messages must carry) are relayed to or relay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from .cluster import READY, HostInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_HOSTS = 32  # islands smaller than this keep direct sends (their latency)
+DEFAULT_GROUP_SIZE = 64  # hosts per relay group (one relay each): 8 relays for 512 hosts
+
+
+def groups_of(names: Sequence[str], group_size: int) -> list[tuple[str, ...]]:
+    """`names` cut into consecutive groups of at most `group_size`, as even as can be."""
+    n = len(names)
+    if n == 0:
+        return []
+    k = -(-n // max(1, group_size))
+    base, extra = divmod(n, k)
+    out, i = [], 0
+    for j in range(k):
+        size = base + (1 if j < extra else 0)
+        out.append(tuple(names[i:i + size]))
+        i += size
+    return out
+
+
+def _eligible(info: HostInfo) -> bool:
+    link = info.link
+    return info.state == READY and link is not None and not link.closed and link.acked >= 1 and link.relayable
+
+
+class Relays:
+    """The dispatcher's outbox (dispatch.WorkerOutbox): direct sends, or one batch per relay."""
+
+    def __init__(self, hosts: Mapping[str, HostInfo], host_names: Callable[[str], Sequence[str]],
+                 min_hosts: int = DEFAULT_MIN_HOSTS, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        self.hosts = hosts
+        self.host_names = host_names
+        self.min_hosts = min_hosts  # 0: never relay
+        self.group_size = group_size
+        self._groups: dict[str, dict[str, tuple[str, ...]]] = {}  # island -> host -> its group
+        self._via: dict[str, set[str]] = {}  # relay -> hosts it was given messages for
+        # what went where (tests and the benchmark read them): batches to relays, messages in
+        # them, and writes to streams (a batch is one)
+        self.batches = 0
+        self.relayed = 0
+        self.writes = 0
+
+    # ---- membership ----
+    def _group_map(self, island: str) -> dict[str, tuple[str, ...]]:
+        groups = self._groups.get(island)
+        if groups is None:
+            hosts = self.hosts
+            names = [n for n in self.host_names(island) if (h := hosts.get(n)) is not None and h.state == READY]
+            groups = {}
+            if self.min_hosts > 0 and len(names) >= self.min_hosts:
+                for g in groups_of(names, self.group_size):
+                    for n in g:
+                        groups[n] = g
+            self._groups[island] = groups
+        return groups
+
+    def host_up(self, info: HostInfo) -> None:
+        self._groups.pop(info.island, None)
+        self._relay_gone(info.name)  # an earlier registration of it may have been relaying
+
+    def host_lost(self, info: HostInfo, reason: str) -> None:
+        self._groups.pop(info.island, None)
+        self._relay_gone(info.name)
+
+    def _relay_gone(self, relay: str) -> None:
+        hosts = self._via.pop(relay, None)
+        if not hosts:
+            return
+        resent = 0
+        for name in hosts:
+            info = self.hosts.get(name)
+            if info is not None and info.link is not None:
+                resent += info.link.resend_retained()
+        if resent:
+            log.info("relay %s gone: %d message(s) for %d host(s) sent again directly", relay, resent, len(hosts))
+
+    def failed(self, relay: str, names: Sequence[str]) -> None:
+        """`relay` could not forward to these hosts: they get their messages directly from now on."""
+        for name in names:
+            info = self.hosts.get(name)
+            if info is None or info.link is None:
+                continue
+            info.link.relayable = False
+            n = info.link.resend_retained()
+            if name == relay:  # the host itself: a relayed message never came (server/worker/relay.py)
+                log.warning("host %s misses a relayed message: %d message(s) sent again directly", name, n)
+            else:
+                log.warning("relay %s could not reach host %s: %d message(s) sent again directly", relay, name, n)
+
+    # ---- sending ----
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        """One message on host `host`'s own stream (dropped when it has none: it is lost)."""
+        info = self.hosts.get(host)
+        if info is not None and info.link is not None:
+            info.link.send(msg)
+            self.writes += 1
+
+    def send_all(self, msgs: Mapping[str, list[cpb.ControllerToWorker]]) -> None:
+        """A flush's messages by host, each host's in order (see the module docstring)."""
+        hosts = self.hosts
+        grouped: dict[tuple[str, ...], list[HostInfo]] = {}
+        for name, ms in msgs.items():
+            info = hosts.get(name)
+            if info is None or info.link is None:
+                continue
+            group = self._group_map(info.island).get(name) if self.min_hosts > 0 else None
+            if group is None or not _eligible(info):
+                for m in ms:
+                    info.link.send(m)
+                self.writes += len(ms)
+                continue
+            grouped.setdefault(group, []).append(info)
+        for group, members in grouped.items():
+            relay = None
+            if len(members) >= 2:
+                relay = next((h for n in group if (h := hosts.get(n)) is not None and _eligible(h)), None)
+            if relay is None:
+                for info in members:
+                    for m in msgs[info.name]:
+                        info.link.send(m)  # type: ignore[union-attr]  # checked above
+                    self.writes += len(msgs[info.name])
+                continue
+            self._batch(relay, members, msgs)
+
+    def _batch(self, relay: HostInfo, members: list[HostInfo],
+               msgs: Mapping[str, list[cpb.ControllerToWorker]]) -> None:
+        batch = cpb.ControllerToWorker()
+        parts = batch.relay.messages  # added in place: a list of parts would be copied in
+        via = self._via.setdefault(relay.name, set())
+        for info in members:
+            link = info.link
+            assert link is not None
+            own = info is relay
+            for m in msgs[info.name]:
+                m = link.stamp(m)
+                if not own:  # the relay's own part is lost only with the relay's registration
+                    link.retain(m)
+                parts.add(host=info.name, address=info.address, link=link.link_id, message=m.SerializeToString())
+            if not own:
+                via.add(info.name)
+        assert relay.link is not None
+        relay.link.send_unnumbered(batch)
+        self.batches += 1
+        self.relayed += len(parts)
+        self.writes += 1

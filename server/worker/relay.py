@@ -1,0 +1,205 @@
+"""Controller messages that come through a relay (issue 31): the worker's two sides.
+
+At thousands of hosts, one gang node means one `Enqueue` per member host, and each write to a
+worker's stream costs the controller's event loop ~35 µs inside gRPC (bench/FINDINGS.md). So in
+an island of many hosts the controller sends one `RelayBatch` to one host of each relay group (a
+*relay*, server/controller/relays.py), carrying every member's message of that flush, and the
+relay forwards each to its member over a `Relayed` stream (worker.proto) that it opens to the
+member's Worker service: the controller's writes grow with the relays, not with the hosts.
+
+**Order.** Every message the controller sends a host carries `seq`, its place in that host's
+registration (1, 2, 3, ...: `Registered` is 1), whether it goes on the host's own stream or
+through a relay. The worker handles its messages strictly in `seq` order (`Inbox`): one that
+comes early (a release on the host's own stream that overtook the relayed `Enqueue` before it)
+waits for the ones before it. So each worker sees exactly the sequence of messages that direct
+sends would give it, in the same order, whatever path each took: its tasks enter its executor
+in the controller's order, and the island's gang order (each worker runs the tasks of its
+island's gang nodes in the order the controller decided them, the same order on every member:
+what keeps their collectives from interleaving into a deadlock) is the one direct sends give.
+
+**Loss and duplicates.** A message is handled once: a `seq` already handled (or waiting) is
+dropped. The controller keeps every relayed message until the worker says it handled it
+(`WorkerToController.delivered`, on every message the worker sends up), and when the relay is
+lost (its stream closes: handled as any closed stream) or reports that it could not forward
+(`RelayFailed`), sends those messages again on the host's own stream: nothing is lost, and what
+the relay did forward before it failed is dropped as a duplicate. A relayed message for an
+earlier registration of the worker (`RelayedMessage.link` is not this registration's) is stale
+and dropped: that registration's state is gone with it. A gap that stays open for `GAP_S`
+(a relay that is alive to the controller but did not deliver, which it would otherwise not
+notice) makes the worker report itself in a `RelayFailed`: the controller then sends it what it
+has not acknowledged directly, and relays to it no more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from grpc import aio
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from ..credentials import PEER_HEADER, peer_credential
+
+log = logging.getLogger(__name__)
+
+RELAYED_METHOD = "/pathways.v1.Worker/Relayed"
+GAP_S = 5.0  # a message missing this long while later ones wait: asked for directly
+# one connection per member, as separate hosts have (no sharing of one subchannel by address)
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
+class Inbox:
+    """A worker's controller messages put back in their `seq` order (no I/O).
+
+    `accept` takes one message as it arrives (its own stream or a relay) and returns those now
+    due, in order: none while an earlier one is missing, several once the gap is filled."""
+
+    def __init__(self) -> None:
+        self.link = 0  # Registered.link of the current registration (0: none, nothing relayed is taken)
+        self.next = 1
+        self.pending: dict[int, cpb.ControllerToWorker] = {}
+        self.duplicates = 0
+        self.gap_since: float | None = None  # when the oldest waiting message came (none waiting: None)
+
+    def reset(self) -> None:
+        """A new stream to the controller: a new registration, its messages numbered from 1."""
+        self.link = 0
+        self.next = 1
+        self.pending.clear()
+        self.gap_since = None
+
+    def stalled(self, now: float, limit: float = GAP_S) -> bool:
+        """Whether messages have waited for a missing one for `limit` seconds; the clock starts
+        again (the next report is due `limit` later if the gap is still open)."""
+        if self.gap_since is None or now - self.gap_since < limit:
+            return False
+        self.gap_since = now
+        return True
+
+    @property
+    def delivered(self) -> int:
+        """The highest seq handed out (every one up to it was)."""
+        return self.next - 1
+
+    def accept(self, msg: cpb.ControllerToWorker, now: float = 0.0) -> list[cpb.ControllerToWorker]:
+        """`now` (monotonic): when it came, for `stalled`."""
+        seq = msg.seq
+        if seq == 0:
+            return [msg]  # outside the order (an older controller)
+        if seq < self.next or seq in self.pending:
+            self.duplicates += 1
+            return []
+        if seq != self.next:
+            if not self.pending:
+                self.gap_since = now
+            self.pending[seq] = msg
+            return []
+        out = [msg]
+        self.next += 1
+        while self.pending:
+            nxt = self.pending.pop(self.next, None)
+            if nxt is None:
+                break
+            out.append(nxt)
+            self.next += 1
+        if not self.pending:
+            self.gap_since = None
+        elif len(out) > 1:
+            self.gap_since = now  # the gap moved on: a new one, timed from now
+        return out
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+class _Member:
+    """The relay's stream to one member: messages go out in the order they were given."""
+
+    def __init__(self, forwarder: Forwarder, host: str, address: str) -> None:
+        self.host, self.address = host, address
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run(forwarder))
+
+    async def _run(self, fw: Forwarder) -> None:
+        channel = aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        try:
+            call = channel.stream_unary(RELAYED_METHOD, request_serializer=_identity,
+                                        response_deserializer=wpb.RelayedResponse.FromString)(
+                metadata=fw.metadata())
+            while True:
+                data = await self.queue.get()
+                await call.write(data)
+                fw.forwarded += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the member's stream failed: the controller sends it its messages itself
+            log.warning("relay to %s at %s failed: %s", self.host, self.address, str(e).splitlines()[0] if str(e) else
+                        type(e).__name__)
+            fw.member_failed(self)
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+
+class Forwarder:
+    """The relay side: hands each part of a `RelayBatch` to its member's `Relayed` stream (opened
+    on first use, kept), or to `deliver_local` when the part is for this worker itself. A member
+    whose stream fails is reported through `failed` (the worker sends `RelayFailed` up) and its
+    stream is dropped: the controller then sends that member its messages directly."""
+
+    def __init__(self, own: str, deliver_local: Callable[[wpb.RelayedMessage], None],
+                 failed: Callable[[Sequence[str]], None], token: str | None = None) -> None:
+        self.own = own
+        self.deliver_local = deliver_local
+        self.failed = failed
+        self.token = token
+        self.key: bytes | None = None  # the peer credential's key, from the controller's Registered
+        self._members: dict[str, _Member] = {}
+        self.forwarded = 0
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        md: list[tuple[str, str]] = []
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        if self.key is not None:
+            md.append((PEER_HEADER, peer_credential(self.key)))
+        return tuple(md)
+
+    def forward(self, batch: cpb.RelayBatch) -> None:
+        for part in batch.messages:
+            if part.host == self.own:
+                self.deliver_local(part)
+                continue
+            m = self._members.get(part.host)
+            if m is None or m.address != part.address:
+                if m is not None:
+                    m.task.cancel()
+                m = self._members[part.host] = _Member(self, part.host, part.address)
+            m.queue.put_nowait(part.SerializeToString())
+
+    def member_failed(self, m: _Member) -> None:
+        if self._members.get(m.host) is m:
+            del self._members[m.host]
+        self.failed([m.host])
+
+    def close(self) -> None:
+        for m in self._members.values():
+            m.task.cancel()
+        self._members.clear()
+
+
+def relayed_message(part: wpb.RelayedMessage, inbox: Inbox) -> cpb.ControllerToWorker | None:
+    """The controller message a relayed part carries, or None when it is stale (for an earlier
+    registration, or before this one's `Registered` was handled) or does not decode."""
+    if inbox.link == 0 or part.link != inbox.link:
+        return None
+    try:
+        return cpb.ControllerToWorker.FromString(part.message)
+    except Exception:  # DecodeError: a peer sent garbage; nothing to handle
+        log.warning("a relayed message for %s does not decode; dropped", part.host)
+        return None

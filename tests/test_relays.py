@@ -1,0 +1,265 @@
+"""Relays (issue 31): a large island's controller messages through one relay per group of hosts
+(server/controller/relays.py, server/worker/relay.py).
+
+The worker's `Inbox` (the order every worker handles its messages in, whichever way each came)
+and the controller's groups in process; then real local clusters whose controller relays from 2
+hosts on: a gang program over three workers gives the exact results with its members' messages
+relayed, and a relay killed while a program's runs go through it loses and duplicates nothing:
+every run succeeds, before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, wait_for
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from server.controller.cluster import LOST, READY, HostInfo
+from server.controller.links import WorkerLink
+from server.controller.relays import Relays, groups_of
+from server.worker.relay import Inbox
+
+pytestmark = pytest.mark.timeout(240)
+
+RELAYS_FROM_2 = ("--relay-min-hosts", "2", "--relay-group", "4")
+
+
+def _msg(seq: int) -> cpb.ControllerToWorker:
+    return cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[seq]), seq=seq)
+
+
+def _seqs(msgs: list[cpb.ControllerToWorker]) -> list[int]:
+    return [m.seq for m in msgs]
+
+
+def test_the_inbox_hands_out_messages_in_their_order_once() -> None:
+    box = Inbox()
+    assert _seqs(box.accept(_msg(1))) == [1]
+    assert box.accept(_msg(3)) == [] and box.accept(_msg(4)) == []  # came early (own stream)
+    assert _seqs(box.accept(_msg(2))) == [2, 3, 4]  # the relayed one fills the gap
+    assert box.delivered == 4
+    assert box.accept(_msg(3)) == [] and box.accept(_msg(2)) == []  # sent again after a relay failed
+    assert box.accept(_msg(6)) == [] and box.accept(_msg(6)) == []  # waiting, and its copy
+    assert _seqs(box.accept(_msg(5))) == [5, 6]
+    assert box.duplicates == 3
+    assert _seqs(box.accept(cpb.ControllerToWorker(release=wpb.ReleaseBuffers()))) == [0]  # unnumbered: at once
+    box.reset()  # a new registration
+    assert box.delivered == 0 and _seqs(box.accept(_msg(1))) == [1]
+
+
+def test_a_gap_left_open_is_reported_once_per_limit() -> None:
+    box = Inbox()
+    box.accept(_msg(1), now=0.0)
+    assert not box.stalled(100.0)  # nothing waits
+    box.accept(_msg(3), now=10.0)  # 2 is missing
+    assert not box.stalled(14.0, limit=5.0) and box.stalled(15.0, limit=5.0)
+    assert not box.stalled(16.0, limit=5.0) and box.stalled(20.5, limit=5.0)  # again a limit later
+    box.accept(_msg(2), now=21.0)  # filled
+    assert box.gap_since is None and not box.stalled(100.0)
+
+
+def _relay_setup(n: int) -> tuple[Relays, dict[str, HostInfo]]:
+    hosts = {}
+    for i in range(n):
+        info = HostInfo(id=i, name=f"h{i}", island="big", address=f"10.0.0.{i}:7000", pid=0, kind="cpu",
+                        machine_id=f"m{i}", device_ids=[i], state=READY)
+        info.link = WorkerLink(info.name)
+        info.link.ack(0)
+        info.link.send(cpb.ControllerToWorker(registered=cpb.Registered(link=info.link.link_id)))
+        info.link.ack(1)  # it handled its Registered: relayable
+        hosts[info.name] = info
+    return Relays(hosts, lambda island: sorted(hosts), min_hosts=2, group_size=n), hosts
+
+
+def _queued(info: HostInfo) -> list[cpb.ControllerToWorker]:
+    assert info.link is not None
+    out = []
+    while not info.link._queue.empty():
+        m = info.link._queue.get_nowait()
+        assert isinstance(m, cpb.ControllerToWorker)
+        out.append(m)
+    return out
+
+
+def _flush(relays: Relays, names: list[str]) -> None:
+    relays.send_all({n: [cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7]))] for n in names})
+
+
+def test_relayed_messages_are_sent_again_directly_when_their_relay_fails_or_is_lost() -> None:
+    relays, hosts = _relay_setup(4)
+    for h in hosts.values():
+        _queued(h)
+    _flush(relays, ["h1", "h2", "h3"])  # one group, relay h0 (it has nothing of its own)
+    [batch] = _queued(hosts["h0"])
+    parts = batch.relay.messages
+    assert [p.host for p in parts] == ["h1", "h2", "h3"] and batch.seq == 0
+    assert all(cpb.ControllerToWorker.FromString(p.message).seq == 2 for p in parts)
+    assert not any(_queued(hosts[n]) for n in ("h1", "h2", "h3"))
+    hosts["h1"].link.ack(2)  # type: ignore[union-attr]  # h1 got it through h0
+    relays.failed("h0", ["h2"])  # h0 could not reach h2: h2 gets it directly, and from now on
+    assert [m.seq for m in _queued(hosts["h2"])] == [2]
+    _flush(relays, ["h1", "h2", "h3"])
+    [batch] = _queued(hosts["h0"])
+    assert [p.host for p in batch.relay.messages] == ["h1", "h3"]
+    assert [m.seq for m in _queued(hosts["h2"])] == [3]
+    relays.host_lost(hosts["h0"], "its connection closed")  # what h0 carried and nobody acknowledged
+    assert _queued(hosts["h1"])[0].seq == 3
+    assert [m.seq for m in _queued(hosts["h3"])] == [2, 3]
+    assert not _queued(hosts["h2"])
+    hosts["h0"].state = LOST
+    _flush(relays, ["h1", "h3"])  # the group is h1..h3 now: relay h1
+    [batch] = _queued(hosts["h1"])
+    assert [p.host for p in batch.relay.messages] == ["h1", "h3"]
+
+
+def test_groups_are_consecutive_and_balanced() -> None:
+    names = [f"h{i:03d}" for i in range(130)]
+    groups = groups_of(names, 64)
+    assert [len(g) for g in groups] == [44, 43, 43]
+    assert [n for g in groups for n in g] == names
+    assert groups_of(names[:64], 64) == [tuple(names[:64])]
+    assert groups_of([], 64) == []
+
+
+SPMD = """
+import json
+import numpy as np
+import pwctl as pw
+import jax
+
+s = pw.make_virtual_device_set().add_slice(devices=3, island="a")
+step = pw.pmap(lambda x: x * 2.0 + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+x = np.arange(3 * 5, dtype=np.float32).reshape(3, 5) / 7.0
+want = x * 2.0 + x.sum(0)
+got = [np.asarray(step(x)) for _ in range(6)]
+print(json.dumps({"hosts": sorted({d.host for d in s.info.devices}),
+                  "close": [bool(np.allclose(g, want, rtol=1e-6)) for g in got]}))
+"""
+
+PIPELINE = """
+import json
+import sys
+import time
+from pathlib import Path
+import numpy as np
+import pwctl as pw
+
+work = Path(sys.argv[1])
+vds = pw.make_virtual_device_set()
+s = [vds.add_slice(devices=1, island="a") for _ in range(3)]
+f0 = pw.pmap(lambda v: v * 2.0, devices=s[0].devices)
+f1 = pw.pmap(lambda v: v + 3.0, devices=s[1].devices)
+f2 = pw.pmap(lambda v: v - 1.0, devices=s[2].devices)
+
+@pw.program
+def pipe(x):
+    return f2(f1(f0(x)))
+
+x = np.arange(64, dtype=np.float32).reshape(1, -1)
+want = x * 2.0 + 3.0 - 1.0
+ok, wrong, errors = 0, 0, []
+hosts = sorted({d.host for sl in s for d in sl.info.devices})
+while not (work / "stop").exists():
+    try:
+        if np.array_equal(np.asarray(pipe(x)), want):
+            ok += 1
+        else:
+            wrong += 1
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+        if len(errors) > 5:
+            break
+    (work / "count").write_text(str(ok))
+print(json.dumps({"ok": ok, "wrong": wrong, "errors": errors, "hosts": hosts}))
+"""
+
+
+def _stats(cluster: LocalCluster, name: str) -> wpb.WorkerStats:
+    address = cluster.hosts()[name].address
+    with cluster.channel(address) as ch:
+        return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+
+
+def _no_repeats(stats: wpb.WorkerStats) -> None:
+    """Each task a worker ran ("run:segment@seq") ran once: no message was handled twice."""
+    twice = [e for e, k in Counter(stats.executed_order).items() if k > 1]
+    assert not twice, f"{stats.host} ran tasks twice: {twice}"
+
+
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
+def test_a_gang_program_through_a_relay_gives_the_exact_results(cluster: LocalCluster) -> None:
+    """Three one-device workers of island a, one group (relay w-a, the first by name): every run
+    of a pmap with a psum over the three hosts carries its members' Enqueues in one batch to w-a,
+    which forwards them; the results are NumPy's."""
+    cluster.add_worker("a", 1, name="w-a2")
+    cluster.add_worker("a", 1, name="w-a3")
+
+    def run() -> dict[str, object]:
+        deadline = time.monotonic() + 120
+        while True:  # the island's group forms first (a run before then is refused, saying so)
+            out = subprocess.run([sys.executable, "-c", SPMD], env=cluster.env(), capture_output=True, text=True,
+                                 timeout=180)
+            if out.returncode == 0 or "forming" not in out.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["hosts"] == ["w-a", "w-a2", "w-a3"] and got["close"] == [True] * 6, got
+        return got
+
+    run()  # the group formed, the function compiled, every worker acknowledged its registration
+    names = ("w-a", "w-a2", "w-a3")
+    before = {n: _stats(cluster, n) for n in names}
+    run()
+    after = {n: _stats(cluster, n) for n in names}
+    # each of the 6 runs: w-a2's and w-a3's Enqueues forwarded by w-a, w-a's own handed to itself
+    assert after["w-a"].relayed_out - before["w-a"].relayed_out >= 12, (before, after)
+    assert all(after[n].relayed_in - before[n].relayed_in >= 6 for n in names), (before, after)
+    for st in after.values():
+        _no_repeats(st)
+
+
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
+def test_a_relay_killed_mid_run_loses_and_duplicates_nothing(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A program over three one-device slices on w-a, w-a2, w-a3 runs in a loop; a fourth worker,
+    r-0, joins island a and, first by name, becomes the group's relay: each run's three Enqueues
+    go through it. It is killed while runs flow; the controller sends what it had not delivered
+    directly, and every run before and after gives the exact result, each task run once."""
+    cluster.add_worker("a", 1, name="w-a2")
+    cluster.add_worker("a", 1, name="w-a3")
+    client = subprocess.Popen([sys.executable, "-c", PIPELINE, str(tmp_path)], env=cluster.env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        count = tmp_path / "count"
+        wait_for(lambda: (count.exists() and int(count.read_text() or 0) > 0) or client.poll() is not None, 120,
+                 "the program's first run")
+        assert client.poll() is None, client.communicate()[1][-3000:]
+        cluster.add_worker("a", 1, name="r-0")
+        wait_for(lambda: _stats(cluster, "r-0").relayed_out >= 20, 60, "runs relayed through r-0")
+        before = int(count.read_text() or 0)
+        cluster.kill_worker("r-0")
+        wait_for(lambda: int(count.read_text() or 0) >= before + 20 or client.poll() is not None, 60,
+                 "runs after the relay's death")
+        (tmp_path / "stop").write_text("stop")
+        out, err = client.communicate(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["errors"] == [] and got["wrong"] == 0 and got["ok"] >= before + 20, got
+    assert got["hosts"] == ["w-a", "w-a2", "w-a3"], got
+    for name in ("w-a", "w-a2", "w-a3"):
+        st = _stats(cluster, name)
+        assert st.relayed_in > 0, st
+        _no_repeats(st)

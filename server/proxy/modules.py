@@ -180,12 +180,13 @@ def _sdy_named(text: str, meshes: dict[str, str]) -> tuple[str, Any]:
 
 
 def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None, ...], meshes: dict[str, str],
-                     parts: int, inputs: tuple[ArraySpec, ...], outputs: tuple[ArraySpec, ...]
-                     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+                     parts: int, inputs: tuple[ArraySpec, ...], outputs: tuple[ArraySpec, ...],
+                     propagate: bool = False) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """The module's argument and result shardings as NamedShardings over one abstract mesh (the
     module's own Shardy mesh, else one over the devices in order): what an export records and
-    the workers place arrays with. On one device, all None. A result without a sharding (left
-    to XLA's propagation, which only a compile decides) is made replicated."""
+    the workers place arrays with. On one device, all None. A result without a sharding is left
+    to XLA's propagation (None) with `propagate`, which only a compile decides; else it is made
+    replicated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     if parts == 1:
@@ -222,16 +223,19 @@ def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None
             out.append(NamedSharding(mesh, spec[1]))
         elif text is not None:
             out.append(_named(xc.HloSharding.from_string(text), mesh, ndim))
-        elif i >= len(inputs):
+        elif i >= len(inputs) and not propagate:
             out.append(NamedSharding(mesh, PartitionSpec(*([None] * ndim))))
         else:
             out.append(None)
     return tuple(out[: len(inputs)]), tuple(out[len(inputs):])
 
 
-def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
+def describe(module: bytes, platform: str, suffix: str = "", propagate: bool = False) -> ModuleInfo:
     """Reads a StableHLO portable artifact and wraps it for the workers; BackendError if it cannot.
-    `suffix` goes into the function's name (a variant of the same module gets other bytes)."""
+    `suffix` goes into the function's name (a variant of the same module gets other bytes).
+    With `propagate`, a result the module gives no sharding gets the one XLA's propagation picks
+    when the workers compile it (its `out_shardings` entry is then None: not known here);
+    without, it is made replicated."""
     import jax
     from jax._src import core
     from jax._src.interpreters import mlir
@@ -273,7 +277,7 @@ def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
     if replicas != 1:
         raise BackendError("UNIMPLEMENTED", f"a module with {replicas} replicas (pmap-style): use jit over a mesh")
     try:
-        in_named, out_named = _named_shardings(in_text, out_text, meshes, parts, inputs, outputs)
+        in_named, out_named = _named_shardings(in_text, out_text, meshes, parts, inputs, outputs, propagate)
     except BackendError:
         raise
     except Exception as e:

@@ -26,6 +26,7 @@ from ..credentials import Caller
 from ..threadnames import name_native_thread
 from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
+from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
@@ -103,9 +104,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pw-fetch",
                                         initializer=name_native_thread)
         self._waits: dict[str, tuple[int, int]] = {}  # owner -> (fetches and waits, ids) in progress
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pw-compile",
+                                            initializer=name_native_thread)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
 
     async def PutBuffers(  # type: ignore[override]  # requests parsed by wire.put_buffer
         self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
@@ -347,6 +351,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
             return
         self.store.put(notice.buffer_id, arr, arr.nbytes, from_peer=True)
 
+    async def Compile(self, request: wpb.CompileRequest, context: aio.ServicerContext) -> wpb.CompileReply:
+        """Compiles a function now, for the executable cache its runs use (compiling.py)."""
+        await self.auth.session(context, "compile")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compiles, compile_function, self.executor.runners, request)
+
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()
         return wpb.WorkerStats(
@@ -452,6 +462,10 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             client_stream(servicer.Transfer),
             request_deserializer=_tolerant("Transfer", wpb.TransferChunk),
             response_serializer=wpb.TransferResponse.SerializeToString),
+        "Compile": grpc.unary_unary_rpc_method_handler(
+            unary("Compile", servicer.Compile),
+            request_deserializer=_tolerant("Compile", wpb.CompileRequest),
+            response_serializer=wpb.CompileReply.SerializeToString),
         "Stats": grpc.unary_unary_rpc_method_handler(
             unary("Stats", servicer.Stats),
             request_deserializer=_tolerant("Stats", wpb.WorkerStatsRequest),

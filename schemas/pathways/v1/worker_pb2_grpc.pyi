@@ -46,6 +46,11 @@ class WorkerStub:
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]
     """Introspection: buffer counts, executables, devices."""
+    Compile: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CompileRequest, _worker_pb2.CompileReply]
+    """Client -> worker: compile a function now, for devices a later run will name (the same
+    executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+    output shardings to its clients at compile time (server/proxy/cluster_backend.py).
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -62,6 +67,11 @@ class WorkerAsyncStub(WorkerStub):
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]  # type: ignore[assignment]
     """Introspection: buffer counts, executables, devices."""
+    Compile: _aio.UnaryUnaryMultiCallable[_worker_pb2.CompileRequest, _worker_pb2.CompileReply]  # type: ignore[assignment]
+    """Client -> worker: compile a function now, for devices a later run will name (the same
+    executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+    output shardings to its clients at compile time (server/proxy/cluster_backend.py).
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -105,5 +115,16 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.WorkerStats, _abc.Awaitable[_worker_pb2.WorkerStats]]:
         """Introspection: buffer counts, executables, devices."""
+
+    @_abc_1.abstractmethod
+    def Compile(
+        self,
+        request: _worker_pb2.CompileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.CompileReply, _abc.Awaitable[_worker_pb2.CompileReply]]:
+        """Client -> worker: compile a function now, for devices a later run will name (the same
+        executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+        output shardings to its clients at compile time (server/proxy/cluster_backend.py).
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

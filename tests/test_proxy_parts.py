@@ -47,7 +47,7 @@ x = jax.device_put(np.arange(16.0, dtype=np.float32).reshape(4, 4), NamedShardin
 show("x", x)
 show("xr", jax.jit(lambda v: v @ v.T, out_shardings=NamedSharding(rev, P("r")))(x))
 odd = Mesh(np.array([devs[3], devs[1], devs[2], devs[0]]).reshape(2, 2), ("p", "q"))
-z = jax.device_put(np.asarray(x), NamedSharding(odd, P("p", "q")))
+z = jax.device_put(x, NamedSharding(odd, P("p", "q")))
 show("z", z)
 w = jax.jit(lambda v: v + 1, out_shardings=NamedSharding(odd, P("q")))(z)
 show("w", w)
@@ -60,6 +60,8 @@ mid = Mesh(np.array([devs[2], devs[0]]), ("m",))
 u = jax.device_put(w, NamedSharding(mid, P("m")))
 show("u", jax.jit(lambda v: v * 3)(u))
 line = Mesh(np.array(devs), ("d",))
+show("in order", jax.device_put(x, NamedSharding(line, P("d"))))
+show("odd order", jax.device_put(x, NamedSharding(Mesh(np.array(odd.devices).ravel(), ("o",)), P("o"))))
 show("whole", jax.jit(lambda v: v.sum(0))(jax.device_put(u, NamedSharding(line, P("d")))))
 """
 

@@ -13,14 +13,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 
 from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from tests.conftest import REPO, LocalCluster
-from tests.test_trust_worker import code_of, meta, open_session, worker, worker_log  # noqa: F401 (fixture)
+from tests.test_trust_worker import code_of, meta, open_session, worker_log
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster(islands=1, devices=2)]
 
@@ -39,6 +41,14 @@ print(json.dumps({"exported": bytes(exp.serialize()).hex(), "out": out,
 """
 
 
+@pytest.fixture
+def worker(cluster: LocalCluster) -> Iterator[tuple[grpc.Channel, wgrpc.WorkerStub, grpc.Channel]]:
+    wch, cch = grpc.insecure_channel(cluster.hosts()["w-a"].address), grpc.insecure_channel(cluster.address)
+    yield wch, wgrpc.WorkerStub(wch), cch
+    wch.close()
+    cch.close()
+
+
 def _export() -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(REPO))
@@ -52,7 +62,7 @@ def _blob(exported: bytes, name: str = "f") -> wpb.FunctionBlob:
 
 
 def test_compile_answers_the_shardings_xla_picks_and_refuses_bad_requests(cluster: LocalCluster, worker: Any) -> None:
-    _, wch, stub, cch = worker
+    wch, stub, cch = worker
     made = _export()
     exported = bytes.fromhex(made["exported"])
     # propagation shards the results (not all replicated): the worker must say so, exactly

@@ -41,9 +41,9 @@ from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .compiling import compile_on_worker
 from .handles import HostData
 from .modules import describe
-from .shardings import replicated_none
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
 FETCH_METHOD, PUT_METHOD = "/pathways.v1.Worker/Fetch", "/pathways.v1.Worker/PutBuffers"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
-COMPILE_S = 600.0  # the longest a worker may take to compile a program
 
 
 class Slices(Protocol):
@@ -204,28 +203,16 @@ class SliceSession:
 
     async def _compile_on_worker(self, name: str, exported: bytes, function_id: str, donated: Sequence[int],
                                  devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
-        """Compiles a function on the slice's worker for the slice's virtual `devices` (the cache
-        its runs use); the compiled output shardings (None: replicated). BackendError if it does
-        not compile."""
+        """Compiles a function on the slice's worker for the slice's virtual `devices`; the
+        compiled output shardings (compiling.py)."""
         try:
             placement = self._slices.placement(self.name)
         except ControllerError as e:
             raise _backend_error(e) from None
-        local = [placement.local_devices[v] for v in devices]
         address, stub = self._worker(placement.host.address)
-        request = wpb.CompileRequest(function=wpb.FunctionBlob(function_id=function_id, exported=exported, name=name,
-                                                               donate=list(donated)),
-                                     local_devices=local)
-        try:
-            reply = await stub.Compile(request, metadata=self._metadata, timeout=COMPILE_S)
-        except grpc.RpcError as e:
-            raise BackendError("UNAVAILABLE", f"compiling {name} on worker {address} failed: {e.details()}") from None
-        if reply.error:
-            raise BackendError("INVALID_ARGUMENT", reply.error)
-        if len(reply.out_shardings) != num_outputs:
-            raise BackendError("INTERNAL", f"worker {address} compiled {name} with {len(reply.out_shardings)} outputs, "
-                               f"the module has {num_outputs}")
-        return tuple(replicated_none(b) for b in reply.out_shardings)
+        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
+        return await compile_on_worker(stub, self._metadata, address, blob,
+                                       [placement.local_devices[v] for v in devices], num_outputs)
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:

@@ -24,8 +24,6 @@ MAX_FUNCTION_BYTES = 64 << 20
 
 def hlo_sharding(sharding: Any, ndim: int, devices: Sequence[Any]) -> bytes:
     """`sharding` as a serialized xla.OpSharding whose device numbers are positions in `devices`."""
-    from jax._src.lib import xla_client as xc
-
     hlo = sharding._to_xla_hlo_sharding(ndim)
     own = tuple(sharding._device_assignment)
     if own == tuple(devices) or hlo.is_replicated():
@@ -36,13 +34,8 @@ def hlo_sharding(sharding: Any, ndim: int, devices: Sequence[Any]) -> bytes:
         raise ValueError(f"an output on devices {[d.id for d in own]}, not the function's {list(position)}")
     op = hlo.to_proto()
     tiles = [position[own[t].id] for t in hlo.tile_assignment_devices()]
-    out = xc.OpSharding()
-    out.CopyFrom(op)
-    del out.iota_reshape_dims[:]
-    del out.iota_transpose_perm[:]
-    del out.tile_assignment_devices[:]
-    out.tile_assignment_devices.extend(tiles)
-    return bytes(out.SerializeToString())
+    op.iota_reshape_dims, op.iota_transpose_perm, op.tile_assignment_devices = [], [], tiles
+    return bytes(op.SerializeToString())
 
 
 def compile_function(runners: Runners, request: wpb.CompileRequest) -> wpb.CompileReply:

@@ -37,6 +37,8 @@ front = Mesh(np.array(devs[:2]), ("a",))
 f = jax.jit(lambda v: jnp.sin(v) @ v.T + 1, in_shardings=NamedSharding(front, P("a")),
             out_shardings=NamedSharding(front, P(None, "a")))
 show("front", f(np.arange(12.0, dtype=np.float32).reshape(4, 3)))
+r = jax.pmap(lambda v: jax.lax.psum(v, "i") * v, axis_name="i", devices=devs[2:])(np.arange(2.0, dtype=np.float32))
+print("pmap", np.asarray(r).tolist(), [s.device.id for s in r.addressable_shards])
 step = jax.jit(lambda v: v + 1, donate_argnums=0)
 d = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(back, P("b")))
 for _ in range(3):
@@ -106,6 +108,7 @@ def test_programs_over_part_of_the_slice_and_other_orders(cluster: LocalCluster,
     assert by_name["y2"].endswith("[(2, (slice(0, 4, None),), [0.0, 2.0, 4.0, 6.0]), "
                                   "(3, (slice(4, 8, None),), [8.0, 10.0, 12.0, 14.0])]")
     assert by_name["psum"].startswith("psum [28.0] ")
+    assert by_name["pmap"] == "pmap [0.0, 1.0] [2, 3]"
     assert by_name["donated"].startswith("donated [[4.0, 4.0], ")
     assert by_name["x"].endswith("[(3, (slice(0, 1, None), slice(None, None, None)), [[0.0, 1.0, 2.0, 3.0]]), "
                                  "(2, (slice(1, 2, None), slice(None, None, None)), [[4.0, 5.0, 6.0, 7.0]]), "

@@ -254,24 +254,26 @@ def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None
 
     out: list[Any] = []
     exact: dict[int, Any] = {}
+
+    def over_mesh(i: int, hlo: Any, ndim: int) -> None:
+        try:
+            out.append(_named(hlo, mesh, ndim))
+        except BackendError:  # devices in an order no mesh in device order can say
+            if i >= len(inputs) and not propagate:
+                raise
+            out.append(None)  # placed replicated (an argument) or as XLA compiles it (a result)
+            exact[i] = hlo
+
     for i, (text, spec) in enumerate(zip((*in_text, *out_text), specs, strict=True)):
         ndim = len((*inputs, *outputs)[i].shape)
         if spec is not None and not single and spec[0] in used:
             amesh, order = own[spec[0]]
             hlo = NamedSharding(amesh, spec[1])._to_xla_hlo_sharding(ndim)
-            if order is not None:
-                hlo = _reordered(hlo, order)
-            try:
-                out.append(_named(hlo, mesh, ndim))
-            except BackendError:
-                if order is None or (i >= len(inputs) and not propagate):
-                    raise
-                out.append(None)  # placed replicated (an argument) or as XLA compiles it (a result)
-                exact[i] = hlo
+            over_mesh(i, hlo if order is None else _reordered(hlo, order), ndim)
         elif spec is not None:
             out.append(NamedSharding(mesh, spec[1]))
         elif text is not None:
-            out.append(_named(xc.HloSharding.from_string(text), mesh, ndim))
+            over_mesh(i, xc.HloSharding.from_string(text), ndim)
         elif i >= len(inputs) and not propagate:
             out.append(NamedSharding(mesh, PartitionSpec(*([None] * ndim))))
         else:

@@ -312,6 +312,9 @@ def mix(b):
 y = mix(x)
 print("y", np.asarray(y).tolist(), y.sharding.spec)
 print("shards", [(s.device.id, np.asarray(s.data).tolist()) for s in y.addressable_shards])
+z = jax.jit(lambda v: v.T * 2)(x)  # a result whose sharding XLA's propagation picks
+print("z", z.sharding.spec, [(s.device.id, s.index, np.asarray(s.data).tolist()) for s in z.addressable_shards])
+print("z next", np.asarray(jax.jit(lambda v: v.sum(1))(z)).tolist())
 print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
 """
 

@@ -94,6 +94,8 @@ def test_compile_answers_the_shardings_xla_picks_and_refuses_bad_requests(cluste
         (wpb.CompileRequest(function=_blob(exported), local_devices=[0]), "cannot compile f: ValueError: "),
         (wpb.CompileRequest(function=_blob(junk, "junk"), local_devices=[0]), "cannot compile junk: "),
         (wpb.CompileRequest(local_devices=[0]), "a function of 0 bytes"),
+        (wpb.CompileRequest(function=_blob(exported), local_devices=[0, 1], group_generation=99),
+         "a function for island group generation 99, this worker is in generation 0"),
     ]
     for request, error in cases:
         answer = stub.Compile(request, metadata=md, timeout=60)

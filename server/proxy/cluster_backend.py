@@ -176,9 +176,8 @@ class SliceSession:
         self._manager()
         # parsing the module imports jax the first time (seconds): not on the event loop
         # the workers compile a multi-device program now and say the output shardings XLA chose:
-        # a result without a sharding is left to XLA's propagation (on one host: a program over
-        # a slice spanning hosts runs on all its members, which compile together)
-        propagate = len(device_ids) > 1 and self.slice.hosts == 1
+        # a result without a sharding is left to XLA's propagation
+        propagate = len(device_ids) > 1
         info = await asyncio.to_thread(describe, module, self.slice.platform_name, "", propagate)
         if info.num_devices != len(device_ids):
             raise BackendError("INVALID_ARGUMENT", f"a module for {info.num_devices} devices compiled for "
@@ -209,10 +208,13 @@ class SliceSession:
             placement = self._slices.placement(self.name)
         except ControllerError as e:
             raise _backend_error(e) from None
+        # on a slice spanning hosts, its first member compiles (each member compiles the same
+        # module alike when it runs it), its devices numbered group-wide
         address, stub = self._worker(placement.host.address)
         blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
         return await compile_on_worker(stub, self._metadata, address, blob,
-                                       [placement.local_devices[v] for v in devices], num_outputs)
+                                       [placement.local_devices[v] for v in devices], num_outputs,
+                                       placement.gang.generation if placement.gang is not None else 0)
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:

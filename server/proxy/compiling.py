@@ -26,10 +26,11 @@ COMPILE_S = 600.0  # the longest a worker may take to compile a program
 
 async def compile_on_worker(stub: wgrpc.WorkerStub, metadata: Sequence[tuple[str, str]], address: str,
                             blob: wpb.FunctionBlob, local_devices: Sequence[int],
-                            num_outputs: int) -> tuple[bytes | None, ...]:
-    """The compiled output shardings of `blob` on the worker's `local_devices` (serialized
-    xla.OpSharding over them in order; None: replicated). BackendError if it does not compile."""
-    request = wpb.CompileRequest(function=blob, local_devices=list(local_devices))
+                            num_outputs: int, group_generation: int = 0) -> tuple[bytes | None, ...]:
+    """The compiled output shardings of `blob` on the worker's `local_devices` (group-wide numbers
+    of island group `group_generation` on a slice spanning hosts; serialized xla.OpSharding over
+    them in order; None: replicated). BackendError if it does not compile."""
+    request = wpb.CompileRequest(function=blob, local_devices=list(local_devices), group_generation=group_generation)
     try:
         reply: Any = await stub.Compile(request, metadata=metadata, timeout=COMPILE_S)
     except grpc.RpcError as e:

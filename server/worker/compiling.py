@@ -46,10 +46,21 @@ def compile_function(runners: Runners, request: wpb.CompileRequest) -> wpb.Compi
     if hashlib.sha256(blob.exported).hexdigest() != blob.function_id:
         return wpb.CompileReply(error=f"function {blob.name or '?'}: its bytes do not match its id")
     numbers = list(request.local_devices)
-    if not numbers or len(set(numbers)) != len(numbers) or not all(0 <= n < len(runners.devices) for n in numbers):
-        return wpb.CompileReply(error=f"devices {numbers}: not distinct devices of this worker "
+    group = runners.group
+    if request.group_generation:  # group-wide numbers (server/worker/group.py)
+        if request.group_generation != group.generation:
+            return wpb.CompileReply(error=f"a function for island group generation {request.group_generation}, "
+                                    f"this worker is in generation {group.generation}")
+        numbers = [group.local_device_number(n) if n >= 0 else n for n in numbers]
+    elif not all(0 <= n < len(runners.devices) for n in numbers):
+        numbers = []
+    if not numbers or len(set(numbers)) != len(numbers) or min(numbers) < 0:
+        return wpb.CompileReply(error=f"devices {list(request.local_devices)}: not distinct devices of this worker "
                                 f"(0..{len(runners.devices) - 1})")
-    devices = [runners.devices[n] for n in numbers]
+    try:
+        devices = [group.device(n, runners.devices) for n in numbers]
+    except (ValueError, IndexError) as e:
+        return wpb.CompileReply(error=f"devices {list(request.local_devices)}: {e}")
     try:
         ex: Executable = runners.cache.get_or_compile(blob.function_id, blob.exported, devices, tuple(blob.donate))
         out = [hlo_sharding(s, len(a.shape), ex.devices) for s, a in zip(ex.out_shardings, ex.out_avals,

@@ -28,6 +28,11 @@ class CompileRequest(_message.Message):
 
     FUNCTION_FIELD_NUMBER: _builtins.int
     LOCAL_DEVICES_FIELD_NUMBER: _builtins.int
+    GROUP_GENERATION_FIELD_NUMBER: _builtins.int
+    group_generation: _builtins.int
+    """A function of a multi-host slice: `local_devices` are group-wide numbers of this island group
+    generation (as in SegmentDef.group_generation). 0: this worker's devices only.
+    """
     @_builtins.property
     def function(self) -> Global___FunctionBlob: ...
     @_builtins.property
@@ -39,10 +44,11 @@ class CompileRequest(_message.Message):
         *,
         function: Global___FunctionBlob | None = ...,
         local_devices: _abc.Iterable[_builtins.int] | None = ...,
+        group_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "local_devices", b"local_devices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "group_generation", b"group_generation", "local_devices", b"local_devices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,8 +13,8 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from server.controller.client_session import ClientSession
 from server.controller.cluster import HostInfo
 from server.controller.dispatch import Dispatcher, RunState
-from server.controller.errors import NotFound
-from server.controller.programs import ProgramRecord, ProgramRegistry
+from server.controller.errors import InvalidArgument, NotFound
+from server.controller.programs import ProgramRecord, ProgramRegistry, check_devices
 from server.controller.slices import Placement
 from server.scheduler import GangScheduler, Policy
 
@@ -317,3 +317,39 @@ def test_the_tasks_of_a_gang_node_differ_only_in_segment_seq_and_id() -> None:
         p.report("b", run_id, 6)
         assert p.finished[-1] == (run_id, True, "")
         p.outbox.take()
+
+
+def test_a_node_on_part_of_its_slice_runs_on_those_devices_only() -> None:
+    """ProgramNode.devices: virtual devices of the slice, in order, mapped through its placement
+    (slice "w" is host a's devices 1, 0); the scheduler reserves only those devices."""
+    p = Parts()
+    p.slices.where["w"] = (p.hosts["a"], 0)
+    wide = Placement("w", p.hosts["a"], [1, 0], 0, "i")
+    plain = p.slices.placement
+    p.slices.placement = lambda name: wide if name == "w" else plain(name)  # type: ignore[method-assign]
+    assert p.registry.add_functions([FUNCTION]) == []
+    graph = cpb.ProgramGraph(name="part", num_inputs=1, outputs=[out(0)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="w", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0",
+                        devices=[1])])
+    check_devices(graph, {"w": (2, False)})
+    prog = p.registry.register(graph, "client:c1")
+    run = p.run(session(), 7, prog, output=200)
+    (seg,) = run.plan.segments
+    assert list(seg.definition.local_devices) == [0] and list(seg.definition.nodes[0].local_devices) == [0]
+    assert seg.spec.devices == (10,)
+    reordered = cpb.ProgramGraph()
+    reordered.CopyFrom(graph)
+    reordered.nodes[0].devices[:] = [1, 0]
+    check_devices(reordered, {"w": (2, False)})
+    run = p.run(session(), 8, p.registry.register(reordered, "client:c1"), output=201)
+    (seg,) = run.plan.segments
+    assert list(seg.definition.nodes[0].local_devices) == [0, 1] and seg.spec.devices == (10, 11)
+    for devices, error in (([0, 0], "not distinct"), ([2], "not distinct"), ([-1], "not distinct")):
+        reordered.nodes[0].devices[:] = devices
+        with pytest.raises(InvalidArgument, match=error):
+            check_devices(reordered, {"w": (2, False)})
+    reordered.nodes[0].devices[:] = [1]
+    with pytest.raises(InvalidArgument, match="spans hosts"):
+        check_devices(reordered, {"w": (2, True)})
+    reordered.nodes[0].devices[:] = [0, 1]
+    check_devices(reordered, {"w": (2, True)})  # all of them in order: as without

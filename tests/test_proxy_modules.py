@@ -93,3 +93,51 @@ def test_the_controller_side_never_starts_a_backend(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", NO_BACKEND, str(module)], env=env, capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.split() == ["jit__lambda", "0"]
+
+
+REORDERED = """
+import numpy as np, jax
+from jax._src import dispatch
+from jax._src.lib import xla_client as xc
+from jax._src.export._export import _module_to_bytecode
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from server.proxy.modules import describe
+from server.worker.executable import Executable
+devs = jax.devices()
+rev = Mesh(np.array(devs[::-1]), ("r",))
+x = jax.device_put(np.arange(16.0, dtype=np.float32).reshape(4, 4), NamedSharding(rev, P("r")))
+for name, order in (("transposed", [3, 1, 2, 0]), ("reversed", [0, 1, 2, 3]), ("gspmd", [0, 1, 2, 3])):
+    # a client that turned Shardy off sends the device order in an `mhlo.sharding` instead
+    jax.config.update("jax_use_shardy_partitioner", name != "gspmd")
+    target = NamedSharding(Mesh(np.array([devs[i] for i in order]), ("o",)), P("o"))
+    # what jax.device_put between meshes of the same devices in other orders compiles
+    logical = dispatch._cached_logical_device_ids(x.sharding._internal_device_list, target._internal_device_list)
+    inner = NamedSharding(Mesh(target.mesh.devices, ("r",)), P("r"), _logical_device_ids=logical)
+    lowered = jax.jit(dispatch._device_put_reshard, out_shardings=target).lower(
+        jax.ShapeDtypeStruct((4, 4), np.float32, sharding=inner))
+    text = str(lowered.compiler_ir("stablehlo"))
+    jax.config.update("jax_use_shardy_partitioner", True)  # as the workers run
+    info = describe(bytes(_module_to_bytecode(lowered.compiler_ir("stablehlo"))), "cpu", "", True)
+    op = xc.OpSharding()
+    op.ParseFromString(info.in_shardings[0])
+    exact = xc.HloSharding.from_proto(op) == inner._to_xla_hlo_sharding(2)
+    ex = Executable(info.exported, list(target.mesh.devices))
+    y = ex([np.arange(16.0, dtype=np.float32).reshape(4, 4)])[0]
+    same = np.asarray(y).ravel().tolist() == list(range(16))
+    print(name, "device_ids" in text or "{devices=[4,1]3,2,1,0}" in text, exact, same,
+          [d.id for d in ex.in_shardings[0]._device_assignment] == order)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_mesh_with_its_own_device_order_is_read_exactly(tmp_path: Path) -> None:
+    """JAX's reshard between meshes of the same devices in other orders compiles a module whose
+    argument's mesh has `device_ids` (with Shardy off: an `mhlo.sharding` over the devices out of
+    order): the client is told its sharding exactly (as an HLO sharding over the program's
+    devices), and the function computes the same value on the workers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, "-c", REORDERED], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["transposed True True True True", "reversed True True True True",
+                                       "gspmd True True True True"]

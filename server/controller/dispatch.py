@@ -241,7 +241,11 @@ class Dispatcher:
         if plan is not None:
             self._forget(plan)
         nodes = [placements[n.slice] for n in graph.nodes]
-        segments = cut(prog, [p.host for p in nodes], [p.local_devices for p in nodes], [p.island for p in nodes],
+        # a node on part of its slice (or its devices in another order) names them (checked at
+        # registration: programs.check_devices)
+        devices = [[p.local_devices[v] for v in n.devices] if n.devices else p.local_devices
+                   for n, p in zip(graph.nodes, nodes, strict=True)]
+        segments = cut(prog, [p.host for p in nodes], devices, [p.island for p in nodes],
                        self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
         plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
                     frozenset(s.host.address for s in segments))

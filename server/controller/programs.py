@@ -82,6 +82,22 @@ def analyze(program_id: str, graph: cpb.ProgramGraph) -> ProgramRecord:
     return rec
 
 
+def check_devices(graph: cpb.ProgramGraph, slices: dict[str, tuple[int, bool]]) -> None:
+    """Checks the nodes that run on part of their slice (`ProgramNode.devices`): distinct virtual
+    devices of the slice. `slices`: slice name -> (its device count, whether it spans hosts)."""
+    for i, node in enumerate(graph.nodes):
+        if not node.devices:
+            continue
+        count, spans_hosts = slices[node.slice]
+        devices = list(node.devices)
+        if len(set(devices)) != len(devices) or not all(0 <= v < count for v in devices):
+            raise InvalidArgument(f"node {i} of program {graph.name!r} runs on devices {devices}: not distinct "
+                                  f"devices of slice {node.slice!r} (0..{count - 1})")
+        if spans_hosts and devices != list(range(count)):
+            raise InvalidArgument(f"node {i} of program {graph.name!r} runs on devices {devices} of slice "
+                                  f"{node.slice!r}, which spans hosts: a node there runs on all its devices in order")
+
+
 def program_id_of(graph: cpb.ProgramGraph) -> str:
     digest = hashlib.sha256(graph.SerializeToString(deterministic=True)).hexdigest()
     return f"p-{digest[:12]}"

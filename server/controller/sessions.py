@@ -20,7 +20,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
 
@@ -35,8 +35,11 @@ from .client_session import ClientSession
 from .dispatch import Dispatcher
 from .errors import ControllerError, PermissionDenied
 from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
-from .programs import ProgramRecord, ProgramRegistry
+from .programs import ProgramRecord, ProgramRegistry, check_devices
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
+
+if TYPE_CHECKING:
+    from .slices import Placement
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ MAX_PREFIXES_REMEMBERED = 1 << 16  # prefixes handed out that new sessions avoid
 class Slices(Protocol):
     """What sessions need of the slice service."""
 
-    def placement(self, name: str) -> object:
+    def placement(self, name: str) -> Placement:
         """Where slice `name` runs; raises a ControllerError naming the slice when it cannot."""
         ...
 
@@ -269,8 +272,10 @@ class SessionManager:
             missing = reg.add_functions(list(req.functions))
             if missing:
                 return cpb.ProgramRegistered(request_id=req.request_id, missing_functions=missing)
-            for name in sorted({n.slice for n in req.graph.nodes}):
-                self.slices.placement(name)  # fails early, naming the slice
+            placements = {name: self.slices.placement(name)  # fails early, naming the slice
+                          for name in sorted({n.slice for n in req.graph.nodes})}
+            check_devices(req.graph, {name: (len(p.local_devices), p.gang is not None)
+                                      for name, p in placements.items()})
             rec = reg.register(req.graph, session.owner)
         except ControllerError as e:
             return cpb.ProgramRegistered(request_id=req.request_id, error=str(e))

@@ -41,6 +41,7 @@ from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .compiling import compile_on_worker
 from .handles import HostData
 from .modules import describe
 from .staging import Staging
@@ -165,37 +166,66 @@ class SliceSession:
         if known is not None:
             return known
         slice_ids = [d.id for d in self.slice.devices]
-        if len(device_ids) > 1 and list(device_ids) != slice_ids:
-            raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)}: the Pathways IFRT proxy "
-                               f"server runs multi-device programs over all the slice's devices in order "
-                               f"({slice_ids}), or on one device")
+        # a program over part of the slice, or over its devices in another order, runs on those
+        # (ProgramNode.devices); one over one device runs on the whole slice, replicated
+        part = tuple(device_ids) if len(device_ids) > 1 and list(device_ids) != slice_ids else ()
+        if part and self.slice.hosts > 1:
+            raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)} of a slice spanning "
+                               f"{self.slice.hosts} hosts: the Pathways IFRT proxy server runs programs there over "
+                               f"all the slice's devices in order ({slice_ids}), or on one device")
         self._manager()
         # parsing the module imports jax the first time (seconds): not on the event loop
-        info = await asyncio.to_thread(describe, module, self.slice.platform_name)
+        # the workers compile a multi-device program now and say the output shardings XLA chose:
+        # a result without a sharding is left to XLA's propagation
+        propagate = len(device_ids) > 1
+        info = await asyncio.to_thread(describe, module, self.slice.platform_name, "", propagate)
         if info.num_devices != len(device_ids):
             raise BackendError("INVALID_ARGUMENT", f"a module for {info.num_devices} devices compiled for "
                                f"{len(device_ids)}")
+        out_shardings = info.out_shardings
+        if propagate:
+            out_shardings = await self._compile_on_worker(info.name, info.exported, info.function_id,
+                                                          info.donated, part or tuple(range(len(slice_ids))),
+                                                          len(info.outputs))
         program_id = self.register(info.name, info.exported, info.function_id, len(info.inputs),
-                                   len(info.outputs), info.donated)
+                                   len(info.outputs), info.donated, part)
         keep_id = program_id
         if info.donated:  # the same module without donation, for inputs that other arrays share
-            keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep")
+            keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep", propagate)
             keep_id = self.register(keep.name, keep.exported, keep.function_id, len(keep.inputs),
-                                    len(keep.outputs), ())
+                                    len(keep.outputs), (), part)
         compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
                                 outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
-                                out_shardings=info.out_shardings, keep_program_id=keep_id)
+                                out_shardings=out_shardings, keep_program_id=keep_id)
         self._programs[key] = compiled
         return compiled
 
+    async def _compile_on_worker(self, name: str, exported: bytes, function_id: str, donated: Sequence[int],
+                                 devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
+        """Compiles a function on the slice's worker for the slice's virtual `devices`; the
+        compiled output shardings (compiling.py)."""
+        try:
+            placement = self._slices.placement(self.name)
+        except ControllerError as e:
+            raise _backend_error(e) from None
+        # on a slice spanning hosts, its first member compiles (each member compiles the same
+        # module alike when it runs it), its devices numbered group-wide
+        address, stub = self._worker(placement.host.address)
+        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
+        return await compile_on_worker(stub, self._metadata, address, blob,
+                                       [placement.local_devices[v] for v in devices], num_outputs,
+                                       placement.gang.generation if placement.gang is not None else 0)
+
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
-                 donate: Sequence[int]) -> str:
-        """Registers a one-node program running one exported function on the slice; its id."""
+                 donate: Sequence[int], devices: Sequence[int] = ()) -> str:
+        """Registers a one-node program running one exported function on the slice (on its
+        virtual `devices` in that order; empty: all of them); its id."""
         manager = self._manager()
         graph = cpb.ProgramGraph(
             name=f"proxy:{name}", num_inputs=n_in,
             nodes=[cpb.ProgramNode(function_id=function_id, slice=self.name, num_outputs=n_out, name=name,
-                                   inputs=[cpb.ValueRef(program_input=i) for i in range(n_in)])],
+                                   inputs=[cpb.ValueRef(program_input=i) for i in range(n_in)],
+                                   devices=list(devices))],
             outputs=[cpb.ValueRef(node_output=cpb.NodeOutput(node=0, output=j)) for j in range(n_out)],
         )
         fn = cpb.FunctionInfo(function_id=function_id, name=name, exported=exported, donate=list(donate))

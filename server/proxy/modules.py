@@ -10,8 +10,13 @@ module, so the program registry's content hash (its function id) is the compile 
 Supported: modules whose `main` takes and returns ranked tensors (no tokens, no shape
 polymorphism, no host callbacks), on one device or partitioned over several (SPMD, jit over a
 mesh, shard_map): the arguments' and results' `mhlo.sharding` become the export's HLO shardings,
-which the workers place the arguments onto. Replicated modules (pmap) are refused with
-UNIMPLEMENTED.
+which the workers place the arguments onto. A Shardy mesh with its own device order
+(`device_ids`, what JAX compiles to reshard between meshes of the same devices in other orders)
+is read exactly: its shardings are told to the client as HLO shardings over the program's
+devices, and an argument whose sharding no mesh in device order can say is placed replicated
+(XLA reshards it inside). A result the module gives no sharding is left to XLA's propagation
+when the workers compile it at Compile time (`propagate`; cluster_backend.py asks them for it).
+Replicated modules (pmap) are refused with UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -153,16 +158,36 @@ def _returned_sharding(main: Any, i: int, in_text: tuple[str | None, ...]) -> st
 
 _SDY_MESH = re.compile(r'"([^"]+)"=(\d+)')
 _SDY_SHARDING = re.compile(r"#sdy\.sharding<@([\w.$-]+), \[(.*)\]>$")
+_SDY_DEVICE_IDS = re.compile(r"device_ids=\[([\d, ]*)\]")
 
 
-def _sdy_mesh(text: str) -> Any:
+def _sdy_mesh(text: str) -> tuple[Any, tuple[int, ...] | None]:
+    """(abstract mesh, its device order: positions in the program's devices, None for in order)."""
     from jax.sharding import AbstractMesh
 
-    if "device_ids" in text:
-        raise BackendError("UNIMPLEMENTED", f"a mesh with its own device order ({text}) is not supported by the "
-                           "Pathways IFRT proxy server")
     axes = _SDY_MESH.findall(text)
-    return AbstractMesh(tuple(int(n) for _, n in axes), tuple(a for a, _ in axes))
+    mesh = AbstractMesh(tuple(int(n) for _, n in axes), tuple(a for a, _ in axes))
+    ids = _SDY_DEVICE_IDS.search(text)
+    if ids is None:
+        return mesh, None
+    order = tuple(int(x) for x in ids.group(1).replace(" ", "").split(",") if x)
+    if sorted(order) != list(range(math.prod(mesh.axis_sizes))):
+        raise BackendError("UNIMPLEMENTED", f"a mesh with device order {list(order)} ({text}) is not supported by "
+                           "the Pathways IFRT proxy server")
+    return mesh, None if order == tuple(range(len(order))) else order
+
+
+def _reordered(hlo: Any, order: tuple[int, ...]) -> Any:
+    """`hlo`, a sharding over a mesh's devices in mesh order, over the program's devices: mesh
+    device k is program device order[k]."""
+    from jax._src.lib import xla_client as xc
+
+    if hlo.is_replicated():
+        return hlo
+    op = hlo.to_proto()
+    tiles = [order[t] for t in hlo.tile_assignment_devices()]
+    op.iota_reshape_dims, op.iota_transpose_perm, op.tile_assignment_devices = [], [], tiles
+    return xc.HloSharding.from_proto(op)
 
 
 def _sdy_named(text: str, meshes: dict[str, str]) -> tuple[str, Any]:
@@ -179,17 +204,30 @@ def _sdy_named(text: str, meshes: dict[str, str]) -> tuple[str, Any]:
     return m.group(1), PartitionSpec(*dims)
 
 
+@dataclass(frozen=True)
+class Shardings:
+    """A module's argument and result shardings: as NamedShardings over one abstract mesh (what
+    an export records and the workers place arrays with; None: unspecified), and exactly, as HLO
+    shardings over the program's devices where the named ones cannot say them (a mesh with its
+    own device order: its arguments are placed replicated, and XLA reshards them inside)."""
+
+    in_named: tuple[Any, ...]
+    out_named: tuple[Any, ...]
+    in_exact: dict[int, Any]
+    out_exact: dict[int, Any]
+
+
 def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None, ...], meshes: dict[str, str],
-                     parts: int, inputs: tuple[ArraySpec, ...], outputs: tuple[ArraySpec, ...]
-                     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """The module's argument and result shardings as NamedShardings over one abstract mesh (the
-    module's own Shardy mesh, else one over the devices in order): what an export records and
-    the workers place arrays with. On one device, all None. A result without a sharding (left
-    to XLA's propagation, which only a compile decides) is made replicated."""
+                     parts: int, inputs: tuple[ArraySpec, ...], outputs: tuple[ArraySpec, ...],
+                     propagate: bool = False) -> Shardings:
+    """The module's argument and result shardings (`Shardings`) over one abstract mesh (the
+    module's own Shardy mesh, else one over the devices in order). On one device, all None. A
+    result without a sharding is left to XLA's propagation (None) with `propagate`, which only a
+    compile decides; else it is made replicated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     if parts == 1:
-        return (None,) * len(inputs), (None,) * len(outputs)
+        return Shardings((None,) * len(inputs), (None,) * len(outputs), {}, {})
     used: set[str] = set()
     specs: list[tuple[str, Any] | None] = []
     for text in (*in_text, *out_text):
@@ -203,35 +241,54 @@ def _named_shardings(in_text: tuple[str | None, ...], out_text: tuple[str | None
         else:
             specs.append(None)
     own = {name: _sdy_mesh(meshes[name]) for name in used}
-    for name, m in own.items():
+    for name, (m, _) in own.items():
         if math.prod(m.axis_sizes) != parts:
             raise BackendError("UNIMPLEMENTED", f"mesh {name} of {math.prod(m.axis_sizes)} devices in a module over "
                                f"{parts}")
-    # one mesh: the module's own (its axis names); several (an array moving from one to another):
-    # each sharding as the same HLO sharding over one mesh of the devices in order
-    mesh = own.popitem()[1] if len(own) == 1 else _abstract_mesh(parts)
+    # one mesh in device order: the module's own (its axis names); several (an array moving from
+    # one to another), or one with its own device order: each sharding as the same HLO sharding
+    # over one mesh of the devices in order
+    single = len(own) == 1 and next(iter(own.values()))[1] is None
+    mesh = next(iter(own.values()))[0] if single else _abstract_mesh(parts)
     from jax._src.lib import xla_client as xc
 
     out: list[Any] = []
+    exact: dict[int, Any] = {}
+
+    def over_mesh(i: int, hlo: Any, ndim: int) -> None:
+        try:
+            out.append(_named(hlo, mesh, ndim))
+        except BackendError:  # devices in an order no mesh in device order can say
+            if i >= len(inputs) and not propagate:
+                raise
+            out.append(None)  # placed replicated (an argument) or as XLA compiles it (a result)
+            exact[i] = hlo
+
     for i, (text, spec) in enumerate(zip((*in_text, *out_text), specs, strict=True)):
         ndim = len((*inputs, *outputs)[i].shape)
-        if spec is not None and len(used) > 1 and spec[0] in used:
-            hlo = NamedSharding(_sdy_mesh(meshes[spec[0]]), spec[1])._to_xla_hlo_sharding(ndim)
-            out.append(_named(hlo, mesh, ndim))
+        if spec is not None and not single and spec[0] in used:
+            amesh, order = own[spec[0]]
+            hlo = NamedSharding(amesh, spec[1])._to_xla_hlo_sharding(ndim)
+            over_mesh(i, hlo if order is None else _reordered(hlo, order), ndim)
         elif spec is not None:
             out.append(NamedSharding(mesh, spec[1]))
         elif text is not None:
-            out.append(_named(xc.HloSharding.from_string(text), mesh, ndim))
-        elif i >= len(inputs):
+            over_mesh(i, xc.HloSharding.from_string(text), ndim)
+        elif i >= len(inputs) and not propagate:
             out.append(NamedSharding(mesh, PartitionSpec(*([None] * ndim))))
         else:
             out.append(None)
-    return tuple(out[: len(inputs)]), tuple(out[len(inputs):])
+    n = len(inputs)
+    return Shardings(tuple(out[:n]), tuple(out[n:]), {i: h for i, h in exact.items() if i < n},
+                     {i - n: h for i, h in exact.items() if i >= n})
 
 
-def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
+def describe(module: bytes, platform: str, suffix: str = "", propagate: bool = False) -> ModuleInfo:
     """Reads a StableHLO portable artifact and wraps it for the workers; BackendError if it cannot.
-    `suffix` goes into the function's name (a variant of the same module gets other bytes)."""
+    `suffix` goes into the function's name (a variant of the same module gets other bytes).
+    With `propagate`, a result the module gives no sharding gets the one XLA's propagation picks
+    when the workers compile it (its `out_shardings` entry is then None: not known here);
+    without, it is made replicated."""
     import jax
     from jax._src import core
     from jax._src.interpreters import mlir
@@ -273,11 +330,12 @@ def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
     if replicas != 1:
         raise BackendError("UNIMPLEMENTED", f"a module with {replicas} replicas (pmap-style): use jit over a mesh")
     try:
-        in_named, out_named = _named_shardings(in_text, out_text, meshes, parts, inputs, outputs)
+        shardings = _named_shardings(in_text, out_text, meshes, parts, inputs, outputs, propagate)
     except BackendError:
         raise
     except Exception as e:
         raise BackendError("INVALID_ARGUMENT", f"unreadable sharding in the module: {e}") from None
+    in_named, out_named = shardings.in_named, shardings.out_named
 
     def hlo(named: Any, ndim: int) -> Any:
         return None if named is None else named._to_xla_hlo_sharding(ndim)
@@ -288,7 +346,9 @@ def describe(module: bytes, platform: str, suffix: str = "") -> ModuleInfo:
     def op(h: Any) -> bytes | None:
         return None if h is None or h.is_replicated() else bytes(h.to_proto().SerializeToString())
 
-    in_op, out_op = tuple(op(h) for h in in_hlo), tuple(op(h) for h in out_hlo)
+    # what the client is told: exact, also where the export places an argument replicated
+    in_op = tuple(op(shardings.in_exact.get(i, h)) for i, h in enumerate(in_hlo))
+    out_op = tuple(op(shardings.out_exact.get(j, h)) for j, h in enumerate(out_hlo))
 
     in_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in inputs)
     out_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in outputs)

@@ -137,11 +137,14 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
         n = len(sharding.devices)
         if sorted(got) != list(range(n)):
             raise HandleError("INVALID_ARGUMENT", f"the plan fills shards {sorted(got)} of an array of {n}")
-        if sharding.explicit == ():
+        if sharding.explicit is not None:  # an even sharding, which says shards' shapes, not places
             domains = [got[t][1] for t in range(n)]
-            if any(d is None for d in domains):
+            if all(d is not None for d in domains):
+                # of an array of the same shape, each shard is where it was (xla::ifrt reorder_shards:
+                # the same shards on the devices of a mesh in another order), not in device order
+                sharding = Sharding(sharding.devices, None, tuple(d for d in domains if d is not None))
+            elif sharding.explicit == ():
                 raise HandleError("UNIMPLEMENTED", "a remap into an array of another shape with an even sharding")
-            sharding = Sharding(sharding.devices, None, tuple(d for d in domains if d is not None))
         session.handles.settle(h, new_record(dtype, shape, sharding, [got[t][0] for t in range(n)]))
     resp.remap_arrays_response.array_handles.extend(results)
 

@@ -156,3 +156,12 @@ def from_hlo_text(text: str | None) -> bytes | None:
     if hlo.is_replicated():
         return None
     return bytes(hlo.to_proto().SerializeToString())
+
+
+def replicated_none(op_sharding: bytes) -> bytes | None:
+    """A serialized `xla.OpSharding`, None when it is replicated (as `Sharding.op_sharding` holds it)."""
+    from jax._src.lib import xla_client as xc
+
+    op = xc.OpSharding()
+    op.ParseFromString(op_sharding)
+    return None if xc.HloSharding.from_proto(op).is_replicated() else op_sharding

@@ -26,6 +26,7 @@ from ..credentials import Caller
 from ..threadnames import name_native_thread
 from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
+from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
@@ -106,9 +107,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
         # relayed controller messages (relay.py): the worker process handles them; its counts for Stats
         self.on_relayed: Callable[[wpb.RelayedMessage], None] = lambda part: None
         self.relay_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pw-compile",
+                                            initializer=name_native_thread)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
 
     async def PutBuffers(  # type: ignore[override]  # requests parsed by wire.put_buffer
         self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
@@ -364,6 +368,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
             n += 1
         return wpb.RelayedResponse(count=n)
 
+    async def Compile(self, request: wpb.CompileRequest, context: aio.ServicerContext) -> wpb.CompileReply:
+        """Compiles a function now, for the executable cache its runs use (compiling.py)."""
+        await self.auth.session(context, "compile")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compiles, compile_function, self.executor.runners, request)
+
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()
         relayed_in, relayed_out = self.relay_counts()
@@ -476,6 +486,10 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             client_stream(servicer.Relayed),
             request_deserializer=_tolerant("Relayed", wpb.RelayedMessage),
             response_serializer=wpb.RelayedResponse.SerializeToString),
+        "Compile": grpc.unary_unary_rpc_method_handler(
+            unary("Compile", servicer.Compile),
+            request_deserializer=_tolerant("Compile", wpb.CompileRequest),
+            response_serializer=wpb.CompileReply.SerializeToString),
         "Stats": grpc.unary_unary_rpc_method_handler(
             unary("Stats", servicer.Stats),
             request_deserializer=_tolerant("Stats", wpb.WorkerStatsRequest),

@@ -1239,12 +1239,20 @@ class ProgramNode(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     NUM_OUTPUTS_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
     function_id: _builtins.str
     slice: _builtins.str
     num_outputs: _builtins.int
     name: _builtins.str
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ValueRef]: ...
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The slice's virtual devices the node runs on, in the order its function's devices take
+        them (a mesh over part of the slice, or over its devices in another order). Empty: all of
+        the slice's devices, in order. Not on a slice spanning several hosts.
+        """
+
     def __init__(
         self,
         *,
@@ -1253,10 +1261,11 @@ class ProgramNode(_message.Message):
         inputs: _abc.Iterable[Global___ValueRef] | None = ...,
         num_outputs: _builtins.int = ...,
         name: _builtins.str = ...,
+        devices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_id", b"function_id", "inputs", b"inputs", "name", b"name", "num_outputs", b"num_outputs", "slice", b"slice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "function_id", b"function_id", "inputs", b"inputs", "name", b"name", "num_outputs", b"num_outputs", "slice", b"slice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,64 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CompileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    LOCAL_DEVICES_FIELD_NUMBER: _builtins.int
+    GROUP_GENERATION_FIELD_NUMBER: _builtins.int
+    group_generation: _builtins.int
+    """A function of a multi-host slice: `local_devices` are group-wide numbers of this island group
+    generation (as in SegmentDef.group_generation). 0: this worker's devices only.
+    """
+    @_builtins.property
+    def function(self) -> Global___FunctionBlob: ...
+    @_builtins.property
+    def local_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """worker-local device indices, in the function's device order"""
+
+    def __init__(
+        self,
+        *,
+        function: Global___FunctionBlob | None = ...,
+        local_devices: _abc.Iterable[_builtins.int] | None = ...,
+        group_generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "group_generation", b"group_generation", "local_devices", b"local_devices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileRequest: _TypeAlias = CompileRequest  # noqa: Y015
+
+@_typing.final
+class CompileReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    OUT_SHARDINGS_FIELD_NUMBER: _builtins.int
+    error: _builtins.str
+    """why it does not compile ("" : it did)"""
+    @_builtins.property
+    def out_shardings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Per output: its compiled sharding, a serialized xla.OpSharding over `local_devices` in order."""
+
+    def __init__(
+        self,
+        *,
+        error: _builtins.str = ...,
+        out_shardings: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "out_shardings", b"out_shardings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileReply: _TypeAlias = CompileReply  # noqa: Y015
+
+@_typing.final
 class PutBufferRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

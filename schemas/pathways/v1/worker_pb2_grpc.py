@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.FromString,
                 _registered_method=True)
+        self.Compile = channel.unary_unary(
+                '/pathways.v1.Worker/Compile',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -113,6 +118,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Compile(self, request, context):
+        """Client -> worker: compile a function now, for devices a later run will name (the same
+        executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+        output shardings to its clients at compile time (server/proxy/cluster_backend.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Relayed,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.SerializeToString,
+            ),
+            'Compile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compile,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class Worker:
             '/pathways.v1.Worker/Relayed',
             schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedMessage.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_worker__pb2.RelayedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pathways.v1.Worker/Compile',
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.CompileReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,11 @@ class WorkerStub:
     """Relay -> member worker (peer credential): controller messages for this worker that the
     controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
     """
+    Compile: _grpc.UnaryUnaryMultiCallable[_worker_pb2.CompileRequest, _worker_pb2.CompileReply]
+    """Client -> worker: compile a function now, for devices a later run will name (the same
+    executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+    output shardings to its clients at compile time (server/proxy/cluster_backend.py).
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -69,6 +74,11 @@ class WorkerAsyncStub(WorkerStub):
     Relayed: _aio.StreamUnaryMultiCallable[_worker_pb2.RelayedMessage, _worker_pb2.RelayedResponse]  # type: ignore[assignment]
     """Relay -> member worker (peer credential): controller messages for this worker that the
     controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+    """
+    Compile: _aio.UnaryUnaryMultiCallable[_worker_pb2.CompileRequest, _worker_pb2.CompileReply]  # type: ignore[assignment]
+    """Client -> worker: compile a function now, for devices a later run will name (the same
+    executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+    output shardings to its clients at compile time (server/proxy/cluster_backend.py).
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -122,6 +132,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.RelayedResponse, _abc.Awaitable[_worker_pb2.RelayedResponse]]:
         """Relay -> member worker (peer credential): controller messages for this worker that the
         controller sent to a relay of its island (ControllerToWorker.relay; server/worker/relay.py).
+        """
+
+    @_abc_1.abstractmethod
+    def Compile(
+        self,
+        request: _worker_pb2.CompileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.CompileReply, _abc.Awaitable[_worker_pb2.CompileReply]]:
+        """Client -> worker: compile a function now, for devices a later run will name (the same
+        executable cache as runs), and say what XLA decided: the IFRT proxy reports the compiled
+        output shardings to its clients at compile time (server/proxy/cluster_backend.py).
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

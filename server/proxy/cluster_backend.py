@@ -375,15 +375,16 @@ class SliceSession:
         result: HostData = await self._unless_failed([buffer_id], fetch())
         return result
 
-    async def stream(self, buffer_id: int) -> AsyncGenerator[memoryview, None]:
-        """A buffer's bytes (C order) as the worker's `Fetch` sends them, chunk by chunk: the next
+    async def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
+        """A buffer's bytes (C order; `length` > 0: that many from `offset`) as the worker's
+        `Fetch` sends them, chunk by chunk: the next
         chunk is read only when the consumer asks for it, so gRPC's flow control holds the worker
         back while the consumer is slow; closing the generator cancels the fetch. The chunks are
         read as wire format (wire.py): views of what gRPC received, no copies. The caller knows
         the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
         address = self._address_of(buffer_id)
-        call = self._fetch_raw(address)(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
-                                        metadata=self._metadata)
+        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
+        call = self._fetch_raw(address)(request, metadata=self._metadata)
         try:
             async for raw in call:
                 try:

@@ -10,12 +10,14 @@ from their workers' `Fetch` a chunk at a time and sends each on before reading t
 takes them. Deleting the host buffer, or the session's end, lets the buffers go.
 
 An array is streamed as `Segment`s, byte ranges of worker buffers whose concatenation is its C-order
-bytes: one buffer's whole value; or, for an array made of parts of several buffers, each part in
-order, where every part is a contiguous range both of the array and of its buffer (shards along the
-leading axis). Any other layout (e.g. shards along a later axis) is first joined into one buffer
-on a worker by the program an execute would use (arrays.join), and a result sharded over a slice
-spanning workers is first gathered into a replicated copy (its own workers hold only their
-shards); those copies belong to the download and are freed with it.
+bytes, each read with a `Fetch` of that range (the worker sends only those bytes): one buffer's
+whole value; a shard of a buffer that is one range of it (shards along the leading axis, which is
+how np.asarray reads a sharded array: shard by shard); or, for an array made of parts of several
+buffers, each part in order, when every part is one range both of the array and of its buffer.
+Any other layout (e.g. shards along a later axis) is first joined into one buffer on a worker by
+the program an execute would use (arrays.join). A result sharded over a slice spanning workers is
+first gathered into a replicated copy (its own workers hold only their shards), which the
+downloads under way share (`SharedCopy`); what a download made is freed with it.
 
 Smaller arrays are read whole (one `Fetch`, no extra round trip to wait for them) and kept here
 until the lookup, as before.
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 Message = Any
 
 STREAM_MIN_BYTES = 4 << 20  # an array this large streams from its workers to the client
-Stream = Callable[[int], AsyncGenerator[memoryview, None]]  # a buffer id -> its bytes, as its worker sends them
+# (buffer id, offset, length) -> those bytes of the buffer, as its worker sends them (its `Fetch`)
+Stream = Callable[[int, int, int], AsyncGenerator[memoryview, None]]
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def plan(rec: ArrayRecord) -> list[tuple[Buf, int, int]] | None:
 
 class Download(Streamed):
     """An array's bytes left on the workers for the client's lookup: `segments` read in order
-    with `stream` (the backend's `Fetch` of one buffer, chunk by chunk); `release` lets the
+    with `stream` (the worker's `Fetch` of that byte range, chunk by chunk); `release` lets the
     buffers go."""
 
     def __init__(self, stream: Stream, segments: Sequence[Segment],
@@ -111,18 +114,17 @@ class Download(Streamed):
 
     async def chunks(self) -> AsyncGenerator[memoryview, None]:
         for seg in self.segments:
-            at = 0  # bytes of the buffer read so far
-            async with contextlib.aclosing(self._stream(seg.buffer_id)) as parts:
+            want = seg.stop - seg.start
+            got = 0
+            async with contextlib.aclosing(self._stream(seg.buffer_id, seg.start, want)) as parts:
                 async for part in parts:
-                    lo, hi = max(seg.start - at, 0), min(seg.stop - at, len(part))
-                    at += len(part)
-                    if lo < hi:
-                        yield part[lo:hi]
-                    if at >= seg.stop:
-                        break  # the rest of the buffer is not this array's: the fetch is cancelled
-            if at < seg.stop:
-                raise BackendError("INTERNAL", f"buffer {seg.buffer_id:#x}: the worker sent {at} bytes, "
-                                   f"{seg.stop} expected")
+                    got += len(part)
+                    if got > want:
+                        break
+                    yield part
+            if got != want:
+                raise BackendError("INTERNAL", f"buffer {seg.buffer_id:#x}: the worker sent {got} bytes of a "
+                                   f"{want}-byte range")
 
     def release(self) -> None:
         release, self._release = self._release, None
@@ -147,25 +149,65 @@ def _spread(session: Session, buf: Buf) -> bool:
     return buf.spread and session.backend.slice.hosts > 1
 
 
+@dataclass(eq=False)
+class SharedCopy:
+    """A gathered copy of a buffer that downloads under way share (np.asarray of a sharded array
+    downloads each shard: one gather serves them all); freed with its last user."""
+
+    made: asyncio.Future[int]
+    users: int = 0
+
+
+async def _shared_gather(session: Session, buf: Buf) -> int:
+    """A gathered copy of `buf` (`_gathered`), shared; the caller `_unshare`s it when done."""
+    entry = session.gathers.get(buf.id)
+    if entry is None:
+        entry = session.gathers[buf.id] = SharedCopy(asyncio.ensure_future(_gathered(session, buf)))
+    entry.users += 1
+    try:
+        return await asyncio.shield(entry.made)
+    except BaseException:
+        _unshare(session, buf.id)
+        raise
+
+
+def _unshare(session: Session, buffer_id: int) -> None:
+    entry = session.gathers[buffer_id]
+    entry.users -= 1
+    if entry.users:
+        return
+    del session.gathers[buffer_id]
+
+    def free(made: asyncio.Future[int]) -> None:
+        if not made.cancelled() and made.exception() is None:
+            session.backend.free([made.result()])
+
+    if entry.made.done():
+        free(entry.made)
+    else:  # nobody waits for it any more: freed once it is made
+        entry.made.add_done_callback(free)
+
+
 async def start(session: Session, rec: ArrayRecord, stream: Stream) -> Download:
     """A download of `rec`, once the buffers it reads are computed (BackendError if their runs
     failed). It holds `rec`'s buffers (and the copies it made) until it is released."""
     held = rec.buffers
     for b in held:
         b.records += 1
-    made: list[int] = []
+    made: list[int] = []  # buffers it made, its own
+    copies: dict[int, int] = {}  # buffer -> its gathered copy, shared
 
     def release() -> None:
         if made:
             session.backend.free(made)
+        for b in copies:
+            _unshare(session, b)
         drop_buffers(session, held)
 
     try:
-        copies = {}
         for b in held:
             if _spread(session, b):
-                copies[b.id] = await _gathered(session, b)
-                made.append(copies[b.id])
+                copies[b.id] = await _shared_gather(session, b)
         ranges = plan(rec)
         if ranges is None:  # a layout that is not ranges in order: joined into one buffer first
             made.append(await join(session, rec, copies))

@@ -68,6 +68,7 @@ class Session:
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
     functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
     fetches: dict[int, asyncio.Future[bytes | HostData]] = field(default_factory=dict)  # downloads under way, by buffer
+    gathers: dict[int, downloads.SharedCopy] = field(default_factory=dict)  # streamed downloads' shared copies
     place: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # its caller's place, until it ends
 
 

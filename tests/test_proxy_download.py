@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from test_proxy_cluster import run_program, worker_buffers
 from test_proxy_protocol import P
 from test_proxy_sharded import LOCAL4, proxy_env
 from test_proxy_stream import BASE, MIB, Raw, raw_session, rss, ser, until
+
+from server.proxy.arrays import Buf, Part, new_record
+from server.proxy.downloads import byte_range, plan
+from server.proxy.shardings import Index, Sharding
 
 DOWNLOAD = """
 import numpy as np, jax, jax.numpy as jnp
@@ -213,3 +218,37 @@ def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(cluster: LocalClu
         await until(lambda: worker_buffers(cluster) == 0, "the session's buffers to be freed")
 
     asyncio.run(main())
+
+
+def _rec(shape: tuple[int, ...], domains: Sequence[Index], parts: Sequence[tuple[Buf, Index]]) -> Any:
+    sharding = Sharding(tuple(range(len(domains))), explicit=tuple(domains))
+    return new_record("float32", shape, sharding, [Part(b, i) for b, i in parts])
+
+
+@pytest.mark.timeout(30)
+def test_a_download_plan_is_byte_ranges_in_order_or_nothing() -> None:
+    assert byte_range((slice(2, 4), slice(0, 8)), (4, 8), 4) == (64, 128)  # whole rows
+    assert byte_range((slice(1, 2), slice(2, 6)), (4, 8), 4) == (40, 56)  # part of one row
+    assert byte_range((slice(0, 4), slice(0, 4)), (4, 8), 4) is None  # a column block
+    assert byte_range((slice(0, 1), slice(0, 1), slice(3, 5)), (2, 3, 5), 2) == (6, 10)
+    assert byte_range((), (), 4) == (0, 4)  # a scalar
+    rows = [(slice(2 * k, 2 * k + 2), slice(0, 8)) for k in range(4)]
+    bufs = [Buf(100 + k, "float32", (2, 8)) for k in range(4)]
+    whole = (slice(0, 2), slice(0, 8))
+    # shards of four buffers, listed in reverse: streamed in the array's order, each buffer whole
+    rec = _rec((8, 8), rows[::-1], [(b, whole) for b in bufs[::-1]])
+    assert [(b.id, lo, hi) for b, lo, hi in plan(rec) or []] == [(100 + k, 0, 64) for k in range(4)]
+    # one buffer's rows as shards: its own ranges merge back into one read
+    big = Buf(7, "float32", (8, 8))
+    assert [(b.id, lo, hi) for b, lo, hi in plan(_rec((8, 8), rows, [(big, r) for r in rows])) or []] == [(7, 0, 256)]
+    # a shard that is the middle of a larger buffer
+    assert [(b.id, lo, hi) for b, lo, hi in plan(_rec((2, 8), [whole], [(big, rows[1])])) or []] == [(7, 64, 128)]
+    # replicas: read once
+    everything = (slice(0, 8), slice(0, 8))
+    replicated = _rec((8, 8), [everything] * 2, [(big, everything)] * 2)
+    assert [(b.id, lo, hi) for b, lo, hi in plan(replicated) or []] == [(7, 0, 256)]
+    # columns: not ranges of the array
+    cols = [(slice(0, 8), slice(4 * k, 4 * k + 4)) for k in range(2)]
+    assert plan(_rec((8, 8), cols, [(big, c) for c in cols])) is None
+    # a missing shard is not a tiling
+    assert plan(_rec((8, 8), rows[:3], [(big, r) for r in rows[:3]])) is None

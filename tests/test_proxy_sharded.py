@@ -316,6 +316,11 @@ z = jax.jit(lambda v: v.T * 2)(x)  # a result whose sharding XLA's propagation p
 print("z", z.sharding.spec, [(s.device.id, s.index, np.asarray(s.data).tolist()) for s in z.addressable_shards])
 print("z next", np.asarray(jax.jit(lambda v: v.sum(1))(z)).tolist())
 print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
+import hashlib
+a = (np.arange(2048 * 2048, dtype=np.float32) % 65521).reshape(2048, 2048)  # 16 MiB: streamed back
+r = jax.jit(lambda v: v * 2 + 1, out_shardings=NamedSharding(line, P("d")))(a)
+print("read back", r.sharding.spec, [hashlib.sha256(np.asarray(v).tobytes()).hexdigest()[:16] for v in
+                    (r, r.addressable_shards[0].data, r.addressable_shards[3].data)])
 """
 
 

@@ -257,6 +257,36 @@ def test_a_session_cannot_read_feed_fail_or_free_another_sessions_buffers(cluste
     b.close()
 
 
+def test_a_fetch_of_a_byte_range_sends_those_bytes_and_refuses_bad_ranges(cluster: LocalCluster,
+                                                                         worker: Any) -> None:
+    """The IFRT proxy streams one shard of a larger buffer as a byte range of its Fetch."""
+    _, _, stub, cch = worker
+    s = open_session(cluster, cch)
+    md = meta(cluster, s)
+    arr = np.arange(1000, dtype=np.int32)
+    upload(stub, md, s.id(1), arr)
+
+    def fetched(**span: Any) -> bytes:
+        chunks = list(stub.Fetch(wpb.FetchRequest(buffer_id=s.id(1), timeout_s=5, **span), metadata=md, timeout=15))
+        assert not any(c.error for c in chunks) and chunks[-1].last
+        return b"".join(c.array.data for c in chunks)
+
+    assert fetched(offset=40, length=400) == arr.tobytes()[40:440]
+    assert fetched(offset=3600) == arr.tobytes()[3600:]  # no length: to the end
+    assert fetched(length=4000) == arr.tobytes()
+    for bad in ({"offset": 3000, "length": 1001}, {"offset": 4001}, {"length": 4001}):
+        with pytest.raises(grpc.RpcError) as e:
+            fetched(**bad)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "of buffer" in str(e.value.details()) and "which has 4000" in str(e.value.details())
+    with pytest.raises(grpc.RpcError) as e:
+        fetched(offset=4, parts=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    np.testing.assert_array_equal(fetch(stub, md, s.id(1)), arr)  # nothing else changed
+    assert "Traceback" not in worker_log(cluster)
+    s.close()
+
+
 def test_session_prefixes_and_client_ids_are_not_a_sequence(cluster: LocalCluster, worker: Any) -> None:
     _, _, _, cch = worker
     sessions = [open_session(cluster, cch) for _ in range(6)]

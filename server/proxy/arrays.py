@@ -8,9 +8,9 @@ sharding's own domains of it; the shards DisassembleIntoSingleDeviceArrays makes
 the same buffer (nothing moves; reshard.py), and AssembleArrayFromSingleDeviceArrays of such views is the
 buffer again. An array whose parts are not one buffer's own layout (shards assembled from
 elsewhere, a remap) is joined on a worker by a small program (compose.py) the first time it is
-read as a whole (an execute argument); a download of one reads its buffers and joins the bytes
-here. Buffers are freed when the last record using them goes; a buffer another record still
-uses is never donated (executables.py runs the module's non-donating twin).
+read as a whole (an execute argument); downloads are downloads.py's. Buffers are freed when the
+last record using them goes; a buffer another record still uses is never donated (executables.py
+runs the module's non-donating twin).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from schemas.arrays import resolve_dtype
 
 from . import shardings as sh
-from .compose import Piece, gather_function, piece_function
+from .compose import Piece, piece_function
 from .handles import HandleError, HostData, Staged
 from .shardings import Index, Sharding
 
@@ -134,11 +134,9 @@ def unref(session: Session, rec: ArrayRecord) -> None:
         drop_buffers(session, bufs)
 
 
-async def materialize(session: Session, rec: ArrayRecord) -> Buf:
-    """The one buffer holding `rec`'s value, joining its parts on a worker if needed."""
-    buf = rec.buffer()
-    if buf is not None:
-        return buf
+async def join(session: Session, rec: ArrayRecord, ids: dict[int, int] | None = None) -> int:
+    """Runs a program joining `rec`'s parts on a worker: the id of a new buffer (the caller's to
+    free) holding its value. `ids`: buffer id -> the id to read instead (a gathered copy)."""
     sources = rec.buffers
     position = {id(b): i for i, b in enumerate(sources)}
     pieces, seen = [], set()
@@ -155,60 +153,25 @@ async def materialize(session: Session, rec: ArrayRecord) -> Buf:
         made = await asyncio.to_thread(piece_function, inputs, (rec.dtype, rec.shape), pieces,
                                        session.backend.slice.platform_name)
         session.functions[cache_key] = made
-    (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, [b.id for b in sources])
-    buf = Buf(out, rec.dtype, rec.shape)
+    (out,) = await session.backend.run_function("proxy_assemble", made[1], 1,
+                                                [(ids or {}).get(b.id, b.id) for b in sources])
+    return out
+
+
+async def materialize(session: Session, rec: ArrayRecord) -> Buf:
+    """The one buffer holding `rec`'s value, joining its parts on a worker if needed."""
+    buf = rec.buffer()
+    if buf is not None:
+        return buf
+    buf = Buf(await join(session, rec), rec.dtype, rec.shape)
     buf.records = 1
     old, rec.parts = rec.buffers, [Part(buf, d) for d in rec.domains]
     drop_buffers(session, old)
     return buf
 
 
-def _joined(data: bytes | HostData) -> bytes:
+def joined_bytes(data: bytes | HostData) -> bytes:
     return data.tobytes() if isinstance(data, HostData) else data
-
-
-async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
-    """The array's bytes (C order), read from its buffers (one buffer's: as the worker sent them)."""
-    buf = rec.buffer()
-    if buf is not None:
-        return await _fetch(session, buf)
-    sources = rec.buffers
-    datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
-    arrays = {id(b): np.frombuffer(_joined(d), resolve_dtype(b.dtype)).reshape(b.shape) for b, d in zip(sources, datas,
-                                                                                                  strict=True)}
-    if len(rec.parts) == 1 or all(d == full(rec.shape) for d in rec.domains):
-        p = rec.parts[0]
-        return np.ascontiguousarray(arrays[id(p.buf)][p.index]).tobytes()
-    out = np.empty(rec.shape, resolve_dtype(rec.dtype))
-    for part, dom in zip(rec.parts, rec.domains, strict=True):
-        out[dom] = arrays[id(part.buf)][part.index]
-    return out.tobytes()
-
-
-async def _fetch(session: Session, buf: Buf) -> bytes | HostData:
-    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
-    task = session.fetches.get(buf.id)
-    if task is None:
-        task = session.fetches[buf.id] = asyncio.ensure_future(_download(session, buf))
-        task.add_done_callback(lambda _: session.fetches.pop(buf.id, None))
-    return await asyncio.shield(task)
-
-
-async def _download(session: Session, buf: Buf) -> bytes | HostData:
-    info = session.backend.slice
-    if not (buf.spread and info.hosts > 1):
-        return await session.backend.get(buf.id)
-    # a result sharded over workers: a replicated copy first, which the slice's worker can read
-    key = ("gather", buf.dtype, buf.shape)
-    made = session.functions.get(key)
-    if made is None:
-        made = session.functions[key] = await asyncio.to_thread(gather_function, buf.dtype, buf.shape,
-                                                                len(info.devices), info.platform_name)
-    (copy,) = await session.backend.run_function("proxy_gather", made[1], 1, [buf.id])
-    try:
-        return await session.backend.get(copy)
-    finally:
-        session.backend.free([copy])
 
 
 def numpy_dtype(dtype_proto: Message) -> str:
@@ -307,7 +270,7 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
         data = held
     # jax.device_put sends a contiguous array's C-order strides: then the parts go on as they came
     if strides and (strides != c_strides(dtype, shape) or len(data) != nbytes):
-        data = strided(_joined(data), dtype, shape, r.byte_strides).tobytes()
+        data = strided(joined_bytes(data), dtype, shape, r.byte_strides).tobytes()
     _check_size(data, dtype, shape)
     session.handles.settle(handle, await _put(session, sharding, dtype, shape, data))
     resp.make_array_from_host_buffer_response.array_handle = handle
@@ -355,22 +318,6 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
             data = out.tobytes()
         session.handles.settle(h, await _put(session, sharding, dtype, shape, data))
     resp.make_arrays_from_host_buffer_shards_response.array_handles.extend(handles)
-
-
-async def copy_to_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    r = req.copy_to_host_buffer_request
-    rec = await session.handles.resolve(r.array_handle, ArrayRecord)
-    if r.HasField("byte_strides"):
-        check_c_order(r.byte_strides, rec.dtype, rec.shape)
-    rec.refs += 1  # a DestructArray right after must not free what is being read
-    try:
-        data = await host_bytes(session, rec)
-    finally:
-        unref(session, rec)
-    if len(data) != rec.nbytes:
-        raise HandleError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
-    session.buffers.store(r.host_buffer_handle, data)
-    resp.copy_to_host_buffer_response.SetInParent()
 
 
 async def check_value_ready(session: Session, req: Message, resp: Message, proto: Any) -> None:
@@ -434,7 +381,6 @@ USED_HANDLES = {
 HANDLERS = {
     "make_array_from_host_buffer_request": make_array_from_host_buffer,
     "make_arrays_from_host_buffer_shards_request": make_arrays_from_host_buffer_shards,
-    "copy_to_host_buffer_request": copy_to_host_buffer,
     "check_value_ready_request": check_value_ready,
     "destruct_array_request": destruct_array,
     "delete_array_request": delete_array,

@@ -24,7 +24,7 @@ import itertools
 import logging
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -367,28 +367,37 @@ class SliceSession:
 
     async def get(self, buffer_id: int) -> HostData:
         self._check_failed(buffer_id)
-        address = self._address_of(buffer_id)
-        fetch_raw = self._fetch_raw(address)
+        self._address_of(buffer_id)
 
         async def fetch() -> HostData:
-            # the chunks are read as wire format (wire.py): views of what gRPC received, no copies
-            parts: list[bytes | memoryview] = []
-            try:
-                async for raw in fetch_raw(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S),
-                                           metadata=self._metadata):
-                    try:
-                        data, error = wire.fetch_chunk(raw)
-                    except wire.WireError as e:
-                        raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
-                    if error:
-                        raise BackendError("FAILED_PRECONDITION", error)
-                    parts.append(data)
-            except grpc.RpcError as e:
-                raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
-            return HostData(parts)
+            return HostData([part async for part in self.stream(buffer_id)])
 
         result: HostData = await self._unless_failed([buffer_id], fetch())
         return result
+
+    async def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
+        """A buffer's bytes (C order; `length` > 0: that many from `offset`) as the worker's
+        `Fetch` sends them, chunk by chunk: the next
+        chunk is read only when the consumer asks for it, so gRPC's flow control holds the worker
+        back while the consumer is slow; closing the generator cancels the fetch. The chunks are
+        read as wire format (wire.py): views of what gRPC received, no copies. The caller knows
+        the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
+        address = self._address_of(buffer_id)
+        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
+        call = self._fetch_raw(address)(request, metadata=self._metadata)
+        try:
+            async for raw in call:
+                try:
+                    data, error = wire.fetch_chunk(raw)
+                except wire.WireError as e:
+                    raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
+                if error:
+                    raise BackendError("FAILED_PRECONDITION", error)
+                yield data
+        except grpc.RpcError as e:
+            raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+        finally:
+            call.cancel()  # a consumer that stopped early (or went away): the worker stops sending
 
     def _put_raw(self, address: str) -> Any:
         """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""

@@ -18,7 +18,9 @@ wakeup of an earlier reader of that handle, which then found it gone ("unknown h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -196,16 +198,43 @@ class Staged(Protocol):
     def discard(self) -> None: ...
 
 
+class Streamed:
+    """A host buffer whose bytes stay on the workers until a lookup streams them (downloads.py):
+    what CopyToHostBuffer stores for a large array. The controller holds none of its bytes."""
+
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def chunks(self) -> AsyncGenerator[memoryview, None]:
+        """The bytes in order, read from the workers as the consumer takes them."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Lets go of what the buffer holds on the workers (idempotent)."""
+        raise NotImplementedError
+
+
+Entry = HostData | Staged | Streamed
+
+
+def _held(data: Entry) -> int:
+    """The bytes an entry counts against the session's limit: a streamed download holds none here."""
+    return 0 if isinstance(data, Streamed) else len(data)
+
+
 class HostBuffers:
     """Bytes the client stored with HostBufferStore, by handle, until a request takes them: held
-    here (`HostData`), or staged on a worker (`Staged`, staging.py).
+    here (`HostData`), or staged on a worker (`Staged`, staging.py); and the arrays CopyToHostBuffer
+    left for the client's lookup (`HostData`, or `Streamed` from the workers: downloads.py).
 
     A MakeArray can arrive before its HostBufferStore has finished (requirement 5), so `take`
     waits, up to `wait_s`. Bounded: at most `limit_bytes` held or staged per session.
     """
 
     def __init__(self, limit_bytes: int = 8 << 30, wait_s: float = 60.0) -> None:
-        self._data: dict[int, HostData | Staged] = {}
+        self._data: dict[int, Entry] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._held = 0
         self._limit = limit_bytes
@@ -223,28 +252,29 @@ class HostBuffers:
                 f"host buffer of {size} bytes: the session holds {self._held} of at most {self._limit} bytes",
             )
 
-    def store(self, handle: int, data: bytes | HostData | Staged) -> None:
+    def store(self, handle: int, data: bytes | Entry) -> None:
         if isinstance(data, bytes):
             data = HostData([data])
         if handle in self._data:
             raise HandleError("ALREADY_EXISTS", f"host buffer {handle} already stored")
-        self.reserve(len(data))
+        self.reserve(_held(data))
         self._data[handle] = data
-        self._held += len(data)
+        self._held += _held(data)
         waiter = self._waiters.pop(handle, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def lookup(self, handle: int) -> HostData | Staged:
+    def lookup(self, handle: int) -> Entry:
         data = self._data.get(handle)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
         return data
 
-    async def lookup_bytes(self, handle: int) -> HostData:
-        """The bytes stored under `handle`, read back here if they were staged (and kept here)."""
+    async def lookup_bytes(self, handle: int) -> HostData | Streamed:
+        """The bytes stored under `handle`, read back here if they were staged (and kept here); a
+        streamed download as it is (the caller reads its `chunks`)."""
         data = self.lookup(handle)
-        if isinstance(data, HostData):
+        if isinstance(data, HostData | Streamed):
             return data
         self.delete(handle)
         try:
@@ -269,7 +299,8 @@ class HostBuffers:
             raise
 
     async def take_any(self, handle: int) -> HostData | Staged:
-        """What is stored under `handle` (waiting for it), removed from the store."""
+        """What is stored under `handle` (waiting for it), removed from the store; a streamed
+        download (a client making an array of what it downloaded) is read here whole."""
         if handle not in self._data:
             waiter = self._waiters.get(handle)
             if waiter is None:
@@ -281,29 +312,41 @@ class HostBuffers:
                 raise HandleError(
                     "DEADLINE_EXCEEDED", f"host buffer {handle} did not arrive within {self._wait_s:g} s"
                 ) from None
-        return self.delete(handle)
+        data = self.delete(handle)
+        if not isinstance(data, Streamed):
+            return data
+        try:
+            async with contextlib.aclosing(data.chunks()) as chunks:
+                return HostData([chunk async for chunk in chunks])
+        finally:
+            data.release()
 
-    def delete(self, handle: int) -> HostData | Staged:
+    def delete(self, handle: int) -> Entry:
         """Removes `handle`'s entry and returns it (the caller discards a staged one it does not use)."""
         data = self._data.pop(handle, None)
         if data is None:
             raise HandleError("NOT_FOUND", f"host buffer {handle} not found")
-        self._held -= len(data)
+        self._held -= _held(data)
         return data
 
     def drop(self, handle: int) -> None:
-        """Deletes `handle`, freeing what a staged buffer holds on its worker."""
-        data = self.delete(handle)
-        if not isinstance(data, HostData):
-            data.discard()
+        """Deletes `handle`, freeing what a staged buffer or a download holds on the workers."""
+        _let_go(self.delete(handle))
 
     def clear(self) -> None:
         for data in self._data.values():
-            if not isinstance(data, HostData):
-                data.discard()
+            _let_go(data)
         self._data.clear()
         self._held = 0
         for w in self._waiters.values():
             if not w.done():
                 w.cancel()
         self._waiters.clear()
+
+
+def _let_go(data: Entry) -> None:
+    """Frees what an entry holds on the workers."""
+    if isinstance(data, Streamed):
+        data.release()
+    elif not isinstance(data, HostData):
+        data.discard()

@@ -33,10 +33,10 @@ import grpc
 from grpc import aio
 
 from .. import wire
-from . import arrays, executables, reshard
+from . import arrays, downloads, executables, reshard
 from . import protocol as proto_mod
 from .backend import BackendError, ClusterBackend, SessionBackend
-from .handles import HandleError, HandleTable, HostBuffers, HostData
+from .handles import HandleError, HandleTable, HostBuffers, HostData, Streamed
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Session:
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
     functions: dict[Any, tuple[str, bytes]] = field(default_factory=dict)  # server-made functions (compose.py)
     fetches: dict[int, asyncio.Future[bytes | HostData]] = field(default_factory=dict)  # downloads under way, by buffer
+    gathers: dict[int, downloads.SharedCopy] = field(default_factory=dict)  # streamed downloads' shared copies
     place: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # its caller's place, until it ends
 
 
@@ -172,7 +173,8 @@ class ProxyService:
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
         }
-        for kind, handler in {**arrays.HANDLERS, **reshard.HANDLERS, **executables.HANDLERS}.items():
+        for kind, handler in {**arrays.HANDLERS, **downloads.HANDLERS, **reshard.HANDLERS,
+                              **executables.HANDLERS}.items():
             self._handlers[kind] = functools.partial(handler, proto=self.p)
 
     @property
@@ -282,12 +284,37 @@ class ProxyService:
             data = await session.buffers.lookup_bytes(request.handle)
         except (HandleError, BackendError) as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
+        if isinstance(data, Streamed):  # from the workers, as the client reads (downloads.py)
+            async for message in self._streamed(session, request.handle, data, context):
+                yield message
+            return
         if not data.nbytes:
             yield EMPTY
         for part in data.parts:  # serialized here: one copy of each chunk (wire.py)
             view = memoryview(part).cast("B")
             for offset in range(0, len(view), LOOKUP_CHUNK):
                 yield wire.data_message(view[offset : offset + LOOKUP_CHUNK])
+
+    async def _streamed(self, session: Session, handle: int, data: Streamed,
+                        context: aio.ServicerContext) -> AsyncIterator[bytes]:
+        """A download's lookup: each chunk read from a worker is sent on before the next is read,
+        and gRPC's write waits for the client's flow-control window, so the controller holds a
+        few chunks however slowly the client reads. A client that goes away cancels this
+        handler, which closes `chunks` and with it the worker's fetch."""
+        sent = 0
+        try:
+            async with contextlib.aclosing(data.chunks()) as chunks:
+                async for chunk in chunks:
+                    for offset in range(0, len(chunk), LOOKUP_CHUNK):
+                        piece = chunk[offset : offset + LOOKUP_CHUNK]
+                        yield wire.data_message(piece)  # one copy of each piece (wire.py)
+                        sent += len(piece)
+        except BackendError as e:
+            log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, handle, e)
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        if sent != data.nbytes:
+            await context.abort(grpc.StatusCode.INTERNAL, f"host buffer {handle}: the workers sent {sent} bytes of "
+                                f"{data.nbytes}")
 
     async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
         session = await self._session_of(request.session_id, context)

@@ -215,6 +215,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
         caller = await self.auth.session(context, "fetch")
         bid = request.buffer_id
         await self._check_request(context, caller, [bid], request.timeout_s)
+        if request.parts and (request.offset or request.length):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a byte range of a fetch by parts")
         timeout = _bounded(request.timeout_s)
         async with self._wait_slot(caller, 1, context):
             ready = await self._settled([bid], timeout)
@@ -241,6 +243,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
             yield wpb.FetchChunk(error=group.explain(error) if group.active else error, last=True)
             return
         data = byte_view(arr)
+        if request.offset or request.length:  # a byte range of it (worker.proto)
+            end = request.offset + request.length if request.length else len(data)
+            if end > len(data) or request.offset > end:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}-{end} of buffer {bid:#x}, "
+                                    f"which has {len(data)}")
+            data = data[request.offset : end]
         dtype, shape = dtype_name(arr.dtype), list(arr.shape)
         # serialized here from views of the array (server/wire.py): one copy of each chunk, not
         # one to slice it, one into the message and one to serialize it

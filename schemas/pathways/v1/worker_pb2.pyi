@@ -147,6 +147,8 @@ class FetchRequest(_message.Message):
     BUFFER_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     timeout_s: _builtins.float
     """0: wait forever"""
@@ -155,16 +157,23 @@ class FetchRequest(_message.Message):
     of the global array, and comes back as parts (FetchChunk.part*). Without it, such a buffer
     is an error; a buffer held whole comes back as usual either way.
     """
+    offset: _builtins.int
+    """Only bytes [offset, offset + length) of the array's C-order bytes (length 0: to the end):
+    the IFRT proxy streams one shard of a larger buffer this way. Not with `parts`.
+    """
+    length: _builtins.int
     def __init__(
         self,
         *,
         buffer_id: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
         parts: _builtins.bool = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "parts", b"parts", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "length", b"length", "offset", b"offset", "parts", b"parts", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

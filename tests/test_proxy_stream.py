@@ -228,6 +228,7 @@ def test_the_controller_does_not_hold_an_uploaded_array(cluster: LocalCluster, t
     finally:
         stop.set()
         sampler.join()
-    grown = max(samples) - base  # measured: 24-54 MiB here (gRPC's windows, the pieces in flight);
-    assert len(samples) > 10  # holding the array, as before staging.py, it was 312 MiB
-    assert grown < 96 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB upload"
+    grown = max(samples) - base  # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and
+    assert len(samples) > 10  # the pieces in flight pile up when the worker reads slowly); holding
+    # the array, as before staging.py, it was 312 MiB: half the array is the line between the two
+    assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB upload"

@@ -39,7 +39,7 @@ import pytest
 
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
-from pwctl.local import stop_children
+from pwctl.local import stop_children, stop_island_services
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
 from server.controller.job_process import end_all as end_job_supervisors
@@ -401,6 +401,7 @@ class LocalCluster:
             procs.append(self.controller)
         stop_children(procs)
         end_job_supervisors(self.home / "jobs")  # jobs outlive their controller by design
+        stop_island_services(self.home / "island-services.json")  # they outlive it too
 
     def invariant_failures(self) -> list[str]:
         """The logs of this cluster's processes that report a broken invariant, with the report."""

@@ -15,7 +15,7 @@ One module per noun: `processes` (liveness, signals, spawning, pid files), `cont
 and `cluster` (`up`/`down`); the public names are re-exported here.
 """
 
-from .cluster import DownResult, UpResult, down, island_names, recorded_address, up
+from .cluster import DownResult, UpResult, down, island_names, recorded_address, stop_island_services, up
 from .controller import (
     ControllerHandle,
     run_controller_foreground,
@@ -51,6 +51,7 @@ __all__ = [
     "WORKER_READY_TIMEOUT_S", "ControllerHandle", "DownResult", "UpResult", "default_worker_name", "down",
     "is_alive", "island_names", "recorded_address", "run_controller_foreground", "running_controller",
     "running_worker", "runs_module",
-    "start_controller", "start_worker", "stop_children", "stop_controller", "stop_worker", "terminate", "up",
+    "start_controller", "start_worker", "stop_children", "stop_controller", "stop_island_services", "stop_worker",
+    "terminate", "up",
     "wait_workers_ready", "worker_log_path", "worker_pid_path",
 ]

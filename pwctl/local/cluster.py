@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .. import paths
@@ -160,10 +161,11 @@ def running_controller_pid() -> int | None:
 ISLAND_SERVICE_MODULE = "server.controller.coordsvc"
 
 
-def _stop_island_services() -> None:
+def stop_island_services(record_path: Path | None = None) -> None:
     """The coordination services of islands spanning hosts (they outlive a controller restart,
-    so stopping the controller leaves them; they would end by themselves a minute later)."""
-    record = _read_json(paths.island_services_path()) or {}
+    so stopping the controller leaves them; they would end by themselves a minute later), as
+    the data directory's record (`record_path`, default this one's) lists them."""
+    record = _read_json(record_path or paths.island_services_path()) or {}
     pids = [p for p in record.get("pids", []) if isinstance(p, int) and runs_module(p, ISLAND_SERVICE_MODULE)]
     terminate(pids, 2.0)
 
@@ -200,7 +202,7 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
         left = running_controller_pid()
         if left is not None and (_read_json(paths.server_pid_path()) or {}).get("address") == state.get("address"):
             left_controller = left
-    _stop_island_services()
+    stop_island_services()
     path.unlink(missing_ok=True)
     return DownResult(address=str(state.get("address", "")), stopped_workers=ours,
                       controller_pid=stopped_controller, left_controller=left_controller)

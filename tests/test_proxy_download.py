@@ -8,8 +8,6 @@ buffers arrive exactly, in order."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from proxy_env import client_env
 from test_proxy_cluster import run_program, worker_buffers
 from test_proxy_protocol import P
 from test_proxy_sharded import LOCAL4, proxy_env
-from test_proxy_stream import BASE, MIB, Raw, raw_session, rss, ser, until
+from test_proxy_stream import BASE, MIB, Raw, Sampler, raw_session, rss, ser, until
 
 from server.proxy.arrays import Buf, Part, new_record
 from server.proxy.downloads import byte_range, plan
@@ -37,29 +35,6 @@ x.block_until_ready()
 back = np.asarray(x)
 print("downloaded", back.nbytes, bool((back == np.arange(n, dtype=np.int32) * 3 + 1).all()))
 """
-
-
-class Sampler:
-    """Samples a process's RSS every 5 ms from a thread while in use."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(rss(self.pid))
-            time.sleep(0.005)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.mark.timeout(240)

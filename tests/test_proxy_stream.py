@@ -40,6 +40,29 @@ def rss(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"no {field} for pid {pid}")
 
 
+class Sampler:
+    """Samples a process's RSS every 5 ms from a thread while in use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(rss(self.pid))
+            time.sleep(0.005)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -213,21 +236,9 @@ def test_the_controller_does_not_hold_an_uploaded_array(cluster: LocalCluster, t
     # the peak RSS since start (VmHWM) is the controller's start-up, higher than an upload:
     # sample the RSS during the upload instead
     base = rss(pid)
-    samples: list[int] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append(rss(pid))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with Sampler(pid) as sampler:
         upload(256 * MIB)
-    finally:
-        stop.set()
-        sampler.join()
+    samples = sampler.samples
     grown = max(samples) - base  # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and
     assert len(samples) > 10  # the pieces in flight pile up when the worker reads slowly); holding
     # the array, as before staging.py, it was 312 MiB: half the array is the line between the two

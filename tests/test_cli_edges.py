@@ -165,8 +165,9 @@ def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path
         r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen",
                             "127.0.0.1:0", flag, value], env=base_env(pw_home), cwd=REPO, capture_output=True,
                            text=True, timeout=60)
-        assert r.returncode != 0 and f"{flag}: {message}" in r.stderr, r.stderr
+        assert r.returncode == 2 and f"{flag}: {message}" in r.stderr, r.stderr  # a usage error
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert not (pw_home / "server.pid").exists()  # refused before anything started
 
 
 def test_server_start_checks_the_relay_settings(pw_home: Path) -> None:

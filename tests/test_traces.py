@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from conftest import REPO, LocalCluster, wait_for
 
+from pwctl.units import parse_size
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.errors import NotFound
 from server.controller.observe import Observer
-from server.controller.trace_store import TraceStore, parse_size
+from server.controller.trace_store import TraceStore
 
 S = 1_000_000_000
 

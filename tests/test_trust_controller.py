@@ -150,8 +150,8 @@ def _opens(stub: cgrpc.ControllerStub, hello: object) -> bool:
 
 
 def test_listing_pages_are_bounded() -> None:
+    from pwctl.units import parse_duration
     from server.controller.limits import MAX_PAGE, page_size
-    from server.controller.removal import parse_duration
 
     assert page_size(0) == MAX_PAGE and page_size(10**9) == MAX_PAGE and page_size(7) == 7
     assert parse_duration("24h") == 86400 and parse_duration("90") == 90 and parse_duration("0") == 0

@@ -10,7 +10,8 @@ import typer
 
 from schemas.views import ServerInfoView
 
-from .. import __version__, local, paths
+from .. import __version__, local, paths, units
+from ..errors import InvalidArgument
 from ..version import compatible, mismatch
 from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
 
@@ -93,6 +94,12 @@ def start(
     if no_token and require_token:
         raise typer.BadParameter("contradicts --no-token (the token is required by default)",
                                  param_hint="--require-token")
+    for flag, value, parse in (("--trace-retention", trace_retention, units.parse_size),
+                               ("--lost-host-ttl", lost_host_ttl, units.parse_duration)):
+        try:
+            parse(value)
+        except ValueError as e:
+            raise InvalidArgument(f"{flag}: {e}") from None  # one line, exit 2, nothing started
     if metrics_listen.strip() != "off":
         try:
             paths.split_address(metrics_listen.strip())

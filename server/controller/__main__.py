@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pwctl.errors import FailedPrecondition
+from pwctl.units import parse_duration, parse_size
 from pwctl.version import check_jax
 
 from .. import paths, stackdump
@@ -24,9 +25,8 @@ from .limits import (
     Limits,
 )
 from .relays import DEFAULT_GROUP_SIZE, DEFAULT_MIN_HOSTS
-from .removal import parse_duration
 from .session_store import DEFAULT_GRACE_S
-from .trace_store import DEFAULT_RETENTION_BYTES, parse_size
+from .trace_store import DEFAULT_RETENTION_BYTES
 
 
 def main() -> None:

@@ -38,23 +38,6 @@ SlicesUsing = Callable[[Iterable[int]], list[str]]
 SlicesAsking = Callable[[str], list[str]]
 
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> float:
-    """'90', '90s', '30m', '24h', '7d' -> seconds; raises ValueError with a readable message."""
-    t = text.strip().lower()
-    scale = _UNITS.get(t[-1:])
-    number = t[:-1] if scale is not None else t
-    try:
-        value = float(number) * (scale or 1.0)
-    except ValueError:
-        raise ValueError(f"invalid duration {text!r}: expected e.g. 90s, 30m, 24h, 7d or 0") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"invalid duration {text!r}: must be a finite number, 0 or more")
-    return value
-
-
 def slice_queries(slices: Callable[[], Mapping[str, rm.Slice]]) -> tuple[SlicesUsing, SlicesAsking]:
     """`SlicesUsing` and `SlicesAsking` over the resource manager's slices (by name, read when asked)."""
 

@@ -47,17 +47,6 @@ class Segment:
     nbytes: int
 
 
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '100MB', '0' (off), '1000000' -> bytes; ValueError with a readable message."""
-    t = text.strip().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
-    number = t.rstrip("kKmMgGiIbB")
-    unit = t[len(number):].lower()
-    if unit not in units or not number.replace(".", "", 1).isdigit():
-        raise ValueError(f"invalid size {text!r}: expected e.g. 512MiB, 2GiB or a number of bytes")
-    return int(float(number) * units[unit])
-
-
 class TraceStore:
     """The segment files of one data directory. `write_file` and `read` run in a worker thread;
     the index (`segments`) changes only on the event loop (`add`), so a trace that takes the

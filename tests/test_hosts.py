@@ -123,6 +123,22 @@ def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> No
     assert re.search(rf"first transfer to {re.escape(hs[1].ip)}:\d+ by shared-memory", sender), sender[-3000:]
 
 
+def kill_mid_run(proc: Any, host: Any, worker: str, survivor_line: str, lines: list[str]) -> None:
+    """Kills every process of `host` (its worker is `worker`) while `proc` runs: the program's
+    next line is an error within ERROR_BOUND_S, one line naming what was lost (the host or its
+    worker), no traceback; then the program goes on (three `survivor_line`s) and exits 0."""
+    assert host.kill_all(), f"{worker}'s host had no processes to kill"
+    t0 = time.monotonic()
+    err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
+    assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing {worker}'s host:\n{''.join(lines)}"
+    assert time.monotonic() - t0 < ERROR_BOUND_S
+    assert re.search(rf"{worker}|host|worker|lost|unavailable", err, re.IGNORECASE), err
+    assert "Traceback" not in err
+    for _ in range(3):
+        assert read_until(proc, survivor_line, time.monotonic() + 60, lines), "".join(lines)
+    assert proc.wait(timeout=30) == 0, "".join(lines)
+
+
 def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
     cl = Cluster(hs)
@@ -134,20 +150,7 @@ def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_
     lines: list[str] = []
     try:
         assert read_until(proc, "ok 3", time.monotonic() + 90, lines), "".join(lines)
-        killed = hs[2].kill_all()
-        assert killed, "host 2 had no processes to kill"
-        t0 = time.monotonic()
-        err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
-        took = time.monotonic() - t0
-        assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing host 2:\n{''.join(lines)}"
-        assert took < ERROR_BOUND_S
-        # clear: names what was lost (the host or its worker), in one line
-        assert re.search(r"w2|host|worker|lost|unavailable", err, re.IGNORECASE), err
-        assert "Traceback" not in err
-        # host 1 keeps working: its island alone, three more times
-        for _ in range(3):
-            assert read_until(proc, "local ok", time.monotonic() + 60, lines), "".join(lines)
-        assert proc.wait(timeout=30) == 0, "".join(lines)
+        kill_mid_run(proc, hs[2], "w2", "local ok", lines)  # host 1 keeps working: its island alone
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -220,15 +223,7 @@ def test_a_transfer_whose_sender_dies_fails_cleanly(hosts: Any, tmp_path: Path) 
     lines: list[str] = []
     try:
         assert read_until(proc, "moving 2", time.monotonic() + 120, lines), "".join(lines)
-        assert hs[1].kill_all(), "host 1 had no processes to kill"
-        t0 = time.monotonic()
-        err = read_until(proc, "error", t0 + ERROR_BOUND_S, lines)
-        assert err is not None, f"no error within {ERROR_BOUND_S:g} s of killing host 1:\n{''.join(lines)}"
-        assert re.search(r"w1|host|worker|lost|unavailable", err, re.IGNORECASE), err
-        assert "Traceback" not in err
-        for _ in range(3):
-            assert read_until(proc, "alone ok", time.monotonic() + 60, lines), "".join(lines)
-        assert proc.wait(timeout=30) == 0, "".join(lines)
+        kill_mid_run(proc, hs[1], "w1", "alone ok", lines)
     finally:
         if proc.poll() is None:
             proc.kill()

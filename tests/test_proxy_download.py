@@ -48,10 +48,9 @@ def test_the_controller_does_not_hold_a_downloaded_array(cluster: LocalCluster, 
         assert run_program(DOWNLOAD.replace("NBYTES", str(nbytes)), env) == [f"downloaded {nbytes} True"]
 
     download(16 * MIB)  # the proxy service is built, a first download streamed
-    base = rss(pid)
     with Sampler(pid) as sampler:
         download(256 * MIB)
-    grown = max(sampler.samples) - base  # holding the array (before downloads.py) it grows by 256 MiB or more
+    grown = sampler.grown  # holding the array (before downloads.py) it grows by 256 MiB or more
     assert len(sampler.samples) > 10
     print(f"controller RSS growth during a 256 MiB download: {grown / MIB:.0f} MiB")
     assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB download"
@@ -86,14 +85,13 @@ def test_a_slow_or_vanishing_reader_holds_nothing_in_the_controller(cluster: Loc
 
     async def stalled(s: Raw, host_handle: int) -> aio.UnaryStreamCall:
         """A lookup that read two messages and then stops reading; the controller's RSS meanwhile."""
-        base = rss(pid)
         with Sampler(pid) as sampler:
             await _copy_to_host(s, 20, host_handle)
             call = await _lookup_call(s, host_handle)
             first = [(await call.read()).data for _ in range(2)]
             assert b"".join(first) == data[: 2 * MIB]
             await asyncio.sleep(3.0)  # the worker would have sent all 256 MiB by now, unchecked
-        grown = max(sampler.samples) - base
+        grown = sampler.grown
         print(f"controller RSS growth behind a stalled reader: {grown / MIB:.0f} MiB")
         assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB behind a stalled reader"
         return call

@@ -41,10 +41,13 @@ def rss(pid: int, field: str = "VmRSS") -> int:
 
 
 class Sampler:
-    """Samples a process's RSS every 5 ms from a thread while in use."""
+    """Samples a process's RSS every 5 ms from a thread while in use; `grown` is the peak above
+    its RSS on entry (the peak since start, VmHWM, is the process's start-up, higher than what
+    a test measures)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.base = 0
         self.samples: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
@@ -55,8 +58,13 @@ class Sampler:
             time.sleep(0.005)
 
     def __enter__(self) -> Sampler:
+        self.base = rss(self.pid)
         self._thread.start()
         return self
+
+    @property
+    def grown(self) -> int:
+        return max(self.samples) - self.base
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -233,13 +241,9 @@ def test_the_controller_does_not_hold_an_uploaded_array(cluster: LocalCluster, t
         assert run_program(UPLOAD.replace("sys.argv[1]", str(nbytes)), env) == [f"uploaded {nbytes}"]
 
     upload(16 * MIB)  # the proxy service is built, a first upload streamed
-    # the peak RSS since start (VmHWM) is the controller's start-up, higher than an upload:
-    # sample the RSS during the upload instead
-    base = rss(pid)
     with Sampler(pid) as sampler:
         upload(256 * MIB)
-    samples = sampler.samples
-    grown = max(samples) - base  # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and
-    assert len(samples) > 10  # the pieces in flight pile up when the worker reads slowly); holding
+    grown = sampler.grown  # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and
+    assert len(sampler.samples) > 10  # the pieces in flight pile up when the worker reads slowly); holding
     # the array, as before staging.py, it was 312 MiB: half the array is the line between the two
     assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB upload"

@@ -145,17 +145,16 @@ def _cluster_controller(state: dict[str, Any]) -> int | None:
         return None
     if runs_module(int(recorded), CONTROLLER_MODULE):
         return int(recorded)
+    return _controller_at(str(state.get("address", "")))
+
+
+def _controller_at(address: str) -> int | None:
+    """The pid of this data directory's controller (its pid file) when it runs at `address`."""
     info = _read_json(paths.server_pid_path()) or {}
     pid = int(info.get("pid", 0) or 0)
-    if pid and info.get("address") == state.get("address") and runs_module(pid, CONTROLLER_MODULE):
+    if pid and info.get("address") == address and runs_module(pid, CONTROLLER_MODULE):
         return pid
     return None
-
-
-def running_controller_pid() -> int | None:
-    """The pid of this data directory's controller (its pid file) when that process runs."""
-    pid = int((_read_json(paths.server_pid_path()) or {}).get("pid", 0) or 0)
-    return pid if pid and runs_module(pid, CONTROLLER_MODULE) else None
 
 
 ISLAND_SERVICE_MODULE = "server.controller.coordsvc"
@@ -192,16 +191,14 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
             worker_pid_path(name).unlink(missing_ok=True)
     controller_pid = _cluster_controller(state)
     stopped_controller: int | None = None
-    left_controller: int | None = None
+    left_controller: int | None = None  # a controller `up` did not start, serving the cluster's address
     if controller_pid is not None:
         stopped_controller = int(controller_pid)
         _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
         if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:
             paths.server_pid_path().unlink(missing_ok=True)
     else:
-        left = running_controller_pid()
-        if left is not None and (_read_json(paths.server_pid_path()) or {}).get("address") == state.get("address"):
-            left_controller = left
+        left_controller = _controller_at(str(state.get("address", "")))
     stop_island_services()
     path.unlink(missing_ok=True)
     return DownResult(address=str(state.get("address", "")), stopped_workers=ours,

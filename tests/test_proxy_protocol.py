@@ -373,7 +373,7 @@ def test_hostile_input_fails_only_its_own_request(caplog: pytest.LogCaptureFixtu
 def test_a_jaxlib_without_the_protocol_is_refused_with_why() -> None:
     """A controller whose installed jaxlib carries no IFRT proxy protocol answers a proxy client's
     first call FAILED_PRECONDITION saying so (it raised inside gRPC's handler lookup: UNKNOWN)."""
-    from server.proxy.service import LazyProxyHandler
+    from server.proxy.routing import LazyProxyHandler
 
     def make() -> ProxyService:
         raise proto_mod.ProtocolError(f"the installed jaxlib embeds no {proto_mod.SERVICE_FILE}: it has no IFRT "

@@ -22,7 +22,8 @@ from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
 from ..proxy.backend import BackendError
 from ..proxy.cluster_backend import ControllerBackend, Controls
-from ..proxy.service import Admit, LazyProxyHandler, ProxyService, guards_itself, is_proxy_method
+from ..proxy.routing import LazyProxyHandler, guards_itself, is_proxy_method
+from ..proxy.service import Admit, ProxyService
 from ..rpcguard import GuardInterceptor
 from .callers import caller_of
 from .core import Controller, ControllerConfig

@@ -31,12 +31,13 @@ from .buffers import BufferStore
 from .config import WorkerConfig
 from .executable import unload_unused
 from .executor import Executor
+from .handlers import add_to_server
 from .locallink import LocalReceiver
 from .reconnect import Reconnect
 from .relay import GAP_S as RELAY_GAP_S
 from .relay import Forwarder, Inbox, relayed_message
 from .reporting import EventBuffer
-from .servicer import WorkerServicer, add_to_server
+from .servicer import WorkerServicer
 from .tcplink import TcpReceiver
 from .transfer import CHANNEL_OPTIONS, TransferSender
 

@@ -57,22 +57,26 @@ class Mapped:
 Classify = Callable[[BaseException], Mapped | None]
 
 
-def _safe(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
-    name = getattr(type_name, "full_name", method)
+def decoder(parse: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    """`parse` made total: bytes it cannot decode become a `Malformed` naming `type_name`."""
 
     def decode(data: bytes) -> Any:
         try:
-            return deserializer(data)
+            return parse(data)
         except Exception as e:  # DecodeError, or anything a custom deserializer raises
-            return Malformed(name, str(e).split(":")[-1].strip() or type(e).__name__)
+            return Malformed(type_name, str(e).split(":")[-1].strip() or type(e).__name__)
 
     return decode
 
 
-class _Limiter:
+def _safe(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    return decoder(deserializer, getattr(type_name, "full_name", method))
+
+
+class WarningLimiter:
     """One warning per method per `LOG_EVERY_S`; the others are counted into the next one."""
 
     def __init__(self) -> None:
@@ -99,7 +103,7 @@ class GuardInterceptor(aio.ServerInterceptor):
         # methods that decode their own requests and answer their own errors (the IFRT proxy's
         # session stream): not wrapped, so their messages skip two generator hops each
         self._skip = skip
-        self._limiter = _Limiter()
+        self._limiter = WarningLimiter()
         self.malformed = 0  # requests answered INVALID_ARGUMENT because they did not decode
 
     async def intercept_service(

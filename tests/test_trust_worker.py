@@ -308,6 +308,9 @@ def test_malformed_requests_get_invalid_argument_and_no_traceback(cluster: Local
     raw_wait = wch.unary_unary("/pathways.v1.Worker/Wait")
     garbage = b"\xff\xff\xff\xff\x0f" + os.urandom(64)
     assert code_of(lambda: raw_fetch(garbage, metadata=md, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        list(raw_fetch(garbage, metadata=md, timeout=10))
+    assert "malformed request: not a valid pathways.v1.FetchRequest" in (info.value.details() or "")
     assert code_of(lambda: raw_wait(garbage, metadata=md, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     bad_uploads = [
         pb.ArrayProto(dtype="no-such-dtype", shape=[1], data=b"\0" * 8),

@@ -5,20 +5,17 @@ traceback."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc import aio
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
+from ..rpcguard import Malformed, WarningLimiter, decoder
 from .servicer import WorkerServicer
-
-log = logging.getLogger(__name__)
 
 
 def _serialized(message: Any) -> bytes:
@@ -26,38 +23,28 @@ def _serialized(message: Any) -> bytes:
     return message if isinstance(message, bytes) else bytes(message.SerializeToString())
 
 
-class Malformed:
-    """What a request that does not decode turns into (instead of gRPC's UNKNOWN and traceback)."""
-
-    def __init__(self, method: str, error: str) -> None:
-        self.method, self.error = method, error
-
-
 def _put_request(data: bytes) -> wire.PutBuffer | Malformed:
     """An upload, parsed without copying its bytes (server/wire.py), or Malformed."""
     try:
         return wire.put_buffer(data)
     except wire.WireError as e:
-        return Malformed("PutBuffers", str(e))
+        return Malformed(wpb.PutBufferRequest.DESCRIPTOR.full_name, str(e))
 
 
-def _tolerant(method: str, cls: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except DecodeError as e:
-            return Malformed(method, str(e) or "undecodable")
-
-    return parse
+def _tolerant(cls: Any) -> Callable[[bytes], Any]:
+    return decoder(cls.FromString, cls.DESCRIPTOR.full_name)
 
 
-async def _refuse(context: aio.ServicerContext, bad: Malformed) -> None:
+_warnings = WarningLimiter()  # a flood of garbage writes a bounded log, as on the controller
+
+
+async def _refuse(context: aio.ServicerContext, method: str, bad: Malformed) -> None:
     try:
         peer = str(context.peer())
     except Exception:  # only for the log line
         peer = "?"
-    log.warning("malformed %s request from %s refused: %s", bad.method, peer, bad.error)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {bad.method} request: {bad.error}")
+    _warnings.warn(f"Worker/{method}", peer, bad.message)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
 
 
 def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
@@ -75,7 +62,7 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         async def handler(request: Any, context: aio.ServicerContext) -> Any:
             if isinstance(request, Malformed):
                 await authenticate(method, context)
-                await _refuse(context, request)
+                await _refuse(context, method, request)
             return await fn(request, context)
         return handler
 
@@ -83,49 +70,49 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         async def handler(request: Any, context: aio.ServicerContext) -> Any:
             if isinstance(request, Malformed):
                 await authenticate(method, context)
-                await _refuse(context, request)
+                await _refuse(context, method, request)
             async for item in fn(request, context):
                 yield item
         return handler
 
-    def client_stream(fn: Any) -> Any:
+    def client_stream(method: str, fn: Any) -> Any:
         async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
             async def checked() -> AsyncIterator[Any]:
                 async for r in requests:
                     if isinstance(r, Malformed):
-                        await _refuse(context, r)
+                        await _refuse(context, method, r)
                     yield r
             return await fn(checked(), context)
         return handler
 
     handlers = {
         "PutBuffers": grpc.stream_unary_rpc_method_handler(
-            client_stream(servicer.PutBuffers),
+            client_stream("PutBuffers", servicer.PutBuffers),
             request_deserializer=_put_request,
             response_serializer=wpb.PutBuffersResponse.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             server_stream("Fetch", servicer.Fetch),
-            request_deserializer=_tolerant("Fetch", wpb.FetchRequest),
+            request_deserializer=_tolerant(wpb.FetchRequest),
             response_serializer=_serialized),
         "Wait": grpc.unary_unary_rpc_method_handler(
             unary("Wait", servicer.Wait),
-            request_deserializer=_tolerant("Wait", wpb.WaitRequest),
+            request_deserializer=_tolerant(wpb.WaitRequest),
             response_serializer=wpb.WaitReply.SerializeToString),
         "Transfer": grpc.stream_unary_rpc_method_handler(
-            client_stream(servicer.Transfer),
-            request_deserializer=_tolerant("Transfer", wpb.TransferChunk),
+            client_stream("Transfer", servicer.Transfer),
+            request_deserializer=_tolerant(wpb.TransferChunk),
             response_serializer=wpb.TransferResponse.SerializeToString),
         "Relayed": grpc.stream_unary_rpc_method_handler(
-            client_stream(servicer.Relayed),
-            request_deserializer=_tolerant("Relayed", wpb.RelayedMessage),
+            client_stream("Relayed", servicer.Relayed),
+            request_deserializer=_tolerant(wpb.RelayedMessage),
             response_serializer=wpb.RelayedResponse.SerializeToString),
         "Compile": grpc.unary_unary_rpc_method_handler(
             unary("Compile", servicer.Compile),
-            request_deserializer=_tolerant("Compile", wpb.CompileRequest),
+            request_deserializer=_tolerant(wpb.CompileRequest),
             response_serializer=wpb.CompileReply.SerializeToString),
         "Stats": grpc.unary_unary_rpc_method_handler(
             unary("Stats", servicer.Stats),
-            request_deserializer=_tolerant("Stats", wpb.WorkerStatsRequest),
+            request_deserializer=_tolerant(wpb.WorkerStatsRequest),
             response_serializer=wpb.WorkerStats.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pathways.v1.Worker", handlers),))

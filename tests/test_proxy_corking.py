@@ -82,6 +82,20 @@ def test_the_hold_is_bounded_by_count_and_by_time() -> None:
     assert flushed == [1, 1] and c.held == 0
 
 
+def test_after_a_wait_the_next_decision_goes_at_once() -> None:
+    c, loop, flushed = cork(quiet_passes=3)
+    c.decided()
+    c.waiting()  # a blocking call: what is held goes first
+    assert flushed == [1]
+    c.decided()  # its next call (op-by-op): not held
+    assert flushed == [1, 1] and c.held == 0
+    c.decided()  # then held again while the calls keep coming
+    assert flushed == [1, 1] and c.held == 1
+    for _ in range(4):
+        loop.run_pass()
+    assert flushed == [1, 1, 1]
+
+
 def test_an_explicit_flush_sends_at_once_and_stops_the_pending_passes() -> None:
     c, loop, flushed = cork(quiet_passes=2)
     c.flush()
@@ -172,9 +186,12 @@ def test_a_burst_of_executes_leaves_in_one_enqueue_in_call_order() -> None:
         assert [t.seq for t in enq.tasks] == sorted(t.seq for t in enq.tasks)
         assert len(enq.functions) == 1 and len(enq.segments) == 1  # registered once, before the tasks
         # a call that waits sends what is held before it waits (here the worker is not there)
-        session.execute(program, [x])
+        (x,) = session.execute(program, [x])
         with pytest.raises(BackendError):
             await asyncio.wait_for(session.ready([outputs[-1]]), 5)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 1
+        session.execute(program, [x])  # the call after a wait leaves at once (op-by-op)
         (enq,) = enqueues(outbox)
         assert len(enq.tasks) == 1
         await session.close()

@@ -391,7 +391,7 @@ class SliceSession:
         read as wire format (wire.py): views of what gRPC received, no copies. The caller knows
         the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
         address = self._address_of(buffer_id)
-        self._cork.flush()  # the run making it is on its way to the worker
+        self._cork.waiting()  # the run making it is on its way to the worker
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
         call = self._fetch_raw(address)(request, metadata=self._metadata)
         try:
@@ -429,7 +429,7 @@ class SliceSession:
         return call
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
-        self._cork.flush()  # what it waits for is on its way to the workers
+        self._cork.waiting()  # what it waits for is on its way to the workers
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
             self._check_failed(b)

@@ -18,8 +18,11 @@ autocorking holds a socket's small writes while the application is still writing
   since the first one held (read on the next pass: no timer), flush at once, so a device that
   is idle while the client issues a burst of long steps starts the first of them within
   about that time;
-- `flush` sends what is held at once: called before anything that waits on the workers (a
-  readiness check, a download), so a blocking call never waits for the cork.
+- `waiting` sends what is held at once: called before anything that waits on the workers (a
+  readiness check, a download), so a blocking call never waits for the cork; and the session's
+  next decision goes at once too: a client that blocks on its results calls one at a time
+  (op-by-op), so there is nothing to coalesce its next call with and holding it could only
+  delay it.
 
 Holding back a flush changes no order: the runs were submitted to the scheduler in the order
 they came, and the dispatcher's outbox keeps each host's messages in that order; they leave in
@@ -58,13 +61,15 @@ class FlushCork:
         self._quiet = 0
         self._armed = False
         self._round = 0  # counts flushes: a pass of an earlier round stops
+        self._waited = False  # a call waited on the workers since the last decision
         self.flushes = 0
 
     def decided(self) -> None:
         """A run or a release was handed to the dispatcher (not flushed)."""
         self.held += 1
         self._decisions += 1
-        if self.held >= self.max_held:
+        if self._waited or self.held >= self.max_held:
+            self._waited = False
             self.flush()
         elif not self._armed:
             self._armed = True
@@ -89,6 +94,11 @@ class FlushCork:
             self.flush()
         else:
             self._schedule()
+
+    def waiting(self) -> None:
+        """A call waits on the workers: flushes now, and the next decision flushes at once."""
+        self._waited = True
+        self.flush()
 
     def flush(self) -> None:
         """Sends what is held now (nothing held: nothing to do)."""

@@ -4,7 +4,7 @@ A `pw` client sends its runs in batches, and the dispatcher sends each worker on
 flush with every task it decided meanwhile. The jaxlib client sends each execute as its own
 request, and each used to flush at once: one `Enqueue` with one task per call, one gRPC write on
 the controller's event loop and one message, one executor wake-up and one round of XLA thread
-wake-ups on the worker per call (bench/FINDINGS.md, 2026-11-25 23:00: ~600 µs of worker CPU per
+wake-ups on the worker per call (bench/FINDINGS.md, 2026-11-25 22:54-23:22: ~600 µs of worker CPU per
 call against ~40 µs for the same call batched through `pw`).
 
 `FlushCork` holds the flush back while the session's requests keep coming, like TCP's

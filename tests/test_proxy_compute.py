@@ -59,6 +59,36 @@ print("w", np.asarray(w["b"]).round(5).tolist())
 print("decreased", losses[-1] < losses[0])
 """
 
+# tiny calls without blocking between them (their runs leave several to a worker message: server/proxy/corking.py),
+# arrays kept and dropped along the way, then blocking calls one by one
+PIPELINED = """
+import numpy as np, jax, jax.numpy as jnp
+f = jax.jit(lambda x: x + 1)
+x = jnp.zeros(3, jnp.float32)
+kept = []
+for i in range(400):
+    x = f(x)
+    if i % 97 == 0:
+        kept.append(x)
+print("pipelined", x.tolist(), [k.tolist() for k in kept])
+del kept
+for i in range(20):
+    x = f(x)
+    x.block_until_ready()
+print("op by op", x.tolist())
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=1)
+def test_pipelined_tiny_calls_are_exact(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = run_program(PIPELINED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
+    proxied = run_program(PIPELINED, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
+                                                JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                                                PWCTL_TOKEN=cluster.token or ""))
+    assert proxied == local
+    assert local[-1] == "op by op [420.0, 420.0, 420.0]"
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+
 
 @pytest.mark.cluster(islands=1, devices=2)
 def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:

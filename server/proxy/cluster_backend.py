@@ -13,6 +13,8 @@ Compiles and executes go the way a `pw` client's do: each session is a `ClientSe
 controller's session manager; a compiled module is a function in a one-node program registered
 through the manager (modules.py), and each execute is a run of it through the dispatcher and the
 island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
+The dispatcher's flush of a session's runs and releases is held while its requests keep coming
+(corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`.
 Runs the controller refuses fail their outputs here (the workers never hear of them).
 """
 
@@ -42,6 +44,7 @@ from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compiling import compile_on_worker
+from .corking import FlushCork
 from .handles import HostData
 from .modules import describe
 from .staging import Staging
@@ -141,6 +144,11 @@ class SliceSession:
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
         self._metadata = tuple(metadata)
+        self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
+
+    def _flush(self) -> None:
+        if self._controls.sessions is not None:
+            self._controls.sessions.dispatcher.flush()
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:
@@ -304,7 +312,7 @@ class SliceSession:
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
         manager.handle(self._client, cpb.ClientMessage(run=run))
-        manager.dispatcher.flush()
+        self._cork.decided()  # flushed once the session's requests pause (corking.py)
         for b in outputs:
             self._home[b] = address
         return outputs
@@ -383,6 +391,7 @@ class SliceSession:
         read as wire format (wire.py): views of what gRPC received, no copies. The caller knows
         the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
         address = self._address_of(buffer_id)
+        self._cork.waiting()  # the run making it is on its way to the worker
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
         call = self._fetch_raw(address)(request, metadata=self._metadata)
         try:
@@ -420,6 +429,7 @@ class SliceSession:
         return call
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
+        self._cork.waiting()  # what it waits for is on its way to the workers
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
             self._check_failed(b)
@@ -454,9 +464,10 @@ class SliceSession:
                 release = wpb.ReleaseBuffers(address=address, buffer_ids=ids)
                 manager.handle(self._client, cpb.ClientMessage(release=release))
         if by_worker and manager is not None:
-            manager.dispatcher.flush()
+            self._cork.decided()
 
     async def close(self) -> None:
+        self._cork.flush()
         self._watcher.cancel()
         for channel, _ in self._channels.values():
             await channel.close()

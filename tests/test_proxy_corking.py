@@ -1,0 +1,214 @@
+"""A proxy session's flushes held while its requests keep coming (server/proxy/corking.py).
+
+The cork alone, on a hand-driven event loop and clock; then a proxy session (`SliceSession`) on
+the real dispatcher, gang scheduler, program registry and session manager, with an outbox that
+records what each worker would get: a burst of executes leaves as one `Enqueue` whose tasks keep
+the order of the calls, and a call that waits (a readiness check) sends what is held first."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.controller.cluster import HostInfo
+from server.controller.dispatch import Dispatcher
+from server.controller.programs import ProgramRegistry
+from server.controller.sessions import SessionManager
+from server.controller.slices import Placement
+from server.proxy.backend import BackendError
+from server.proxy.cluster_backend import Controls, SliceSession
+from server.proxy.corking import FlushCork
+from server.scheduler import GangScheduler, Policy
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Loop:
+    """`call_soon` and a clock, driven by the test: `run_pass` runs what the last pass scheduled."""
+
+    def __init__(self) -> None:
+        self.ready: list[Callable[[], None]] = []
+        self.now = 100.0
+
+    def call_soon(self, cb: Callable[[], None]) -> None:
+        self.ready.append(cb)
+
+    def run_pass(self) -> None:
+        ready, self.ready = self.ready, []
+        for cb in ready:
+            cb()
+
+
+def cork(**kw: Any) -> tuple[FlushCork, Loop, list[int]]:
+    loop, flushed = Loop(), []
+    c = FlushCork(lambda: flushed.append(1), loop.call_soon, lambda: loop.now, **kw)
+    return c, loop, flushed
+
+
+def test_decisions_are_held_until_the_loop_makes_quiet_passes() -> None:
+    c, loop, flushed = cork(quiet_passes=3)
+    c.decided()
+    c.decided()
+    assert c.held == 2 and not flushed
+    loop.run_pass()
+    loop.run_pass()
+    c.decided()  # a new one: the quiet passes count from here
+    loop.run_pass()
+    loop.run_pass()
+    loop.run_pass()
+    assert not flushed
+    loop.run_pass()
+    assert flushed == [1] and c.held == 0
+    assert not loop.ready  # nothing left spinning once it flushed
+    loop.run_pass()
+    assert flushed == [1]
+
+
+def test_the_hold_is_bounded_by_count_and_by_time() -> None:
+    c, loop, flushed = cork(quiet_passes=3, max_held=4, max_delay_s=0.002)
+    for _ in range(4):
+        c.decided()
+    assert flushed == [1] and c.held == 0  # the fourth flushed at once
+    c.decided()
+    loop.now += 0.0021  # requests keep coming, but the first held is due
+    c.decided()
+    loop.run_pass()
+    assert flushed == [1, 1] and c.held == 0
+
+
+def test_after_a_wait_the_next_decision_goes_at_once() -> None:
+    c, loop, flushed = cork(quiet_passes=3)
+    c.decided()
+    c.waiting()  # a blocking call: what is held goes first
+    assert flushed == [1]
+    c.decided()  # its next call (op-by-op): not held
+    assert flushed == [1, 1] and c.held == 0
+    c.decided()  # then held again while the calls keep coming
+    assert flushed == [1, 1] and c.held == 1
+    for _ in range(4):
+        loop.run_pass()
+    assert flushed == [1, 1, 1]
+
+
+def test_an_explicit_flush_sends_at_once_and_stops_the_pending_passes() -> None:
+    c, loop, flushed = cork(quiet_passes=2)
+    c.flush()
+    assert not flushed  # nothing held: no flush of the dispatcher
+    c.decided()
+    c.flush()
+    assert flushed == [1]
+    c.decided()  # armed again: one chain of passes, not two
+    for _ in range(2):
+        loop.run_pass()
+        assert len(loop.ready) <= 1
+    loop.run_pass()
+    assert flushed == [1, 1] and not loop.ready
+
+
+# ---- a proxy session on the real dispatcher ----
+
+F = hashlib.sha256(b"inc").hexdigest()
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, cpb.ControllerToWorker]] = []
+
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        self.sent.append((host, msg))
+
+
+class Slices:
+    """One slice, "s", on device 0 of host a."""
+
+    def __init__(self, host: HostInfo) -> None:
+        self.host = host
+        self.epoch = 0
+
+    def placement(self, name: str) -> Placement:
+        return Placement(name, self.host, [0], 0, self.host.island)
+
+    def release_owner(self, owner: str) -> None:
+        pass
+
+
+def parts() -> tuple[SliceSession, Outbox, HostInfo]:
+    a = HostInfo(id=1, name="a", island="i", address="a:1", pid=1, kind="cpu", machine_id="m", device_ids=[10],
+                 state="ready")
+    outbox = Outbox()
+    slices = Slices(a)
+    registry = ProgramRegistry()
+    dispatcher = Dispatcher(GangScheduler(hang_timeout_s=None, default_policy=Policy("fifo"),
+                                          max_inflight_nodes=256),
+                            registry, slices, {"a": a}, lambda addr: a if addr == a.address else None, outbox)
+    dispatcher.host_up(a)
+    manager = SessionManager(dispatcher, registry, slices, lambda msg: None)
+    controls = Controls(release_buffers=None, release_owner=lambda owner: None,
+                        new_id_prefix=manager.new_id_prefix, token=None, sessions=manager)
+    sl = cpb.Slice(name="s", devices=[cpb.VirtualDevice(index=0, kind="cpu", host="a")])
+    session = SliceSession(slices, controls, sl, "client:proxy-test", False)  # type: ignore[arg-type]
+    outbox.sent.clear()
+    return session, outbox, a
+
+
+def enqueues(outbox: Outbox) -> list[wpb.Enqueue]:
+    out = [m.enqueue for _, m in outbox.sent if m.WhichOneof("msg") == "enqueue"]
+    outbox.sent.clear()
+    return out
+
+
+async def passes(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_burst_of_executes_leaves_in_one_enqueue_in_call_order() -> None:
+    async def main() -> None:
+        session, outbox, a = parts()
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        outputs = []
+        for _ in range(10):  # a pipelined loop: each call reads the previous one's output
+            (x,) = session.execute(program, [x])
+            outputs.append(x)
+        assert enqueues(outbox) == []  # held while the calls keep coming
+        await passes(8)
+        (enq,) = enqueues(outbox)
+        assert [t.output_ids[0] for t in enq.tasks] == outputs
+        assert [t.input_ids[0] for t in enq.tasks[1:]] == outputs[:-1]
+        assert [t.seq for t in enq.tasks] == sorted(t.seq for t in enq.tasks)
+        assert len(enq.functions) == 1 and len(enq.segments) == 1  # registered once, before the tasks
+        # a call that waits sends what is held before it waits (here the worker is not there)
+        (x,) = session.execute(program, [x])
+        with pytest.raises(BackendError):
+            await asyncio.wait_for(session.ready([outputs[-1]]), 5)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 1
+        session.execute(program, [x])  # the call after a wait leaves at once (op-by-op)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 1
+        await session.close()
+
+    asyncio.run(main())
+
+
+def test_an_idle_session_sends_its_call_within_a_few_passes() -> None:
+    async def main() -> None:
+        session, outbox, a = parts()
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        session.execute(program, [x])
+        await passes(6)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 1
+        await session.close()
+
+    asyncio.run(main())

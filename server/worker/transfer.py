@@ -31,6 +31,10 @@ from .tcplink import TcpPeer
 log = logging.getLogger(__name__)
 
 CHUNK = 4 * 1024 * 1024  # a fetch's messages (servicer.py)
+# a data-message fetch's (FetchRequest.data_messages), which the controller forwards unchanged as a
+# proxy download's lookup messages: 1 MiB put a download's first bytes on their way 2-3x sooner than
+# 4 MiB, and each message is a buffer of the malloc heap, not a fresh mapping (bench/FINDINGS.md)
+DATA_CHUNK = 1024 * 1024
 # a peer transfer's messages: 64 MiB between two hosts (network namespaces) by the stream alone went
 # 1.2-2.5x faster in 1 MiB chunks than in 4 MiB ones (six runs); making 4 MiB messages page-faults
 # every buffer afresh (~21k minor faults per 64 MiB, none at 1 MiB) (bench/FINDINGS.md, "Multi-host")

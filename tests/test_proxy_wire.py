@@ -38,6 +38,30 @@ def test_data_field_last_occurrence_wins_and_other_fields_are_refused() -> None:
             wire.data_field(bad)
 
 
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20, (1 << 20) + 5])
+def test_a_workers_fetch_data_is_a_lookup_response_on_the_wire(size: int) -> None:
+    """FetchRequest.data_messages: the controller forwards the worker's messages to the jaxlib
+    client unparsed, so they must be exactly what the client parses, with no unknown fields."""
+    p = proto_mod.protocol()
+    data = bytes(i % 251 for i in range(size))
+    raw = wire.data_message(memoryview(data))
+    assert raw == wpb.FetchData(data=data).SerializeToString()
+    lookup = p.GrpcHostBufferLookupResponse.FromString(raw)
+    assert lookup.data == data and lookup.SerializeToString() == raw  # nothing it does not know
+    assert wire.data_length(raw) == size
+
+
+def test_data_length_reads_one_data_field_and_refuses_anything_else() -> None:
+    assert wire.data_length(b"") == 0
+    assert wire.data_length(wire.data_message(b"abc")) == 3
+    for bad in (wire.data_message(b"a") + wire.data_message(b"b"),  # two fields: not forwarded as one
+                b"\x0a\x05abc", b"\x0a", b"\x0a\x01ab", b"\x10\x01",  # short, long, a varint field
+                wpb.FetchChunk(error="boom", last=True).SerializeToString(),  # a FetchChunk is not one
+                b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"):
+        with pytest.raises(wire.WireError):
+            wire.data_length(bad)
+
+
 def test_fetch_chunks_match_protobuf() -> None:
     data = bytes(range(256)) * 100
     full = wpb.FetchChunk(array=pb.ArrayProto(dtype="float32", shape=[2, 3200], data=data), last=True, part=3,

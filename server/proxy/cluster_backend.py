@@ -408,6 +408,30 @@ class SliceSession:
         finally:
             call.cancel()  # a consumer that stopped early (or went away): the worker stops sending
 
+    async def lookup_messages(self, buffer_id: int, offset: int = 0,
+                              length: int = 0) -> AsyncGenerator[bytes, None]:
+        """Bytes [offset, offset + length) of a buffer (length 0: to the end) as the worker's
+        `Fetch` sends them with `data_messages`: serialized `{bytes data = 1}` messages, which a
+        HostBufferLookup sends on unchanged (the header is checked, the bytes are not copied).
+        Read as the consumer asks, as `stream` is; a failed buffer is FAILED_PRECONDITION."""
+        address = self._address_of(buffer_id)
+        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
+                                   data_messages=True)
+        call = self._fetch_raw(address)(request, metadata=self._metadata)
+        try:
+            async for raw in call:
+                try:
+                    wire.data_length(raw)
+                except wire.WireError as e:
+                    raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
+                yield raw
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the buffer failed: its cause
+                raise BackendError("FAILED_PRECONDITION", e.details() or "") from None
+            raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+        finally:
+            call.cancel()  # a consumer that stopped early (or went away): the worker stops sending
+
     def _put_raw(self, address: str) -> Any:
         """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
         self._worker(address)

@@ -10,12 +10,12 @@ made since; the servers call it when they are ready and again when they go idle 
 `gc.unfreeze()`, so garbage among earlier survivors is still found).
 
 `reuse_large_buffers()` is for the controller, through which the IFRT proxy's transfers pass as
-1-4 MiB messages: glibc's malloc maps each buffer over its mmap threshold (128 KiB until its
-first free of a larger mapping raises it) afresh and unmaps it when freed, so every byte of
-such a message page-faults in again. How often that happened depended on what the process had
-freed before (a download of 4 MiB messages raised the threshold; one of 1 MiB messages did not):
-one 64 MiB upload cost the controller 0.06 s of CPU or 0.12 s (~24k page faults) from one
-process to the next (bench/FINDINGS.md, 2026-11-25 22:45).
+1-4 MiB messages: glibc's malloc maps a buffer over its mmap threshold (128 KiB until the free
+of a larger mapping raises it) afresh and unmaps it when freed, and returns a heap's free top to
+the system beyond twice that threshold, so whether those messages came from reused memory or
+were page-faulted in again depended on what the process had allocated and freed before: one
+64 MiB upload cost the controller 0.06 s of CPU in one process and 0.12 s (~24k page faults)
+in another (bench/FINDINGS.md, 2026-11-25 22:45).
 """
 
 from __future__ import annotations

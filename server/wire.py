@@ -74,6 +74,21 @@ def data_field(raw: bytes) -> memoryview:
     return out
 
 
+def data_length(raw: bytes) -> int:
+    """The length of the data in a serialized `{bytes data = 1}` that holds it once and nothing
+    else (what `data_message` makes: a worker's `FetchData`, a `GrpcHostBufferLookupResponse`);
+    reads the header only. WireError for anything else."""
+    if not raw:
+        return 0
+    view = memoryview(raw)
+    if view[0] != (1 << 3 | LEN):
+        raise WireError(f"a message that is not one data field (tag byte {view[0]:#x})")
+    size, pos = _varint(view, 1)
+    if pos + size != len(view):
+        raise WireError(f"a data field of {size} bytes in a {len(view)}-byte message")
+    return size
+
+
 def _uvarint(value: int) -> bytes:
     out = bytearray()
     while True:

@@ -193,6 +193,38 @@ def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(cluster: LocalClu
     asyncio.run(main())
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.cluster(islands=1, devices=1)
+def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(cluster: LocalCluster) -> None:
+    """The worker's messages go to the client as they came (FetchRequest.data_messages): each
+    one is a GrpcHostBufferLookupResponse and nothing more, of at most 1 MiB, and together they
+    are the array's bytes in order; another session, or a made-up session id, reads nothing."""
+    size = 6 * MIB + 12  # streamed (>= 4 MiB); not a multiple of the message size
+    data = np.random.default_rng(2).bytes(size)
+
+    async def main() -> None:
+        async with raw_session(cluster) as s, raw_session(cluster) as other:
+            await s.store(10, data)
+            assert (await s.make(10, 20, (size // 4,))).response_metadata.status.code == 0
+            await _copy_to_host(s, 20, 30)
+            raw = s.channel.unary_stream(BASE + "HostBufferLookup", ser, None)
+            for sid in (other.sid, other.sid ^ s.sid ^ 1):  # its own session's handle 30, or no session
+                with pytest.raises(aio.AioRpcError) as e:
+                    [m async for m in raw(P.GrpcHostBufferLookupRequest(session_id=sid, handle=30))]
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            messages = [m async for m in raw(P.GrpcHostBufferLookupRequest(session_id=s.sid, handle=30))]
+            parsed = [P.GrpcHostBufferLookupResponse.FromString(m) for m in messages]
+            assert all(p.SerializeToString() == m for p, m in zip(parsed, messages, strict=True))
+            assert [len(p.data) for p in parsed] == [MIB] * 6 + [12]
+            assert b"".join(p.data for p in parsed) == data
+            await s.delete(30)
+            assert await s.read_back(20, 31) == data  # once more, whole, through the session
+            await s.delete(31)
+        await until(lambda: worker_buffers(cluster) == 0, "the session's buffers to be freed")
+
+    asyncio.run(main())
+
+
 def _rec(shape: tuple[int, ...], domains: Sequence[Index], parts: Sequence[tuple[Buf, Index]]) -> Any:
     sharding = Sharding(tuple(range(len(domains))), explicit=tuple(domains))
     return new_record("float32", shape, sharding, [Part(b, i) for b, i in parts])

@@ -3,6 +3,11 @@ serializer: what one writes the other reads, and malformed bytes are a WireError
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from schemas.pathways.v1 import common_pb2 as pb
@@ -36,6 +41,30 @@ def test_data_field_last_occurrence_wins_and_other_fields_are_refused() -> None:
                 b"\x00\x01"):
         with pytest.raises(wire.WireError):
             wire.data_field(bad)
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20, (1 << 20) + 5])
+def test_a_workers_fetch_data_is_a_lookup_response_on_the_wire(size: int) -> None:
+    """FetchRequest.data_messages: the controller forwards the worker's messages to the jaxlib
+    client unparsed, so they must be exactly what the client parses, with no unknown fields."""
+    p = proto_mod.protocol()
+    data = bytes(i % 251 for i in range(size))
+    raw = wire.data_message(memoryview(data))
+    assert raw == wpb.FetchData(data=data).SerializeToString()
+    lookup = p.GrpcHostBufferLookupResponse.FromString(raw)
+    assert lookup.data == data and lookup.SerializeToString() == raw  # nothing it does not know
+    assert wire.data_length(raw) == size
+
+
+def test_data_length_reads_one_data_field_and_refuses_anything_else() -> None:
+    assert wire.data_length(b"") == 0
+    assert wire.data_length(wire.data_message(b"abc")) == 3
+    for bad in (wire.data_message(b"a") + wire.data_message(b"b"),  # two fields: not forwarded as one
+                b"\x0a\x05abc", b"\x0a", b"\x0a\x01ab", b"\x10\x01",  # short, long, a varint field
+                wpb.FetchChunk(error="boom", last=True).SerializeToString(),  # a FetchChunk is not one
+                b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"):
+        with pytest.raises(wire.WireError):
+            wire.data_length(bad)
 
 
 def test_fetch_chunks_match_protobuf() -> None:
@@ -117,3 +146,39 @@ def test_put_buffers_are_parsed_as_protobuf_does(shape: tuple[int, ...]) -> None
     for bad in (b"\x12\x03\x0a\x02\xff\xfe", b"\x12\x05\x1a\x09abc", b"\x12\x00\x12\x00", b"\x0a\x01x"):
         with pytest.raises(wire.WireError):
             wire.put_buffer(bad)
+
+
+FAULTS = """
+import resource, sys
+from server import heap
+if sys.argv[1] == "reuse":
+    assert heap.reuse_large_buffers()
+def cycle():  # four 4 MiB messages in flight, then all freed: what a transfer does over and over
+    blocks = [bytearray(4 << 20) for _ in range(4)]
+    for b in blocks:
+        b[::4096] = bytes(len(range(0, len(b), 4096)))
+for _ in range(2):
+    cycle()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    cycle()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_controllers_heap_reuses_transfer_sized_buffers() -> None:
+    """heap.reuse_large_buffers (the controller calls it): buffers of a few MiB, freed and made
+    again, come back from the heap instead of being mapped (and page-faulted in) afresh."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root}
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, cwd=root, capture_output=True,
+                             text=True, timeout=50, check=True)
+        return int(out.stdout.split()[-1])
+
+    plain, reused = faults("plain"), faults("reuse")
+    assert plain > 10 * 1024, plain  # glibc's defaults: most of each cycle's 16 MiB faults in again
+    assert reused < 1024, reused  # kept for reuse: (nearly) none

@@ -34,8 +34,10 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from server import wire
 from server.credentials import PEER_HEADER, SESSION_HEADER
 from server.worker.servicer import MAX_WAIT_IDS
+from server.worker.transfer import DATA_CHUNK
 from tests.conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
@@ -285,6 +287,41 @@ def test_a_fetch_of_a_byte_range_sends_those_bytes_and_refuses_bad_ranges(cluste
     np.testing.assert_array_equal(fetch(stub, md, s.id(1)), arr)  # nothing else changed
     assert "Traceback" not in worker_log(cluster)
     s.close()
+
+
+def test_a_data_message_fetch_is_the_bytes_in_order_and_fails_with_a_status(cluster: LocalCluster,
+                                                                           worker: Any) -> None:
+    """FetchRequest.data_messages (what the IFRT proxy forwards to its client unparsed): only
+    `FetchData` messages of at most DATA_CHUNK bytes, the range's bytes in order; a buffer that
+    is not there in time is the call's FAILED_PRECONDITION; another session's buffer is refused."""
+    _, wch, _, cch = worker
+    s, other = open_session(cluster, cch), open_session(cluster, cch)
+    md = meta(cluster, s)
+    stub = wgrpc.WorkerStub(wch)
+    arr = np.arange(3 * DATA_CHUNK // 4 + 7, dtype=np.int32)  # four messages, the last 28 bytes
+    upload(stub, md, s.id(1), arr)
+    raw_fetch = wch.unary_stream("/pathways.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
+                                 response_deserializer=None)
+
+    def fetched(buffer_id: int = s.id(1), md: Any = md, **span: Any) -> list[bytes]:
+        return list(raw_fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=2, data_messages=True, **span),
+                              metadata=md, timeout=15))
+
+    messages = fetched()
+    assert [wire.data_length(m) for m in messages] == [DATA_CHUNK] * 3 + [28]
+    assert all(wpb.FetchData.FromString(m).SerializeToString() == m for m in messages)
+    assert b"".join(wpb.FetchData.FromString(m).data for m in messages) == arr.tobytes()
+    span = b"".join(wpb.FetchData.FromString(m).data for m in fetched(offset=DATA_CHUNK - 4, length=DATA_CHUNK + 8))
+    assert span == arr.tobytes()[DATA_CHUNK - 4 : 2 * DATA_CHUNK + 4]
+    with pytest.raises(grpc.RpcError) as e:
+        fetched(s.id(2))  # never made: not ready within the timeout
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not ready" in str(e.value.details())
+    assert code_of(lambda: fetched(md=meta(cluster, other))) == grpc.StatusCode.NOT_FOUND  # not its buffer
+    assert code_of(lambda: fetched(parts=True)) == grpc.StatusCode.INVALID_ARGUMENT
+    np.testing.assert_array_equal(fetch(stub, md, s.id(1)), arr)  # the plain fetch is unchanged
+    assert "Traceback" not in worker_log(cluster)
+    s.close()
+    other.close()
 
 
 def test_session_prefixes_and_client_ids_are_not_a_sequence(cluster: LocalCluster, worker: Any) -> None:

@@ -120,6 +120,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     await server.start()
     await health.serving()
     heap.settle()  # start-up objects (SQLAlchemy, protobuf, modules) stay out of later collections
+    heap.reuse_large_buffers()  # the proxy's transfer messages: heap buffers, not fresh mappings
     if pid_file is not None:
         write_pid_file(pid_file, core.address, config.db_url)
     log.info("controller listening on %s (database %s)", core.address, config.db_url)

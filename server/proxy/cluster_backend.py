@@ -42,6 +42,7 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
+from . import fetching
 from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compiling import compile_on_worker
 from .corking import FlushCork
@@ -60,7 +61,7 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
-FETCH_METHOD, PUT_METHOD = "/pathways.v1.Worker/Fetch", "/pathways.v1.Worker/PutBuffers"
+PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
@@ -383,30 +384,22 @@ class SliceSession:
         result: HostData = await self._unless_failed([buffer_id], fetch())
         return result
 
-    async def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
+    def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
         """A buffer's bytes (C order; `length` > 0: that many from `offset`) as the worker's
-        `Fetch` sends them, chunk by chunk: the next
-        chunk is read only when the consumer asks for it, so gRPC's flow control holds the worker
-        back while the consumer is slow; closing the generator cancels the fetch. The chunks are
-        read as wire format (wire.py): views of what gRPC received, no copies. The caller knows
-        the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
+        `Fetch` sends them, chunk by chunk, read as the consumer asks (fetching.py). The caller
+        knows the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
         address = self._address_of(buffer_id)
         self._cork.waiting()  # the run making it is on its way to the worker
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
-        call = self._fetch_raw(address)(request, metadata=self._metadata)
-        try:
-            async for raw in call:
-                try:
-                    data, error = wire.fetch_chunk(raw)
-                except wire.WireError as e:
-                    raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
-                if error:
-                    raise BackendError("FAILED_PRECONDITION", error)
-                yield data
-        except grpc.RpcError as e:
-            raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
-        finally:
-            call.cancel()  # a consumer that stopped early (or went away): the worker stops sending
+        return fetching.chunks(self._fetch_raw(address), request, self._metadata, address)
+
+    def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[bytes, None]:
+        """The same bytes as the worker's `FetchData` messages (`data_messages`), which a
+        HostBufferLookup sends on unchanged (downloads.py); a failed buffer is FAILED_PRECONDITION."""
+        address = self._address_of(buffer_id)
+        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
+                                   data_messages=True)
+        return fetching.data_messages(self._fetch_raw(address), request, self._metadata, address)
 
     def _put_raw(self, address: str) -> Any:
         """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
@@ -419,13 +412,12 @@ class SliceSession:
         return call
 
     def _fetch_raw(self, address: str) -> Any:
-        """The worker's `Fetch` with its answers left serialized (parsed by `wire.fetch_chunk`)."""
+        """The worker's `Fetch` with its answers left serialized (fetching.py)."""
         self._worker(address)
         channel = self._channels[address][0]
         call = self._fetchers.get(channel)
         if call is None:
-            call = self._fetchers[channel] = channel.unary_stream(
-                FETCH_METHOD, request_serializer=wpb.FetchRequest.SerializeToString, response_deserializer=None)
+            call = self._fetchers[channel] = fetching.fetch_method(channel)
         return call
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:

@@ -5,9 +5,12 @@ then reads the buffer with one HostBufferLookup stream and deletes it. An array 
 `STREAM_MIN_BYTES` or more is not read into the controller: CopyToHostBuffer answers once the
 buffers it comes from are computed, and stores a `Download` under the host buffer's handle that
 holds those buffers (a DestructArray right after does not free them); the lookup then reads them
-from their workers' `Fetch` a chunk at a time and sends each on before reading the next
-(service.py), so the controller holds a few chunks at once and reads no faster than the client
-takes them. Deleting the host buffer, or the session's end, lets the buffers go.
+from their workers' `Fetch` a message at a time and sends each on before reading the next
+(service.py), so the controller holds a few messages at once and reads no faster than the client
+takes them. The worker makes those messages wire-identical to the lookup's
+(`FetchRequest.data_messages`: `{bytes data = 1}`, 1 MiB each), so they go on unparsed and
+uncopied: the controller checks each one's header (`wire.data_length`) and counts its bytes.
+Deleting the host buffer, or the session's end, lets the buffers go.
 
 An array is streamed as `Segment`s, byte ranges of worker buffers whose concatenation is its C-order
 bytes, each read with a `Fetch` of that range (the worker sends only those bytes): one buffer's
@@ -36,6 +39,7 @@ import numpy as np
 
 from schemas.arrays import resolve_dtype
 
+from .. import wire
 from .arrays import ArrayRecord, Buf, check_c_order, drop_buffers, full, join, joined_bytes, unref
 from .backend import BackendError
 from .compose import gather_function
@@ -48,8 +52,9 @@ if TYPE_CHECKING:
 Message = Any
 
 STREAM_MIN_BYTES = 4 << 20  # an array this large streams from its workers to the client
-# (buffer id, offset, length) -> those bytes of the buffer, as its worker sends them (its `Fetch`)
-Stream = Callable[[int, int, int], AsyncGenerator[memoryview, None]]
+# (buffer id, offset, length) -> those bytes of the buffer as serialized `{bytes data = 1}`
+# messages, as its worker sends them (its `Fetch` with `data_messages`)
+Stream = Callable[[int, int, int], AsyncGenerator[bytes, None]]
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,8 @@ def plan(rec: ArrayRecord) -> list[tuple[Buf, int, int]] | None:
 
 class Download(Streamed):
     """An array's bytes left on the workers for the client's lookup: `segments` read in order
-    with `stream` (the worker's `Fetch` of that byte range, chunk by chunk); `release` lets the
-    buffers go."""
+    with `stream` (the worker's `Fetch` of that byte range, message by message); `release` lets
+    the buffers go."""
 
     def __init__(self, stream: Stream, segments: Sequence[Segment],
                  nbytes: int, release: Callable[[], None]) -> None:
@@ -112,16 +117,16 @@ class Download(Streamed):
         self.nbytes = nbytes
         self._release: Callable[[], None] | None = release
 
-    async def chunks(self) -> AsyncGenerator[memoryview, None]:
+    async def messages(self) -> AsyncGenerator[bytes, None]:
         for seg in self.segments:
             want = seg.stop - seg.start
             got = 0
             async with contextlib.aclosing(self._stream(seg.buffer_id, seg.start, want)) as parts:
-                async for part in parts:
-                    got += len(part)
+                async for message in parts:
+                    got += wire.data_length(message)  # checked already by the stream: the header only
                     if got > want:
                         break
-                    yield part
+                    yield message
             if got != want:
                 raise BackendError("INTERNAL", f"buffer {seg.buffer_id:#x}: the worker sent {got} bytes of a "
                                    f"{want}-byte range")
@@ -264,7 +269,7 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     if r.HasField("byte_strides"):
         check_c_order(r.byte_strides, rec.dtype, rec.shape)
-    stream = getattr(session.backend, "stream", None)  # the cluster's backend has it (cluster_backend.py)
+    stream = getattr(session.backend, "lookup_messages", None)  # the cluster's backend has it (cluster_backend.py)
     rec.refs += 1  # a DestructArray right after must not free what is being read
     try:
         if stream is not None and rec.nbytes >= STREAM_MIN_BYTES:

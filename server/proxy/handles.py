@@ -24,6 +24,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .. import wire
+
 SERVER_HANDLE_BASE = 1 << 62
 
 
@@ -207,8 +209,9 @@ class Streamed:
     def __len__(self) -> int:
         return self.nbytes
 
-    def chunks(self) -> AsyncGenerator[memoryview, None]:
-        """The bytes in order, read from the workers as the consumer takes them."""
+    def messages(self) -> AsyncGenerator[bytes, None]:
+        """The bytes in order as serialized lookup messages (`{bytes data = 1}`), read from the
+        workers as the consumer takes them."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -316,8 +319,8 @@ class HostBuffers:
         if not isinstance(data, Streamed):
             return data
         try:
-            async with contextlib.aclosing(data.chunks()) as chunks:
-                return HostData([chunk async for chunk in chunks])
+            async with contextlib.aclosing(data.messages()) as messages:
+                return HostData([wire.data_field(message) async for message in messages])
         finally:
             data.release()
 

@@ -241,18 +241,17 @@ class ProxyService:
 
     async def _streamed(self, session: Session, handle: int, data: Streamed,
                         context: aio.ServicerContext) -> AsyncIterator[bytes]:
-        """A download's lookup: each chunk read from a worker is sent on before the next is read,
-        and gRPC's write waits for the client's flow-control window, so the controller holds a
-        few chunks however slowly the client reads. A client that goes away cancels this
-        handler, which closes `chunks` and with it the worker's fetch."""
+        """A download's lookup: each message read from a worker is sent on, as it came (the
+        worker's `FetchData` is a lookup message on the wire: downloads.py), before the next is
+        read, and gRPC's write waits for the client's flow-control window, so the controller
+        holds a few messages however slowly the client reads. A client that goes away cancels
+        this handler, which closes `messages` and with it the worker's fetch."""
         sent = 0
         try:
-            async with contextlib.aclosing(data.chunks()) as chunks:
-                async for chunk in chunks:
-                    for offset in range(0, len(chunk), LOOKUP_CHUNK):
-                        piece = chunk[offset : offset + LOOKUP_CHUNK]
-                        yield wire.data_message(piece)  # one copy of each piece (wire.py)
-                        sent += len(piece)
+            async with contextlib.aclosing(data.messages()) as messages:
+                async for message in messages:
+                    sent += wire.data_length(message)
+                    yield message
         except BackendError as e:
             log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, handle, e)
             await context.abort(grpc.StatusCode[e.code], str(e))

@@ -28,7 +28,7 @@ from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
-from .transfer import CHUNK
+from .transfer import CHUNK, DATA_CHUNK
 from .uploads import Assembly, add_piece, check_spec
 
 log = logging.getLogger(__name__)
@@ -208,32 +208,35 @@ class WorkerServicer(wgrpc.WorkerServicer):
         caller = await self.auth.session(context, "fetch")
         bid = request.buffer_id
         await self._check_request(context, caller, [bid], request.timeout_s)
-        if request.parts and (request.offset or request.length):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a byte range of a fetch by parts")
+        if request.parts and (request.offset or request.length or request.data_messages):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a byte range or data messages of a fetch by parts")
         timeout = _bounded(request.timeout_s)
         async with self._wait_slot(caller, 1, context):
             ready = await self._settled([bid], timeout)
         if self._foreign(caller, bid):  # it appeared under another owner, or was released meanwhile
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker")
-        if not ready:
-            yield wpb.FetchChunk(error=f"buffer {bid} is not ready after {timeout:g} s", last=True)
-            return
         loop = asyncio.get_running_loop()
+        arr: np.ndarray | None = None
+        error = f"buffer {bid} is not ready after {timeout:g} s"
         try:
-            value = self.store.wait(bid, 0.0, False)
-            if request.parts and is_partial(value):  # a multi-host slice's array: this worker's shards
-                for chunk in part_chunks(await loop.run_in_executor(self._pool, local_parts, value),
-                                         tuple(value.shape), CHUNK):
-                    yield chunk
-                return
-            arr = await loop.run_in_executor(self._pool, to_numpy, value)
+            if ready:
+                value = self.store.wait(bid, 0.0, False)
+                if request.parts and is_partial(value):  # a multi-host slice's array: this worker's shards
+                    for chunk in part_chunks(await loop.run_in_executor(self._pool, local_parts, value),
+                                             tuple(value.shape), CHUNK):
+                        yield chunk
+                    return
+                arr = await loop.run_in_executor(self._pool, to_numpy, value)
         except (BufferFailed, TimeoutError) as e:
-            yield wpb.FetchChunk(error=str(e), last=True)
-            return
+            error = str(e)
         except Exception as e:  # the computation behind the array failed
             group = self.executor.runners.group  # a collective's failure names the peer it lost
             error = f"{type(e).__name__}: {e}"
-            yield wpb.FetchChunk(error=group.explain(error) if group.active else error, last=True)
+            error = group.explain(error) if group.active else error
+        if arr is None:  # a data-message fetch fails with its status: it has no message for it
+            if request.data_messages:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+            yield wpb.FetchChunk(error=error, last=True)
             return
         data = byte_view(arr)
         if request.offset or request.length:  # a byte range of it (worker.proto)
@@ -242,6 +245,10 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}-{end} of buffer {bid:#x}, "
                                     f"which has {len(data)}")
             data = data[request.offset : end]
+        if request.data_messages:  # FetchData, forwarded as they are to a proxy client
+            for off in range(0, max(len(data), 1), DATA_CHUNK):
+                yield wire.data_message(data[off : off + DATA_CHUNK])
+            return
         dtype, shape = dtype_name(arr.dtype), list(arr.shape)
         # serialized here from views of the array (server/wire.py): one copy of each chunk, not
         # one to slice it, one into the message and one to serialize it

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from schemas.pathways.v1 import common_pb2 as schemas_dot_pathways_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n schemas/pathways/v1/worker.proto\x12\x0bpathways.v1\x1a schemas/pathways/v1/common.proto\"n\n\x0e\x43ompileRequest\x12+\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x19.pathways.v1.FunctionBlob\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\x18\n\x10group_generation\x18\x03 \x01(\x04\"4\n\x0c\x43ompileReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x15\n\rout_shardings\x18\x02 \x03(\x0c\"\x81\x01\n\x10PutBufferRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"#\n\x12PutBuffersResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"c\n\x0c\x46\x65tchRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05parts\x18\x03 \x01(\x08\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"H\n\x0bWaitRequest\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x12\n\nmust_exist\x18\x03 \x01(\x08\")\n\tWaitReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x89\x01\n\nFetchChunk\x12&\n\x05\x61rray\x18\x01 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\x05\x12\x12\n\npart_start\x18\x05 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\x06 \x03(\x03\"\xca\x01\n\rTransferChunk\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x13\n\x0bring_offset\x18\x06 \x01(\x04\x12\x14\n\x0cring_release\x18\x07 \x01(\x04\x12\x12\n\npart_start\x18\x08 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\t \x03(\x03\"!\n\x10TransferResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"\x14\n\x12WorkerStatsRequest\"\xe8\x01\n\x0bWorkerStats\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x03 \x01(\x03\x12\x14\n\x0c\x62uffer_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xecutables\x18\x05 \x01(\x03\x12\x16\n\x0enodes_executed\x18\x06 \x01(\x03\x12\x16\n\x0e\x65xecuted_order\x18\x07 \x03(\t\x12\x10\n\x08segments\x18\x08 \x01(\x03\x12\x14\n\x0c\x64\x61ta_address\x18\t \x01(\t\x12\x12\n\nrelayed_in\x18\n \x01(\x03\x12\x13\n\x0brelayed_out\x18\x0b \x01(\x03\"N\n\x0eRelayedMessage\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04link\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\x0c\" \n\x0fRelayedResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"G\n\x0bOutputRoute\x12\x14\n\x0coutput_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xf2\x01\n\nSegmentDef\x12\x12\n\nsegment_id\x18\x01 \x01(\x04\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.pathways.v1.SegmentNode\x12+\n\x07outputs\x18\x04 \x03(\x0b\x32\x1a.pathways.v1.SegmentOutput\x12(\n\x06routes\x18\x05 \x03(\x0b\x32\x18.pathways.v1.OutputRoute\x12\r\n\x05label\x18\x07 \x01(\t\x12\x18\n\x10group_generation\x18\x08 \x01(\x04J\x04\x08\x06\x10\x07R\ncollective\"o\n\x0bSegmentNode\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\x05\x12\x15\n\rinput_outputs\x18\x03 \x03(\x05\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rlocal_devices\x18\x05 \x03(\x05\"-\n\rSegmentOutput\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06output\x18\x02 \x01(\x05\"\xc2\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nsegment_id\x18\x04 \x01(\x04\x12\x11\n\tinput_ids\x18\x05 \x03(\x04\x12\x12\n\noutput_ids\x18\x06 \x03(\x04\x12\x16\n\x0eoutput_visible\x18\x07 \x03(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x17\n\x0freport_promptly\x18\t \x01(\x08\x12\x11\n\troute_ids\x18\n \x03(\x04\"S\n\x0c\x46unctionBlob\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64onate\x18\x04 \x03(\x05\"C\n\nBufferSend\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xe0\x01\n\x07\x45nqueue\x12,\n\tfunctions\x18\x01 \x03(\x0b\x32\x19.pathways.v1.FunctionBlob\x12&\n\x05sends\x18\x03 \x03(\x0b\x32\x17.pathways.v1.BufferSend\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12)\n\x08segments\x18\x05 \x03(\x0b\x32\x17.pathways.v1.SegmentDef\x12 \n\x05tasks\x18\x06 \x03(\x0b\x32\x11.pathways.v1.Task\x12\x17\n\x0f\x66orget_segments\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"D\n\x0eReleaseBuffers\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t2\xe9\x03\n\x06Worker\x12N\n\nPutBuffers\x12\x1d.pathways.v1.PutBufferRequest\x1a\x1f.pathways.v1.PutBuffersResponse(\x01\x12=\n\x05\x46\x65tch\x12\x19.pathways.v1.FetchRequest\x1a\x17.pathways.v1.FetchChunk0\x01\x12\x38\n\x04Wait\x12\x18.pathways.v1.WaitRequest\x1a\x16.pathways.v1.WaitReply\x12G\n\x08Transfer\x12\x1a.pathways.v1.TransferChunk\x1a\x1d.pathways.v1.TransferResponse(\x01\x12\x42\n\x05Stats\x12\x1f.pathways.v1.WorkerStatsRequest\x1a\x18.pathways.v1.WorkerStats\x12\x46\n\x07Relayed\x12\x1b.pathways.v1.RelayedMessage\x1a\x1c.pathways.v1.RelayedResponse(\x01\x12\x41\n\x07\x43ompile\x12\x1b.pathways.v1.CompileRequest\x1a\x19.pathways.v1.CompileReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n schemas/pathways/v1/worker.proto\x12\x0bpathways.v1\x1a schemas/pathways/v1/common.proto\"n\n\x0e\x43ompileRequest\x12+\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x19.pathways.v1.FunctionBlob\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\x18\n\x10group_generation\x18\x03 \x01(\x04\"4\n\x0c\x43ompileReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x15\n\rout_shardings\x18\x02 \x03(\x0c\"\x81\x01\n\x10PutBufferRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\"#\n\x12PutBuffersResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"z\n\x0c\x46\x65tchRequest\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05parts\x18\x03 \x01(\x08\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x15\n\rdata_messages\x18\x06 \x01(\x08\"\x19\n\tFetchData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"H\n\x0bWaitRequest\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x12\n\nmust_exist\x18\x03 \x01(\x08\")\n\tWaitReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x89\x01\n\nFetchChunk\x12&\n\x05\x61rray\x18\x01 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0c\n\x04part\x18\x04 \x01(\x05\x12\x12\n\npart_start\x18\x05 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\x06 \x03(\x03\"\xca\x01\n\rTransferChunk\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12&\n\x05\x61rray\x18\x02 \x01(\x0b\x32\x17.pathways.v1.ArrayProto\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04ring\x18\x05 \x01(\t\x12\x13\n\x0bring_offset\x18\x06 \x01(\x04\x12\x14\n\x0cring_release\x18\x07 \x01(\x04\x12\x12\n\npart_start\x18\x08 \x03(\x03\x12\x14\n\x0cglobal_shape\x18\t \x03(\x03\"!\n\x10TransferResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"\x14\n\x12WorkerStatsRequest\"\xe8\x01\n\x0bWorkerStats\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0f\n\x07\x62uffers\x18\x03 \x01(\x03\x12\x14\n\x0c\x62uffer_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x65xecutables\x18\x05 \x01(\x03\x12\x16\n\x0enodes_executed\x18\x06 \x01(\x03\x12\x16\n\x0e\x65xecuted_order\x18\x07 \x03(\t\x12\x10\n\x08segments\x18\x08 \x01(\x03\x12\x14\n\x0c\x64\x61ta_address\x18\t \x01(\t\x12\x12\n\nrelayed_in\x18\n \x01(\x03\x12\x13\n\x0brelayed_out\x18\x0b \x01(\x03\"N\n\x0eRelayedMessage\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04link\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\x0c\" \n\x0fRelayedResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\"G\n\x0bOutputRoute\x12\x14\n\x0coutput_index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xf2\x01\n\nSegmentDef\x12\x12\n\nsegment_id\x18\x01 \x01(\x04\x12\x15\n\rlocal_devices\x18\x02 \x03(\x05\x12\'\n\x05nodes\x18\x03 \x03(\x0b\x32\x18.pathways.v1.SegmentNode\x12+\n\x07outputs\x18\x04 \x03(\x0b\x32\x1a.pathways.v1.SegmentOutput\x12(\n\x06routes\x18\x05 \x03(\x0b\x32\x18.pathways.v1.OutputRoute\x12\r\n\x05label\x18\x07 \x01(\t\x12\x18\n\x10group_generation\x18\x08 \x01(\x04J\x04\x08\x06\x10\x07R\ncollective\"o\n\x0bSegmentNode\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\x05\x12\x15\n\rinput_outputs\x18\x03 \x03(\x05\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rlocal_devices\x18\x05 \x03(\x05\"-\n\rSegmentOutput\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06output\x18\x02 \x01(\x05\"\xc2\x01\n\x04Task\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\x05\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nsegment_id\x18\x04 \x01(\x04\x12\x11\n\tinput_ids\x18\x05 \x03(\x04\x12\x12\n\noutput_ids\x18\x06 \x03(\x04\x12\x16\n\x0eoutput_visible\x18\x07 \x03(\x08\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x17\n\x0freport_promptly\x18\t \x01(\x08\x12\x11\n\troute_ids\x18\n \x03(\x04\"S\n\x0c\x46unctionBlob\x12\x13\n\x0b\x66unction_id\x18\x01 \x01(\t\x12\x10\n\x08\x65xported\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64onate\x18\x04 \x03(\x05\"C\n\nBufferSend\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsame_host\x18\x03 \x01(\x08\"\xe0\x01\n\x07\x45nqueue\x12,\n\tfunctions\x18\x01 \x03(\x0b\x32\x19.pathways.v1.FunctionBlob\x12&\n\x05sends\x18\x03 \x03(\x0b\x32\x17.pathways.v1.BufferSend\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12)\n\x08segments\x18\x05 \x03(\x0b\x32\x17.pathways.v1.SegmentDef\x12 \n\x05tasks\x18\x06 \x03(\x0b\x32\x11.pathways.v1.Task\x12\x17\n\x0f\x66orget_segments\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"D\n\x0eReleaseBuffers\x12\x12\n\nbuffer_ids\x18\x01 \x03(\x04\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t2\xe9\x03\n\x06Worker\x12N\n\nPutBuffers\x12\x1d.pathways.v1.PutBufferRequest\x1a\x1f.pathways.v1.PutBuffersResponse(\x01\x12=\n\x05\x46\x65tch\x12\x19.pathways.v1.FetchRequest\x1a\x17.pathways.v1.FetchChunk0\x01\x12\x38\n\x04Wait\x12\x18.pathways.v1.WaitRequest\x1a\x16.pathways.v1.WaitReply\x12G\n\x08Transfer\x12\x1a.pathways.v1.TransferChunk\x1a\x1d.pathways.v1.TransferResponse(\x01\x12\x42\n\x05Stats\x12\x1f.pathways.v1.WorkerStatsRequest\x1a\x18.pathways.v1.WorkerStats\x12\x46\n\x07Relayed\x12\x1b.pathways.v1.RelayedMessage\x1a\x1c.pathways.v1.RelayedResponse(\x01\x12\x41\n\x07\x43ompile\x12\x1b.pathways.v1.CompileRequest\x1a\x19.pathways.v1.CompileReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,43 +41,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTBUFFERSRESPONSE']._serialized_start=381
   _globals['_PUTBUFFERSRESPONSE']._serialized_end=416
   _globals['_FETCHREQUEST']._serialized_start=418
-  _globals['_FETCHREQUEST']._serialized_end=517
-  _globals['_WAITREQUEST']._serialized_start=519
-  _globals['_WAITREQUEST']._serialized_end=591
-  _globals['_WAITREPLY']._serialized_start=593
-  _globals['_WAITREPLY']._serialized_end=634
-  _globals['_FETCHCHUNK']._serialized_start=637
-  _globals['_FETCHCHUNK']._serialized_end=774
-  _globals['_TRANSFERCHUNK']._serialized_start=777
-  _globals['_TRANSFERCHUNK']._serialized_end=979
-  _globals['_TRANSFERRESPONSE']._serialized_start=981
-  _globals['_TRANSFERRESPONSE']._serialized_end=1014
-  _globals['_WORKERSTATSREQUEST']._serialized_start=1016
-  _globals['_WORKERSTATSREQUEST']._serialized_end=1036
-  _globals['_WORKERSTATS']._serialized_start=1039
-  _globals['_WORKERSTATS']._serialized_end=1271
-  _globals['_RELAYEDMESSAGE']._serialized_start=1273
-  _globals['_RELAYEDMESSAGE']._serialized_end=1351
-  _globals['_RELAYEDRESPONSE']._serialized_start=1353
-  _globals['_RELAYEDRESPONSE']._serialized_end=1385
-  _globals['_OUTPUTROUTE']._serialized_start=1387
-  _globals['_OUTPUTROUTE']._serialized_end=1458
-  _globals['_SEGMENTDEF']._serialized_start=1461
-  _globals['_SEGMENTDEF']._serialized_end=1703
-  _globals['_SEGMENTNODE']._serialized_start=1705
-  _globals['_SEGMENTNODE']._serialized_end=1816
-  _globals['_SEGMENTOUTPUT']._serialized_start=1818
-  _globals['_SEGMENTOUTPUT']._serialized_end=1863
-  _globals['_TASK']._serialized_start=1866
-  _globals['_TASK']._serialized_end=2060
-  _globals['_FUNCTIONBLOB']._serialized_start=2062
-  _globals['_FUNCTIONBLOB']._serialized_end=2145
-  _globals['_BUFFERSEND']._serialized_start=2147
-  _globals['_BUFFERSEND']._serialized_end=2214
-  _globals['_ENQUEUE']._serialized_start=2217
-  _globals['_ENQUEUE']._serialized_end=2441
-  _globals['_RELEASEBUFFERS']._serialized_start=2443
-  _globals['_RELEASEBUFFERS']._serialized_end=2511
-  _globals['_WORKER']._serialized_start=2514
-  _globals['_WORKER']._serialized_end=3003
+  _globals['_FETCHREQUEST']._serialized_end=540
+  _globals['_FETCHDATA']._serialized_start=542
+  _globals['_FETCHDATA']._serialized_end=567
+  _globals['_WAITREQUEST']._serialized_start=569
+  _globals['_WAITREQUEST']._serialized_end=641
+  _globals['_WAITREPLY']._serialized_start=643
+  _globals['_WAITREPLY']._serialized_end=684
+  _globals['_FETCHCHUNK']._serialized_start=687
+  _globals['_FETCHCHUNK']._serialized_end=824
+  _globals['_TRANSFERCHUNK']._serialized_start=827
+  _globals['_TRANSFERCHUNK']._serialized_end=1029
+  _globals['_TRANSFERRESPONSE']._serialized_start=1031
+  _globals['_TRANSFERRESPONSE']._serialized_end=1064
+  _globals['_WORKERSTATSREQUEST']._serialized_start=1066
+  _globals['_WORKERSTATSREQUEST']._serialized_end=1086
+  _globals['_WORKERSTATS']._serialized_start=1089
+  _globals['_WORKERSTATS']._serialized_end=1321
+  _globals['_RELAYEDMESSAGE']._serialized_start=1323
+  _globals['_RELAYEDMESSAGE']._serialized_end=1401
+  _globals['_RELAYEDRESPONSE']._serialized_start=1403
+  _globals['_RELAYEDRESPONSE']._serialized_end=1435
+  _globals['_OUTPUTROUTE']._serialized_start=1437
+  _globals['_OUTPUTROUTE']._serialized_end=1508
+  _globals['_SEGMENTDEF']._serialized_start=1511
+  _globals['_SEGMENTDEF']._serialized_end=1753
+  _globals['_SEGMENTNODE']._serialized_start=1755
+  _globals['_SEGMENTNODE']._serialized_end=1866
+  _globals['_SEGMENTOUTPUT']._serialized_start=1868
+  _globals['_SEGMENTOUTPUT']._serialized_end=1913
+  _globals['_TASK']._serialized_start=1916
+  _globals['_TASK']._serialized_end=2110
+  _globals['_FUNCTIONBLOB']._serialized_start=2112
+  _globals['_FUNCTIONBLOB']._serialized_end=2195
+  _globals['_BUFFERSEND']._serialized_start=2197
+  _globals['_BUFFERSEND']._serialized_end=2264
+  _globals['_ENQUEUE']._serialized_start=2267
+  _globals['_ENQUEUE']._serialized_end=2491
+  _globals['_RELEASEBUFFERS']._serialized_start=2493
+  _globals['_RELEASEBUFFERS']._serialized_end=2561
+  _globals['_WORKER']._serialized_start=2564
+  _globals['_WORKER']._serialized_end=3053
 # @@protoc_insertion_point(module_scope)

@@ -149,6 +149,7 @@ class FetchRequest(_message.Message):
     PARTS_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    DATA_MESSAGES_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     timeout_s: _builtins.float
     """0: wait forever"""
@@ -162,6 +163,12 @@ class FetchRequest(_message.Message):
     the IFRT proxy streams one shard of a larger buffer this way. Not with `parts`.
     """
     length: _builtins.int
+    data_messages: _builtins.bool
+    """Answer with `FetchData` messages instead of `FetchChunk`s (not with `parts`): wire-identical
+    to the IFRT proxy's GrpcHostBufferLookupResponse, so the controller forwards them to a proxy
+    client without parsing or copying them (server/proxy/downloads.py). A failed buffer is the
+    call's status (FAILED_PRECONDITION, the cause), not a message.
+    """
     def __init__(
         self,
         *,
@@ -170,14 +177,36 @@ class FetchRequest(_message.Message):
         parts: _builtins.bool = ...,
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
+        data_messages: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "length", b"length", "offset", b"offset", "parts", b"parts", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "data_messages", b"data_messages", "length", b"length", "offset", b"offset", "parts", b"parts", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchRequest: _TypeAlias = FetchRequest  # noqa: Y015
+
+@_typing.final
+class FetchData(_message.Message):
+    """A fetch's bytes in order, with nothing else (FetchRequest.data_messages)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchData: _TypeAlias = FetchData  # noqa: Y015
 
 @_typing.final
 class WaitRequest(_message.Message):

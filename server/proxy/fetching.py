@@ -1,0 +1,67 @@
+"""A buffer's bytes read from its worker's `Fetch` (the proxy's cluster backend, cluster_backend.py),
+its answers left serialized (server/wire.py): no protobuf parse, no copy of the bytes.
+
+Both readers take the next message only when their consumer asks for it, so gRPC's flow control
+holds the worker back while the consumer is slow, and closing the generator cancels the call
+(a consumer that stopped early, or went away: the worker stops sending)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .. import wire
+from .backend import BackendError
+
+FETCH_METHOD = "/pathways.v1.Worker/Fetch"
+
+
+def fetch_method(channel: Any) -> Any:
+    """The worker's `Fetch` on `channel`, with its answers left serialized."""
+    return channel.unary_stream(FETCH_METHOD, request_serializer=wpb.FetchRequest.SerializeToString,
+                                response_deserializer=None)
+
+
+async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any,
+                 address: str) -> AsyncGenerator[memoryview, None]:
+    """The array bytes of each `FetchChunk` (views of what gRPC received); a chunk's error is
+    FAILED_PRECONDITION."""
+    call = fetch(request, metadata=metadata)
+    try:
+        async for raw in call:
+            try:
+                data, error = wire.fetch_chunk(raw)
+            except wire.WireError as e:
+                raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
+            if error:
+                raise BackendError("FAILED_PRECONDITION", error)
+            yield data
+    except grpc.RpcError as e:
+        raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+    finally:
+        call.cancel()
+
+
+async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any,
+                        address: str) -> AsyncGenerator[bytes, None]:
+    """The serialized `FetchData` messages of a fetch with `data_messages`, as they came (each
+    one's header checked: `{bytes data = 1}` and nothing else, else INTERNAL); the call's
+    FAILED_PRECONDITION (the buffer failed) keeps its code and cause."""
+    call = fetch(request, metadata=metadata)
+    try:
+        async for raw in call:
+            try:
+                wire.data_length(raw)
+            except wire.WireError as e:
+                raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
+            yield raw
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise BackendError("FAILED_PRECONDITION", e.details() or "") from None
+        raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+    finally:
+        call.cancel()

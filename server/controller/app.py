@@ -21,7 +21,8 @@ from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
 from ..proxy.backend import BackendError
-from ..proxy.cluster_backend import ControllerBackend, Controls
+from ..proxy.cluster_backend import Controls
+from ..proxy.controller_backend import ControllerBackend
 from ..proxy.routing import LazyProxyHandler, guards_itself, is_proxy_method
 from ..proxy.service import Admit, ProxyService
 from ..rpcguard import GuardInterceptor

@@ -2,7 +2,7 @@
 
 A proxy session runs on the slice the client named (`PATHWAYS_SLICE`), or on a fresh slice it
 owns (`PATHWAYS_DEVICES` devices; default: every free device of the island with the most free
-devices), released when the session ends. The client sees the slice's virtual devices 0..n-1 as
+devices), released when the session ends (controller_backend.py opens them). The client sees the slice's virtual devices 0..n-1 as
 its devices; the slice maps them onto physical devices as it does for `pw` clients.
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
@@ -24,8 +24,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import secrets
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -92,19 +91,8 @@ class Controls:
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
 
 
-def _backend_error(e: ControllerError) -> BackendError:
+def backend_error(e: ControllerError) -> BackendError:
     return BackendError(e.code.name, str(e))
-
-
-def free_island(rm: ResourceManager) -> tuple[str, int] | None:
-    """The island with the most free (healthy, unused) devices and how many, or None."""
-    free = Counter(
-        d.island for d in rm.devices.values() if rm.is_healthy(d.id) and rm.device_load(d.id) == 0
-    )
-    if not free:
-        return None
-    island, count = max(sorted(free.items()), key=lambda kv: kv[1])
-    return island, count
 
 
 def slice_info(sl: cpb.Slice) -> SliceInfo:
@@ -156,7 +144,7 @@ class SliceSession:
             try:
                 address = self._slices.placement(self.name).host.address
             except ControllerError as e:
-                raise _backend_error(e) from None
+                raise backend_error(e) from None
         assert address is not None
         conn = self._channels.get(address)
         if conn is None:
@@ -216,7 +204,7 @@ class SliceSession:
         try:
             placement = self._slices.placement(self.name)
         except ControllerError as e:
-            raise _backend_error(e) from None
+            raise backend_error(e) from None
         # on a slice spanning hosts, its first member compiles (each member compiles the same
         # module alike when it runs it), its devices numbered group-wide
         address, stub = self._worker(placement.host.address)
@@ -474,34 +462,5 @@ class SliceSession:
             if self._owns_slice:
                 await self._slices.written()
         except ControllerError as e:
-            raise _backend_error(e) from None
+            raise backend_error(e) from None
         log.info("proxy: session of %s on slice %s closed", self._owner, self.name)
-
-
-class ControllerBackend:
-    """`ClusterBackend` over the controller's slice service."""
-
-    def __init__(self, slices: Slices, controls: Controls) -> None:
-        self._slices = slices
-        self._controls = controls
-
-    async def open_session(self, slice_name: str | None, devices: int | None) -> SliceSession:
-        owner = f"client:proxy-{secrets.token_hex(6)}"
-        try:
-            if slice_name:
-                return SliceSession(self._slices, self._controls, self._slices.get(slice_name), owner, False)
-            spec = cpb.SliceSpec(devices=devices or 0)
-            if devices is None:
-                best = free_island(self._slices.rm)
-                if best is None:
-                    raise BackendError(
-                        "RESOURCE_EXHAUSTED",
-                        "no free devices for a fresh slice: name a slice with PATHWAYS_SLICE, or wait",
-                    )
-                spec.island, spec.devices = best
-            created = self._slices.create(spec, dry_run=False, owner=owner)
-            await self._slices.written()
-            log.info("proxy: slice %s created for a proxy session", created.slice.name)
-            return SliceSession(self._slices, self._controls, created.slice, owner, True)
-        except ControllerError as e:
-            raise _backend_error(e) from None

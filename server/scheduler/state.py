@@ -125,14 +125,16 @@ class GangScheduler(Views):
         spec = event.run
         if spec.run_id in self._runs or spec.run_id in self._finished:
             return  # duplicate
-        problem = check_spec(spec)
-        if problem is not None:
+        shape, problem = self._shape(spec)
+        if problem is not None or shape is None:
             self._remember_finished(spec.run_id)
             self._actions.append(RunFinished(spec.run_id, False, f"invalid run: {problem}"))
             return
-        for node in spec.nodes:
-            host = self._hosts.get(node.host)
+        hosts = self._hosts
+        for name in shape.hosts:
+            host = hosts.get(name)
             if host is not None and not host.up:
+                node = next(n for n in spec.nodes if n.host == name)
                 self._remember_finished(spec.run_id)
                 error = (
                     f"host {node.host} is down: node {node.index} of program {spec.program} is placed on it"
@@ -144,7 +146,7 @@ class GangScheduler(Views):
             self._actions.append(RunFinished(spec.run_id, True, ""))
             return
         self._submit_counter += 1
-        run = RunRecord.create(spec, self._submit_counter, event.now)
+        run = RunRecord.create(spec, self._submit_counter, event.now, shape)
         island = run.policy_island
         shares = self._shares.setdefault(island, {})
         if self._active.get((island, spec.client), 0) == 0:
@@ -157,8 +159,9 @@ class GangScheduler(Views):
         self._active[(island, spec.client)] = self._active.get((island, spec.client), 0) + 1
         self._runs[spec.run_id] = run
         self._queues.setdefault(spec.client, deque()).append(spec.run_id)
-        for node in spec.nodes:
-            self._host(node.host)
+        for name in shape.hosts:
+            if name not in hosts:
+                self._host(name)
 
     def _on_node_started(self, event: NodeStarted) -> None:
         node = self._live_node(event.run_id, event.node_index)

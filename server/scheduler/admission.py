@@ -66,6 +66,7 @@ class Admission(SchedulerBook):
         hosts, run_id, now, outbox = self._hosts, run.run_id, self._now, self._outbox
         sequential = run.spec.sequential
         waiting, assigned, dispatched = NodeState.WAITING, NodeState.ASSIGNED, NodeState.DISPATCHED
+        new = tuple.__new__
         for node in run.nodes:
             spec = node.spec
             host = hosts[spec.host]
@@ -81,11 +82,12 @@ class Admission(SchedulerBook):
                 continue
             node.state = dispatched
             node.dispatched_at = now
+            d = new(DispatchedNode, (run_id, spec.index, seq))  # DispatchedNode(...) without its frame
             q = outbox.get(spec.host)
             if q is None:
-                outbox[spec.host] = [DispatchedNode(run_id, spec.index, seq)]
+                outbox[spec.host] = [d]
             else:
-                q.append(DispatchedNode(run_id, spec.index, seq))
+                q.append(d)
         for island, count in run.nodes_per_island.items():
             self._inflight[island] = self._inflight.get(island, 0) + count
             self._share(island, run.client).inflight_nodes += count

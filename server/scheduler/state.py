@@ -90,9 +90,10 @@ class GangScheduler(Views):
             self._apply(event)
         self._admit()
         actions = self._actions
+        new = tuple.__new__  # Dispatch(...) without its frame: one per host, hundreds for a gang run
         for host, nodes in self._outbox.items():
             if len(nodes) == 1:  # a gang run's member host: nothing to order
-                actions.append(Dispatch(host, (nodes[0],)))
+                actions.append(new(Dispatch, (host, (nodes[0],))))
             elif nodes:
                 actions.append(Dispatch(host, tuple(sorted(nodes, key=lambda d: d.seq))))
         self._actions = []

@@ -280,7 +280,7 @@ class Dispatcher:
                     group = group_of[i]
                     sid = segment_ids[i]
                     if group >= 0 and not reads_input[i] and (template := templates.get(group)) is not None and (
-                            segs := known.get(a.host)) is not None and sid in segs and a.host in self.hosts:
+                            segs := known.get(a.host)) is not None and sid in segs:  # (a lost host has none)
                         g = GangEnqueue()
                         g.tasks.append((template, i, d.seq, sid))
                         msgs[a.host] = [g]

@@ -117,6 +117,8 @@ class SchedulerBook:
         # runs share one tuple (the dispatcher's plan), so a gang run's per-node checks and
         # bookkeeping are made once per plan, not per run. Bounded; holding the tuple keeps the id.
         self._shapes: dict[int, RunShape] = {}
+        self._shapes_hosted: set[int] = set()  # of those, the ones whose hosts all have records
+        self._down: set[str] = set()  # hosts whose record says they are down (HostRecord.up False)
         self._actions: list[Action] = []
         # The recent stimuli, kept as the event objects themselves: one append per handle() on the
         # hot path; they are rendered to text only when an InvariantError needs its history.
@@ -220,6 +222,7 @@ class SchedulerBook:
             return None, problem
         if len(self._shapes) >= _SHAPES:
             self._shapes.clear()
+            self._shapes_hosted.clear()
         shape = self._shapes[id(spec.nodes)] = RunShape.of(spec.nodes)
         return shape, None
 

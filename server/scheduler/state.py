@@ -132,7 +132,8 @@ class GangScheduler(Views):
             self._actions.append(RunFinished(spec.run_id, False, f"invalid run: {problem}"))
             return
         hosts = self._hosts
-        for name in shape.hosts:
+        down = self._down
+        for name in shape.hosts if down and not down.isdisjoint(shape.hosts) else ():
             host = hosts.get(name)
             if host is not None and not host.up:
                 node = next(n for n in spec.nodes if n.host == name)
@@ -160,9 +161,11 @@ class GangScheduler(Views):
         self._active[(island, spec.client)] = self._active.get((island, spec.client), 0) + 1
         self._runs[spec.run_id] = run
         self._queues.setdefault(spec.client, deque()).append(spec.run_id)
-        for name in shape.hosts:
-            if name not in hosts:
-                self._host(name)
+        if id(shape.nodes) not in self._shapes_hosted:  # records are never removed: made once per shape
+            for name in shape.hosts:
+                if name not in hosts:
+                    self._host(name)
+            self._shapes_hosted.add(id(shape.nodes))
 
     def _on_node_started(self, event: NodeStarted) -> None:
         node = self._live_node(event.run_id, event.node_index)
@@ -201,12 +204,14 @@ class GangScheduler(Views):
             self._fail_runs_on_host(event.host, reason, admitted_only=True)
         host.live.clear()
         host.up = True
+        self._down.discard(event.host)
         host.next_seq = 1
         host.progress_at = event.now
 
     def _on_host_lost(self, event: HostLost) -> None:
         host = self._host(event.host)
         host.up = False
+        self._down.add(event.host)
         self._fail_runs_on_host(event.host, f"host {event.host} lost", admitted_only=False)
         host.live.clear()
 

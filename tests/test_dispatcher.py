@@ -368,7 +368,7 @@ def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_it
     box = Outbox()
     g = box.gang("g0")
     assert g is not None
-    g.tasks.append((template, 2, 5, 13))
+    g.append((template, 2, 5, 13))
     box.release("g0", [9])
     assert box.gang("g0") is None  # its Enqueue is a message now: the next task goes into it
     box.enqueue("g0").tasks.add(run_id=8, seq=6)
@@ -380,7 +380,7 @@ def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_it
     box.release("g1", [4])
     g = box.gang("g1")
     assert g is not None
-    g.tasks.append((template, 0, 2, 11))
+    g.append((template, 0, 2, 11))
     assert box.msgs["g1"][0] == cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4]))
     assert box.msgs["g1"][1] is g and materialized(g).enqueue.tasks[0].segment_id == 11
 

@@ -137,9 +137,7 @@ def _gang(names: list[str], run_id: int = 7) -> tuple[wpb.Task, dict[str, list[M
                         output_visible=[True], owner="client:c1")
     msgs: dict[str, list[Message]] = {}
     for i, name in enumerate(names):
-        g = GangEnqueue()
-        g.tasks.append((template, i, 10 + i, 100 + i))
-        msgs[name] = [g]
+        msgs[name] = [GangEnqueue([(template, i, 10 + i, 100 + i)])]
     return template, msgs
 
 

@@ -281,9 +281,7 @@ class Dispatcher:
                     sid = segment_ids[i]
                     if group >= 0 and not reads_input[i] and (template := templates.get(group)) is not None and (
                             segs := known.get(a.host)) is not None and sid in segs:  # (a lost host has none)
-                        g = GangEnqueue()
-                        g.tasks.append((template, i, d.seq, sid))
-                        msgs[a.host] = [g]
+                        msgs[a.host] = [GangEnqueue(((template, i, d.seq, sid),))]
                         continue
             self._dispatch(a)
 
@@ -332,7 +330,7 @@ class Dispatcher:
                 if enq is None:
                     gang = outbox.gang(name)
                     if gang is not None:
-                        gang.tasks.append((template, d.node_index, d.seq, definition.segment_id))
+                        gang.append((template, d.node_index, d.seq, definition.segment_id))
                         continue
                     enq = outbox.enqueue(host.name)
                 task = enq.tasks.add()

@@ -18,26 +18,23 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 
-class GangEnqueue:
-    """A host's Enqueue of one flush that holds only gang members' tasks: per task, its group's
-    template and this member's segment, seq and segment id (see the module docstring)."""
+class GangEnqueue(list[tuple[wpb.Task, int, int, int]]):
+    """A host's Enqueue of one flush that holds only gang members' tasks: per task (the list's
+    items), its group's template and this member's segment, seq and segment id (see the module
+    docstring). A list itself: one is made per member host, hundreds per gang run, in C."""
 
-    __slots__ = ("tasks",)
-
-    def __init__(self) -> None:
-        self.tasks: list[tuple[wpb.Task, int, int, int]] = []  # (template, segment, seq, segment id)
+    __slots__ = ()
 
     def key(self) -> int | tuple[int, ...]:
         """Which templates (by identity): members with the same key share a body (relays.py
         makes it inline for one task: that template's id)."""
-        tasks = self.tasks
-        return id(tasks[0][0]) if len(tasks) == 1 else tuple(id(t[0]) for t in tasks)
+        return id(self[0][0]) if len(self) == 1 else tuple(id(t[0]) for t in self)
 
     def message(self, seq: int = 0) -> cpb.ControllerToWorker:
         """The Enqueue as the host's message (numbered `seq`, or not yet)."""
         msg = cpb.ControllerToWorker(seq=seq)
         tasks = msg.enqueue.tasks
-        for template, segment, task_seq, segment_id in self.tasks:
+        for template, segment, task_seq, segment_id in self:
             task = tasks.add()
             task.CopyFrom(template)
             task.segment = segment

@@ -179,8 +179,7 @@ class Relays:
             p.count += 1
             if len(ms) == 1 and type(g := ms[0]) is GangEnqueue:
                 # the usual case of a gang node: its body is shared, only the numbers are the member's
-                tasks = g.tasks
-                key = id(tasks[0][0]) if len(tasks) == 1 else g.key()
+                key = id(g[0][0]) if len(g) == 1 else g.key()
                 gang = p.gangs.get(key)
                 if gang is None:
                     gang = p.gangs[key] = _Gang(g)
@@ -188,7 +187,7 @@ class Relays:
                 link.next_seq = seq + 1
                 link.retained.append((seq, g))
                 gang.members.append((name, info.address, link.link_id, seq))
-                gang.tasks.extend(tasks)
+                gang.tasks.extend(g)
             else:
                 p.others.append(info)
         bodies: dict[int | tuple[int, ...], bytes] = {}  # a gang's body, serialized once per flush
@@ -260,7 +259,7 @@ class _Gang:
     def __init__(self, first: GangEnqueue) -> None:
         self.first = first
         self.members: list[tuple[str, str, int, int]] = []  # (host, address, link id, seq)
-        self.tasks: list[tuple[wpb.Task, int, int, int]] = []  # each member's GangEnqueue.tasks, in turn
+        self.tasks: list[tuple[wpb.Task, int, int, int]] = []  # each member's GangEnqueue items, in turn
 
 
 class _Pending:

@@ -176,7 +176,6 @@ class Relays:
                 if p is None:
                     p = pending[id(group)] = _Pending(group)
             assert p is not None  # set with `last`
-            p.count += 1
             if len(ms) == 1 and type(g := ms[0]) is GangEnqueue:
                 # the usual case of a gang node: its body is shared, only the numbers are the member's
                 key = id(g[0][0]) if len(g) == 1 else g.key()
@@ -193,7 +192,7 @@ class Relays:
         bodies: dict[int | tuple[int, ...], bytes] = {}  # a gang's body, serialized once per flush
         for p in pending.values():
             relay = None
-            if p.count >= 2:
+            if len(p.others) + sum(len(gang.members) for gang in p.gangs.values()) >= 2:  # hosts to write to
                 relay = next((h for n in p.group if (h := hosts.get(n)) is not None and _eligible(h)), None)
             if relay is None:
                 for gang in p.gangs.values():
@@ -266,10 +265,9 @@ class _Pending:
     """A relay group's hosts with messages in one flush: gang members by their templates, the
     others by host."""
 
-    __slots__ = ("count", "gangs", "group", "others")
+    __slots__ = ("gangs", "group", "others")
 
     def __init__(self, group: tuple[str, ...]) -> None:
         self.group = group
-        self.count = 0
         self.gangs: dict[int | tuple[int, ...], _Gang] = {}  # by GangEnqueue.key (one template: its id)
         self.others: list[HostInfo] = []

@@ -69,12 +69,13 @@ class Admission(SchedulerBook):
         new = tuple.__new__
         for node in run.nodes:
             spec = node.spec
-            host = hosts[spec.host]
+            name, index = spec.host, spec.index
+            host = hosts[name]
             node.seq = seq = host.next_seq
             host.next_seq = seq + 1
-            host.live[seq] = (run_id, spec.index)
+            host.live[seq] = (run_id, index)
             if node.state is not waiting:
-                raise InvalidTransition(f"node {spec.index}: {node.state} -> {assigned}")
+                raise InvalidTransition(f"node {index}: {node.state} -> {assigned}")
             if node.deps_left == 0:
                 node.ready_at = now
             elif sequential:
@@ -82,10 +83,10 @@ class Admission(SchedulerBook):
                 continue
             node.state = dispatched
             node.dispatched_at = now
-            d = new(DispatchedNode, (run_id, spec.index, seq))  # DispatchedNode(...) without its frame
-            q = outbox.get(spec.host)
+            d = new(DispatchedNode, (run_id, index, seq))  # DispatchedNode(...) without its frame
+            q = outbox.get(name)
             if q is None:
-                outbox[spec.host] = [d]
+                outbox[name] = [d]
             else:
                 q.append(d)
         for island, count in run.nodes_per_island.items():

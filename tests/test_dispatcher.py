@@ -14,9 +14,14 @@ from server.controller.client_session import ClientSession
 from server.controller.cluster import HostInfo
 from server.controller.dispatch import Dispatcher, RunState
 from server.controller.errors import InvalidArgument, NotFound
+from server.controller.links import WorkerLink
+from server.controller.outbox import Outbox, materialized
 from server.controller.programs import ProgramRecord, ProgramRegistry, check_devices
+from server.controller.relays import Relays
 from server.controller.slices import Placement
 from server.scheduler import GangScheduler, Policy
+from server.worker.relay import Inbox, relayed_message
+from server.worker.relay import gang_parts as members_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -353,3 +358,94 @@ def test_a_node_on_part_of_its_slice_runs_on_those_devices_only() -> None:
         check_devices(reordered, {"w": (2, True)})
     reordered.nodes[0].devices[:] = [0, 1]
     check_devices(reordered, {"w": (2, True)})  # all of them in order: as without
+
+
+def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_its_host() -> None:
+    """A host's gang-only Enqueue of a flush (outbox.GangEnqueue) becomes a message when more goes
+    into it: a release after it rides on that Enqueue, applied after its task, and a later task
+    joins it; a release before it keeps its own message first."""
+    template = wpb.Task(run_id=7, segment=0, seq=1, segment_id=11, output_ids=[6], owner="client:c1")
+    box = Outbox()
+    g = box.gang("g0")
+    assert g is not None
+    g.append((template, 2, 5, 13))
+    box.release("g0", [9])
+    assert box.gang("g0") is None  # its Enqueue is a message now: the next task goes into it
+    box.enqueue("g0").tasks.add(run_id=8, seq=6)
+    member = wpb.Task()
+    member.CopyFrom(template)
+    member.segment, member.seq, member.segment_id = 2, 5, 13
+    assert box.msgs["g0"] == [cpb.ControllerToWorker(enqueue=wpb.Enqueue(
+        tasks=[member, wpb.Task(run_id=8, seq=6)], release_ids=[9]))]
+    box.release("g1", [4])
+    g = box.gang("g1")
+    assert g is not None
+    g.append((template, 0, 2, 11))
+    assert box.msgs["g1"][0] == cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4]))
+    assert box.msgs["g1"][1] is g and materialized(g).enqueue.tasks[0].segment_id == 11
+
+
+def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body() -> None:
+    """The dispatcher with relays (server/controller/relays.py) over a gang of three hosts in one
+    relay group: after the first run (which carries the definitions, each member's own message),
+    each run's member tasks leave as one body and the members' numbers, and what each member's
+    worker reads from the batch is its task: the group's ids, its own segment, seq and segment id."""
+    p, members = gang_parts()
+    for h in p.hosts.values():
+        h.link = WorkerLink(h.name)
+        h.link.send(cpb.ControllerToWorker(registered=cpb.Registered(link=h.link.link_id)))
+        h.link.ack(1)
+    relays = Relays(p.hosts, lambda island: sorted(n for n, h in p.hosts.items() if h.island == island),
+                    min_hosts=2, group_size=4)
+    p.dispatcher.sink = relays
+    graph = cpb.ProgramGraph(name="g", num_inputs=0, outputs=[out(0)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sg", num_outputs=1, name="n0")])
+    assert p.registry.add_functions([FUNCTION]) == []
+    prog = p.registry.register(graph, "client:c1")
+    s = session()
+
+    def read() -> dict[str, list[cpb.ControllerToWorker]]:
+        """Each host's messages, batches opened as its relay and the members' workers would."""
+        got: dict[str, list[cpb.ControllerToWorker]] = {}
+        for h in p.hosts.values():
+            assert h.link is not None
+            while not h.link._queue.empty():
+                msg = h.link._queue.get_nowait()
+                assert isinstance(msg, cpb.ControllerToWorker)
+                if msg.WhichOneof("msg") != "relay":
+                    got.setdefault(h.name, []).append(msg)
+                    continue
+                for part in [*msg.relay.messages, *(x for g in msg.relay.gangs for x in members_of(g))]:
+                    inbox = Inbox()
+                    inbox.link = p.hosts[part.host].link.link_id  # type: ignore[union-attr]
+                    inner = relayed_message(part, inbox)
+                    assert inner is not None
+                    got.setdefault(part.host, []).append(inner)
+        return got
+
+    read()
+    for run_id in (7, 8, 9):
+        p.dispatcher.submit(s, cpb.RunProgram(run_id=run_id, program_id=prog.program_id, output_ids=[200 + run_id]))
+        batches = relays.batches
+        p.dispatcher.flush()
+        assert relays.batches == batches + 1  # one write for the three members
+        if run_id > 7:  # the members' Enqueues as one body and their numbers
+            [batch] = [m for h in p.hosts.values() for m in h.link._queue._queue]  # type: ignore[union-attr]
+            assert isinstance(batch, cpb.ControllerToWorker)
+            assert not batch.relay.messages and list(batch.relay.gangs[0].hosts) == ["g0", "g1", "g2"]
+        run = p.dispatcher.runs[run_id]
+        got = read()
+        assert sorted(got) == ["g0", "g1", "g2"]
+        for m, h in enumerate(members):
+            [msg] = got[h.name]
+            assert msg.seq == h.link.next_seq - 1  # type: ignore[union-attr]
+            assert [(t.run_id, t.segment, t.segment_id, list(t.output_ids)) for t in msg.enqueue.tasks] == [
+                (run_id, m, run.plan.segments[m].definition.segment_id, [200 + run_id])]
+            assert msg.enqueue.tasks[0].seq == run_id - 6  # the member's place in its gang order
+            assert bool(msg.enqueue.segments) == (run_id == 7)  # definitions with the first run only
+        for m in range(3):
+            p.report(f"g{m}", run_id, m)
+        assert p.finished[-1] == (run_id, True, "")
+        for h in members:
+            h.link.ack(h.link.next_seq - 1)  # type: ignore[union-attr]
+        read()

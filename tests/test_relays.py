@@ -25,8 +25,9 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.controller.cluster import LOST, READY, HostInfo
 from server.controller.links import WorkerLink
+from server.controller.outbox import GangEnqueue, Message
 from server.controller.relays import Relays, groups_of
-from server.worker.relay import Inbox
+from server.worker.relay import Inbox, gang_parts, relayed_message
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -128,6 +129,129 @@ def test_groups_are_consecutive_and_balanced() -> None:
     assert [n for g in groups for n in g] == names
     assert groups_of(names[:64], 64) == [tuple(names[:64])]
     assert groups_of([], 64) == []
+
+
+def _gang(names: list[str], run_id: int = 7) -> tuple[wpb.Task, dict[str, list[Message]]]:
+    """One gang node's flush: member i (of `names`) runs segment i at seq 10 + i, segment id 100 + i."""
+    template = wpb.Task(run_id=run_id, segment=0, seq=10, segment_id=100, input_ids=[5], output_ids=[6],
+                        output_visible=[True], owner="client:c1")
+    msgs: dict[str, list[Message]] = {}
+    for i, name in enumerate(names):
+        msgs[name] = [GangEnqueue([(template, i, 10 + i, 100 + i)])]
+    return template, msgs
+
+
+def _member_task(template: wpb.Task, i: int) -> wpb.Task:
+    task = wpb.Task()
+    task.CopyFrom(template)
+    task.segment, task.seq, task.segment_id = i, 10 + i, 100 + i
+    return task
+
+
+def _expand(batch: cpb.ControllerToWorker, hosts: dict[str, HostInfo]) -> dict[str, cpb.ControllerToWorker]:
+    """What each member of a relay batch gets, as its worker reads it (server/worker/relay.py)."""
+    out = {}
+    for part in [*batch.relay.messages, *(p for g in batch.relay.gangs for p in gang_parts(g))]:
+        info = hosts[part.host]
+        assert info.link is not None and part.address == info.address
+        inbox = Inbox()
+        inbox.link = info.link.link_id
+        msg = relayed_message(part, inbox)
+        assert msg is not None, part
+        out[part.host] = msg
+    return out
+
+
+def test_a_relayed_gang_node_is_one_body_and_each_member_gets_its_own_task() -> None:
+    """A gang node's members in one group: the batch carries one serialized body and the members'
+    numbers, and the relay makes each member exactly its message (its seq, its task's segment,
+    seq and segment id); nothing goes on the members' own streams."""
+    relays, hosts = _relay_setup(4)
+    for h in hosts.values():
+        _queued(h)
+    names = ["h0", "h1", "h2", "h3"]
+    template, msgs = _gang(names)
+    relays.send_all(msgs)
+    [batch] = _queued(hosts["h0"])  # h0 is the relay, and a member
+    assert not batch.relay.messages and len(batch.relay.gangs) == 1
+    [gang] = batch.relay.gangs
+    assert list(gang.hosts) == names and list(gang.seqs) == [2, 2, 2, 2]
+    body = cpb.ControllerToWorker.FromString(gang.body)
+    assert len(body.enqueue.tasks) == 1 and body.seq == 0
+    got = _expand(batch, hosts)
+    assert sorted(got) == names
+    for i, name in enumerate(names):
+        assert got[name] == cpb.ControllerToWorker(seq=2, enqueue=wpb.Enqueue(tasks=[_member_task(template, i)]))
+    assert not any(_queued(hosts[n]) for n in names[1:])
+    assert relays.batches == 1 and relays.relayed == 4
+
+
+def test_gang_members_not_acknowledged_get_their_own_messages_directly_when_the_relay_fails() -> None:
+    """The controller keeps a relayed gang member's message as its numbers (not a message) until
+    the member acknowledges it; when the relay is lost, or says it could not reach a member,
+    each unacknowledged member gets, on its own stream, exactly the message the relay would have
+    made for it."""
+    relays, hosts = _relay_setup(4)
+    for h in hosts.values():
+        _queued(h)
+    names = ["h0", "h1", "h2", "h3"]
+    template, msgs = _gang(names)
+    relays.send_all(msgs)
+    relayed = _expand(_queued(hosts["h0"])[0], hosts)
+    hosts["h1"].link.ack(2)  # type: ignore[union-attr]  # h1 got it through h0
+    relays.host_lost(hosts["h0"], "its connection closed")
+    assert not _queued(hosts["h1"])
+    for n in ("h2", "h3"):
+        assert _queued(hosts[n]) == [relayed[n]]
+    hosts["h0"].state = LOST
+    # the group is h1..h3 now: relay h1; it cannot reach h3
+    template, msgs = _gang(["h1", "h2", "h3"], run_id=8)
+    relays.send_all(msgs)
+    [batch] = _queued(hosts["h1"])
+    relayed = _expand(batch, hosts)
+    assert relayed["h3"].seq == 3 and relayed["h3"].enqueue.tasks[0] == _member_task(template, 2)
+    relays.failed("h1", ["h3"])
+    assert _queued(hosts["h3"]) == [relayed["h3"]]
+    template, msgs = _gang(["h1", "h2", "h3"], run_id=9)
+    relays.send_all(msgs)  # h3 is sent directly from now on
+    [batch] = _queued(hosts["h1"])
+    assert list(batch.relay.gangs[0].hosts) == ["h1", "h2"]
+    direct = cpb.ControllerToWorker(seq=4, enqueue=wpb.Enqueue(tasks=[_member_task(template, 2)]))
+    assert _queued(hosts["h3"]) == [direct]
+
+
+def test_a_gang_member_alone_in_its_group_is_sent_directly_numbered_in_order() -> None:
+    """One member of a group to write to: no batch, its message on its own stream with its seq,
+    and nothing kept for a relay; the next message of that host follows it."""
+    relays, hosts = _relay_setup(4)
+    for h in hosts.values():
+        _queued(h)
+    template, msgs = _gang(["h2"])
+    relays.send_all(msgs)
+    assert not _queued(hosts["h0"])
+    direct = cpb.ControllerToWorker(seq=2, enqueue=wpb.Enqueue(tasks=[_member_task(template, 0)]))
+    assert _queued(hosts["h2"]) == [direct]
+    assert not hosts["h2"].link.retained  # type: ignore[union-attr]
+    _flush(relays, ["h2"])
+    assert [m.seq for m in _queued(hosts["h2"])] == [3]
+
+
+def test_a_relayed_gang_whose_lists_do_not_match_gives_no_message() -> None:
+    """A peer's malformed gang (a member list shorter than the others, or a body that does not
+    decode) makes no message: its members ask the controller after the gap limit."""
+    template, _ = _gang(["h0", "h1"])
+    body = cpb.ControllerToWorker(enqueue=wpb.Enqueue(tasks=[template])).SerializeToString()
+    good = cpb.RelayedGang(body=body, hosts=["h0", "h1"], addresses=["a0", "a1"], links=[1, 2], seqs=[3, 4],
+                           task_segments=[0, 1], task_seqs=[10, 11], segment_ids=[100, 101])
+    assert [p.host for p in gang_parts(good)] == ["h0", "h1"]
+    short = cpb.RelayedGang()
+    short.CopyFrom(good)
+    del short.task_seqs[1:]
+    assert list(gang_parts(short)) == []
+    garbage = cpb.RelayedGang()
+    garbage.CopyFrom(good)
+    garbage.body = b"\xff\xff\xff"
+    assert list(gang_parts(garbage)) == []
 
 
 SPMD = """

@@ -7,6 +7,8 @@ messages: every segment a worker runs, as a `Task` naming the segment and the ru
 ids, leaves as ONE batched Enqueue per worker per flush, before any predecessor ran (parallel
 asynchronous dispatch). Per-run work is per segment, not per program node. Messages to one
 worker keep their order, so a release never overtakes the enqueue that reads the buffer.
+A gang node's member tasks are one `Task` per run (its template) and each member's numbers
+(outbox.py): a message is made of them only where one is needed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -45,9 +46,11 @@ from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, InvalidArgument
+from .outbox import GangEnqueue, Outbox, materialized
 from .plans import Plan, check_spread_inputs
 from .programs import ProgramRecord, ProgramRegistry
-from .segments import GATHERED, PROGRAM_INPUT, cut, gathered_count, same_machine
+from .runs import RunState, task_fields
+from .segments import PROGRAM_INPUT, cut, gathered_count, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -55,22 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECENT_RUNS = 4_000  # finished runs kept to attribute their late node events
-
-
-@dataclass(slots=True)
-class RunState:
-    run_id: int
-    session: ClientSession
-    program: ProgramRecord
-    plan: Plan
-    input_ids: list[int]
-    input_homes: list[str]
-    buffers: list[list[int]]  # segment -> ids of its outputs
-    gathered: list[int]  # gathered value (segments.GATHERED) -> its id on the readers' hosts
-    # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
-    # (their reader is not enqueued yet, so the worker would free them); released when the run ends
-    held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
-    templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
 
 
 class Placements(Protocol):
@@ -89,33 +76,6 @@ class WorkerOutbox(Protocol):
     def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
         """Queues `msg` on host `host`'s stream, in order; drops it when the host has no link."""
         ...
-
-
-class Outbox:
-    """Per-host ordered messages of one flush; consecutive enqueues/releases merge."""
-
-    def __init__(self) -> None:
-        self.msgs: dict[str, list[cpb.ControllerToWorker]] = {}
-
-    def _last(self, host: str, kind: str) -> cpb.ControllerToWorker:
-        q = self.msgs.setdefault(host, [])
-        if not q or q[-1].WhichOneof("msg") != kind:
-            q.append(cpb.ControllerToWorker())
-            getattr(q[-1], kind).SetInParent()
-        return q[-1]
-
-    def enqueue(self, host: str) -> wpb.Enqueue:
-        return self._last(host, "enqueue").enqueue
-
-    def release(self, host: str, ids: list[int]) -> None:
-        q = self.msgs.get(host)
-        if q and q[-1].WhichOneof("msg") == "enqueue":
-            q[-1].enqueue.release_ids.extend(ids)  # applied after that message's nodes
-        else:
-            self._last(host, "release").release.buffer_ids.extend(ids)
-
-    def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
-        self.msgs.setdefault(host, []).append(msg)
 
 
 class Dispatcher:
@@ -274,35 +234,77 @@ class Dispatcher:
         self.apply(self.scheduler.handle(event))
 
     def apply(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, Dispatch):
-                self._dispatch(a)
-            elif isinstance(a, RunFinished):
-                self._finished(a)
-            elif isinstance(a, DropRun):
-                self._drop(a)
-            elif isinstance(a, HangDetected):
-                if not self.hang_listeners:
-                    log.error("hang detected: %s", a.message)
-                for cb in self.hang_listeners:
-                    cb(a)
+        for i, a in enumerate(actions):
+            if type(a) is Dispatch:  # the scheduler gives them last
+                self._dispatch_all(actions, i)
+                return
+            self._other(a)
+
+    def _other(self, a: Action) -> None:
+        if isinstance(a, Dispatch):
+            self._dispatch(a)
+        elif isinstance(a, RunFinished):
+            self._finished(a)
+        elif isinstance(a, DropRun):
+            self._drop(a)
+        elif isinstance(a, HangDetected):
+            if not self.hang_listeners:
+                log.error("hang detected: %s", a.message)
+            for cb in self.hang_listeners:
+                cb(a)
+
+    def _dispatch_all(self, actions: list[Action], start: int) -> None:
+        """`actions[start:]` (Dispatches: the scheduler gives them last). A gang member (the only node of its host's
+        Dispatch: a gang run's admission makes hundreds) whose host has its segment, nothing else
+        in this flush and no program input to fetch is one GangEnqueue (outbox.py) made here, its
+        run's things looked up once for all its members; the others go through `_dispatch`."""
+        msgs, runs, known = self._outbox.msgs, self.runs, self._host_segments
+        run_id, run, templates, group_of, segment_ids, reads_input = -1, None, {}, [], [], []
+        for k in range(start, len(actions)):
+            a = actions[k]
+            if type(a) is not Dispatch:
+                self._other(a)
+                continue
+            if len(a.nodes) == 1 and a.host not in msgs:
+                d = a.nodes[0]
+                if d.run_id != run_id:
+                    run_id, run = d.run_id, runs.get(d.run_id)
+                    if run is not None and not run.session.sequential:
+                        plan = run.plan
+                        templates, group_of = run.templates, plan.group_of
+                        segment_ids, reads_input = plan.segment_ids, plan.reads_input
+                    else:
+                        templates, group_of = {}, []
+                i = d.node_index
+                if group_of:
+                    group = group_of[i]
+                    sid = segment_ids[i]
+                    if group >= 0 and not reads_input[i] and (template := templates.get(group)) is not None and (
+                            segs := known.get(a.host)) is not None and sid in segs:  # (a lost host has none)
+                        msgs[a.host] = [GangEnqueue(((template, i, d.seq, sid),))]
+                        continue
+            self._dispatch(a)
 
     def _dispatch(self, action: Dispatch) -> None:
-        host = self.hosts.get(action.host)
+        name = action.host
+        host = self.hosts.get(name)
         if host is None:
             return
-        enq = self._outbox.enqueue(host.name)
-        segments = self._host_segments.get(host.name)
+        outbox, runs = self._outbox, self.runs
+        enq: wpb.Enqueue | None = None  # the host's Enqueue as a message, once something needs one
+        segments = self._host_segments.get(name)
         if segments is None:
-            segments = self._host_segments[host.name] = set()
+            segments = self._host_segments[name] = set()
         sends: dict[str, list[tuple[int, str]]] = {}
         for d in action.nodes:
-            run = self.runs.get(d.run_id)
+            run = runs.get(d.run_id)
             if run is None:
                 continue
             seg = run.plan.segments[d.node_index]
             definition = seg.definition
             if definition.segment_id not in segments:
+                if enq is None:
+                    enq = outbox.enqueue(host.name)
                 functions = self._host_functions.setdefault(host.name, set())
                 for n in definition.nodes:
                     if n.function_id not in functions:
@@ -314,54 +316,38 @@ class Dispatcher:
                 segments.add(definition.segment_id)
             group = run.plan.group_of[d.node_index]
             if group >= 0 and not run.session.sequential:
-                # a gang member: the group's task with this member's segment, seq and id (its
-                # program inputs held elsewhere still go to this member's host)
+                # a gang member: the group's task (built for its first member) with this member's
+                # segment, seq and id; kept as such until a message is needed (outbox.py)
                 template = run.templates.get(group)
-                if template is not None:
+                if template is None:
+                    template = run.templates[group] = wpb.Task(**task_fields(run, d, seg, host, sends))
+                else:  # its program inputs held elsewhere still go to this member's host
                     for source, k in seg.inputs:
                         if source == PROGRAM_INPUT:
                             home = run.input_homes[k]
                             if home and home != host.address and "|" not in home:
                                 sends.setdefault(home, []).append((run.input_ids[k], host.address))
-                    task = enq.tasks.add()
-                    task.CopyFrom(template)
-                    task.segment = d.node_index
-                    task.seq = d.seq
-                    task.segment_id = definition.segment_id
-                    continue
-            inputs = []
-            for source, k in seg.inputs:
-                if source == PROGRAM_INPUT:
-                    bid = run.input_ids[k]
-                    home = run.input_homes[k]
-                    if home and home != host.address and "|" not in home:  # "|": on every member already
-                        sends.setdefault(home, []).append((bid, host.address))
-                    inputs.append(bid)
-                elif source == GATHERED:
-                    inputs.append(run.gathered[k])
-                else:
-                    inputs.append(run.buffers[source][k])
-            outputs = run.buffers[d.node_index]
-            visible = seg.visible
-            if run.session.sequential and any(seg.read_later_here):
-                visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
-                run.held_ids.setdefault(host.address, []).extend(
-                    b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
-            # built in place (an append would copy it): a gang run makes one per member host
-            task = enq.tasks.add(run_id=d.run_id, segment=d.node_index, seq=d.seq,
-                                 segment_id=definition.segment_id, input_ids=inputs, output_ids=outputs,
-                                 output_visible=visible, owner=run.session.owner,
-                                 report_promptly=run.session.sequential)
-            if run.gathered and any(k >= 0 for k in seg.route_keys):
-                task.route_ids[:] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
-            if group >= 0 and not run.session.sequential:
-                run.templates[group] = template = wpb.Task()
-                template.CopyFrom(task)  # a copy: the first member's task leaves with its message
+                if enq is None:
+                    gang = outbox.gang(name)
+                    if gang is not None:
+                        gang.append((template, d.node_index, d.seq, definition.segment_id))
+                        continue
+                    enq = outbox.enqueue(host.name)
+                task = enq.tasks.add()
+                task.CopyFrom(template)
+                task.segment = d.node_index
+                task.seq = d.seq
+                task.segment_id = definition.segment_id
+                continue
+            if enq is None:
+                enq = outbox.enqueue(host.name)
+            # built in place (an append would copy it)
+            enq.tasks.add(**task_fields(run, d, seg, host, sends))
         for home, items in sends.items():
             src = self.host_by_address(home)
             if src is None:
                 continue
-            out = self._outbox.enqueue(src.name)
+            out = outbox.enqueue(src.name)
             for bid, dest in dict.fromkeys(items):
                 out.sends.append(wpb.BufferSend(buffer_id=bid, address=dest, same_host=same_machine(src, host)))
 
@@ -413,7 +399,7 @@ class Dispatcher:
             send = self.sink.send
             for name, msgs in outbox.msgs.items():
                 for m in msgs:
-                    send(name, m)
+                    send(name, materialized(m))
         if self.probe is not None:
             self.probe.flushed()
 

@@ -130,11 +130,14 @@ class DispatchProbe:
 
 def _task_runs(msg: cpb.ControllerToWorker) -> list[int]:
     """The run id of each task a handed message carries: an Enqueue's, or those of the Enqueues in
-    a relay batch's parts (relays.py; parsed here, after the run, outside what is measured)."""
+    a relay batch's parts and gangs (relays.py; parsed here, after the run, outside what is measured)."""
     if msg.WhichOneof("msg") == "enqueue":
         return [t.run_id for t in msg.enqueue.tasks]
     runs: list[int] = []
     for part in msg.relay.messages:
         inner = cpb.ControllerToWorker.FromString(part.message)
         runs.extend(t.run_id for t in inner.enqueue.tasks)
+    for gang in msg.relay.gangs:  # one body for its members (controller.proto RelayedGang)
+        body = cpb.ControllerToWorker.FromString(gang.body)
+        runs.extend(t.run_id for t in body.enqueue.tasks for _ in gang.hosts)
     return runs

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Callable
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+from .outbox import GangEnqueue
+
 _CLOSE = object()
 
 # Sees every message as a stream takes it to hand to gRPC: the dispatch probe's hook
@@ -36,7 +38,9 @@ class WorkerLink:
         self.closed = False
         self.next_seq = 1
         self.acked = 0  # the highest seq the worker said it handled
-        self.retained: deque[tuple[int, cpb.ControllerToWorker]] = deque()
+        # (seq, message): a gang member's Enqueue as its GangEnqueue (outbox.py), made a message
+        # only if it must be sent again
+        self.retained: deque[tuple[int, cpb.ControllerToWorker | GangEnqueue]] = deque()
         self.relayable = True  # False once a relay could not reach this worker: direct sends only
 
     def stamp(self, msg: cpb.ControllerToWorker) -> cpb.ControllerToWorker:
@@ -53,6 +57,11 @@ class WorkerLink:
     def send(self, msg: cpb.ControllerToWorker) -> None:
         if not self.closed:
             self._queue.put_nowait(self.stamp(msg))
+
+    def put(self, msg: cpb.ControllerToWorker) -> None:
+        """A message numbered already (`next_seq` was taken for it): on this stream as it is."""
+        if not self.closed:
+            self._queue.put_nowait(msg)
 
     def send_unnumbered(self, msg: cpb.ControllerToWorker) -> None:
         """A message outside this worker's order (a RelayBatch: its parts carry their numbers)."""
@@ -75,8 +84,8 @@ class WorkerLink:
         had already); returns how many."""
         n = len(self.retained)
         if not self.closed:
-            for _, msg in self.retained:
-                self._queue.put_nowait(msg)
+            for seq, msg in self.retained:
+                self._queue.put_nowait(msg.message(seq) if type(msg) is GangEnqueue else msg)
         self.retained.clear()
         return n
 

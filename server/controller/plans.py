@@ -33,6 +33,10 @@ class Plan:
     # same buffer ids, so a run's tasks for them differ only in segment, seq and segment id. A run
     # builds one `Task` per group and copies it per member (`Dispatcher._dispatch`).
     group_of: list[int] = field(default_factory=list)
+    # segment -> its definition's id, and whether it reads a program input (the dispatcher's fast
+    # path for a gang member, `Dispatcher._dispatch_all`, takes neither from the segment)
+    segment_ids: list[int] = field(default_factory=list)
+    reads_input: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
@@ -41,6 +45,8 @@ class Plan:
             self.layout_of.append(index.setdefault(layout, len(index)))
         self.layouts = list(index)
         self.group_of = task_groups(self.segments, self.layout_of)
+        self.segment_ids = [seg.definition.segment_id for seg in self.segments]
+        self.reads_input = [any(source == PROGRAM_INPUT for source, _ in seg.inputs) for seg in self.segments]
 
 
 def task_groups(segments: Sequence[SegmentPlan], layout_of: Sequence[int]) -> list[int]:

@@ -19,6 +19,13 @@ reports it could not reach a host (`RelayFailed`), has the unacknowledged messag
 it carried sent again directly; the workers drop the copies of those the relay did deliver. A
 host a relay could not reach gets direct sends until it registers again.
 
+A gang node's members (hundreds of hosts, one task each, the same but for its segment, seq and
+segment id) reach this module as `outbox.GangEnqueue`s, not messages: a group's members that
+share their templates leave as one `RelayedGang` (controller.proto): one serialized body and
+the members' numbers, which the relay turns into each member's message (server/worker/relay.py
+`gang_parts`). Per member the controller only numbers it, keeps it (as its GangEnqueue: a message
+is made of it only if it must be sent again directly) and lists its numbers.
+
 Only hosts that acknowledged their registration (`WorkerToController.delivered` >= 1: they know
 its `link` id, which relayed messages must carry) are relayed to or relay.
 """
@@ -29,8 +36,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .cluster import READY, HostInfo
+from .outbox import GangEnqueue, Message, materialized
 
 log = logging.getLogger(__name__)
 
@@ -130,51 +139,135 @@ class Relays:
             info.link.send(msg)
             self.writes += 1
 
-    def send_all(self, msgs: Mapping[str, list[cpb.ControllerToWorker]]) -> None:
-        """A flush's messages by host, each host's in order (see the module docstring)."""
+    def send_all(self, msgs: Mapping[str, list[Message]]) -> None:
+        """A flush's messages by host, each host's in order (see the module docstring).
+
+        One pass over the hosts: a relayable host whose one message is a gang member's Enqueue
+        (outbox.GangEnqueue) is numbered and kept (retained) as it is met, its relay not known yet
+        (the relay's own is then kept too: it is acknowledged as any, and a copy sent again is
+        dropped by the worker); a group that turns out to have one host to write to sends it
+        directly, numbered as it was."""
+        if not msgs:
+            return
         hosts = self.hosts
-        grouped: dict[tuple[str, ...], list[HostInfo]] = {}
+        pending: dict[int, _Pending] = {}  # id(relay group) -> what its hosts have in this flush
+        last: tuple[str, ...] | None = None
+        p: _Pending | None = None
+        island, groups = None, None  # the last host's island and its group map (hosts come by island)
+        relaying = self.min_hosts > 0
         for name, ms in msgs.items():
             info = hosts.get(name)
-            if info is None or info.link is None:
+            if info is None or (link := info.link) is None:
                 continue
-            group = self._group_map(info.island).get(name) if self.min_hosts > 0 else None
-            if group is None or not _eligible(info):
+            group = None
+            if relaying:
+                if info.island != island:
+                    island, groups = info.island, self._group_map(info.island)
+                group = groups.get(name)  # type: ignore[union-attr]  # set with island
+            if group is None or not (info.state == READY and not link.closed and link.acked >= 1
+                                     and link.relayable):  # not _eligible(info)
                 for m in ms:
-                    info.link.send(m)
+                    link.send(materialized(m))
                 self.writes += len(ms)
                 continue
-            grouped.setdefault(group, []).append(info)
-        for group, members in grouped.items():
+            if group is not last:  # hosts come group by group: a group (64 names) is hashed once
+                last = group
+                p = pending.get(id(group))
+                if p is None:
+                    p = pending[id(group)] = _Pending(group)
+            assert p is not None  # set with `last`
+            if len(ms) == 1 and type(g := ms[0]) is GangEnqueue:
+                # the usual case of a gang node: its body is shared, only the numbers are the member's
+                key = id(g[0][0]) if len(g) == 1 else g.key()
+                gang = p.gangs.get(key)
+                if gang is None:
+                    gang = p.gangs[key] = _Gang(g)
+                seq = link.next_seq
+                link.next_seq = seq + 1
+                link.retained.append((seq, g))
+                gang.members.append((name, info.address, link.link_id, seq))
+                gang.tasks.extend(g)
+            else:
+                p.others.append(info)
+        bodies: dict[int | tuple[int, ...], bytes] = {}  # a gang's body, serialized once per flush
+        for p in pending.values():
             relay = None
-            if len(members) >= 2:
-                relay = next((h for n in group if (h := hosts.get(n)) is not None and _eligible(h)), None)
+            if len(p.others) + sum(len(gang.members) for gang in p.gangs.values()) >= 2:  # hosts to write to
+                relay = next((h for n in p.group if (h := hosts.get(n)) is not None and _eligible(h)), None)
             if relay is None:
-                for info in members:
+                for gang in p.gangs.values():
+                    for name, _, _, seq in gang.members:
+                        link = hosts[name].link
+                        assert link is not None and link.retained[-1][0] == seq
+                        _, g = link.retained.pop()  # numbered above; not relayed after all
+                        assert type(g) is GangEnqueue
+                        link.put(g.message(seq))
+                        self.writes += 1
+                for info in p.others:
                     for m in msgs[info.name]:
-                        info.link.send(m)  # type: ignore[union-attr]  # checked above
+                        info.link.send(materialized(m))  # type: ignore[union-attr]  # checked above
                     self.writes += len(msgs[info.name])
                 continue
-            self._batch(relay, members, msgs)
+            self._batch(relay, p, msgs, bodies)
 
-    def _batch(self, relay: HostInfo, members: list[HostInfo],
-               msgs: Mapping[str, list[cpb.ControllerToWorker]]) -> None:
+    def _batch(self, relay: HostInfo, p: _Pending, msgs: Mapping[str, list[Message]],
+               bodies: dict[int | tuple[int, ...], bytes]) -> None:
         batch = cpb.ControllerToWorker()
         parts = batch.relay.messages  # added in place: a list of parts would be copied in
         via = self._via.setdefault(relay.name, set())
-        for info in members:
+        for info in p.others:
             link = info.link
             assert link is not None
             own = info is relay
             for m in msgs[info.name]:
-                m = link.stamp(m)
+                m = link.stamp(materialized(m))
                 if not own:  # the relay's own part is lost only with the relay's registration
                     link.retain(m)
                 parts.add(host=info.name, address=info.address, link=link.link_id, message=m.SerializeToString())
             if not own:
                 via.add(info.name)
+        for key, gang in p.gangs.items():
+            body = bodies.get(key)
+            if body is None:  # the first member's message: each member's numbers replace its own
+                body = bodies[key] = gang.first.message().SerializeToString()
+            out = batch.relay.gangs.add(body=body)
+            names, addresses, links, seqs = zip(*gang.members, strict=True)
+            via.update(names)
+            out.hosts.extend(names)
+            out.addresses.extend(addresses)
+            out.links.extend(links)
+            out.seqs.extend(seqs)
+            _, segments, task_seqs, segment_ids = zip(*gang.tasks, strict=True)
+            out.task_segments.extend(segments)
+            out.task_seqs.extend(task_seqs)
+            out.segment_ids.extend(segment_ids)
+            self.relayed += len(names)
+        via.discard(relay.name)  # its own part goes with its registration
         assert relay.link is not None
         relay.link.send_unnumbered(batch)
         self.batches += 1
         self.relayed += len(parts)
         self.writes += 1
+
+
+class _Gang:
+    """The members of one relay batch whose Enqueues share their templates (outbox.py)."""
+
+    __slots__ = ("first", "members", "tasks")
+
+    def __init__(self, first: GangEnqueue) -> None:
+        self.first = first
+        self.members: list[tuple[str, str, int, int]] = []  # (host, address, link id, seq)
+        self.tasks: list[tuple[wpb.Task, int, int, int]] = []  # each member's GangEnqueue items, in turn
+
+
+class _Pending:
+    """A relay group's hosts with messages in one flush: gang members by their templates, the
+    others by host."""
+
+    __slots__ = ("gangs", "group", "others")
+
+    def __init__(self, group: tuple[str, ...]) -> None:
+        self.group = group
+        self.gangs: dict[int | tuple[int, ...], _Gang] = {}  # by GangEnqueue.key (one template: its id)
+        self.others: list[HostInfo] = []

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from server.scheduler.book import SchedulerBook
+from server.scheduler.events import DispatchedNode
 from server.scheduler.policy import order_candidates, reason_behind
-from server.scheduler.records import NodeState, RunRecord, RunState
+from server.scheduler.records import InvalidTransition, NodeState, RunRecord, RunState
 
 
 class Admission(SchedulerBook):
@@ -58,22 +59,36 @@ class Admission(SchedulerBook):
         run.admit_order = self._admit_counter
         run.admitted_at = self._now
         run.wait_reason = ""
-        # The atomic step: every node's seq on its host, in topological (index) order. (Per node
-        # only what is the node's own: a gang run has a node per member host, hundreds of them.)
-        hosts, run_id, now = self._hosts, run.run_id, self._now
+        # The atomic step: every node's seq on its host, in topological (index) order; in parallel
+        # mode every node is dispatched with it (sequential: those with no deps), in index order.
+        # (Per node only what is the node's own: a gang run has a node per member host, hundreds
+        # of them; the node goes WAITING -> ASSIGNED -> DISPATCHED in one step.)
+        hosts, run_id, now, outbox = self._hosts, run.run_id, self._now, self._outbox
+        sequential = run.spec.sequential
+        waiting, assigned, dispatched = NodeState.WAITING, NodeState.ASSIGNED, NodeState.DISPATCHED
+        new = tuple.__new__
         for node in run.nodes:
-            host = hosts[node.spec.host]
+            spec = node.spec
+            name, index = spec.host, spec.index
+            host = hosts[name]
             node.seq = seq = host.next_seq
             host.next_seq = seq + 1
-            host.live[seq] = (run_id, node.spec.index)
-            node.to(NodeState.ASSIGNED)
+            host.live[seq] = (run_id, index)
+            if node.state is not waiting:
+                raise InvalidTransition(f"node {index}: {node.state} -> {assigned}")
             if node.deps_left == 0:
                 node.ready_at = now
+            elif sequential:
+                node.state = assigned
+                continue
+            node.state = dispatched
+            node.dispatched_at = now
+            d = new(DispatchedNode, (run_id, index, seq))  # DispatchedNode(...) without its frame
+            q = outbox.get(name)
+            if q is None:
+                outbox[name] = [d]
+            else:
+                q.append(d)
         for island, count in run.nodes_per_island.items():
             self._inflight[island] = self._inflight.get(island, 0) + count
             self._share(island, run.client).inflight_nodes += count
-        sequential = run.spec.sequential
-        for node in run.nodes:
-            if not sequential or node.deps_left == 0:
-                self._dispatch(run, node)
-

@@ -24,9 +24,19 @@ from server.scheduler.events import (
     SkippedSeq,
     Submit,
 )
-from server.scheduler.records import UNFINISHED, HostRecord, NodeRecord, NodeState, RunRecord, RunState, Share
+from server.scheduler.records import (
+    UNFINISHED,
+    HostRecord,
+    NodeRecord,
+    NodeState,
+    RunRecord,
+    RunShape,
+    RunState,
+    Share,
+)
 from server.scheduler.stats import RunStats
 
+_SHAPES = 1_024  # run shapes kept (one per program plan in use)
 _FINISHED_MEMORY = 16_384  # finished run ids remembered so that a repeated Submit is ignored (~0.1 KiB each)
 
 
@@ -103,6 +113,12 @@ class SchedulerBook:
         self._submit_counter = 0
         self._admit_counter = 0
         self._outbox: dict[str, list[DispatchedNode]] = {}  # host -> nodes decided this call
+        # id(nodes tuple) -> the shape of runs with those nodes (their specs checked): a program's
+        # runs share one tuple (the dispatcher's plan), so a gang run's per-node checks and
+        # bookkeeping are made once per plan, not per run. Bounded; holding the tuple keeps the id.
+        self._shapes: dict[int, RunShape] = {}
+        self._shapes_hosted: set[int] = set()  # of those, the ones whose hosts all have records
+        self._down: set[str] = set()  # hosts whose record says they are down (HostRecord.up False)
         self._actions: list[Action] = []
         # The recent stimuli, kept as the event objects themselves: one append per handle() on the
         # hot path; they are rendered to text only when an InvariantError needs its history.
@@ -195,6 +211,20 @@ class SchedulerBook:
             self._fail(run, error, lost_host=host)
 
     # ------------------------------------------------------------------------------------- helpers
+
+    def _shape(self, spec: RunSpec) -> tuple[RunShape | None, str | None]:
+        """The shape of runs with `spec`'s nodes, or why they cannot be scheduled (`check_spec`)."""
+        shape = self._shapes.get(id(spec.nodes))
+        if shape is not None and shape.nodes is spec.nodes:
+            return shape, None if spec.weight > 0 else f"weight must be positive, got {spec.weight}"
+        problem = check_spec(spec)
+        if problem is not None:
+            return None, problem
+        if len(self._shapes) >= _SHAPES:
+            self._shapes.clear()
+            self._shapes_hosted.clear()
+        shape = self._shapes[id(spec.nodes)] = RunShape.of(spec.nodes)
+        return shape, None
 
     def _host(self, name: str) -> HostRecord:
         host = self._hosts.get(name)

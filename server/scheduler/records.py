@@ -65,6 +65,33 @@ class NodeRecord:
         self.state = new
 
 
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """What a run's records take from its nodes alone (the same for every run of a program's plan:
+    the dispatcher passes the same nodes tuple), made once per nodes tuple (`SchedulerBook`)."""
+
+    nodes: tuple[NodeSpec, ...]
+    dependents: tuple[tuple[int, ...], ...]
+    deps_left: tuple[int, ...]
+    islands: tuple[str, ...]  # first node's island first
+    hosts: tuple[str, ...]  # in node order
+    per_island: dict[str, int]
+
+    @classmethod
+    def of(cls, specs: tuple[NodeSpec, ...]) -> RunShape:
+        # a gang run has a node per member host, hundreds, most with no deps: per node, little
+        dependents: dict[int, list[int]] = {}
+        per_island: dict[str, int] = {}
+        for n in specs:
+            for d in dict.fromkeys(n.deps) if len(n.deps) > 1 else n.deps:
+                dependents.setdefault(d, []).append(n.index)
+            per_island[n.island] = per_island.get(n.island, 0) + 1
+        none: tuple[int, ...] = ()
+        return cls(specs, tuple(tuple(dependents[n.index]) if n.index in dependents else none for n in specs),
+                   tuple(len(set(n.deps)) if len(n.deps) > 1 else len(n.deps) for n in specs),
+                   tuple(per_island), tuple(dict.fromkeys(n.host for n in specs)), per_island)
+
+
 @dataclass(slots=True)
 class RunRecord:
     spec: RunSpec
@@ -81,19 +108,14 @@ class RunRecord:
     wait_reason: str = ""
 
     @classmethod
-    def create(cls, spec: RunSpec, order: int, now: float) -> RunRecord:
-        # a gang run has a node per member host, hundreds, most with no deps: per node, little
-        dependents: dict[int, list[int]] = {}
-        per_island: dict[str, int] = {}
-        for n in spec.nodes:
-            for d in dict.fromkeys(n.deps) if len(n.deps) > 1 else n.deps:
-                dependents.setdefault(d, []).append(n.index)
-            per_island[n.island] = per_island.get(n.island, 0) + 1
-        none: tuple[int, ...] = ()
-        nodes = [NodeRecord(n, tuple(dependents[n.index]) if n.index in dependents else none,
-                            len(set(n.deps)) if len(n.deps) > 1 else len(n.deps)) for n in spec.nodes]
-        hosts = tuple(dict.fromkeys(n.host for n in spec.nodes))
-        return cls(spec, order, now, nodes, tuple(per_island), hosts, per_island, nodes_left=len(nodes))
+    def create(cls, spec: RunSpec, order: int, now: float, shape: RunShape | None = None) -> RunRecord:
+        """`shape`: `RunShape.of(spec.nodes)`, made here when not given (a caller may keep one
+        per program: its runs share their nodes)."""
+        shape = shape or RunShape.of(spec.nodes)
+        nodes = [NodeRecord(n, dep, left) for n, dep, left in zip(spec.nodes, shape.dependents, shape.deps_left,
+                                                                   strict=True)]
+        return cls(spec, order, now, nodes, shape.islands, shape.hosts, dict(shape.per_island),
+                   nodes_left=len(nodes))
 
     @property
     def run_id(self) -> int:

@@ -90,9 +90,10 @@ class GangScheduler(Views):
             self._apply(event)
         self._admit()
         actions = self._actions
+        new = tuple.__new__  # Dispatch(...) without its frame: one per host, hundreds for a gang run
         for host, nodes in self._outbox.items():
             if len(nodes) == 1:  # a gang run's member host: nothing to order
-                actions.append(Dispatch(host, (nodes[0],)))
+                actions.append(new(Dispatch, (host, (nodes[0],))))
             elif nodes:
                 actions.append(Dispatch(host, tuple(sorted(nodes, key=lambda d: d.seq))))
         self._actions = []
@@ -125,14 +126,17 @@ class GangScheduler(Views):
         spec = event.run
         if spec.run_id in self._runs or spec.run_id in self._finished:
             return  # duplicate
-        problem = check_spec(spec)
-        if problem is not None:
+        shape, problem = self._shape(spec)
+        if problem is not None or shape is None:
             self._remember_finished(spec.run_id)
             self._actions.append(RunFinished(spec.run_id, False, f"invalid run: {problem}"))
             return
-        for node in spec.nodes:
-            host = self._hosts.get(node.host)
+        hosts = self._hosts
+        down = self._down
+        for name in shape.hosts if down and not down.isdisjoint(shape.hosts) else ():
+            host = hosts.get(name)
             if host is not None and not host.up:
+                node = next(n for n in spec.nodes if n.host == name)
                 self._remember_finished(spec.run_id)
                 error = (
                     f"host {node.host} is down: node {node.index} of program {spec.program} is placed on it"
@@ -144,7 +148,7 @@ class GangScheduler(Views):
             self._actions.append(RunFinished(spec.run_id, True, ""))
             return
         self._submit_counter += 1
-        run = RunRecord.create(spec, self._submit_counter, event.now)
+        run = RunRecord.create(spec, self._submit_counter, event.now, shape)
         island = run.policy_island
         shares = self._shares.setdefault(island, {})
         if self._active.get((island, spec.client), 0) == 0:
@@ -157,8 +161,11 @@ class GangScheduler(Views):
         self._active[(island, spec.client)] = self._active.get((island, spec.client), 0) + 1
         self._runs[spec.run_id] = run
         self._queues.setdefault(spec.client, deque()).append(spec.run_id)
-        for node in spec.nodes:
-            self._host(node.host)
+        if id(shape.nodes) not in self._shapes_hosted:  # records are never removed: made once per shape
+            for name in shape.hosts:
+                if name not in hosts:
+                    self._host(name)
+            self._shapes_hosted.add(id(shape.nodes))
 
     def _on_node_started(self, event: NodeStarted) -> None:
         node = self._live_node(event.run_id, event.node_index)
@@ -197,12 +204,14 @@ class GangScheduler(Views):
             self._fail_runs_on_host(event.host, reason, admitted_only=True)
         host.live.clear()
         host.up = True
+        self._down.discard(event.host)
         host.next_seq = 1
         host.progress_at = event.now
 
     def _on_host_lost(self, event: HostLost) -> None:
         host = self._host(event.host)
         host.up = False
+        self._down.add(event.host)
         self._fail_runs_on_host(event.host, f"host {event.host} lost", admitted_only=False)
         host.live.clear()
 

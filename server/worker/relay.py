@@ -7,6 +7,10 @@ an island of many hosts the controller sends one `RelayBatch` to one host of eac
 relay forwards each to its member over a `Relayed` stream (worker.proto) that it opens to the
 member's Worker service: the controller's writes grow with the relays, not with the hosts.
 
+A gang node's members come as one `RelayedGang` (controller.proto): one serialized body and each
+member's numbers; the relay makes each member's message (`gang_parts`), so that work, ~64
+messages a relay, is the relays', in parallel, not the controller's.
+
 **Order.** Every message the controller sends a host carries `seq`, its place in that host's
 registration (1, 2, 3, ...: `Registered` is 1), whether it goes on the host's own stream or
 through a relay. The worker handles its messages strictly in `seq` order (`Inbox`): one that
@@ -34,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from grpc import aio
 
@@ -171,7 +176,10 @@ class Forwarder:
         return tuple(md)
 
     def forward(self, batch: cpb.RelayBatch) -> None:
-        for part in batch.messages:
+        parts: Iterable[wpb.RelayedMessage] = batch.messages
+        if batch.gangs:
+            parts = itertools.chain(parts, *(gang_parts(g) for g in batch.gangs))
+        for part in parts:
             if part.host == self.own:
                 self.deliver_local(part)
                 continue
@@ -191,6 +199,36 @@ class Forwarder:
         for m in self._members.values():
             m.task.cancel()
         self._members.clear()
+
+
+def gang_parts(gang: cpb.RelayedGang) -> Iterator[wpb.RelayedMessage]:
+    """Each member's message of a `RelayedGang` (controller.proto), as the part the controller
+    would have sent for it: the shared body with the member's seq and its tasks' segment, seq and
+    segment id. A gang whose lists do not match its members (or whose body does not decode) gives
+    nothing: its members then miss a message and ask the controller for it (`GAP_S`)."""
+    n = len(gang.hosts)
+    try:
+        body = cpb.ControllerToWorker.FromString(gang.body)
+    except Exception:  # DecodeError: a peer sent garbage
+        log.warning("a relayed gang message does not decode; dropped")
+        return
+    k = len(body.enqueue.tasks)
+    if not (len(gang.addresses) == len(gang.links) == len(gang.seqs) == n
+            and len(gang.task_segments) == len(gang.task_seqs) == len(gang.segment_ids) == n * k):
+        log.warning("a relayed gang message's member lists do not match (%d members, %d tasks each); dropped", n, k)
+        return
+    segments, task_seqs, segment_ids = gang.task_segments, gang.task_seqs, gang.segment_ids
+    msg = cpb.ControllerToWorker()
+    for i in range(n):
+        msg.CopyFrom(body)
+        msg.seq = gang.seqs[i]
+        for j, task in enumerate(msg.enqueue.tasks):
+            x = i * k + j
+            task.segment = segments[x]
+            task.seq = task_seqs[x]
+            task.segment_id = segment_ids[x]
+        yield wpb.RelayedMessage(host=gang.hosts[i], address=gang.addresses[i], link=gang.links[i],
+                                 message=msg.SerializeToString())
 
 
 def relayed_message(part: wpb.RelayedMessage, inbox: Inbox) -> cpb.ControllerToWorker | None:

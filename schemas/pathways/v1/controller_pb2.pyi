@@ -742,20 +742,85 @@ class RelayBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
+    GANGS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_worker_pb2.RelayedMessage]: ...
+    @_builtins.property
+    def gangs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelayedGang]:
+        """Messages that differ only in their numbers (a gang node's Enqueues: one task per member,
+        the same but for its segment, place in the gang order and segment id), sent as one body and
+        a list of members: the relay makes each member's message (`RelayedGang`).
+        """
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[_worker_pb2.RelayedMessage] | None = ...,
+        gangs: _abc.Iterable[Global___RelayedGang] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gangs", b"gangs", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RelayBatch: _TypeAlias = RelayBatch  # noqa: Y015
+
+@_typing.final
+class RelayedGang(_message.Message):
+    """One message body for many hosts of the relay's group (server/worker/relay.py's `gang_parts`):
+    member i's message is `body` with `seq` = seqs[i] and, for each task j of its Enqueue (k
+    tasks), segment, seq and segment_id = task_segments[i*k+j], task_seqs[i*k+j] and
+    segment_ids[i*k+j]. The member lists are parallel: host, address, link as in RelayedMessage.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    HOSTS_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
+    SEQS_FIELD_NUMBER: _builtins.int
+    TASK_SEGMENTS_FIELD_NUMBER: _builtins.int
+    TASK_SEQS_FIELD_NUMBER: _builtins.int
+    SEGMENT_IDS_FIELD_NUMBER: _builtins.int
+    body: _builtins.bytes
+    """a serialized ControllerToWorker (an Enqueue), seq unset"""
+    @_builtins.property
+    def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def links(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """each member's ControllerToWorker.seq"""
+
+    @_builtins.property
+    def task_segments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def task_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def segment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        body: _builtins.bytes = ...,
+        hosts: _abc.Iterable[_builtins.str] | None = ...,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+        links: _abc.Iterable[_builtins.int] | None = ...,
+        seqs: _abc.Iterable[_builtins.int] | None = ...,
+        task_segments: _abc.Iterable[_builtins.int] | None = ...,
+        task_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        segment_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "body", b"body", "hosts", b"hosts", "links", b"links", "segment_ids", b"segment_ids", "seqs", b"seqs", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedGang: _TypeAlias = RelayedGang  # noqa: Y015
 
 @_typing.final
 class JoinGroup(_message.Message):

@@ -1,0 +1,96 @@
+"""One flush's messages for the workers, per host in order (the dispatcher's, dispatch.py).
+
+A gang node over a large island is one task per member host, and the members' tasks differ
+only in segment, seq and segment id (plans.Plan.group_of). So where a host's Enqueue of a flush
+holds nothing but such tasks, it is kept as a `GangEnqueue`: the group's task (its *template*,
+built once per run) and the member's three numbers, not a message. It becomes a message only
+where one is needed: when it is sent on the host's own stream, when more goes into the host's
+Enqueue, or when it must be sent again directly. Relayed, the members of a group that share
+their templates share one serialized body (relays.py, controller.proto `RelayedGang`), and the
+relay makes each member's message (server/worker/relay.py `gang_parts`).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+
+class GangEnqueue(list[tuple[wpb.Task, int, int, int]]):
+    """A host's Enqueue of one flush that holds only gang members' tasks: per task (the list's
+    items), its group's template and this member's segment, seq and segment id (see the module
+    docstring). A list itself: one is made per member host, hundreds per gang run, in C."""
+
+    __slots__ = ()
+
+    def key(self) -> int | tuple[int, ...]:
+        """Which templates (by identity): members with the same key share a body (relays.py
+        makes it inline for one task: that template's id)."""
+        return id(self[0][0]) if len(self) == 1 else tuple(id(t[0]) for t in self)
+
+    def message(self, seq: int = 0) -> cpb.ControllerToWorker:
+        """The Enqueue as the host's message (numbered `seq`, or not yet)."""
+        msg = cpb.ControllerToWorker(seq=seq)
+        tasks = msg.enqueue.tasks
+        for template, segment, task_seq, segment_id in self:
+            task = tasks.add()
+            task.CopyFrom(template)
+            task.segment = segment
+            task.seq = task_seq
+            task.segment_id = segment_id
+        return msg
+
+
+Message = Union[cpb.ControllerToWorker, GangEnqueue]  # noqa: UP007  # an alias: evaluated at import
+
+
+def materialized(msg: Message) -> cpb.ControllerToWorker:
+    return msg.message() if type(msg) is GangEnqueue else msg  # type: ignore[return-value]
+
+
+class Outbox:
+    """Per-host ordered messages of one flush; consecutive enqueues/releases merge."""
+
+    def __init__(self) -> None:
+        self.msgs: dict[str, list[Message]] = {}
+
+    def _last(self, host: str, kind: str) -> cpb.ControllerToWorker:
+        q = self.msgs.setdefault(host, [])
+        if q and type(q[-1]) is GangEnqueue:
+            q[-1] = q[-1].message()  # more goes into this Enqueue: a message now
+        if not q or q[-1].WhichOneof("msg") != kind:  # type: ignore[union-attr]  # materialized above
+            q.append(cpb.ControllerToWorker())
+            getattr(q[-1], kind).SetInParent()
+        return q[-1]  # type: ignore[return-value]
+
+    def enqueue(self, host: str) -> wpb.Enqueue:
+        return self._last(host, "enqueue").enqueue
+
+    def gang(self, host: str) -> GangEnqueue | None:
+        """The host's gang-only Enqueue to add a member's task to (a new one when its last message
+        is not an Enqueue), or None when its Enqueue of this flush is a message already (the task
+        then goes into that: `enqueue`)."""
+        q = self.msgs.setdefault(host, [])
+        if q:
+            last = q[-1]
+            if type(last) is GangEnqueue:
+                return last
+            if last.WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
+                return None
+        g = GangEnqueue()
+        q.append(g)
+        return g
+
+    def release(self, host: str, ids: list[int]) -> None:
+        q = self.msgs.get(host)
+        if q and type(q[-1]) is GangEnqueue:
+            q[-1] = q[-1].message()
+        if q and q[-1].WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
+            q[-1].enqueue.release_ids.extend(ids)  # type: ignore[union-attr]  # applied after that message's nodes
+        else:
+            self._last(host, "release").release.buffer_ids.extend(ids)
+
+    def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        self.msgs.setdefault(host, []).append(msg)

@@ -1,0 +1,61 @@
+"""A run as the dispatcher holds it (dispatch.py), and the fields of the tasks it makes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from ..scheduler import DispatchedNode
+from .client_session import ClientSession
+from .cluster import HostInfo
+from .plans import Plan
+from .programs import ProgramRecord
+from .segments import GATHERED, PROGRAM_INPUT, SegmentPlan
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: int
+    session: ClientSession
+    program: ProgramRecord
+    plan: Plan
+    input_ids: list[int]
+    input_homes: list[str]
+    buffers: list[list[int]]  # segment -> ids of its outputs
+    gathered: list[int]  # gathered value (segments.GATHERED) -> its id on the readers' hosts
+    # sequential dispatch: outputs a later segment on the same worker reads are kept by the worker
+    # (their reader is not enqueued yet, so the worker would free them); released when the run ends
+    held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
+    templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
+
+
+def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostInfo,
+                sends: dict[str, list[tuple[int, str]]]) -> dict[str, Any]:
+    """A task's fields (`wpb.Task`); program inputs held elsewhere are added to `sends`."""
+    inputs = []
+    for source, k in seg.inputs:
+        if source == PROGRAM_INPUT:
+            bid = run.input_ids[k]
+            home = run.input_homes[k]
+            if home and home != host.address and "|" not in home:  # "|": on every member already
+                sends.setdefault(home, []).append((bid, host.address))
+            inputs.append(bid)
+        elif source == GATHERED:
+            inputs.append(run.gathered[k])
+        else:
+            inputs.append(run.buffers[source][k])
+    outputs = run.buffers[d.node_index]
+    visible = seg.visible
+    if run.session.sequential and any(seg.read_later_here):
+        visible = [v or h for v, h in zip(visible, seg.read_later_here, strict=True)]
+        run.held_ids.setdefault(host.address, []).extend(
+            b for b, v, h in zip(outputs, seg.visible, seg.read_later_here, strict=True) if h and not v)
+    fields: dict[str, Any] = dict(run_id=d.run_id, segment=d.node_index, seq=d.seq,
+                                  segment_id=seg.definition.segment_id, input_ids=inputs, output_ids=outputs,
+                                  output_visible=visible, owner=run.session.owner,
+                                  report_promptly=run.session.sequential)
+    if run.gathered and any(k >= 0 for k in seg.route_keys):
+        fields["route_ids"] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
+    return fields

@@ -2,8 +2,9 @@
 
 A proxy session runs on the slice the client named (`PATHWAYS_SLICE`), or on a fresh slice it
 owns (`PATHWAYS_DEVICES` devices; default: every free device of the island with the most free
-devices), released when the session ends (controller_backend.py opens them). The client sees the slice's virtual devices 0..n-1 as
-its devices; the slice maps them onto physical devices as it does for `pw` clients.
+devices), released when the session ends (controller_backend.py opens them). The client sees
+the slice's virtual devices 0..n-1 as its devices; the slice maps them onto physical devices as
+it does for `pw` clients.
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own

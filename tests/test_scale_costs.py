@@ -31,14 +31,17 @@ from sqlalchemy import event, func, select
 import server
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
-from server.controller.cluster import LOST, READY, RECONNECTING, Cluster, beat_interval
+from server.controller.cluster import LOST, READY, RECONNECTING, Cluster, beat_interval, host_state
 from server.controller.core import Controller, ControllerConfig
 from server.controller.device_rows import rows_of
+from server.controller.device_rows import stamp as device_stamp
 from server.controller.groups import stop_service
+from server.controller.host_rows import host_rows_of
 from server.controller.hostviews import list_devices, list_hosts
 from server.controller.links import WorkerLink
 from server.db.engine import make_engine
 from server.db.models import Base, HostRow
+from server.timeutil import iso
 from server.worker.relay import gang_parts
 
 pytestmark = pytest.mark.timeout(60)
@@ -232,6 +235,60 @@ def test_a_device_listing_rebuilds_only_the_hosts_that_changed(make_core: MakeCo
             cluster.mark_lost("h03", "test")
             lost = listing()
             assert {d.state for d in lost.devices if d.host == "h03"} == {pb.DEVICE_STATE_LOST} and lost == fresh()
+
+    asyncio.run(run())
+
+
+def test_a_host_listing_is_exact_and_rebuilds_only_the_hosts_that_changed(make_core: MakeCore) -> None:
+    """ListHosts keeps each host's encoded entry: every listing equals the hosts built field by
+    field (ready, stalled, lost; a host registered again at a new address), and a listing after
+    one heartbeat encodes that host again and no other."""
+    async def run() -> None:
+        with make_core("h.db", load_slices=False) as core:
+            cluster = core.cluster
+            for i in range(12):
+                cluster.register(registration(f"h{i:02d}", ISLANDS[i % 2]), WorkerLink(f"h{i:02d}"))
+            offset = time.time() - time.monotonic()
+
+            def expected(stalled: frozenset[str] = frozenset()) -> list[pb.Host]:
+                out = []
+                for h in sorted(cluster.hosts.values(), key=lambda h: (h.island, h.name)):
+                    state = host_state(h.state)
+                    if h.state == READY and h.name in stalled:
+                        state = pb.HOST_STATE_STALLED
+                    beat = device_stamp(offset + h.last_seen) if h.state == READY else iso(h.last_heartbeat)
+                    out.append(pb.Host(id=h.id, name=h.name, island=h.island, address=h.address, state=state,
+                                       pid=h.pid, last_heartbeat=beat, devices=len(h.device_ids),
+                                       device_kind=h.kind))
+                return out
+
+            def built() -> dict[str, int]:
+                return {h: id(row) for h, (_, row) in host_rows_of(cluster)._entries.items()}
+
+            host_rows_of(cluster)._offset = offset  # the test's reading of the clocks
+            first = list_hosts(cluster)
+            assert list(first.hosts) == expected() and first.total == 12
+            before = built()
+            assert list_hosts(cluster) == first and built() == before  # nothing changed: nothing rebuilt
+            cluster.heartbeat("h05", cpb.Heartbeat())
+            cluster.hosts["h05"].last_seen += 1.0  # a beat a second later, whatever the clock's resolution
+            after_beat = list_hosts(cluster)
+            now = built()
+            assert {h for h in now if now[h] != before[h]} == {"h05"}
+            assert list(after_beat.hosts) == expected()
+            stalled = frozenset({"h02", "h07"})
+            assert list(list_hosts(cluster, stalled=stalled).hosts) == expected(stalled)
+            cluster.mark_lost("h03", "test")
+            lost = list_hosts(cluster)
+            assert [h.state for h in lost.hosts if h.name == "h03"] == [pb.HOST_STATE_LOST]
+            assert list(lost.hosts) == expected()
+            again = registration("h03", ISLANDS[1])
+            again.address, again.pid, again.device_count = "127.0.0.3:4242", 77, 2
+            cluster.register(again, WorkerLink("h03"))
+            back = [h for h in list_hosts(cluster).hosts if h.name == "h03"]
+            assert [(h.address, h.pid, h.devices, h.state) for h in back] == [("127.0.0.3:4242", 77, 2,
+                                                                               pb.HOST_STATE_READY)]
+            assert list(list_hosts(cluster).hosts) == expected()
 
     asyncio.run(run())
 

@@ -57,7 +57,7 @@ class DeviceRows:
         if cached is not None and cached.key == key and cached.host is h and cached.ids is h.device_ids:
             return cached.rows
         hstate = device_state(h.state)
-        seen = _stamp(self._offset + h.last_seen) if h.state == READY else iso(h.last_heartbeat)
+        seen = stamp(self._offset + h.last_seen) if h.state == READY else iso(h.last_heartbeat)
         one = cpb.ListDevicesResponse()
         rows = []
         for local, dev_id in enumerate(h.device_ids):
@@ -77,7 +77,7 @@ class DeviceRows:
         return len(self._hosts)
 
 
-def _stamp(at: float) -> str:
+def stamp(at: float) -> str:
     """A wall time as `timeutil.iso` writes it (UTC, milliseconds)."""
     sec = int(at)
     return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(sec))}.{int((at - sec) * 1000):03d}Z"

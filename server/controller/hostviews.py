@@ -11,17 +11,16 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-from ..timeutil import iso
-from .cluster import READY, Cluster, HostInfo, device_state, host_state
+from .cluster import Cluster, HostInfo, device_state, host_state
 from .device_rows import rows_of
 from .errors import InvalidArgument
+from .host_rows import host_rows_of
 
 
 def _decode(token: str, parts: int) -> list[str | int] | None:
@@ -40,27 +39,6 @@ def _encode(key: list[str | int]) -> str:
     return base64.urlsafe_b64encode(json.dumps(key).encode()).decode()
 
 
-class _Stamps:
-    """Last-heartbeat strings for one listing, as `timeutil.iso` writes them: a ready host's
-    from its monotonic `last_seen` against one reading of both clocks, the seconds formatted
-    once per second (a listing of thousands of hosts spans a few heartbeat intervals)."""
-
-    def __init__(self) -> None:
-        self.wall = time.time()
-        self.mono = time.monotonic()
-        self._seconds: dict[int, str] = {}
-
-    def of(self, h: HostInfo) -> str:
-        if h.state != READY:
-            return iso(h.last_heartbeat)
-        at = self.wall - max(0.0, self.mono - h.last_seen)
-        sec = int(at)
-        head = self._seconds.get(sec)
-        if head is None:
-            head = self._seconds[sec] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
-        return f"{head}.{int((at - sec) * 1000):03d}Z"
-
-
 def _hosts_from(cluster: Cluster, island: str, after: list[str | int] | None) -> Iterator[HostInfo]:
     """Hosts in (island, name) order, from the first whose key is not before `after`'s
     (island, host) (that one included: a device page may end inside it)."""
@@ -76,7 +54,10 @@ def _hosts_from(cluster: Cluster, island: str, after: list[str | int] | None) ->
 
 
 def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType = pb.HOST_STATE_UNSPECIFIED,
-               limit: int = 0, page_token: str = "") -> cpb.ListHostsResponse:
+               limit: int = 0, page_token: str = "", stalled: Container[str] = ()) -> cpb.ListHostsResponse:
+    """Hosts in (island, name) order; a ready host named in `stalled` is listed as stalled (the
+    `state` filter reads the host's own state). Each entry's fixed fields come encoded from
+    `host_rows`, and the page is parsed from their bytes in one call."""
     if limit < 0:
         raise InvalidArgument(f"limit must not be negative, got {limit}")
     after = _decode(page_token, 2)
@@ -85,20 +66,23 @@ def list_hosts(cluster: Cluster, island: str = "", state: pb.HostState.ValueType
         total = sum(cluster.island_counts(i)[0] for i in islands)
     else:
         total = sum(1 for i in islands for h in cluster.hosts_of(i) if host_state(h.state) == state)
-    stamps = _Stamps()
-    reply = cpb.ListHostsResponse(total=total)
-    out = reply.hosts
-    add = out.add  # built in place: a list of messages would be copied into the reply once more
+    rows = host_rows_of(cluster)
+    parts: list[bytes] = []
+    last: HostInfo | None = None
+    next_token = ""
     for h in _hosts_from(cluster, island, after):
         if after is not None and [h.island, h.name] == after:
             continue
         if state != pb.HOST_STATE_UNSPECIFIED and host_state(h.state) != state:
             continue
-        if limit and len(out) == limit:
-            reply.next_page_token = _encode([out[-1].island, out[-1].name])
+        if limit and len(parts) == limit:
+            assert last is not None
+            next_token = _encode([last.island, last.name])
             break
-        add(id=h.id, name=h.name, island=h.island, address=h.address, state=host_state(h.state), pid=h.pid,
-            last_heartbeat=stamps.of(h), devices=len(h.device_ids), device_kind=h.kind)
+        parts.append(rows.entry(h, stalled))
+        last = h
+    reply = cpb.ListHostsResponse(total=total, next_page_token=next_token)
+    reply.MergeFromString(b"".join(parts))
     return reply
 
 

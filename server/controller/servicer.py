@@ -125,10 +125,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
 
     async def ListHosts(self, request: cpb.ListHostsRequest, context: aio.ServicerContext) -> cpb.ListHostsResponse:
         self.core.require_island(request.island)
-        reply = list_hosts(self.core.cluster, request.island, request.state, page_size(request.limit),
-                           request.page_token)
-        self.core.hangs.annotate_hosts(list(reply.hosts))  # the listed messages, stalled ones marked in place
-        return reply
+        return list_hosts(self.core.cluster, request.island, request.state, page_size(request.limit),
+                          request.page_token, stalled=self.core.hangs.stalled_hosts())
 
     async def ListDevices(
         self, request: cpb.ListDevicesRequest, context: aio.ServicerContext

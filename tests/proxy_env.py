@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,3 +29,9 @@ def client_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env["PATHWAYS_HOME"] = str(tmp_path / "home")
     env.update(extra)
     return env
+
+
+def proxy_env(cluster: Any, tmp_path: Path, **extra: str) -> dict[str, str]:
+    """`client_env` of a program sent to `cluster`'s proxy service (a `LocalCluster`), with its token."""
+    return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
+                      PWCTL_TOKEN=cluster.token or "", **extra)

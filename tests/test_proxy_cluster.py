@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env
+from proxy_env import client_env, proxy_env
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -163,9 +163,7 @@ def run_program(code: str, env: dict[str, str]) -> list[str]:
 def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="cpu",
                                            XLA_FLAGS="--xla_force_host_platform_device_count=2"))
-    proxied = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
-                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                                             PWCTL_TOKEN=cluster.token or ""))
+    proxied = run_program(ARRAYS, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="2"))
     assert proxied == local
     assert local[-1] == "ok"
     with cluster.client() as c:  # the session's buffers and slice went with it
@@ -193,8 +191,7 @@ sys.stdin.readline()
 
 @pytest.mark.cluster(islands=1, devices=2)
 def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
-    env = client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                     JAX_BACKEND_TARGET=f"grpc://{cluster.address}", PWCTL_TOKEN=cluster.token or "")
+    env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env
+from proxy_env import client_env, proxy_env
 from test_proxy_cluster import run_program, worker_buffers
 
 JITTED = """
@@ -82,9 +82,7 @@ print("op by op", x.tolist())
 @pytest.mark.cluster(islands=1, devices=1)
 def test_pipelined_tiny_calls_are_exact(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(PIPELINED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(PIPELINED, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                                JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                                                PWCTL_TOKEN=cluster.token or ""))
+    proxied = run_program(PIPELINED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
     assert proxied == local
     assert local[-1] == "op by op [420.0, 420.0, 420.0]"
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
@@ -93,9 +91,7 @@ def test_pipelined_tiny_calls_are_exact(cluster: LocalCluster, tmp_path: Path) -
 @pytest.mark.cluster(islands=1, devices=2)
 def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                             JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                                             PWCTL_TOKEN=cluster.token or ""))
+    proxied = run_program(JITTED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
     assert proxied == local
     assert local[-2:] == ["bad shapes TypeError", "after True"]
     with cluster.client() as c:  # the session's programs, buffers and slice went with it
@@ -104,17 +100,13 @@ def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Pat
     # a program on another device than the slice's first
     local = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="cpu",
                                               XLA_FLAGS="--xla_force_host_platform_device_count=2"))
-    proxied = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="2",
-                                                JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                                                PWCTL_TOKEN=cluster.token or ""))
+    proxied = run_program(ELSEWHERE, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="2"))
     assert proxied == local == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
 
 
 @pytest.mark.cluster(islands=1, devices=1)
 def test_a_training_loop_with_donation(cluster: LocalCluster, tmp_path: Path) -> None:
     local = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="proxy", PATHWAYS_DEVICES="1",
-                                            JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                                            PWCTL_TOKEN=cluster.token or ""))
+    proxied = run_program(TRAIN, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
     assert proxied == local
     assert local[-1] == "decreased True"

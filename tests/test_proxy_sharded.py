@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env
+from proxy_env import client_env, proxy_env
 from test_proxy_cluster import run_program, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -102,11 +102,6 @@ mesh = Mesh(np.array(jax.devices()), ("d",))
 y = jax.device_put(a.reshape(4096, -1), NamedSharding(mesh, P("d")))
 print("sharded", bool((np.asarray(y).ravel() == a).all()), float(jnp.sum(y[:, :2])))
 """
-
-
-def proxy_env(cluster: LocalCluster, tmp_path: Path, **extra: str) -> dict[str, str]:
-    return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
-                      PWCTL_TOKEN=cluster.token or "", **extra)
 
 
 @pytest.mark.timeout(300)

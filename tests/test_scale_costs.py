@@ -34,11 +34,11 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller.cluster import LOST, READY, RECONNECTING, Cluster, beat_interval, host_state
 from server.controller.core import Controller, ControllerConfig
 from server.controller.device_rows import rows_of
-from server.controller.device_rows import stamp as device_stamp
 from server.controller.groups import stop_service
 from server.controller.host_rows import host_rows_of
 from server.controller.hostviews import list_devices, list_hosts
 from server.controller.links import WorkerLink
+from server.controller.listing_rows import stamp
 from server.db.engine import make_engine
 from server.db.models import Base, HostRow
 from server.timeutil import iso
@@ -256,7 +256,7 @@ def test_a_host_listing_is_exact_and_rebuilds_only_the_hosts_that_changed(make_c
                     state = host_state(h.state)
                     if h.state == READY and h.name in stalled:
                         state = pb.HOST_STATE_STALLED
-                    beat = device_stamp(offset + h.last_seen) if h.state == READY else iso(h.last_heartbeat)
+                    beat = stamp(offset + h.last_seen) if h.state == READY else iso(h.last_heartbeat)
                     out.append(pb.Host(id=h.id, name=h.name, island=h.island, address=h.address, state=state,
                                        pid=h.pid, last_heartbeat=beat, devices=len(h.device_ids),
                                        device_kind=h.kind))

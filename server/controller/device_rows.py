@@ -10,17 +10,15 @@ listings of a heartbeating cluster only the hosts that beat meanwhile are rebuil
 
 from __future__ import annotations
 
-import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..timeutil import iso
 from .cluster import READY, Cluster, HostInfo, device_state
-
-CLOCK_STEP_S = 0.05  # a change of wall minus monotonic time beyond this is a step of the clock
+from .listing_rows import ListingRows, rows_for, stamp
 
 
 class _Entry:
@@ -33,21 +31,13 @@ class _Entry:
         self.rows = rows
 
 
-class DeviceRows:
+class DeviceRows(ListingRows):
     """The encoded `ListDevicesResponse.devices` entries of each host (one bytes per device,
     field tag and length included, so that a page can end inside a host)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._hosts: dict[str, _Entry] = {}
-        # wall minus monotonic time: a ready host's last beat is shown as its monotonic
-        # `last_seen` plus this; it is read again only when the wall clock stepped
-        self._offset = time.time() - time.monotonic()
-
-    def begin(self) -> None:
-        """Called once per listing: notices a step of the wall clock (the shown beats move)."""
-        offset = time.time() - time.monotonic()
-        if abs(offset - self._offset) > CLOCK_STEP_S:
-            self._offset = offset
 
     def of(self, h: HostInfo, slice_count: Callable[[int], int] | None, slice_epoch: int) -> list[bytes]:
         """The entries of host `h`'s devices, in local-index order. `slice_epoch` must change
@@ -68,7 +58,7 @@ class DeviceRows:
         self._hosts[h.name] = _Entry(h, h.device_ids, key, rows)
         return rows
 
-    def forget(self, names: set[str]) -> None:
+    def forget(self, names: Container[str]) -> None:
         """Drops the entries of hosts no longer in the cluster."""
         for name in [n for n in self._hosts if n not in names]:
             del self._hosts[name]
@@ -77,21 +67,9 @@ class DeviceRows:
         return len(self._hosts)
 
 
-def stamp(at: float) -> str:
-    """A wall time as `timeutil.iso` writes it (UTC, milliseconds)."""
-    sec = int(at)
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(sec))}.{int((at - sec) * 1000):03d}Z"
-
-
 _ROWS: weakref.WeakKeyDictionary[Cluster, DeviceRows] = weakref.WeakKeyDictionary()
 
 
 def rows_of(cluster: Cluster) -> DeviceRows:
     """The cluster's cache (one per cluster object, gone with it), ready for a listing."""
-    rows = _ROWS.get(cluster)
-    if rows is None:
-        rows = _ROWS[cluster] = DeviceRows()
-    elif len(rows) > len(cluster.hosts):
-        rows.forget(set(cluster.hosts))
-    rows.begin()
-    return rows
+    return rows_for(_ROWS, cluster, DeviceRows)

@@ -13,7 +13,6 @@ them into the reply in one call.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Container
 from typing import Any
@@ -22,7 +21,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 
 from ..timeutil import iso
 from .cluster import READY, Cluster, HostInfo, host_state
-from .device_rows import CLOCK_STEP_S, stamp
+from .listing_rows import ListingRows, rows_for, stamp
 
 _HOSTS_TAG = b"\x0a"  # ListHostsResponse.hosts: field 1, length-delimited
 _STATE_TAG = b"\x28"  # Host.state: field 5, varint
@@ -41,21 +40,13 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-class HostRows:
+class HostRows(ListingRows):
     """Each host's encoded entry and fixed fields, kept with the keys they were built under."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._fixed: dict[str, tuple[tuple[Any, ...], bytes]] = {}
         self._entries: dict[str, tuple[tuple[Any, ...], bytes]] = {}
-        # wall minus monotonic time: a ready host's last beat is shown as its monotonic
-        # `last_seen` plus this (as device_rows does); read again only when the wall clock stepped
-        self._offset = time.time() - time.monotonic()
-
-    def begin(self) -> None:
-        """Called once per listing: notices a step of the wall clock (the shown beats move)."""
-        offset = time.time() - time.monotonic()
-        if abs(offset - self._offset) > CLOCK_STEP_S:
-            self._offset = offset
 
     def entry(self, h: HostInfo, stalled: Container[str]) -> bytes:
         """Host `h`'s `ListHostsResponse.hosts` entry, field tag and length included; a ready
@@ -92,11 +83,5 @@ _ROWS: weakref.WeakKeyDictionary[Cluster, HostRows] = weakref.WeakKeyDictionary(
 
 
 def host_rows_of(cluster: Cluster) -> HostRows:
-    """The cluster's cache (one per cluster object, gone with it)."""
-    rows = _ROWS.get(cluster)
-    if rows is None:
-        rows = _ROWS[cluster] = HostRows()
-    elif len(rows) > len(cluster.hosts):
-        rows.forget(cluster.hosts)
-    rows.begin()
-    return rows
+    """The cluster's cache (one per cluster object, gone with it), ready for a listing."""
+    return rows_for(_ROWS, cluster, HostRows)

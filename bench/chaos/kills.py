@@ -200,15 +200,25 @@ class KillRun:
         return self.summary(time.time() - start)
 
     def _settle(self) -> dict[str, bool]:
-        """After the last kill: whether each kind served a call again (checking none is stuck)."""
+        """After the last kill: whether each kind served a call again (checking none is stuck),
+        and the job too: it is stopped only once it served a call after the last kill or the
+        recovery limit passed (its calls may fail for a while longer than the workloads' while
+        the killed host's island re-forms, and stopping it then would read as not recovered)."""
         since = time.time()
+        last_kill = max((r["at"] for r in self.records), default=since)
         rec: dict[str, Any] = {}
         served = {kind: False for kind in self.kinds}
+        if self.job:
+            served["job"] = False
+        next_job_read = 0.0
         while time.time() < since + RECOVERY_LIMIT_S and not all(served.values()):
             for kind in self.kinds:
                 w = self._current(kind)
                 served[kind] = served[kind] or any(x["ok"] and x["start"] >= since for x in w.calls)
                 self._check_stuck(w, since, rec)
+            if self.job and not served["job"] and time.time() >= next_job_read:
+                next_job_read = time.time() + 0.2  # its output is a file: read it now and then
+                served["job"] = any(x["ok"] and x["start"] >= last_kill for x in self._job_calls())
             time.sleep(0.05)
         return served
 

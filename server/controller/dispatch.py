@@ -46,7 +46,7 @@ from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, InvalidArgument
-from .outbox import GangEnqueue, Outbox, materialized
+from .outbox import GangEnqueue, Outbox, add_member, materialized
 from .plans import Plan, check_spread_inputs
 from .programs import ProgramRecord, ProgramRegistry
 from .runs import RunState, task_fields
@@ -333,11 +333,7 @@ class Dispatcher:
                         gang.append((template, d.node_index, d.seq, definition.segment_id))
                         continue
                     enq = outbox.enqueue(host.name)
-                task = enq.tasks.add()
-                task.CopyFrom(template)
-                task.segment = d.node_index
-                task.seq = d.seq
-                task.segment_id = definition.segment_id
+                add_member(enq.tasks, template, d.node_index, d.seq, definition.segment_id)
                 continue
             if enq is None:
                 enq = outbox.enqueue(host.name)

@@ -12,7 +12,7 @@ relay makes each member's message (server/worker/relay.py `gang_parts`).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -35,12 +35,18 @@ class GangEnqueue(list[tuple[wpb.Task, int, int, int]]):
         msg = cpb.ControllerToWorker(seq=seq)
         tasks = msg.enqueue.tasks
         for template, segment, task_seq, segment_id in self:
-            task = tasks.add()
-            task.CopyFrom(template)
-            task.segment = segment
-            task.seq = task_seq
-            task.segment_id = segment_id
+            add_member(tasks, template, segment, task_seq, segment_id)
         return msg
+
+
+def add_member(tasks: Any, template: wpb.Task, segment: int, seq: int, segment_id: int) -> None:
+    """Adds to `tasks` (an `Enqueue.tasks`) a gang member's task: its group's `template` with the
+    member's segment, seq and segment id (built in place: an append would copy it)."""
+    task = tasks.add()
+    task.CopyFrom(template)
+    task.segment = segment
+    task.seq = seq
+    task.segment_id = segment_id
 
 
 Message = Union[cpb.ControllerToWorker, GangEnqueue]  # noqa: UP007  # an alias: evaluated at import

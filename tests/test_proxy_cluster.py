@@ -159,12 +159,19 @@ def run_program(code: str, env: dict[str, str]) -> list[str]:
     return out.stdout.splitlines()
 
 
+def matches_local(cluster: LocalCluster, tmp_path: Path, program: str, devices: int) -> list[str]:
+    """`program`'s lines on plain JAX with `devices` CPU devices, asserted equal to its lines
+    through `cluster`'s proxy on as many devices."""
+    flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
+    local = run_program(program, client_env(tmp_path, JAX_PLATFORMS="cpu", **flags))
+    proxied = run_program(program, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES=str(devices)))
+    assert proxied == local
+    return local
+
+
 @pytest.mark.cluster(islands=1, devices=2)
 def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(ARRAYS, client_env(tmp_path, JAX_PLATFORMS="cpu",
-                                           XLA_FLAGS="--xla_force_host_platform_device_count=2"))
-    proxied = run_program(ARRAYS, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="2"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, ARRAYS, 2)
     assert local[-1] == "ok"
     with cluster.client() as c:  # the session's buffers and slice went with it
         wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env, proxy_env
-from test_proxy_cluster import run_program, worker_buffers
+from test_proxy_cluster import matches_local, worker_buffers
 
 JITTED = """
 import numpy as np, jax, jax.numpy as jnp
@@ -81,32 +80,23 @@ print("op by op", x.tolist())
 
 @pytest.mark.cluster(islands=1, devices=1)
 def test_pipelined_tiny_calls_are_exact(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(PIPELINED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(PIPELINED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, PIPELINED, 1)
     assert local[-1] == "op by op [420.0, 420.0, 420.0]"
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
 
 
 @pytest.mark.cluster(islands=1, devices=2)
 def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(JITTED, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(JITTED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, JITTED, 1)
     assert local[-2:] == ["bad shapes TypeError", "after True"]
     with cluster.client() as c:  # the session's programs, buffers and slice went with it
         wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
     # a program on another device than the slice's first
-    local = run_program(ELSEWHERE, client_env(tmp_path, JAX_PLATFORMS="cpu",
-                                              XLA_FLAGS="--xla_force_host_platform_device_count=2"))
-    proxied = run_program(ELSEWHERE, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="2"))
-    assert proxied == local == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
+    assert matches_local(cluster, tmp_path, ELSEWHERE, 2) == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
 
 
 @pytest.mark.cluster(islands=1, devices=1)
 def test_a_training_loop_with_donation(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(TRAIN, client_env(tmp_path, JAX_PLATFORMS="cpu"))
-    proxied = run_program(TRAIN, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, TRAIN, 1)
     assert local[-1] == "decreased True"

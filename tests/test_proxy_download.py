@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from conftest import LocalCluster, wait_for
 from grpc import aio
-from proxy_env import client_env
-from test_proxy_cluster import run_program, worker_buffers
+from test_proxy_cluster import matches_local, run_program, worker_buffers
 from test_proxy_protocol import P
-from test_proxy_sharded import LOCAL4, proxy_env
-from test_proxy_stream import BASE, MIB, Raw, Sampler, raw_session, rss, ser, until
+from test_proxy_sharded import proxy_env
+from test_proxy_stream import BASE, MIB, Raw, Sampler, controller_growth, raw_session, rss, ser, until
 
 from server.proxy.arrays import Buf, Part, new_record
 from server.proxy.downloads import byte_range, plan
@@ -40,18 +39,12 @@ print("downloaded", back.nbytes, bool((back == np.arange(n, dtype=np.int32) * 3 
 @pytest.mark.timeout(240)
 @pytest.mark.cluster(islands=1, devices=1)
 def test_the_controller_does_not_hold_a_downloaded_array(cluster: LocalCluster, tmp_path: Path) -> None:
-    assert cluster.controller is not None
-    pid = cluster.controller.pid
     env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
 
     def download(nbytes: int) -> None:
         assert run_program(DOWNLOAD.replace("NBYTES", str(nbytes)), env) == [f"downloaded {nbytes} True"]
 
-    download(16 * MIB)  # the proxy service is built, a first download streamed
-    with Sampler(pid) as sampler:
-        download(256 * MIB)
-    grown = sampler.grown  # holding the array (before downloads.py) it grows by 256 MiB or more
-    assert len(sampler.samples) > 10
+    grown = controller_growth(cluster, download)  # holding the array (before downloads.py): 256 MiB or more
     print(f"controller RSS growth during a 256 MiB download: {grown / MIB:.0f} MiB")
     assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB download"
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
@@ -163,9 +156,7 @@ for name, spec, mesh in (("rows", P("d"), line), ("cols", P(None, "d"), line), (
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
 def test_sharded_downloads_arrive_exactly(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(SHARDS, client_env(tmp_path, **LOCAL4))
-    proxied = run_program(SHARDS, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, SHARDS, 4)
     assert len(local) == 3 * 6
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env
-from test_proxy_cluster import run_program, worker_buffers
-from test_proxy_sharded import LOCAL4, proxy_env
+from test_proxy_cluster import matches_local, worker_buffers
 
 PRELUDE = """
 import numpy as np, jax, jax.numpy as jnp
@@ -92,17 +90,10 @@ show("s next", jax.jit(lambda v: v * v)(s))
 """
 
 
-def _compare(cluster: LocalCluster, tmp_path: Path, program: str) -> list[str]:
-    local = run_program(program, client_env(tmp_path, **LOCAL4))
-    proxied = run_program(program, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
-    assert proxied == local
-    return local
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=4)
 def test_programs_over_part_of_the_slice_and_other_orders(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = _compare(cluster, tmp_path, PARTS)
+    local = matches_local(cluster, tmp_path, PARTS, 4)
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     assert by_name["y2"].startswith("y2 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0] ")
     assert by_name["y2"].endswith("[(2, (slice(0, 4, None),), [0.0, 2.0, 4.0, 6.0]), "
@@ -122,7 +113,7 @@ def test_programs_over_part_of_the_slice_and_other_orders(cluster: LocalCluster,
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=4)
 def test_results_get_the_shardings_xla_propagation_picks(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = _compare(cluster, tmp_path, PROPAGATED)
+    local = matches_local(cluster, tmp_path, PROPAGATED, 4)
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     # propagation shards these results, not as replicated: the proxy reports the same
     assert "spec=P('d',)" in by_name["y"]

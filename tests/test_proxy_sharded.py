@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env, proxy_env
-from test_proxy_cluster import run_program, worker_buffers
+from test_proxy_cluster import matches_local, run_program, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -107,15 +107,11 @@ print("sharded", bool((np.asarray(y).ravel() == a).all()), float(jnp.sum(y[:, :2
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=4)
 def test_sharded_programs_on_four_devices(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = run_program(SHARDED, client_env(tmp_path, **LOCAL4))
-    proxied = run_program(SHARDED, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, SHARDED, 4)
     assert local[0] == "devices 4"
     assert "psum [24.0, 28.0, 32.0, 36.0] P()" in local and "pmap [6.0, 6.0, 6.0, 6.0]" in local
     # arrays between meshes: two sub-meshes, a 2x2 grid and a line over the same four devices
-    local = run_program(MESHES, client_env(tmp_path, **LOCAL4))
-    proxied = run_program(MESHES, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))
-    assert proxied == local
+    local = matches_local(cluster, tmp_path, MESHES, 4)
     assert local[1] == "y [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0] [2, 3]"
     with cluster.client() as c:
         wait_for(lambda: not c.slices(), 30, "the proxy sessions' slices to be released")

@@ -71,6 +71,17 @@ class Sampler:
         self._thread.join()
 
 
+def controller_growth(cluster: LocalCluster, transfer: Callable[[int], None]) -> int:
+    """The controller's RSS growth (bytes) while `transfer(256 MiB)` runs, after a first
+    `transfer(16 MiB)` (the proxy service built, a first transfer streamed)."""
+    assert cluster.controller is not None
+    transfer(16 * MIB)
+    with Sampler(cluster.controller.pid) as sampler:
+        transfer(256 * MIB)
+    assert len(sampler.samples) > 10
+    return sampler.grown
+
+
 async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -233,17 +244,13 @@ print("uploaded", x.nbytes)
 @pytest.mark.timeout(240)
 @pytest.mark.cluster(islands=1, devices=1)
 def test_the_controller_does_not_hold_an_uploaded_array(cluster: LocalCluster, tmp_path: Path) -> None:
-    assert cluster.controller is not None
-    pid = cluster.controller.pid
     env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
 
     def upload(nbytes: int) -> None:
         assert run_program(UPLOAD.replace("sys.argv[1]", str(nbytes)), env) == [f"uploaded {nbytes}"]
 
-    upload(16 * MIB)  # the proxy service is built, a first upload streamed
-    with Sampler(pid) as sampler:
-        upload(256 * MIB)
-    grown = sampler.grown  # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and
-    assert len(sampler.samples) > 10  # the pieces in flight pile up when the worker reads slowly); holding
-    # the array, as before staging.py, it was 312 MiB: half the array is the line between the two
+    # measured: 24-54 MiB quiet, 113 once at load 20 (gRPC's windows and the pieces in flight pile
+    # up when the worker reads slowly); holding the array, as before staging.py, it was 312 MiB:
+    # half the array is the line between the two
+    grown = controller_growth(cluster, upload)
     assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB during a 256 MiB upload"

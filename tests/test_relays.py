@@ -69,6 +69,8 @@ def test_a_gap_left_open_is_reported_once_per_limit() -> None:
 
 
 def _relay_setup(n: int) -> tuple[Relays, dict[str, HostInfo]]:
+    """`n` relayable hosts of one island and group (their Registered sent, acknowledged and taken
+    off their queues), and the relays over them."""
     hosts = {}
     for i in range(n):
         info = HostInfo(id=i, name=f"h{i}", island="big", address=f"10.0.0.{i}:7000", pid=0, kind="cpu",
@@ -78,6 +80,7 @@ def _relay_setup(n: int) -> tuple[Relays, dict[str, HostInfo]]:
         info.link.send(cpb.ControllerToWorker(registered=cpb.Registered(link=info.link.link_id)))
         info.link.ack(1)  # it handled its Registered: relayable
         hosts[info.name] = info
+        _queued(info)
     return Relays(hosts, lambda island: sorted(hosts), min_hosts=2, group_size=n), hosts
 
 
@@ -97,8 +100,6 @@ def _flush(relays: Relays, names: list[str]) -> None:
 
 def test_relayed_messages_are_sent_again_directly_when_their_relay_fails_or_is_lost() -> None:
     relays, hosts = _relay_setup(4)
-    for h in hosts.values():
-        _queued(h)
     _flush(relays, ["h1", "h2", "h3"])  # one group, relay h0 (it has nothing of its own)
     [batch] = _queued(hosts["h0"])
     parts = batch.relay.messages
@@ -167,8 +168,6 @@ def test_a_relayed_gang_node_is_one_body_and_each_member_gets_its_own_task() -> 
     numbers, and the relay makes each member exactly its message (its seq, its task's segment,
     seq and segment id); nothing goes on the members' own streams."""
     relays, hosts = _relay_setup(4)
-    for h in hosts.values():
-        _queued(h)
     names = ["h0", "h1", "h2", "h3"]
     template, msgs = _gang(names)
     relays.send_all(msgs)
@@ -192,8 +191,6 @@ def test_gang_members_not_acknowledged_get_their_own_messages_directly_when_the_
     each unacknowledged member gets, on its own stream, exactly the message the relay would have
     made for it."""
     relays, hosts = _relay_setup(4)
-    for h in hosts.values():
-        _queued(h)
     names = ["h0", "h1", "h2", "h3"]
     template, msgs = _gang(names)
     relays.send_all(msgs)
@@ -224,8 +221,6 @@ def test_a_gang_member_alone_in_its_group_is_sent_directly_numbered_in_order() -
     """One member of a group to write to: no batch, its message on its own stream with its seq,
     and nothing kept for a relay; the next message of that host follows it."""
     relays, hosts = _relay_setup(4)
-    for h in hosts.values():
-        _queued(h)
     template, msgs = _gang(["h2"])
     relays.send_all(msgs)
     assert not _queued(hosts["h0"])

@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..scheduler import GangScheduler, HangDetected, Stall
@@ -71,14 +70,6 @@ class HangReporter:
             if s.job:
                 out.setdefault(s.job, f"held back by host {s.host}: {s.message}")
         return out
-
-    def annotate_hosts(self, hosts: list[pb.Host]) -> list[pb.Host]:
-        """`hosts` (listed as ready or not), the stalled ones' state set to stalled."""
-        stalled = self.stalled_hosts()
-        for h in hosts:
-            if h.name in stalled and h.state == pb.HOST_STATE_READY:
-                h.state = pb.HOST_STATE_STALLED
-        return hosts
 
     def annotate_jobs(self, jobs: list[cpb.Job]) -> list[cpb.Job]:
         """`jobs` with what holds back their runs now and their last hang message."""

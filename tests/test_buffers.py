@@ -96,3 +96,35 @@ def test_a_timed_out_wait_leaves_no_waiter_behind_and_a_failure_reaches_a_wait_f
     s.fail(2, "node 2 failed")
     t.join(timeout=10)
     assert [str(e) for e in errors] == ["node 2 failed"]
+
+
+def test_a_refused_upload_fails_its_readers_and_is_kept_only_where_asked() -> None:
+    s = BufferStore()
+    # refused whole: kept for the client (a reader enqueued later sees why), freed by its release
+    s.refuse(1, "client:1", "the upload of buffer 0x1 was refused: bad", held=True)
+    with pytest.raises(BufferFailed, match="was refused: bad"):
+        s.wait(1, timeout=1)
+    s.release([1])
+    with pytest.raises(BufferFailed, match="does not exist"):
+        s.wait(1, timeout=1)
+    # cut off with nobody waiting: nothing kept
+    s.refuse(2, "client:1", "cut off", held=False)
+    assert s.owner_of(2) is None
+    # cut off with a reader enqueued: the reader fails, and the entry goes with the reader
+    s.add_consumers([3], owner="client:1")
+    s.refuse(3, "client:1", "cut off", held=False)
+    with pytest.raises(BufferFailed, match="cut off"):
+        s.wait(3, timeout=1)
+    s.consumer_done(3)
+    assert s.owner_of(3) is None
+    # a tombstone (released before its upload came) whose upload is cut off is dropped
+    s.release([4])
+    s.refuse(4, "client:1", "cut off", held=False)
+    assert s.owner_of(4) is None and live(s) == 0
+    # a settled buffer, or another owner's, is left as it is
+    s.put(5, np.ones(2), 16, owner="client:1", client_ref=True)
+    s.refuse(5, "client:1", "late refusal", held=True)
+    np.testing.assert_array_equal(s.wait(5, timeout=1), np.ones(2))
+    s.expect([6], owner="client:2", visible=[True])
+    s.refuse(6, "client:1", "not yours", held=True)
+    assert s.pending_of([6]) == [6]

@@ -140,6 +140,32 @@ class BufferStore:
         for cb in callbacks:
             cb()
 
+    def refuse(self, buffer_id: int, owner: str, error: str, *, held: bool) -> None:
+        """`owner`'s upload of this buffer was refused, or cut off before its last byte: whatever
+        reads it fails with `error` instead of waiting for bytes that will not come. `held` (an
+        upload refused whole): kept for the client as the array would have been, so a reader
+        enqueued later sees the reason too, until the client releases it. Otherwise it is kept
+        only while something already waits for it (a staged upload cut off unused, as the proxy
+        drops one, leaves nothing). A buffer already settled, or recorded under another owner,
+        is left as it is."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                if not held and buffer_id not in self._waiters:
+                    return
+                e = self._entries[buffer_id] = _Entry(owner=owner)
+            elif e.state != PENDING or (e.owner and e.owner != owner):
+                return
+            e.owner = e.owner or owner
+            if (held or buffer_id in self._waiters) and not e.released:
+                e.client_ref = True
+            e.state, e.error, e.value = FAILED, error, None
+            callbacks, e.callbacks = e.callbacks, []
+            self._wake(buffer_id)
+            self._maybe_free(buffer_id, e)
+        for cb in callbacks:
+            cb()
+
     def consumed(self, buffer_ids: Sequence[int], error: str) -> None:
         """These ready buffers were donated to a computation and no longer exist: a later reader
         (or fetch) fails with `error` instead of handing XLA a deleted array."""

@@ -21,6 +21,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import wire
 from ..credentials import Caller
+from ..rpcguard import WarningLimiter
 from ..threadnames import name_native_thread
 from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
@@ -32,6 +33,7 @@ from .transfer import CHUNK, DATA_CHUNK
 from .uploads import Assembly, add_piece, check_spec
 
 log = logging.getLogger(__name__)
+_refusals = WarningLimiter()  # a client sending refused uploads writes a bounded log
 
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
@@ -110,40 +112,84 @@ class WorkerServicer(wgrpc.WorkerServicer):
     async def PutBuffers(  # type: ignore[override]  # requests parsed by wire.put_buffer
         self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
     ) -> wpb.PutBuffersResponse:
+        """A session's uploads, one array per message or one in pieces (uploads.py).
+
+        An upload refused whole (its bytes disagree with its dtype and shape, or cannot be
+        allocated) fails that buffer with the reason, for the runs that read it, and the stream
+        goes on: a client's later uploads queued behind it on the same stream are not lost (the
+        runs reading them would wait for them until the hang timeout). The stream then ends with
+        the first refusal's status. An upload in pieces that goes wrong, or is cut off, ends the
+        stream at once and fails its buffer for whatever already waits on it; a cut-off staged
+        upload nobody waits for leaves nothing (the proxy drops an unused one that way)."""
         caller = await self.auth.session(context, "upload")
         count = 0
+        refused: tuple[grpc.StatusCode, str] | None = None
         pieces: Assembly | None = None  # an array over one message, in pieces (uploads.py)
-        async for req in request_iterator:
-            if not caller.owns_id(req.buffer_id):
-                log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"buffer id {req.buffer_id:#x} is not one of this session's ids")
-            try:
-                if req.total_bytes:
-                    pieces = add_piece(pieces, req)
-                    if not pieces.done:
+        try:
+            async for req in request_iterator:
+                if not caller.owns_id(req.buffer_id):
+                    log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"buffer id {req.buffer_id:#x} is not one of this session's ids")
+                if req.total_bytes or pieces is not None:
+                    arr = await self._piece(req, pieces, caller, context)
+                    if not isinstance(arr, np.ndarray):
+                        pieces = arr
                         continue
-                    arr, pieces = pieces.array(), None
-                elif pieces is not None:
-                    raise ValueError(f"buffer {pieces.buffer_id:#x} ends after {pieces.filled} of its "
-                                     f"{len(pieces.out)} bytes")
+                    pieces = None
                 else:
-                    arr = _decode_upload(req.array)
-            except ValueError as e:
-                log.warning("upload of buffer %#x by %s refused: %s", req.buffer_id, caller.owner, e)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {req.buffer_id:#x}: {e}")
-            except MemoryError:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"buffer {req.buffer_id:#x}: {req.total_bytes} bytes cannot be allocated")
-            if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
-                                  same_owner=True):
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
-            count += 1
+                    try:
+                        arr = _decode_upload(req.array)
+                    except (ValueError, MemoryError) as e:
+                        refused = refused or self._refuse(req, caller, e, held=True)
+                        continue
+                if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
+                                      same_owner=True):
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
+                count += 1
+        finally:
+            if pieces is not None:  # cut off (the stream ended, failed or was cancelled) mid-array
+                self.store.refuse(pieces.buffer_id, caller.owner, f"the upload of buffer {pieces.buffer_id:#x} "
+                                  f"ended after {pieces.filled} of its {len(pieces.out)} bytes", held=False)
         if pieces is not None:
             missing = "" if pieces.dtype is not None else ", without its dtype and shape"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
                                 f"after {pieces.filled} of its {len(pieces.out)} bytes{missing}")
+        if refused is not None:
+            await context.abort(*refused)
         return wpb.PutBuffersResponse(count=count)
+
+    async def _piece(self, req: wire.PutBuffer, pieces: Assembly | None, caller: Caller,
+                     context: aio.ServicerContext) -> Assembly | np.ndarray:
+        """The next piece of an upload in pieces: the assembly so far, or the array once complete.
+        A piece refused ends the stream, failing the buffers it concerns for what waits on them."""
+        try:
+            if not req.total_bytes:
+                assert pieces is not None
+                raise ValueError(f"buffer {pieces.buffer_id:#x} ends after {pieces.filled} of its "
+                                 f"{len(pieces.out)} bytes")
+            pieces = add_piece(pieces, req)
+            return pieces.array() if pieces.done else pieces
+        except (ValueError, MemoryError) as e:
+            if pieces is not None and pieces.buffer_id != req.buffer_id:
+                self.store.refuse(pieces.buffer_id, caller.owner,
+                                  f"the upload of buffer {pieces.buffer_id:#x} was refused: {e}", held=False)
+            await context.abort(*self._refuse(req, caller, e, held=False))
+            raise AssertionError("abort raises") from None
+
+    def _refuse(self, req: wire.PutBuffer, caller: Caller, e: ValueError | MemoryError,
+                *, held: bool) -> tuple[grpc.StatusCode, str]:
+        """Fails the buffer of an upload refused with `e` (BufferStore.refuse), logs it (a flood
+        of them writes a bounded log) and gives the status and message for the caller."""
+        if isinstance(e, MemoryError):
+            status = grpc.StatusCode.RESOURCE_EXHAUSTED
+            reason = f"{req.total_bytes or len(req.array.data)} bytes cannot be allocated"
+        else:
+            status, reason = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        _refusals.warn("PutBuffers", caller.owner, f"upload of buffer {req.buffer_id:#x} refused: {reason}")
+        self.store.refuse(req.buffer_id, caller.owner, f"the upload of buffer {req.buffer_id:#x} was refused: {reason}",
+                          held=held)
+        return status, f"buffer {req.buffer_id:#x}: {reason}"
 
     # ---- waiting for buffers ----
     @contextlib.asynccontextmanager

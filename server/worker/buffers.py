@@ -133,12 +133,18 @@ class BufferStore:
                 e = self._entries[buffer_id] = _Entry()
             if e.state != PENDING:
                 return
-            e.state, e.error, e.value = FAILED, error, None
-            callbacks, e.callbacks = e.callbacks, []
-            self._wake(buffer_id)
-            self._maybe_free(buffer_id, e)
+            callbacks = self._failed(buffer_id, e, error)
         for cb in callbacks:
             cb()
+
+    def _failed(self, buffer_id: int, e: _Entry, error: str) -> list[Callable[[], None]]:
+        """Settles a pending entry as failed (call with the lock held): its waiters woken, the
+        entry freed if nothing holds it; the callbacks to call once the lock is released."""
+        e.state, e.error, e.value = FAILED, error, None
+        callbacks, e.callbacks = e.callbacks, []
+        self._wake(buffer_id)
+        self._maybe_free(buffer_id, e)
+        return callbacks
 
     def refuse(self, buffer_id: int, owner: str, error: str, *, held: bool) -> None:
         """`owner`'s upload of this buffer was refused, or cut off before its last byte: whatever
@@ -159,10 +165,7 @@ class BufferStore:
             e.owner = e.owner or owner
             if (held or buffer_id in self._waiters) and not e.released:
                 e.client_ref = True
-            e.state, e.error, e.value = FAILED, error, None
-            callbacks, e.callbacks = e.callbacks, []
-            self._wake(buffer_id)
-            self._maybe_free(buffer_id, e)
+            callbacks = self._failed(buffer_id, e, error)
         for cb in callbacks:
             cb()
 

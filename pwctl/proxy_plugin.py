@@ -25,8 +25,11 @@ The controller speaks plaintext gRPC, which the client refuses unless
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 PLATFORM = "proxy"
@@ -37,6 +40,9 @@ DEVICES_KEY = "pathways.devices"
 INIT_KEYS = (TOKEN_KEY, SLICE_KEY, DEVICES_KEY)
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
 CONNECT_TIMEOUT_S = 10
+TIMER_SLACK_ENV = "PATHWAYS_CLIENT_TIMER_SLACK_US"
+CLIENT_TIMER_SLACK_US = 2000  # see timer_slack
+PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30  # linux/prctl.h
 
 
 def connect_timeout(environ: Mapping[str, str] | None = None) -> int:
@@ -94,6 +100,49 @@ def initialization_data(environ: Mapping[str, str] | None = None) -> dict[str, b
     return data
 
 
+def client_timer_slack_ns(environ: Mapping[str, str] | None = None) -> int:
+    """The timer slack for the threads the jaxlib client starts (`timer_slack`), in ns:
+    `PATHWAYS_CLIENT_TIMER_SLACK_US` (0: left as the kernel's default), else CLIENT_TIMER_SLACK_US."""
+    env = os.environ if environ is None else environ
+    raw = env.get(TIMER_SLACK_ENV, "")
+    try:
+        us = int(raw) if raw else CLIENT_TIMER_SLACK_US
+    except ValueError:
+        raise ValueError(f"{TIMER_SLACK_ENV} must be a whole number of microseconds, not {raw!r}") from None
+    if us < 0:
+        raise ValueError(f"{TIMER_SLACK_ENV} must be 0 or more, not {us}")
+    return us * 1000
+
+
+@contextlib.contextmanager
+def timer_slack(ns: int) -> Iterator[None]:
+    """Threads started inside get this timer slack (Linux `PR_SET_TIMERSLACK`; a new thread takes
+    its creator's); the calling thread's own is put back after.
+
+    Why: the jaxlib IFRT proxy client starts a thread that sleeps 50 µs in a loop to send batched
+    array deletions (`RpcHelper::Batcher::PeriodicFlusher`, xla/python/ifrt_proxy/client/
+    rpc_helper.cc), ~20,000 wake-ups a second for the life of the program, busy or idle. Each one
+    takes a core from the program's own computations (docs/facts.md; bench/FINDINGS.md). With a
+    slack of 2 ms the kernel may let such a sleep run up to 2 ms longer, and the thread wakes ~500
+    times a second. A timer's lateness is all it changes: a thread woken by I/O or another
+    thread (every reply, every result) wakes as before; batched deletions go up to 2 ms later
+    (and any request the client sends at once takes them along first)."""
+    if ns <= 0 or not sys.platform.startswith("linux"):
+        yield
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        before = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        changed = before >= 0 and libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        changed = False
+    try:
+        yield
+    finally:
+        if changed:
+            libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(before), 0, 0, 0)
+
+
 def make_client() -> Any:
     """The backend factory: a connected IFRT proxy client (JAX calls it on first use)."""
     from jax.extend.backend import ifrt_proxy
@@ -102,7 +151,8 @@ def make_client() -> Any:
     options = ifrt_proxy.ClientConnectionOptions()
     options.initialization_data = initialization_data()
     options.connection_timeout_in_seconds = connect_timeout()
-    return ifrt_proxy.get_client(target(), options)
+    with timer_slack(client_timer_slack_ns()):
+        return ifrt_proxy.get_client(target(), options)
 
 
 def initialize() -> None:

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from test_proxy_protocol import P, DescribedSlice
+from test_proxy_protocol import DescribedSlice, P
 
 from server.proxy import executables
 from server.proxy import shardings as sh
-from server.proxy.answers import AnswerWriter, Encoder
+from server.proxy.answers import AnswerWriter, Encoder, message_field
 from server.proxy.arrays import ArrayRecord, Buf, whole
 from server.proxy.backend import ArraySpec, CompiledInfo
 from server.proxy.executables import LoadedExecutable
@@ -38,6 +38,15 @@ def test_a_destruct_answer_is_the_message_protobuf_builds(op_id: int) -> None:
     assert made == built.SerializeToString()
     parsed = P.IfrtResponse.FromString(made)
     assert parsed.response_metadata.op_id == op_id and parsed.WhichOneof("response") == "destruct_array_response"
+
+
+@pytest.mark.timeout(30)
+def test_a_message_field_is_what_protobuf_writes_for_every_length() -> None:
+    for size in (1, 100, 124, 125, 126, 127, 128, 300, 1 << 14, 1 << 21):  # the status around 127 bytes
+        built = P.IfrtResponse()
+        built.response_metadata.status.message = "m" * size
+        status = built.response_metadata.status.SerializeToString()
+        assert message_field(1, message_field(2, status)) == built.SerializeToString()
 
 
 class Runs(DescribedSlice):

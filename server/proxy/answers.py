@@ -94,9 +94,16 @@ def scalar(field: descriptor.FieldDescriptor) -> Callable[[int], bytes]:
     raise TypeError(f"{field.full_name}: not an integer field this encoder writes")
 
 
+_LEN_TAGS = [_tag(n, wire.LEN) for n in range(32)]  # the tags of fields 0-31 (one byte each, made once)
+_SMALL = [bytes((n,)) for n in range(128)]  # the lengths that are one byte
+
+
 def message_field(number: int, body: bytes) -> bytes:
     """A length-delimited field `number` holding the serialized `body`."""
-    return wire._len_field(number, len(body)) + body
+    size = len(body)
+    if number < 32 and size < 128:  # an answer's fields: no varint to build
+        return _LEN_TAGS[number] + _SMALL[size] + body
+    return wire._len_field(number, size) + body
 
 
 class Encoder:

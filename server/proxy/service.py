@@ -122,6 +122,7 @@ class ProxyService:
         self._max_sessions = max_sessions
         self._admit = admit
         self._sessions: dict[int, Session] = {}
+        self._request = self.p.IfrtRequest.FromString
         self._response = self.p.IfrtResponse
         self._encoder = Encoder(self.p)
         self._handlers: dict[str, Handler] = {
@@ -339,7 +340,7 @@ class ProxyService:
     async def IfrtSession(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> None:
         """The session stream, through grpc.aio's reader/writer API (`context.read`/`write`: no
         generator hop per message either way); `requests` is unused. The reader runs each
-        request as it is read (`_start`); one writer task writes the answers (answers.py)."""
+        request as it is read (running.py); one writer task writes the answers (answers.py)."""
         try:
             session = await self._open(context)
         except RequestError as e:
@@ -393,7 +394,7 @@ class ProxyService:
 
     def _parse(self, raw: bytes) -> Message | None:
         try:
-            return self.p.IfrtRequest.FromString(raw)
+            return self._request(raw)
         except Exception:  # DecodeError, or whatever the C extension raises for garbage
             return None
 

@@ -12,11 +12,12 @@ backend's upload is held at a gate, and the gate opens in the same turn as the d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from grpc import aio
 from test_proxy_protocol import DescribedSlice, P
 
 from server.proxy import protocol as proto_mod
@@ -68,7 +69,21 @@ class OneSession:
 
 
 class Context:
-    """What IfrtSession reads of its grpc context."""
+    """What IfrtSession uses of its grpc context: the requests come from `requests`, and each
+    answer written goes to `answer`."""
+
+    def __init__(self, requests: AsyncIterator[bytes], answer: Callable[[bytes], Awaitable[None]]) -> None:
+        self._requests = requests
+        self._answer = answer
+
+    async def read(self) -> Any:
+        try:
+            return await anext(self._requests)
+        except StopAsyncIteration:
+            return aio.EOF
+
+    async def write(self, raw: bytes) -> None:
+        await self._answer(raw)
 
     def invocation_metadata(self) -> list[tuple[str, bytes]]:
         meta = P.GrpcIfrtSessionMetadata()
@@ -136,8 +151,8 @@ def test_a_destruct_waits_for_earlier_readers_of_its_handle() -> None:
             yield destruct.SerializeToString()
             await done.wait()
 
-        async for raw in service.IfrtSession(requests(), Context()):  # type: ignore[arg-type]
-            resp = P.IfrtResponse.FromString(bytes(raw.SerializeToString()))
+        async def answer(raw: bytes) -> None:
+            resp = P.IfrtResponse.FromString(raw)
             answered[resp.response_metadata.op_id] = resp
             if len(answered) == 6:
                 (session,) = service.sessions.values()
@@ -148,6 +163,9 @@ def test_a_destruct_waits_for_earlier_readers_of_its_handle() -> None:
                 answered[0] = (data, session.handles.peek(25), session.handles.peek(26),
                                session.handles.peek(27))
                 done.set()
+
+        gen = requests()
+        await service.IfrtSession(gen, Context(gen, answer))
         return answered, backend
 
     answered, backend = asyncio.run(main())

@@ -109,10 +109,14 @@ def new_record(dtype: str, shape: tuple[int, ...], sharding: Sharding, parts: li
     return rec
 
 
-def whole(buf: Buf, sharding: Sharding) -> ArrayRecord:
-    """The array that is `buf`'s value, with `sharding`."""
-    domains = sharding.domains(buf.shape)
-    return new_record(buf.dtype, buf.shape, sharding, [Part(buf, d) for d in domains])
+def whole(buf: Buf, sharding: Sharding, domains: list[Index] | None = None) -> ArrayRecord:
+    """The array that is `buf`'s value, with `sharding` (`domains`: its shards' domains of
+    `buf.shape`, when the caller knows them)."""
+    if domains is None:
+        domains = sharding.domains(buf.shape)
+    rec = new_record(buf.dtype, buf.shape, sharding, [Part(buf, d) for d in domains])
+    rec._domains = domains
+    return rec
 
 
 def drop_buffers(session: Session, bufs: list[Buf]) -> None:
@@ -337,10 +341,10 @@ async def release(session: Session, handle: int) -> None:
         unref(session, value)
 
 
-async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
+async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> bytes:
     for handle in req.destruct_array_request.array_handle:  # repeated since protocol version 22
         await release(session, handle)
-    resp.destruct_array_response.SetInParent()
+    return session.encoder.empty("destruct_array_response")  # always empty: made once
 
 
 async def delete_array(session: Session, req: Message, resp: Message, proto: Any) -> None:

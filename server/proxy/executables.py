@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
+from .answers import message_field
 from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref, whole
 from .backend import ArraySpec, CompiledInfo
 from .handles import HandleError, Pending
-from .shardings import Sharding
+from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
     from .service import Session
@@ -37,6 +38,9 @@ class LoadedExecutable:
     compiled: CompiledInfo
     device_ids: tuple[int, ...]
     submitted: asyncio.Lock  # the session's: executes go to the scheduler in arrival order
+    # what every Execute of it answers alike, made at its first (`outputs`): the same for every
+    # call, since the executable's outputs and devices never change
+    _outputs: list[tuple[Sharding, list[Index], bytes]] | None = field(default=None, repr=False)
 
     def in_sharding(self, i: int) -> Sharding:
         if len(self.device_ids) == 1:
@@ -47,6 +51,20 @@ class LoadedExecutable:
         if len(self.device_ids) == 1:
             return Sharding(self.device_ids)
         return Sharding(self.device_ids, self.compiled.out_shardings[j])
+
+    def outputs(self, proto: Any) -> list[tuple[Sharding, list[Index], bytes]]:
+        """Each output's sharding, its shards' domains, and its array descriptor in an Execute's
+        answer (a serialized `LoadedExecutableExecuteResponse.Output` without its handle)."""
+        if self._outputs is None:
+            out_cls = proto.cls("xla.ifrt.proxy.LoadedExecutableExecuteResponse.Output")
+            made = []
+            for j, spec in enumerate(self.compiled.outputs):
+                sharding = self.out_sharding(j)
+                descriptor = out_cls()
+                _output(descriptor, spec, sharding, 0, proto)
+                made.append((sharding, sharding.domains(spec.shape), bytes(descriptor.SerializeToString())))
+            self._outputs = made
+        return self._outputs
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -200,7 +218,8 @@ class Pins:
         self.records = [None] * len(self.records)
 
 
-async def execute(session: Session, req: Message, resp: Message, proto: Any) -> None:
+async def execute(session: Session, req: Message, resp: Message, proto: Any) -> bytes:
+    """Answers the body of its `LoadedExecutableExecuteResponse` (serialized: answers.py)."""
     r = req.loaded_executable_execute_request
     exe = session.handles.get(r.loaded_executable_handle, LoadedExecutable)
     compiled = exe.compiled
@@ -241,14 +260,16 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
     spread = len(exe.device_ids) > 1
     out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
                                                                                 strict=True)]
-    for j, (h, buf) in enumerate(zip(results, out_bufs, strict=True)):
-        session.handles.settle(h, whole(buf, exe.out_sharding(j)))
-    x = resp.loaded_executable_execute_response
-    for j, (h, spec) in enumerate(zip(results, compiled.outputs, strict=True)):
-        _output(x.outputs.add(), spec, exe.out_sharding(j), h, proto)
+    outputs = exe.outputs(proto)
+    enc = session.encoder
+    parts = []
     # requirement 2: without fill_status the client CHECK-fails on a status handle
     if r.execute_options.fill_status:
-        x.status_handle = _status_future(session, out_bufs)
+        parts.append(enc.status_handle(_status_future(session, out_bufs)))
+    for h, buf, (sharding, domains, descriptor) in zip(results, out_bufs, outputs, strict=True):
+        session.handles.settle(h, whole(buf, sharding, domains))
+        parts.append(message_field(enc.outputs_number, descriptor + enc.array_handle(h)))
+    return message_field(enc.execute_number, b"".join(parts))
 
 
 def _status_future(session: Session, bufs: list[Buf]) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +132,16 @@ class Protocol:
 
     pool: descriptor_pool.DescriptorPool
     files: tuple[str, ...]
+    _classes: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # by full name
 
     def cls(self, full_name: str) -> Any:
         """The message class for `full_name`, e.g. `xla.ifrt.proxy.IfrtRequest` (typed Any: built at run
-        time, so no static type exists)."""
-        return message_factory.GetMessageClass(self.pool.FindMessageTypeByName(full_name))
+        time, so no static type exists); looked up once (handlers ask on every request)."""
+        found = self._classes.get(full_name)
+        if found is None:
+            found = self._classes[full_name] = message_factory.GetMessageClass(
+                self.pool.FindMessageTypeByName(full_name))
+        return found
 
     def __getattr__(self, name: str) -> Any:
         """`proto.IfrtRequest` for `xla.ifrt.proxy.IfrtRequest` (the protocol's own package)."""

@@ -6,10 +6,12 @@ The service answers `InitResponse` with an unguessable session id (64 random bit
 buffer RPCs, which carry nothing but `{session_id, handle}`, are bound to their session by it.
 
 Requests are read in order and answered as they finish: a request that waits (CheckFuture,
-CheckValueReady, a MakeArray whose bytes have not arrived) runs as its own task, so later
-requests are answered before it (requirement 4 in docs/facts.md). One writer task owns the
-stream's writes; at most `MAX_PENDING` requests of a session are in flight, and reading stops
-while the writer's queue is full, so a client that never reads holds only its own session.
+CheckValueReady, a MakeArray whose bytes have not arrived) goes on in its own task, so later
+requests are answered before it (requirement 4 in docs/facts.md); the per-call kinds of a
+training loop (`INLINE`: Execute, DestructArray) run in the reader itself until they wait, and
+most are answered without a task. One writer task owns the stream's writes (answers.py); at
+most `MAX_PENDING` requests of a session wait at once, and reading stops while that many
+answers are unwritten, so a client that never reads holds only its own session.
 
 Device work goes through the `ClusterBackend` (backend.py): arrays in arrays.py, compiles and
 executes in executables.py; request kinds this server does not
@@ -35,8 +37,10 @@ from grpc import aio
 from .. import wire
 from . import arrays, downloads, executables, reshard
 from . import protocol as proto_mod
+from .answers import AnswerWriter, Encoder
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import HandleError, HandleTable, HostBuffers, HostData, Streamed
+from .running import Runner
 from .staging import Staging
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,11 @@ EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an emp
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
+# Request kinds run in the session's reader up to their first wait (running.py): the per-call
+# ones of a training loop. Their handlers, where they wait, await only futures (no
+# `asyncio.timeout`, which would bind the reader's task rather than the one they go on in).
+INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
+Handler = Callable[["Session", Message, Message], Awaitable[bytes | None]]
 
 
 class RequestError(Exception):
@@ -63,6 +72,7 @@ class Session:
     id: int
     version: int
     backend: SessionBackend
+    encoder: Encoder  # pre-serialized answer parts (answers.py)
     handles: HandleTable = field(default_factory=HandleTable)
     buffers: HostBuffers = field(default_factory=HostBuffers)
     submitted: asyncio.Lock = field(default_factory=asyncio.Lock)  # executes reach the cluster in order
@@ -85,9 +95,9 @@ def _attributes(attr_map: Message) -> dict[str, Any]:
     return out
 
 
-def _handles(req: Message, fields: Mapping[str, Sequence[str]]) -> list[int]:
+def _handles(req: Message, fields: Mapping[str, Sequence[str]], kind: str | None = None) -> list[int]:
     """The handles in the request's `fields[kind]` (arrays.USED_HANDLES, RESULT_HANDLES)."""
-    kind = req.WhichOneof("request") or ""
+    kind = kind if kind is not None else req.WhichOneof("request") or ""
     sub = getattr(req, kind, None)
     out: list[int] = []
     for name in fields.get(kind, ()):
@@ -112,7 +122,10 @@ class ProxyService:
         self._max_sessions = max_sessions
         self._admit = admit
         self._sessions: dict[int, Session] = {}
-        self._handlers: dict[str, Callable[[Session, Message, Message], Awaitable[None]]] = {
+        self._request = self.p.IfrtRequest.FromString
+        self._response = self.p.IfrtResponse
+        self._encoder = Encoder(self.p)
+        self._handlers: dict[str, Handler] = {
             "init_request": self._init,
             "get_default_layout_request": self._default_layout,
             "check_future_request": self._check_future,
@@ -139,7 +152,8 @@ class ProxyService:
                 ),
                 # requests arrive as bytes and are parsed in IfrtSession: grpc would end the stream
                 # silently, with OK, on an undecodable one
-                "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, ser),
+                # and answered as bytes: the handler serializes them (answers.py)
+                "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, None),
                 # the bulk bytes skip protobuf's copies: read and written as wire format (wire.py)
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(self.HostBufferStore, None, None),
                 "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
@@ -316,16 +330,17 @@ class ProxyService:
         session_id = secrets.randbits(64) or 1
         while session_id in self._sessions:
             session_id = secrets.randbits(64) or 1
-        session = Session(id=session_id, version=version, backend=backend, place=place)
+        session = Session(id=session_id, version=version, backend=backend, encoder=self._encoder, place=place)
         self._sessions[session_id] = session
         log.info(
             "proxy: session %x opened for %s on %d devices", session_id, context.peer(), len(backend.slice.devices)
         )
         return session
 
-    async def IfrtSession(
-        self, requests: AsyncIterator[Message], context: aio.ServicerContext
-    ) -> AsyncIterator[Message]:
+    async def IfrtSession(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> None:
+        """The session stream, through grpc.aio's reader/writer API (`context.read`/`write`: no
+        generator hop per message either way); `requests` is unused. The reader runs each
+        request as it is read (running.py); one writer task writes the answers (answers.py)."""
         try:
             session = await self._open(context)
         except RequestError as e:
@@ -333,62 +348,53 @@ class ProxyService:
             # the jaxlib client shows an error answer to the user, whereas a failed stream only
             # makes it reconnect until its connection timeout and then report CANCELLED.
             log.info("proxy: session from %s refused: %s", context.peer(), e)
-            async for raw in requests:
+            while (raw := await context.read()) is not aio.EOF:
                 req = self._parse(raw)
                 if req is None:
                     break
-                yield self._error(req.request_metadata.op_id, e.code, str(e))
+                await context.write(self._error(req.request_metadata.op_id, e.code, str(e)).SerializeToString())
             return
-        out: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=MAX_PENDING)
-        pending: set[asyncio.Task[None]] = set()
-        slots = asyncio.Semaphore(MAX_PENDING)
+        out = AnswerWriter(context.write, MAX_PENDING)
+        runner = Runner(out, session.handles.unclaim)
+        reader = asyncio.current_task()
+        writer = asyncio.create_task(out.run())
 
-        async def run(req: Message, used: list[int]) -> None:
-            try:
-                try:
-                    resp = await self._answer(session, req)
-                finally:
-                    session.handles.unclaim(used)
-                await out.put(resp)
-            finally:
-                slots.release()
+        def writer_done(task: asyncio.Task[None]) -> None:
+            if reader is not None and not task.cancelled() and task.exception() is not None:
+                reader.cancel()  # the stream is broken: nothing more can be answered
 
+        writer.add_done_callback(writer_done)
         undecodable = False
-
-        async def read() -> None:
-            nonlocal undecodable
-            try:
-                async for raw in requests:
-                    req = self._parse(raw)
-                    if req is None:
-                        undecodable = True
-                        break
-                    await slots.acquire()
-                    used = _handles(req, arrays.USED_HANDLES)
-                    session.handles.claim(used)  # here, in request order: see handles.py
-                    task = asyncio.create_task(run(req, used))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-            finally:
-                await asyncio.gather(*pending, return_exceptions=True)
-                await out.put(None)
-
-        reader = asyncio.create_task(read())
         try:
-            while (resp := await out.get()) is not None:
-                yield resp
+            while (raw := await context.read()) is not aio.EOF:
+                req = self._parse(raw)
+                if req is None:
+                    undecodable = True
+                    break
+                kind = req.WhichOneof("request") or ""
+                used = _handles(req, arrays.USED_HANDLES, kind)
+                session.handles.claim(used)  # here, in request order: see handles.py
+                runner.start(self._answer(session, req, kind), used, kind in INLINE)
+                if len(runner.pending) >= MAX_PENDING:
+                    await asyncio.wait(runner.pending, return_when=asyncio.FIRST_COMPLETED)
+                if out.full:
+                    await out.room()
+            if runner.pending:
+                await asyncio.gather(*runner.pending, return_exceptions=True)
+            out.close()
+            await writer
             if undecodable:
                 log.info("proxy: session %x: undecodable request; the session ends", session.id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
         finally:
-            reader.cancel()
-            for task in list(pending):
-                task.cancel()
+            writer.remove_done_callback(writer_done)
+            writer.cancel()
+            runner.cancel()
             await self._close(session)
 
     def _parse(self, raw: bytes) -> Message | None:
         try:
-            return self.p.IfrtRequest.FromString(raw)
+            return self._request(raw)
         except Exception:  # DecodeError, or whatever the C extension raises for garbage
             return None
 
@@ -402,23 +408,24 @@ class ProxyService:
             log.warning("proxy: session %x: closing its cluster session failed: %s", session.id, e)
         log.info("proxy: session %x closed", session.id)
 
-    async def _answer(self, session: Session, req: Message) -> Message:
+    async def _answer(self, session: Session, req: Message, kind: str) -> bytes:
+        """The serialized answer to `req`. A handler fills `resp`, or returns the answer's body
+        already serialized (answers.py: the response field of its kind)."""
         op_id = req.request_metadata.op_id
-        kind = req.WhichOneof("request")
-        resp = self.p.IfrtResponse()
-        resp.response_metadata.op_id = op_id
-        handler = self._handlers.get(kind or "")
+        resp = self._response()
+        handler = self._handlers.get(kind)
         try:
             if handler is None:
-                raise RequestError("UNIMPLEMENTED", f"the Pathways IFRT proxy server does not support {kind} yet")
-            await handler(session, req, resp)
+                raise RequestError("UNIMPLEMENTED", "the Pathways IFRT proxy server does not support "
+                                   f"{kind or 'a request without a kind'} yet")
+            body = await handler(session, req, resp)
         except (RequestError, HandleError, BackendError) as e:
             if kind in arrays.RESULT_HANDLES:
                 sub = getattr(req, kind)
                 for name in arrays.RESULT_HANDLES[kind]:
                     value = getattr(sub, name, 0)
                     session.handles.fail(value if isinstance(value, int) else list(value), e.code, str(e))
-            return self._error(op_id, e.code, str(e))
+            return bytes(self._error(op_id, e.code, str(e)).SerializeToString())
         except Exception as e:  # a bug: loud in the log; the client still gets its answer
             log.exception("proxy: session %x: %s failed", session.id, kind)
             if kind in arrays.RESULT_HANDLES:
@@ -426,11 +433,15 @@ class ProxyService:
                 for name in arrays.RESULT_HANDLES[kind]:
                     value = getattr(sub, name, 0)
                     session.handles.fail(value if isinstance(value, int) else list(value), "INTERNAL", str(e))
-            return self._error(op_id, "INTERNAL", f"{kind} failed in the Pathways IFRT proxy server (a bug): {e}")
-        return resp
+            return bytes(self._error(op_id, "INTERNAL", f"{kind} failed in the Pathways IFRT proxy server (a bug): "
+                                     f"{e}").SerializeToString())
+        if body is not None:
+            return session.encoder.metadata(op_id) + body
+        resp.response_metadata.op_id = op_id
+        return bytes(resp.SerializeToString())
 
     def _error(self, op_id: int, code: str, message: str) -> Message:
-        resp = self.p.IfrtResponse()
+        resp = self._response()
         resp.response_metadata.op_id = op_id
         resp.response_metadata.status.code = grpc.StatusCode[code].value[0]
         resp.response_metadata.status.message = message

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.ports import PortReservation, reserve_port
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
@@ -25,9 +25,14 @@ XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port reserved until this process exits (bench/ports.py: a port passed on from
+    a closed socket could be taken by a worker's port before the controller bound it)."""
+    reservation = reserve_port()
+    _HELD_PORTS.append(reservation)
+    return reservation.port
+
+
+_HELD_PORTS: list[PortReservation] = []
 
 
 class BenchCluster:
@@ -36,7 +41,8 @@ class BenchCluster:
         self.controller_args = list(controller_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="pw-bench-")
         self.home = Path(self._tmp.name)
-        self.address = f"127.0.0.1:{free_port()}"
+        self._port = reserve_port()  # held until close(): no other socket takes it first (ports.py)
+        self.address = self._port.address
         self.islands = islands
         self.devices = devices
         self.controller: subprocess.Popen[bytes] | None = None
@@ -116,6 +122,7 @@ class BenchCluster:
         for fh in self._logs:
             fh.close()
         self._tmp.cleanup()
+        self._port.close()
 
     def __enter__(self) -> BenchCluster:
         return self

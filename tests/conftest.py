@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
+from bench.ports import PortReservation, reserve_port
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children, stop_island_services
@@ -56,11 +56,17 @@ XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=20"
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
+_HELD_PORTS: list[PortReservation] = []  # free_port()'s reservations, held until the session ends
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, reserved for the rest of the test session: no other
+    socket is handed it, while a server this test starts can bind it (bench/ports.py). Closing
+    a socket bound to port 0 and passing its port on was racy: a worker starting at the same
+    time could get that port first, and the controller exited with "address in use"."""
+    reservation = reserve_port()
+    _HELD_PORTS.append(reservation)
+    return reservation.port
 
 
 def default_sigint() -> None:
@@ -218,7 +224,10 @@ class LocalCluster:
                  controller_args: Sequence[str] = (), worker_env: dict[str, str] | None = None) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        # the controller's port, held for this cluster so that no other socket takes it before the
+        # controller binds it, nor between a stop and a restart on it (bench/ports.py)
+        self._port = reserve_port()
+        self.port = self._port.port
         self.address = f"127.0.0.1:{self.port}"
         self.db_url = f"sqlite:///{home / 'pw.db'}"
         self.heartbeat_timeout = heartbeat_timeout
@@ -402,6 +411,7 @@ class LocalCluster:
         stop_children(procs)
         end_job_supervisors(self.home / "jobs")  # jobs outlive their controller by design
         stop_island_services(self.home / "island-services.json")  # they outlive it too
+        self._port.close()
 
     def invariant_failures(self) -> list[str]:
         """The logs of this cluster's processes that report a broken invariant, with the report."""

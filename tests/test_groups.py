@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_port
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller import groups as gm
@@ -145,9 +145,7 @@ def _service(home: Path, controller_pid: int, listed: bool) -> subprocess.Popen[
     and lists the service or not; its checks every 0.2 s, an orphan after 1 s."""
     home.mkdir()
     path = home / "island-services.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PATHWAYS_COORDSVC_CHECK_S="0.2", PATHWAYS_COORDSVC_ORPHAN_S="1")
     proc = subprocess.Popen([sys.executable, "-m", "server.controller.coordsvc", f"127.0.0.1:{port}", "2",
                              str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,

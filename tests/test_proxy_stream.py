@@ -66,6 +66,11 @@ class Sampler:
     def grown(self) -> int:
         return max(self.samples) - self.base
 
+    @property
+    def low(self) -> int:
+        """The lowest RSS seen, on entry included."""
+        return min([self.base, *self.samples])
+
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
@@ -175,12 +180,17 @@ def test_staged_host_buffers_become_arrays_or_are_freed(cluster: LocalCluster) -
     size = 64 * MIB
     rng = np.random.default_rng(0)
 
-    async def staged(session: Raw, handle: int, **kw: Any) -> int:
-        """Stores `size` random bytes under `handle`; the worker's RSS before, once it holds them."""
-        before = rss(worker.pid)
-        await session.store(handle, rng.bytes(size), **kw)
-        await until(lambda: rss(worker.pid) > before + size * 3 // 4, "the worker to hold the staged bytes", 10)
-        return before
+    async def staged(session: Raw, handle: int, data: bytes | None = None) -> int:
+        """Stores `size` random bytes (or `data`) under `handle`, waits until the worker holds
+        them, and returns its RSS before them: the lowest seen while they came. The worker
+        trims freed memory after 5 s without activity (uploads included), and that trim could
+        fall between a reading before the store and the bytes' arrival: the worker then held
+        them at under 48 MiB above that reading (it had just given back ~20-40 MiB)."""
+        with Sampler(worker.pid) as sampler:
+            await session.store(handle, rng.bytes(size) if data is None else data)
+            await until(lambda: rss(worker.pid) > sampler.low + size * 3 // 4,
+                        "the worker to hold the staged bytes", 10)
+        return sampler.low
 
     async def freed(before: int) -> None:
         await until(lambda: rss(worker.pid) < before + size // 4, "the worker to free the staged bytes")
@@ -189,9 +199,7 @@ def test_staged_host_buffers_become_arrays_or_are_freed(cluster: LocalCluster) -
         async with raw_session(cluster) as s:
             # the bytes are on the worker before any MakeArray names them; the array reads back
             data = rng.bytes(size)
-            before = rss(worker.pid)
-            await s.store(10, data)
-            await until(lambda: rss(worker.pid) > before + size * 3 // 4, "the worker to hold the bytes", 10)
+            await staged(s, 10, data)
             resp = await s.make(10, 20, (size // 4,))
             assert resp.response_metadata.status.code == 0, resp.response_metadata.status.message
             assert await s.read_back(20, 30) == data

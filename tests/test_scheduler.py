@@ -304,6 +304,45 @@ def test_fair_share_converges_to_weights() -> None:
     s.validate()
 
 
+def test_fair_share_a_joining_client_does_not_take_the_whole_window_before_it_is_billed() -> None:
+    """A client none of whose runs has finished yet has its runs in flight estimated at the other
+    clients' node time, not at 0: estimated at 0, a weight-1 client that joined a weight-8 one
+    got every free slot until its first run was billed (the whole window: 1111), then waited
+    while the other caught up (15 in a row); the fair-share test under load saw w=1 take 16 runs
+    at once and then wait ~2 s."""
+    s = new(max_inflight_nodes=4)
+    s.handle(SetPolicy("a", Policy.FAIR))
+    client_of: dict[int, str] = {}
+    running: deque[int] = deque()
+    order: list[str] = []
+
+    def apply(actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Dispatch):
+                for dn in a.nodes:
+                    running.append(dn.run_id)
+                    order.append(client_of[dn.run_id][1])
+
+    def submit(rid: int, client: str, weight: float, now: float) -> None:
+        client_of[rid] = client
+        apply(s.handle(Submit(chain(rid, 1, client=client, weight=weight), now)))
+
+    for rid in range(1, 41):
+        submit(rid, "w8", 8.0, 0.0)
+    now = 0.0
+    for _ in range(8):  # w8 alone: its node time (1 s) is known
+        now += 1.0
+        apply(s.handle(fin(running.popleft(), 0, now, busy=1.0)))
+    for rid in range(101, 141):
+        submit(rid, "w1", 1.0, now)
+    joined = len(order)
+    for _ in range(20):
+        now += 1.0
+        apply(s.handle(fin(running.popleft(), 0, now, busy=1.0)))
+    assert "".join(order[joined:]) == "81888888881888888881"  # 1:8, from the first slot on
+    s.validate()
+
+
 def test_fair_share_newly_active_client_banks_no_credit() -> None:
     s = new(max_inflight_nodes=1)
     s.handle(SetPolicy("a", Policy.FAIR))

@@ -182,6 +182,13 @@ def device_time(trace: dict[str, Any], t0: float, t1: float) -> dict[str, float]
     return used
 
 
+def longest_run(trace: dict[str, Any], t: float) -> float:
+    """Seconds of the longest node run that ended after unix time t."""
+    origin = trace["otherData"]["origin_unix_ns"] / 1e9
+    return max((ev["dur"] / 1e6 for ev in trace["traceEvents"]
+                if ev.get("ph") == "X" and origin + (ev["ts"] + ev["dur"]) / 1e6 > t), default=0.0)
+
+
 def first_end_after(trace: dict[str, Any], client: str, t: float) -> float:
     """When the first node run of `client` that ended at or after unix time t ended (inf: none did)."""
     origin = trace["otherData"]["origin_unix_ns"] / 1e9
@@ -194,7 +201,15 @@ def first_end_after(trace: dict[str, Any], client: str, t: float) -> float:
 def test_fair_share_follows_weights(cluster: LocalCluster, tmp_path: Path) -> None:
     """Four busy clients with weights 1:2:4:8 on one device: the device time each got in the
     common window (all started, all level, all still backlogged) is within 10% (relative) of
-    1/15, 2/15, 4/15, 8/15.
+    1/15, 2/15, 4/15, 8/15, give or take the longest run since the start.
+
+    The longest run: the policy bills a run when it ends, and then holds its client back until
+    the others have had their share of it, so a client is up to one run ahead of or behind its
+    share at any time, the window's start and end included. On the loaded 2-core test machine
+    a ~1.5 ms run now and then took 100-250 ms (the worker's thread preempted): w=2's first run
+    took 215 ms, just before the window, so w=2 waited ~2 s inside it and ended 110 ms (15%)
+    short, while the policy did what it should. Quiet, the longest run is a few ms; a policy
+    that ignored the weights gives w=1 a quarter of the device time, ~1 s too much.
 
     Device time, not runs: the policy shares the device time each run was charged, and on the
     loaded test machine the same computation took 1 to 11 ms, so run counts strayed from the
@@ -227,9 +242,11 @@ def test_fair_share_follows_weights(cluster: LocalCluster, tmp_path: Path) -> No
     want = [w / sum(WEIGHTS) for w in WEIGHTS]
     report = ", ".join(f"w={w}: {g:.3f} s {s:.3f} (want {x:.3f}; {n:.0f} runs)"
                        for w, g, s, x, n in zip(WEIGHTS, got, shares, want, runs, strict=True))
+    lag = longest_run(trace, started)
+    report += f"; longest run {lag * 1000:.1f} ms"
     assert sum(runs) > 200, report
-    for s, x in zip(shares, want, strict=True):
-        assert abs(s - x) <= 0.10 * x, report
+    for g, x in zip(got, want, strict=True):
+        assert abs(g - x * total) <= 0.10 * x * total + lag, report
 
 
 # ------------------------------------------------------------------------------------ priority

@@ -176,7 +176,9 @@ class Share:
         self.node_time = busy_s if self.done_nodes == 0 else self.node_time + 0.2 * (busy_s - self.node_time)
         self.done_nodes += 1
 
-    @property
-    def vtime(self) -> float:
-        """Virtual time: (used + estimated in-flight use) / weight."""
-        return (self.used + self.inflight_nodes * self.node_time) / self.weight
+    def vtime(self, unknown_node_time: float = 0.0) -> float:
+        """Virtual time: (used + estimated in-flight use) / weight. A client none of whose nodes
+        has finished in this busy period has no node time of its own yet: its nodes in flight
+        are estimated at `unknown_node_time` (policy.typical_node_time)."""
+        node_time = self.node_time if self.done_nodes else unknown_node_time
+        return (self.used + self.inflight_nodes * node_time) / self.weight

@@ -91,6 +91,7 @@ class WorkerProcess:
         # controller messages in their order, whichever way each came (relay.py)
         self.inbox = Inbox()
         self.relayed_in = 0
+        self.servicer: WorkerServicer | None = None  # once serving
         self.forwarder: Forwarder | None = None  # once serving: this worker as a relay
 
     def _report(self, events: list[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
@@ -108,6 +109,7 @@ class WorkerProcess:
         interceptors = [TokenInterceptor(token)] if token else []
         server = aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
+        self.servicer = servicer
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT
         self.forwarder = Forwarder(self.config.name, self._relayed, self._relay_failed, self.config.token)
         servicer.on_relayed = self._relayed
@@ -166,9 +168,13 @@ class WorkerProcess:
                         log.warning("controller stream ended: %s %s", e.code().name, e.details())
             await asyncio.sleep(retry.delay(loop.time(), rejected))
 
-    def _activity(self) -> tuple[int, int, int]:
-        """Changes whenever the worker ran something or its buffers changed."""
-        return (self.executor.nodes_executed, *self.store.stats())
+    def _activity(self) -> tuple[int, int, int, int]:
+        """Changes whenever the worker ran something, its buffers changed, or an upload came in
+        (one it refused, or that was cancelled or cut short, changes no buffer count, yet its
+        pieces left freed memory: a staged 64 MiB upload that a client deleted left ~20 MiB
+        resident, untrimmed, when the worker had read it slowly)."""
+        uploads = self.servicer.upload_messages if self.servicer is not None else 0
+        return (self.executor.nodes_executed, *self.store.stats(), uploads)
 
     async def _release_memory_when_idle(self) -> None:
         """Once the worker has been idle for TRIM_IDLE_S: unloads the compiled programs nobody

@@ -93,6 +93,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self.island = island
         self.auth = auth or WorkerAuth()
         self.data_address = ""  # of the TCP transfer port (tcplink.py), once it listens
+        # upload messages received: an upload that never became a buffer (refused, cancelled,
+        # cut short) changes no buffer count, yet its pieces leave freed memory to trim
+        self.upload_messages = 0
         self._gathering = Gathering()  # parts of multi-host slices' arrays, until whole
         # converting a ready value to bytes blocks until its computation is done: a pool of its
         # own keeps that from starving the default executor that assembles transfers
@@ -127,6 +130,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         pieces: Assembly | None = None  # an array over one message, in pieces (uploads.py)
         try:
             async for req in request_iterator:
+                self.upload_messages += 1
                 if not caller.owns_id(req.buffer_id):
                     log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,

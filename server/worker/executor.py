@@ -18,6 +18,10 @@ its instructions:
 - the completion thread (`pw-completer`) waits for completions in launch order, sends outputs
   to consumers on other workers, reports one event per task (batched by the caller of
   `report`) and hands the completed tasks back to the machine without waking the launch thread.
+  A small computation whose inputs are ready runs inline in the launch itself (XLA on CPU does
+  that for cheap ones): when nothing handed to the completion thread is still open, such a task
+  is completed by the launch thread at the end of its pass, with the others of that pass, and
+  the completion thread is never woken for it (see `_complete_inline`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ MAX_DROP_HINTS = 10_000  # dropped runs remembered for launches blocked on input
 # COMPLETIONS_BOUND an idle launch thread is woken to take them.
 COMPLETIONS_BATCH = 64
 COMPLETIONS_BOUND = 1024
+# A launched task is completed by the launch thread itself when its outputs are ready as the launch
+# returns, it has at most this many outputs (checking costs ~0.5 µs each) and none travels to another
+# worker; at most INLINE_BATCH of them wait for the end of the launch thread's pass.
+INLINE_MAX_OUTPUTS = 16
+INLINE_BATCH = 64
 
 
 class Executor:
@@ -81,6 +90,14 @@ class Executor:
         self._inflight: dict[int, Task] = {}  # id -> launched task, until completed
         self._spans = DeviceSpans()  # when each completed task ran (completion thread)
         self._done_q: queue.Queue[Task | None] = queue.Queue()
+        # tasks handed to the completion thread and not finished yet (written by the launch thread
+        # when it hands one over, by the completion thread when it finished one: two counters,
+        # one writer each); while any is open, every launch goes to the completion thread too, so
+        # that tasks complete in launch order
+        self._handed = 0
+        self._handed_done = 0
+        self._ready_now: list[Task] = []  # launched and already complete: finished at the pass's end
+        self.completed_inline = 0  # tasks the launch thread completed itself (tests, benchmarks)
         self._stop = False
         self.nodes_executed = 0
         # tasks received and tasks over, for the backlog: each counter has one writer (the event
@@ -230,6 +247,8 @@ class Executor:
                             if c and self._completions:  # its `after` then names only what still runs
                                 self._take_completions()
                 self._carry_out(self.state.handle(stimulus))
+            if self._ready_now:
+                self._complete_inline()
 
     def _take_completions(self) -> None:
         done: list[st.Task] = []
@@ -358,8 +377,24 @@ class Executor:
         task.nbytes = self.store.launched(task.output_ids, values, task.input_ids, info.out_nbytes)
         task.values, task.start_ns = values, start
         self._inflight[id(task)] = task
-        self._done_q.put(task)
+        if self._handed == self._handed_done and not info.routes and _all_ready(values):
+            self._ready_now.append(task)  # computed inline: no completion thread needed
+            if len(self._ready_now) >= INLINE_BATCH:
+                self._complete_inline()
+        else:
+            if self._ready_now:  # they launched first: they complete first
+                self._complete_inline()
+            self._handed += 1
+            self._done_q.put(task)
         return True
+
+    def _complete_inline(self) -> None:
+        """(launch thread) Completes the tasks whose outputs were ready when their launch returned,
+        as the completion thread would (it has nothing open: see `_launch`), without waking it: a
+        small message's tasks then cost one thread hand-off less each."""
+        batch, self._ready_now = self._ready_now, []
+        self.completed_inline += len(batch)
+        self._finish(batch)
 
     def _drain(self, tasks: Sequence[st.Task]) -> None:
         """Waits for these launched computations (on the devices of a collective) to complete."""
@@ -422,11 +457,16 @@ class Executor:
                     return
                 batch.append(item)
             self._finish(batch)
+            self._handed_done += len(batch)  # after its report: the launch thread may complete the next ones
             # the store decides when outputs are freed: hold no reference while idle
             first = item = None
             batch = []
 
     def _finish(self, batch: list[Task]) -> None:
+        """Completes launched tasks (in launch order): waits for them, sends routed outputs, reports
+        their events and hands them back to the machine. Called by the completion thread, or by the
+        launch thread for tasks already complete while the completion thread has nothing open
+        (never by both at once)."""
         # Tasks whose outputs travel to other workers are waited for one by one, in launch order,
         # and their outputs leave as soon as they are ready: a pipeline stage's micro-batch k goes
         # to the next stage while micro-batch k+1 still computes (waiting for the whole batch
@@ -491,3 +531,14 @@ class Executor:
             return
         self.sender.send(send.buffer_id, value, send.address, send.same_host,
                          lambda: self.store.consumer_done(send.buffer_id))
+
+
+def _all_ready(values: Sequence[Any]) -> bool:
+    """Whether every output is computed already (a computation XLA ran inline during its launch);
+    False for many outputs (not worth checking: a big step completes on the completion thread)."""
+    if len(values) > INLINE_MAX_OUTPUTS:
+        return False
+    try:
+        return all(v.is_ready() for v in values)
+    except Exception:  # not a JAX array, or deleted: the completion thread finds out what it is
+        return False

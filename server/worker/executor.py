@@ -353,6 +353,8 @@ class Executor:
         except BufferFailed as e:
             self._fail(task, f"an input failed: {e}")
             return False
+        if info.runner is None and self._ready_now:  # building it may compile for seconds: report those first
+            self._complete_inline()
         try:
             runner = self.runners.runner(info)
         except Exception as e:
@@ -379,7 +381,7 @@ class Executor:
         self._inflight[id(task)] = task
         if self._handed == self._handed_done and not info.routes and _all_ready(values):
             self._ready_now.append(task)  # computed inline: no completion thread needed
-            if len(self._ready_now) >= INLINE_BATCH:
+            if task.prompt or len(self._ready_now) >= INLINE_BATCH:  # prompt: the controller waits for it
                 self._complete_inline()
         else:
             if self._ready_now:  # they launched first: they complete first

@@ -128,3 +128,44 @@ def test_a_refused_upload_fails_its_readers_and_is_kept_only_where_asked() -> No
     s.expect([6], owner="client:2", visible=[True])
     s.refuse(6, "client:1", "not yours", held=True)
     assert s.pending_of([6]) == [6]
+
+
+class _Finalized:
+    """A stored value whose deallocation uses the store, as dropping a JAX array runs XLA's
+    deallocation: done under the store's lock, it would deadlock (the lock is not reentrant)."""
+
+    def __init__(self, store: BufferStore, seen: list[int]) -> None:
+        self.store, self.seen = store, seen
+
+    def __del__(self) -> None:
+        self.seen.append(self.store.stats()[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["release", "launched", "release_owner"])
+def test_freed_values_are_deallocated_after_the_store_lock_is_released(how: str) -> None:
+    s = BufferStore()
+    seen: list[int] = []
+    for b in (1, 2):  # two buffers freed by one call: the first is dropped while the call goes on
+        s.expect([b], owner="client:1", visible=[True])
+        s.add_consumers([b], owner="client:1")
+        s.launched([b], [_Finalized(s, seen)], input_ids=[], sizes=[8])
+        if how == "launched":
+            s.release([b])  # the client let go; the reader's launch frees it
+        else:
+            s.consumer_done(b)  # the reader is done; the client's release frees it
+    done = threading.Event()
+
+    def free() -> None:
+        if how == "release":
+            s.release([1, 2])
+        elif how == "launched":
+            s.expect([3], owner="client:1")
+            s.launched([3], [np.zeros(1)], input_ids=[1, 2])
+        else:
+            s.release_owner("client:1")
+        done.set()
+
+    threading.Thread(target=free, daemon=True).start()
+    assert done.wait(20), f"{how}: a value's deallocation waited for the store's own lock"
+    assert len(seen) == 2  # both deallocated, and each could read the store

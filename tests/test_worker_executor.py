@@ -91,3 +91,67 @@ def test_a_task_of_an_unregistered_segment_fails_naming_it(executor: Rig) -> Non
     ex.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=5, segment=2, seq=1, segment_id=99, input_ids=[], output_ids=[30])]))
     failed = next_event(events)
     assert not failed.ok and failed.error == "segment 2: its segment was never registered on this worker"
+
+
+def _slow(x: jax.Array) -> jax.Array:
+    """x + 0, after 40 matrix products (tens of ms on CPU: never complete when its launch returns)."""
+    m = jax.numpy.ones((256, 256), x.dtype) * x[0]
+    m = jax.lax.fori_loop(0, 40, lambda i, m: jax.numpy.tanh(m @ m), m)
+    return x + 0 * jax.numpy.sum(m)
+
+
+def register_slow(ex: Executor) -> None:
+    fn = export_jit(_slow, mesh_shape=(1,), axis_names=("x",), args=(X,), name="slow")
+    ex.submit(wpb.Enqueue(
+        functions=[wpb.FunctionBlob(function_id=fn.function_id, exported=fn.exported, name="slow")],
+        segments=[wpb.SegmentDef(
+            segment_id=2, local_devices=[0], label="p/1 slow",
+            nodes=[wpb.SegmentNode(function_id=fn.function_id, inputs=[0], input_outputs=[0], label="p/1 slow",
+                                   local_devices=[0])],
+            outputs=[wpb.SegmentOutput(node=0, output=0)])]))
+
+
+@pytest.mark.timeout(60)
+def test_a_message_of_small_computations_completes_them_on_the_launch_thread_in_order(executor: Rig) -> None:
+    ex, store, events = executor
+    store.put(100, X, X.nbytes, owner="client:1", client_ref=True)
+    n = 8  # a chain: each task reads the one before it
+    ex.submit(wpb.Enqueue(tasks=[task(i, run=i, inp=99 + i, out=100 + i) for i in range(1, n + 1)]))
+    got = [next_event(events) for _ in range(n)]
+    assert [(e.run_id, e.seq, e.ok) for e in got] == [(i, i, True) for i in range(1, n + 1)]
+    np.testing.assert_array_equal(np.asarray(store.wait(100 + n, timeout=10)), X + n)
+    assert ex.completed_inline > 0  # XLA ran them inline: the completion thread was not needed
+    assert ex.backlog() == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_computation_still_running_completes_on_the_completion_thread_and_those_after_it_wait(
+        executor: Rig) -> None:
+    """(On one device XLA runs a device's computations in order, so the small ones are not computed
+    before the slow one either; what is checked is that they go to the completion thread after it,
+    and that the launch thread completes small ones again once nothing is open.)"""
+    ex, store, events = executor
+    register_slow(ex)
+    store.put(100, X, X.nbytes, owner="client:1", client_ref=True)
+
+    def slow_then_two(seq: int, inp: int) -> list[cpb.NodeEvent]:
+        slow = wpb.Task(run_id=seq, segment=1, seq=seq, segment_id=2, input_ids=[inp], output_ids=[inp + 1],
+                        output_visible=[True], owner="client:1")
+        # the next one reads what the slow one reads, not its output: computed as its launch returns
+        ex.submit(wpb.Enqueue(tasks=[slow, task(seq + 1, run=seq + 1, inp=inp, out=inp + 2),
+                                     task(seq + 2, run=seq + 2, inp=inp + 2, out=inp + 3)]))
+        return [next_event(events) for _ in range(3)]
+
+    slow_then_two(1, 100)  # the first launches compile (each executable again for inputs of new shardings)
+    slow_then_two(4, 103)
+    inline = ex.completed_inline
+    got = slow_then_two(7, 106)
+    assert [(e.run_id, e.seq, e.ok) for e in got] == [(7, 7, True), (8, 8, True), (9, 9, True)]
+    assert got[0].end_ns <= got[1].end_ns <= got[2].end_ns
+    np.testing.assert_array_equal(np.asarray(store.wait(109, timeout=10)), np.asarray(store.wait(106)) + 2)
+    assert ex.completed_inline == inline  # launched while the slow one ran: they completed after it
+    # once nothing is open, small ones complete inline again
+    ex.submit(wpb.Enqueue(tasks=[task(10, run=10, inp=109, out=110)]))
+    assert (next_event(events).seq, ex.completed_inline) == (10, inline + 1)
+    np.testing.assert_array_equal(np.asarray(store.wait(110, timeout=10)), np.asarray(store.wait(106)) + 3)
+    assert [seq for _, _, seq in ex.recent_order] == list(range(1, 11))

@@ -92,11 +92,12 @@ class BufferStore:
                 e.hold = False
 
     def consumer_done(self, buffer_id: int) -> None:
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is not None:
                 e.consumers = max(0, e.consumers - 1)
-                self._maybe_free(buffer_id, e)
+                self._maybe_free(buffer_id, e, gone)
 
     # ---- producing ----
     def put(
@@ -107,6 +108,7 @@ class BufferStore:
         another worker (from_peer) may overtake the enqueue of its reader, so it is held.
         With same_owner (a client's upload) a buffer recorded under another owner is left as it
         is and the answer is False."""
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
@@ -121,7 +123,7 @@ class BufferStore:
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
             callbacks, e.callbacks = e.callbacks, []
             self._wake(buffer_id)
-            self._maybe_free(buffer_id, e)
+            self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
         return True
@@ -143,7 +145,7 @@ class BufferStore:
         e.state, e.error, e.value = FAILED, error, None
         callbacks, e.callbacks = e.callbacks, []
         self._wake(buffer_id)
-        self._maybe_free(buffer_id, e)
+        self._maybe_free(buffer_id, e, [])  # its value is gone already: nothing to deallocate
         return callbacks
 
     def refuse(self, buffer_id: int, owner: str, error: str, *, held: bool) -> None:
@@ -188,6 +190,7 @@ class BufferStore:
         total = 0
         if sizes is None:
             sizes = [int(getattr(v, "nbytes", 0)) for v in values]
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id, value, nbytes in zip(output_ids, values, sizes, strict=False):
                 total += nbytes
@@ -202,12 +205,12 @@ class BufferStore:
                     e.callbacks = []
                 if self._waiters:
                     self._wake(buffer_id)
-                self._maybe_free(buffer_id, e)
+                self._maybe_free(buffer_id, e, gone)
             for buffer_id in input_ids:
                 e = self._entries.get(buffer_id)
                 if e is not None:
                     e.consumers = max(0, e.consumers - 1)
-                    self._maybe_free(buffer_id, e)
+                    self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
         return total
@@ -336,6 +339,7 @@ class BufferStore:
     # ---- releasing ----
     def release(self, buffer_ids: Sequence[int]) -> None:
         """The client dropped these buffers (some maybe before they exist: tombstones)."""
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
@@ -343,19 +347,24 @@ class BufferStore:
                     self._entries[buffer_id] = _Entry(released=True)
                     continue
                 e.released, e.client_ref = True, False
-                self._maybe_free(buffer_id, e)
+                self._maybe_free(buffer_id, e, gone)
 
     def release_owner(self, owner: str) -> int:
         """Drops every client reference held by `owner` (a client or job went away)."""
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             ids = [i for i, e in self._entries.items() if e.owner == owner]
             for i in ids:
                 e = self._entries[i]
                 e.released, e.client_ref = True, False
-                self._maybe_free(i, e)
+                self._maybe_free(i, e, gone)
             return len(ids)
 
-    def _maybe_free(self, buffer_id: int, e: _Entry) -> None:
+    def _maybe_free(self, buffer_id: int, e: _Entry, gone: list[_Entry]) -> None:
+        """Forgets the buffer when nobody needs it any more. Its entry goes to `gone`, which the
+        caller drops after leaving the lock: dropping the last reference to a JAX array runs
+        XLA's deallocation (tens of µs, more while a computation still reads it), which must not
+        keep the launch thread waiting for the lock."""
         if e.client_ref or e.consumers > 0 or e.hold:
             return
         if e.state == PENDING and not e.released:
@@ -363,6 +372,7 @@ class BufferStore:
         if e.state == PENDING and e.released and not e.callbacks:
             return  # tombstone: keep until the upload arrives, then drop it
         del self._entries[buffer_id]
+        gone.append(e)
 
     # ---- stats ----
     def stats(self) -> tuple[int, int]:

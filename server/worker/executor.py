@@ -18,6 +18,10 @@ its instructions:
 - the completion thread (`pw-completer`) waits for completions in launch order, sends outputs
   to consumers on other workers, reports one event per task (batched by the caller of
   `report`) and hands the completed tasks back to the machine without waking the launch thread.
+  A small computation whose inputs are ready runs inline in the launch itself (XLA on CPU does
+  that for cheap ones): when nothing handed to the completion thread is still open, such a task
+  is completed by the launch thread at the end of its pass, with the others of that pass, and
+  the completion thread is never woken for it. The completion side is server/worker/completion.py.
 """
 
 from __future__ import annotations
@@ -41,23 +45,19 @@ from ..invariants import InvariantError
 from ..threadnames import name_native_thread
 from . import state as st
 from .buffers import BufferFailed, BufferStore
+from .completion import COMPLETIONS_BATCH, COMPLETIONS_BOUND, INLINE_BATCH, Completion, all_ready
 from .fusion import NodeFailed
 from .segments import Runners, SegmentInfo, switch_group
 from .spans import DeviceSpans
-from .tasks import Exclusive, Task, info_of, names_a_node, wait_outputs
+from .tasks import Exclusive, Task, names_a_node
 from .transfer import TransferSender
 
 log = logging.getLogger(__name__)
 
 MAX_DROP_HINTS = 10_000  # dropped runs remembered for launches blocked on inputs; halved when full
-# Completed tasks reach the machine in batches of COMPLETIONS_BATCH (nothing waits on them there:
-# a collective's `after` may name a completed task, whose wait returns at once); past
-# COMPLETIONS_BOUND an idle launch thread is woken to take them.
-COMPLETIONS_BATCH = 64
-COMPLETIONS_BOUND = 1024
 
 
-class Executor:
+class Executor(Completion):
     def __init__(
         self,
         store: BufferStore,
@@ -81,6 +81,14 @@ class Executor:
         self._inflight: dict[int, Task] = {}  # id -> launched task, until completed
         self._spans = DeviceSpans()  # when each completed task ran (completion thread)
         self._done_q: queue.Queue[Task | None] = queue.Queue()
+        # tasks handed to the completion thread and not finished yet (written by the launch thread
+        # when it hands one over, by the completion thread when it finished one: two counters,
+        # one writer each); while any is open, every launch goes to the completion thread too, so
+        # that tasks complete in launch order
+        self._handed = 0
+        self._handed_done = 0
+        self._ready_now: list[Task] = []  # launched and already complete: finished at the pass's end
+        self.completed_inline = 0  # tasks the launch thread completed itself (tests, benchmarks)
         self._stop = False
         self.nodes_executed = 0
         # tasks received and tasks over, for the backlog: each counter has one writer (the event
@@ -230,6 +238,8 @@ class Executor:
                             if c and self._completions:  # its `after` then names only what still runs
                                 self._take_completions()
                 self._carry_out(self.state.handle(stimulus))
+            if self._ready_now:
+                self._complete_inline()
 
     def _take_completions(self) -> None:
         done: list[st.Task] = []
@@ -334,6 +344,8 @@ class Executor:
         except BufferFailed as e:
             self._fail(task, f"an input failed: {e}")
             return False
+        if info.runner is None and self._ready_now:  # building it may compile for seconds: report those first
+            self._complete_inline()
         try:
             runner = self.runners.runner(info)
         except Exception as e:
@@ -358,7 +370,15 @@ class Executor:
         task.nbytes = self.store.launched(task.output_ids, values, task.input_ids, info.out_nbytes)
         task.values, task.start_ns = values, start
         self._inflight[id(task)] = task
-        self._done_q.put(task)
+        if self._handed == self._handed_done and not info.routes and all_ready(values):
+            self._ready_now.append(task)  # computed inline: no completion thread needed
+            if task.prompt or len(self._ready_now) >= INLINE_BATCH:  # prompt: the controller waits for it
+                self._complete_inline()
+        else:
+            if self._ready_now:  # they launched first: they complete first
+                self._complete_inline()
+            self._handed += 1
+            self._done_q.put(task)
         return True
 
     def _drain(self, tasks: Sequence[st.Task]) -> None:
@@ -403,91 +423,3 @@ class Executor:
             self.report([cpb.NodeEvent(run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=now,
                                        end_ns=now, ok=False, error=message, local_devices=devices)],
                         task.prompt, self.backlog(), 0)
-
-    # ---- completion thread ----
-    def _complete_loop(self) -> None:
-        name_native_thread()
-        while True:
-            first = self._done_q.get()
-            if first is None:
-                return
-            batch = [first]
-            while True:  # everything launched meanwhile completes with one wait
-                try:
-                    item = self._done_q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._finish(batch)
-                    return
-                batch.append(item)
-            self._finish(batch)
-            # the store decides when outputs are freed: hold no reference while idle
-            first = item = None
-            batch = []
-
-    def _finish(self, batch: list[Task]) -> None:
-        # Tasks whose outputs travel to other workers are waited for one by one, in launch order,
-        # and their outputs leave as soon as they are ready: a pipeline stage's micro-batch k goes
-        # to the next stage while micro-batch k+1 still computes (waiting for the whole batch
-        # would make stages take turns). The rest complete with one wait.
-        errors: list[str] = [""] * len(batch)
-        infos = [info_of(t) for t in batch]
-        for i, task in enumerate(batch):
-            if infos[i].routes:
-                errors[i] = wait_outputs(task)
-                self._send_outputs(task, infos[i], errors[i])
-        try:
-            jax.block_until_ready([t.values for t, info in zip(batch, infos, strict=True) if not info.routes])
-        except Exception:
-            for i, task in enumerate(batch):  # find which ones failed
-                if not infos[i].routes:
-                    errors[i] = wait_outputs(task)
-        group = self.runners.group
-        for i, info in enumerate(infos):
-            if errors[i] and info.definition.group_generation:
-                errors[i] = group.explain(errors[i])  # names the peer that went away, where it can
-        spans = self._spans.split([(t.devices, t.start_ns, info.size) for t, info in zip(batch, infos, strict=True)],
-                                  time.time_ns())
-        events = []
-        nbytes = 0
-        prompt = False
-        for task, info, error, (start, end) in zip(batch, infos, errors, spans, strict=True):
-            self._inflight.pop(id(task), None)
-            task.values = None  # the store holds the outputs from here
-            if error:
-                for out in task.output_ids:
-                    self.store.fail(out, error)
-            self.recent_order.append((task.run_id, task.segment, task.seq))
-            events.append(cpb.NodeEvent(
-                run_id=task.run_id, segment=task.segment, seq=task.seq, start_ns=start,
-                end_ns=end, ok=not error, error=error, local_devices=info.structure.devices))
-            self.nodes_executed += info.size
-            nbytes += task.nbytes
-            prompt = prompt or task.prompt
-        self._completed += len(batch)
-        self._completions.extend(batch)  # for the machine, taken when the launch thread next wakes
-        if len(self._completions) > COMPLETIONS_BOUND:
-            self._feed()  # an idle launch thread takes them now
-        self.report(events, prompt, self.backlog(), nbytes)
-
-    def _send_outputs(self, task: Task, info: SegmentInfo, error: str) -> None:
-        for j, route in enumerate(info.routes):
-            out_id = task.output_ids[route.output_index]
-            to_id = task.route_id(j, out_id)
-            if not error and task.values is not None:
-                self.sender.send(to_id, task.values[route.output_index], route.address, route.same_host,
-                                 functools.partial(self.store.consumer_done, out_id))
-            else:
-                self.sender.send_error(to_id, route, error)
-                self.store.consumer_done(out_id)
-
-    def _send_buffer(self, send: wpb.BufferSend) -> None:
-        try:
-            value = self.store.wait(send.buffer_id, timeout=0)
-        except (BufferFailed, TimeoutError) as e:
-            self.sender.send_error(send.buffer_id, wpb.OutputRoute(address=send.address), str(e))
-            self.store.consumer_done(send.buffer_id)
-            return
-        self.sender.send(send.buffer_id, value, send.address, send.same_host,
-                         lambda: self.store.consumer_done(send.buffer_id))

@@ -38,6 +38,7 @@ _refusals = WarningLimiter()  # a client sending refused uploads writes a bounde
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
+MAX_CHECKED_NOW = 64  # a Wait for at most this many buffers is answered on the event loop once all are computed
 
 
 def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
@@ -320,12 +321,32 @@ class WorkerServicer(wgrpc.WorkerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
         if not ready:
             return wpb.WaitReply(ready=False)
+        values = self._values_now(ids, request.must_exist)
+        if values is not None:  # computed already (or failed): answered here, no pool thread woken
+            return self._computed(ids, request.must_exist, values)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
 
-    def _computed(self, buffer_ids: list[int], must_exist: bool = False) -> wpb.WaitReply:
-        """Waits for the computations behind settled buffers (launched is not computed)."""
+    def _values_now(self, buffer_ids: list[int], must_exist: bool) -> list[object] | None:
+        """The settled buffers' values when the computations behind them are over, [] when the
+        answer needs no waiting either (one failed or is gone); None when something may still be
+        computing, or there are too many to check here (a pool thread then blocks on them)."""
         try:
-            jax.block_until_ready(self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
+            values = self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist)
+        except (TimeoutError, BufferFailed):
+            return []  # `_computed` answers it at once
+        if len(values) > MAX_CHECKED_NOW:
+            return None
+        try:
+            return values if all(getattr(v, "is_ready", _true)() for v in values) else None
+        except Exception:  # a deleted array: the pool thread's wait reports it
+            return None
+
+    def _computed(self, buffer_ids: list[int], must_exist: bool = False,
+                  values: list[object] | None = None) -> wpb.WaitReply:
+        """Waits for the computations behind settled buffers (launched is not computed);
+        `values`: theirs, when the caller read them already."""
+        try:
+            jax.block_until_ready(values or self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:
@@ -448,3 +469,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
             relayed_in=relayed_in,
             relayed_out=relayed_out,
         )
+
+
+def _true() -> bool:
+    return True

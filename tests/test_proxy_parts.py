@@ -5,7 +5,9 @@ report it). Each program's output is compared with the same program on 4 local C
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import LocalCluster, wait_for
@@ -120,3 +122,31 @@ def test_results_get_the_shardings_xla_propagation_picks(cluster: LocalCluster, 
     assert "spec=P()" not in by_name["gram"] and "spec=P()" not in by_name["cols"]
     assert "spec=P(None, 'b')" not in by_name["s"] and "spec=P()" not in by_name["s"]
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
+ONE_DEVICE = PRELUDE + """
+def triple(v):
+    return v * 3 + 1
+f = jax.jit(triple)
+for d in (2, 3, 2):
+    x = jax.device_put(np.arange(4.0, dtype=np.float32) + d, devs[d])
+    show(f"on {d}", f(x))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=4)
+def test_a_one_device_program_runs_on_its_device_only(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A jit on one device of a 4-device slice runs there (ProgramNode.devices), not replicated
+    over the slice: the scheduler holds that device only, and the worker launches it on one."""
+    local = matches_local(cluster, tmp_path, ONE_DEVICE, 4)
+    assert [ln.split(" [")[0] for ln in local] == ["on 2", "on 3", "on 2"]
+    assert local[1].startswith("on 3 [10.0, 13.0, 16.0, 19.0] SingleDeviceSharding(device=CpuDevice(id=3)")
+    with cluster.client() as c:
+        def runs() -> list[dict[str, Any]]:
+            events = json.loads(c.trace_window().chrome_trace_json)["traceEvents"]
+            return [e for e in events if e["ph"] == "X" and "triple" in e["name"]]
+        wait_for(lambda: len({e["args"]["run_id"] for e in runs()}) >= 3, 30, "the three runs in the trace")
+        devices = sorted(e["tid"] for e in runs())
+    # each run on the one device it was given: two on device 2, one on device 3
+    assert devices == [2, 2, 3], devices

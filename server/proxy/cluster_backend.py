@@ -165,8 +165,10 @@ class SliceSession:
             return known
         slice_ids = [d.id for d in self.slice.devices]
         # a program over part of the slice, or over its devices in another order, runs on those
-        # (ProgramNode.devices); one over one device runs on the whole slice, replicated
-        part = tuple(device_ids) if len(device_ids) > 1 and list(device_ids) != slice_ids else ()
+        # (ProgramNode.devices), a one-device program too (on a slice spanning hosts, one over
+        # one device runs on the whole slice, replicated)
+        one = len(device_ids) == 1 and self.slice.hosts == 1
+        part = tuple(device_ids) if (len(device_ids) > 1 or one) and list(device_ids) != slice_ids else ()
         if part and self.slice.hosts > 1:
             raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)} of a slice spanning "
                                f"{self.slice.hosts} hosts: the Pathways IFRT proxy server runs programs there over "

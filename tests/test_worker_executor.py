@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,14 +35,7 @@ def executor(monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
     store, sender = BufferStore(), TransferSender()
     ex = Executor(store, jax.devices("cpu")[:1], report, sender)
     assert ex.state.validate_each
-    fn = export_jit(lambda x: x + 1, mesh_shape=(1,), axis_names=("x",), args=(X,), name="inc")
-    ex.submit(wpb.Enqueue(
-        functions=[wpb.FunctionBlob(function_id=fn.function_id, exported=fn.exported, name="inc")],
-        segments=[wpb.SegmentDef(
-            segment_id=1, local_devices=[0], label="p/0 inc",
-            nodes=[wpb.SegmentNode(function_id=fn.function_id, inputs=[0], input_outputs=[0], label="p/0 inc",
-                                   local_devices=[0])],
-            outputs=[wpb.SegmentOutput(node=0, output=0)])]))
+    register(ex, lambda x: x + 1, "inc", segment_id=1, label="p/0 inc")
     yield ex, store, events
     ex.stop()
     sender.close()
@@ -100,15 +94,20 @@ def _slow(x: jax.Array) -> jax.Array:
     return x + 0 * jax.numpy.sum(m)
 
 
-def register_slow(ex: Executor) -> None:
-    fn = export_jit(_slow, mesh_shape=(1,), axis_names=("x",), args=(X,), name="slow")
+def register(ex: Executor, f: Any, name: str, segment_id: int, label: str) -> None:
+    """A one-node segment of `f` on device 0, reading its input 0 and producing output 0."""
+    fn = export_jit(f, mesh_shape=(1,), axis_names=("x",), args=(X,), name=name)
     ex.submit(wpb.Enqueue(
-        functions=[wpb.FunctionBlob(function_id=fn.function_id, exported=fn.exported, name="slow")],
+        functions=[wpb.FunctionBlob(function_id=fn.function_id, exported=fn.exported, name=name)],
         segments=[wpb.SegmentDef(
-            segment_id=2, local_devices=[0], label="p/1 slow",
-            nodes=[wpb.SegmentNode(function_id=fn.function_id, inputs=[0], input_outputs=[0], label="p/1 slow",
+            segment_id=segment_id, local_devices=[0], label=label,
+            nodes=[wpb.SegmentNode(function_id=fn.function_id, inputs=[0], input_outputs=[0], label=label,
                                    local_devices=[0])],
             outputs=[wpb.SegmentOutput(node=0, output=0)])]))
+
+
+def register_slow(ex: Executor) -> None:
+    register(ex, _slow, "slow", segment_id=2, label="p/1 slow")
 
 
 @pytest.mark.timeout(60)

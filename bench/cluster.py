@@ -13,26 +13,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ports import PortReservation, reserve_port
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
+from server.ports import held_port, reserve_port
 
 REPO = Path(__file__).resolve().parent.parent
 XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
 
 
-def free_port() -> int:
-    """A loopback port reserved until this process exits (bench/ports.py: a port passed on from
-    a closed socket could be taken by a worker's port before the controller bound it)."""
-    reservation = reserve_port()
-    _HELD_PORTS.append(reservation)
-    return reservation.port
 
 
-_HELD_PORTS: list[PortReservation] = []
+free_port = held_port  # a loopback port reserved for the rest of the run (server/ports.py)
 
 
 class BenchCluster:
@@ -41,7 +35,7 @@ class BenchCluster:
         self.controller_args = list(controller_args)
         self._tmp = tempfile.TemporaryDirectory(prefix="pw-bench-")
         self.home = Path(self._tmp.name)
-        self._port = reserve_port()  # held until close(): no other socket takes it first (ports.py)
+        self._port = reserve_port()  # held until close(): no other socket takes it first (server/ports.py)
         self.address = self._port.address
         self.islands = islands
         self.devices = devices

@@ -36,13 +36,13 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from bench.ports import PortReservation, reserve_port
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
 from pwctl.local import stop_children, stop_island_services
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
 from server.controller.job_process import end_all as end_job_supervisors
+from server.ports import held_port, reserve_port
 
 T = TypeVar("T")
 
@@ -56,17 +56,10 @@ XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=20"
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
-_HELD_PORTS: list[PortReservation] = []  # free_port()'s reservations, held until the session ends
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, reserved for the rest of the test session: no other
-    socket is handed it, while a server this test starts can bind it (bench/ports.py). Closing
-    a socket bound to port 0 and passing its port on was racy: a worker starting at the same
-    time could get that port first, and the controller exited with "address in use"."""
-    reservation = reserve_port()
-    _HELD_PORTS.append(reservation)
-    return reservation.port
+# A loopback port reserved for the rest of the test session: no other socket is handed it, while
+# a server this test starts can bind it (server/ports.py). Closing a socket bound to port 0 and
+# passing its port on was racy: a worker starting at the same time could get that port first.
+free_port = held_port
 
 
 def default_sigint() -> None:
@@ -225,7 +218,7 @@ class LocalCluster:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         # the controller's port, held for this cluster so that no other socket takes it before the
-        # controller binds it, nor between a stop and a restart on it (bench/ports.py)
+        # controller binds it, nor between a stop and a restart on it (server/ports.py)
         self._port = reserve_port()
         self.port = self._port.port
         self.address = f"127.0.0.1:{self.port}"

@@ -1,4 +1,4 @@
-"""The ports the suite starts its servers on (bench/ports.py): reserved until released, so no
+"""The ports the suite starts its servers on (server/ports.py): reserved until released, so no
 other socket of the machine is handed them first, while the server itself can bind them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from bench.ports import reserve_port
+from server.ports import reserve_port
 
 pytestmark = pytest.mark.timeout(60)
 

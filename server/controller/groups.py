@@ -40,6 +40,7 @@ from pathlib import Path
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import paths
+from ..ports import reserve_port
 from .cluster import READY, HostInfo
 
 log = logging.getLogger(__name__)
@@ -259,15 +260,11 @@ class IslandGroups:
         self._changed(island)
 
     def _start(self, n: int) -> tuple[subprocess.Popen[bytes], str]:
-        # The port stays bound here (SO_REUSEADDR, not listening) until the service has bound it:
-        # the kernel gives it to no other bind(0) or connect() meanwhile, and the service (gRPC,
-        # SO_REUSEADDR too) can still bind it. Closed before the service started, any process of
-        # the host could take it first, and the group failed to form.
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self._bind_host, 0))
-            address = f"{self._bind_host}:{sock.getsockname()[1]}"
-            return self._start_service(address, n), address
+        # The port stays reserved (server/ports.py) until the service has bound it: closed before
+        # the service started, any process of the host could take it first, and the group
+        # failed to form.
+        with reserve_port(self._bind_host) as port:
+            return self._start_service(port.address, n), port.address
 
     def _retire(self, g: Generation) -> None:
         g.left |= {m for m in g.members if self._hosts.get(m) is None or self._hosts[m].state != READY}

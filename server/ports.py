@@ -1,4 +1,5 @@
-"""Loopback ports for servers that a test or benchmark starts itself, reserved until released.
+"""Ports for servers a process starts itself, reserved until released: the controller's island
+coordination services (controller/groups.py), and the servers tests and benchmarks start.
 
 Binding 127.0.0.1:0, reading the port and closing the socket (the usual "free port") leaves a
 window until the server binds it: any `bind(0)` on the machine (a worker's gRPC or transfer port,
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["PortReservation", "reserve_port"]
+__all__ = ["PortReservation", "held_port", "reserve_port"]
 
 
 class PortReservation:
-    """A loopback port held for a server that this process starts; `close()` gives it up."""
+    """A port (on `host`, loopback by default) held for a server that this process starts;
+    `close()` gives it up."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._sock: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -53,3 +55,14 @@ class PortReservation:
 
 def reserve_port(host: str = "127.0.0.1") -> PortReservation:
     return PortReservation(host)
+
+
+_HELD: list[PortReservation] = []  # held_port()'s reservations, held until the process exits
+
+
+def held_port(host: str = "127.0.0.1") -> int:
+    """A port reserved for the rest of this process (a test session, a benchmark run): for
+    servers started on it, perhaps several times, whose lifetime the caller does not track."""
+    reservation = reserve_port(host)
+    _HELD.append(reservation)
+    return reservation.port

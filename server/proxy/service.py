@@ -352,7 +352,7 @@ class ProxyService:
                 req = self._parse(raw)
                 if req is None:
                     break
-                await context.write(self._error(req.request_metadata.op_id, e.code, str(e)).SerializeToString())
+                await context.write(self._error(req.request_metadata.op_id, e.code, str(e)))
             return
         out = AnswerWriter(context.write, MAX_PENDING)
         runner = Runner(out, session.handles.unclaim)
@@ -420,32 +420,29 @@ class ProxyService:
                                    f"{kind or 'a request without a kind'} yet")
             body = await handler(session, req, resp)
         except (RequestError, HandleError, BackendError) as e:
-            if kind in arrays.RESULT_HANDLES:
-                sub = getattr(req, kind)
-                for name in arrays.RESULT_HANDLES[kind]:
-                    value = getattr(sub, name, 0)
-                    session.handles.fail(value if isinstance(value, int) else list(value), e.code, str(e))
-            return bytes(self._error(op_id, e.code, str(e)).SerializeToString())
+            return self._failed(session, req, kind, e.code, str(e))
         except Exception as e:  # a bug: loud in the log; the client still gets its answer
             log.exception("proxy: session %x: %s failed", session.id, kind)
-            if kind in arrays.RESULT_HANDLES:
-                sub = getattr(req, kind)
-                for name in arrays.RESULT_HANDLES[kind]:
-                    value = getattr(sub, name, 0)
-                    session.handles.fail(value if isinstance(value, int) else list(value), "INTERNAL", str(e))
-            return bytes(self._error(op_id, "INTERNAL", f"{kind} failed in the Pathways IFRT proxy server (a bug): "
-                                     f"{e}").SerializeToString())
+            return self._failed(session, req, kind, "INTERNAL",
+                                f"{kind} failed in the Pathways IFRT proxy server (a bug): {e}")
         if body is not None:
             return session.encoder.metadata(op_id) + body
         resp.response_metadata.op_id = op_id
         return bytes(resp.SerializeToString())
 
-    def _error(self, op_id: int, code: str, message: str) -> Message:
+    def _failed(self, session: Session, req: Message, kind: str, code: str, message: str) -> bytes:
+        """The error answer to a request that failed; its result handles are marked failed too
+        (requirement 7 in docs/facts.md: later uses report this error)."""
+        session.handles.fail(_handles(req, arrays.RESULT_HANDLES, kind), code, message)
+        return self._error(req.request_metadata.op_id, code, message)
+
+    def _error(self, op_id: int, code: str, message: str) -> bytes:
+        """A serialized error answer to request `op_id`."""
         resp = self._response()
         resp.response_metadata.op_id = op_id
         resp.response_metadata.status.code = grpc.StatusCode[code].value[0]
         resp.response_metadata.status.message = message
-        return resp
+        return bytes(resp.SerializeToString())
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -89,7 +89,8 @@ def data_length(raw: bytes) -> int:
     return size
 
 
-def _uvarint(value: int) -> bytes:
+def uvarint(value: int) -> bytes:
+    """`value` (>= 0) as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         b = value & 0x7F
@@ -101,13 +102,14 @@ def _uvarint(value: int) -> bytes:
             return bytes(out)
 
 
-def _len_field(number: int, size: int) -> bytes:
-    return _uvarint(number << 3 | LEN) + _uvarint(size)
+def len_field(number: int, size: int) -> bytes:
+    """The tag and length of a length-delimited field `number` of `size` bytes (its body follows)."""
+    return uvarint(number << 3 | LEN) + uvarint(size)
 
 
 def data_message(data: bytes | memoryview) -> bytes:
     """The serialized message `{bytes data = 1}` holding `data` (one copy of it)."""
-    return b"".join((_len_field(1, len(data)), data)) if len(data) else b""
+    return b"".join((len_field(1, len(data)), data)) if len(data) else b""
 
 
 def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[int],
@@ -118,16 +120,16 @@ def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[i
     again to serialize it."""
     size = sum(len(p) for p in parts)
     dt = dtype.encode()
-    packed = b"".join(_uvarint(int(d)) for d in shape)
-    head = (_len_field(1, len(dt)) + dt if dt else b"") + (_len_field(2, len(packed)) + packed if packed else b"")
-    head += _len_field(3, size) if size else b""
+    packed = b"".join(uvarint(int(d)) for d in shape)
+    head = (len_field(1, len(dt)) + dt if dt else b"") + (len_field(2, len(packed)) + packed if packed else b"")
+    head += len_field(3, size) if size else b""
     owned = owner.encode()
     return b"".join((
-        _uvarint(1 << 3 | VARINT) + _uvarint(buffer_id) if buffer_id else b"",
-        _len_field(2, len(head) + size), head, *parts,
-        _len_field(3, len(owned)) + owned if owned else b"",
-        _uvarint(4 << 3 | VARINT) + _uvarint(offset) if offset else b"",
-        _uvarint(5 << 3 | VARINT) + _uvarint(total_bytes) if total_bytes else b"",
+        uvarint(1 << 3 | VARINT) + uvarint(buffer_id) if buffer_id else b"",
+        len_field(2, len(head) + size), head, *parts,
+        len_field(3, len(owned)) + owned if owned else b"",
+        uvarint(4 << 3 | VARINT) + uvarint(offset) if offset else b"",
+        uvarint(5 << 3 | VARINT) + uvarint(total_bytes) if total_bytes else b"",
     ))
 
 
@@ -153,12 +155,12 @@ def fetch_chunk_message(data: bytes | memoryview, dtype: str, shape: Sequence[in
     """A serialized `pathways.v1.FetchChunk` {array {dtype, shape, data}, last} (`dtype` and
     `shape` are left out when empty, as the first chunk alone carries them): one copy of `data`."""
     dt = dtype.encode()
-    packed = b"".join(_uvarint(int(d)) for d in shape)
-    head = (_len_field(1, len(dt)) + dt if dt else b"") + (_len_field(2, len(packed)) + packed if packed else b"")
-    head += _len_field(3, len(data)) if len(data) else b""
+    packed = b"".join(uvarint(int(d)) for d in shape)
+    head = (len_field(1, len(dt)) + dt if dt else b"") + (len_field(2, len(packed)) + packed if packed else b"")
+    head += len_field(3, len(data)) if len(data) else b""
     array_size = len(head) + len(data)
-    return b"".join((_len_field(1, array_size) if array_size else b"", head, data,
-                     _uvarint(2 << 3 | VARINT) + b"\x01" if last else b""))
+    return b"".join((len_field(1, array_size) if array_size else b"", head, data,
+                     uvarint(2 << 3 | VARINT) + b"\x01" if last else b""))
 
 
 @dataclass(frozen=True)

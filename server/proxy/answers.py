@@ -78,7 +78,7 @@ class AnswerWriter:
 
 
 def _tag(number: int, wire_type: int) -> bytes:
-    return wire._uvarint(number << 3 | wire_type)
+    return wire.uvarint(number << 3 | wire_type)
 
 
 def scalar(field: descriptor.FieldDescriptor) -> Callable[[int], bytes]:
@@ -90,7 +90,7 @@ def scalar(field: descriptor.FieldDescriptor) -> Callable[[int], bytes]:
     if field.type in (descriptor.FieldDescriptor.TYPE_UINT64, descriptor.FieldDescriptor.TYPE_INT64,
                       descriptor.FieldDescriptor.TYPE_UINT32, descriptor.FieldDescriptor.TYPE_INT32):
         tag = _tag(field.number, wire.VARINT)
-        return lambda value: tag + wire._uvarint(value) if value else b""
+        return lambda value: tag + wire.uvarint(value) if value else b""
     raise TypeError(f"{field.full_name}: not an integer field this encoder writes")
 
 
@@ -103,7 +103,7 @@ def message_field(number: int, body: bytes) -> bytes:
     size = len(body)
     if number < 32 and size < 128:  # an answer's fields: no varint to build
         return _LEN_TAGS[number] + _SMALL[size] + body
-    return wire._len_field(number, size) + body
+    return wire.len_field(number, size) + body
 
 
 class Encoder:

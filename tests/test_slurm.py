@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from server.ports import held_port
+
 REPO = Path(__file__).resolve().parent.parent
 SBATCH = REPO / "examples" / "slurm" / "pathways.sbatch"
 SEED = REPO / "examples" / "seed_program.py"
@@ -36,9 +38,9 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port held bound (SO_REUSEADDR, not listening) for the test session (server/ports.py),
+    so no other `bind(0)` gets it before the Slurm daemon binds it: they set SO_REUSEADDR too."""
+    return held_port()
 
 
 def wait_until(pred, timeout: float, what: str, interval: float = 0.2):  # type: ignore[no-untyped-def]

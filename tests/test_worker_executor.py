@@ -5,6 +5,7 @@ test plays its part, enqueueing tasks and reading the reported events)."""
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,3 +155,73 @@ def test_a_computation_still_running_completes_on_the_completion_thread_and_thos
     assert (next_event(events).seq, ex.completed_inline) == (10, inline + 1)
     np.testing.assert_array_equal(np.asarray(store.wait(110, timeout=10)), np.asarray(store.wait(106)) + 3)
     assert [seq for _, _, seq in ex.recent_order] == list(range(1, 11))
+
+
+@pytest.fixture
+def batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Executor, BufferStore, list[Any]]]:
+    """An executor whose reports and runner builds are logged in order, in one list:
+    ("report", [(run, seq), ...], prompt) and ("build", segment label)."""
+    monkeypatch.setenv("PATHWAYS_VALIDATE", "1")
+    log: list[Any] = []
+
+    def report(evs: list[cpb.NodeEvent], prompt: bool, backlog: int | None, nbytes: int) -> None:
+        log.append(("report", [(e.run_id, e.seq) for e in evs], prompt))
+
+    store, sender = BufferStore(), TransferSender()
+    ex = Executor(store, jax.devices("cpu")[:1], report, sender)
+    build = ex.runners.runner
+
+    def logged_build(info: Any) -> Any:
+        if info.runner is None:
+            log.append(("build", info.label))
+        return build(info)
+
+    monkeypatch.setattr(ex.runners, "runner", logged_build)
+    register(ex, lambda x: x + 1, "inc", segment_id=1, label="p/0 inc")
+    yield ex, store, log
+    ex.stop()
+    sender.close()
+
+
+def reported(log: list[Any], n: int) -> list[tuple[int, int]]:
+    """Waits until `n` task events were reported; their (run, seq) in report order."""
+    deadline = time.monotonic() + 60
+    while sum(len(entry[1]) for entry in log if entry[0] == "report") < n:
+        assert time.monotonic() < deadline, f"fewer than {n} events reported: {log}"
+        time.sleep(0.01)
+    return [rs for entry in log if entry[0] == "report" for rs in entry[1]]
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_task_completed_inline_is_reported_at_once_not_with_the_tasks_after_it(
+        batches: tuple[Executor, BufferStore, list[Any]]) -> None:
+    ex, store, log = batches
+    store.put(100, X, X.nbytes, owner="client:1", client_ref=True)
+    ex.submit(wpb.Enqueue(tasks=[task(1, run=1, inp=100, out=101)]))  # compiles the runner first
+    reported(log, 1)
+    log.clear()
+    first = task(2, run=2, inp=101, out=102)
+    first.report_promptly = True  # the controller waits for its event before it sends more
+    ex.submit(wpb.Enqueue(tasks=[first, *(task(i, run=i, inp=99 + i, out=100 + i) for i in range(3, 7))]))
+    assert reported(log, 5) == [(i, i) for i in range(2, 7)]
+    assert log[0] == ("report", [(2, 2)], True)  # alone and prompt: not held for the other four
+    np.testing.assert_array_equal(np.asarray(store.wait(106, timeout=10)), X + 6)
+
+
+@pytest.mark.timeout(120)
+def test_tasks_completed_inline_are_reported_before_a_launch_that_builds_a_runner(
+        batches: tuple[Executor, BufferStore, list[Any]]) -> None:
+    """Building a segment's runner may compile for seconds: what already completed is reported
+    first, not after it."""
+    ex, store, log = batches
+    register_slow(ex)
+    store.put(100, X, X.nbytes, owner="client:1", client_ref=True)
+    ex.submit(wpb.Enqueue(tasks=[task(1, run=1, inp=100, out=101)]))
+    reported(log, 1)
+    log.clear()
+    slow = wpb.Task(run_id=3, segment=1, seq=3, segment_id=2, input_ids=[101], output_ids=[103],
+                    output_visible=[True], owner="client:1")
+    ex.submit(wpb.Enqueue(tasks=[task(2, run=2, inp=101, out=102), slow]))
+    assert reported(log, 2) == [(2, 2), (3, 3)]
+    assert [entry[0] for entry in log][:2] == ["report", "build"], log
+    assert log[0][1] == [(2, 2)] and log[1] == ("build", "p/1 slow")

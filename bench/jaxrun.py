@@ -2,7 +2,7 @@
 4 virtual CPU devices (the same count a Pathways slice has; BENCH_JAX_DEVICES overrides it: the
 pipeline baseline uses the 8 devices of the two islands). Each task stays alive: it prints one
 JSON line when ready, then one per request line it reads from stdin, so that its windows can
-alternate with Pathways' (bench/suites.py `JaxServer`).
+alternate with Pathways' (bench/jaxproc.py `JaxServer`).
 
 The same tasks run unmodified through the IFRT proxy (`JAX_PLATFORMS=proxy`, bench/proxy.py):
 `jax.devices()` are then the slice's devices, and `jax_num_cpu_devices` is inert.

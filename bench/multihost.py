@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import defs, netns
-from bench.suites import Row, paired_ratio, row
+from bench.rows import Row, paired_ratio, row
 
 NBYTES = 64 * 2**20
 GB = 1e9

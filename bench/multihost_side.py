@@ -175,7 +175,7 @@ def pipeline(stages: int, micro_batches: int, windows: int, window_s: float) -> 
     import os
 
     from bench import defs, pwside
-    from bench.suites import JaxServer
+    from bench.jaxproc import JaxServer
 
     variants = [(stages, "blocks")]
     env = {**os.environ, "BENCH_JAX_DEVICES": str(defs.PIPE_DEVICES)}

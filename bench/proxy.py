@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import defs
-from bench.suites import Ctx, JaxServer, Row, paired_ratio, row
+from bench.jaxproc import JaxServer
+from bench.rows import Ctx, Row, paired_ratio, row
 from pwctl.client import Client
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -81,7 +82,7 @@ def _calls(ctx: Ctx) -> Iterator[Row]:
 
 def _transformer(ctx: Ctx, cfg: dict[str, Any] | None) -> Iterator[Row]:
     from bench import model
-    from bench.suites import _loss_row
+    from bench.transformer import loss_row
 
     if cfg is None:
         cfg = model.Config(layers=2, d=128, ff=512).to_dict() if ctx.quick else model.Config().to_dict()
@@ -105,7 +106,7 @@ def _transformer(ctx: Ctx, cfg: dict[str, Any] | None) -> Iterator[Row]:
               f"step time {tokens / pv * 1e3:.1f} ms through the proxy ({p_first['backend']}) vs "
               f"{tokens / jv * 1e3:.1f} ms plain; windows of {timed} steps after an untimed one; {_spread(pw, jx)}",
               paired=paired_ratio(pw, jx))
-    yield {**_loss_row("proxy transformer step", p_first["losses"], j_first["losses"]), "bench": "proxy"}
+    yield {**loss_row("proxy transformer step", p_first["losses"], j_first["losses"]), "bench": "proxy"}
 
 
 def _transfers(ctx: Ctx, mib: int) -> Iterator[Row]:

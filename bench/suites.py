@@ -10,7 +10,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,53 +17,17 @@ import grpc
 import psutil
 
 from bench import defs
-from bench.cluster import REPO, XLA_FLAGS, BenchCluster, free_port, run_json
+from bench.cluster import REPO, BenchCluster, free_port, run_json
+from bench.jaxproc import JaxServer
+from bench.rows import Ctx, Row, paired_ratio, row
 from bench.scale import bench_scale
+from bench.transformer import bench_transformer, bench_transformer_gpu
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.process import IDLE_POLL_S, TRIM_IDLE_S
 
-Row = dict[str, Any]
-
-
-@dataclass
-class Ctx:
-    cluster: BenchCluster
-    quick: bool
-    gpu: bool = False  # island a is one worker's GPUs (`python -m bench --gpu`), not 4 CPU devices
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def budget(self) -> float:
-        """Seconds one throughput measurement aims at."""
-        return 0.4 if self.quick else 1.0
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return self.cluster.env(**extra)
-
-
-def row(bench: str, variant: str, metric: str, unit: str, pathways: float | None, jax: float | None = None,
-        target: str = "", meets: bool | None = None, notes: str = "", ratio: float | None = None,
-        paired: float | None = None) -> Row:
-    """One result. `ratio` is pathways / jax (each usually the median of its windows); `paired`,
-    where the two sides took turns window by window, is the median of the per-window ratios (each
-    Pathways window over the JAX window just before it): this machine's speed drifts by tens of
-    percent over seconds, and a pair shares most of that drift, so it is the steadier figure of the
-    two. Targets are judged on `ratio`."""
-    if ratio is None and pathways is not None and jax:
-        ratio = pathways / jax
-    return {"bench": bench, "variant": variant, "metric": metric, "unit": unit, "pathways": pathways, "jax": jax,
-            "ratio": ratio, "paired": paired, "target": target, "meets": meets, "notes": notes}
-
-
-def paired_ratio(pw_windows: list[float], jax_windows: list[float]) -> float | None:
-    """The median over window pairs of Pathways / JAX (see `row`); None without a complete pair."""
-    ratios = [p / j for p, j in zip(pw_windows, jax_windows, strict=False) if j > 0]
-    return defs.median(ratios) if ratios else None
-
-
-def _at_least(value: float | None, bound: float) -> bool | None:
-    return None if value is None else bool(value >= bound)
+__all__ = ["BENCHES", "GPU_BENCHES", "STANDALONE", "Ctx", "JaxServer", "Row", "idle_pss_gib", "paired_ratio",
+           "row"]
 
 
 # ------------------------------------------------------------------------------------ 1. dispatch
@@ -309,160 +272,6 @@ def _count_at(log: list[list[float]], t: float) -> float:
             break
         n = completed
     return n
-
-
-# ------------------------------------------------------------------------------------ 5. model
-
-class JaxServer:
-    """A plain-JAX benchmark kept alive in its own process (`python -m bench.jaxrun TASK JSON`):
-    it prints one JSON line when ready, then one per request line it reads from stdin, so that
-    its timed windows can alternate with Pathways' (see bench_transformer)."""
-
-    def __init__(self, env: dict[str, str], task: str, args: dict[str, Any]) -> None:
-        env = {**env, "XLA_FLAGS": XLA_FLAGS}
-        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.jaxrun", task, json.dumps(args)],
-            env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self._first: dict[str, Any] | None = None
-
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
-            self._err.seek(0)
-            tail = self._err.read().decode(errors="replace")[-1500:]
-            raise RuntimeError(f"bench.jaxrun exited {self.proc.returncode}: {tail}")
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    def first(self) -> dict[str, Any]:
-        """Its first line (waits for compilation and warm-up)."""
-        if self._first is None:
-            self._first = self._reply()
-        return self._first
-
-    def ask(self, request: str) -> dict[str, Any]:
-        self.first()
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(request + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._err.close()
-
-
-def bench_transformer(ctx: Ctx) -> Iterator[Row]:
-    """Plain-JAX SPMD vs the same step through `pw.jit` vs a 2-stage pipeline over the two islands.
-
-    Every side runs the same steps on the same batches. Throughput is measured in windows (one
-    untimed warm-up step, then timed steps submitted back to back, waiting until the last one is
-    complete), the sides taking turns window by window, and each side's figure is the median of its
-    windows: the same statistic over the same number of windows, interleaved in time, so that load
-    from elsewhere on this shared machine penalizes no side in particular, and one lucky or
-    unlucky window moves nothing."""
-    from bench import model, pwside
-
-    cfg = model.Config(layers=2, d=128, ff=512).to_dict() if ctx.quick else model.Config().to_dict()
-    c = model.Config(**cfg)
-    steps, timed, windows = 10, (3 if ctx.quick else 8), (2 if ctx.quick else 10)
-    micro_batches = 2
-    spmd_name = "pw.jit SPMD (4 devices)"
-    pipe_name = "2-stage pipeline (2 islands x 1 device)"
-    dp_name = "2-stage pipeline (2 islands x 4 devices)"
-    # compiles while the Pathways side traces and registers; first(): {"losses", "params"}
-    jx = JaxServer(ctx.env(), "transformer_serve", {"cfg": cfg, "steps": steps})
-    try:
-        trainers = {spmd_name: pwside.spmd_trainer(cfg),
-                    pipe_name: pwside.pipeline_trainer(cfg, micro_batches, devices=1)}
-        if not ctx.quick:  # the same pipeline, each stage data parallel over its island's 4 devices
-            trainers[dp_name] = pwside.pipeline_trainer(cfg, micro_batches, devices=4)
-        curves = {name: pwside.loss_curve(step, steps) for name, step in trainers.items()}
-        rates: dict[str, list[float]] = {name: [] for name in ["jax", *trainers]}
-        for w in range(windows):
-            rates["jax"].append(float(jx.ask(str(timed))["tokens_per_s"]))
-            for name, step in trainers.items():
-                rates[name] += pwside.throughput(step, c, steps + w * (timed + 1), timed, 1)
-        first = jx.first()
-    finally:
-        jx.close()
-    med = {name: defs.median(v) for name, v in rates.items()}
-
-    def spread(name: str) -> str:
-        return (f"median of {len(rates[name])} windows of {timed} steps alternating with JAX's (best "
-                f"{max(rates[name]):,.0f}/s vs JAX {max(rates['jax']):,.0f}/s): "
-                + "/".join(f"{v:,.0f}" for v in rates[name]) + " vs JAX " + "/".join(f"{v:,.0f}" for v in rates["jax"]))
-
-    desc = (f"decoder-only, {first['params'] / 1e6:.1f}M params, d={cfg['d']}, {cfg['layers']} layers, "
-            f"batch {cfg['batch']}x{cfg['seq']} tokens, optax adamw; JAX: jit with NamedSharding over 4 devices, "
-            f"data parallel (params and optimizer update replicated)")
-    pipe_desc = (f"one program per step (registered once), {micro_batches} micro-batches GPipe-style; stage 1 "
-                 f"(embedding, first half of the layers) on island a, stage 2 on island b")
-    yield row("transformer", spmd_name, "tokens/s", "1/s", med[spmd_name], med["jax"], ">= 0.97x JAX",
-              med[spmd_name] >= 0.97 * med["jax"], f"{desc}; {spread(spmd_name)}",
-              paired=paired_ratio(rates[spmd_name], rates["jax"]))
-    yield row("transformer", pipe_name, "tokens/s", "1/s", med[pipe_name], med["jax"], ">= 0.9x JAX SPMD",
-              med[pipe_name] >= 0.9 * med["jax"], f"{pipe_desc}, 1 device each; {spread(pipe_name)}",
-              paired=paired_ratio(rates[pipe_name], rates["jax"]))
-    if dp_name in trainers:
-        yield row("transformer", dp_name, "tokens/s", "1/s", med[dp_name], med["jax"], "", None,
-                  f"{pipe_desc}, each data parallel over its island's 4 devices (parameters and optimizer "
-                  f"update replicated per device, as in the JAX step); {spread(dp_name)}",
-                  paired=paired_ratio(rates[dp_name], rates["jax"]))
-    for name, losses in curves.items():
-        yield _loss_row(name, losses, first["losses"])
-
-
-def _loss_row(variant: str, losses: list[float], jax_losses: list[float]) -> Row:
-    """How far a Pathways loss curve strays from plain JAX's over the same steps."""
-    diff = max(abs(a - b) for a, b in zip(losses, jax_losses, strict=True))
-    return row("transformer", variant, f"loss curve max |diff| ({len(losses)} steps)", "abs", diff, None, "<= 1e-3",
-               diff <= 1e-3, "losses: " + ", ".join(f"{v:.4f}" for v in losses), ratio=None)
-
-
-def bench_transformer_gpu(ctx: Ctx) -> Iterator[Row]:
-    """`python -m bench --gpu`: the training step through `pw.jit` on a one-GPU slice against the
-    same step as plain `jax.jit` on the same GPU (its own process), windows alternating as in
-    bench_transformer; at the CPU table's size, and at a larger one whose step the GPU's compute
-    dominates rather than dispatch."""
-    from bench import model, pwside
-
-    steps, timed, windows = 10, (3 if ctx.quick else 10), (2 if ctx.quick else 8)
-    sizes = {"CPU table's model": model.Config(),
-             "larger model": model.Config(d=1024, layers=8, heads=8, ff=4096, seq=256, batch=32)}
-    for label, c in sizes.items():
-        cfg = c.to_dict()
-        jx = JaxServer(ctx.env(BENCH_JAX_DEVICES="1"), "transformer_serve", {"cfg": cfg, "steps": steps})
-        try:
-            step = pwside.spmd_trainer(cfg, devices=1)
-            losses = pwside.loss_curve(step, steps)
-            jrates: list[float] = []
-            prates: list[float] = []
-            for w in range(windows):
-                jrates.append(float(jx.ask(str(timed))["tokens_per_s"]))
-                prates += pwside.throughput(step, c, steps + w * (timed + 1), timed, 1)
-            first = jx.first()
-        finally:
-            jx.close()
-        name = f"pw.jit, 1 GPU, {label}"
-        desc = (f"decoder-only, {first['params'] / 1e6:.1f}M params, d={c.d}, {c.layers} layers, batch "
-                f"{c.batch}x{c.seq} tokens, optax adamw; JAX: jax.jit on the same GPU; median of {windows} "
-                f"windows of {timed} steps alternating with JAX's: " + "/".join(f"{v:,.0f}" for v in prates)
-                + " vs JAX " + "/".join(f"{v:,.0f}" for v in jrates))
-        pw_val, jx_val = defs.median(prates), defs.median(jrates)
-        yield row("transformer", name, "tokens/s", "1/s", pw_val, jx_val, ">= 0.97x JAX", pw_val >= 0.97 * jx_val,
-                  desc, paired=paired_ratio(prates, jrates))
-        yield _loss_row(name, losses, first["losses"])
 
 
 # ------------------------------------------------------------------------------------- 6. costs

@@ -95,7 +95,7 @@ class _Side:
 
 def _measure(loops: int, calls: int, windows: int) -> dict[str, Any]:
     from bench.cluster import BenchCluster
-    from bench.suites import paired_ratio
+    from bench.rows import paired_ratio
 
     with BenchCluster() as cluster:
         cluster.start()

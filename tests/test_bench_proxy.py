@@ -11,7 +11,7 @@ import pytest
 
 from bench.cluster import BenchCluster
 from bench.proxy import SLICE, bench_proxy
-from bench.suites import Ctx
+from bench.rows import Ctx
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -40,11 +40,13 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
+from ..controller.segments import narrowed
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from . import fetching
-from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .backend import ArraySpec, BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compiling import compile_on_worker
+from .compose import gather_function
 from .corking import FlushCork
 from .handles import HostData
 from .modules import describe
@@ -121,10 +123,17 @@ class SliceSession:
                                      name="ifrt-proxy", job_id="", priority=0, weight=1.0, sequential=False)
         self._programs: dict[tuple[str, tuple[int, ...]], CompiledInfo] = {}  # content key -> program
         self._num_outputs: dict[str, int] = {}
+        self._devices: dict[str, tuple[int, ...]] = {}  # program -> its virtual devices (empty: all)
+        self._out_specs: dict[str, tuple[ArraySpec, ...]] = {}  # program -> its outputs, where known
+        # buffer -> (the virtual devices its parts are on, its spec): a result of a program over
+        # several workers of a slice spanning hosts; each of them holds only its own part
+        self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
+        self._all = frozenset(range(len(self.slice.devices)))
+        self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
         self._recent: OrderedDict[int, list[int]] = OrderedDict()  # run id -> its output buffers
         self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
         self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
-        self._functions: dict[str, str] = {}  # function id of a server-made function -> its program
+        self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._events())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
@@ -165,14 +174,10 @@ class SliceSession:
             return known
         slice_ids = [d.id for d in self.slice.devices]
         # a program over part of the slice, or over its devices in another order, runs on those
-        # (ProgramNode.devices), a one-device program too (on a slice spanning hosts, one over
-        # one device runs on the whole slice, replicated)
-        one = len(device_ids) == 1 and self.slice.hosts == 1
-        part = tuple(device_ids) if (len(device_ids) > 1 or one) and list(device_ids) != slice_ids else ()
-        if part and self.slice.hosts > 1:
-            raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)} of a slice spanning "
-                               f"{self.slice.hosts} hosts: the Pathways IFRT proxy server runs programs there over "
-                               f"all the slice's devices in order ({slice_ids}), or on one device")
+        # (ProgramNode.devices), a one-device program too; on a slice spanning hosts, on the
+        # workers holding them only (one of them: a plain computation there; several: an SPMD
+        # computation of those members of the island's group)
+        part = tuple(device_ids) if list(device_ids) != slice_ids else ()
         self._manager()
         # parsing the module imports jax the first time (seconds): not on the event loop
         # the workers compile a multi-device program now and say the output shardings XLA chose:
@@ -185,8 +190,7 @@ class SliceSession:
         out_shardings = info.out_shardings
         if propagate:
             out_shardings = await self._compile_on_worker(info.name, info.exported, info.function_id,
-                                                          info.donated, part or tuple(range(len(slice_ids))),
-                                                          len(info.outputs))
+                                                          info.donated, part, len(info.outputs))
         program_id = self.register(info.name, info.exported, info.function_id, len(info.inputs),
                                    len(info.outputs), info.donated, part)
         keep_id = program_id
@@ -194,27 +198,54 @@ class SliceSession:
             keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep", propagate)
             keep_id = self.register(keep.name, keep.exported, keep.function_id, len(keep.inputs),
                                     len(keep.outputs), (), part)
+        for p in (program_id, keep_id):
+            self._out_specs[p] = info.outputs
         compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
                                 outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
-                                out_shardings=out_shardings, keep_program_id=keep_id)
+                                out_shardings=out_shardings, keep_program_id=keep_id,
+                                spread=self._runs_on(part)[1] is not None)
         self._programs[key] = compiled
         return compiled
 
     async def _compile_on_worker(self, name: str, exported: bytes, function_id: str, donated: Sequence[int],
                                  devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
-        """Compiles a function on the slice's worker for the slice's virtual `devices`; the
-        compiled output shardings (compiling.py)."""
+        """Compiles a function on the slice's worker for the slice's virtual `devices` (empty:
+        all, in order); the compiled output shardings (compiling.py)."""
+        placement = self._placement()
+        gang = placement.gang
+        # on a slice spanning hosts, the first member running it compiles (each member compiles
+        # the same module alike when it runs it), its devices numbered group-wide; devices on one
+        # member only are that worker's own
+        host = placement.host
+        generation = gang.generation if gang is not None else 0
+        if gang is not None and devices:
+            host, numbers, sub = narrowed(gang, devices)
+            generation = sub.generation if sub is not None else 0
+        else:
+            numbers = [placement.local_devices[v] for v in devices] if devices else list(placement.local_devices)
+        address, stub = self._worker(host.address)
+        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
+        return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation)
+
+    def _placement(self) -> Any:
         try:
-            placement = self._slices.placement(self.name)
+            return self._slices.placement(self.name)
         except ControllerError as e:
             raise backend_error(e) from None
-        # on a slice spanning hosts, its first member compiles (each member compiles the same
-        # module alike when it runs it), its devices numbered group-wide
-        address, stub = self._worker(placement.host.address)
-        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
-        return await compile_on_worker(stub, self._metadata, address, blob,
-                                       [placement.local_devices[v] for v in devices], num_outputs,
-                                       placement.gang.generation if placement.gang is not None else 0)
+
+    def _runs_on(self, devices: Sequence[int]) -> tuple[str, tuple[int, ...] | None]:
+        """Where a program over the slice's virtual `devices` (empty: all, in order) runs now: the
+        address of the worker its outputs are recorded on (uploads' worker, or the first of those
+        running it), and, for an SPMD computation over several workers, the virtual devices its
+        outputs' parts are on (None: its outputs are whole on that worker)."""
+        placement = self._placement()
+        gang = placement.gang
+        if gang is None:
+            return placement.host.address, None
+        if not devices:
+            return placement.host.address, tuple(range(len(gang.devices)))
+        host, _, sub = narrowed(gang, devices)
+        return host.address, (tuple(devices) if sub is not None else None)
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:
@@ -233,6 +264,7 @@ class SliceSession:
         if reply.error or not reply.program_id:
             raise BackendError("FAILED_PRECONDITION", f"registering {name}: {reply.error or 'refused'}")
         self._num_outputs[reply.program_id] = n_out
+        self._devices[reply.program_id] = tuple(devices)
         return str(reply.program_id)
 
     def _drain(self) -> None:
@@ -295,7 +327,8 @@ class SliceSession:
         manager = self._manager()
         self._drain()
         homes = [self._address_of(b) for b in inputs]
-        address, _ = self._worker()
+        address, on = self._runs_on(self._devices.get(program_id, ()))
+        self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
         self._recent[run_id] = outputs
@@ -307,15 +340,63 @@ class SliceSession:
         self._cork.decided()  # flushed once the session's requests pause (corking.py)
         for b in outputs:
             self._home[b] = address
+        specs = self._out_specs.get(program_id)
+        if on is not None and specs is not None:
+            over = self._all if len(on) == len(self._all) else frozenset(on)
+            for b, spec in zip(outputs, specs, strict=True):
+                self._spread[b] = (over, on, spec)
         return outputs
 
-    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int]) -> list[int]:
+    async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The buffers a run of `program_id` reads instead of `inputs`, and those of them it made
+        (the caller frees them once the run is submitted): an input whose parts are spread over
+        other devices of the slice than the program's (a result of an SPMD computation over
+        several workers) is read through a copy gathered on its own devices, replicated there,
+        which every worker that reads it holds (or is sent) whole."""
+        if not self._spread:
+            return list(inputs), []
+        devices = self._devices.get(program_id, ())
+        mine = frozenset(devices) if devices else self._all
+        ids, made = list(inputs), []
+        for k, b in enumerate(inputs):
+            spread = self._spread.get(b)
+            if spread is not None and spread[0] != mine:
+                ids[k] = await self.gather(b)
+                made.append(ids[k])
+        return ids, made
+
+    async def gather(self, buffer_id: int, dtype: str = "", shape: tuple[int, ...] = ()) -> int:
+        """A replicated copy of a result spread over workers (on the devices it is spread over,
+        each of whose workers then holds it whole); the caller frees it. `dtype` and `shape`
+        for a buffer whose spread is not known here (then over all the slice's devices)."""
+        _, on, spec = self._spread.get(buffer_id, (self._all, (), ArraySpec(dtype, shape)))
+        devices = on if on else tuple(range(len(self.slice.devices)))
+        key = (spec.dtype, spec.shape, len(devices))
+        made = self._gather_functions.get(key)
+        if made is None:
+            made = self._gather_functions[key] = await asyncio.to_thread(
+                gather_function, spec.dtype, spec.shape, len(devices), self.slice.platform_name)
+        whole = devices == tuple(range(len(self.slice.devices)))
+        (copy,) = await self.run_function("proxy_gather", made[1], 1, [buffer_id], () if whole else devices, [spec])
+        return copy
+
+    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int],
+                           devices: Sequence[int] = (), outputs: Sequence[ArraySpec] = ()) -> list[int]:
+        """Runs a server-made function on the slice's virtual `devices` (empty: all of them);
+        `outputs`: its results' specs, for reading them on other devices later (`prepare`)."""
         function_id = hashlib.sha256(exported).hexdigest()
-        program_id = self._functions.get(function_id)
+        program_id = self._functions.get((function_id, tuple(devices)))
         if program_id is None:
-            program_id = self.register(name, exported, function_id, len(inputs), num_outputs, ())
-            self._functions[function_id] = program_id
-        return self.execute(program_id, inputs)
+            program_id = self.register(name, exported, function_id, len(inputs), num_outputs, (), devices)
+            self._functions[(function_id, tuple(devices))] = program_id
+        if outputs:
+            self._out_specs[program_id] = tuple(outputs)
+        ids, made = await self.prepare(program_id, inputs)
+        try:
+            return self.execute(program_id, ids)
+        finally:
+            if made:
+                self.free(made)
 
     def _check_failed(self, buffer_id: int) -> None:
         self._drain()
@@ -436,6 +517,7 @@ class SliceSession:
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
             self._failed.pop(b, None)
+            self._spread.pop(b, None)
             address = self._home.pop(b, None)
             if address is not None:
                 by_worker.setdefault(address, []).append(b)

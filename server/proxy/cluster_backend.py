@@ -16,7 +16,14 @@ through the manager (modules.py), and each execute is a run of it through the di
 island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
 The dispatcher's flush of a session's runs and releases is held while its requests keep coming
 (corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`.
-Runs the controller refuses fail their outputs here (the workers never hear of them).
+Runs the controller refuses fail their outputs here (the workers never hear of them: failures.py).
+
+A program over part of the slice's devices, or over them in another order, runs on those
+(`ProgramNode.devices`); on a slice spanning hosts, on the workers holding them only (the
+dispatcher's `segments.narrowed`): one worker's devices make a plain computation there, whose
+outputs are whole on that worker; devices of several an SPMD computation of those members of the
+island's group, whose outputs are spread over them (each holds its part). A run reading an output
+spread over other devices than its own reads a copy gathered on those devices first (`prepare`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,6 +54,7 @@ from .backend import ArraySpec, BackendError, CompiledInfo, DeviceInfo, SliceInf
 from .compiling import compile_on_worker
 from .compose import gather_function
 from .corking import FlushCork
+from .failures import RunFailures
 from .handles import HostData
 from .modules import describe
 from .staging import Staging
@@ -64,7 +71,6 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
 PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
-RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
 class Slices(Protocol):
@@ -130,11 +136,9 @@ class SliceSession:
         self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
         self._all = frozenset(range(len(self.slice.devices)))
         self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
-        self._recent: OrderedDict[int, list[int]] = OrderedDict()  # run id -> its output buffers
-        self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
-        self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
+        self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
-        self._watcher = asyncio.get_running_loop().create_task(self._events())
+        self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
@@ -267,73 +271,15 @@ class SliceSession:
         self._devices[reply.program_id] = tuple(devices)
         return str(reply.program_id)
 
-    def _drain(self) -> None:
-        """Reads the session's events: a run the controller refused or failed fails its outputs,
-        and wakes whoever waits on them (`_failure`), so nobody waits for buffers that will never
-        exist."""
-        queue = self._client.queue
-        while not queue.empty():
-            self._event(queue.get_nowait())
-
-    def _event(self, ev: cpb.SessionEvent | None) -> None:
-        if ev is None or not ev.HasField("finished") or ev.finished.ok:
-            return
-        for b in self._recent.pop(ev.finished.run_id, ()):
-            self._failed[b] = ev.finished.error
-            for w in self._waiters.pop(b, ()):
-                if not w.done():
-                    w.set_result(ev.finished.error)
-
-    async def _events(self) -> None:
-        while True:
-            self._event(await self._client.queue.get())
-
-    def _failure(self, buffer_ids: Sequence[int]) -> asyncio.Future[str]:
-        """Completes with the error of the first of `buffer_ids` whose run fails."""
-        self._drain()
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        for b in buffer_ids:
-            error = self._failed.get(b)
-            if error is not None:
-                fut.set_result(error)
-                return fut
-        for b in buffer_ids:
-            self._waiters.setdefault(b, []).append(fut)
-        return fut
-
-    def _unwatch(self, buffer_ids: Sequence[int], fut: asyncio.Future[str]) -> None:
-        for b in buffer_ids:
-            waiters = self._waiters.get(b)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._waiters[b]
-
-    async def _unless_failed(self, buffer_ids: Sequence[int], work: Any) -> Any:
-        """Awaits `work` unless one of `buffer_ids` fails first (then BackendError with its error)."""
-        failure = self._failure(buffer_ids)
-        task = asyncio.ensure_future(work)
-        try:
-            await asyncio.wait([task, failure], return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            raise BackendError("FAILED_PRECONDITION", failure.result())
-        finally:
-            if not task.done():
-                task.cancel()
-            self._unwatch(buffer_ids, failure)
-
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         manager = self._manager()
-        self._drain()
+        self._failures.drain()
         homes = [self._address_of(b) for b in inputs]
         address, on = self._runs_on(self._devices.get(program_id, ()))
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
-        self._recent[run_id] = outputs
-        if len(self._recent) > RECENT_RUNS:
-            self._recent.popitem(last=False)
+        self._failures.ran(run_id, outputs)
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
         manager.handle(self._client, cpb.ClientMessage(run=run))
@@ -398,12 +344,6 @@ class SliceSession:
             if made:
                 self.free(made)
 
-    def _check_failed(self, buffer_id: int) -> None:
-        self._drain()
-        error = self._failed.get(buffer_id)
-        if error is not None:
-            raise BackendError("FAILED_PRECONDITION", error)
-
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
         host = data if isinstance(data, HostData) else HostData([data])
         return (await self._upload([(dtype, shape, host)]))[0]
@@ -447,13 +387,13 @@ class SliceSession:
         return address
 
     async def get(self, buffer_id: int) -> HostData:
-        self._check_failed(buffer_id)
+        self._failures.check(buffer_id)
         self._address_of(buffer_id)
 
         async def fetch() -> HostData:
             return HostData([part async for part in self.stream(buffer_id)])
 
-        result: HostData = await self._unless_failed([buffer_id], fetch())
+        result: HostData = await self._failures.unless_failed([buffer_id], fetch())
         return result
 
     def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
@@ -496,7 +436,7 @@ class SliceSession:
         self._cork.waiting()  # what it waits for is on its way to the workers
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
-            self._check_failed(b)
+            self._failures.check(b)
             by_worker.setdefault(self._address_of(b), []).append(b)
         for address, ids in by_worker.items():
             _, stub = self._worker(address)
@@ -507,7 +447,7 @@ class SliceSession:
                 except grpc.RpcError as e:
                     raise BackendError("UNAVAILABLE", f"waiting on worker {address} failed: {e.details()}") from None
 
-            reply = await self._unless_failed(ids, wait())
+            reply = await self._failures.unless_failed(ids, wait())
             if reply.error:
                 raise BackendError("FAILED_PRECONDITION", reply.error)
             if not reply.ready:
@@ -516,7 +456,7 @@ class SliceSession:
     def free(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
-            self._failed.pop(b, None)
+            self._failures.forget(b)
             self._spread.pop(b, None)
             address = self._home.pop(b, None)
             if address is not None:

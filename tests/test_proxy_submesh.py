@@ -23,6 +23,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 LOCAL4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 PRELUDE = """
+import os
 import numpy as np, jax, jax.numpy as jnp
 from functools import partial
 from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
@@ -61,6 +62,10 @@ def back_total(blk):
 show("psum", back_total(o))
 show("reads part", jax.jit(stage_two)(jax.device_put(b, NamedSharding(back, P("s")))))
 show("whole again", jax.jit(lambda v: v - 1)(jax.device_put(o, NamedSharding(line, P("d")))))
+first = jax.jit(stage_one, out_shardings=NamedSharding(front, P("s")))
+second = jax.jit(stage_two, out_shardings=NamedSharding(back, P("s")))
+outs = [second(jax.device_put(first(np.full((4, 2), k, np.float32)), NamedSharding(back, P("s")))) for k in range(6)]
+print("pipeline", [np.asarray(v).round(4).tolist() for v in outs])
 """
 
 ACROSS = PRELUDE + """
@@ -85,6 +90,16 @@ show("then one", jax.jit(lambda v: v.sum())(jax.device_put(y, devs[0])))
 show("to line", jax.jit(lambda v: v + 1, out_shardings=NamedSharding(line, P("d")))(
     jax.device_put(y, NamedSharding(line, P("d")))))
 show("then whole", jax.jit(lambda v: v + 1)(jax.device_put(z, NamedSharding(line, P("d")))))
+@partial(jax.jit, donate_argnums=0)
+@partial(shard_map, mesh=span, in_specs=P("m"), out_specs=P("m"))
+def span_step(blk):
+    return blk * 0.5 + jax.lax.psum(blk, "m") * 0.25
+w = jax.device_put(np.arange(8.0, dtype=np.float32).reshape(4, 2), NamedSharding(span, P("m")))
+for _ in range(8):
+    w = span_step(w)
+    if os.environ["JAX_PLATFORMS"] == "cpu":  # plain JAX must not pipeline collectives on CPU
+        w.block_until_ready()
+show("span loop", w)
 """
 
 
@@ -150,8 +165,8 @@ def test_programs_on_one_worker_of_a_slice_spanning_two(cluster: LocalCluster, t
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     assert by_name["one 3"].startswith("one 3 [1.0, 4.0, 7.0, 10.0] SingleDeviceSharding(device=CpuDevice(id=3)")
     assert by_name["col sum"].startswith("col sum [112.0, 128.0] SingleDeviceSharding(device=CpuDevice(id=2)")
-    expect(cluster, where, {"plus_one": [[3], [0]], "col_sum": [[2]], "stage_one": [[0, 1]],
-                            "stage_two": [[2, 3], [2, 3]], "back_total": [[2, 3]]})
+    expect(cluster, where, {"plus_one": [[3], [0]], "col_sum": [[2]], "stage_one": [[0, 1]] * 7,
+                            "stage_two": [[2, 3]] * 8, "back_total": [[2, 3]]})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 
 
@@ -163,7 +178,8 @@ def test_programs_across_part_of_a_slice_spanning_two_workers(cluster: LocalClus
     where = two_workers(cluster)
     local = run_program(ACROSS, client_env(tmp_path, **LOCAL4))
     assert run_when_formed(ACROSS, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
-    names = ["across", "span psum", "reversed", "then one", "to line", "then whole"]
+    names = ["across", "span psum", "reversed", "then one", "to line", "then whole", "span loop"]
     assert len(local) == len(names) and all(ln.startswith(f"{n} ") for ln, n in zip(local, names, strict=True))
-    expect(cluster, where, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]]})
+    expect(cluster, where, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]],
+                            "span_step": [[1, 2]] * 8})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

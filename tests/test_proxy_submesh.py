@@ -183,3 +183,58 @@ def test_programs_across_part_of_a_slice_spanning_two_workers(cluster: LocalClus
     expect(cluster, where, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]],
                             "span_step": [[1, 2]] * 8})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
+HOLD = PRELUDE + """
+import gc, sys
+span = Mesh(np.array([devs[1], devs[2]]), ("m",))
+x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))
+f = jax.jit(lambda v: v * 2)
+g = jax.jit(lambda v: v + 1, out_shardings=NamedSharding(span, P("m")))
+for _ in range(10):
+    y = f(x)
+    z = g(jax.device_put(y, NamedSharding(span, P("m"))))
+    print("z", np.asarray(z).tolist())
+del y, z
+gc.collect()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def buffers_per_worker(cluster: LocalCluster) -> list[int]:
+    from schemas.pathways.v1 import worker_pb2 as wpb
+    from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+    counts = []
+    for host in cluster.hosts().values():
+        with cluster.channel(host.address) as ch:
+            counts.append(wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers)
+    return sorted(counts)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_results_spread_over_workers_go_from_each_when_dropped(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Results of programs over both workers (the whole slice, a sub-mesh, gathered copies) are
+    freed on every worker holding a part of them once the program drops them, while it runs:
+    only its one live array (an upload, on the slice's first worker) is left."""
+    two_workers(cluster)
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    run_when_formed("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        lines = [proc.stdout.readline().strip() for _ in range(11)]
+        assert lines == ["z [1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0]"] * 10 + ["holding"], lines
+        wait_for(lambda: buffers_per_worker(cluster) == [0, 1], 30, "the dropped results to be freed on both workers")
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

@@ -135,6 +135,7 @@ class SliceSession:
         # several workers of a slice spanning hosts; each of them holds only its own part
         self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
         self._all = frozenset(range(len(self.slice.devices)))
+        self._others: dict[int, tuple[str, ...]] = {}  # such a buffer -> the other workers holding parts
         self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
@@ -237,19 +238,23 @@ class SliceSession:
         except ControllerError as e:
             raise backend_error(e) from None
 
-    def _runs_on(self, devices: Sequence[int]) -> tuple[str, tuple[int, ...] | None]:
+    def _runs_on(self, devices: Sequence[int]) -> tuple[str, tuple[int, ...] | None, tuple[str, ...]]:
         """Where a program over the slice's virtual `devices` (empty: all, in order) runs now: the
         address of the worker its outputs are recorded on (uploads' worker, or the first of those
         running it), and, for an SPMD computation over several workers, the virtual devices its
-        outputs' parts are on (None: its outputs are whole on that worker)."""
+        outputs' parts are on (None: its outputs are whole on that worker) and the addresses of
+        the other workers holding parts of them."""
         placement = self._placement()
         gang = placement.gang
         if gang is None:
-            return placement.host.address, None
-        if not devices:
-            return placement.host.address, tuple(range(len(gang.devices)))
-        host, _, sub = narrowed(gang, devices)
-        return host.address, (tuple(devices) if sub is not None else None)
+            return placement.host.address, None, ()
+        on: tuple[int, ...] = tuple(range(len(gang.devices)))
+        if devices:
+            host, _, sub = narrowed(gang, devices)
+            if sub is None:  # one worker's devices
+                return host.address, None, ()
+            gang, on = sub, tuple(devices)
+        return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:
@@ -275,7 +280,7 @@ class SliceSession:
         manager = self._manager()
         self._failures.drain()
         homes = [self._address_of(b) for b in inputs]
-        address, on = self._runs_on(self._devices.get(program_id, ()))
+        address, on, others = self._runs_on(self._devices.get(program_id, ()))
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
@@ -286,6 +291,9 @@ class SliceSession:
         self._cork.decided()  # flushed once the session's requests pause (corking.py)
         for b in outputs:
             self._home[b] = address
+        if others:  # its parts there go when it does (`free`)
+            for b in outputs:
+                self._others[b] = others
         specs = self._out_specs.get(program_id)
         if on is not None and specs is not None:
             over = self._all if len(on) == len(self._all) else frozenset(on)
@@ -461,6 +469,8 @@ class SliceSession:
             address = self._home.pop(b, None)
             if address is not None:
                 by_worker.setdefault(address, []).append(b)
+                for other in self._others.pop(b, ()):
+                    by_worker.setdefault(other, []).append(b)
         manager = self._controls.sessions
         for address, ids in by_worker.items():
             if manager is None:

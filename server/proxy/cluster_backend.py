@@ -131,8 +131,9 @@ class SliceSession:
         self._num_outputs: dict[str, int] = {}
         self._devices: dict[str, tuple[int, ...]] = {}  # program -> its virtual devices (empty: all)
         self._out_specs: dict[str, tuple[ArraySpec, ...]] = {}  # program -> its outputs, where known
-        # buffer -> (the virtual devices its parts are on, its spec): a result of a program over
-        # several workers of a slice spanning hosts; each of them holds only its own part
+        # buffer -> (the virtual devices its parts are on, as a set and in order, its spec): a
+        # result of a program over several workers of a slice spanning hosts, each of which holds
+        # only its own part
         self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
         self._all = frozenset(range(len(self.slice.devices)))
         self._others: dict[int, tuple[str, ...]] = {}  # such a buffer -> the other workers holding parts

@@ -18,6 +18,7 @@ from server.controller.links import WorkerLink
 from server.controller.outbox import Outbox, materialized
 from server.controller.programs import ProgramRecord, ProgramRegistry, check_devices
 from server.controller.relays import Relays
+from server.controller.segments import Gang
 from server.controller.slices import Placement
 from server.scheduler import GangScheduler, Policy
 from server.worker.relay import Inbox, relayed_message
@@ -267,7 +268,7 @@ def gang_parts() -> tuple[Parts, list[HostInfo]]:
         p.dispatcher.host_up(h)
     p.outbox.take()
     gang = Gang(generation=4, members=tuple(members), devices=tuple(range(6)),
-                member_devices=tuple(tuple(h.device_ids) for h in members))
+                member_devices=tuple(tuple(h.device_ids) for h in members), member_of=(0, 0, 1, 1, 2, 2))
     where = p.slices.where
 
     class GangSlices(Slices):
@@ -354,10 +355,38 @@ def test_a_node_on_part_of_its_slice_runs_on_those_devices_only() -> None:
         with pytest.raises(InvalidArgument, match=error):
             check_devices(reordered, {"w": (2, False)})
     reordered.nodes[0].devices[:] = [1]
-    with pytest.raises(InvalidArgument, match="spans hosts"):
-        check_devices(reordered, {"w": (2, True)})
-    reordered.nodes[0].devices[:] = [0, 1]
-    check_devices(reordered, {"w": (2, True)})  # all of them in order: as without
+    check_devices(reordered, {"w": (2, True)})  # on a slice spanning hosts too (segments.narrowed)
+
+
+def test_a_node_on_part_of_a_slice_spanning_hosts_runs_on_the_hosts_holding_them() -> None:
+    """ProgramNode.devices on a multi-host slice (g0, g1, g2, two devices each): devices of one
+    member run there as a plain computation on its local devices; devices of several run as a gang
+    of those members only, each holding only its chosen devices in the scheduler."""
+    p, members = gang_parts()
+    gang = p.slices.placement("sg").gang
+    assert gang is not None
+    numbers = tuple(m * 65536 + d for m in range(3) for d in range(2))
+    wide = Placement("sg", members[0], list(numbers), 0, "p",
+                     gang=Gang(gang.generation, gang.members, numbers, gang.member_devices, (0, 0, 1, 1, 2, 2)))
+    p.slices.placement = lambda name: wide  # type: ignore[method-assign]
+    assert p.registry.add_functions([FUNCTION]) == []
+
+    def plan(devices: list[int], run_id: int) -> list[tuple[str, list[int], tuple[int, ...], int]]:
+        graph = cpb.ProgramGraph(name=f"part{run_id}", num_inputs=1, outputs=[out(0)], nodes=[
+            cpb.ProgramNode(function_id=F, slice="sg", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1,
+                            name="n0", devices=devices)])
+        check_devices(graph, {"sg": (6, True)})
+        run = p.run(session(), run_id, p.registry.register(graph, "client:c1"), output=200 + run_id)
+        p.outbox.take()
+        return [(s.host.name, list(s.definition.nodes[0].local_devices), s.spec.devices,
+                 s.definition.group_generation) for s in run.plan.segments]
+
+    assert plan([3], 7) == [("g1", [1], (33,), 0)]  # one device: a plain computation on its host
+    assert plan([5, 4], 8) == [("g2", [1, 0], (35, 34), 0)]  # one host's devices, in the node's order
+    # devices of two members, in another order: a gang of g1 and g2 over group-wide numbers
+    assert plan([5, 2], 9) == [("g1", [numbers[5], numbers[2]], (32,), 4),
+                               ("g2", [numbers[5], numbers[2]], (35,), 4)]
+    assert plan(list(range(6)), 10) == [(f"g{m}", list(numbers), (30 + 2 * m, 31 + 2 * m), 4) for m in range(3)]
 
 
 def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_its_host() -> None:

@@ -50,7 +50,7 @@ from .outbox import GangEnqueue, Outbox, add_member, materialized
 from .plans import Plan, check_spread_inputs
 from .programs import ProgramRecord, ProgramRegistry
 from .runs import RunState, task_fields
-from .segments import PROGRAM_INPUT, cut, gathered_count, same_machine
+from .segments import PROGRAM_INPUT, Gang, cut, gathered_count, narrowed, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -202,11 +202,22 @@ class Dispatcher:
             self._forget(plan)
         nodes = [placements[n.slice] for n in graph.nodes]
         # a node on part of its slice (or its devices in another order) names them (checked at
-        # registration: programs.check_devices)
-        devices = [[p.local_devices[v] for v in n.devices] if n.devices else p.local_devices
-                   for n, p in zip(graph.nodes, nodes, strict=True)]
-        segments = cut(prog, [p.host for p in nodes], devices, [p.island for p in nodes],
-                       self._segment_ids, across_devices=not sequential, gangs=[p.gang for p in nodes])
+        # registration: programs.check_devices); on a slice spanning hosts it runs on the members
+        # holding them only (segments.narrowed): one plain computation, or a smaller gang
+        hosts: list[HostInfo] = []
+        devices: list[list[int]] = []
+        gangs: list[Gang | None] = []
+        for n, p in zip(graph.nodes, nodes, strict=True):
+            host, devs, gang = p.host, list(p.local_devices), p.gang
+            if n.devices and gang is not None:
+                host, devs, gang = narrowed(gang, n.devices)
+            elif n.devices:
+                devs = [p.local_devices[v] for v in n.devices]
+            hosts.append(host)
+            devices.append(devs)
+            gangs.append(gang)
+        segments = cut(prog, hosts, devices, [p.island for p in nodes],
+                       self._segment_ids, across_devices=not sequential, gangs=gangs)
         plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
                     frozenset(s.host.address for s in segments))
         self._plans[(prog.program_id, sequential)] = plan

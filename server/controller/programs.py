@@ -84,18 +84,17 @@ def analyze(program_id: str, graph: cpb.ProgramGraph) -> ProgramRecord:
 
 def check_devices(graph: cpb.ProgramGraph, slices: dict[str, tuple[int, bool]]) -> None:
     """Checks the nodes that run on part of their slice (`ProgramNode.devices`): distinct virtual
-    devices of the slice. `slices`: slice name -> (its device count, whether it spans hosts)."""
+    devices of the slice. `slices`: slice name -> (its device count, whether it spans hosts). On
+    a slice spanning hosts such a node runs on the hosts holding those devices only (one plain
+    computation on one of them, or a gang of those: dispatch.py, segments.narrowed)."""
     for i, node in enumerate(graph.nodes):
         if not node.devices:
             continue
-        count, spans_hosts = slices[node.slice]
+        count, _ = slices[node.slice]
         devices = list(node.devices)
         if len(set(devices)) != len(devices) or not all(0 <= v < count for v in devices):
             raise InvalidArgument(f"node {i} of program {graph.name!r} runs on devices {devices}: not distinct "
                                   f"devices of slice {node.slice!r} (0..{count - 1})")
-        if spans_hosts and devices != list(range(count)):
-            raise InvalidArgument(f"node {i} of program {graph.name!r} runs on devices {devices} of slice "
-                                  f"{node.slice!r}, which spans hosts: a node there runs on all its devices in order")
 
 
 def program_id_of(graph: cpb.ProgramGraph) -> str:

@@ -26,6 +26,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..scheduler import NodeSpec
 from .cluster import HostInfo
+from .groups import GROUP_STRIDE
 from .programs import ProgramRecord
 
 MAX_SEGMENT_NODES = 512  # bounds a fused computation (and its compile time)
@@ -71,6 +72,31 @@ class Gang:
     members: tuple[HostInfo, ...]
     devices: tuple[int, ...]
     member_devices: tuple[tuple[int, ...], ...]
+    # per virtual device: the index in `members` of the member holding it (empty: not known,
+    # then the gang cannot be narrowed to part of its devices)
+    member_of: tuple[int, ...] = ()
+
+
+def narrowed(gang: Gang, devices: Sequence[int]) -> tuple[HostInfo, list[int], Gang | None]:
+    """Where a node on virtual `devices` (distinct, in the node's order) of a multi-host slice
+    placed as `gang` runs: on one member, (that host, its local device indices, None): a plain
+    computation there; on several, (the first of them, the group-wide numbers, a gang of only
+    those members, holding only those devices)."""
+    if len(gang.member_of) != len(gang.devices):
+        raise ValueError("a gang without its members' devices cannot be narrowed")
+    involved = sorted({gang.member_of[v] for v in devices})
+    if len(involved) == 1:
+        return gang.members[involved[0]], [gang.devices[v] % GROUP_STRIDE for v in devices], None
+    cluster: dict[int, int] = {}  # virtual device -> its cluster device id
+    seen = [0] * len(gang.members)
+    for v, m in enumerate(gang.member_of):
+        cluster[v] = gang.member_devices[m][seen[m]]
+        seen[m] += 1
+    position = {m: k for k, m in enumerate(involved)}
+    sub = Gang(gang.generation, tuple(gang.members[m] for m in involved), tuple(gang.devices[v] for v in devices),
+               tuple(tuple(cluster[v] for v in devices if gang.member_of[v] == m) for m in involved),
+               tuple(position[gang.member_of[v]] for v in devices))
+    return sub.members[0], list(sub.devices), sub
 
 
 def cut(prog: ProgramRecord, hosts: Sequence[HostInfo], devices: Sequence[Sequence[int]],

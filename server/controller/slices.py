@@ -275,13 +275,16 @@ class SliceService:
         members = tuple(self._hosts[h] for h in g.members if h in spans)
         process = {h: p for p, h in enumerate(g.members)}
         by_member: dict[str, builtins.list[int]] = {m.name: [] for m in members}
+        position = {m.name: k for k, m in enumerate(members)}
         numbers = []
+        member_of = []
         for dev_id in s.mapping:
             host_name, local = self._local[dev_id]
             numbers.append(process[host_name] * GROUP_STRIDE + local)
             by_member[host_name].append(dev_id)
+            member_of.append(position[host_name])
         member_devices = tuple(tuple(by_member[m.name]) for m in members)
-        gang = Gang(g.number, members, tuple(numbers), member_devices)
+        gang = Gang(g.number, members, tuple(numbers), member_devices, tuple(member_of))
         return Placement(slice=name, host=members[0], local_devices=numbers, generation=s.generation,
                          island=island, gang=gang)
 

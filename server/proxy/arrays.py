@@ -25,6 +25,7 @@ import numpy as np
 from schemas.arrays import resolve_dtype
 
 from . import shardings as sh
+from .backend import ArraySpec
 from .compose import Piece, piece_function
 from .handles import HandleError, HostData, Staged
 from .shardings import Index, Sharding
@@ -157,8 +158,12 @@ async def join(session: Session, rec: ArrayRecord, ids: dict[int, int] | None = 
         made = await asyncio.to_thread(piece_function, inputs, (rec.dtype, rec.shape), pieces,
                                        session.backend.slice.platform_name)
         session.functions[cache_key] = made
-    (out,) = await session.backend.run_function("proxy_assemble", made[1], 1,
-                                                [(ids or {}).get(b.id, b.id) for b in sources])
+    inputs_now = [(ids or {}).get(b.id, b.id) for b in sources]
+    if session.backend.slice.hosts > 1:  # its result is spread over the slice's workers (cluster_backend.py)
+        (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, inputs_now,
+                                                    outputs=[ArraySpec(rec.dtype, rec.shape)])
+    else:
+        (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, inputs_now)
     return out
 
 

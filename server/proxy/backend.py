@@ -64,6 +64,9 @@ class CompiledInfo:
     in_shardings: tuple[bytes | None, ...] = ()  # serialized xla.OpSharding per input (None: replicated)
     out_shardings: tuple[bytes | None, ...] = ()
     keep_program_id: str = ""  # the same program without donation ("" : program_id)
+    # a multi-device program's outputs may be spread over workers (on a slice spanning hosts, an
+    # SPMD computation over several of them); False: they are whole on one worker
+    spread: bool = True
 
 
 class SessionBackend(Protocol):
@@ -82,9 +85,12 @@ class SessionBackend(Protocol):
         buffers, which exist (or carry the run's error) once it ran."""
         ...
 
-    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int]) -> list[int]:
-        """Runs a serialized `jax.export.Exported` (one device, no donation) that the server made
-        itself, e.g. to assemble an array from shards: registered once, then like `execute`."""
+    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int],
+                           devices: Sequence[int] = (), outputs: Sequence[ArraySpec] = ()) -> list[int]:
+        """Runs a serialized `jax.export.Exported` (no donation) that the server made itself,
+        e.g. to assemble an array from shards: registered once, then like `execute`. A backend
+        of slices spanning hosts takes the virtual `devices` it runs on (empty: all) and its
+        `outputs`' specs; the service passes them only there."""
         ...
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:

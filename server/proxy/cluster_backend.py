@@ -16,7 +16,14 @@ through the manager (modules.py), and each execute is a run of it through the di
 island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
 The dispatcher's flush of a session's runs and releases is held while its requests keep coming
 (corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`.
-Runs the controller refuses fail their outputs here (the workers never hear of them).
+Runs the controller refuses fail their outputs here (the workers never hear of them: failures.py).
+
+A program over part of the slice's devices, or over them in another order, runs on those
+(`ProgramNode.devices`); on a slice spanning hosts, on the workers holding them only (the
+dispatcher's `segments.narrowed`): one worker's devices make a plain computation there, whose
+outputs are whole on that worker; devices of several an SPMD computation of those members of the
+island's group, whose outputs are spread over them (each holds its part). A run reading an output
+spread over other devices than its own reads a copy gathered on those devices first (`prepare`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,12 +46,15 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
+from ..controller.segments import narrowed
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from . import fetching
-from .backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
+from .backend import ArraySpec, BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compiling import compile_on_worker
+from .compose import gather_function
 from .corking import FlushCork
+from .failures import RunFailures
 from .handles import HostData
 from .modules import describe
 from .staging import Staging
@@ -62,7 +71,6 @@ WAIT_S = 3600.0  # the longest a download or a readiness check waits for a compu
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
 PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
-RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
 class Slices(Protocol):
@@ -121,11 +129,18 @@ class SliceSession:
                                      name="ifrt-proxy", job_id="", priority=0, weight=1.0, sequential=False)
         self._programs: dict[tuple[str, tuple[int, ...]], CompiledInfo] = {}  # content key -> program
         self._num_outputs: dict[str, int] = {}
-        self._recent: OrderedDict[int, list[int]] = OrderedDict()  # run id -> its output buffers
-        self._failed: dict[int, str] = {}  # output buffer -> the error of the run that failed
-        self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # buffer -> who waits for its failure
-        self._functions: dict[str, str] = {}  # function id of a server-made function -> its program
-        self._watcher = asyncio.get_running_loop().create_task(self._events())
+        self._devices: dict[str, tuple[int, ...]] = {}  # program -> its virtual devices (empty: all)
+        self._out_specs: dict[str, tuple[ArraySpec, ...]] = {}  # program -> its outputs, where known
+        # buffer -> (the virtual devices its parts are on, as a set and in order, its spec): a
+        # result of a program over several workers of a slice spanning hosts, each of which holds
+        # only its own part
+        self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
+        self._all = frozenset(range(len(self.slice.devices)))
+        self._others: dict[int, tuple[str, ...]] = {}  # such a buffer -> the other workers holding parts
+        self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
+        self._failures = RunFailures(self._client.queue)
+        self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
+        self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
         self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
@@ -165,14 +180,10 @@ class SliceSession:
             return known
         slice_ids = [d.id for d in self.slice.devices]
         # a program over part of the slice, or over its devices in another order, runs on those
-        # (ProgramNode.devices), a one-device program too (on a slice spanning hosts, one over
-        # one device runs on the whole slice, replicated)
-        one = len(device_ids) == 1 and self.slice.hosts == 1
-        part = tuple(device_ids) if (len(device_ids) > 1 or one) and list(device_ids) != slice_ids else ()
-        if part and self.slice.hosts > 1:
-            raise BackendError("UNIMPLEMENTED", f"a program over devices {list(device_ids)} of a slice spanning "
-                               f"{self.slice.hosts} hosts: the Pathways IFRT proxy server runs programs there over "
-                               f"all the slice's devices in order ({slice_ids}), or on one device")
+        # (ProgramNode.devices), a one-device program too; on a slice spanning hosts, on the
+        # workers holding them only (one of them: a plain computation there; several: an SPMD
+        # computation of those members of the island's group)
+        part = tuple(device_ids) if list(device_ids) != slice_ids else ()
         self._manager()
         # parsing the module imports jax the first time (seconds): not on the event loop
         # the workers compile a multi-device program now and say the output shardings XLA chose:
@@ -185,8 +196,7 @@ class SliceSession:
         out_shardings = info.out_shardings
         if propagate:
             out_shardings = await self._compile_on_worker(info.name, info.exported, info.function_id,
-                                                          info.donated, part or tuple(range(len(slice_ids))),
-                                                          len(info.outputs))
+                                                          info.donated, part, len(info.outputs))
         program_id = self.register(info.name, info.exported, info.function_id, len(info.inputs),
                                    len(info.outputs), info.donated, part)
         keep_id = program_id
@@ -194,27 +204,58 @@ class SliceSession:
             keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep", propagate)
             keep_id = self.register(keep.name, keep.exported, keep.function_id, len(keep.inputs),
                                     len(keep.outputs), (), part)
+        for p in (program_id, keep_id):
+            self._out_specs[p] = info.outputs
         compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
                                 outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
-                                out_shardings=out_shardings, keep_program_id=keep_id)
+                                out_shardings=out_shardings, keep_program_id=keep_id,
+                                spread=self._runs_on(part)[1] is not None)
         self._programs[key] = compiled
         return compiled
 
     async def _compile_on_worker(self, name: str, exported: bytes, function_id: str, donated: Sequence[int],
                                  devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
-        """Compiles a function on the slice's worker for the slice's virtual `devices`; the
-        compiled output shardings (compiling.py)."""
+        """Compiles a function on the slice's worker for the slice's virtual `devices` (empty:
+        all, in order); the compiled output shardings (compiling.py)."""
+        placement = self._placement()
+        gang = placement.gang
+        # on a slice spanning hosts, the first member running it compiles (each member compiles
+        # the same module alike when it runs it), its devices numbered group-wide; devices on one
+        # member only are that worker's own
+        host = placement.host
+        generation = gang.generation if gang is not None else 0
+        if gang is not None and devices:
+            host, numbers, sub = narrowed(gang, devices)
+            generation = sub.generation if sub is not None else 0
+        else:
+            numbers = [placement.local_devices[v] for v in devices] if devices else list(placement.local_devices)
+        address, stub = self._worker(host.address)
+        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
+        return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation)
+
+    def _placement(self) -> Any:
         try:
-            placement = self._slices.placement(self.name)
+            return self._slices.placement(self.name)
         except ControllerError as e:
             raise backend_error(e) from None
-        # on a slice spanning hosts, its first member compiles (each member compiles the same
-        # module alike when it runs it), its devices numbered group-wide
-        address, stub = self._worker(placement.host.address)
-        blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
-        return await compile_on_worker(stub, self._metadata, address, blob,
-                                       [placement.local_devices[v] for v in devices], num_outputs,
-                                       placement.gang.generation if placement.gang is not None else 0)
+
+    def _runs_on(self, devices: Sequence[int]) -> tuple[str, tuple[int, ...] | None, tuple[str, ...]]:
+        """Where a program over the slice's virtual `devices` (empty: all, in order) runs now: the
+        address of the worker its outputs are recorded on (uploads' worker, or the first of those
+        running it), and, for an SPMD computation over several workers, the virtual devices its
+        outputs' parts are on (None: its outputs are whole on that worker) and the addresses of
+        the other workers holding parts of them."""
+        placement = self._placement()
+        gang = placement.gang
+        if gang is None:
+            return placement.host.address, None, ()
+        on: tuple[int, ...] = tuple(range(len(gang.devices)))
+        if devices:
+            host, _, sub = narrowed(gang, devices)
+            if sub is None:  # one worker's devices
+                return host.address, None, ()
+            gang, on = sub, tuple(devices)
+        return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:
@@ -233,95 +274,84 @@ class SliceSession:
         if reply.error or not reply.program_id:
             raise BackendError("FAILED_PRECONDITION", f"registering {name}: {reply.error or 'refused'}")
         self._num_outputs[reply.program_id] = n_out
+        self._devices[reply.program_id] = tuple(devices)
         return str(reply.program_id)
-
-    def _drain(self) -> None:
-        """Reads the session's events: a run the controller refused or failed fails its outputs,
-        and wakes whoever waits on them (`_failure`), so nobody waits for buffers that will never
-        exist."""
-        queue = self._client.queue
-        while not queue.empty():
-            self._event(queue.get_nowait())
-
-    def _event(self, ev: cpb.SessionEvent | None) -> None:
-        if ev is None or not ev.HasField("finished") or ev.finished.ok:
-            return
-        for b in self._recent.pop(ev.finished.run_id, ()):
-            self._failed[b] = ev.finished.error
-            for w in self._waiters.pop(b, ()):
-                if not w.done():
-                    w.set_result(ev.finished.error)
-
-    async def _events(self) -> None:
-        while True:
-            self._event(await self._client.queue.get())
-
-    def _failure(self, buffer_ids: Sequence[int]) -> asyncio.Future[str]:
-        """Completes with the error of the first of `buffer_ids` whose run fails."""
-        self._drain()
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        for b in buffer_ids:
-            error = self._failed.get(b)
-            if error is not None:
-                fut.set_result(error)
-                return fut
-        for b in buffer_ids:
-            self._waiters.setdefault(b, []).append(fut)
-        return fut
-
-    def _unwatch(self, buffer_ids: Sequence[int], fut: asyncio.Future[str]) -> None:
-        for b in buffer_ids:
-            waiters = self._waiters.get(b)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._waiters[b]
-
-    async def _unless_failed(self, buffer_ids: Sequence[int], work: Any) -> Any:
-        """Awaits `work` unless one of `buffer_ids` fails first (then BackendError with its error)."""
-        failure = self._failure(buffer_ids)
-        task = asyncio.ensure_future(work)
-        try:
-            await asyncio.wait([task, failure], return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            raise BackendError("FAILED_PRECONDITION", failure.result())
-        finally:
-            if not task.done():
-                task.cancel()
-            self._unwatch(buffer_ids, failure)
 
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         manager = self._manager()
-        self._drain()
+        self._failures.drain()
         homes = [self._address_of(b) for b in inputs]
-        address, _ = self._worker()
+        address, on, others = self._runs_on(self._devices.get(program_id, ()))
+        self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
-        self._recent[run_id] = outputs
-        if len(self._recent) > RECENT_RUNS:
-            self._recent.popitem(last=False)
+        self._failures.ran(run_id, outputs)
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
         manager.handle(self._client, cpb.ClientMessage(run=run))
         self._cork.decided()  # flushed once the session's requests pause (corking.py)
         for b in outputs:
             self._home[b] = address
+        if others:  # its parts there go when it does (`free`)
+            for b in outputs:
+                self._others[b] = others
+        specs = self._out_specs.get(program_id)
+        if on is not None and specs is not None:
+            over = self._all if len(on) == len(self._all) else frozenset(on)
+            for b, spec in zip(outputs, specs, strict=True):
+                self._spread[b] = (over, on, spec)
         return outputs
 
-    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int]) -> list[int]:
-        function_id = hashlib.sha256(exported).hexdigest()
-        program_id = self._functions.get(function_id)
-        if program_id is None:
-            program_id = self.register(name, exported, function_id, len(inputs), num_outputs, ())
-            self._functions[function_id] = program_id
-        return self.execute(program_id, inputs)
+    async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The buffers a run of `program_id` reads instead of `inputs`, and those of them it made
+        (the caller frees them once the run is submitted): an input whose parts are spread over
+        other devices of the slice than the program's (a result of an SPMD computation over
+        several workers) is read through a copy gathered on its own devices, replicated there,
+        which every worker that reads it holds (or is sent) whole."""
+        if not self._spread:
+            return list(inputs), []
+        devices = self._devices.get(program_id, ())
+        mine = frozenset(devices) if devices else self._all
+        ids, made = list(inputs), []
+        for k, b in enumerate(inputs):
+            spread = self._spread.get(b)
+            if spread is not None and spread[0] != mine:
+                ids[k] = await self.gather(b)
+                made.append(ids[k])
+        return ids, made
 
-    def _check_failed(self, buffer_id: int) -> None:
-        self._drain()
-        error = self._failed.get(buffer_id)
-        if error is not None:
-            raise BackendError("FAILED_PRECONDITION", error)
+    async def gather(self, buffer_id: int, dtype: str = "", shape: tuple[int, ...] = ()) -> int:
+        """A replicated copy of a result spread over workers (on the devices it is spread over,
+        each of whose workers then holds it whole); the caller frees it. `dtype` and `shape`
+        for a buffer whose spread is not known here (then over all the slice's devices)."""
+        _, on, spec = self._spread.get(buffer_id, (self._all, (), ArraySpec(dtype, shape)))
+        devices = on if on else tuple(range(len(self.slice.devices)))
+        key = (spec.dtype, spec.shape, len(devices))
+        made = self._gather_functions.get(key)
+        if made is None:
+            made = self._gather_functions[key] = await asyncio.to_thread(
+                gather_function, spec.dtype, spec.shape, len(devices), self.slice.platform_name)
+        whole = devices == tuple(range(len(self.slice.devices)))
+        (copy,) = await self.run_function("proxy_gather", made[1], 1, [buffer_id], () if whole else devices, [spec])
+        return copy
+
+    async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int],
+                           devices: Sequence[int] = (), outputs: Sequence[ArraySpec] = ()) -> list[int]:
+        """Runs a server-made function on the slice's virtual `devices` (empty: all of them);
+        `outputs`: its results' specs, for reading them on other devices later (`prepare`)."""
+        function_id = hashlib.sha256(exported).hexdigest()
+        program_id = self._functions.get((function_id, tuple(devices)))
+        if program_id is None:
+            program_id = self.register(name, exported, function_id, len(inputs), num_outputs, (), devices)
+            self._functions[(function_id, tuple(devices))] = program_id
+        if outputs:
+            self._out_specs[program_id] = tuple(outputs)
+        ids, made = await self.prepare(program_id, inputs)
+        try:
+            return self.execute(program_id, ids)
+        finally:
+            if made:
+                self.free(made)
 
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
         host = data if isinstance(data, HostData) else HostData([data])
@@ -366,13 +396,13 @@ class SliceSession:
         return address
 
     async def get(self, buffer_id: int) -> HostData:
-        self._check_failed(buffer_id)
+        self._failures.check(buffer_id)
         self._address_of(buffer_id)
 
         async def fetch() -> HostData:
             return HostData([part async for part in self.stream(buffer_id)])
 
-        result: HostData = await self._unless_failed([buffer_id], fetch())
+        result: HostData = await self._failures.unless_failed([buffer_id], fetch())
         return result
 
     def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
@@ -415,7 +445,7 @@ class SliceSession:
         self._cork.waiting()  # what it waits for is on its way to the workers
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
-            self._check_failed(b)
+            self._failures.check(b)
             by_worker.setdefault(self._address_of(b), []).append(b)
         for address, ids in by_worker.items():
             _, stub = self._worker(address)
@@ -426,7 +456,7 @@ class SliceSession:
                 except grpc.RpcError as e:
                     raise BackendError("UNAVAILABLE", f"waiting on worker {address} failed: {e.details()}") from None
 
-            reply = await self._unless_failed(ids, wait())
+            reply = await self._failures.unless_failed(ids, wait())
             if reply.error:
                 raise BackendError("FAILED_PRECONDITION", reply.error)
             if not reply.ready:
@@ -435,10 +465,13 @@ class SliceSession:
     def free(self, buffer_ids: Sequence[int]) -> None:
         by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
-            self._failed.pop(b, None)
+            self._failures.forget(b)
+            self._spread.pop(b, None)
             address = self._home.pop(b, None)
             if address is not None:
                 by_worker.setdefault(address, []).append(b)
+                for other in self._others.pop(b, ()):
+                    by_worker.setdefault(other, []).append(b)
         manager = self._controls.sessions
         for address, ids in by_worker.items():
             if manager is None:

@@ -140,6 +140,10 @@ class Download(Streamed):
 async def _gathered(session: Session, buf: Buf) -> int:
     """A replicated copy of a result sharded over workers, which the slice's worker can read
     (the caller frees it)."""
+    gather = getattr(session.backend, "gather", None)  # the cluster's backend: on the devices it is spread over
+    if gather is not None:
+        copy: int = await gather(buf.id, buf.dtype, buf.shape)
+        return copy
     info = session.backend.slice
     key = ("gather", buf.dtype, buf.shape)
     made = session.functions.get(key)

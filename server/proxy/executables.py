@@ -249,7 +249,16 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
             # a donated buffer that another array (or another argument) still reads is not given up
             if compiled.donated and any(bufs[i].records > 1 or bufs.count(bufs[i]) > 1 for i in compiled.donated):
                 program = compiled.keep_program_id or program
-            buffers = session.backend.execute(program, [b.id for b in bufs])
+            ids = [b.id for b in bufs]
+            made: list[int] = []
+            prepare = getattr(session.backend, "prepare", None)  # slices spanning hosts (cluster_backend.py)
+            if prepare is not None:
+                ids, made = await prepare(program, ids)
+            try:
+                buffers = session.backend.execute(program, ids)
+            finally:
+                if made:  # gathered copies it reads: freed behind the run
+                    session.backend.free(made)
     except BaseException as e:
         code = getattr(e, "code", None)  # HandleError, BackendError
         code, message = (code, str(e)) if isinstance(code, str) else ("CANCELLED", "execute cancelled")
@@ -257,7 +266,7 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    spread = len(exe.device_ids) > 1
+    spread = len(exe.device_ids) > 1 and compiled.spread
     out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
                                                                                 strict=True)]
     outputs = exe.outputs(proto)

@@ -66,7 +66,10 @@ class Runnable:
         # device_put(x, device), which costs (with the call that reads it) about two thirds of
         # device_put onto the sharding (a pipeline stage's input from the stage before it)
         self._one_device: list[jax.Device | None] = [_only_device(s) for s in self.in_shardings]
-        self._addressable = [s.is_fully_addressable for s in self.in_shardings]
+        # jit takes a host array for such an input itself, but not in a group of processes (an
+        # island spanning hosts), whatever the devices: there it is placed first (`_place`)
+        single = jax.process_count() == 1
+        self._addressable = [s.is_fully_addressable and single for s in self.in_shardings]
         self.last_used = time.monotonic()
         self.loaded = True  # its compiled program is held (by jit's cache); see unload()
         with _LIVE_LOCK:
@@ -91,7 +94,14 @@ class Runnable:
                 raise ValueError(f"{self.name}: input {i} has dtype {x.dtype}, expected {aval.dtype}")
             if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
                 return x
-            return jax.device_put(x, sharding)  # every member runs this task: a collective reshard
+            if x.sharding.device_set == sharding.device_set:
+                return jax.device_put(x, sharding)  # every member runs this task: a collective reshard
+            # made on other devices (a program over part of a slice spanning hosts): read only
+            # where this worker holds it whole (a copy replicated over them, cluster_backend.py)
+            x = _held_whole(x)
+            if x is None:
+                raise ValueError(f"{self.name}: input {i} is an array spread over other devices, of which this "
+                                 "worker holds only part")
         if not sharding.is_fully_addressable:
             # a multi-host slice (server/worker/group.py): this worker holds the whole value and
             # builds only its own devices' shards; device_put would need the peers' devices
@@ -132,6 +142,15 @@ class Runnable:
                 placed[i] = self._place(i, x)
                 ok[i] = getattr(placed[i], "sharding", None)
         return list(self._jitted(*placed))
+
+
+def _held_whole(x: jax.Array) -> np.ndarray | None:
+    """The value of an array spread over several workers' devices where one of this worker's
+    shards is all of it (a replicated copy), else None."""
+    for shard in x.addressable_shards:
+        if all(s.start in (None, 0) and s.stop in (None, n) for s, n in zip(shard.index, x.shape, strict=True)):
+            return np.asarray(shard.data)
+    return None
 
 
 def _only_device(sharding: Sharding) -> jax.Device | None:

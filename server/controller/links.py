@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -31,9 +32,12 @@ class WorkerLink:
     acknowledges them (`ack`), to be sent again directly if their relay fails (`resend_retained`).
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, relay_key: bytes | None = None) -> None:
         self.host = host
         self.link_id = next(_link_ids)
+        # signs what relays carry for this worker (server/relaysig.py): the servicer sets the key
+        # derived from the host's credential; until then a random one nobody else knows
+        self.relay_key = relay_key or secrets.token_bytes(32)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self.closed = False
         self.next_seq = 1

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from grpc import aio
@@ -48,10 +49,12 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..credentials import PEER_HEADER, peer_credential
+from ..relaysig import TAG_BYTES, body_digest, gang_numbers, matches, sign_gang, sign_message
 
 log = logging.getLogger(__name__)
 
 RELAYED_METHOD = "/pathways.v1.Worker/Relayed"
+REJECTED_LOG_EVERY_S = 10.0  # one warning about rejected relayed messages per this long
 GAP_S = 5.0  # a message missing this long while later ones wait: asked for directly
 # one connection per member, as separate hosts have (no sharing of one subchannel by address)
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
@@ -65,6 +68,8 @@ class Inbox:
 
     def __init__(self) -> None:
         self.link = 0  # Registered.link of the current registration (0: none, nothing relayed is taken)
+        self.key = b""  # what relayed messages of it are signed with (server/relaysig.py); b"": none taken
+        self.rejected = 0  # relayed messages dropped: their signature did not match
         self.next = 1
         self.pending: dict[int, cpb.ControllerToWorker] = {}
         self.duplicates = 0
@@ -73,6 +78,7 @@ class Inbox:
     def reset(self) -> None:
         """A new stream to the controller: a new registration, its messages numbered from 1."""
         self.link = 0
+        self.key = b""
         self.next = 1
         self.pending.clear()
         self.gap_since = None
@@ -202,42 +208,85 @@ class Forwarder:
 
 
 def gang_parts(gang: cpb.RelayedGang) -> Iterator[wpb.RelayedMessage]:
-    """Each member's message of a `RelayedGang` (controller.proto), as the part the controller
-    would have sent for it: the shared body with the member's seq and its tasks' segment, seq and
-    segment id. A gang whose lists do not match its members (or whose body does not decode) gives
-    nothing: its members then miss a message and ask the controller for it (`GAP_S`)."""
+    """Each member's part of a `RelayedGang` (controller.proto): the shared body, the member's
+    numbers (its seq, and its tasks' segment, seq and segment id) and its signature, as a
+    `RelayedGangMember` that the member makes its message of (`relayed_message`) once it has
+    checked the signature. The relay does not decode the body. A gang whose lists do not match
+    its members gives nothing: its members then miss a message and ask the controller for it
+    (`GAP_S`)."""
     n = len(gang.hosts)
-    try:
-        body = cpb.ControllerToWorker.FromString(gang.body)
-    except Exception:  # DecodeError: a peer sent garbage
-        log.warning("a relayed gang message does not decode; dropped")
+    k, extra = divmod(len(gang.task_segments), n) if n else (0, 0)
+    if not (len(gang.addresses) == len(gang.links) == len(gang.seqs) == len(gang.macs) == n and not extra
+            and len(gang.task_seqs) == len(gang.segment_ids) == n * k):
+        log.warning("a relayed gang message's member lists do not match (%d members); dropped", n)
         return
-    k = len(body.enqueue.tasks)
-    if not (len(gang.addresses) == len(gang.links) == len(gang.seqs) == n
-            and len(gang.task_segments) == len(gang.task_seqs) == len(gang.segment_ids) == n * k):
-        log.warning("a relayed gang message's member lists do not match (%d members, %d tasks each); dropped", n, k)
-        return
-    segments, task_seqs, segment_ids = gang.task_segments, gang.task_seqs, gang.segment_ids
-    msg = cpb.ControllerToWorker()
+    body, segments, task_seqs, segment_ids = gang.body, gang.task_segments, gang.task_seqs, gang.segment_ids
     for i in range(n):
-        msg.CopyFrom(body)
-        msg.seq = gang.seqs[i]
-        for j, task in enumerate(msg.enqueue.tasks):
-            x = i * k + j
-            task.segment = segments[x]
-            task.seq = task_seqs[x]
-            task.segment_id = segment_ids[x]
-        yield wpb.RelayedMessage(host=gang.hosts[i], address=gang.addresses[i], link=gang.links[i],
-                                 message=msg.SerializeToString())
+        a, b = i * k, (i + 1) * k
+        yield wpb.RelayedMessage(
+            host=gang.hosts[i], address=gang.addresses[i], link=gang.links[i], mac=gang.macs[i],
+            gang=wpb.RelayedGangMember(body=body, seq=gang.seqs[i], task_segments=segments[a:b],
+                                       task_seqs=task_seqs[a:b], segment_ids=segment_ids[a:b]))
+
+
+_last_warning = -REJECTED_LOG_EVERY_S
+_quiet = 0
+
+
+def _warn_rejected(part: wpb.RelayedMessage, why: str) -> None:
+    """One warning per `REJECTED_LOG_EVERY_S`; the rejections between are counted into the next."""
+    global _last_warning, _quiet
+    now = time.monotonic()
+    if now - _last_warning < REJECTED_LOG_EVERY_S:
+        _quiet += 1
+        return
+    _last_warning = now
+    more, _quiet = _quiet, 0
+    log.warning("a relayed message for %s was dropped: %s (forged or altered on the way)%s", part.host or "?", why,
+                f"; {more} more since the last warning" if more else "")
+
+
+def _signed(part: wpb.RelayedMessage, key: bytes) -> bool:
+    """Whether `part` carries the controller's signature for this registration (relaysig.py)."""
+    if not key or len(part.mac) != TAG_BYTES:
+        return False
+    if part.HasField("gang"):
+        g = part.gang
+        if not len(g.task_segments) == len(g.task_seqs) == len(g.segment_ids):
+            return False
+        expected = sign_gang(key, body_digest(g.body), gang_numbers(g.seq, list(g.task_segments),
+                                                                    list(g.task_seqs), list(g.segment_ids)))
+    else:
+        expected = sign_message(key, part.message)
+    return matches(part.mac, expected)
 
 
 def relayed_message(part: wpb.RelayedMessage, inbox: Inbox) -> cpb.ControllerToWorker | None:
     """The controller message a relayed part carries, or None when it is stale (for an earlier
-    registration, or before this one's `Registered` was handled) or does not decode."""
+    registration, or before this one's `Registered` was handled), its signature does not match
+    (counted in `inbox.rejected`, logged rate-limited) or it does not decode."""
     if inbox.link == 0 or part.link != inbox.link:
         return None
+    if not _signed(part, inbox.key):
+        inbox.rejected += 1
+        _warn_rejected(part, "its signature does not match" if part.mac else "it is not signed")
+        return None
     try:
-        return cpb.ControllerToWorker.FromString(part.message)
-    except Exception:  # DecodeError: a peer sent garbage; nothing to handle
+        if not part.HasField("gang"):
+            return cpb.ControllerToWorker.FromString(part.message)
+        g = part.gang
+        msg = cpb.ControllerToWorker.FromString(g.body)
+    except Exception:  # DecodeError: signed by the controller, so not expected; nothing to handle
         log.warning("a relayed message for %s does not decode; dropped", part.host)
         return None
+    tasks = msg.enqueue.tasks
+    if len(tasks) != len(g.task_segments):
+        log.warning("a relayed gang message for %s has %d tasks for %d members' numbers; dropped", part.host,
+                    len(tasks), len(g.task_segments))
+        return None
+    msg.seq = g.seq
+    for task, segment, seq, segment_id in zip(tasks, g.task_segments, g.task_seqs, g.segment_ids, strict=True):
+        task.segment = segment
+        task.seq = seq
+        task.segment_id = segment_id
+    return msg

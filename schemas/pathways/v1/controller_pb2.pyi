@@ -617,16 +617,23 @@ class RelayFailed(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HOSTS_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELD_NUMBER: _builtins.int
+    rejected: _builtins.int
+    """Sent by a host about itself: how many relayed messages for it failed their signature check
+    (server/relaysig.py) since its last report. It drops them; the controller counts them and
+    sends that host its messages directly from now on.
+    """
     @_builtins.property
     def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         hosts: _abc.Iterable[_builtins.str] | None = ...,
+        rejected: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts", "rejected", b"rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -784,6 +791,7 @@ class RelayedGang(_message.Message):
     TASK_SEGMENTS_FIELD_NUMBER: _builtins.int
     TASK_SEQS_FIELD_NUMBER: _builtins.int
     SEGMENT_IDS_FIELD_NUMBER: _builtins.int
+    MACS_FIELD_NUMBER: _builtins.int
     body: _builtins.bytes
     """a serialized ControllerToWorker (an Enqueue), seq unset"""
     @_builtins.property
@@ -802,6 +810,12 @@ class RelayedGang(_message.Message):
     def task_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def segment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def macs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Each member's signature (RelayedMessage.mac) over the body's SHA-256 and its numbers: the
+        relay hands it on with the member's share (RelayedGangMember), unchanged.
+        """
+
     def __init__(
         self,
         *,
@@ -813,10 +827,11 @@ class RelayedGang(_message.Message):
         task_segments: _abc.Iterable[_builtins.int] | None = ...,
         task_seqs: _abc.Iterable[_builtins.int] | None = ...,
         segment_ids: _abc.Iterable[_builtins.int] | None = ...,
+        macs: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "body", b"body", "hosts", b"hosts", "links", b"links", "segment_ids", b"segment_ids", "seqs", b"seqs", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "body", b"body", "hosts", b"hosts", "links", b"links", "macs", b"macs", "segment_ids", b"segment_ids", "seqs", b"seqs", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

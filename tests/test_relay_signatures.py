@@ -27,6 +27,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server import relaysig
 from server.controller.cluster import HostInfo
+from server.controller.outbox import GangEnqueue, Message
 from server.controller.relays import Relays
 from server.worker.relay import Inbox, gang_parts, relayed_message
 
@@ -159,10 +160,10 @@ def test_replays_are_rejected_or_handled_once(gang: bool) -> None:
     old_key = relaysig.link_key(credential, old_link)
     if gang:
         g = signed_before.gang
-        signed_before.mac = relaysig.sign_gang(old_key, relaysig.body_digest(g.body), relaysig.gang_numbers(
-            g.seq, list(g.task_segments), list(g.task_seqs), list(g.segment_ids)))
+        numbers = relaysig.gang_numbers(g.seq, list(g.task_segments), list(g.task_seqs), list(g.segment_ids))
+        signed_before.mac = relaysig.sign_gang(relaysig.keyed(old_key), relaysig.body_digest(g.body), numbers)
     else:
-        signed_before.mac = relaysig.sign_message(old_key, signed_before.message)
+        signed_before.mac = relaysig.sign_message(relaysig.keyed(old_key), signed_before.message)
     signed_before.link = new_link
     assert relayed_message(signed_before, later) is None and later.rejected == 1
     signed_before.link = old_link
@@ -251,3 +252,27 @@ def test_a_hostile_relay_cannot_forge_alter_or_replay_a_member_s_messages(cluste
         assert _stats(cluster, name).relayed_rejected == 0
     logs = cluster.controller_logs()
     assert "host w-a2 rejected" in logs and "relay: r-0" in logs, logs[-3000:]
+
+
+@pytest.mark.timeout(30)
+def test_gang_members_with_several_tasks_are_signed_and_checked() -> None:
+    """Members whose Enqueue holds two gang tasks (two templates): each takes its own, and one
+    task's numbers changed are rejected (the several-task layout of `gang_numbers`)."""
+    relays, hosts = _relay_setup(4)
+    first, _ = _gang(sorted(hosts))
+    second = wpb.Task()
+    second.CopyFrom(first)
+    second.run_id = 8
+    msgs: dict[str, list[Message]] = {n: [GangEnqueue([(first, i, 10 + i, 100 + i), (second, i, 20 + i, 200 + i)])]
+                                       for i, n in enumerate(sorted(hosts))}
+    relays.send_all(msgs)
+    [batch] = _queued(hosts["h0"])
+    parts = _parts(batch)
+    assert len(parts) == 4 and all(len(p.gang.task_segments) == 2 for p in parts)
+    for i, p in enumerate(parts):
+        inbox = _inbox(hosts[p.host])
+        msg = relayed_message(p, inbox)
+        assert msg is not None and [(t.run_id, t.segment_id) for t in msg.enqueue.tasks] == [(7, 100 + i), (8, 200 + i)]
+        bad = _copy(p)
+        bad.gang.segment_ids[1] += 1
+        assert relayed_message(bad, inbox) is None and inbox.rejected == 1

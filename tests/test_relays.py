@@ -254,7 +254,7 @@ def test_a_relayed_gang_whose_lists_do_not_match_gives_no_message() -> None:
     garbage.body = b"\xff\xff\xff"
     key = b"k" * 32
     digest = relaysig.body_digest(garbage.body)
-    garbage.macs[0] = relaysig.sign_gang(key, digest, relaysig.gang_numbers(3, [0], [10], [100]))
+    garbage.macs[0] = relaysig.sign_gang(relaysig.keyed(key), digest, relaysig.gang_numbers(3, [0], [10], [100]))
     [part, _] = gang_parts(garbage)
     inbox = Inbox()
     inbox.link, inbox.key = 1, key

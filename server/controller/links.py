@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+from ..relaysig import KEY_BYTES, Mac, keyed
 from .outbox import GangEnqueue
 
 _CLOSE = object()
@@ -37,7 +38,9 @@ class WorkerLink:
         self.link_id = next(_link_ids)
         # signs what relays carry for this worker (server/relaysig.py): the servicer sets the key
         # derived from the host's credential; until then a random one nobody else knows
-        self.relay_key = relay_key or secrets.token_bytes(32)
+        self.relay_key = b""
+        self.relay_mac: Mac = None
+        self.set_relay_key(relay_key or secrets.token_bytes(KEY_BYTES))
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self.closed = False
         self.next_seq = 1
@@ -46,6 +49,10 @@ class WorkerLink:
         # only if it must be sent again
         self.retained: deque[tuple[int, cpb.ControllerToWorker | GangEnqueue]] = deque()
         self.relayable = True  # False once a relay could not reach this worker: direct sends only
+
+    def set_relay_key(self, key: bytes) -> None:
+        self.relay_key = key
+        self.relay_mac = keyed(key)  # the MAC's keyed state, copied for each signature
 
     def stamp(self, msg: cpb.ControllerToWorker) -> cpb.ControllerToWorker:
         """`msg` numbered as this link's next message (a copy when it is numbered already: the

@@ -161,7 +161,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         credential, credential_hash = self.core.cluster.admit(reg)  # a live host's name: its credential
         link = WorkerLink(reg.name)
         # what relays carry for it is signed with a key of its credential (server/relaysig.py)
-        link.relay_key = link_key(credential or reg.credential, link.link_id)
+        link.set_relay_key(link_key(credential or reg.credential, link.link_id))
         info = self.core.cluster.register(reg, link, credential_hash)
         link.send(
             cpb.ControllerToWorker(

@@ -49,7 +49,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..credentials import PEER_HEADER, peer_credential
-from ..relaysig import TAG_BYTES, body_digest, gang_numbers, matches, sign_gang, sign_message
+from ..relaysig import TAG_BYTES, body_digest, gang_numbers, keyed, matches, sign_gang, sign_message
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,10 @@ def _signed(part: wpb.RelayedMessage, key: bytes) -> bool:
         g = part.gang
         if not len(g.task_segments) == len(g.task_seqs) == len(g.segment_ids):
             return False
-        expected = sign_gang(key, body_digest(g.body), gang_numbers(g.seq, list(g.task_segments),
-                                                                    list(g.task_seqs), list(g.segment_ids)))
+        expected = sign_gang(keyed(key), body_digest(g.body), gang_numbers(
+            g.seq, list(g.task_segments), list(g.task_seqs), list(g.segment_ids)))
     else:
-        expected = sign_message(key, part.message)
+        expected = sign_message(keyed(key), part.message)
     return matches(part.mac, expected)
 
 

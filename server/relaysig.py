@@ -70,6 +70,9 @@ def body_digest(body: bytes) -> bytes:
 _ONE_TASK = struct.Struct("<QIiQQ")  # seq, task count 1, segment, task seq, segment id
 
 
+one_task_numbers = _ONE_TASK.pack  # (seq, 1, segment, task seq, segment id): a one-task member's numbers
+
+
 def gang_numbers(seq: int, segments: list[int], task_seqs: list[int], segment_ids: list[int]) -> bytes:
     """A gang member's numbers as signed (its task lists are of one length: checked by the caller)."""
     k = len(segments)

@@ -49,7 +49,17 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..credentials import PEER_HEADER, peer_credential
-from ..relaysig import TAG_BYTES, body_digest, gang_numbers, keyed, matches, sign_gang, sign_message
+from ..relaysig import (
+    TAG_BYTES,
+    Mac,
+    body_digest,
+    gang_numbers,
+    keyed,
+    matches,
+    one_task_numbers,
+    sign_gang,
+    sign_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +78,22 @@ class Inbox:
 
     def __init__(self) -> None:
         self.link = 0  # Registered.link of the current registration (0: none, nothing relayed is taken)
-        self.key = b""  # what relayed messages of it are signed with (server/relaysig.py); b"": none taken
+        self._key = b""  # what relayed messages of it are signed with (server/relaysig.py); b"": none taken
+        self.mac: Mac = None  # the key's keyed MAC state (None: no key)
         self.rejected = 0  # relayed messages dropped: their signature did not match
         self.next = 1
         self.pending: dict[int, cpb.ControllerToWorker] = {}
         self.duplicates = 0
         self.gap_since: float | None = None  # when the oldest waiting message came (none waiting: None)
+
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    @key.setter
+    def key(self, key: bytes) -> None:
+        self._key = key
+        self.mac = keyed(key) if key else None
 
     def reset(self) -> None:
         """A new stream to the controller: a new registration, its messages numbered from 1."""
@@ -246,46 +266,51 @@ def _warn_rejected(part: wpb.RelayedMessage, why: str) -> None:
                 f"; {more} more since the last warning" if more else "")
 
 
-def _signed(part: wpb.RelayedMessage, key: bytes) -> bool:
-    """Whether `part` carries the controller's signature for this registration (relaysig.py)."""
-    if not key or len(part.mac) != TAG_BYTES:
-        return False
-    if part.HasField("gang"):
-        g = part.gang
-        if not len(g.task_segments) == len(g.task_seqs) == len(g.segment_ids):
-            return False
-        expected = sign_gang(keyed(key), body_digest(g.body), gang_numbers(
-            g.seq, list(g.task_segments), list(g.task_seqs), list(g.segment_ids)))
-    else:
-        expected = sign_message(keyed(key), part.message)
-    return matches(part.mac, expected)
-
-
 def relayed_message(part: wpb.RelayedMessage, inbox: Inbox) -> cpb.ControllerToWorker | None:
     """The controller message a relayed part carries, or None when it is stale (for an earlier
     registration, or before this one's `Registered` was handled), its signature does not match
-    (counted in `inbox.rejected`, logged rate-limited) or it does not decode."""
+    the registration's key (relaysig.py; counted in `inbox.rejected`, logged rate-limited) or it
+    does not decode. A gang member's part is checked over the body's digest and its numbers, then
+    made its message: the body with its seq and its tasks' numbers."""
     if inbox.link == 0 or part.link != inbox.link:
         return None
-    if not _signed(part, inbox.key):
+    mac, tag = inbox.mac, part.mac
+    gang = part.gang if part.HasField("gang") else None
+    if gang is None:
+        ok = mac is not None and len(tag) == TAG_BYTES and matches(tag, sign_message(mac, part.message))
+    else:
+        segments, task_seqs, segment_ids = gang.task_segments, gang.task_seqs, gang.segment_ids
+        k = len(segments)
+        if k == 1 and len(task_seqs) == 1 and len(segment_ids) == 1:  # the usual gang node
+            numbers = one_task_numbers(gang.seq, 1, segments[0], task_seqs[0], segment_ids[0])
+        elif len(task_seqs) == len(segment_ids) == k:
+            numbers = gang_numbers(gang.seq, list(segments), list(task_seqs), list(segment_ids))
+        else:
+            numbers = b""
+        ok = (mac is not None and bool(numbers) and len(tag) == TAG_BYTES
+              and matches(tag, sign_gang(mac, body_digest(gang.body), numbers)))
+    if not ok:
         inbox.rejected += 1
-        _warn_rejected(part, "its signature does not match" if part.mac else "it is not signed")
+        _warn_rejected(part, "its signature does not match" if tag else "it is not signed")
         return None
     try:
-        if not part.HasField("gang"):
+        if gang is None:
             return cpb.ControllerToWorker.FromString(part.message)
-        g = part.gang
-        msg = cpb.ControllerToWorker.FromString(g.body)
+        msg = cpb.ControllerToWorker.FromString(gang.body)
     except Exception:  # DecodeError: signed by the controller, so not expected; nothing to handle
         log.warning("a relayed message for %s does not decode; dropped", part.host)
         return None
     tasks = msg.enqueue.tasks
-    if len(tasks) != len(g.task_segments):
-        log.warning("a relayed gang message for %s has %d tasks for %d members' numbers; dropped", part.host,
-                    len(tasks), len(g.task_segments))
+    if len(tasks) != k:
+        log.warning("a relayed gang message for %s has %d tasks for %d tasks' numbers; dropped", part.host,
+                    len(tasks), k)
         return None
-    msg.seq = g.seq
-    for task, segment, seq, segment_id in zip(tasks, g.task_segments, g.task_seqs, g.segment_ids, strict=True):
+    msg.seq = gang.seq
+    if k == 1:
+        task = tasks[0]
+        task.segment, task.seq, task.segment_id = segments[0], task_seqs[0], segment_ids[0]
+        return msg
+    for task, segment, seq, segment_id in zip(tasks, segments, task_seqs, segment_ids, strict=True):
         task.segment = segment
         task.seq = seq
         task.segment_id = segment_id

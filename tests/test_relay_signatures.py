@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
+from test_metrics import metrics_url, scrape, value
 from test_relays import PIPELINE, RELAYS_FROM_2, _expand, _flush, _gang, _no_repeats, _queued, _relay_setup, _stats
 
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -202,7 +203,8 @@ def test_the_controller_counts_a_member_s_rejections_logs_once_and_sends_it_dire
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0,
+                     controller_args=(*RELAYS_FROM_2, "--metrics-listen", "127.0.0.1:0"))
 def test_a_hostile_relay_cannot_forge_alter_or_replay_a_member_s_messages(cluster: LocalCluster,
                                                                            tmp_path: Path) -> None:
     """A program over three one-device slices on w-a, w-a2, w-a3 runs in a loop; r-0 joins island
@@ -252,6 +254,10 @@ def test_a_hostile_relay_cannot_forge_alter_or_replay_a_member_s_messages(cluste
         assert _stats(cluster, name).relayed_rejected == 0
     logs = cluster.controller_logs()
     assert "host w-a2 rejected" in logs and "relay: r-0" in logs, logs[-3000:]
+    assert logs.count("relayed message(s) whose signature did not match") <= 2, logs[-3000:]  # rate-limited
+    samples = scrape(metrics_url(cluster), cluster.token)
+    assert value(samples, "pathways_relay_rejected_total") >= victim.relayed_rejected, samples
+    assert value(samples, "pathways_relayed_messages_total") > 0
 
 
 @pytest.mark.timeout(30)

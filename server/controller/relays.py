@@ -22,9 +22,10 @@ host a relay could not reach gets direct sends until it registers again.
 A gang node's members (hundreds of hosts, one task each, the same but for its segment, seq and
 segment id) reach this module as `outbox.GangEnqueue`s, not messages: a group's members that
 share their templates leave as one `RelayedGang` (controller.proto): one serialized body and
-the members' numbers, which the relay turns into each member's message (server/worker/relay.py
-`gang_parts`). Per member the controller only numbers it, keeps it (as its GangEnqueue: a message
-is made of it only if it must be sent again directly) and lists its numbers.
+the members' numbers and signatures, which the relay cuts into each member's part and each
+member makes its message of (server/worker/relay.py `gang_parts`, `relayed_message`). Per member
+the controller only numbers it, keeps it (as its GangEnqueue: a message is made of it only if it
+must be sent again directly), lists its numbers and signs them.
 
 Signatures (server/relaysig.py): every relayed part carries the controller's signature for its
 host, under a key only that host and the controller hold (from its host credential and this

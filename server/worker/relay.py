@@ -8,8 +8,15 @@ relay forwards each to its member over a `Relayed` stream (worker.proto) that it
 member's Worker service: the controller's writes grow with the relays, not with the hosts.
 
 A gang node's members come as one `RelayedGang` (controller.proto): one serialized body and each
-member's numbers; the relay makes each member's message (`gang_parts`), so that work, ~64
-messages a relay, is the relays', in parallel, not the controller's.
+member's numbers; the relay cuts it into each member's part (`gang_parts`: the body, its numbers
+and its signature) and each member makes its own message (`relayed_message`), so that work, ~64
+messages a relay, is the relays' and the members', in parallel, not the controller's.
+
+**Signatures** (server/relaysig.py). Every part is signed by the controller for its member, under
+a key of that member's host credential and registration that the relay does not have; a member
+takes nothing whose signature does not match (`relayed_message`): it counts it (`Inbox.rejected`,
+`WorkerStats.relayed_rejected`), logs one line per 10 s, and reports it at once
+(`RelayFailed.rejected`), so that the controller sends it its messages directly from then on.
 
 **Order.** Every message the controller sends a host carries `seq`, its place in that host's
 registration (1, 2, 3, ...: `Registered` is 1), whether it goes on the host's own stream or

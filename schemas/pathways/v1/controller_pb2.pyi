@@ -756,7 +756,8 @@ class RelayBatch(_message.Message):
     def gangs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelayedGang]:
         """Messages that differ only in their numbers (a gang node's Enqueues: one task per member,
         the same but for its segment, place in the gang order and segment id), sent as one body and
-        a list of members: the relay makes each member's message (`RelayedGang`).
+        a list of members: the relay gives each member its share, from which the member makes its
+        message (`RelayedGang`, worker.proto `RelayedGangMember`).
         """
 
     def __init__(
@@ -775,7 +776,8 @@ Global___RelayBatch: _TypeAlias = RelayBatch  # noqa: Y015
 
 @_typing.final
 class RelayedGang(_message.Message):
-    """One message body for many hosts of the relay's group (server/worker/relay.py's `gang_parts`):
+    """One message body for many hosts of the relay's group (server/worker/relay.py's `gang_parts`
+    cuts it into each member's `RelayedGangMember`; the member makes its message):
     member i's message is `body` with `seq` = seqs[i] and, for each task j of its Enqueue (k
     tasks), segment, seq and segment_id = task_segments[i*k+j], task_seqs[i*k+j] and
     segment_ids[i*k+j]. The member lists are parallel: host, address, link as in RelayedMessage.

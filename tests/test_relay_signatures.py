@@ -17,12 +17,23 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
 from test_metrics import metrics_url, scrape, value
-from test_relays import PIPELINE, RELAYS_FROM_2, _expand, _flush, _gang, _no_repeats, _queued, _relay_setup, _stats
+from test_relays import (
+    PIPELINE,
+    RELAYS_FROM_2,
+    _expand,
+    _flush,
+    _gang,
+    _no_repeats,
+    _queued,
+    _relay_setup,
+    _stats,
+)
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -282,3 +293,64 @@ def test_gang_members_with_several_tasks_are_signed_and_checked() -> None:
         bad = _copy(p)
         bad.gang.segment_ids[1] += 1
         assert relayed_message(bad, inbox) is None and inbox.rejected == 1
+
+
+# a psum over 4 hosts, each run on the last one's result (kept: no release joins the next run's
+# Enqueue), one at a time: each run's member tasks leave as one relayed gang (RelayedGang)
+CHAINED_PSUM = """
+import json
+import numpy as np
+import pwctl as pw
+import jax
+
+s = pw.make_virtual_device_set().add_slice(devices=4, island="a")
+step = pw.pmap(lambda x: jax.lax.psum(x, "i") * 0.25, devices=s.devices, axis_name="i")
+x = np.arange(4 * 5, dtype=np.float32).reshape(4, 5) / 7.0
+want = np.broadcast_to(x.mean(0), x.shape)
+ys = [step(x)]
+got = [np.asarray(ys[-1])]
+for _ in range(7):
+    ys.append(step(ys[-1]))
+    got.append(np.asarray(ys[-1]))
+print(json.dumps({"hosts": sorted({d.host for d in s.info.devices}),
+                  "close": [bool(np.allclose(g, want, rtol=1e-5)) for g in got]}))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
+def test_a_hostile_relay_cannot_forge_a_gang_member_s_task(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A pmap with a psum over four one-device hosts, r-0 their relay (first by name) and a member,
+    hostile to w-a2's gang parts only: it sends a Drop of the gang node's run under w-a2's numbers
+    and signature before each. w-a2 rejects them (taken, its member of the psum would never run
+    and the collective would hang), the results are NumPy's, and the others' gang parts are taken."""
+    forged = tmp_path / "forged"
+    cluster.add_worker("a", 1, name="w-a2")
+    cluster.add_worker("a", 1, name="w-a3")
+    cluster.add_worker("a", 1, name="r-0", program=(str(HOSTILE),),
+                       env={"HOSTILE_RELAY_VICTIM": "w-a2", "HOSTILE_RELAY_COUNT": str(forged),
+                            "HOSTILE_RELAY_GANGS_ONLY": "1"})
+    names = ["r-0", "w-a", "w-a2", "w-a3"]
+
+    def run() -> None:
+        deadline = time.monotonic() + 150
+        while True:  # the island's group forms first (a run before then is refused, saying so)
+            out = subprocess.run([sys.executable, "-c", CHAINED_PSUM], env=cluster.env(), capture_output=True,
+                                 text=True, timeout=200)
+            if out.returncode == 0 or "forming" not in out.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["hosts"] == names and got["close"] == [True] * 8, got
+
+    run()
+    run()
+    assert forged.exists() and int(forged.read_text() or 0) >= 1, "r-0 forged none of w-a2's gang parts"
+    victim = _stats(cluster, "w-a2")
+    assert victim.relayed_rejected >= 1, victim
+    for name in names:
+        st = _stats(cluster, name)
+        _no_repeats(st)
+        if name != "w-a2":
+            assert st.relayed_rejected == 0 and st.relayed_in > 0, st

@@ -6,7 +6,8 @@ under the message's own numbers (host, link, seq) and signature, a forgery: a `D
 message's runs in place of an Enqueue (or the message with its seq changed, for anything
 else); after it, it replays the victim's previous message. Unsigned relaying would hand the
 forgery to the victim's executor and drop the genuine message as a duplicate. Every other
-member's messages it forwards faithfully. It counts its forgeries in $HOSTILE_RELAY_COUNT (a
+member's messages it forwards faithfully. With $HOSTILE_RELAY_GANGS_ONLY=1 it attacks only the
+victim's gang parts (a gang node's Enqueue: `RelayedGang`). It counts its forgeries in $HOSTILE_RELAY_COUNT (a
 file), so that the test knows it attacked.
 """
 
@@ -23,6 +24,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from server.worker import relay
 
 VICTIM = os.environ["HOSTILE_RELAY_VICTIM"]
+GANGS_ONLY = os.environ.get("HOSTILE_RELAY_GANGS_ONLY") == "1"  # forge only gang members' parts
 COUNT = Path(os.environ["HOSTILE_RELAY_COUNT"])
 _forged = 0
 _previous: list[bytes] = []
@@ -61,8 +63,9 @@ _honest_forward = relay.Forwarder.forward
 
 def _hostile_forward(self: relay.Forwarder, batch: cpb.RelayBatch) -> None:
     global _forged
-    parts = [*batch.messages, *(p for g in batch.gangs for p in relay.gang_parts(g))]
-    for part in parts:
+    plain = [] if GANGS_ONLY else list(batch.messages)
+    attacked = [*plain, *(p for g in batch.gangs for p in relay.gang_parts(g))]
+    for part in attacked:
         if part.host != VICTIM or part.host == self.own:
             continue
         member = self._members.get(part.host)
@@ -76,7 +79,7 @@ def _hostile_forward(self: relay.Forwarder, batch: cpb.RelayBatch) -> None:
         _previous[:] = [part.SerializeToString()]
         COUNT.write_text(str(_forged))
     rest = cpb.RelayBatch()
-    rest.messages.extend(p for p in batch.messages if p.host != VICTIM or p.host == self.own)
+    rest.messages.extend(p for p in batch.messages if p.host != VICTIM or p.host == self.own or GANGS_ONLY)
     for g in batch.gangs:
         if VICTIM in g.hosts and self.own != VICTIM:
             # the victim's share went above; the others' go as the honest relay sends them

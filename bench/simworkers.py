@@ -65,6 +65,7 @@ from pwctl import settings
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
+from server.relaysig import link_key
 from server.worker.reconnect import Reconnect
 from server.worker.relay import Forwarder, Inbox, relayed_message
 
@@ -281,6 +282,8 @@ class Simulator:
             h.registrations += 1
             h.registered_at = time.monotonic()
             h.inbox.link = msg.registered.link  # relayed messages of this registration carry it
+            # and are signed with a key of its credential (server/relaysig.py), checked as a worker does
+            h.inbox.key = link_key(h.credential, msg.registered.link) if msg.registered.link else b""
             if h.forwarder is not None and msg.registered.session_key:
                 h.forwarder.key = msg.registered.session_key
             h.session_key = msg.registered.session_key

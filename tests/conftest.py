@@ -300,12 +300,14 @@ class LocalCluster:
 
     # ---- workers ----
     def add_worker(self, island: str, devices: int | str = 2, name: str | None = None,
-                   wait: bool = True, env: dict[str, str] | None = None) -> WorkerProc:
-        """Starts a worker; `env` adds to the cluster's `worker_env` for this one."""
+                   wait: bool = True, env: dict[str, str] | None = None,
+                   program: Sequence[str] = ("-m", "server.worker")) -> WorkerProc:
+        """Starts a worker; `env` adds to the cluster's `worker_env` for this one; `program`: what
+        Python runs (a script that wraps the worker: tests/clients/hostile_relay.py)."""
         name = name or f"w-{island}"
         assert name not in self.workers or self.workers[name].proc.poll() is not None, f"{name} is running"
         log = self.home / f"worker-{name}-{self._restarts}-{len(self.workers)}.log"
-        args = [sys.executable, "-m", "server.worker", "--island", island, "--devices", str(devices),
+        args = [sys.executable, *program, "--island", island, "--devices", str(devices),
                 "--server", self.address, "--name", name]
         extra = {"PWCTL_TOKEN": self.token} if self.token else {}
         extra.update(self.worker_env)

@@ -446,7 +446,9 @@ def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body(
                     continue
                 for part in [*msg.relay.messages, *(x for g in msg.relay.gangs for x in members_of(g))]:
                     inbox = Inbox()
-                    inbox.link = p.hosts[part.host].link.link_id  # type: ignore[union-attr]
+                    link = p.hosts[part.host].link
+                    assert link is not None
+                    inbox.link, inbox.key = link.link_id, link.relay_key
                     inner = relayed_message(part, inbox)
                     assert inner is not None
                     got.setdefault(part.host, []).append(inner)

@@ -23,6 +23,7 @@ from conftest import LocalCluster, wait_for
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from server import relaysig
 from server.controller.cluster import LOST, READY, HostInfo
 from server.controller.links import WorkerLink
 from server.controller.outbox import GangEnqueue, Message
@@ -156,7 +157,7 @@ def _expand(batch: cpb.ControllerToWorker, hosts: dict[str, HostInfo]) -> dict[s
         info = hosts[part.host]
         assert info.link is not None and part.address == info.address
         inbox = Inbox()
-        inbox.link = info.link.link_id
+        inbox.link, inbox.key = info.link.link_id, info.link.relay_key
         msg = relayed_message(part, inbox)
         assert msg is not None, part
         out[part.host] = msg
@@ -233,20 +234,31 @@ def test_a_gang_member_alone_in_its_group_is_sent_directly_numbered_in_order() -
 
 def test_a_relayed_gang_whose_lists_do_not_match_gives_no_message() -> None:
     """A peer's malformed gang (a member list shorter than the others, or a body that does not
-    decode) makes no message: its members ask the controller after the gap limit."""
+    decode) makes no message: its members ask the controller after the gap limit. The relay
+    does not decode the body: its members do, after checking their signatures."""
     template, _ = _gang(["h0", "h1"])
     body = cpb.ControllerToWorker(enqueue=wpb.Enqueue(tasks=[template])).SerializeToString()
     good = cpb.RelayedGang(body=body, hosts=["h0", "h1"], addresses=["a0", "a1"], links=[1, 2], seqs=[3, 4],
-                           task_segments=[0, 1], task_seqs=[10, 11], segment_ids=[100, 101])
+                           task_segments=[0, 1], task_seqs=[10, 11], segment_ids=[100, 101],
+                           macs=[b"m" * 16, b"n" * 16])
     assert [p.host for p in gang_parts(good)] == ["h0", "h1"]
-    short = cpb.RelayedGang()
-    short.CopyFrom(good)
-    del short.task_seqs[1:]
-    assert list(gang_parts(short)) == []
+    for field in ("task_seqs", "macs"):
+        short = cpb.RelayedGang()
+        short.CopyFrom(good)
+        del getattr(short, field)[1:]
+        assert list(gang_parts(short)) == [], field
+    # a body that does not decode, signed (the controller's, were it to send one): its member
+    # drops it after the signature check, and takes the next message as usual
     garbage = cpb.RelayedGang()
     garbage.CopyFrom(good)
     garbage.body = b"\xff\xff\xff"
-    assert list(gang_parts(garbage)) == []
+    key = b"k" * 32
+    digest = relaysig.body_digest(garbage.body)
+    garbage.macs[0] = relaysig.sign_gang(relaysig.keyed(key), digest, relaysig.gang_numbers(3, [0], [10], [100]))
+    [part, _] = gang_parts(garbage)
+    inbox = Inbox()
+    inbox.link, inbox.key = 1, key
+    assert relayed_message(part, inbox) is None and inbox.rejected == 0
 
 
 SPMD = """

@@ -42,7 +42,7 @@ from server.controller.listing_rows import stamp
 from server.db.engine import make_engine
 from server.db.models import Base, HostRow
 from server.timeutil import iso
-from server.worker.relay import gang_parts
+from server.worker.relay import Inbox, gang_parts, relayed_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -591,6 +591,15 @@ def test_a_gang_runs_work_is_linear_in_its_members(make_core: MakeCore) -> None:
     assert per["gang run after a host event"] <= 115, per
 
 
+def _opened(part: Any, link: WorkerLink) -> cpb.ControllerToWorker:
+    """A relayed part as its host's worker reads it (its signature checked: server/relaysig.py)."""
+    inbox = Inbox()
+    inbox.link, inbox.key = link.link_id, link.relay_key
+    msg = relayed_message(part, inbox)
+    assert msg is not None, part.host
+    return msg
+
+
 async def _relay_writes(make_core: MakeCore, n: int, **config: Any) -> tuple[int, dict[str, int]]:
     """A controller core (as `_gang_costs`) with `config` (the relay settings), `n` hosts whose
     links acknowledged their registration: one gang run's admission and dispatch, and what it put
@@ -621,7 +630,7 @@ async def _relay_writes(make_core: MakeCore, n: int, **config: Any) -> tuple[int
             tasks: dict[str, int] = {}
             for name, msg in written:
                 inner = [(name, msg)] if msg.WhichOneof("msg") != "relay" else [
-                    (p.host, cpb.ControllerToWorker.FromString(p.message))
+                    (p.host, _opened(p, links[p.host]))
                     for p in [*msg.relay.messages, *(x for g in msg.relay.gangs for x in gang_parts(g))]]
                 for host, m in inner:
                     assert m.seq > 0, "every message for a host is numbered in its host's order"

@@ -163,7 +163,8 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
     if not config.no_token:
         token = config.token = config.token or load_or_create_token()
     collector = ControllerCollector(core.cluster, core.observer, core.scheduler, core.jobs.jobs, core.hangs,
-                                    core.slice_count, dispatch=core.dispatch, policy=config.policy)
+                                    core.slice_count, dispatch=core.dispatch, policy=config.policy,
+                                    relays=core.relays)
     metrics = MetricsServer(collector, token)
     try:
         bound = await metrics.start(host, port)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+from ..relaysig import KEY_BYTES, Mac, keyed
 from .outbox import GangEnqueue
 
 _CLOSE = object()
@@ -31,9 +33,14 @@ class WorkerLink:
     acknowledges them (`ack`), to be sent again directly if their relay fails (`resend_retained`).
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, relay_key: bytes | None = None) -> None:
         self.host = host
         self.link_id = next(_link_ids)
+        # signs what relays carry for this worker (server/relaysig.py): the servicer sets the key
+        # derived from the host's credential; until then a random one nobody else knows
+        self.relay_key = b""
+        self.relay_mac: Mac = None
+        self.set_relay_key(relay_key or secrets.token_bytes(KEY_BYTES))
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self.closed = False
         self.next_seq = 1
@@ -42,6 +49,10 @@ class WorkerLink:
         # only if it must be sent again
         self.retained: deque[tuple[int, cpb.ControllerToWorker | GangEnqueue]] = deque()
         self.relayable = True  # False once a relay could not reach this worker: direct sends only
+
+    def set_relay_key(self, key: bytes) -> None:
+        self.relay_key = key
+        self.relay_mac = keyed(key)  # the MAC's keyed state, copied for each signature
 
     def stamp(self, msg: cpb.ControllerToWorker) -> cpb.ControllerToWorker:
         """`msg` numbered as this link's next message (a copy when it is numbered already: the

@@ -33,6 +33,7 @@ from .observe import Observer
 
 if TYPE_CHECKING:
     from .jobs import JobRecord
+    from .relays import Relays
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,14 @@ class ControllerCollector(Collector):
 
     def __init__(self, cluster: Cluster, observer: Observer, scheduler: GangScheduler,
                  jobs: Mapping[str, JobRecord], hangs: HangReporter, slice_count: Callable[[], int], *,
-                 dispatch: str, policy: str) -> None:
+                 dispatch: str, policy: str, relays: Relays | None = None) -> None:
         self.cluster = cluster
         self.observer = observer
         self.scheduler = scheduler
         self.jobs = jobs
         self.hangs = hangs
         self.slice_count = slice_count
+        self.relays = relays
         self.dispatch = dispatch
         self.policy = policy
         self.started = time.monotonic()
@@ -144,6 +146,12 @@ class ControllerCollector(Collector):
                                   "workers", value=self.observer.computations_total)
         yield CounterMetricFamily("pathways_hangs_detected", "Runs failed by hang detection",
                                   value=stats.hangs_detected)
+        if self.relays is not None:
+            yield CounterMetricFamily("pathways_relayed_messages", "Controller messages sent to their hosts "
+                                      "through a relay", value=self.relays.relayed)
+            yield CounterMetricFamily("pathways_relay_rejected", "Relayed messages their hosts dropped: the "
+                                      "signature did not match (forged or altered on the way)",
+                                      value=self.relays.rejected)
         yield _histogram("pathways_run_latency_seconds", "A run's time from its arrival (submit) at the "
                          "controller to its end", stats.run_latency)
         yield _histogram("pathways_admission_wait_seconds", "A run's time from its arrival to its admission "

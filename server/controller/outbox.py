@@ -7,7 +7,7 @@ built once per run) and the member's three numbers, not a message. It becomes a 
 where one is needed: when it is sent on the host's own stream, when more goes into the host's
 Enqueue, or when it must be sent again directly. Relayed, the members of a group that share
 their templates share one serialized body (relays.py, controller.proto `RelayedGang`), and the
-relay makes each member's message (server/worker/relay.py `gang_parts`).
+members make their messages of it (server/worker/relay.py `gang_parts`, `relayed_message`).
 """
 
 from __future__ import annotations

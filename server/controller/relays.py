@@ -22,9 +22,19 @@ host a relay could not reach gets direct sends until it registers again.
 A gang node's members (hundreds of hosts, one task each, the same but for its segment, seq and
 segment id) reach this module as `outbox.GangEnqueue`s, not messages: a group's members that
 share their templates leave as one `RelayedGang` (controller.proto): one serialized body and
-the members' numbers, which the relay turns into each member's message (server/worker/relay.py
-`gang_parts`). Per member the controller only numbers it, keeps it (as its GangEnqueue: a message
-is made of it only if it must be sent again directly) and lists its numbers.
+the members' numbers and signatures, which the relay cuts into each member's part and each
+member makes its message of (server/worker/relay.py `gang_parts`, `relayed_message`). Per member
+the controller only numbers it, keeps it (as its GangEnqueue: a message is made of it only if it
+must be sent again directly), lists its numbers and signs them.
+
+Signatures (server/relaysig.py): every relayed part carries the controller's signature for its
+host, under a key only that host and the controller hold (from its host credential and this
+registration's link id, `WorkerLink.relay_key`): a plain part over its message bytes, a gang
+member over the body's digest (hashed once per body and flush) and its numbers, ~0.5 µs a
+member (one BLAKE2s block from the link's keyed state). A host drops a part whose signature
+fails and reports how many (`RelayFailed.rejected`): counted here (`rejected`), logged
+(rate-limited), and that host gets its messages directly from then on, so a relay that alters
+or forges cannot stall it; the relay's other members are untouched.
 
 Only hosts that acknowledged their registration (`WorkerToController.delivered` >= 1: they know
 its `link` id, which relayed messages must carry) are relayed to or relay.
@@ -33,11 +43,13 @@ its `link` id, which relayed messages must carry) are relayed to or relay.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..relaysig import Mac, body_digest, gang_macs, sign_message
 from .cluster import READY, HostInfo
 from .outbox import GangEnqueue, Message, materialized
 
@@ -45,6 +57,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MIN_HOSTS = 32  # islands smaller than this keep direct sends (their latency)
 DEFAULT_GROUP_SIZE = 64  # hosts per relay group (one relay each): 8 relays for 512 hosts
+REJECTED_LOG_EVERY_S = 10.0  # one warning about rejected relayed messages per this long
 
 
 def groups_of(names: Sequence[str], group_size: int) -> list[tuple[str, ...]]:
@@ -83,6 +96,9 @@ class Relays:
         self.batches = 0
         self.relayed = 0
         self.writes = 0
+        self.rejected = 0  # relayed messages their hosts rejected: their signature did not match
+        self._rejected_logged = -REJECTED_LOG_EVERY_S  # when (monotonic) the last warning was
+        self._rejected_quiet = 0  # rejections since then, not in a warning yet
 
     # ---- membership ----
     def _group_map(self, island: str) -> dict[str, tuple[str, ...]]:
@@ -118,8 +134,13 @@ class Relays:
         if resent:
             log.info("relay %s gone: %d message(s) for %d host(s) sent again directly", relay, resent, len(hosts))
 
-    def failed(self, relay: str, names: Sequence[str]) -> None:
-        """`relay` could not forward to these hosts: they get their messages directly from now on."""
+    def failed(self, relay: str, names: Sequence[str], rejected: int = 0) -> None:
+        """`relay` could not forward to these hosts: they get their messages directly from now on.
+        `rejected`: relayed messages for `relay` itself (the host that reports) that failed their
+        signature check there (server/relaysig.py): counted and logged, one line per
+        `REJECTED_LOG_EVERY_S`."""
+        if rejected > 0:
+            self._rejected(relay, rejected)
         for name in names:
             info = self.hosts.get(name)
             if info is None or info.link is None:
@@ -130,6 +151,19 @@ class Relays:
                 log.warning("host %s misses a relayed message: %d message(s) sent again directly", name, n)
             else:
                 log.warning("relay %s could not reach host %s: %d message(s) sent again directly", relay, name, n)
+
+    def _rejected(self, host: str, n: int) -> None:
+        self.rejected += n
+        self._rejected_quiet += n
+        now = time.monotonic()
+        if now - self._rejected_logged < REJECTED_LOG_EVERY_S:
+            return
+        self._rejected_logged = now
+        carriers = sorted(r for r, hosts in self._via.items() if host in hosts) or ["?"]
+        log.warning("host %s rejected %d relayed message(s) whose signature did not match (altered or forged "
+                    "on the way; its relay: %s); %d rejected in all; it gets its messages directly", host,
+                    self._rejected_quiet, ", ".join(carriers), self.rejected)
+        self._rejected_quiet = 0
 
     # ---- sending ----
     def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
@@ -185,18 +219,19 @@ class Relays:
                 seq = link.next_seq
                 link.next_seq = seq + 1
                 link.retained.append((seq, g))
-                gang.members.append((name, info.address, link.link_id, seq))
+                gang.members.append((name, info.address, link.link_id, seq, link.relay_mac))
                 gang.tasks.extend(g)
             else:
                 p.others.append(info)
-        bodies: dict[int | tuple[int, ...], bytes] = {}  # a gang's body, serialized once per flush
+        # a gang's body, serialized and hashed (for its members' signatures) once per flush
+        bodies: dict[int | tuple[int, ...], tuple[bytes, bytes]] = {}
         for p in pending.values():
             relay = None
             if len(p.others) + sum(len(gang.members) for gang in p.gangs.values()) >= 2:  # hosts to write to
                 relay = next((h for n in p.group if (h := hosts.get(n)) is not None and _eligible(h)), None)
             if relay is None:
                 for gang in p.gangs.values():
-                    for name, _, _, seq in gang.members:
+                    for name, _, _, seq, _ in gang.members:
                         link = hosts[name].link
                         assert link is not None and link.retained[-1][0] == seq
                         _, g = link.retained.pop()  # numbered above; not relayed after all
@@ -211,7 +246,7 @@ class Relays:
             self._batch(relay, p, msgs, bodies)
 
     def _batch(self, relay: HostInfo, p: _Pending, msgs: Mapping[str, list[Message]],
-               bodies: dict[int | tuple[int, ...], bytes]) -> None:
+               bodies: dict[int | tuple[int, ...], tuple[bytes, bytes]]) -> None:
         batch = cpb.ControllerToWorker()
         parts = batch.relay.messages  # added in place: a list of parts would be copied in
         via = self._via.setdefault(relay.name, set())
@@ -223,15 +258,19 @@ class Relays:
                 m = link.stamp(materialized(m))
                 if not own:  # the relay's own part is lost only with the relay's registration
                     link.retain(m)
-                parts.add(host=info.name, address=info.address, link=link.link_id, message=m.SerializeToString())
+                data = m.SerializeToString()
+                parts.add(host=info.name, address=info.address, link=link.link_id, message=data,
+                          mac=sign_message(link.relay_mac, data))
             if not own:
                 via.add(info.name)
         for key, gang in p.gangs.items():
-            body = bodies.get(key)
-            if body is None:  # the first member's message: each member's numbers replace its own
-                body = bodies[key] = gang.first.message().SerializeToString()
+            known = bodies.get(key)
+            if known is None:  # the first member's message: each member's numbers replace its own
+                body = gang.first.message().SerializeToString()
+                known = bodies[key] = (body, body_digest(body))
+            body, digest = known
             out = batch.relay.gangs.add(body=body)
-            names, addresses, links, seqs = zip(*gang.members, strict=True)
+            names, addresses, links, seqs, macs = zip(*gang.members, strict=True)
             via.update(names)
             out.hosts.extend(names)
             out.addresses.extend(addresses)
@@ -241,6 +280,7 @@ class Relays:
             out.task_segments.extend(segments)
             out.task_seqs.extend(task_seqs)
             out.segment_ids.extend(segment_ids)
+            out.macs.extend(gang_macs(digest, macs, seqs, segments, task_seqs, segment_ids))
             self.relayed += len(names)
         via.discard(relay.name)  # its own part goes with its registration
         assert relay.link is not None
@@ -257,7 +297,8 @@ class _Gang:
 
     def __init__(self, first: GangEnqueue) -> None:
         self.first = first
-        self.members: list[tuple[str, str, int, int]] = []  # (host, address, link id, seq)
+        # (host, address, link id, seq, its link's keyed MAC state: relaysig.py)
+        self.members: list[tuple[str, str, int, int, Mac]] = []
         self.tasks: list[tuple[wpb.Task, int, int, int]] = []  # each member's GangEnqueue items, in turn
 
 

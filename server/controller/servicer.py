@@ -23,6 +23,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import __version__
 from ..db.engine import redact
+from ..relaysig import link_key
 from .core import Controller
 from .errors import InvalidArgument, NotFound, Rejected
 from .hostviews import list_devices, list_hosts
@@ -159,6 +160,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
         check_registration(reg, self.limits)  # before it costs anything (limits.py)
         credential, credential_hash = self.core.cluster.admit(reg)  # a live host's name: its credential
         link = WorkerLink(reg.name)
+        # what relays carry for it is signed with a key of its credential (server/relaysig.py)
+        link.set_relay_key(link_key(credential or reg.credential, link.link_id))
         info = self.core.cluster.register(reg, link, credential_hash)
         link.send(
             cpb.ControllerToWorker(
@@ -196,7 +199,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
                 elif kind == "joined":
                     self.core.groups.joined(name, msg.joined.generation, msg.joined.error)
                 elif kind == "relay_failed":
-                    self.core.relays.failed(name, list(msg.relay_failed.hosts))
+                    self.core.relays.failed(name, list(msg.relay_failed.hosts), msg.relay_failed.rejected)
         except (aio.AioRpcError, aio.UsageError):
             pass
         finally:

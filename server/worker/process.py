@@ -25,6 +25,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from .. import heap, host_credential, paths
 from ..auth import TokenInterceptor
 from ..health import Health
+from ..relaysig import link_key
 from . import memory
 from .auth import WorkerAuth
 from .buffers import BufferStore
@@ -91,6 +92,7 @@ class WorkerProcess:
         # controller messages in their order, whichever way each came (relay.py)
         self.inbox = Inbox()
         self.relayed_in = 0
+        self._rejected = 0  # relayed messages that failed their signature, not reported yet (relaysig.py)
         self.servicer: WorkerServicer | None = None  # once serving
         self.forwarder: Forwarder | None = None  # once serving: this worker as a relay
 
@@ -113,7 +115,8 @@ class WorkerProcess:
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT
         self.forwarder = Forwarder(self.config.name, self._relayed, self._relay_failed, self.config.token)
         servicer.on_relayed = self._relayed
-        servicer.relay_counts = lambda: (self.relayed_in, self.forwarder.forwarded if self.forwarder else 0)
+        servicer.relay_counts = lambda: (self.relayed_in, self.forwarder.forwarded if self.forwarder else 0,
+                                         self.inbox.rejected)
         health = Health("pathways.v1.Worker")
         await health.attach(server)
         port = server.add_insecure_port(self.config.listen)
@@ -233,6 +236,10 @@ class WorkerProcess:
                 log.warning("controller message %d did not come through its relay in %g s; asking for it "
                             "directly", self.inbox.next, RELAY_GAP_S)
                 yield self._acked(cpb.WorkerToController(relay_failed=cpb.RelayFailed(hosts=[self.config.name])))
+            if self._rejected:  # forged or altered on the way: the controller counts them, sends directly
+                n, self._rejected = self._rejected, 0
+                yield self._acked(cpb.WorkerToController(
+                    relay_failed=cpb.RelayFailed(hosts=[self.config.name], rejected=n)))
             if now - last_stale >= STALE_START_S / 2:
                 last_stale = now
                 stale = self.executor.stale_starts(STALE_START_S)
@@ -266,8 +273,13 @@ class WorkerProcess:
 
     def _relayed(self, part: wpb.RelayedMessage) -> None:
         """A message for this worker that came through a relay (or was a relay batch's own part)."""
+        rejected = self.inbox.rejected
         msg = relayed_message(part, self.inbox)
         if msg is None:
+            if self.inbox.rejected != rejected:  # reported at once: the genuine one may never come
+                self._rejected += self.inbox.rejected - rejected
+                if self._wake is not None:
+                    self._wake.set()
             return
         self.relayed_in += 1
         for m in self.inbox.accept(msg, self._now()):
@@ -302,6 +314,8 @@ class WorkerProcess:
             if msg.registered.credential:  # a new one: this process took the name (or was its first)
                 self.credential = msg.registered.credential
                 host_credential.save(self.config.name, self.credential)
+            # relayed messages of this registration are signed for this host (server/relaysig.py)
+            self.inbox.key = link_key(self.credential, msg.registered.link) if msg.registered.link else b""
             self._set_heartbeat(msg.registered.heartbeat_interval_s)
             log.info("registered as host %d", msg.registered.host_id)
         elif kind == "heartbeat":

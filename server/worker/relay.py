@@ -8,8 +8,15 @@ relay forwards each to its member over a `Relayed` stream (worker.proto) that it
 member's Worker service: the controller's writes grow with the relays, not with the hosts.
 
 A gang node's members come as one `RelayedGang` (controller.proto): one serialized body and each
-member's numbers; the relay makes each member's message (`gang_parts`), so that work, ~64
-messages a relay, is the relays', in parallel, not the controller's.
+member's numbers; the relay cuts it into each member's part (`gang_parts`: the body, its numbers
+and its signature) and each member makes its own message (`relayed_message`), so that work, ~64
+messages a relay, is the relays' and the members', in parallel, not the controller's.
+
+**Signatures** (server/relaysig.py). Every part is signed by the controller for its member, under
+a key of that member's host credential and registration that the relay does not have; a member
+takes nothing whose signature does not match (`relayed_message`): it counts it (`Inbox.rejected`,
+`WorkerStats.relayed_rejected`), logs one line per 10 s, and reports it at once
+(`RelayFailed.rejected`), so that the controller sends it its messages directly from then on.
 
 **Order.** Every message the controller sends a host carries `seq`, its place in that host's
 registration (1, 2, 3, ...: `Registered` is 1), whether it goes on the host's own stream or
@@ -40,6 +47,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from grpc import aio
@@ -48,10 +56,22 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..credentials import PEER_HEADER, peer_credential
+from ..relaysig import (
+    TAG_BYTES,
+    Mac,
+    body_digest,
+    gang_numbers,
+    keyed,
+    matches,
+    one_task_numbers,
+    sign_gang,
+    sign_message,
+)
 
 log = logging.getLogger(__name__)
 
 RELAYED_METHOD = "/pathways.v1.Worker/Relayed"
+REJECTED_LOG_EVERY_S = 10.0  # one warning about rejected relayed messages per this long
 GAP_S = 5.0  # a message missing this long while later ones wait: asked for directly
 # one connection per member, as separate hosts have (no sharing of one subchannel by address)
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
@@ -65,14 +85,27 @@ class Inbox:
 
     def __init__(self) -> None:
         self.link = 0  # Registered.link of the current registration (0: none, nothing relayed is taken)
+        self._key = b""  # what relayed messages of it are signed with (server/relaysig.py); b"": none taken
+        self.mac: Mac = None  # the key's keyed MAC state (None: no key)
+        self.rejected = 0  # relayed messages dropped: their signature did not match
         self.next = 1
         self.pending: dict[int, cpb.ControllerToWorker] = {}
         self.duplicates = 0
         self.gap_since: float | None = None  # when the oldest waiting message came (none waiting: None)
 
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    @key.setter
+    def key(self, key: bytes) -> None:
+        self._key = key
+        self.mac = keyed(key) if key else None
+
     def reset(self) -> None:
         """A new stream to the controller: a new registration, its messages numbered from 1."""
         self.link = 0
+        self.key = b""
         self.next = 1
         self.pending.clear()
         self.gap_since = None
@@ -202,42 +235,90 @@ class Forwarder:
 
 
 def gang_parts(gang: cpb.RelayedGang) -> Iterator[wpb.RelayedMessage]:
-    """Each member's message of a `RelayedGang` (controller.proto), as the part the controller
-    would have sent for it: the shared body with the member's seq and its tasks' segment, seq and
-    segment id. A gang whose lists do not match its members (or whose body does not decode) gives
-    nothing: its members then miss a message and ask the controller for it (`GAP_S`)."""
+    """Each member's part of a `RelayedGang` (controller.proto): the shared body, the member's
+    numbers (its seq, and its tasks' segment, seq and segment id) and its signature, as a
+    `RelayedGangMember` that the member makes its message of (`relayed_message`) once it has
+    checked the signature. The relay does not decode the body. A gang whose lists do not match
+    its members gives nothing: its members then miss a message and ask the controller for it
+    (`GAP_S`)."""
     n = len(gang.hosts)
-    try:
-        body = cpb.ControllerToWorker.FromString(gang.body)
-    except Exception:  # DecodeError: a peer sent garbage
-        log.warning("a relayed gang message does not decode; dropped")
+    k, extra = divmod(len(gang.task_segments), n) if n else (0, 0)
+    if not (len(gang.addresses) == len(gang.links) == len(gang.seqs) == len(gang.macs) == n and not extra
+            and len(gang.task_seqs) == len(gang.segment_ids) == n * k):
+        log.warning("a relayed gang message's member lists do not match (%d members); dropped", n)
         return
-    k = len(body.enqueue.tasks)
-    if not (len(gang.addresses) == len(gang.links) == len(gang.seqs) == n
-            and len(gang.task_segments) == len(gang.task_seqs) == len(gang.segment_ids) == n * k):
-        log.warning("a relayed gang message's member lists do not match (%d members, %d tasks each); dropped", n, k)
-        return
-    segments, task_seqs, segment_ids = gang.task_segments, gang.task_seqs, gang.segment_ids
-    msg = cpb.ControllerToWorker()
+    body, segments, task_seqs, segment_ids = gang.body, gang.task_segments, gang.task_seqs, gang.segment_ids
     for i in range(n):
-        msg.CopyFrom(body)
-        msg.seq = gang.seqs[i]
-        for j, task in enumerate(msg.enqueue.tasks):
-            x = i * k + j
-            task.segment = segments[x]
-            task.seq = task_seqs[x]
-            task.segment_id = segment_ids[x]
-        yield wpb.RelayedMessage(host=gang.hosts[i], address=gang.addresses[i], link=gang.links[i],
-                                 message=msg.SerializeToString())
+        a, b = i * k, (i + 1) * k
+        yield wpb.RelayedMessage(
+            host=gang.hosts[i], address=gang.addresses[i], link=gang.links[i], mac=gang.macs[i],
+            gang=wpb.RelayedGangMember(body=body, seq=gang.seqs[i], task_segments=segments[a:b],
+                                       task_seqs=task_seqs[a:b], segment_ids=segment_ids[a:b]))
+
+
+_last_warning = -REJECTED_LOG_EVERY_S
+_quiet = 0
+
+
+def _warn_rejected(part: wpb.RelayedMessage, why: str) -> None:
+    """One warning per `REJECTED_LOG_EVERY_S`; the rejections between are counted into the next."""
+    global _last_warning, _quiet
+    now = time.monotonic()
+    if now - _last_warning < REJECTED_LOG_EVERY_S:
+        _quiet += 1
+        return
+    _last_warning = now
+    more, _quiet = _quiet, 0
+    log.warning("a relayed message for %s was dropped: %s (forged or altered on the way)%s", part.host or "?", why,
+                f"; {more} more since the last warning" if more else "")
 
 
 def relayed_message(part: wpb.RelayedMessage, inbox: Inbox) -> cpb.ControllerToWorker | None:
     """The controller message a relayed part carries, or None when it is stale (for an earlier
-    registration, or before this one's `Registered` was handled) or does not decode."""
+    registration, or before this one's `Registered` was handled), its signature does not match
+    the registration's key (relaysig.py; counted in `inbox.rejected`, logged rate-limited) or it
+    does not decode. A gang member's part is checked over the body's digest and its numbers, then
+    made its message: the body with its seq and its tasks' numbers."""
     if inbox.link == 0 or part.link != inbox.link:
         return None
+    mac, tag = inbox.mac, part.mac
+    gang = part.gang if part.HasField("gang") else None
+    if gang is None:
+        ok = mac is not None and len(tag) == TAG_BYTES and matches(tag, sign_message(mac, part.message))
+    else:
+        segments, task_seqs, segment_ids = gang.task_segments, gang.task_seqs, gang.segment_ids
+        k = len(segments)
+        if k == 1 and len(task_seqs) == 1 and len(segment_ids) == 1:  # the usual gang node
+            numbers = one_task_numbers(gang.seq, 1, segments[0], task_seqs[0], segment_ids[0])
+        elif len(task_seqs) == len(segment_ids) == k:
+            numbers = gang_numbers(gang.seq, list(segments), list(task_seqs), list(segment_ids))
+        else:
+            numbers = b""
+        ok = (mac is not None and bool(numbers) and len(tag) == TAG_BYTES
+              and matches(tag, sign_gang(mac, body_digest(gang.body), numbers)))
+    if not ok:
+        inbox.rejected += 1
+        _warn_rejected(part, "its signature does not match" if tag else "it is not signed")
+        return None
     try:
-        return cpb.ControllerToWorker.FromString(part.message)
-    except Exception:  # DecodeError: a peer sent garbage; nothing to handle
+        if gang is None:
+            return cpb.ControllerToWorker.FromString(part.message)
+        msg = cpb.ControllerToWorker.FromString(gang.body)
+    except Exception:  # DecodeError: signed by the controller, so not expected; nothing to handle
         log.warning("a relayed message for %s does not decode; dropped", part.host)
         return None
+    tasks = msg.enqueue.tasks
+    if len(tasks) != k:
+        log.warning("a relayed gang message for %s has %d tasks for %d tasks' numbers; dropped", part.host,
+                    len(tasks), k)
+        return None
+    msg.seq = gang.seq
+    if k == 1:
+        task = tasks[0]
+        task.segment, task.seq, task.segment_id = segments[0], task_seqs[0], segment_ids[0]
+        return msg
+    for task, segment, seq, segment_id in zip(tasks, segments, task_seqs, segment_ids, strict=True):
+        task.segment = segment
+        task.seq = seq
+        task.segment_id = segment_id
+    return msg

@@ -105,7 +105,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         self._waits: dict[str, tuple[int, int]] = {}  # owner -> (fetches and waits, ids) in progress
         # relayed controller messages (relay.py): the worker process handles them; its counts for Stats
         self.on_relayed: Callable[[wpb.RelayedMessage], None] = lambda part: None
-        self.relay_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.relay_counts: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)  # in, out, rejected
         self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pw-compile",
                                             initializer=name_native_thread)
 
@@ -455,7 +455,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
 
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()
-        relayed_in, relayed_out = self.relay_counts()
+        relayed_in, relayed_out, rejected = self.relay_counts()
         return wpb.WorkerStats(
             host=self.host,
             island=self.island,
@@ -468,6 +468,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
             data_address=self.data_address,
             relayed_in=relayed_in,
             relayed_out=relayed_out,
+            relayed_rejected=rejected,
         )
 
 

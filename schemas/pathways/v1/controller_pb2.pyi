@@ -617,16 +617,23 @@ class RelayFailed(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HOSTS_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELD_NUMBER: _builtins.int
+    rejected: _builtins.int
+    """Sent by a host about itself: how many relayed messages for it failed their signature check
+    (server/relaysig.py) since its last report. It drops them; the controller counts them and
+    sends that host its messages directly from now on.
+    """
     @_builtins.property
     def hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         hosts: _abc.Iterable[_builtins.str] | None = ...,
+        rejected: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts", "rejected", b"rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -749,7 +756,8 @@ class RelayBatch(_message.Message):
     def gangs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelayedGang]:
         """Messages that differ only in their numbers (a gang node's Enqueues: one task per member,
         the same but for its segment, place in the gang order and segment id), sent as one body and
-        a list of members: the relay makes each member's message (`RelayedGang`).
+        a list of members: the relay gives each member its share, from which the member makes its
+        message (`RelayedGang`, worker.proto `RelayedGangMember`).
         """
 
     def __init__(
@@ -768,7 +776,8 @@ Global___RelayBatch: _TypeAlias = RelayBatch  # noqa: Y015
 
 @_typing.final
 class RelayedGang(_message.Message):
-    """One message body for many hosts of the relay's group (server/worker/relay.py's `gang_parts`):
+    """One message body for many hosts of the relay's group (server/worker/relay.py's `gang_parts`
+    cuts it into each member's `RelayedGangMember`; the member makes its message):
     member i's message is `body` with `seq` = seqs[i] and, for each task j of its Enqueue (k
     tasks), segment, seq and segment_id = task_segments[i*k+j], task_seqs[i*k+j] and
     segment_ids[i*k+j]. The member lists are parallel: host, address, link as in RelayedMessage.
@@ -784,6 +793,7 @@ class RelayedGang(_message.Message):
     TASK_SEGMENTS_FIELD_NUMBER: _builtins.int
     TASK_SEQS_FIELD_NUMBER: _builtins.int
     SEGMENT_IDS_FIELD_NUMBER: _builtins.int
+    MACS_FIELD_NUMBER: _builtins.int
     body: _builtins.bytes
     """a serialized ControllerToWorker (an Enqueue), seq unset"""
     @_builtins.property
@@ -802,6 +812,12 @@ class RelayedGang(_message.Message):
     def task_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def segment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def macs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Each member's signature (RelayedMessage.mac) over the body's SHA-256 and its numbers: the
+        relay hands it on with the member's share (RelayedGangMember), unchanged.
+        """
+
     def __init__(
         self,
         *,
@@ -813,10 +829,11 @@ class RelayedGang(_message.Message):
         task_segments: _abc.Iterable[_builtins.int] | None = ...,
         task_seqs: _abc.Iterable[_builtins.int] | None = ...,
         segment_ids: _abc.Iterable[_builtins.int] | None = ...,
+        macs: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "body", b"body", "hosts", b"hosts", "links", b"links", "segment_ids", b"segment_ids", "seqs", b"seqs", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "body", b"body", "hosts", b"hosts", "links", b"links", "macs", b"macs", "segment_ids", b"segment_ids", "seqs", b"seqs", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -413,6 +413,7 @@ class WorkerStats(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _builtins.int
     RELAYED_IN_FIELD_NUMBER: _builtins.int
     RELAYED_OUT_FIELD_NUMBER: _builtins.int
+    RELAYED_REJECTED_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -430,6 +431,8 @@ class WorkerStats(_message.Message):
     """controller messages that reached this worker through a relay"""
     relayed_out: _builtins.int
     """controller messages this worker forwarded to other workers as a relay"""
+    relayed_rejected: _builtins.int
+    """relayed messages for this worker dropped: their signature did not match"""
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -448,10 +451,11 @@ class WorkerStats(_message.Message):
         data_address: _builtins.str = ...,
         relayed_in: _builtins.int = ...,
         relayed_out: _builtins.int = ...,
+        relayed_rejected: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "relayed_rejected", b"relayed_rejected", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,6 +474,8 @@ class RelayedMessage(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LINK_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    GANG_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     """the receiving worker's name: it refuses a message for another"""
     address: _builtins.str
@@ -477,7 +483,19 @@ class RelayedMessage(_message.Message):
     link: _builtins.int
     """Registered.link of the receiver's current registration: else stale"""
     message: _builtins.bytes
-    """a serialized ControllerToWorker carrying its `seq`"""
+    """a serialized ControllerToWorker carrying its `seq` (or `gang`)"""
+    mac: _builtins.bytes
+    """The controller's signature for the receiver (server/relaysig.py): a keyed BLAKE2b-128 under a
+    key derived from the receiver's host credential and `link`, which only the receiver and the
+    controller know. Over `message`, or over `gang`'s body digest and numbers. The receiver drops
+    a part whose signature does not match: a relay cannot forge or alter its members' messages.
+    """
+    @_builtins.property
+    def gang(self) -> Global___RelayedGangMember:
+        """A gang member's message as the relay got it (RelayedGang): the receiver makes its message of
+        it (server/worker/relay.py `member_message`). Set instead of `message`.
+        """
+
     def __init__(
         self,
         *,
@@ -485,14 +503,55 @@ class RelayedMessage(_message.Message):
         address: _builtins.str = ...,
         link: _builtins.int = ...,
         message: _builtins.bytes = ...,
+        mac: _builtins.bytes = ...,
+        gang: Global___RelayedGangMember | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gang", b"gang"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host", b"host", "link", b"link", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "gang", b"gang", "host", b"host", "link", b"link", "mac", b"mac", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RelayedMessage: _TypeAlias = RelayedMessage  # noqa: Y015
+
+@_typing.final
+class RelayedGangMember(_message.Message):
+    """One member's share of a RelayedGang (controller.proto): the shared body and its own numbers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TASK_SEGMENTS_FIELD_NUMBER: _builtins.int
+    TASK_SEQS_FIELD_NUMBER: _builtins.int
+    SEGMENT_IDS_FIELD_NUMBER: _builtins.int
+    body: _builtins.bytes
+    """a serialized ControllerToWorker (an Enqueue), seq unset"""
+    seq: _builtins.int
+    @_builtins.property
+    def task_segments(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per task of the Enqueue, in order"""
+
+    @_builtins.property
+    def task_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def segment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        body: _builtins.bytes = ...,
+        seq: _builtins.int = ...,
+        task_segments: _abc.Iterable[_builtins.int] | None = ...,
+        task_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        segment_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "segment_ids", b"segment_ids", "seq", b"seq", "task_segments", b"task_segments", "task_seqs", b"task_seqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedGangMember: _TypeAlias = RelayedGangMember  # noqa: Y015
 
 @_typing.final
 class RelayedResponse(_message.Message):

@@ -141,6 +141,29 @@ class PutBuffersResponse(_message.Message):
 Global___PutBuffersResponse: _TypeAlias = PutBuffersResponse  # noqa: Y015
 
 @_typing.final
+class UploadAck(_message.Message):
+    """The messages of this `Uploads` stream the worker has handled so far, in order (a running count:
+    an ack that is lost with a broken stream is covered by the next).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLED_FIELD_NUMBER: _builtins.int
+    handled: _builtins.int
+    def __init__(
+        self,
+        *,
+        handled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handled", b"handled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadAck: _TypeAlias = UploadAck  # noqa: Y015
+
+@_typing.final
 class FetchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1,0 +1,180 @@
+"""Uploads a stream lost: the client knows which the worker did not acknowledge and sends them
+again, or gives them up at once (pwctl/worker_client.py); the worker drops an array cut off
+mid-way on such a stream instead of failing it, since it comes again (servicer.py `Uploads`).
+
+Before, a `pw` upload over one message (64 MiB) ended the client's upload stream, and that upload
+and every one queued behind it were lost: the runs reading them waited for the controller's hang
+timeout (60 s). A stream that broke lost what it had not delivered the same way.
+
+Real processes: a controller and a worker (`cluster`), a `pw` program in its own process, the
+client library's `WorkerClient` against the worker, and a TCP relay (tests/relay.py) between
+them where a connection must break while both ends live."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from pwctl.worker_client import PIECE_BYTES, WorkerClient, upload_messages
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from tests.conftest import LocalCluster, wait_for
+from tests.relay import Relay
+from tests.test_trust_worker import Session, fetch, meta, open_session, worker_log
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=1, devices=1)]
+
+LARGE = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 4), np.float32))).tolist() == [[1.0] * 4]
+big = np.arange((80 << 20) // 4, dtype=np.float32).reshape(1, -1)  # 80 MiB: over one message
+a = inc(big)
+b = inc(np.full((1, 4), 2.0, np.float32))  # uploaded right behind it, on the same stream
+out = {}
+for key, fut in (("big", a), ("behind", b)):
+    start = time.monotonic()
+    try:
+        v = fut.result(timeout=30)
+        out[key] = {"ok": True, "head": v[0, :3].tolist(), "last": float(v[0, -1]), "s": time.monotonic() - start}
+    except Exception as e:
+        out[key] = {"ok": False, "error": f"{type(e).__name__}: {e}", "s": time.monotonic() - start}
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_pw_upload_over_one_message_and_the_uploads_behind_it_reach_the_worker(cluster: LocalCluster) -> None:
+    r = subprocess.run([sys.executable, "-c", LARGE], env=cluster.env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    last = float((80 << 20) // 4 - 1) + 1.0
+    assert out["big"]["ok"] and out["big"]["head"] == [1.0, 2.0, 3.0] and out["big"]["last"] == last, out
+    assert out["behind"]["ok"] and out["behind"]["head"] == [3.0, 3.0, 3.0], out
+    assert out["big"]["s"] < 20 and out["behind"]["s"] < 5, out
+    assert "Traceback" not in worker_log(cluster)
+
+
+def fetch_whole(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, timeout_s: float = 10.0) -> np.ndarray:
+    """A buffer's value, from as many chunks as it comes in."""
+    chunks = list(stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s), metadata=md,
+                             timeout=timeout_s + 10))
+    assert chunks and not chunks[0].error, chunks[0].error if chunks else "no reply"
+    head = chunks[0].array
+    data = b"".join(c.array.data for c in chunks)
+    return np.frombuffer(data, dtype=head.dtype).reshape(list(head.shape))
+
+
+@pytest.fixture
+def session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
+    address = cluster.hosts()["w-a"].address
+    big = [("grpc.max_receive_message_length", 256 << 20)]  # fetches of arrays over 4 MiB come whole
+    with grpc.insecure_channel(address, options=big) as wch, grpc.insecure_channel(cluster.address) as cch:
+        s = open_session(cluster, cch)
+        yield s, wgrpc.WorkerStub(wch), meta(cluster, s), address
+        s.close()
+
+
+def test_uploads_a_broken_connection_did_not_deliver_are_sent_again(cluster: LocalCluster, session: Any) -> None:
+    s, stub, md, address = session
+    relay = Relay(address)
+    lost: list[Any] = []
+    wc = WorkerClient(relay.address, cluster.token, s.credential, on_lost=lambda ups, e: lost.append((ups, e)))
+    try:
+        wc.put(s.id(1), np.arange(3.0))
+        wait_for(lambda: wc.unacknowledged() == 0, 20, "the first upload to be acknowledged")
+        # readers of the next two wait on the worker (as a run's task would)
+        waiting = stub.Wait.future(wpb.WaitRequest(buffer_ids=[s.id(2), s.id(3)], timeout_s=40), metadata=md,
+                                   timeout=50)
+        relay.hold()  # the link stalls: what is sent now stays in the relay's buffers
+        big = np.arange(PIECE_BYTES // 8 * 2 + 5, dtype=np.float64)  # in three pieces
+        wc.put(s.id(2), big)
+        wc.put(s.id(3), np.ones(4))
+        time.sleep(0.5)
+        assert wc.unacknowledged() == 2
+        start = time.monotonic()
+        relay.cut()  # the connection breaks (an RST both ways); the link works again after
+        relay.release()
+        reply = waiting.result(timeout=30)
+        took = time.monotonic() - start
+        assert reply.ready and not reply.error, reply
+        assert took < 10, took
+        np.testing.assert_array_equal(fetch_whole(stub, md, s.id(2)), big)
+        np.testing.assert_array_equal(fetch(stub, md, s.id(3)), np.ones(4))
+        assert wc.unacknowledged() == 0 and not lost and relay.accepted >= 2
+    finally:
+        wc.close()
+        relay.close()
+    assert "Traceback" not in worker_log(cluster)
+
+
+def test_uploads_that_cannot_get_through_are_given_up_within_seconds(cluster: LocalCluster, session: Any) -> None:
+    s, stub, md, address = session
+    relay = Relay(address)
+    lost: list[tuple[list[int], str, float]] = []
+    wc = WorkerClient(relay.address, cluster.token, s.credential,
+                      on_lost=lambda ups, e: lost.append(([u.buffer_id for u in ups], e, time.monotonic())))
+    try:
+        wc.put(s.id(1), np.arange(3.0))
+        wait_for(lambda: wc.unacknowledged() == 0, 20, "the first upload to be acknowledged")
+        relay.hold()
+        wc.put(s.id(2), np.ones(4), run_id=s.id(100))
+        wc.put(s.id(3), np.ones(5), run_id=s.id(101))
+        time.sleep(0.3)
+        start = time.monotonic()
+        relay.refuse()  # the worker cannot be reached any more from here
+        wait_for(lambda: lost, 20, "the uploads to be given up")
+        (ids, error, when), = lost
+        assert ids == [s.id(2), s.id(3)] and f"uploads to the worker at {relay.address} failed" in error, lost
+        assert when - start < 10, when - start
+        assert wc.unacknowledged() == 0
+        # the link is back: the next upload opens a stream again and gets through
+        relay.release()
+        wc.put(s.id(4), np.arange(2.0))
+        np.testing.assert_array_equal(fetch(stub, md, s.id(4), timeout_s=10), np.arange(2.0))
+    finally:
+        wc.close()
+        relay.close()
+
+
+def test_an_array_cut_off_on_an_acknowledged_stream_is_kept_for_its_second_sending(
+        cluster: LocalCluster, session: Any) -> None:
+    """On `Uploads` a cut-off array is dropped without failing what waits for it (the client sends
+    it again); on `PutBuffers`, whose callers do not, the waiter gets the reason at once
+    (tests/test_worker_refused_uploads.py)."""
+    s, stub, md, _ = session
+    arr = np.arange(PIECE_BYTES // 4 + 3, dtype=np.float32)
+    first, *rest = upload_messages(s.id(5), arr)
+    assert rest, "the array goes in pieces"
+    waiting = stub.Wait.future(wpb.WaitRequest(buffer_ids=[s.id(5)], timeout_s=40), metadata=md, timeout=50)
+    reqs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def requests() -> Iterator[wpb.PutBufferRequest]:
+        while (r := reqs.get()) is not None:
+            yield r
+
+    call = stub.Uploads(requests(), metadata=md, timeout=60)
+    reqs.put(first)
+    assert next(call).handled == 1  # the first piece is in
+    call.cancel()
+    reqs.put(None)
+    time.sleep(1.0)
+    assert not waiting.done(), "the waiter is not failed: the array comes again"
+    acks = list(stub.Uploads(iter([first, *rest]), metadata=md, timeout=30))
+    assert [a.handled for a in acks] == list(range(1, len(rest) + 2))
+    reply = waiting.result(timeout=20)
+    assert reply.ready and not reply.error, reply
+    np.testing.assert_array_equal(fetch_whole(stub, md, s.id(5)), arr)
+    assert "Traceback" not in worker_log(cluster)

@@ -51,6 +51,7 @@ class Upload:
     buffer_id: int
     messages: list[wpb.PutBufferRequest]
     run_id: int = 0
+    sent: bool = False  # handed to a stream (a later one sends it `again`, worker.proto)
 
 
 def upload_messages(buffer_id: int, arr: np.ndarray, piece_bytes: int = PIECE_BYTES) -> list[wpb.PutBufferRequest]:
@@ -119,6 +120,7 @@ class WorkerClient:
         with self._lock:
             self._unacked.append(upload)
             if self._stream is not None:
+                upload.sent = True
                 self._stream.queue.put(upload)
             elif not self._reopening and not self._closed:
                 self._open()
@@ -132,6 +134,10 @@ class WorkerClient:
         """A new stream carrying every upload not acknowledged, in order (call with the lock held)."""
         stream = self._stream = _Stream()
         for upload in self._unacked:
+            if upload.sent:  # the worker may have it (its acknowledgement lost), or have freed it since
+                for m in upload.messages:
+                    m.again = True
+            upload.sent = True
             stream.queue.put(upload)
         stream.call = self._transport.bidi(self._stub.Uploads, stream.requests())
         threading.Thread(target=self._acks, args=(stream,), name="pw-upload-acks", daemon=True).start()

@@ -178,3 +178,28 @@ def test_an_array_cut_off_on_an_acknowledged_stream_is_kept_for_its_second_sendi
     assert reply.ready and not reply.error, reply
     np.testing.assert_array_equal(fetch_whole(stub, md, s.id(5)), arr)
     assert "Traceback" not in worker_log(cluster)
+
+
+def test_an_upload_sent_again_after_the_worker_freed_it_is_not_kept(cluster: LocalCluster, session: Any) -> None:
+    """The copy a client sends again (its acknowledgement was lost with the stream) of an upload
+    the worker stored, served and freed since is dropped: kept, nobody would ever release it."""
+    s, stub, md, address = session
+
+    def buffers() -> int:
+        return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
+
+    before = buffers()
+    (msg,) = upload_messages(s.id(6), np.arange(4.0))
+    assert [a.handled for a in stub.Uploads(iter([msg]), metadata=md, timeout=30)] == [1]
+    np.testing.assert_array_equal(fetch(stub, md, s.id(6)), np.arange(4.0))
+    s.release(address, s.id(6))
+    wait_for(lambda: buffers() == before, 30, "the released upload to be freed")
+    msg.again = True
+    assert [a.handled for a in stub.Uploads(iter([msg]), metadata=md, timeout=30)] == [1]
+    time.sleep(0.5)
+    assert buffers() == before
+    # an upload sent again that the worker never got is stored as any other
+    (other,) = upload_messages(s.id(7), np.ones(2))
+    other.again = True
+    assert [a.handled for a in stub.Uploads(iter([other]), metadata=md, timeout=30)] == [1]
+    np.testing.assert_array_equal(fetch(stub, md, s.id(7)), np.ones(2))

@@ -190,7 +190,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
                         yield
                         continue
                 if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
-                                      same_owner=True):
+                                      same_owner=True, again=req.again):
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
                 up.count += 1
                 yield

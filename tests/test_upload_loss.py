@@ -203,3 +203,59 @@ def test_an_upload_sent_again_after_the_worker_freed_it_is_not_kept(cluster: Loc
     other.again = True
     assert [a.handled for a in stub.Uploads(iter([other]), metadata=md, timeout=30)] == [1]
     np.testing.assert_array_equal(fetch(stub, md, s.id(7)), np.ones(2))
+
+
+GIVEN_UP = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import WorkerClient
+
+vds = pw.make_virtual_device_set()
+s = vds.add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
+rt = Runtime.get()
+# from here this client's uploads to the worker go through the relay (sys.argv[1]); the
+# controller still reaches the worker directly
+rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost)
+print("ready", flush=True)
+sys.stdin.readline()  # the relay refuses connections now
+start = time.monotonic()
+f = inc(np.ones((1, 2)))
+while not rt.run_failed(f.run_id) and time.monotonic() - start < 30:
+    time.sleep(0.05)
+failed = time.monotonic() - start
+while rt.in_flight() and time.monotonic() - start < 30:  # until the controller says the run is over
+    time.sleep(0.05)
+print(json.dumps({"error": rt.run_failed(f.run_id), "failed_s": failed, "over_s": time.monotonic() - start,
+                  "in_flight": rt.in_flight()}), flush=True)
+"""
+
+
+def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_worker(cluster: LocalCluster) -> None:
+    """The client cannot reach the worker (the controller still can): the upload is given up
+    within seconds, the run fails in the client naming the input, and the client cancels it on
+    the controller, which drops it on the worker: the run is over at once, not at the hang timeout."""
+    relay = Relay(cluster.hosts()["w-a"].address)
+    proc = subprocess.Popen([sys.executable, "-c", GIVEN_UP, relay.address], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        relay.refuse()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        out = json.loads(proc.stdout.readline())
+        assert "input buffer" in out["error"] and "of this run was lost" in out["error"], out
+        assert f"uploads to the worker at {relay.address} failed" in out["error"], out
+        assert out["failed_s"] < 10 and out["over_s"] < 15 and out["in_flight"] == 0, out
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.close()
+    assert "hang detected" not in cluster.controller_logs()
+    assert "Traceback" not in worker_log(cluster)

@@ -486,10 +486,15 @@ class Runtime:
 
     def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
         """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,
-        rather than when the controller's hang detection gives up on them."""
+        here and on the controller, rather than when its hang detection gives up on them."""
         for upload in uploads:
-            if upload.run_id:
-                self._fail_run(upload.run_id, f"input buffer {upload.buffer_id:#x} of this run was lost: {error}")
+            if upload.run_id and upload.run_id not in self._failed_runs:  # a run's first lost input names it
+                reason = f"input buffer {upload.buffer_id:#x} of this run was lost: {error}"
+                self._fail_run(upload.run_id, reason)
+                # and on the controller, which drops it on its workers: its tasks fail now rather
+                # than wait for the input until the hang timeout (the run's RunFinished says the same)
+                if not (self.closed or self._session_error):
+                    self._out.put(cpb.ClientMessage(cancel_run=cpb.CancelRun(run_id=upload.run_id, reason=reason)))
 
     def close(self) -> None:
         if self.closed:

@@ -63,7 +63,7 @@ def test_a_pw_upload_over_one_message_and_the_uploads_behind_it_reach_the_worker
     last = float((80 << 20) // 4 - 1) + 1.0
     assert out["big"]["ok"] and out["big"]["head"] == [1.0, 2.0, 3.0] and out["big"]["last"] == last, out
     assert out["behind"]["ok"] and out["behind"]["head"] == [3.0, 3.0, 3.0], out
-    assert out["big"]["s"] < 20 and out["behind"]["s"] < 5, out
+    assert out["big"]["s"] < 25 and out["behind"]["s"] < 10, out  # the old code: the 30 s timeout, then the hang
     assert "Traceback" not in worker_log(cluster)
 
 

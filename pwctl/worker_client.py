@@ -186,9 +186,9 @@ class WorkerClient:
                 self._unacked.clear()
                 self._failures = 0
         if refused:
-            self.on_lost(refused, f"the worker at {self.address} refused the upload: {error}")
+            self._tell_lost(refused, f"the worker at {self.address} refused the upload: {error}")
         if lost:
-            self.on_lost(lost, f"uploads to the worker at {self.address} failed: {error}")
+            self._tell_lost(lost, f"uploads to the worker at {self.address} failed: {error}")
         if pause is None or not self._reopening:
             return
         if pause:
@@ -197,6 +197,12 @@ class WorkerClient:
             self._reopening = False
             if self._stream is None and not self._closed and self._unacked:
                 self._open()
+
+    def _tell_lost(self, uploads: list[Upload], error: str) -> None:
+        try:
+            self.on_lost(uploads, error)
+        except Exception:  # the callback's bug must not stop the uploads still to send
+            log.exception("reporting %d lost uploads failed", len(uploads))
 
     def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
         """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")

@@ -8,7 +8,6 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import jax
@@ -31,7 +30,7 @@ from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK, DATA_CHUNK
-from .uploads import Assembly, add_piece, check_spec
+from .uploads import Assembly, UploadStream, add_piece, decode_upload
 
 log = logging.getLogger(__name__)
 _refusals = WarningLimiter()  # a client sending refused uploads writes a bounded log
@@ -49,28 +48,6 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     if len(parts) == 1:
         return from_bytes(first.dtype, list(first.shape), parts[0])
     return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
-
-
-def _decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
-    """A client's uploaded array; ValueError saying what is wrong with it."""
-    if array.shm_name:
-        # a name would make the worker open (and unlink) a segment it never handed out
-        raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
-    _, nbytes = check_spec(array.dtype, list(array.shape))
-    data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
-    if nbytes != len(data):
-        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, expected {nbytes}")
-    return from_bytes(array.dtype, list(array.shape), data)
-
-
-@dataclass
-class _UploadStream:
-    """What one upload stream did so far."""
-
-    handled: int = 0  # messages handled (stored, refused, or a piece copied in)
-    count: int = 0  # arrays stored
-    refused: tuple[grpc.StatusCode, str] | None = None  # the first refusal's status
-    pieces: Assembly | None = None  # an array over one message, in pieces, under way (uploads.py)
 
 
 def _bounded(timeout_s: float) -> float:
@@ -137,7 +114,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         stream at once and fails its buffer for whatever already waits on it; a cut-off staged
         upload nobody waits for leaves nothing (the proxy drops an unused one that way)."""
         caller = await self.auth.session(context, "upload")
-        up = _UploadStream()
+        up = UploadStream()
         async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=False):
             pass
         if up.pieces is not None:
@@ -159,12 +136,12 @@ class WorkerServicer(wgrpc.WorkerServicer):
         in `PutBuffers`. An upload cut off mid-array is dropped without failing its buffer: the
         client sends it again whole on its next stream, and the readers get it then."""
         caller = await self.auth.session(context, "upload")
-        up = _UploadStream()
+        up = UploadStream()
         async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=True):
             yield wpb.UploadAck(handled=up.handled)
 
     async def _uploads(self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext,
-                       caller: Caller, up: _UploadStream, *, resent_if_cut: bool) -> AsyncIterator[None]:
+                       caller: Caller, up: UploadStream, *, resent_if_cut: bool) -> AsyncIterator[None]:
         """Handles an upload stream's messages (`up` keeps its counts), yielding after each.
         `resent_if_cut`: an array cut off mid-way is dropped, not failed (`Uploads`)."""
         try:
@@ -184,7 +161,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
                     up.pieces = None
                 else:
                     try:
-                        arr = _decode_upload(req.array)
+                        arr = decode_upload(req.array)
                     except (ValueError, MemoryError) as e:
                         up.refused = up.refused or self._refuse(req, caller, e, held=True)
                         yield

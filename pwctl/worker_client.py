@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
 from schemas.arrays import c_order, dtype_name, from_bytes
@@ -16,59 +20,189 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .errors import ConnectionFailed, DeadlineExceeded
+from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError
 from .transport import NO_RETRY, Transport
 
 _STOP = object()
 log = logging.getLogger(__name__)
 
 
+# An array over this many bytes is uploaded in pieces (PutBufferRequest.offset/total_bytes): a
+# worker takes messages of at most 64 MiB, and a larger one ended the whole upload stream.
+PIECE_BYTES = 16 * 1024 * 1024
+# A stream that ends with uploads unacknowledged is opened again at once, and again after each
+# pause here while none gets through; then they are given up (`on_lost`).
+RESEND_PAUSES_S = (0.0, 0.2, 0.5, 1.0, 2.0)
+# The worker refused the first unacknowledged upload itself (sending it again would fail again);
+# other ends (the connection, the worker's server going away, cancellation) lose nothing for good.
+_REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                       grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
+                       grpc.StatusCode.UNAUTHENTICATED})
+
+Lost = Callable[[list["Upload"], str], None]
+
+
+@dataclass(eq=False)
+class Upload:
+    """One array's upload: its messages (one, or its pieces), kept until the worker acknowledged
+    the last, and the run that reads it (0: none known)."""
+
+    buffer_id: int
+    messages: list[wpb.PutBufferRequest]
+    run_id: int = 0
+    sent: bool = False  # handed to a stream (a later one sends it `again`, worker.proto)
+
+
+def upload_messages(buffer_id: int, arr: np.ndarray, piece_bytes: int = PIECE_BYTES) -> list[wpb.PutBufferRequest]:
+    """The messages of one array's upload: one, or pieces of at most `piece_bytes` (worker.proto)."""
+    arr = c_order(arr)
+    spec = {"dtype": dtype_name(arr.dtype), "shape": list(arr.shape)}
+    data = arr.tobytes()
+    if len(data) <= piece_bytes:
+        return [wpb.PutBufferRequest(buffer_id=buffer_id, array=pb.ArrayProto(data=data, **spec))]  # type: ignore[arg-type]
+    return [wpb.PutBufferRequest(buffer_id=buffer_id, offset=off, total_bytes=len(data),
+                                 array=pb.ArrayProto(data=data[off : off + piece_bytes],
+                                                     **(spec if off == 0 else {})))  # type: ignore[arg-type]
+            for off in range(0, len(data), piece_bytes)]
+
+
+class _Stream:
+    """One `Uploads` stream: its own queue (an ended stream's sender takes nothing more), and how
+    many of its messages the worker acknowledged."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.acked = 0  # messages acknowledged (UploadAck.handled)
+        self.done = 0  # of those, the messages of whole uploads taken off `WorkerClient._unacked`
+        self.call: Any = None
+
+    def requests(self) -> Iterator[wpb.PutBufferRequest]:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, Upload)
+            yield from item.messages
+
+
 class WorkerClient:
     """The worker service of one worker, on the same transport as `Client`: uploads on one
     long-lived stream, fetches and waits on demand. Array bytes go to and from workers directly,
-    never through the controller."""
+    never through the controller.
 
-    def __init__(self, address: str, token: str | None, credential: str = "") -> None:
+    Uploads ride an `Uploads` stream whose acknowledgements say which got through: each upload
+    is kept until then. When the stream ends (the worker's server or the connection went away,
+    the call was cancelled), the uploads not acknowledged are sent again, in order, on a new
+    stream opened at once; while none gets through the new stream is tried again after short
+    pauses (`RESEND_PAUSES_S`), and then they are given up: `on_lost(uploads, error)` (the
+    runtime fails the runs that read them). An upload the worker refused is not sent again."""
+
+    def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None) -> None:
         self.address = address
         # the session credential (Welcome.worker_credential): the worker serves this session's
         # buffers only, and only to it
         extra = (("x-pathways-session", credential),) if credential else ()
         self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra)
         self._stub = wgrpc.WorkerStub(self._transport.channel)
-        self._puts: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._put_call: Any = None
+        self.on_lost: Lost = on_lost or (lambda uploads, error: None)
         self._lock = threading.Lock()
+        self._stream: _Stream | None = None
+        self._unacked: deque[Upload] = deque()  # handed to the current stream (or the next), in order
+        self._failures = 0  # streams in a row that ended with nothing acknowledged
+        self._reopening = False  # a new stream is due after a pause (the ended stream's reader opens it)
+        self._closed = False
 
-    @staticmethod
-    def _put_iter(puts: queue.SimpleQueue[object]) -> Iterator[wpb.PutBufferRequest]:
-        while True:
-            item = puts.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, wpb.PutBufferRequest)
-            yield item
-
-    def put(self, buffer_id: int, arr: np.ndarray, owner: str) -> None:
-        """Queues an upload; returns at once (the consuming node waits for it)."""
-        arr = c_order(arr)
-        req = wpb.PutBufferRequest(
-            buffer_id=buffer_id,
-            array=pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape), data=arr.tobytes()),
-            owner=owner,
-        )
+    def put(self, buffer_id: int, arr: np.ndarray, owner: str = "", run_id: int = 0) -> None:
+        """Queues an upload; returns at once (the consuming node waits for it). `run_id`: the run
+        that reads it, named to `on_lost` should it be given up."""
+        upload = Upload(buffer_id, upload_messages(buffer_id, np.asarray(arr)), run_id)
         with self._lock:
-            if self._put_call is None or self._put_call.done():
-                # a stream the worker ended (it restarted, or refused an upload) is opened again:
-                # uploads queued behind an ended stream would otherwise never be sent, and the
-                # runs reading them would wait for them
-                if self._put_call is not None:
-                    _log_ended(self.address, self._put_call)
-                    # each stream reads its own queue: the ended one's reader takes nothing more
-                    self._puts.put(_STOP)
-                    self._puts = queue.SimpleQueue()
-                self._put_call = self._transport.client_stream_future(self._stub.PutBuffers,
-                                                                      self._put_iter(self._puts))
-            self._puts.put(req)
+            self._unacked.append(upload)
+            if self._stream is not None:
+                upload.sent = True
+                self._stream.queue.put(upload)
+            elif not self._reopening and not self._closed:
+                self._open()
+
+    def unacknowledged(self) -> int:
+        """Uploads not acknowledged by the worker yet (tests)."""
+        with self._lock:
+            return len(self._unacked)
+
+    def _open(self) -> None:
+        """A new stream carrying every upload not acknowledged, in order (call with the lock held)."""
+        stream = self._stream = _Stream()
+        for upload in self._unacked:
+            if upload.sent:  # the worker may have it (its acknowledgement lost), or have freed it since
+                for m in upload.messages:
+                    m.again = True
+            upload.sent = True
+            stream.queue.put(upload)
+        stream.call = self._transport.bidi(self._stub.Uploads, stream.requests())
+        threading.Thread(target=self._acks, args=(stream,), name="pw-upload-acks", daemon=True).start()
+
+    def _acks(self, stream: _Stream) -> None:
+        """Reads a stream's acknowledgements, forgetting each upload whose messages are all in;
+        when the stream ends, hands on what it had not acknowledged."""
+        error = ""
+        code: grpc.StatusCode | None = None
+        try:
+            for ack in stream.call:
+                with self._lock:
+                    if self._stream is not stream:
+                        return
+                    stream.acked = ack.handled
+                    self._failures = 0
+                    while self._unacked and stream.acked - stream.done >= len(self._unacked[0].messages):
+                        stream.done += len(self._unacked.popleft().messages)
+        except PathwaysError as e:
+            error, code = str(e), e.code
+        self._ended(stream, error or "the worker ended the upload stream", code)
+
+    def _ended(self, stream: _Stream, error: str, code: grpc.StatusCode | None) -> None:
+        """A stream ended: its uploads not acknowledged go again on a new one (after the pause
+        for this many failures in a row), or are given up; one the worker refused is given up."""
+        refused: list[Upload] = []
+        lost: list[Upload] = []
+        pause: float | None = None
+        with self._lock:
+            if self._stream is not stream:
+                return
+            self._stream = None
+            stream.queue.put(_STOP)
+            if self._closed or not self._unacked:
+                return
+            log.warning("uploads to the worker at %s ended with %d not acknowledged: %s", self.address,
+                        len(self._unacked), error)
+            if code in _REFUSALS:  # the worker refused the first one not acknowledged: not sent again
+                refused.append(self._unacked.popleft())
+            if self._failures < len(RESEND_PAUSES_S):
+                pause = RESEND_PAUSES_S[self._failures]
+                self._failures += 1
+                self._reopening = bool(self._unacked)
+            else:
+                lost = list(self._unacked)
+                self._unacked.clear()
+                self._failures = 0
+        if refused:
+            self._tell_lost(refused, f"the worker at {self.address} refused the upload: {error}")
+        if lost:
+            self._tell_lost(lost, f"uploads to the worker at {self.address} failed: {error}")
+        if pause is None or not self._reopening:
+            return
+        if pause:
+            time.sleep(pause)
+        with self._lock:
+            self._reopening = False
+            if self._stream is None and not self._closed and self._unacked:
+                self._open()
+
+    def _tell_lost(self, uploads: list[Upload], error: str) -> None:
+        try:
+            self.on_lost(uploads, error)
+        except Exception:  # the callback's bug must not stop the uploads still to send
+            log.exception("reporting %d lost uploads failed", len(uploads))
 
     def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
         """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")
@@ -137,16 +271,11 @@ class WorkerClient:
         return reply.ready, reply.error
 
     def close(self) -> None:
-        self._puts.put(_STOP)
+        with self._lock:
+            self._closed = True
+            if self._stream is not None:
+                self._stream.queue.put(_STOP)
         self._transport.close()
-
-
-def _log_ended(address: str, call: Any) -> None:
-    """Says why an upload stream ended, when it failed (an ended stream's uploads were lost)."""
-    try:
-        call.result(timeout=0)
-    except Exception as e:  # the typed error of the transport, or gRPC's
-        log.warning("uploads to the worker at %s ended: %s; opening a new stream", address, e)
 
 
 def _lost(e: ConnectionFailed) -> str:

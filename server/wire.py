@@ -181,6 +181,7 @@ class PutBuffer:
     array: Array
     offset: int = 0  # a piece of a larger array (worker.proto): where its bytes go
     total_bytes: int = 0
+    again: bool = False  # sent again after a stream that ended before acknowledging it
 
 
 def _int64(value: int) -> int:
@@ -224,11 +225,13 @@ def put_buffer(raw: bytes) -> PutBuffer:
     """Parses a serialized `PutBufferRequest` without copying its array's bytes (protobuf's
     parser copies them, and again on each read of `data`). WireError when malformed, or when
     the array comes in more than one piece (which protobuf would merge; no encoder does it)."""
-    buffer_id, array, offset, total = 0, None, 0, 0
+    buffer_id, array, offset, total, again = 0, None, 0, 0, False
     for number, wire, value in fields(raw):
         if number == 1 and wire == VARINT:
             assert isinstance(value, int)
             buffer_id = value
+        elif number == 6 and wire == VARINT:
+            again = bool(value)
         elif number == 4 and wire == VARINT:
             assert isinstance(value, int)
             offset = value
@@ -243,6 +246,6 @@ def put_buffer(raw: bytes) -> PutBuffer:
         elif number == 3 and wire == LEN:
             assert isinstance(value, memoryview)
             _text(value)
-        elif number in (1, 2, 3, 4, 5):
+        elif number in (1, 2, 3, 4, 5, 6):
             raise WireError(f"PutBufferRequest field {number} with wire type {wire}")
-    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""), offset, total)
+    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""), offset, total, again)

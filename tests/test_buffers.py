@@ -169,3 +169,37 @@ def test_freed_values_are_deallocated_after_the_store_lock_is_released(how: str)
     threading.Thread(target=free, daemon=True).start()
     assert done.wait(20), f"{how}: a value's deallocation waited for the store's own lock"
     assert len(seen) == 2  # both deallocated, and each could read the store
+
+
+def test_an_upload_sent_again_is_kept_only_when_the_store_neither_has_it_nor_freed_it() -> None:
+    """A client sends an upload again when its stream ended before acknowledging it (worker.proto
+    `again`): the worker may have stored it, and even freed it since (read, then released)."""
+    s = BufferStore()
+    arr = np.arange(3.0)
+    # stored, read and released: the copy sent again is not a new buffer nobody would release
+    s.add_consumers([1], owner="client:1")
+    assert s.put(1, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True)
+    s.consumer_done(1)
+    s.release([1])
+    assert live(s) == 0
+    assert s.put(1, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
+    assert live(s) == 0 and s.owner_of(1) is None
+    # stored and still held: the first copy stays
+    assert s.put(2, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True)
+    assert s.put(2, arr + 1, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
+    np.testing.assert_array_equal(s.wait(2, timeout=1), arr)
+    # donated (consumed) since: not brought back
+    s.consumed([2], "donated")
+    s.put(2, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
+    with pytest.raises(BufferFailed, match="donated"):
+        s.wait(2, timeout=1)
+    # never got here (lost with the stream): stored, and its reader gets it
+    s.add_consumers([3], owner="client:1")
+    assert s.put(3, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
+    np.testing.assert_array_equal(s.wait(3, timeout=1), arr)
+    # a buffer that is not an upload (a node's output) freed under an id: not remembered
+    s.expect([4], owner="client:1", visible=[False])
+    s.launched([4], [arr], input_ids=[])
+    assert s.owner_of(4) is None
+    assert s.put(4, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
+    assert s.owner_of(4) == "client:1"

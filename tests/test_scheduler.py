@@ -13,6 +13,7 @@ import pytest
 import server.scheduler as sched_pkg
 from server.scheduler import (
     Action,
+    CancelRun,
     ClientGone,
     Dispatch,
     DispatchedNode,
@@ -480,6 +481,24 @@ def test_client_gone() -> None:
     assert s.handle(ClientGone("bye", now=2.0)) == []
 
 
+def test_a_client_cancels_a_run_of_its_own_admitted_or_waiting() -> None:
+    """What a `pw` client sends when it could not upload a run's input (CancelRun): the run fails
+    with its reason, dropped on its hosts as a lost host's runs are; the next run goes on."""
+    s = new(max_inflight_nodes=2)
+    s.handle(Submit(run(1, [node(0, "h0"), node(1, "h1")], client="c1"), now=0.0))
+    s.handle(Submit(chain(2, 1, client="c1"), now=0.0))  # waits: the window is full
+    s.handle(Submit(chain(3, 1, client="c2"), now=0.0))
+    assert s.handle(CancelRun("c2", 1, "not yours", now=1.0)) == []  # another client's run: left
+    assert s.handle(CancelRun("c1", 2, "input lost", now=1.0)) == [RunFinished(2, False, "input lost")]
+    assert s.handle(CancelRun("c1", 1, "input 0x5 lost", now=1.0)) == [
+        RunFinished(1, False, "input 0x5 lost"),
+        DropRun(1, ("h0", "h1"), "input 0x5 lost"),
+        Dispatch("h0", (d(3, 0, 2),)),
+    ]
+    assert s.handle(CancelRun("c1", 1, "again", now=2.0)) == []  # over already
+    assert s.handle(CancelRun("c1", 99, "unknown", now=2.0)) == []
+
+
 # -------------------------------------------------------------------------------- hang detection
 
 
@@ -620,7 +639,8 @@ def test_snapshot() -> None:
 def test_public_api_is_pinned() -> None:
     assert set(sched_pkg.__all__) == {
         "Action",
-        "ClientGone",
+        "CancelRun",
+            "ClientGone",
         "ClientUsage",
         "Dispatch",
         "DispatchedNode",

@@ -633,10 +633,16 @@ def test_the_clients_uploads_go_on_after_the_worker_ended_their_stream(cluster: 
 
     address, _, _, cch = worker
     s = open_session(cluster, cch)
-    wc = WorkerClient(address, cluster.token, s.credential)
+    lost: list[tuple[list[int], str]] = []
+    wc = WorkerClient(address, cluster.token, s.credential,
+                      on_lost=lambda uploads, error: lost.append(([u.buffer_id for u in uploads], error)))
     try:
-        wc.put((s.prefix ^ 1) << 40 | 5, np.zeros(2), s.owner)  # another session's id prefix: refused, the stream ends
-        assert wait_for(lambda: wc._put_call.done(), 10, "the worker ending the stream")
+        bad = (s.prefix ^ 1) << 40 | 5
+        wc.put(bad, np.zeros(2), s.owner)  # another session's id prefix: refused, the stream ends
+        assert wait_for(lambda: lost, 10, "the worker ending the stream")
+        # the refused upload is given up at once, with the worker's reason, and not sent again
+        assert lost == [([bad], lost[0][1])] and "not one of this session's ids" in lost[0][1], lost
+        assert wc.unacknowledged() == 0
         wc.put(s.id(7), np.arange(4.0), s.owner)
         value, error = wc.fetch(s.id(7), 10.0)
         assert error == "" and value is not None and value.tolist() == [0.0, 1.0, 2.0, 3.0], error

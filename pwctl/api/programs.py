@@ -187,6 +187,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     input_ids: list[int] = []
     homes: list[str] = []
     uploads: list[tuple[int, str]] = []
+    run_id = rt.new_id()  # named with its uploads: should one be lost, the run fails at once (worker_client.py)
     for i, v in enumerate(values):
         slice_name = reg.input_slice[i]
         if isinstance(v, Future):
@@ -201,11 +202,10 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
             continue
         address = rt.slices[slice_name].address
         bid = rt.new_id()
-        rt.worker(address).put(bid, np.asarray(v), rt.owner)
+        rt.worker(address).put(bid, np.asarray(v), rt.owner, run_id)
         input_ids.append(bid)
         homes.append(address)
         uploads.append((bid, address))
-    run_id = rt.new_id()
     out_ids = [rt.new_id() for _ in reg.outputs]
     rt.send_run(cpb.ClientMessage(run=cpb.RunProgram(
         run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=out_ids, input_homes=homes)))

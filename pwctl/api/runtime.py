@@ -27,7 +27,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError, ProgramError
-from ..worker_client import WorkerClient
+from ..worker_client import Upload, WorkerClient
 from .env import env_amount, keep_local_jax_on_cpu
 from .resume import RECONNECT_S, Resume
 
@@ -480,8 +480,21 @@ class Runtime:
         with self._workers_lock:
             conn = self._workers.get(address)
             if conn is None:
-                conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential)
+                conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
+                                                             on_lost=self._uploads_lost)
             return conn
+
+    def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
+        """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,
+        here and on the controller, rather than when its hang detection gives up on them."""
+        for upload in uploads:
+            if upload.run_id and upload.run_id not in self._failed_runs:  # a run's first lost input names it
+                reason = f"input buffer {upload.buffer_id:#x} of this run was lost: {error}"
+                self._fail_run(upload.run_id, reason)
+                # and on the controller, which drops it on its workers: its tasks fail now rather
+                # than wait for the input until the hang timeout (the run's RunFinished says the same)
+                if not (self.closed or self._session_error):
+                    self._out.put(cpb.ClientMessage(cancel_run=cpb.CancelRun(run_id=upload.run_id, reason=reason)))
 
     def close(self) -> None:
         if self.closed:

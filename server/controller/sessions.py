@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,7 +30,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..credentials import JOB_SECRET_ENV, PREFIX_SHIFT, check_job_secret, session_credential
 from ..invariants import InvariantError
-from ..scheduler import Batch, Submit
+from ..scheduler import Batch, CancelRun, Submit
 from .callers import CallerSessions, caller_of
 from .client_session import ClientSession
 from .dispatch import Dispatcher
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from .slices import Placement
 
 log = logging.getLogger(__name__)
+
+MAX_CANCEL_REASON = 1000  # characters of a client's reason for cancelling a run kept (the run's error)
 
 MAX_PREFIXES_REMEMBERED = 1 << 16  # prefixes handed out that new sessions avoid (beyond: the live ones)
 
@@ -252,6 +255,12 @@ class SessionManager:
                 self.dispatcher.release(address, ids)
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
+        elif kind == "cancel_run":
+            cancel = msg.cancel_run
+            if cancel.run_id >> PREFIX_SHIFT == session.id_prefix:  # its own runs only
+                self.dispatcher.handle(CancelRun(session.client_id, cancel.run_id,
+                                                 cancel.reason[:MAX_CANCEL_REASON] or "cancelled by the client",
+                                                 time.monotonic()))
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not

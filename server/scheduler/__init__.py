@@ -3,6 +3,7 @@
 from server.scheduler.events import (
     Action,
     Batch,
+    CancelRun,
     ClientGone,
     Dispatch,
     DispatchedNode,
@@ -29,6 +30,7 @@ from server.scheduler.state import GangScheduler, InvariantError, Stall, check_s
 __all__ = [
     "Action",
     "Batch",
+    "CancelRun",
     "ClientGone",
     "ClientUsage",
     "Dispatch",

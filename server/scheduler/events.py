@@ -104,6 +104,17 @@ class ClientGone:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelRun:
+    """A client gives up a run of its own (an input it could not upload, pwctl/worker_client.py):
+    it fails with `reason`, its nodes dropped on their hosts (as a lost host's runs are)."""
+
+    client: str
+    run_id: int
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Periodic; drives hang detection."""
 
@@ -128,7 +139,7 @@ class Batch:
     now: float
 
 
-Event = Submit | NodeStarted | NodeFinished | HostUp | HostLost | ClientGone | Tick | SetPolicy | Batch
+Event = Submit | NodeStarted | NodeFinished | HostUp | HostLost | ClientGone | CancelRun | Tick | SetPolicy | Batch
 
 
 # ------------------------------------------------------------------------------------------- actions

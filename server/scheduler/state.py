@@ -47,6 +47,7 @@ from server.scheduler.book import InvariantError, _describe, check_spec
 from server.scheduler.events import (
     Action,
     Batch,
+    CancelRun,
     ClientGone,
     Dispatch,
     Event,
@@ -117,6 +118,10 @@ class GangScheduler(Views):
                 self._on_host_lost(event)
             case ClientGone():
                 self._on_client_gone(event)
+            case CancelRun():
+                run = self._runs.get(event.run_id)
+                if run is not None and run.client == event.client:  # over already, or not its own: nothing
+                    self._fail(run, event.reason)
             case Tick():
                 self._on_tick(event)
             case SetPolicy():

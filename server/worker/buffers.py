@@ -12,9 +12,14 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
+# not kept as a new buffer nobody will release; the oldest are forgotten first
+MAX_FREED_UPLOADS = 16384
 
 PENDING = "pending"
 READY = "ready"
@@ -36,6 +41,7 @@ class _Entry:
     owner: str = ""
     nbytes: int = 0
     hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
+    uploaded: bool = False  # a client's upload supplied it
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -65,6 +71,7 @@ class BufferStore:
         self._entries: dict[int, _Entry] = {}
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
         self._waiters: dict[int, list[_Latch]] = {}
+        self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
 
     # ---- declaring ----
     # A task declares every output and input at once, under one lock round trip: a training step
@@ -102,15 +109,18 @@ class BufferStore:
     # ---- producing ----
     def put(
         self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False,
-        from_peer: bool = False, same_owner: bool = False,
+        from_peer: bool = False, same_owner: bool = False, again: bool = False,
     ) -> bool:
         """Supplies a buffer's value. Client uploads pass client_ref=True; a transfer from
         another worker (from_peer) may overtake the enqueue of its reader, so it is held.
         With same_owner (a client's upload) a buffer recorded under another owner is left as it
-        is and the answer is False."""
+        is and the answer is False. `again`: an upload sent again (worker.proto), dropped when
+        this buffer settled already or was an upload freed since."""
         gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             e = self._entries.get(buffer_id)
+            if again and (e.state != PENDING if e is not None else buffer_id in self._freed_uploads):
+                return True
             if e is None:
                 e = self._entries[buffer_id] = _Entry(owner=owner, hold=from_peer)
             elif same_owner and e.owner and e.owner != owner:
@@ -120,6 +130,7 @@ class BufferStore:
                 return True  # a second copy of the same future: keep the first
             if client_ref and not e.released:
                 e.client_ref = True
+            e.uploaded = same_owner
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
             callbacks, e.callbacks = e.callbacks, []
             self._wake(buffer_id)
@@ -373,6 +384,11 @@ class BufferStore:
             return  # tombstone: keep until the upload arrives, then drop it
         del self._entries[buffer_id]
         gone.append(e)
+        if e.uploaded:
+            freed = self._freed_uploads
+            freed[buffer_id] = None
+            if len(freed) > MAX_FREED_UPLOADS:
+                freed.popitem(last=False)
 
     # ---- stats ----
     def stats(self) -> tuple[int, int]:

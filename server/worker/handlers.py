@@ -85,11 +85,26 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             return await fn(checked(), context)
         return handler
 
+    def bidi_stream(method: str, fn: Any) -> Any:
+        async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+            async def checked() -> AsyncIterator[Any]:
+                async for r in requests:
+                    if isinstance(r, Malformed):
+                        await _refuse(context, method, r)
+                    yield r
+            async for item in fn(checked(), context):
+                yield item
+        return handler
+
     handlers = {
         "PutBuffers": grpc.stream_unary_rpc_method_handler(
             client_stream("PutBuffers", servicer.PutBuffers),
             request_deserializer=_put_request,
             response_serializer=wpb.PutBuffersResponse.SerializeToString),
+        "Uploads": grpc.stream_stream_rpc_method_handler(
+            bidi_stream("Uploads", servicer.Uploads),
+            request_deserializer=_put_request,
+            response_serializer=wpb.UploadAck.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             server_stream("Fetch", servicer.Fetch),
             request_deserializer=_tolerant(wpb.FetchRequest),

@@ -30,7 +30,7 @@ from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK, DATA_CHUNK
-from .uploads import Assembly, add_piece, check_spec
+from .uploads import Assembly, UploadStream, add_piece, decode_upload
 
 log = logging.getLogger(__name__)
 _refusals = WarningLimiter()  # a client sending refused uploads writes a bounded log
@@ -48,18 +48,6 @@ def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
     if len(parts) == 1:
         return from_bytes(first.dtype, list(first.shape), parts[0])
     return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
-
-
-def _decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
-    """A client's uploaded array; ValueError saying what is wrong with it."""
-    if array.shm_name:
-        # a name would make the worker open (and unlink) a segment it never handed out
-        raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
-    _, nbytes = check_spec(array.dtype, list(array.shape))
-    data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
-    if nbytes != len(data):
-        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, expected {nbytes}")
-    return from_bytes(array.dtype, list(array.shape), data)
 
 
 def _bounded(timeout_s: float) -> float:
@@ -126,9 +114,36 @@ class WorkerServicer(wgrpc.WorkerServicer):
         stream at once and fails its buffer for whatever already waits on it; a cut-off staged
         upload nobody waits for leaves nothing (the proxy drops an unused one that way)."""
         caller = await self.auth.session(context, "upload")
-        count = 0
-        refused: tuple[grpc.StatusCode, str] | None = None
-        pieces: Assembly | None = None  # an array over one message, in pieces (uploads.py)
+        up = UploadStream()
+        async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=False):
+            pass
+        if up.pieces is not None:
+            pieces = up.pieces
+            missing = "" if pieces.dtype is not None else ", without its dtype and shape"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
+                                f"after {pieces.filled} of its {len(pieces.out)} bytes{missing}")
+        if up.refused is not None:
+            await context.abort(*up.refused)
+        return wpb.PutBuffersResponse(count=up.count)
+
+    async def Uploads(  # type: ignore[override]  # requests parsed by wire.put_buffer
+        self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
+    ) -> AsyncIterator[wpb.UploadAck]:
+        """`PutBuffers` with an acknowledgement of the messages handled so far (worker.proto), for
+        a client that sends again what a broken stream may have lost (pwctl/worker_client.py).
+        An upload refused whole fails its buffer and is acknowledged (the stream goes on and ends
+        well); one refused in pieces, or under another's id, ends the stream with its status, as
+        in `PutBuffers`. An upload cut off mid-array is dropped without failing its buffer: the
+        client sends it again whole on its next stream, and the readers get it then."""
+        caller = await self.auth.session(context, "upload")
+        up = UploadStream()
+        async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=True):
+            yield wpb.UploadAck(handled=up.handled)
+
+    async def _uploads(self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext,
+                       caller: Caller, up: UploadStream, *, resent_if_cut: bool) -> AsyncIterator[None]:
+        """Handles an upload stream's messages (`up` keeps its counts), yielding after each.
+        `resent_if_cut`: an array cut off mid-way is dropped, not failed (`Uploads`)."""
         try:
             async for req in request_iterator:
                 self.upload_messages += 1
@@ -136,33 +151,31 @@ class WorkerServicer(wgrpc.WorkerServicer):
                     log.warning("upload of buffer %#x by %s refused: not its id", req.buffer_id, caller.owner)
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                         f"buffer id {req.buffer_id:#x} is not one of this session's ids")
-                if req.total_bytes or pieces is not None:
-                    arr = await self._piece(req, pieces, caller, context)
+                up.handled += 1
+                if req.total_bytes or up.pieces is not None:
+                    arr = await self._piece(req, up.pieces, caller, context)
                     if not isinstance(arr, np.ndarray):
-                        pieces = arr
+                        up.pieces = arr
+                        yield
                         continue
-                    pieces = None
+                    up.pieces = None
                 else:
                     try:
-                        arr = _decode_upload(req.array)
+                        arr = decode_upload(req.array)
                     except (ValueError, MemoryError) as e:
-                        refused = refused or self._refuse(req, caller, e, held=True)
+                        up.refused = up.refused or self._refuse(req, caller, e, held=True)
+                        yield
                         continue
                 if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
-                                      same_owner=True):
+                                      same_owner=True, again=req.again):
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
-                count += 1
+                up.count += 1
+                yield
         finally:
-            if pieces is not None:  # cut off (the stream ended, failed or was cancelled) mid-array
+            pieces = up.pieces
+            if pieces is not None and not resent_if_cut:  # cut off (ended, failed or cancelled) mid-array
                 self.store.refuse(pieces.buffer_id, caller.owner, f"the upload of buffer {pieces.buffer_id:#x} "
                                   f"ended after {pieces.filled} of its {len(pieces.out)} bytes", held=False)
-        if pieces is not None:
-            missing = "" if pieces.dtype is not None else ", without its dtype and shape"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buffer {pieces.buffer_id:#x}: the upload ended "
-                                f"after {pieces.filled} of its {len(pieces.out)} bytes{missing}")
-        if refused is not None:
-            await context.abort(*refused)
-        return wpb.PutBuffersResponse(count=count)
 
     async def _piece(self, req: wire.PutBuffer, pieces: Assembly | None, caller: Caller,
                      context: aio.ServicerContext) -> Assembly | np.ndarray:

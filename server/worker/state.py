@@ -29,8 +29,11 @@ flight; on CPU two collective computations in flight at once deadlock):
 - A dropped run's tasks, and tasks that need a lost peer (its inputs come from it, or it joins
   their collective), fail at once with an error naming the run's reason or the peer; a held
   collective behind them is released, so nothing waits forever and later tasks are not stuck.
-  (`Task.peers` is not on the wire yet: islands are one host each today; the executor's
-  `peer_lost` is the entry point for islands spanning hosts.)
+  (`Task.peers` and `PeerLost` are not fed from the wire, by choice: a broken transfer link is
+  not a lost peer, since its sender sends the array again on the gRPC stream, and a peer that
+  dies is the controller's to declare: its stream to the controller closes, and the controller
+  drops every run that needs it on the other workers, one error for all, tests/test_peer_loss.py.
+  The executor's `peer_lost` is the entry point should a worker ever learn of a loss first.)
 
 Ownership of derived facts: whether a segment communicates is owned by the worker, read off its
 compiled executables (server/worker/executable.py) and handed in on `Task.communicates`; the cut

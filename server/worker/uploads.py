@@ -8,15 +8,20 @@ order, back to back, in one `PutBuffers` stream; anything else is refused (Value
 A staged upload (the IFRT proxy streams a host buffer on before it knows the array's type) sends
 its first piece without a dtype: the bytes are collected as they come, and the spec arrives on a
 later piece (an empty one after the last bytes is fine); the array is stored only once both the
-bytes and the spec are in, and only if the spec's size is the bytes announced."""
+bytes and the spec are in, and only if the spec's size is the bytes announced.
+
+Also here: decoding an upload of one message (`decode_upload`) and what one upload stream did
+so far (`UploadStream`), for the worker's `PutBuffers` and `Uploads` handlers (servicer.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
-from schemas.arrays import aligned_empty, resolve_dtype
+from schemas.arrays import aligned_empty, from_bytes, resolve_dtype
+from schemas.pathways.v1 import common_pb2 as pb
 
 from .. import wire
 
@@ -93,3 +98,25 @@ def add_piece(current: Assembly | None, req: wire.PutBuffer) -> Assembly:
     current.out[current.filled : end] = np.frombuffer(data, np.uint8)
     current.filled = end
     return current
+
+
+def decode_upload(array: pb.ArrayProto | wire.Array) -> np.ndarray:
+    """A client's uploaded array; ValueError saying what is wrong with it."""
+    if array.shm_name:
+        # a name would make the worker open (and unlink) a segment it never handed out
+        raise ValueError("uploads carry their bytes inline; a shared-memory name is not accepted")
+    _, nbytes = check_spec(array.dtype, list(array.shape))
+    data = array.data  # a view of the received bytes (wire.put_buffer); a message's field: a copy
+    if nbytes != len(data):
+        raise ValueError(f"{len(data)} bytes for {array.dtype}{list(array.shape)}, expected {nbytes}")
+    return from_bytes(array.dtype, list(array.shape), data)
+
+
+@dataclass
+class UploadStream:
+    """What one upload stream did so far."""
+
+    handled: int = 0  # messages handled (stored, refused, or a piece copied in)
+    count: int = 0  # arrays stored
+    refused: tuple[grpc.StatusCode, str] | None = None  # the first refusal's status
+    pieces: Assembly | None = None  # an array over one message, in pieces, under way

@@ -1542,6 +1542,7 @@ class ClientMessage(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    CANCEL_RUN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -1552,6 +1553,8 @@ class ClientMessage(_message.Message):
     def release(self) -> _worker_pb2.ReleaseBuffers: ...
     @_builtins.property
     def batch(self) -> Global___ClientBatch: ...
+    @_builtins.property
+    def cancel_run(self) -> Global___CancelRun: ...
     def __init__(
         self,
         *,
@@ -1560,16 +1563,44 @@ class ClientMessage(_message.Message):
         run: Global___RunProgram | None = ...,
         release: _worker_pb2.ReleaseBuffers | None = ...,
         batch: Global___ClientBatch | None = ...,
+        cancel_run: Global___CancelRun | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "hello", b"hello", "msg", b"msg", "register", b"register", "release", b"release", "run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "cancel_run", b"cancel_run", "hello", b"hello", "msg", b"msg", "register", b"register", "release", b"release", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "hello", b"hello", "msg", b"msg", "register", b"register", "release", b"release", "run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "cancel_run", b"cancel_run", "hello", b"hello", "msg", b"msg", "register", b"register", "release", b"release", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["hello", "register", "run", "release", "batch"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["hello", "register", "run", "release", "batch", "cancel_run"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___ClientMessage: _TypeAlias = ClientMessage  # noqa: Y015
+
+@_typing.final
+class CancelRun(_message.Message):
+    """The client gives up a run of its own: an input it could not upload (pwctl/worker_client.py).
+    The run fails with `reason` (its RunFinished says so) and its tasks on the workers fail at once
+    (Drop), instead of waiting for the input until the hang timeout. A run over already is left.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelRun: _TypeAlias = CancelRun  # noqa: Y015
 
 @_typing.final
 class ClientBatch(_message.Message):

@@ -89,6 +89,7 @@ class PutBufferRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    AGAIN_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     owner: _builtins.str
     """ignored: a worker records the caller's authenticated owner (server/credentials.py)"""
@@ -102,6 +103,10 @@ class PutBufferRequest(_message.Message):
     must be total_bytes in size, and the array is stored once both bytes and spec are in.
     """
     total_bytes: _builtins.int
+    again: _builtins.bool
+    """Sent again on `Uploads` after a stream that ended before acknowledging it: the worker may
+    have it already, or have freed it since (read and released), and then keeps neither copy.
+    """
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto: ...
     def __init__(
@@ -112,10 +117,11 @@ class PutBufferRequest(_message.Message):
         owner: _builtins.str = ...,
         offset: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
+        again: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "buffer_id", b"buffer_id", "offset", b"offset", "owner", b"owner", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "array", b"array", "buffer_id", b"buffer_id", "offset", b"offset", "owner", b"owner", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -139,6 +145,29 @@ class PutBuffersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PutBuffersResponse: _TypeAlias = PutBuffersResponse  # noqa: Y015
+
+@_typing.final
+class UploadAck(_message.Message):
+    """The messages of this `Uploads` stream the worker has handled so far, in order (a running count:
+    an ack that is lost with a broken stream is covered by the next).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLED_FIELD_NUMBER: _builtins.int
+    handled: _builtins.int
+    def __init__(
+        self,
+        *,
+        handled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handled", b"handled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadAck: _TypeAlias = UploadAck  # noqa: Y015
 
 @_typing.final
 class FetchRequest(_message.Message):

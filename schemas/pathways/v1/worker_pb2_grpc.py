@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBuffersResponse.FromString,
                 _registered_method=True)
+        self.Uploads = channel.stream_stream(
+                '/pathways.v1.Worker/Uploads',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.UploadAck.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/pathways.v1.Worker/Fetch',
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchRequest.SerializeToString,
@@ -76,6 +81,17 @@ class WorkerServicer:
 
     def PutBuffers(self, request_iterator, context):
         """Client -> worker: upload input arrays under client-chosen buffer ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Uploads(self, request_iterator, context):
+        """Client -> worker: the same uploads, each message acknowledged once handled (stored, refused
+        and failed for its readers, or, for a piece, copied in): a client whose stream ends knows
+        which uploads the worker may not have, and sends them again on a new stream (pwctl's
+        worker_client.py). An upload cut off mid-array on this stream is dropped, not failed: the
+        client sends it again whole.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +151,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBuffersResponse.SerializeToString,
             ),
+            'Uploads': grpc.stream_stream_rpc_method_handler(
+                    servicer.Uploads,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.UploadAck.SerializeToString,
+            ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.FetchRequest.FromString,
@@ -193,6 +214,33 @@ class Worker:
             '/pathways.v1.Worker/PutBuffers',
             schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBuffersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Uploads(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pathways.v1.Worker/Uploads',
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.PutBufferRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.UploadAck.FromString,
             options,
             channel_credentials,
             insecure,

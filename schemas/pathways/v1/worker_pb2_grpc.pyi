@@ -36,6 +36,13 @@ class WorkerStub:
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     PutBuffers: _grpc.StreamUnaryMultiCallable[_worker_pb2.PutBufferRequest, _worker_pb2.PutBuffersResponse]
     """Client -> worker: upload input arrays under client-chosen buffer ids."""
+    Uploads: _grpc.StreamStreamMultiCallable[_worker_pb2.PutBufferRequest, _worker_pb2.UploadAck]
+    """Client -> worker: the same uploads, each message acknowledged once handled (stored, refused
+    and failed for its readers, or, for a piece, copied in): a client whose stream ends knows
+    which uploads the worker may not have, and sends them again on a new stream (pwctl's
+    worker_client.py). An upload cut off mid-array on this stream is dropped, not failed: the
+    client sends it again whole.
+    """
     Fetch: _grpc.UnaryStreamMultiCallable[_worker_pb2.FetchRequest, _worker_pb2.FetchChunk]
     """Client -> worker: read a buffer; waits until it is ready or failed."""
     Wait: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]
@@ -61,6 +68,13 @@ class WorkerAsyncStub(WorkerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PutBuffers: _aio.StreamUnaryMultiCallable[_worker_pb2.PutBufferRequest, _worker_pb2.PutBuffersResponse]  # type: ignore[assignment]
     """Client -> worker: upload input arrays under client-chosen buffer ids."""
+    Uploads: _aio.StreamStreamMultiCallable[_worker_pb2.PutBufferRequest, _worker_pb2.UploadAck]  # type: ignore[assignment]
+    """Client -> worker: the same uploads, each message acknowledged once handled (stored, refused
+    and failed for its readers, or, for a piece, copied in): a client whose stream ends knows
+    which uploads the worker may not have, and sends them again on a new stream (pwctl's
+    worker_client.py). An upload cut off mid-array on this stream is dropped, not failed: the
+    client sends it again whole.
+    """
     Fetch: _aio.UnaryStreamMultiCallable[_worker_pb2.FetchRequest, _worker_pb2.FetchChunk]  # type: ignore[assignment]
     """Client -> worker: read a buffer; waits until it is ready or failed."""
     Wait: _aio.UnaryUnaryMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]  # type: ignore[assignment]
@@ -89,6 +103,19 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.PutBuffersResponse, _abc.Awaitable[_worker_pb2.PutBuffersResponse]]:
         """Client -> worker: upload input arrays under client-chosen buffer ids."""
+
+    @_abc_1.abstractmethod
+    def Uploads(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.PutBufferRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.UploadAck], _abc.AsyncIterator[_worker_pb2.UploadAck]]:
+        """Client -> worker: the same uploads, each message acknowledged once handled (stored, refused
+        and failed for its readers, or, for a piece, copied in): a client whose stream ends knows
+        which uploads the worker may not have, and sends them again on a new stream (pwctl's
+        worker_client.py). An upload cut off mid-array on this stream is dropped, not failed: the
+        client sends it again whole.
+        """
 
     @_abc_1.abstractmethod
     def Fetch(

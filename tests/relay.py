@@ -1,0 +1,104 @@
+"""A TCP relay on loopback for tests that need a connection to break while both ends live: a
+network drop between a client and a worker, which killing either process cannot stage.
+
+`Relay(target)` listens on 127.0.0.1 and copies bytes both ways between each accepted connection
+and `target`. `hold()` stops copying (bytes wait in the sockets' buffers, as on a stalled link),
+`cut()` resets every connection open now (both ends see the connection break), `refuse()` also
+stops accepting new ones, `release()` goes back to copying."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+
+
+class Relay:
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listen.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._running = threading.Event()
+        self._running.set()
+        self._refusing = False
+        self._closed = False
+        self.accepted = 0
+        threading.Thread(target=self._accept, name="test-relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listen.accept()
+            except OSError:
+                return
+            if self._refusing:
+                _reset(conn)
+                continue
+            try:
+                up = socket.create_connection(self._target, timeout=5)
+            except OSError:
+                _reset(conn)
+                continue
+            with self._lock:
+                self._pairs.append((conn, up))
+                self.accepted += 1
+            threading.Thread(target=self._copy, args=(conn, up), daemon=True).start()
+
+    def _copy(self, a: socket.socket, b: socket.socket) -> None:
+        peers = {a: b, b: a}
+        try:
+            while not self._closed:
+                self._running.wait()
+                ready, _, _ = select.select([a, b], [], [], 0.05)
+                if not self._running.is_set():
+                    continue  # held: what came stays unread
+                for s in ready:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    peers[s].sendall(data)
+        except (OSError, ValueError):  # cut meanwhile
+            return
+        finally:
+            _reset(a)
+            _reset(b)
+
+    def hold(self) -> None:
+        self._running.clear()
+
+    def release(self) -> None:
+        self._refusing = False
+        self._running.set()
+
+    def cut(self) -> None:
+        """Breaks every connection open now (an RST to both ends)."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for a, b in pairs:
+            _reset(a)
+            _reset(b)
+
+    def refuse(self) -> None:
+        """From now on connections are broken as soon as they are made (until `release`)."""
+        self._refusing = True
+        self.cut()
+
+    def close(self) -> None:
+        self._closed = True
+        self._running.set()
+        with contextlib.suppress(OSError):
+            self._listen.close()
+        self.cut()
+
+
+def _reset(s: socket.socket) -> None:
+    """Closes with an RST (SO_LINGER 0), as a dropped link looks to the peer."""
+    with contextlib.suppress(OSError):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        s.close()

@@ -1,0 +1,107 @@
+"""A peer killed in the middle of a transfer: the task waiting for the array fails within seconds,
+naming the lost host, the receiving worker stays up, and later runs work; whether the array is an
+edge inside one run or a future of an earlier run read by a run on the receiver alone.
+
+Who fails it is the controller: the killed worker's stream to it closes, the controller marks the
+host lost and drops its runs on the other workers (`DropRun`), one error for every worker of the
+run. The receiver does not turn its broken transfer link into `PeerLost` (server/worker/state.py):
+a broken link is not a lost peer (a sender whose TCP link breaks sends the array again on the gRPC
+stream, server/worker/transfer.py), and the peer's death is the controller's to declare.
+
+Real processes: a controller and two workers whose transfers use the TCP link
+(PATHWAYS_TRANSFER=tcp, as between hosts); a `pw` program in its own process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import LocalCluster, wait_for
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.cluster(islands=2, devices=1, worker_env={"PATHWAYS_TRANSFER": "tcp"})]
+
+PROGRAM = """\
+import json, sys, time
+import jax.numpy as jnp
+import numpy as np
+import pwctl as pw
+
+vds = pw.make_virtual_device_set()
+a, b = vds.add_slice(devices=1, island="a"), vds.add_slice(devices=1, island="b")
+make = pw.pmap(lambda v: jnp.tile(v, 1 << 22), devices=a.devices)  # (1, 4) -> 64 MiB on a
+use = pw.pmap(lambda v: v.sum(axis=-1, keepdims=True), devices=b.devices)  # read on b
+dec = pw.pmap(lambda v: v - 1.0, devices=b.devices)
+
+
+@pw.program
+def pipe(x):
+    return use(make(x))
+
+
+x = np.ones((1, 4), np.float32)
+print(json.dumps({"warm": np.asarray(pipe(x)).tolist()}), flush=True)
+sys.stdin.readline()  # the receiver is stopped now
+f = use(make(x)) if len(sys.argv) > 1 else pipe(x)  # two runs: a future of a's read by a run on b alone
+print(json.dumps({"sent": True}), flush=True)
+sys.stdin.readline()  # the sender is killed mid-transfer, the receiver continued
+start = time.monotonic()
+try:
+    f.result(timeout=60)
+    out = {"error": "", "s": time.monotonic() - start}
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {e}", "s": time.monotonic() - start}
+out["later_b"] = np.asarray(dec(np.full((1, 2), 5.0, np.float32))).tolist()
+print(json.dumps(out), flush=True)
+sys.stdin.readline()  # the sender's host is back
+print(json.dumps({"again": np.asarray(pipe(x)).tolist()}), flush=True)
+"""
+
+
+def _line(proc: subprocess.Popen[str]) -> dict:
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("runs", ["one run", "two runs"])
+def test_a_peer_killed_mid_transfer_fails_the_waiting_task_within_seconds(cluster: LocalCluster, runs: str) -> None:
+    args = ["two"] if runs == "two runs" else []
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, *args], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    receiver = cluster.workers["w-b"]
+    try:
+        assert _line(proc) == {"warm": [[float(4 << 22)]]}
+        cluster.stop_worker("w-b")  # the receiver stops reading: the sender blocks mid-array
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert _line(proc) == {"sent": True}
+            time.sleep(3.0)  # w-a computed the array and is sending it (64 MiB: far over the socket buffers)
+            cluster.kill_worker("w-a")
+        finally:
+            cluster.cont_worker("w-b")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        out = _line(proc)
+        assert "w-a" in out["error"] and "lost" in out["error"], out
+        assert out["s"] < 10, out
+        assert out["later_b"] == [[4.0, 4.0]], out
+        log = receiver.log.read_text(errors="replace")
+        assert "closed in the middle of buffer" in log, log[-3000:]  # it was mid-transfer
+        assert receiver.proc.poll() is None and "Traceback" not in log
+        # the sender's host comes back: the program runs across both again
+        cluster.add_worker("a", 1, name="w-a", env={"PATHWAYS_TRANSFER": "tcp"})
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert _line(proc) == {"again": [[float(4 << 22)]]}
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        wait_for(lambda: proc.poll() is not None, 10, "the program to end")

@@ -1,0 +1,261 @@
+"""Uploads a stream lost: the client knows which the worker did not acknowledge and sends them
+again, or gives them up at once (pwctl/worker_client.py); the worker drops an array cut off
+mid-way on such a stream instead of failing it, since it comes again (servicer.py `Uploads`).
+
+Before, a `pw` upload over one message (64 MiB) ended the client's upload stream, and that upload
+and every one queued behind it were lost: the runs reading them waited for the controller's hang
+timeout (60 s). A stream that broke lost what it had not delivered the same way.
+
+Real processes: a controller and a worker (`cluster`), a `pw` program in its own process, the
+client library's `WorkerClient` against the worker, and a TCP relay (tests/relay.py) between
+them where a connection must break while both ends live."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from pwctl.worker_client import PIECE_BYTES, WorkerClient, upload_messages
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from tests.conftest import LocalCluster, wait_for
+from tests.relay import Relay
+from tests.test_trust_worker import Session, fetch, meta, open_session, worker_log
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=1, devices=1)]
+
+LARGE = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 4), np.float32))).tolist() == [[1.0] * 4]
+big = np.arange((80 << 20) // 4, dtype=np.float32).reshape(1, -1)  # 80 MiB: over one message
+a = inc(big)
+b = inc(np.full((1, 4), 2.0, np.float32))  # uploaded right behind it, on the same stream
+out = {}
+for key, fut in (("big", a), ("behind", b)):
+    start = time.monotonic()
+    try:
+        v = fut.result(timeout=30)
+        out[key] = {"ok": True, "head": v[0, :3].tolist(), "last": float(v[0, -1]), "s": time.monotonic() - start}
+    except Exception as e:
+        out[key] = {"ok": False, "error": f"{type(e).__name__}: {e}", "s": time.monotonic() - start}
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_pw_upload_over_one_message_and_the_uploads_behind_it_reach_the_worker(cluster: LocalCluster) -> None:
+    r = subprocess.run([sys.executable, "-c", LARGE], env=cluster.env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    last = float((80 << 20) // 4 - 1) + 1.0
+    assert out["big"]["ok"] and out["big"]["head"] == [1.0, 2.0, 3.0] and out["big"]["last"] == last, out
+    assert out["behind"]["ok"] and out["behind"]["head"] == [3.0, 3.0, 3.0], out
+    assert out["big"]["s"] < 25 and out["behind"]["s"] < 10, out  # the old code: the 30 s timeout, then the hang
+    assert "Traceback" not in worker_log(cluster)
+
+
+def fetch_whole(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, timeout_s: float = 10.0) -> np.ndarray:
+    """A buffer's value, from as many chunks as it comes in."""
+    chunks = list(stub.Fetch(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s), metadata=md,
+                             timeout=timeout_s + 10))
+    assert chunks and not chunks[0].error, chunks[0].error if chunks else "no reply"
+    head = chunks[0].array
+    data = b"".join(c.array.data for c in chunks)
+    return np.frombuffer(data, dtype=head.dtype).reshape(list(head.shape))
+
+
+@pytest.fixture
+def session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
+    address = cluster.hosts()["w-a"].address
+    big = [("grpc.max_receive_message_length", 256 << 20)]  # fetches of arrays over 4 MiB come whole
+    with grpc.insecure_channel(address, options=big) as wch, grpc.insecure_channel(cluster.address) as cch:
+        s = open_session(cluster, cch)
+        yield s, wgrpc.WorkerStub(wch), meta(cluster, s), address
+        s.close()
+
+
+def test_uploads_a_broken_connection_did_not_deliver_are_sent_again(cluster: LocalCluster, session: Any) -> None:
+    s, stub, md, address = session
+    relay = Relay(address)
+    lost: list[Any] = []
+    wc = WorkerClient(relay.address, cluster.token, s.credential, on_lost=lambda ups, e: lost.append((ups, e)))
+    try:
+        wc.put(s.id(1), np.arange(3.0))
+        wait_for(lambda: wc.unacknowledged() == 0, 20, "the first upload to be acknowledged")
+        # readers of the next two wait on the worker (as a run's task would)
+        waiting = stub.Wait.future(wpb.WaitRequest(buffer_ids=[s.id(2), s.id(3)], timeout_s=40), metadata=md,
+                                   timeout=50)
+        relay.hold()  # the link stalls: what is sent now stays in the relay's buffers
+        big = np.arange(PIECE_BYTES // 8 * 2 + 5, dtype=np.float64)  # in three pieces
+        wc.put(s.id(2), big)
+        wc.put(s.id(3), np.ones(4))
+        time.sleep(0.5)
+        assert wc.unacknowledged() == 2
+        start = time.monotonic()
+        relay.cut()  # the connection breaks (an RST both ways); the link works again after
+        relay.release()
+        reply = waiting.result(timeout=30)
+        took = time.monotonic() - start
+        assert reply.ready and not reply.error, reply
+        assert took < 10, took
+        np.testing.assert_array_equal(fetch_whole(stub, md, s.id(2)), big)
+        np.testing.assert_array_equal(fetch(stub, md, s.id(3)), np.ones(4))
+        assert wc.unacknowledged() == 0 and not lost and relay.accepted >= 2
+    finally:
+        wc.close()
+        relay.close()
+    assert "Traceback" not in worker_log(cluster)
+
+
+def test_uploads_that_cannot_get_through_are_given_up_within_seconds(cluster: LocalCluster, session: Any) -> None:
+    s, stub, md, address = session
+    relay = Relay(address)
+    lost: list[tuple[list[int], str, float]] = []
+    wc = WorkerClient(relay.address, cluster.token, s.credential,
+                      on_lost=lambda ups, e: lost.append(([u.buffer_id for u in ups], e, time.monotonic())))
+    try:
+        wc.put(s.id(1), np.arange(3.0))
+        wait_for(lambda: wc.unacknowledged() == 0, 20, "the first upload to be acknowledged")
+        relay.hold()
+        wc.put(s.id(2), np.ones(4), run_id=s.id(100))
+        wc.put(s.id(3), np.ones(5), run_id=s.id(101))
+        time.sleep(0.3)
+        start = time.monotonic()
+        relay.refuse()  # the worker cannot be reached any more from here
+        wait_for(lambda: lost, 20, "the uploads to be given up")
+        (ids, error, when), = lost
+        assert ids == [s.id(2), s.id(3)] and f"uploads to the worker at {relay.address} failed" in error, lost
+        assert when - start < 10, when - start
+        assert wc.unacknowledged() == 0
+        # the link is back: the next upload opens a stream again and gets through
+        relay.release()
+        wc.put(s.id(4), np.arange(2.0))
+        np.testing.assert_array_equal(fetch(stub, md, s.id(4), timeout_s=10), np.arange(2.0))
+    finally:
+        wc.close()
+        relay.close()
+
+
+def test_an_array_cut_off_on_an_acknowledged_stream_is_kept_for_its_second_sending(
+        cluster: LocalCluster, session: Any) -> None:
+    """On `Uploads` a cut-off array is dropped without failing what waits for it (the client sends
+    it again); on `PutBuffers`, whose callers do not, the waiter gets the reason at once
+    (tests/test_worker_refused_uploads.py)."""
+    s, stub, md, _ = session
+    arr = np.arange(PIECE_BYTES // 4 + 3, dtype=np.float32)
+    first, *rest = upload_messages(s.id(5), arr)
+    assert rest, "the array goes in pieces"
+    waiting = stub.Wait.future(wpb.WaitRequest(buffer_ids=[s.id(5)], timeout_s=40), metadata=md, timeout=50)
+    reqs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def requests() -> Iterator[wpb.PutBufferRequest]:
+        while (r := reqs.get()) is not None:
+            yield r
+
+    call = stub.Uploads(requests(), metadata=md, timeout=60)
+    reqs.put(first)
+    assert next(call).handled == 1  # the first piece is in
+    call.cancel()
+    reqs.put(None)
+    time.sleep(1.0)
+    assert not waiting.done(), "the waiter is not failed: the array comes again"
+    acks = list(stub.Uploads(iter([first, *rest]), metadata=md, timeout=30))
+    assert [a.handled for a in acks] == list(range(1, len(rest) + 2))
+    reply = waiting.result(timeout=20)
+    assert reply.ready and not reply.error, reply
+    np.testing.assert_array_equal(fetch_whole(stub, md, s.id(5)), arr)
+    assert "Traceback" not in worker_log(cluster)
+
+
+def test_an_upload_sent_again_after_the_worker_freed_it_is_not_kept(cluster: LocalCluster, session: Any) -> None:
+    """The copy a client sends again (its acknowledgement was lost with the stream) of an upload
+    the worker stored, served and freed since is dropped: kept, nobody would ever release it."""
+    s, stub, md, address = session
+
+    def buffers() -> int:
+        return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
+
+    before = buffers()
+    (msg,) = upload_messages(s.id(6), np.arange(4.0))
+    assert [a.handled for a in stub.Uploads(iter([msg]), metadata=md, timeout=30)] == [1]
+    np.testing.assert_array_equal(fetch(stub, md, s.id(6)), np.arange(4.0))
+    s.release(address, s.id(6))
+    wait_for(lambda: buffers() == before, 30, "the released upload to be freed")
+    msg.again = True
+    assert [a.handled for a in stub.Uploads(iter([msg]), metadata=md, timeout=30)] == [1]
+    time.sleep(0.5)
+    assert buffers() == before
+    # an upload sent again that the worker never got is stored as any other
+    (other,) = upload_messages(s.id(7), np.ones(2))
+    other.again = True
+    assert [a.handled for a in stub.Uploads(iter([other]), metadata=md, timeout=30)] == [1]
+    np.testing.assert_array_equal(fetch(stub, md, s.id(7)), np.ones(2))
+
+
+GIVEN_UP = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import WorkerClient
+
+vds = pw.make_virtual_device_set()
+s = vds.add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
+rt = Runtime.get()
+# from here this client's uploads to the worker go through the relay (sys.argv[1]); the
+# controller still reaches the worker directly
+rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost)
+print("ready", flush=True)
+sys.stdin.readline()  # the relay refuses connections now
+start = time.monotonic()
+f = inc(np.ones((1, 2)))
+while not rt.run_failed(f.run_id) and time.monotonic() - start < 30:
+    time.sleep(0.05)
+failed = time.monotonic() - start
+while rt.in_flight() and time.monotonic() - start < 30:  # until the controller says the run is over
+    time.sleep(0.05)
+print(json.dumps({"error": rt.run_failed(f.run_id), "failed_s": failed, "over_s": time.monotonic() - start,
+                  "in_flight": rt.in_flight()}), flush=True)
+"""
+
+
+def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_worker(cluster: LocalCluster) -> None:
+    """The client cannot reach the worker (the controller still can): the upload is given up
+    within seconds, the run fails in the client naming the input, and the client cancels it on
+    the controller, which drops it on the worker: the run is over at once, not at the hang timeout."""
+    relay = Relay(cluster.hosts()["w-a"].address)
+    proc = subprocess.Popen([sys.executable, "-c", GIVEN_UP, relay.address], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        relay.refuse()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        out = json.loads(proc.stdout.readline())
+        assert "input buffer" in out["error"] and "of this run was lost" in out["error"], out
+        assert f"uploads to the worker at {relay.address} failed" in out["error"], out
+        assert out["failed_s"] < 10 and out["over_s"] < 15 and out["in_flight"] == 0, out
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.close()
+    assert "hang detected" not in cluster.controller_logs()
+    assert "Traceback" not in worker_log(cluster)

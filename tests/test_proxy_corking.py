@@ -134,6 +134,9 @@ class Slices:
     def placement(self, name: str) -> Placement:
         return Placement(name, self.host, [0], 0, self.host.island)
 
+    def address(self, name: str) -> str:
+        return self.placement(name).host.address
+
     def release_owner(self, owner: str) -> None:
         pass
 

@@ -106,6 +106,8 @@ class SliceService:
         self.epoch = 0  # bumps on every change of any slice
         self.groups: IslandGroups | None = None  # set by the composition root (core.py)
         self._meta: dict[str, _Meta] = {}
+        # slice name -> (epoch, host record, its address) of its last placement (`address`)
+        self._addresses: dict[str, tuple[int, HostInfo, str]] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
 
@@ -260,6 +262,24 @@ class SliceService:
             generation=s.generation,
             island=devices[0].island,
         )
+
+    def address(self, name: str) -> str:
+        """The address of the worker slice `name` runs on now (a slice spanning hosts: its first
+        member's), as `placement(name).host.address`, without building a placement while nothing
+        changed: a placement depends on the slices (`epoch` bumps on every change of one, and on
+        an island group's) and on the registered host records (a host registering again is a new
+        record in the cluster's hosts, its address never changes in place), so the last answer
+        stands while the epoch is the same and its host is still the registered record."""
+        known = self._addresses.get(name)
+        if known is not None:
+            epoch, host, address = known
+            if epoch == self.epoch and self._hosts.get(host.name) is host:
+                return address
+        host = self.placement(name).host  # NotFound, Rejected: nothing kept
+        self._addresses[name] = (self.epoch, host, host.address)
+        if len(self._addresses) > 2 * len(self.rm.slices) + 64:  # deleted slices' entries
+            self._addresses = {n: v for n, v in self._addresses.items() if n in self.rm.slices}
+        return host.address
 
     def _gang_placement(self, name: str, s: rm.Slice, island: str, hosts: builtins.list[str]) -> Placement:
         """A slice over several hosts: one SPMD computation over the island's group (groups.py)."""

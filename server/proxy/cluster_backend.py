@@ -15,7 +15,8 @@ controller's session manager; a compiled module is a function in a one-node prog
 through the manager (modules.py), and each execute is a run of it through the dispatcher and the
 island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
 The dispatcher's flush of a session's runs and releases is held while its requests keep coming
-(corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`.
+(corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`, and
+the runs it held reach the scheduler together, in one pass.
 Runs the controller refuses fail their outputs here (the workers never hear of them: failures.py).
 
 A program over part of the slice's devices, or over them in another order, runs on those
@@ -152,10 +153,16 @@ class SliceSession:
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
         self._metadata = tuple(metadata)
         self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
+        self._submits: list[Any] = []  # the runs held by the cork, for one scheduler pass (`_flush`)
 
     def _flush(self) -> None:
-        if self._controls.sessions is not None:
-            self._controls.sessions.dispatcher.flush()
+        """The cork's flush: the runs it held go to the scheduler in one pass, in the order they
+        came (as a `pw` client's batch does), then the dispatcher sends what was decided."""
+        manager = self._controls.sessions
+        if manager is not None:
+            submits, self._submits = self._submits, []
+            manager.submit_batch(submits)
+            manager.dispatcher.flush()
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:
@@ -290,8 +297,10 @@ class SliceSession:
         self._failures.ran(run_id, outputs)
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
-        manager.handle(self._client, cpb.ClientMessage(run=run))
-        self._cork.decided()  # flushed once the session's requests pause (corking.py)
+        # its Submit waits with the cork, which hands it to the scheduler with the others it
+        # held (`_flush`), once the session's requests pause (corking.py)
+        manager.run(self._client, run, self._submits)
+        self._cork.decided()
         for b in outputs:
             self._home[b] = address
         if others:  # its parts there go when it does (`free`)
@@ -479,8 +488,7 @@ class SliceSession:
             if manager is None:
                 self._controls.release_buffers(address, ids)
             else:  # behind the session's earlier runs, which may read them (client_session.py)
-                release = wpb.ReleaseBuffers(address=address, buffer_ids=ids)
-                manager.handle(self._client, cpb.ClientMessage(release=release))
+                manager.release(self._client, address, ids)
         if by_worker and manager is not None:
             self._cork.decided()
 

@@ -215,3 +215,32 @@ def test_an_idle_session_sends_its_call_within_a_few_passes() -> None:
         await session.close()
 
     asyncio.run(main())
+
+
+def test_held_runs_reach_the_scheduler_in_one_pass_and_a_release_waits_behind_them() -> None:
+    """The runs the cork holds are handed to the scheduler at its flush, together and in call
+    order; the release of an input they read, made meanwhile, is held behind them (it leaves only
+    once they are over), not sent ahead of their tasks."""
+    async def main() -> None:
+        session, outbox, a = parts()
+        dispatcher = session._controls.sessions.dispatcher
+        passes_seen: list[int] = []
+        handle = dispatcher.handle
+        dispatcher.handle = lambda event: passes_seen.append(len(getattr(event, "events", (event,)))) or handle(event)
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x0 = x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        for _ in range(5):
+            (x,) = session.execute(program, [x])
+        session.free([x0])  # the client drops the first input at once
+        assert passes_seen == [] and enqueues(outbox) == []  # nothing decided while held
+        await passes(8)
+        assert passes_seen == [5]  # one scheduler pass for the five runs
+        sent = list(outbox.sent)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 5 and enq.tasks[0].input_ids[0] == x0
+        assert x0 not in enq.release_ids  # its reader is not over: the release is held
+        assert not any(m.WhichOneof("msg") == "release" for _, m in sent)
+        await session.close()
+
+    asyncio.run(main())

@@ -244,3 +244,28 @@ def test_held_runs_reach_the_scheduler_in_one_pass_and_a_release_waits_behind_th
         await session.close()
 
     asyncio.run(main())
+
+
+def test_held_runs_the_scheduler_fails_on_fail_their_outputs() -> None:
+    """A scheduler pass that raises (a bug) at the cork's flush fails the runs it held: a wait on
+    their outputs reports the error instead of waiting for buffers that will never exist."""
+    async def main() -> None:
+        session, outbox, a = parts()
+        dispatcher = session._controls.sessions.dispatcher
+
+        def broken(event: Any) -> None:  # a fault put into the real scheduler's entry
+            raise RuntimeError("scheduler bug")
+
+        dispatcher.handle = broken
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        (y,) = session.execute(program, [x])
+        await passes(8)
+        with pytest.raises(BackendError, match="scheduler bug"):
+            await asyncio.wait_for(session.ready([y]), 5)
+        assert y not in [t.output_ids[0] for e in enqueues(outbox) for t in e.tasks]
+        del dispatcher.handle  # the class's again, for the session's end
+        await session.close()
+
+    asyncio.run(main())

@@ -161,7 +161,16 @@ class SliceSession:
         manager = self._controls.sessions
         if manager is not None:
             submits, self._submits = self._submits, []
-            manager.submit_batch(submits)
+            try:
+                manager.submit_batch(submits)
+            except Exception as e:  # a bug: loud in the log; the held runs fail, so nobody waits on them
+                log.exception("proxy: scheduling %d runs of %s failed", len(submits), self._owner)
+                for sub in submits:
+                    self._client.run_failed(sub.run.run_id, f"scheduling the run failed in the Pathways "
+                                            f"controller (a bug): {e}")
+                    manager.dispatcher.runs.pop(sub.run.run_id, None)
+                    for where, ids in self._client.run_closed(sub.run.run_id):
+                        manager.dispatcher.release(where, ids)
             manager.dispatcher.flush()
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:

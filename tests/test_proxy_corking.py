@@ -134,6 +134,9 @@ class Slices:
     def placement(self, name: str) -> Placement:
         return Placement(name, self.host, [0], 0, self.host.island)
 
+    def current(self, name: str) -> Placement:
+        return self.placement(name)
+
     def address(self, name: str) -> str:
         return self.placement(name).host.address
 

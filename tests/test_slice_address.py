@@ -1,5 +1,5 @@
-"""`SliceService.address`: the worker a slice runs on, kept between calls (the IFRT proxy asks it
-on every execute) and always the address `placement` gives, however the slice or its host moved.
+"""`SliceService.current` and `address`: where a slice runs, kept between calls (the IFRT proxy
+asks on every execute) and always what `placement` gives, however the slice or its host moved.
 A real cluster registry and slice service over a real SQLite file."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def register(cluster: Cluster, name: str, address: str) -> None:
                                         device_count=1, machine_id="m"), WorkerLink(name))
 
 
-def test_the_address_is_the_placements_and_kept_until_the_slice_or_its_host_changes(
+def test_the_kept_placement_is_the_placement_until_the_slice_or_its_host_changes(
         parts: tuple[Cluster, SliceService], monkeypatch: pytest.MonkeyPatch) -> None:
     cluster, slices = parts
     register(cluster, "w1", "w1:1")
@@ -57,15 +57,19 @@ def test_the_address_is_the_placements_and_kept_until_the_slice_or_its_host_chan
     assert slices.address("s") == host.address
     assert slices.address("s") == host.address
     assert placed == ["s"]  # the second answer was the kept one
+    kept = slices.current("s")
+    assert kept == placement("s") and slices.current("s") is kept and placed == ["s"]
 
     # the host registers again at another address: a new record, so the kept answer is stale
     register(cluster, host.name, f"{host.name}:2")
     assert slices.address("s") == f"{host.name}:2" == placement("s").host.address
     assert placed == ["s", "s"]
+    assert slices.current("s") == placement("s") and slices.current("s").host is cluster.hosts[host.name]
 
     # the host is lost: the slice is remapped onto the other host (the slices' epoch moves)
     cluster.mark_lost(host.name, "killed")
     assert slices.address("s") == f"{other}:1" == placement("s").host.address
+    assert slices.current("s") == placement("s")
 
     # the slice is deleted: nothing kept answers for it
     slices.delete("s")

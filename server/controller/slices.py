@@ -106,8 +106,8 @@ class SliceService:
         self.epoch = 0  # bumps on every change of any slice
         self.groups: IslandGroups | None = None  # set by the composition root (core.py)
         self._meta: dict[str, _Meta] = {}
-        # slice name -> (epoch, host record, its address) of its last placement (`address`)
-        self._addresses: dict[str, tuple[int, HostInfo, str]] = {}
+        # slice name -> (epoch, placement) of its last placement (`current`)
+        self._kept: dict[str, tuple[int, Placement]] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
 
@@ -263,23 +263,29 @@ class SliceService:
             island=devices[0].island,
         )
 
+    def current(self, name: str) -> Placement:
+        """`placement(name)`, without building it again while nothing it depends on changed (the
+        IFRT proxy asks on every execute): the slices (`epoch` bumps on every change of one, and on
+        an island group's) and the registered host records it names (a host registering again is
+        a new record in the cluster's hosts: a record's address and devices never change in place),
+        so the last answer stands while the epoch is the same and its hosts are still the
+        registered records. Placements are frozen and their lists only read."""
+        known = self._kept.get(name)
+        if known is not None and known[0] == self.epoch:
+            kept = known[1]
+            hosts = kept.gang.members if kept.gang is not None else (kept.host,)
+            if all(self._hosts.get(h.name) is h for h in hosts):
+                return kept
+        placed = self.placement(name)  # NotFound, Rejected: nothing kept
+        self._kept[name] = (self.epoch, placed)
+        if len(self._kept) > 2 * len(self.rm.slices) + 64:  # deleted slices' entries
+            self._kept = {n: v for n, v in self._kept.items() if n in self.rm.slices}
+        return placed
+
     def address(self, name: str) -> str:
         """The address of the worker slice `name` runs on now (a slice spanning hosts: its first
-        member's), as `placement(name).host.address`, without building a placement while nothing
-        changed: a placement depends on the slices (`epoch` bumps on every change of one, and on
-        an island group's) and on the registered host records (a host registering again is a new
-        record in the cluster's hosts, its address never changes in place), so the last answer
-        stands while the epoch is the same and its host is still the registered record."""
-        known = self._addresses.get(name)
-        if known is not None:
-            epoch, host, address = known
-            if epoch == self.epoch and self._hosts.get(host.name) is host:
-                return address
-        host = self.placement(name).host  # NotFound, Rejected: nothing kept
-        self._addresses[name] = (self.epoch, host, host.address)
-        if len(self._addresses) > 2 * len(self.rm.slices) + 64:  # deleted slices' entries
-            self._addresses = {n: v for n, v in self._addresses.items() if n in self.rm.slices}
-        return host.address
+        member's): `current(name).host.address`."""
+        return self.current(name).host.address
 
     def _gang_placement(self, name: str, s: rm.Slice, island: str, hosts: builtins.list[str]) -> Placement:
         """A slice over several hosts: one SPMD computation over the island's group (groups.py)."""

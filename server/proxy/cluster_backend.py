@@ -81,6 +81,8 @@ class Slices(Protocol):
 
     def placement(self, name: str) -> Any: ...
 
+    def current(self, name: str) -> Any: ...
+
     def address(self, name: str) -> str: ...
 
     def get(self, name: str) -> cpb.Slice: ...
@@ -253,7 +255,7 @@ class SliceSession:
 
     def _placement(self) -> Any:
         try:
-            return self._slices.placement(self.name)
+            return self._slices.current(self.name)  # kept while nothing moved (slices.py)
         except ControllerError as e:
             raise backend_error(e) from None
 

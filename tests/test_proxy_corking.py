@@ -134,6 +134,12 @@ class Slices:
     def placement(self, name: str) -> Placement:
         return Placement(name, self.host, [0], 0, self.host.island)
 
+    def current(self, name: str) -> Placement:
+        return self.placement(name)
+
+    def address(self, name: str) -> str:
+        return self.placement(name).host.address
+
     def release_owner(self, owner: str) -> None:
         pass
 
@@ -209,6 +215,60 @@ def test_an_idle_session_sends_its_call_within_a_few_passes() -> None:
         await passes(6)
         (enq,) = enqueues(outbox)
         assert len(enq.tasks) == 1
+        await session.close()
+
+    asyncio.run(main())
+
+
+def test_held_runs_reach_the_scheduler_in_one_pass_and_a_release_waits_behind_them() -> None:
+    """The runs the cork holds are handed to the scheduler at its flush, together and in call
+    order; the release of an input they read, made meanwhile, is held behind them (it leaves only
+    once they are over), not sent ahead of their tasks."""
+    async def main() -> None:
+        session, outbox, a = parts()
+        dispatcher = session._controls.sessions.dispatcher
+        passes_seen: list[int] = []
+        handle = dispatcher.handle
+        dispatcher.handle = lambda event: passes_seen.append(len(getattr(event, "events", (event,)))) or handle(event)
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x0 = x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        for _ in range(5):
+            (x,) = session.execute(program, [x])
+        session.free([x0])  # the client drops the first input at once
+        assert passes_seen == [] and enqueues(outbox) == []  # nothing decided while held
+        await passes(8)
+        assert passes_seen == [5]  # one scheduler pass for the five runs
+        sent = list(outbox.sent)
+        (enq,) = enqueues(outbox)
+        assert len(enq.tasks) == 5 and enq.tasks[0].input_ids[0] == x0
+        assert x0 not in enq.release_ids  # its reader is not over: the release is held
+        assert not any(m.WhichOneof("msg") == "release" for _, m in sent)
+        await session.close()
+
+    asyncio.run(main())
+
+
+def test_held_runs_the_scheduler_fails_on_fail_their_outputs() -> None:
+    """A scheduler pass that raises (a bug) at the cork's flush fails the runs it held: a wait on
+    their outputs reports the error instead of waiting for buffers that will never exist."""
+    async def main() -> None:
+        session, outbox, a = parts()
+        dispatcher = session._controls.sessions.dispatcher
+
+        def broken(event: Any) -> None:  # a fault put into the real scheduler's entry
+            raise RuntimeError("scheduler bug")
+
+        dispatcher.handle = broken
+        program = session.register("inc", b"inc", F, 1, 1, ())
+        x = 7 | session._client.id_prefix << 40
+        session.adopt(x, a.address)
+        (y,) = session.execute(program, [x])
+        await passes(8)
+        with pytest.raises(BackendError, match="scheduler bug"):
+            await asyncio.wait_for(session.ready([y]), 5)
+        assert y not in [t.output_ids[0] for e in enqueues(outbox) for t in e.tasks]
+        del dispatcher.handle  # the class's again, for the session's end
         await session.close()
 
     asyncio.run(main())

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
@@ -246,13 +246,9 @@ class SessionManager:
             if submits:
                 self.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
         elif kind == "run":
-            if self._own_ids(session, msg.run):
-                self.dispatcher.submit(session, msg.run)
+            self.run(session, msg.run)
         elif kind == "release":
-            # only the session's own ids: another session's buffers are not its to free
-            mine = [b for b in msg.release.buffer_ids if b >> PREFIX_SHIFT == session.id_prefix]
-            for address, ids in session.hold_release(msg.release.address, mine):
-                self.dispatcher.release(address, ids)
+            self.release(session, msg.release.address, msg.release.buffer_ids)
         elif kind == "register":
             session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
         elif kind == "cancel_run":
@@ -261,6 +257,25 @@ class SessionManager:
                 self.dispatcher.handle(CancelRun(session.client_id, cancel.run_id,
                                                  cancel.reason[:MAX_CANCEL_REASON] or "cancelled by the client",
                                                  time.monotonic()))
+
+    def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
+        """A `run` message of the session (the IFRT proxy's way in, without the ClientMessage).
+        With `batch`, its Submit is collected there for one scheduler pass (`submit_batch`)."""
+        if self._own_ids(session, run):
+            self.dispatcher.submit(session, run, batch)
+
+    def submit_batch(self, submits: list[Submit]) -> None:
+        """Hands the Submits collected by `run(..., batch)` to the scheduler in one pass."""
+        if submits:
+            self.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
+
+    def release(self, session: ClientSession, address: str, buffer_ids: Iterable[int]) -> None:
+        """A `release` message of the session: frees its buffers on the worker at `address`
+        once the session's earlier runs that may read them are over (client_session.py)."""
+        # only the session's own ids: another session's buffers are not its to free
+        mine = [b for b in buffer_ids if b >> PREFIX_SHIFT == session.id_prefix]
+        for where, ids in session.hold_release(address, mine):
+            self.dispatcher.release(where, ids)
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not

@@ -106,6 +106,8 @@ class SliceService:
         self.epoch = 0  # bumps on every change of any slice
         self.groups: IslandGroups | None = None  # set by the composition root (core.py)
         self._meta: dict[str, _Meta] = {}
+        # slice name -> (epoch, placement) of its last placement (`current`)
+        self._kept: dict[str, tuple[int, Placement]] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
 
@@ -260,6 +262,30 @@ class SliceService:
             generation=s.generation,
             island=devices[0].island,
         )
+
+    def current(self, name: str) -> Placement:
+        """`placement(name)`, without building it again while nothing it depends on changed (the
+        IFRT proxy asks on every execute): the slices (`epoch` bumps on every change of one, and on
+        an island group's) and the registered host records it names (a host registering again is
+        a new record in the cluster's hosts: a record's address and devices never change in place),
+        so the last answer stands while the epoch is the same and its hosts are still the
+        registered records. Placements are frozen and their lists only read."""
+        known = self._kept.get(name)
+        if known is not None and known[0] == self.epoch:
+            kept = known[1]
+            hosts = kept.gang.members if kept.gang is not None else (kept.host,)
+            if all(self._hosts.get(h.name) is h for h in hosts):
+                return kept
+        placed = self.placement(name)  # NotFound, Rejected: nothing kept
+        self._kept[name] = (self.epoch, placed)
+        if len(self._kept) > 2 * len(self.rm.slices) + 64:  # deleted slices' entries
+            self._kept = {n: v for n, v in self._kept.items() if n in self.rm.slices}
+        return placed
+
+    def address(self, name: str) -> str:
+        """The address of the worker slice `name` runs on now (a slice spanning hosts: its first
+        member's): `current(name).host.address`."""
+        return self.current(name).host.address
 
     def _gang_placement(self, name: str, s: rm.Slice, island: str, hosts: builtins.list[str]) -> Placement:
         """A slice over several hosts: one SPMD computation over the island's group (groups.py)."""

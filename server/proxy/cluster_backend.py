@@ -15,7 +15,8 @@ controller's session manager; a compiled module is a function in a one-node prog
 through the manager (modules.py), and each execute is a run of it through the dispatcher and the
 island's gang scheduler, with releases held behind earlier runs by the session's release barrier.
 The dispatcher's flush of a session's runs and releases is held while its requests keep coming
-(corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`.
+(corking.py), so that a pipelined loop's executes reach the worker several to an `Enqueue`, and
+the runs it held reach the scheduler together, in one pass.
 Runs the controller refuses fail their outputs here (the workers never hear of them: failures.py).
 
 A program over part of the slice's devices, or over them in another order, runs on those
@@ -79,6 +80,10 @@ class Slices(Protocol):
     rm: ResourceManager
 
     def placement(self, name: str) -> Any: ...
+
+    def current(self, name: str) -> Any: ...
+
+    def address(self, name: str) -> str: ...
 
     def get(self, name: str) -> cpb.Slice: ...
 
@@ -150,15 +155,30 @@ class SliceSession:
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
         self._metadata = tuple(metadata)
         self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
+        self._submits: list[Any] = []  # the runs held by the cork, for one scheduler pass (`_flush`)
 
     def _flush(self) -> None:
-        if self._controls.sessions is not None:
-            self._controls.sessions.dispatcher.flush()
+        """The cork's flush: the runs it held go to the scheduler in one pass, in the order they
+        came (as a `pw` client's batch does), then the dispatcher sends what was decided."""
+        manager = self._controls.sessions
+        if manager is not None:
+            submits, self._submits = self._submits, []
+            try:
+                manager.submit_batch(submits)
+            except Exception as e:  # a bug: loud in the log; the held runs fail, so nobody waits on them
+                log.exception("proxy: scheduling %d runs of %s failed", len(submits), self._owner)
+                for sub in submits:
+                    self._client.run_failed(sub.run.run_id, f"scheduling the run failed in the Pathways "
+                                            f"controller (a bug): {e}")
+                    manager.dispatcher.runs.pop(sub.run.run_id, None)
+                    for where, ids in self._client.run_closed(sub.run.run_id):
+                        manager.dispatcher.release(where, ids)
+            manager.dispatcher.flush()
 
     def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
         if address is None:
             try:
-                address = self._slices.placement(self.name).host.address
+                address = self._slices.address(self.name)  # kept while nothing moved (slices.py)
             except ControllerError as e:
                 raise backend_error(e) from None
         assert address is not None
@@ -235,7 +255,7 @@ class SliceSession:
 
     def _placement(self) -> Any:
         try:
-            return self._slices.placement(self.name)
+            return self._slices.current(self.name)  # kept while nothing moved (slices.py)
         except ControllerError as e:
             raise backend_error(e) from None
 
@@ -288,8 +308,10 @@ class SliceSession:
         self._failures.ran(run_id, outputs)
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
-        manager.handle(self._client, cpb.ClientMessage(run=run))
-        self._cork.decided()  # flushed once the session's requests pause (corking.py)
+        # its Submit waits with the cork, which hands it to the scheduler with the others it
+        # held (`_flush`), once the session's requests pause (corking.py)
+        manager.run(self._client, run, self._submits)
+        self._cork.decided()
         for b in outputs:
             self._home[b] = address
         if others:  # its parts there go when it does (`free`)
@@ -477,8 +499,7 @@ class SliceSession:
             if manager is None:
                 self._controls.release_buffers(address, ids)
             else:  # behind the session's earlier runs, which may read them (client_session.py)
-                release = wpb.ReleaseBuffers(address=address, buffer_ids=ids)
-                manager.handle(self._client, cpb.ClientMessage(release=release))
+                manager.release(self._client, address, ids)
         if by_worker and manager is not None:
             self._cork.decided()
 

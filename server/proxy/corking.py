@@ -24,11 +24,14 @@ autocorking holds a socket's small writes while the application is still writing
   (op-by-op), so there is nothing to coalesce its next call with and holding it could only
   delay it.
 
-Holding back a flush changes no order: the runs were submitted to the scheduler in the order
-they came, and the dispatcher's outbox keeps each host's messages in that order; they leave in
-fewer messages (its Outbox merges consecutive enqueues and releases into one), a few loop passes
-later. Other flushes of the dispatcher (another client's, a worker's report) take the held
-messages with them, which only sends them earlier.
+Holding back a flush changes no order: the held runs go to the scheduler at the flush, in the
+order they came, in one scheduler pass (cluster_backend.py: as a `pw` client's batch of runs),
+and the dispatcher's outbox keeps each host's messages in that order; they leave in fewer
+messages (its Outbox merges consecutive enqueues and releases into one), a few loop passes
+later. A release is held behind every earlier run of the session from the moment the run was
+submitted (client_session.py), decided or not. Other flushes of the dispatcher (another
+client's, a worker's report) take the releases and decisions already made with them, which only
+sends them earlier.
 """
 
 from __future__ import annotations

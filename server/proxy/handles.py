@@ -44,10 +44,24 @@ class Failed:
 
 
 class Pending:
-    """A handle whose op has not finished; `resolve` waits on it."""
+    """A handle whose op has not finished; `resolve` waits on it. Its future is made only when
+    someone waits (most ops finish before anything reads their handles)."""
+
+    __slots__ = ("_done",)
 
     def __init__(self) -> None:
-        self.done = asyncio.get_running_loop().create_future()
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def done(self) -> asyncio.Future[None]:
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+        return self._done
+
+    def finish(self) -> None:
+        """The op finished (or failed): wakes whoever waits."""
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
 
 
 class HandleTable:
@@ -80,8 +94,8 @@ class HandleTable:
     def settle(self, handle: int, value: Any) -> None:
         pending = self._items.get(handle)
         self._items[handle] = value
-        if isinstance(pending, Pending) and not pending.done.done():
-            pending.done.set_result(None)
+        if isinstance(pending, Pending):
+            pending.finish()
 
     async def resolve(self, handle: int, kind: type | None = None) -> Any:
         """Like `get`, but waits for a handle whose op is still running."""
@@ -96,8 +110,8 @@ class HandleTable:
             if h:
                 pending = self._items.get(h)
                 self._items[h] = Failed(code, message)
-                if isinstance(pending, Pending) and not pending.done.done():
-                    pending.done.set_result(None)
+                if isinstance(pending, Pending):
+                    pending.finish()
 
     def peek(self, handle: int) -> Any:
         """What `handle` holds now, `Pending` included (None if unknown)."""

@@ -56,6 +56,9 @@ Message = Any  # a message class built at run time (protocol.py): no static type
 # ones of a training loop. Their handlers, where they wait, await only futures (no
 # `asyncio.timeout`, which would bind the reader's task rather than the one they go on in).
 INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
+# Request kinds whose handlers return their answer's body serialized and never fill `resp`
+# (they are given None: no IfrtResponse made per call)
+BODIES = frozenset({"loaded_executable_execute_request", "destruct_array_request"})
 Handler = Callable[["Session", Message, Message], Awaitable[bytes | None]]
 
 
@@ -412,7 +415,7 @@ class ProxyService:
         """The serialized answer to `req`. A handler fills `resp`, or returns the answer's body
         already serialized (answers.py: the response field of its kind)."""
         op_id = req.request_metadata.op_id
-        resp = self._response()
+        resp = None if kind in BODIES else self._response()
         handler = self._handlers.get(kind)
         try:
             if handler is None:
@@ -427,6 +430,8 @@ class ProxyService:
                                 f"{kind} failed in the Pathways IFRT proxy server (a bug): {e}")
         if body is not None:
             return session.encoder.metadata(op_id) + body
+        if resp is None:
+            resp = self._response()
         resp.response_metadata.op_id = op_id
         return bytes(resp.SerializeToString())
 

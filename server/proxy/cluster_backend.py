@@ -25,6 +25,9 @@ dispatcher's `segments.narrowed`): one worker's devices make a plain computation
 outputs are whole on that worker; devices of several an SPMD computation of those members of the
 island's group, whose outputs are spread over them (each holds its part). A run reading an output
 spread over other devices than its own reads a copy gathered on those devices first (`prepare`).
+Where a run's outputs are follows the slice's placement when it runs (`_runs_on`), so a remap
+between compile and run is followed; outputs spread over workers under an earlier placement
+are refused with an error naming the remap (`_check_placed`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
@@ -142,6 +145,9 @@ class SliceSession:
         self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
         self._all = frozenset(range(len(self.slice.devices)))
         self._others: dict[int, tuple[str, ...]] = {}  # such a buffer -> the other workers holding parts
+        # such a buffer -> the slice's generation (remaps) when it was made: where its parts are
+        # is known for that placement only (`_check_placed`)
+        self._placed_at: dict[int, int] = {}
         self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
@@ -259,13 +265,16 @@ class SliceSession:
         except ControllerError as e:
             raise backend_error(e) from None
 
-    def _runs_on(self, devices: Sequence[int]) -> tuple[str, tuple[int, ...] | None, tuple[str, ...]]:
+    def _runs_on(self, devices: Sequence[int], placement: Any = None
+                 ) -> tuple[str, tuple[int, ...] | None, tuple[str, ...]]:
         """Where a program over the slice's virtual `devices` (empty: all, in order) runs now: the
         address of the worker its outputs are recorded on (uploads' worker, or the first of those
         running it), and, for an SPMD computation over several workers, the virtual devices its
         outputs' parts are on (None: its outputs are whole on that worker) and the addresses of
-        the other workers holding parts of them."""
-        placement = self._placement()
+        the other workers holding parts of them. Decided on every run from the slice's current
+        placement (`placement`, or asked now): after a remap a sub-mesh once on one worker may
+        span several, or the reverse."""
+        placement = placement or self._placement()
         gang = placement.gang
         if gang is None:
             return placement.host.address, None, ()
@@ -301,7 +310,13 @@ class SliceSession:
         manager = self._manager()
         self._failures.drain()
         homes = [self._address_of(b) for b in inputs]
-        address, on, others = self._runs_on(self._devices.get(program_id, ()))
+        placement = self._placement()
+        if self._placed_at:
+            self._check_placed(inputs, placement.generation)
+        address, on, others = self._runs_on(self._devices.get(program_id, ()), placement)
+        workers = len(placement.gang.members) if placement.gang is not None else 1
+        if workers != self.slice.hosts:  # re-placed over another number of workers (downloads.py)
+            self.slice = replace(self.slice, hosts=workers)
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
@@ -317,12 +332,32 @@ class SliceSession:
         if others:  # its parts there go when it does (`free`)
             for b in outputs:
                 self._others[b] = others
+                self._placed_at[b] = placement.generation
         specs = self._out_specs.get(program_id)
         if on is not None and specs is not None:
             over = self._all if len(on) == len(self._all) else frozenset(on)
             for b, spec in zip(outputs, specs, strict=True):
                 self._spread[b] = (over, on, spec)
         return outputs
+
+    def spread_over_workers(self, buffer_id: int) -> bool:
+        """Whether the run that made this buffer left its parts on several workers (decided by
+        the slice's placement when it ran, not when its program was compiled: a remap in between
+        changes it); downloads then read a gathered copy (downloads.py)."""
+        return buffer_id in self._others
+
+    def _check_placed(self, inputs: Sequence[int], generation: int) -> None:
+        """Refuses inputs whose parts were left on several workers under an earlier placement
+        of the slice: after a remap, a run (or the gather a download runs) would look for them on
+        the devices their virtual devices map to now, and get parts of another array or none."""
+        for b in inputs:
+            made = self._placed_at.get(b)
+            if made is not None and made != generation:
+                raise BackendError(
+                    "FAILED_PRECONDITION",
+                    f"array {b}: its parts were on several workers of slice {self.name} before the slice was "
+                    f"re-placed (remap: generation {made} -> {generation}); it cannot be read any more, compute "
+                    f"it again")
 
     async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
         """The buffers a run of `program_id` reads instead of `inputs`, and those of them it made
@@ -489,6 +524,7 @@ class SliceSession:
         for b in buffer_ids:
             self._failures.forget(b)
             self._spread.pop(b, None)
+            self._placed_at.pop(b, None)
             address = self._home.pop(b, None)
             if address is not None:
                 by_worker.setdefault(address, []).append(b)

@@ -266,7 +266,11 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    spread = len(exe.device_ids) > 1 and compiled.spread
+    # whether its outputs are spread over workers: where the backend decides it per run (the
+    # cluster's: by the slice's placement then, which a remap changes), as it says; else as compiled
+    spread_of = getattr(session.backend, "spread_over_workers", None)
+    spread = len(exe.device_ids) > 1 and (
+        spread_of(buffers[0]) if spread_of is not None and buffers else compiled.spread)
     out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
                                                                                 strict=True)]
     outputs = exe.outputs(proto)

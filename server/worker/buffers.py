@@ -72,6 +72,9 @@ class BufferStore:
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
         self._waiters: dict[int, list[_Latch]] = {}
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
+        # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
+        # parts it was gathering for it (parts.py, Gathering)
+        self.on_failed: Callable[[int], None] | None = None
 
     # ---- declaring ----
     # A task declares every output and input at once, under one lock round trip: a training step
@@ -147,6 +150,8 @@ class BufferStore:
             if e.state != PENDING:
                 return
             callbacks = self._failed(buffer_id, e, error)
+        if self.on_failed is not None:
+            self.on_failed(buffer_id)
         for cb in callbacks:
             cb()
 
@@ -301,6 +306,13 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             return None if e is None else e.owner
+
+    def gathering_over(self, buffer_id: int) -> bool:
+        """Whether parts arriving for this buffer can no longer make it: it settled already
+        (ready or failed) or the client released it before it existed."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            return e is not None and (e.state != PENDING or e.released)
 
     def released(self, buffer_id: int) -> bool:
         """Whether the client released this buffer before it existed (a tombstone)."""

@@ -7,8 +7,12 @@ array together (pwctl/api/futures.py); replicated shards are sent once.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,7 +21,17 @@ from schemas import arrays
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-__all__ = ["is_partial", "local_parts", "part_chunks"]
+from .buffers import BufferStore
+
+__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "local_parts", "part_chunks"]
+
+log = logging.getLogger(__name__)
+
+# A buffer being gathered that got no part for this long fails and its parts go: its members
+# send their parts as their shards of one computation are ready, seconds apart at most; the
+# controller's hang timeout (60 s by default) usually fails the run first.
+GATHER_IDLE_S = 120.0
+MAX_ABANDONED = 4096  # buffers dropped while gathering, remembered to ignore their late parts
 
 
 def is_partial(value: Any) -> bool:
@@ -51,38 +65,114 @@ def part_chunks(parts: list[tuple[tuple[int, ...], np.ndarray]], global_shape: t
             yield c
 
 
+@dataclass(slots=True)
+class _Open:
+    """A buffer being gathered: the array so far, the starts of the parts in it, the elements
+    they cover, and when the last part came (time.monotonic)."""
+
+    whole: np.ndarray
+    seen: set[tuple[int, ...]] = field(default_factory=set)
+    covered: int = 0
+    last: float = 0.0
+
+
 class Gathering:
     """Parts of multi-host slices' arrays arriving from their members (one Transfer stream each),
     by buffer id, until they cover the array. Identical parts (replicated shards, sent by every
-    member that holds them) count once."""
+    member that holds them) count once.
 
-    def __init__(self) -> None:
-        self._open: dict[int, tuple[np.ndarray, set[tuple[int, ...]], list[int]]] = {}
+    An entry is made by the first part of a buffer and ends when its parts cover the array (the
+    caller stores it). One that cannot end that way goes, with its memory:
+    - at once when the buffer fails (`drop`: a member's failure notice, a part that does not fit;
+      the store's `on_failed`: a run dropped because a member's host was lost fails the inputs of
+      its tasks here, a reader that failed);
+    - at the next `sweep` when the buffer settled otherwise or the client released it;
+    - at the next `sweep` after `idle_s` without a part: the buffer fails then, naming what is
+      missing (a member gone without anyone dropping the run, a member that sent only some parts).
+    Parts that come for a buffer dropped so are ignored (the last MAX_ABANDONED are remembered),
+    so a late member does not start an entry nobody will finish."""
+
+    def __init__(self, store: BufferStore | None = None, idle_s: float = GATHER_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._open: dict[int, _Open] = {}
+        self._abandoned: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
+        self._store = store
+        self.idle_s = idle_s
+        self._clock = clock
+        if store is not None:
+            store.on_failed = self.drop
 
     def add(self, buffer_id: int, global_shape: tuple[int, ...], start: tuple[int, ...],
             part: np.ndarray) -> np.ndarray | None:
-        """Adds one part; the whole array once its parts cover it, else None. Raises ValueError
-        for a part that does not fit the array."""
+        """Adds one part; the whole array once its parts cover it, else None (also for a part of
+        a buffer dropped already). Raises ValueError for a part that does not fit the array."""
         if len(start) != len(global_shape) or part.ndim != len(global_shape) or any(
                 b < 0 or b + n > g for b, n, g in zip(start, part.shape, global_shape, strict=True)):
             raise ValueError(f"a part {list(part.shape)} at {list(start)} does not fit {list(global_shape)}")
         with self._lock:
             entry = self._open.get(buffer_id)
             if entry is None:
-                entry = self._open[buffer_id] = (np.empty(global_shape, part.dtype), set(), [0])
-            whole, seen, covered = entry
+                if buffer_id in self._abandoned or (
+                        self._store is not None and self._store.gathering_over(buffer_id)):
+                    return None
+                entry = self._open[buffer_id] = _Open(np.empty(global_shape, part.dtype))
+            whole = entry.whole
             if whole.dtype != part.dtype or whole.shape != global_shape:
                 raise ValueError(f"parts of buffer {buffer_id} disagree on dtype or shape")
-            if start not in seen:
-                seen.add(start)
+            entry.last = self._clock()
+            if start not in entry.seen:
+                entry.seen.add(start)
                 whole[tuple(slice(b, b + n) for b, n in zip(start, part.shape, strict=True))] = part
-                covered[0] += part.size
-            if covered[0] < whole.size:
+                entry.covered += part.size
+            if entry.covered < whole.size:
                 return None
             del self._open[buffer_id]
             return whole
 
     def drop(self, buffer_id: int) -> None:
+        """Forgets the buffer's parts; later ones for it are ignored."""
         with self._lock:
-            self._open.pop(buffer_id, None)
+            self._dropped(buffer_id)
+
+    def _dropped(self, buffer_id: int) -> _Open | None:
+        entry = self._open.pop(buffer_id, None)
+        self._abandoned[buffer_id] = None
+        self._abandoned.move_to_end(buffer_id)
+        if len(self._abandoned) > MAX_ABANDONED:
+            self._abandoned.popitem(last=False)
+        return entry
+
+    def sweep(self) -> int:
+        """Drops the entries that can no longer end well (see the class); how many it dropped."""
+        if not self._open:
+            return 0
+        now = self._clock()
+        stale: list[tuple[int, _Open]] = []
+        dropped = 0
+        with self._lock:
+            for bid, entry in list(self._open.items()):
+                if self._store is not None and self._store.gathering_over(bid):
+                    self._dropped(bid)
+                    dropped += 1
+                elif now - entry.last > self.idle_s:
+                    self._dropped(bid)
+                    stale.append((bid, entry))
+        for bid, entry in stale:
+            error = (f"gathering buffer {bid:#x}: no part of it came for {self.idle_s:g} s, with "
+                     f"{entry.covered} of its {entry.whole.size} elements here (a member of its slice "
+                     f"lost or sent only some parts)")
+            log.warning("%s", error)
+            if self._store is not None:
+                self._store.fail(bid, error)
+        return dropped + len(stale)
+
+    def open_ids(self) -> list[int]:
+        """The buffers being gathered (tests, stats)."""
+        with self._lock:
+            return list(self._open)
+
+    def open_bytes(self) -> int:
+        """The memory held by the buffers being gathered."""
+        with self._lock:
+            return sum(e.whole.nbytes for e in self._open.values())

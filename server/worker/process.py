@@ -186,6 +186,8 @@ class WorkerProcess:
         idle = memory.IdleTrimmer(self._activity, idle_s=TRIM_IDLE_S)
         while True:
             await asyncio.sleep(IDLE_POLL_S)
+            if self.servicer is not None:
+                self.servicer.gathering.sweep()  # parts of arrays that will never be whole (parts.py)
             due = idle.due()
             if due or (idle.quiet() and self.config.unload_after_s > 0):
                 await asyncio.to_thread(self._release_memory, due)

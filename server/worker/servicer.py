@@ -85,7 +85,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
         # upload messages received: an upload that never became a buffer (refused, cancelled,
         # cut short) changes no buffer count, yet its pieces leave freed memory to trim
         self.upload_messages = 0
-        self._gathering = Gathering()  # parts of multi-host slices' arrays, until whole
+        self.gathering = Gathering(store)  # parts of multi-host slices' arrays, until whole
         # converting a ready value to bytes blocks until its computation is done: a pool of its
         # own keeps that from starving the default executor that assembles transfers
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pw-fetch",
@@ -402,7 +402,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
                     arr = _assemble(head.array, data)
             except (OSError, ValueError, TypeError) as e:
                 log.warning("transfer of buffer %#x failed: %s", bid, e)
-                self._gathering.drop(bid)
+                self.gathering.drop(bid)
                 self.store.fail(bid, f"transfer of buffer {bid:#x} failed: {e}")
                 continue
             total += self.deliver_peer(head, arr)
@@ -415,14 +415,14 @@ class WorkerServicer(wgrpc.WorkerServicer):
         order. Returns the bytes it stored (0 for a part that left the array incomplete)."""
         bid = header.buffer_id
         if arr is None:
-            self._gathering.drop(bid)
+            self.gathering.drop(bid)
             self.store.fail(bid, header.error or "the producer failed")
             return 0
         if header.global_shape:
             try:
-                whole = self._gathering.add(bid, tuple(header.global_shape), tuple(header.part_start), arr)
+                whole = self.gathering.add(bid, tuple(header.global_shape), tuple(header.part_start), arr)
             except ValueError as e:
-                self._gathering.drop(bid)
+                self.gathering.drop(bid)
                 self.store.fail(bid, f"gathering buffer {bid}: {e}")
                 return 0
             if whole is None:

@@ -1,0 +1,105 @@
+"""A worker gathering the parts of a multi-host slice's array from its members (parts.py,
+Gathering) keeps no unfinished entry, nor its memory, once the array can no longer be whole:
+the run reading it dropped (the controller's host-loss handling), the buffer failed or
+released, or no part came for a bounded time. Real worker servicer, executor (its launch and
+completion threads around the state machine), buffer store and JAX on this process's CPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+from test_worker_executor import X, register
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server.worker.buffers import BufferFailed, BufferStore
+from server.worker.executor import Executor
+from server.worker.servicer import WorkerServicer
+from server.worker.transfer import TransferSender
+
+
+@pytest.fixture
+def servicer() -> Iterator[WorkerServicer]:
+    store, sender = BufferStore(), TransferSender()
+    ex = Executor(store, jax.devices("cpu")[:1], lambda *a: None, sender)
+    register(ex, lambda x: x + 1, "inc", segment_id=1, label="p/0 inc")
+    s = WorkerServicer(store, ex, "w1", "a")
+    yield s
+    s.close()
+    ex.stop()
+    sender.close()
+
+
+def part(s: WorkerServicer, bid: int, start: int) -> int:
+    """Member's part [start, start + 2) of X (shape (4,)), delivered as a peer's transfer."""
+    head = wpb.TransferChunk(buffer_id=bid, part_start=[start], global_shape=[4], last=True)
+    return s.deliver_peer(head, X[start:start + 2].copy())
+
+
+def until(cond: object, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_runs_half_gathered_input_goes_and_its_late_parts_are_ignored(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=1, segment=0, seq=1, segment_id=1, input_ids=[10],
+                                                  output_ids=[20], output_visible=[True], owner="client:1")]))
+    assert part(s, 10, 0) == 0  # one member's part: the other member's host dies before it sends
+    assert s.gathering.open_ids() == [10] and s.gathering.open_bytes() == X.nbytes
+    s.executor.drop([1], "host w2 was lost")  # as the controller's host-loss handling does
+    assert until(lambda: s.gathering.open_ids() == []), "the dropped run's parts stayed"
+    with pytest.raises(BufferFailed, match="host w2 was lost"):
+        store.wait(20, timeout=10)
+    assert part(s, 10, 2) == 0  # the other part, late: ignored, no new entry, no buffer
+    assert s.gathering.open_ids() == [] and store.owner_of(10) is None  # (20: the failed output, kept)
+    assert s.gathering.sweep() == 0
+
+
+@pytest.mark.timeout(60)
+def test_gathered_parts_make_the_array_and_replicated_parts_count_once(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    assert part(s, 11, 0) == 0 and part(s, 11, 0) == 0  # a replicated shard, sent by two members
+    assert part(s, 11, 2) == X.nbytes
+    np.testing.assert_array_equal(store.wait(11, timeout=1), X)
+    assert s.gathering.open_ids() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_gathered_buffer_released_or_failed_before_it_is_whole_goes(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    store.expect([12, 13], owner="client:1", visible=[True, True])
+    part(s, 12, 0)
+    part(s, 13, 2)
+    store.release([12])  # the client dropped it while its parts were coming
+    assert s.gathering.sweep() == 1 and s.gathering.open_ids() == [13]
+    s.deliver_peer(wpb.TransferChunk(buffer_id=13, last=True, error="p/0 f: it broke"), None)  # a member failed
+    assert s.gathering.open_ids() == []
+    part(s, 13, 0)  # the other member's part, after the failure notice
+    assert s.gathering.open_ids() == []
+    with pytest.raises(BufferFailed, match="it broke"):
+        store.wait(13, timeout=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_buffer_whose_parts_stop_coming_fails_after_the_idle_time_and_its_memory_goes(
+        servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    s.gathering.idle_s = 0.2
+    store.expect([14], owner="client:1", visible=[True])
+    part(s, 14, 0)  # a member sends only some of its parts (nobody drops the run)
+    assert s.gathering.sweep() == 0 and s.gathering.open_ids() == [14]  # not idle long enough yet
+    time.sleep(0.3)
+    assert s.gathering.sweep() == 1 and s.gathering.open_ids() == [] and s.gathering.open_bytes() == 0
+    with pytest.raises(BufferFailed, match=r"no part of it came for 0.2 s, with 2 of its 4 elements"):
+        store.wait(14, timeout=1)
+    part(s, 14, 2)
+    assert s.gathering.open_ids() == []

@@ -1,0 +1,110 @@
+"""An IFRT proxy session whose slice is re-placed while it runs (a host lost, the slice remapped
+onto other workers): whether a program's results are whole on one worker or spread over several
+is decided by the slice's placement at each run, not when the program was compiled, so its
+results read back right after the remap; arrays whose parts were spread over workers before the
+remap fail with an error naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, wait_for
+from proxy_env import proxy_env
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+REMAP = """
+import sys, time
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+line = Mesh(np.array(jax.devices()), ("d",))
+f = jax.jit(lambda v: v * 2)
+x = np.arange(8.0, dtype=np.float32)
+def run():
+    deadline = time.monotonic() + 90
+    while True:  # the island's group of workers forms again after the remap
+        try:
+            return f(jax.device_put(x, NamedSharding(line, P("d"))))
+        except Exception as e:
+            if "forming" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+print("one worker", np.asarray(run()).tolist(), flush=True)
+sys.stdin.readline()
+def read():
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            y = run()
+            return y, np.asarray(y).tolist()
+        except Exception as e:
+            if "forming" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+y, got = read()
+print("two workers", got, flush=True)
+sys.stdin.readline()
+deadline = time.monotonic() + 90
+while True:
+    try:
+        print("stale", np.asarray(f(y)).tolist(), flush=True)
+        break
+    except Exception as e:
+        if "forming" in str(e) and time.monotonic() < deadline:
+            time.sleep(1)
+            continue
+        print("stale error", str(e).replace(chr(10), " "), flush=True)
+        break
+y2, got = read()
+print("again", got, flush=True)
+"""
+
+
+def slice_of(cluster: LocalCluster, name: str) -> cpb.Slice:
+    with cluster.client() as c:
+        return next(s for s in c.slices() if s.name == name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: LocalCluster, tmp_path: Path) -> None:
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="pair", devices=2))  # on w-a, the only worker yet
+    cluster.add_worker("a", 1, name="w-a2")
+    cluster.add_worker("a", 1, name="w-a3")
+    proc = subprocess.Popen([sys.executable, "-c", REMAP], env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+
+        def line() -> str:
+            out = proc.stdout.readline().strip()  # type: ignore[union-attr]
+            assert out, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+            return out
+
+        assert line() == "one worker [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        cluster.kill_worker("w-a")  # the slice moves onto w-a2 and w-a3, one device each
+        wait_for(lambda: {d.host for d in slice_of(cluster, "pair").devices} == {"w-a2", "w-a3"}, 30,
+                 "the slice remapped onto the two one-device workers")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        # compiled while the slice was on one worker, its results are now spread over two
+        assert line() == "two workers [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        cluster.add_worker("a", 2, name="w-a4")
+        cluster.kill_worker("w-a3")  # remapped again: y's parts were on w-a2 and the lost w-a3
+        wait_for(lambda: "w-a3" not in {d.host for d in slice_of(cluster, "pair").devices}, 30,
+                 "the slice remapped again")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        stale = line()
+        assert stale.startswith("stale error") and "re-placed (remap: generation 1 -> 2)" in stale, stale
+        assert line() == "again [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

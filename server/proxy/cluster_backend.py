@@ -25,7 +25,7 @@ dispatcher's `segments.narrowed`): one worker's devices make a plain computation
 outputs are whole on that worker; devices of several an SPMD computation of those members of the
 island's group, whose outputs are spread over them (each holds its part). A run reading an output
 spread over other devices than its own reads a copy gathered on those devices first (`prepare`).
-Where a run's outputs are follows the slice's placement when it runs (`_runs_on`), so a remap
+Where a run's outputs are follows the slice's placement when it runs (placing.py), so a remap
 between compile and run is followed; outputs spread over workers under an earlier placement
 are refused with an error naming the remap (`_check_placed`).
 """
@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
-from grpc import aio
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -50,7 +49,6 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
-from ..controller.segments import narrowed
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
 from . import fetching
@@ -61,20 +59,20 @@ from .corking import FlushCork
 from .failures import RunFailures
 from .handles import HostData
 from .modules import describe
+from .placing import compiles_on, runs_on
 from .staging import Staging
+from .workers import WorkerChannels
 
 log = logging.getLogger(__name__)
 
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platform name clients see
 
 
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
-PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 
 
 class Slices(Protocol):
@@ -152,10 +150,8 @@ class SliceSession:
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
-        self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
+        self._workers = WorkerChannels()
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
-        self._fetchers: dict[aio.Channel, Any] = {}  # a channel's Fetch with undecoded answers
-        self._putters: dict[aio.Channel, Any] = {}  # a channel's PutBuffers taking serialized requests
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -188,11 +184,7 @@ class SliceSession:
             except ControllerError as e:
                 raise backend_error(e) from None
         assert address is not None
-        conn = self._channels.get(address)
-        if conn is None:
-            channel = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            conn = self._channels[address] = (channel, wgrpc.WorkerStub(channel))
-        return address, conn[1]
+        return address, self._workers.stub(address)
 
     def _manager(self) -> Any:
         if self._controls.sessions is None:
@@ -235,7 +227,7 @@ class SliceSession:
         compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
                                 outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
                                 out_shardings=out_shardings, keep_program_id=keep_id,
-                                spread=self._runs_on(part)[1] is not None)
+                                spread=runs_on(self._placement(), part)[1] is not None)
         self._programs[key] = compiled
         return compiled
 
@@ -243,18 +235,7 @@ class SliceSession:
                                  devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
         """Compiles a function on the slice's worker for the slice's virtual `devices` (empty:
         all, in order); the compiled output shardings (compiling.py)."""
-        placement = self._placement()
-        gang = placement.gang
-        # on a slice spanning hosts, the first member running it compiles (each member compiles
-        # the same module alike when it runs it), its devices numbered group-wide; devices on one
-        # member only are that worker's own
-        host = placement.host
-        generation = gang.generation if gang is not None else 0
-        if gang is not None and devices:
-            host, numbers, sub = narrowed(gang, devices)
-            generation = sub.generation if sub is not None else 0
-        else:
-            numbers = [placement.local_devices[v] for v in devices] if devices else list(placement.local_devices)
+        host, numbers, generation = compiles_on(self._placement(), devices)
         address, stub = self._worker(host.address)
         blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
         return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation)
@@ -264,27 +245,6 @@ class SliceSession:
             return self._slices.current(self.name)  # kept while nothing moved (slices.py)
         except ControllerError as e:
             raise backend_error(e) from None
-
-    def _runs_on(self, devices: Sequence[int], placement: Any = None
-                 ) -> tuple[str, tuple[int, ...] | None, tuple[str, ...]]:
-        """Where a program over the slice's virtual `devices` (empty: all, in order) runs now: the
-        address of the worker its outputs are recorded on (uploads' worker, or the first of those
-        running it), and, for an SPMD computation over several workers, the virtual devices its
-        outputs' parts are on (None: its outputs are whole on that worker) and the addresses of
-        the other workers holding parts of them. Decided on every run from the slice's current
-        placement (`placement`, or asked now): after a remap a sub-mesh once on one worker may
-        span several, or the reverse."""
-        placement = placement or self._placement()
-        gang = placement.gang
-        if gang is None:
-            return placement.host.address, None, ()
-        on: tuple[int, ...] = tuple(range(len(gang.devices)))
-        if devices:
-            host, _, sub = narrowed(gang, devices)
-            if sub is None:  # one worker's devices
-                return host.address, None, ()
-            gang, on = sub, tuple(devices)
-        return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:
@@ -313,7 +273,7 @@ class SliceSession:
         placement = self._placement()
         if self._placed_at:
             self._check_placed(inputs, placement.generation)
-        address, on, others = self._runs_on(self._devices.get(program_id, ()), placement)
+        address, on, others = runs_on(placement, self._devices.get(program_id, ()))
         workers = len(placement.gang.members) if placement.gang is not None else 1
         if workers != self.slice.hosts:  # re-placed over another number of workers (downloads.py)
             self.slice = replace(self.slice, hosts=workers)
@@ -429,7 +389,7 @@ class SliceSession:
                                                       shape if start == 0 else (), piece.parts, start, len(data))
 
         try:
-            await self._put_raw(address)(requests(), metadata=self._metadata)
+            await self._workers.put_raw(address)(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
         for b in ids:
@@ -439,7 +399,7 @@ class SliceSession:
     def stage(self, nbytes: int) -> Staging:
         """A staged upload of `nbytes` host bytes to the worker `put` would upload them to (staging.py)."""
         address, _ = self._worker()
-        call = self._put_raw(address)(metadata=self._metadata)
+        call = self._workers.put_raw(address)(metadata=self._metadata)
         return Staging(self, call, address, next(self._ids), self._owner, nbytes)
 
     def adopt(self, buffer_id: int, address: str) -> None:
@@ -469,7 +429,7 @@ class SliceSession:
         address = self._address_of(buffer_id)
         self._cork.waiting()  # the run making it is on its way to the worker
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
-        return fetching.chunks(self._fetch_raw(address), request, self._metadata, address)
+        return fetching.chunks(self._workers.fetch_raw(address), request, self._metadata, address)
 
     def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[bytes, None]:
         """The same bytes as the worker's `FetchData` messages (`data_messages`), which a
@@ -477,26 +437,7 @@ class SliceSession:
         address = self._address_of(buffer_id)
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
                                    data_messages=True)
-        return fetching.data_messages(self._fetch_raw(address), request, self._metadata, address)
-
-    def _put_raw(self, address: str) -> Any:
-        """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
-        self._worker(address)
-        channel = self._channels[address][0]
-        call = self._putters.get(channel)
-        if call is None:
-            call = self._putters[channel] = channel.stream_unary(
-                PUT_METHOD, request_serializer=None, response_deserializer=wpb.PutBuffersResponse.FromString)
-        return call
-
-    def _fetch_raw(self, address: str) -> Any:
-        """The worker's `Fetch` with its answers left serialized (fetching.py)."""
-        self._worker(address)
-        channel = self._channels[address][0]
-        call = self._fetchers.get(channel)
-        if call is None:
-            call = self._fetchers[channel] = fetching.fetch_method(channel)
-        return call
+        return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address)
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
         self._cork.waiting()  # what it waits for is on its way to the workers
@@ -542,11 +483,7 @@ class SliceSession:
     async def close(self) -> None:
         self._cork.flush()
         self._watcher.cancel()
-        for channel, _ in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-        self._fetchers.clear()
-        self._putters.clear()
+        await self._workers.close()
         self._home.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)

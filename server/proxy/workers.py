@@ -1,0 +1,58 @@
+"""A proxy session's channels to the workers of its slice: one per worker, with the stub and the
+raw methods that move array bytes without decoding them (uploads serialized by `wire`, fetched
+answers left serialized: fetching.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpc import aio
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+from . import fetching
+
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
+
+
+class WorkerChannels:
+    """Channels to workers by address, opened on first use and kept until `close`."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
+        self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers
+        self._putters: dict[str, Any] = {}  # address -> its PutBuffers taking serialized requests
+
+    def stub(self, address: str) -> wgrpc.WorkerStub:
+        conn = self._channels.get(address)
+        if conn is None:
+            channel = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            conn = self._channels[address] = (channel, wgrpc.WorkerStub(channel))
+        return conn[1]
+
+    def put_raw(self, address: str) -> Any:
+        """The worker's `PutBuffers`, taking requests already serialized (`wire.put_buffer_request`)."""
+        call = self._putters.get(address)
+        if call is None:
+            self.stub(address)
+            call = self._putters[address] = self._channels[address][0].stream_unary(
+                PUT_METHOD, request_serializer=None, response_deserializer=wpb.PutBuffersResponse.FromString)
+        return call
+
+    def fetch_raw(self, address: str) -> Any:
+        """The worker's `Fetch` with its answers left serialized (fetching.py)."""
+        call = self._fetchers.get(address)
+        if call is None:
+            self.stub(address)
+            call = self._fetchers[address] = fetching.fetch_method(self._channels[address][0])
+        return call
+
+    async def close(self) -> None:
+        channels = [channel for channel, _ in self._channels.values()]
+        self._channels.clear()
+        self._fetchers.clear()
+        self._putters.clear()
+        for channel in channels:
+            await channel.close()

@@ -118,3 +118,41 @@ def test_a_loop_that_never_waits_is_bounded_by_the_runs_in_flight(module_cluster
     # the calls filled the bound and then waited for the controller to report runs over
     assert out["cap"] == 4 and out["most"] == 4
     assert abs(out["value"] - out["expected"]) < 1e-4
+
+
+NAMED_SLICE_RACE = """
+import json
+import numpy as np
+import pwctl as pw
+from pwctl.errors import NotFound
+
+vds = pw.make_virtual_device_set()
+client = vds._rt.client
+get_slice = client.get_slice
+looks = []
+
+def first_look_misses(name):
+    # another client creates the slice between this client's look and its create
+    looks.append(name)
+    if len(looks) == 1:
+        raise NotFound(f"slice {name} not found")
+    return get_slice(name)
+
+client.get_slice = first_look_misses
+s = vds.add_slice(devices=1, island="b", name="shared-race")
+f = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+print(json.dumps({"name": s.name, "looks": len(looks), "y": np.asarray(f(np.zeros((1,), np.float32))).tolist()}))
+"""
+
+
+def test_a_named_slice_made_by_another_client_meanwhile_is_used_not_an_error(module_cluster: LocalCluster) -> None:
+    """`add_slice(name=...)` picks the named slice, else makes it: a client that lost the race to
+    make it (its create answered ALREADY_EXISTS) uses the one the other client made."""
+    module_cluster.pwctl("slice", "create", "shared-race", "--devices", "1", "--island", "b")
+    try:
+        r = subprocess.run([sys.executable, "-c", NAMED_SLICE_RACE], env=module_cluster.env(), capture_output=True,
+                           text=True, timeout=90)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == {"name": "shared-race", "looks": 2, "y": [1.0]}
+    finally:
+        module_cluster.pwctl("slice", "delete", "shared-race")

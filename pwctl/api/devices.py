@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-from ..errors import InvalidArgument
+from ..errors import AlreadyExists, InvalidArgument, NotFound
 from .runtime import Runtime
 
 
@@ -115,18 +115,26 @@ class VirtualDeviceSet:
         """
         spec = cpb.SliceSpec(name=name or "", devices=devices, mesh=list(mesh or ()), island=island or "",
                              kind=kind or "", exclusive=exclusive, host_axis=host_axis)
-        info: cpb.Slice | None = None
-        if name:
-            try:
-                info = self._rt.client.get_slice(name)
-            except Exception:
-                info = None
+        info = self._named(name) if name else None
         if info is None:
-            info = self._rt.client.create_slice(spec, owner="" if name else self._rt.owner).slice
+            try:
+                info = self._rt.client.create_slice(spec, owner="" if name else self._rt.owner).slice
+            except AlreadyExists:
+                # another client made it between our look and our create: it is the one to use
+                info = self._named(name) if name else None
+                if info is None:
+                    raise
         vs = VirtualSlice(self._rt, info)
         self._rt.slices[vs.name] = vs
         self.slices.append(vs)
         return vs
+
+    def _named(self, name: str) -> cpb.Slice | None:
+        """The named slice, or None when there is none by that name."""
+        try:
+            return self._rt.client.get_slice(name)
+        except NotFound:
+            return None
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

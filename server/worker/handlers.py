@@ -75,24 +75,21 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
                 yield item
         return handler
 
+    async def checked(method: str, requests: AsyncIterator[Any], context: aio.ServicerContext) -> AsyncIterator[Any]:
+        """A stream's requests, ended with the refusal at the first that did not decode."""
+        async for r in requests:
+            if isinstance(r, Malformed):
+                await _refuse(context, method, r)
+            yield r
+
     def client_stream(method: str, fn: Any) -> Any:
         async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
-            async def checked() -> AsyncIterator[Any]:
-                async for r in requests:
-                    if isinstance(r, Malformed):
-                        await _refuse(context, method, r)
-                    yield r
-            return await fn(checked(), context)
+            return await fn(checked(method, requests, context), context)
         return handler
 
     def bidi_stream(method: str, fn: Any) -> Any:
         async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
-            async def checked() -> AsyncIterator[Any]:
-                async for r in requests:
-                    if isinstance(r, Malformed):
-                        await _refuse(context, method, r)
-                    yield r
-            async for item in fn(checked(), context):
+            async for item in fn(checked(method, requests, context), context):
                 yield item
         return handler
 

@@ -243,8 +243,7 @@ class SessionManager:
                         self.dispatcher.submit(session, m.run, submits)
                 else:
                     self.handle(session, m)
-            if submits:
-                self.dispatcher.handle(Batch(tuple(submits), submits[-1].now))
+            self.submit_batch(submits)
         elif kind == "run":
             self.run(session, msg.run)
         elif kind == "release":

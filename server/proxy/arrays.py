@@ -158,12 +158,11 @@ async def join(session: Session, rec: ArrayRecord, ids: dict[int, int] | None = 
         made = await asyncio.to_thread(piece_function, inputs, (rec.dtype, rec.shape), pieces,
                                        session.backend.slice.platform_name)
         session.functions[cache_key] = made
-    inputs_now = [(ids or {}).get(b.id, b.id) for b in sources]
-    if session.backend.slice.hosts > 1:  # its result is spread over the slice's workers (cluster_backend.py)
-        (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, inputs_now,
-                                                    outputs=[ArraySpec(rec.dtype, rec.shape)])
-    else:
-        (out,) = await session.backend.run_function("proxy_assemble", made[1], 1, inputs_now)
+    # on a slice spanning hosts its result is spread over the workers: its spec lets a later
+    # run on other devices read it through a gathered copy (cluster_backend.py `prepare`)
+    specs = [ArraySpec(rec.dtype, rec.shape)] if session.backend.slice.hosts > 1 else []
+    (out,) = await session.backend.run_function("proxy_assemble", made[1], 1,
+                                                [(ids or {}).get(b.id, b.id) for b in sources], outputs=specs)
     return out
 
 

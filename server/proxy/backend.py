@@ -64,9 +64,6 @@ class CompiledInfo:
     in_shardings: tuple[bytes | None, ...] = ()  # serialized xla.OpSharding per input (None: replicated)
     out_shardings: tuple[bytes | None, ...] = ()
     keep_program_id: str = ""  # the same program without donation ("" : program_id)
-    # a multi-device program's outputs may be spread over workers (on a slice spanning hosts, an
-    # SPMD computation over several of them); False: they are whole on one worker
-    spread: bool = True
 
 
 class SessionBackend(Protocol):
@@ -83,6 +80,16 @@ class SessionBackend(Protocol):
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         """Submits one run through the scheduler and returns at once: the ids of its output
         buffers, which exist (or carry the run's error) once it ran."""
+        ...
+
+    async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The buffers a run of `program_id` reads instead of `inputs` (an input spread over other
+        devices than the program's is read through a gathered copy), and those of them it made,
+        which the caller frees once the run is submitted."""
+        ...
+
+    def spread_over_workers(self, buffer_id: int) -> bool:
+        """Whether the run that made this buffer left its parts on several workers."""
         ...
 
     async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int],

@@ -226,8 +226,7 @@ class SliceSession:
             self._out_specs[p] = info.outputs
         compiled = CompiledInfo(program_id=program_id, name=info.name, inputs=info.inputs,
                                 outputs=info.outputs, donated=info.donated, in_shardings=info.in_shardings,
-                                out_shardings=out_shardings, keep_program_id=keep_id,
-                                spread=runs_on(self._placement(), part)[1] is not None)
+                                out_shardings=out_shardings, keep_program_id=keep_id)
         self._programs[key] = compiled
         return compiled
 

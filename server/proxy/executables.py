@@ -249,11 +249,7 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
             # a donated buffer that another array (or another argument) still reads is not given up
             if compiled.donated and any(bufs[i].records > 1 or bufs.count(bufs[i]) > 1 for i in compiled.donated):
                 program = compiled.keep_program_id or program
-            ids = [b.id for b in bufs]
-            made: list[int] = []
-            prepare = getattr(session.backend, "prepare", None)  # slices spanning hosts (cluster_backend.py)
-            if prepare is not None:
-                ids, made = await prepare(program, ids)
+            ids, made = await session.backend.prepare(program, [b.id for b in bufs])
             try:
                 buffers = session.backend.execute(program, ids)
             finally:
@@ -266,11 +262,9 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
         raise
     finally:
         pins.release()
-    # whether its outputs are spread over workers: where the backend decides it per run (the
-    # cluster's: by the slice's placement then, which a remap changes), as it says; else as compiled
-    spread_of = getattr(session.backend, "spread_over_workers", None)
-    spread = len(exe.device_ids) > 1 and (
-        spread_of(buffers[0]) if spread_of is not None and buffers else compiled.spread)
+    # whether its outputs are spread over workers: decided per run (by the slice's placement
+    # then, which a remap changes)
+    spread = len(exe.device_ids) > 1 and bool(buffers) and session.backend.spread_over_workers(buffers[0])
     out_bufs = [Buf(b, spec.dtype, spec.shape, spread=spread) for b, spec in zip(buffers, compiled.outputs,
                                                                                 strict=True)]
     outputs = exe.outputs(proto)

@@ -113,7 +113,7 @@ class WorkerClient:
         self._reopening = False  # a new stream is due after a pause (the ended stream's reader opens it)
         self._closed = False
 
-    def put(self, buffer_id: int, arr: np.ndarray, owner: str = "", run_id: int = 0) -> None:
+    def put(self, buffer_id: int, arr: np.ndarray, run_id: int = 0) -> None:
         """Queues an upload; returns at once (the consuming node waits for it). `run_id`: the run
         that reads it, named to `on_lost` should it be given up."""
         upload = Upload(buffer_id, upload_messages(buffer_id, np.asarray(arr)), run_id)

@@ -202,7 +202,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
             continue
         address = rt.slices[slice_name].address
         bid = rt.new_id()
-        rt.worker(address).put(bid, np.asarray(v), rt.owner, run_id)
+        rt.worker(address).put(bid, np.asarray(v), run_id)
         input_ids.append(bid)
         homes.append(address)
         uploads.append((bid, address))

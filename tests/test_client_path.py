@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pwctl.api.functions import fast_key
-from pwctl.api.runtime import Runtime, _Release
+from pwctl.api.packing import Release as _Release
+from pwctl.api.packing import pack
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -39,7 +40,7 @@ def _release(address: str, *ids: int, owner: str = "") -> cpb.ClientMessage:
 
 def test_adjacent_releases_of_one_worker_travel_as_one_message() -> None:
     run = cpb.ClientMessage(run=cpb.RunProgram(run_id=9, program_id="p"))
-    packed = Runtime._pack([_release("w1", 1), _release("w1", 2, 3), _release("w2", 4), run, _release("w1", 5),
+    packed = pack([_release("w1", 1), _release("w1", 2, 3), _release("w2", 4), run, _release("w1", 5),
                             _release("w1", owner="client:1"), _release("w1", 6)])
     msgs = packed.batch.messages
     kinds = [(m.WhichOneof("msg"), m.release.address if m.HasField("release") else "") for m in msgs]
@@ -49,18 +50,18 @@ def test_adjacent_releases_of_one_worker_travel_as_one_message() -> None:
                      ("release", "w1")]
     assert list(msgs[0].release.buffer_ids) == [1, 2, 3]
     assert list(msgs[3].release.buffer_ids) == [5]
-    assert Runtime._pack([_release("w1", 1), _release("w1", 2)]).release.buffer_ids == [1, 2]
+    assert pack([_release("w1", 1), _release("w1", 2)]).release.buffer_ids == [1, 2]
 
 
 def test_dropped_futures_are_queued_as_ids_and_leave_as_one_release_per_worker() -> None:
     run = cpb.ClientMessage(run=cpb.RunProgram(run_id=9, program_id="p"))
-    packed = Runtime._pack([_Release(1, "w1"), _Release(2, "w1"), _release("w1", 3), _Release(4, "w2"), run,
+    packed = pack([_Release(1, "w1"), _Release(2, "w1"), _release("w1", 3), _Release(4, "w2"), run,
                             _Release(5, "w1")])
     msgs = packed.batch.messages
     assert [(m.WhichOneof("msg"), list(m.release.buffer_ids)) for m in msgs] == [
         ("release", [1, 2, 3]), ("release", [4]), ("run", []), ("release", [5])]
     assert msgs[1].release.address == "w2"
-    assert list(Runtime._pack([_Release(7, "w1")]).release.buffer_ids) == [7]
+    assert list(pack([_Release(7, "w1")]).release.buffer_ids) == [7]
 
 
 def test_the_bound_on_runs_in_flight_comes_from_the_environment() -> None:

@@ -20,15 +20,15 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
-from typing import Any, NamedTuple
+from typing import Any
 
 from schemas.pathways.v1 import controller_pb2 as cpb
-from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError, ProgramError
 from ..worker_client import Upload, WorkerClient
 from .env import env_amount, keep_local_jax_on_cpu
+from .packing import Release, pack
 from .resume import RECONNECT_S, Resume
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,6 @@ _WAKE = object()  # wakes a stream's sender that the stream outlived (it then ha
 # Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
 # are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
 MAX_HANDED = 65536
-
-
-class _Release(NamedTuple):
-    """A dropped future's buffer, queued as is: the sender thread turns runs of them into one
-    release message per worker (a training step drops hundreds of futures at once)."""
-
-    buffer_id: int
-    address: str
 
 
 class _Lost(Exception):
@@ -191,13 +183,13 @@ class Runtime:
                         return
                     carried = list(self._carry)
                     self._carry.clear()
-                batch: list[cpb.ClientMessage | _Release] = []
+                batch: list[cpb.ClientMessage | Release] = []
                 stop = False
                 for item in carried:
                     if item is _STOP:
                         stop = True
                     elif item is not _WAKE:
-                        assert isinstance(item, cpb.ClientMessage | _Release)
+                        assert isinstance(item, cpb.ClientMessage | Release)
                         batch.append(item)
                 if not batch and not stop:
                     item = self._out.get()
@@ -222,13 +214,13 @@ class Runtime:
                         if runs:
                             self._handed.extend(runs)
                             self._handed_total += len(runs)
-                    yield self._pack(batch)
+                    yield pack(batch)
                 if stop:
                     return
         finally:
             done.set()
 
-    def _take(self, gen: int, item: object, batch: list[cpb.ClientMessage | _Release]) -> bool:
+    def _take(self, gen: int, item: object, batch: list[cpb.ClientMessage | Release]) -> bool:
         """Adds `item` to `batch`; False when stream `gen` is over: then the batch and the item
         go to `_carry`, in order, for the next stream."""
         with self._gen_lock:
@@ -238,44 +230,9 @@ class Runtime:
                     self._carry.append(item)
                 batch.clear()
                 return False
-        if isinstance(item, cpb.ClientMessage | _Release):
+        if isinstance(item, cpb.ClientMessage | Release):
             batch.append(item)
         return True
-
-    @staticmethod
-    def _pack(batch: list[cpb.ClientMessage | _Release]) -> cpb.ClientMessage:
-        """One message for a batch; adjacent releases of one worker's buffers become one release
-        (a training step drops every parameter future of the step before: one message, not 85)."""
-        msgs: list[cpb.ClientMessage] = []
-        i = 0
-        while i < len(batch):
-            item = batch[i]
-            if not isinstance(item, _Release):
-                msgs.append(item)
-                i += 1
-                continue
-            ids = [item.buffer_id]
-            i += 1
-            while i < len(batch):
-                nxt = batch[i]
-                if not isinstance(nxt, _Release) or nxt.address != item.address:
-                    break
-                ids.append(nxt.buffer_id)
-                i += 1
-            msgs.append(cpb.ClientMessage(release=wpb.ReleaseBuffers(buffer_ids=ids, address=item.address)))
-        if len(msgs) == 1:
-            return msgs[0]
-        merged: list[cpb.ClientMessage] = []
-        for msg in msgs:
-            prev = merged[-1] if merged else None
-            if (prev is not None and msg.HasField("release") and prev.HasField("release")
-                    and prev.release.address == msg.release.address and not (msg.release.owner or prev.release.owner)):
-                prev.release.buffer_ids.extend(msg.release.buffer_ids)
-            else:
-                merged.append(msg)
-        if len(merged) == 1:
-            return merged[0]
-        return cpb.ClientMessage(batch=cpb.ClientBatch(messages=merged))
 
     # ---- incoming ----
     def _read(self) -> None:
@@ -473,7 +430,7 @@ class Runtime:
     def release(self, buffer_id: int, address: str) -> None:
         if self.closed or self._session_error:
             return
-        self._out.put(_Release(buffer_id, address))
+        self._out.put(Release(buffer_id, address))
 
     # ---- workers ----
     def worker(self, address: str) -> WorkerClient:

@@ -247,6 +247,12 @@ class DescribedSlice:
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
+    async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
+        return list(inputs), []  # one worker: every input is read where it is
+
+    def spread_over_workers(self, buffer_id: int) -> bool:
+        return False
+
     async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 

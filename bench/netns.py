@@ -109,8 +109,24 @@ class Host:
         return env
 
     def run(self, cmd: Sequence[str], timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(cmd), env=self.env(**env), capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        """Runs `cmd` on this host to its end. Past `timeout` a Python process is sent SIGABRT
+        first, so that its threads' stacks (PYTHONFAULTHANDLER) come with the TimeoutExpired's
+        stderr: a hang in a test says where it hung."""
+        with subprocess.Popen(self.argv(cmd), env=self.env(PYTHONFAULTHANDLER="1", **env), text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # nsenter execs the command: this is its pid
+                try:
+                    out, err = proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, err = proc.communicate()
+                # shown with the failing test (pytest's captured stderr)
+                sys.stderr.write(f"{' '.join(map(str, cmd))} timed out after {timeout} s; its output:\n{out}\n{err}\n")
+                raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def popen(self, cmd: Sequence[str], stdin: int = subprocess.DEVNULL, **env: str) -> subprocess.Popen[str]:
         """Starts `cmd` on this host, stdout piped (line-buffered text), stderr merged into it;

@@ -6,17 +6,21 @@ completion threads around the state machine), buffer store and JAX on this proce
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
+import grpc
 import jax
 import numpy as np
 import pytest
 from test_worker_executor import X, register
 
 from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.buffers import BufferFailed, BufferStore
 from server.worker.executor import Executor
+from server.worker.handlers import add_to_server
 from server.worker.servicer import WorkerServicer
 from server.worker.transfer import TransferSender
 
@@ -103,3 +107,41 @@ def test_a_buffer_whose_parts_stop_coming_fails_after_the_idle_time_and_its_memo
         store.wait(14, timeout=1)
     part(s, 14, 2)
     assert s.gathering.open_ids() == []
+
+
+def stats_over_grpc(s: WorkerServicer) -> wpb.WorkerStats:
+    """The servicer's Stats as an operator's tool reads them: a real gRPC call to it served on
+    loopback (the Worker service's own method table, server/worker/handlers.py)."""
+
+    async def ask() -> wpb.WorkerStats:
+        server = grpc.aio.server()
+        add_to_server(s, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.timeout(60)
+def test_the_workers_stats_count_the_unfinished_gathering_entries_and_their_bytes(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes, st.buffers) == (0, 0, 0)
+    store.expect([15, 16], owner="client:1", visible=[True, True])
+    part(s, 15, 0)
+    part(s, 16, 2)
+    big = np.arange(64, dtype=np.float64)  # an entry of another size: bytes are summed, not counted
+    s.deliver_peer(wpb.TransferChunk(buffer_id=17, part_start=[0], global_shape=[128], last=True), big)
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes) == (3, 2 * X.nbytes + 128 * 8), st
+    part(s, 15, 2)  # 15 is whole: stored, no longer gathered
+    store.release([16])  # 16 can no longer be whole: its parts go at the next sweep
+    assert s.gathering.sweep() == 1
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes) == (1, 128 * 8), st
+    assert st.buffer_bytes >= X.nbytes  # 15, stored: counted as a buffer, not as gathering

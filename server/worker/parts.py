@@ -176,3 +176,8 @@ class Gathering:
         """The memory held by the buffers being gathered."""
         with self._lock:
             return sum(e.whole.nbytes for e in self._open.values())
+
+    def stats(self) -> tuple[int, int]:
+        """(buffers being gathered, the bytes they hold), read together (WorkerStats)."""
+        with self._lock:
+            return len(self._open), sum(e.whole.nbytes for e in self._open.values())

@@ -68,6 +68,55 @@ def test_a_dropped_runs_half_gathered_input_goes_and_its_late_parts_are_ignored(
     assert s.gathering.sweep() == 0
 
 
+def late_reader(s: WorkerServicer, run: int, seq: int, bid: int, out: int) -> None:
+    """The reader of `bid`, enqueued after its run was dropped (its Enqueue overtaken by the Drop)."""
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=run, segment=0, seq=seq, segment_id=1, input_ids=[bid],
+                                                  output_ids=[out], output_visible=[True], owner="client:1")]))
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_arriving_after_its_run_was_dropped_takes_the_half_gathered_input_with_it(
+        servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    assert part(s, 30, 0) == 0  # one member's part came; the run is dropped before its reader is here
+    s.executor.drop([3], "cancelled by the client")
+    assert s.gathering.open_ids() == [30]  # (the worker cannot tell yet whose input 30 is)
+    late_reader(s, 3, 1, 30, 31)
+    with pytest.raises(BufferFailed, match="cancelled by the client"):
+        store.wait(31, timeout=10)  # the reader failed at once, naming the run's reason
+    assert until(lambda: s.gathering.open_ids() == []), "the dropped run's parts stayed until the idle time"
+    assert s.gathering.open_bytes() == 0 and store.owner_of(30) is None  # nor any entry of it in the store
+    assert part(s, 30, 2) == 0  # the other member's part, late: ignored
+    assert s.gathering.open_ids() == [] and store.owner_of(30) is None
+
+
+@pytest.mark.timeout(60)
+def test_parts_arriving_after_the_late_reader_of_a_dropped_run_failed_are_ignored(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    s.executor.drop([4], "host w2 was lost")
+    late_reader(s, 4, 1, 32, 33)
+    with pytest.raises(BufferFailed, match="host w2 was lost"):
+        store.wait(33, timeout=10)
+    assert part(s, 32, 0) == 0  # a member's part, sent before it heard of the drop
+    assert s.gathering.open_ids() == [] and store.owner_of(32) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_of_a_live_run_keeps_the_entry_a_dropped_runs_reader_leaves(servicer: WorkerServicer) -> None:
+    """Parts are dropped only when no reader here still needs them."""
+    s, store = servicer, servicer.store
+    part(s, 34, 0)
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=5, segment=0, seq=1, segment_id=1, input_ids=[34],
+                                                  output_ids=[35], output_visible=[True], owner="client:1")]))
+    s.executor.drop([6], "cancelled")
+    late_reader(s, 6, 2, 34, 36)  # another run's reader of the same array, its run dropped
+    with pytest.raises(BufferFailed, match="cancelled"):
+        store.wait(36, timeout=10)
+    assert s.gathering.open_ids() == [34]  # run 5's reader still waits for it
+    part(s, 34, 2)
+    np.testing.assert_array_equal(store.wait(35, timeout=10), X + 1)
+
+
 @pytest.mark.timeout(60)
 def test_gathered_parts_make_the_array_and_replicated_parts_count_once(servicer: WorkerServicer) -> None:
     s, store = servicer, servicer.store

@@ -1,7 +1,8 @@
 """A worker gathering the parts of a multi-host slice's array from its members (parts.py,
 Gathering) keeps no unfinished entry, nor its memory, once the array can no longer be whole:
-the run reading it dropped (the controller's host-loss handling), the buffer failed or
-released, or no part came for a bounded time. Real worker servicer, executor (its launch and
+the run reading it dropped (the controller's host-loss handling; or before its reader
+arrived, which then fails on arrival), the buffer failed or released, or no part came for a
+bounded time. Real worker servicer, executor (its launch and
 completion threads around the state machine), buffer store and JAX on this process's CPU."""
 
 from __future__ import annotations

@@ -203,3 +203,23 @@ def test_an_upload_sent_again_is_kept_only_when_the_store_neither_has_it_nor_fre
     assert s.owner_of(4) is None
     assert s.put(4, arr, arr.nbytes, owner="client:1", client_ref=True, same_owner=True, again=True)
     assert s.owner_of(4) == "client:1"
+
+
+@pytest.mark.timeout(30)
+def test_a_pending_buffer_whose_readers_all_ended_is_unread_until_a_new_reader_comes() -> None:
+    s = BufferStore()
+    told: list[int] = []
+    s.on_unread = told.append
+    s.add_consumers([5, 5, 6], owner="client:1")  # two readers of 5, one of 6
+    s.expect([6], owner="client:1", visible=[True])  # 6 is also the client's
+    s.consumer_done(5)
+    assert not s.unread(5) and told == []  # the other reader still waits for it
+    s.consumer_done(5)
+    s.consumer_done(6)
+    assert s.unread(5) and told == [5]  # (6: held for the client, not unread)
+    assert not s.unread(6)
+    s.add_consumers([5], owner="client:1")  # a new reader: it is read again
+    assert not s.unread(5)
+    s.put(5, np.zeros(2), 16)
+    s.consumer_done(5)  # a reader that ran: nothing is left pending
+    assert not s.unread(5) and told == [5] and live(s) == 1

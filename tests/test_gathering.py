@@ -1,22 +1,27 @@
 """A worker gathering the parts of a multi-host slice's array from its members (parts.py,
 Gathering) keeps no unfinished entry, nor its memory, once the array can no longer be whole:
-the run reading it dropped (the controller's host-loss handling), the buffer failed or
-released, or no part came for a bounded time. Real worker servicer, executor (its launch and
+the run reading it dropped (the controller's host-loss handling; or before its reader
+arrived, which then fails on arrival), the buffer failed or released, or no part came for a
+bounded time. Real worker servicer, executor (its launch and
 completion threads around the state machine), buffer store and JAX on this process's CPU."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
+import grpc
 import jax
 import numpy as np
 import pytest
 from test_worker_executor import X, register
 
 from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.buffers import BufferFailed, BufferStore
 from server.worker.executor import Executor
+from server.worker.handlers import add_to_server
 from server.worker.servicer import WorkerServicer
 from server.worker.transfer import TransferSender
 
@@ -64,6 +69,55 @@ def test_a_dropped_runs_half_gathered_input_goes_and_its_late_parts_are_ignored(
     assert s.gathering.sweep() == 0
 
 
+def late_reader(s: WorkerServicer, run: int, seq: int, bid: int, out: int) -> None:
+    """The reader of `bid`, enqueued after its run was dropped (its Enqueue overtaken by the Drop)."""
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=run, segment=0, seq=seq, segment_id=1, input_ids=[bid],
+                                                  output_ids=[out], output_visible=[True], owner="client:1")]))
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_arriving_after_its_run_was_dropped_takes_the_half_gathered_input_with_it(
+        servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    assert part(s, 30, 0) == 0  # one member's part came; the run is dropped before its reader is here
+    s.executor.drop([3], "cancelled by the client")
+    assert s.gathering.open_ids() == [30]  # (the worker cannot tell yet whose input 30 is)
+    late_reader(s, 3, 1, 30, 31)
+    with pytest.raises(BufferFailed, match="cancelled by the client"):
+        store.wait(31, timeout=10)  # the reader failed at once, naming the run's reason
+    assert until(lambda: s.gathering.open_ids() == []), "the dropped run's parts stayed until the idle time"
+    assert s.gathering.open_bytes() == 0 and store.owner_of(30) is None  # nor any entry of it in the store
+    assert part(s, 30, 2) == 0  # the other member's part, late: ignored
+    assert s.gathering.open_ids() == [] and store.owner_of(30) is None
+
+
+@pytest.mark.timeout(60)
+def test_parts_arriving_after_the_late_reader_of_a_dropped_run_failed_are_ignored(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    s.executor.drop([4], "host w2 was lost")
+    late_reader(s, 4, 1, 32, 33)
+    with pytest.raises(BufferFailed, match="host w2 was lost"):
+        store.wait(33, timeout=10)
+    assert part(s, 32, 0) == 0  # a member's part, sent before it heard of the drop
+    assert s.gathering.open_ids() == [] and store.owner_of(32) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_of_a_live_run_keeps_the_entry_a_dropped_runs_reader_leaves(servicer: WorkerServicer) -> None:
+    """Parts are dropped only when no reader here still needs them."""
+    s, store = servicer, servicer.store
+    part(s, 34, 0)
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=5, segment=0, seq=1, segment_id=1, input_ids=[34],
+                                                  output_ids=[35], output_visible=[True], owner="client:1")]))
+    s.executor.drop([6], "cancelled")
+    late_reader(s, 6, 2, 34, 36)  # another run's reader of the same array, its run dropped
+    with pytest.raises(BufferFailed, match="cancelled"):
+        store.wait(36, timeout=10)
+    assert s.gathering.open_ids() == [34]  # run 5's reader still waits for it
+    part(s, 34, 2)
+    np.testing.assert_array_equal(store.wait(35, timeout=10), X + 1)
+
+
 @pytest.mark.timeout(60)
 def test_gathered_parts_make_the_array_and_replicated_parts_count_once(servicer: WorkerServicer) -> None:
     s, store = servicer, servicer.store
@@ -103,3 +157,41 @@ def test_a_buffer_whose_parts_stop_coming_fails_after_the_idle_time_and_its_memo
         store.wait(14, timeout=1)
     part(s, 14, 2)
     assert s.gathering.open_ids() == []
+
+
+def stats_over_grpc(s: WorkerServicer) -> wpb.WorkerStats:
+    """The servicer's Stats as an operator's tool reads them: a real gRPC call to it served on
+    loopback (the Worker service's own method table, server/worker/handlers.py)."""
+
+    async def ask() -> wpb.WorkerStats:
+        server = grpc.aio.server()
+        add_to_server(s, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.timeout(60)
+def test_the_workers_stats_count_the_unfinished_gathering_entries_and_their_bytes(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes, st.buffers) == (0, 0, 0)
+    store.expect([15, 16], owner="client:1", visible=[True, True])
+    part(s, 15, 0)
+    part(s, 16, 2)
+    big = np.arange(64, dtype=np.float64)  # an entry of another size: bytes are summed, not counted
+    s.deliver_peer(wpb.TransferChunk(buffer_id=17, part_start=[0], global_shape=[128], last=True), big)
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes) == (3, 2 * X.nbytes + 128 * 8), st
+    part(s, 15, 2)  # 15 is whole: stored, no longer gathered
+    store.release([16])  # 16 can no longer be whole: its parts go at the next sweep
+    assert s.gathering.sweep() == 1
+    st = stats_over_grpc(s)
+    assert (st.gathering, st.gathering_bytes) == (1, 128 * 8), st
+    assert st.buffer_bytes >= X.nbytes  # 15, stored: counted as a buffer, not as gathering

@@ -13,9 +13,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import REPO, LocalCluster, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from server.credentials import KEY_FILE, PEER_HEADER, peer_credential
 
 DASHBOARD = REPO / "deploy" / "grafana" / "pathways.json"
 DOC = REPO / "docs" / "metrics.md"
@@ -122,6 +128,38 @@ def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: Loca
     assert info["policy"] == "fifo" and info["jobs"] == 0 and info["jobs_total"] == 0
     table = cluster.pwctl("server", "info").stdout
     assert url in table and "fifo" in table
+
+
+@pytest.mark.cluster(islands=2, devices=1, controller_args=["--metrics-listen", "127.0.0.1:0"])
+def test_a_workers_unfinished_gatherings_show_in_its_stats_and_in_the_metrics(cluster: LocalCluster) -> None:
+    """A member of a multi-host slice sent its part of an array to worker a, whose other parts
+    never come: the worker's Stats and the controller's metrics show the entry and its bytes."""
+    url = metrics_url(cluster)
+    before = scrape(url, cluster.token)
+    for name in ("pathways_worker_gathering", "pathways_worker_gathering_bytes"):
+        assert value(before, name, island="a") == 0 and value(before, name, island="b") == 0
+    address = cluster.hosts()["w-a"].address
+    key = bytes.fromhex((cluster.home / KEY_FILE).read_text().strip())
+    peer = ((PEER_HEADER, peer_credential(key)),)  # (the channel carries the cluster token)
+    part = np.arange(4, dtype=np.float32)  # [0, 4) of a (16,) array: three quarters never come
+    chunk = wpb.TransferChunk(buffer_id=(9 << 40) + 1, last=True, part_start=[0], global_shape=[16],
+                              array=pb.ArrayProto(dtype="float32", shape=[4], data=part.tobytes()))
+    with cluster.channel(address) as ch:
+        stub = wgrpc.WorkerStub(ch)
+        assert stub.Transfer(iter([chunk]), metadata=peer, timeout=10).bytes == 0  # stored nothing yet
+        st = stub.Stats(wpb.WorkerStatsRequest(), timeout=10)
+    assert (st.gathering, st.gathering_bytes) == (1, 16 * 4), st
+
+    def beat_reported() -> Samples | None:  # the worker's next heartbeat carries it
+        s = scrape(url, cluster.token)
+        return s if value(s, "pathways_worker_gathering", island="a") == 1 else None
+
+    after = wait_for(beat_reported, 30, "the worker's heartbeat to report the gathering")
+    assert value(after, "pathways_worker_gathering_bytes", island="a") == 16 * 4
+    assert value(after, "pathways_worker_gathering", island="b") == 0
+    assert value(after, "pathways_worker_gathering_bytes", island="b") == 0
+    assert value(after, "pathways_worker_buffers", island="a") == 0  # an unfinished array is no buffer yet
+    assert value(after, "pathways_worker_buffer_bytes", island="b") == 0
 
 
 @pytest.mark.cluster(islands=1, devices=1, controller_args=["--metrics-listen", "127.0.0.1:0"])

@@ -9,7 +9,8 @@ what the database held at start: this controller is the database's only writer.
 
 Costs grow with what changed, not with the cluster (issue 31): a registration, a heartbeat and
 a loss touch one host's entries; the per-island indexes (`_by_island`, `_counts`) make island
-listings cost one step per island; a heartbeat only stamps the host's monotonic time, and
+listings cost one step per island; a heartbeat only stamps the host's monotonic time (and keeps
+a reference to the beat, what the worker holds, for the metrics), and
 last-seen times reach the database coarsely (every `PERSIST_SEEN_S`) as one batched UPDATE;
 hosts found silent together are marked lost in one pass with one write.
 
@@ -121,6 +122,9 @@ class HostInfo:
     # SHA-256 of the credential that proves a re-registration is this host (hostcreds.py);
     # None for a host recorded before credentials existed (the first to register adopts it)
     credential_hash: str | None = None
+    # what the worker said it holds in its last heartbeat (buffers, gathering: the metrics);
+    # None until its first beat after this registration
+    held: cpb.Heartbeat | None = None
 
 
 HostListener = Callable[[HostInfo], None]
@@ -347,10 +351,12 @@ class Cluster:
                 info.link.send(msg)
 
     def heartbeat(self, name: str, hb: cpb.Heartbeat) -> None:
-        """The host is alive (the buffer counts `hb` carries are the worker's to report, not kept)."""
+        """The host is alive; what it holds (`hb`) is kept as it is for the metrics, read at scrape
+        time (one reference stored: a beat costs no more)."""
         info = self.hosts.get(name)
         if info is not None and info.state == READY:
             info.last_seen = time.monotonic()
+            info.held = hb
 
     def last_heartbeat(self, info: HostInfo, now_wall: datetime, now_mono: float) -> datetime:
         """The wall time of the host's last sign of life."""

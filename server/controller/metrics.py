@@ -115,6 +115,34 @@ class ControllerCollector(Collector):
         yield hosts
         yield devices
         yield util
+        yield from self._held()
+
+    def _held(self) -> Iterator[Metric]:
+        """What the ready workers of each island hold, summed, as of their last heartbeats."""
+        families = [
+            ("pathways_worker_buffers", "Buffers the ready workers of an island hold (ready or pending), "
+             "as of their last heartbeats"),
+            ("pathways_worker_buffer_bytes", "Bytes of the buffers the ready workers of an island hold, as "
+             "of their last heartbeats"),
+            ("pathways_worker_gathering", "Arrays of multi-host slices the ready workers of an island are "
+             "gathering from their members' parts, not whole yet, as of their last heartbeats"),
+            ("pathways_worker_gathering_bytes", "Bytes those unfinished gatherings hold, as of the workers' "
+             "last heartbeats"),
+        ]
+        sums = {island: [0, 0, 0, 0] for island in self.cluster.islands}
+        for h in self.cluster.hosts.values():
+            hb = h.held
+            if h.state == READY and hb is not None:
+                s = sums.setdefault(h.island, [0, 0, 0, 0])
+                s[0] += hb.buffers
+                s[1] += hb.buffer_bytes
+                s[2] += hb.gathering
+                s[3] += hb.gathering_bytes
+        for i, (name, doc) in enumerate(families):
+            family = GaugeMetricFamily(name, doc, labels=["island"])
+            for island, s in sorted(sums.items()):
+                family.add_metric([island], s[i])
+            yield family
 
     def _queues(self) -> Iterator[Metric]:
         snap = self.scheduler.snapshot()

@@ -42,6 +42,9 @@ class _Entry:
     nbytes: int = 0
     hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
     uploaded: bool = False  # a client's upload supplied it
+    # every reader enqueued here ended before it existed (they failed: a run dropped before its
+    # reader arrived fails that reader on arrival), and nothing else holds it
+    unread: bool = False
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -75,6 +78,9 @@ class BufferStore:
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
+        # told each pending buffer that became `unread` (outside the lock): the servicer drops
+        # the parts it was gathering for it, which nobody here would read
+        self.on_unread: Callable[[int], None] | None = None
 
     # ---- declaring ----
     # A task declares every output and input at once, under one lock round trip: a training step
@@ -90,6 +96,7 @@ class BufferStore:
                 if i < len(visible) and visible[i] and not e.released:
                     e.client_ref = True
                 e.owner = e.owner or owner
+                e.unread = False
 
     def add_consumers(self, buffer_ids: Sequence[int], owner: str = "") -> None:
         """An enqueued reader (a node, or a send to another worker) will read each of these once."""
@@ -100,14 +107,21 @@ class BufferStore:
                     e = self._entries[buffer_id] = _Entry(owner=owner)
                 e.consumers += 1
                 e.hold = False
+                e.unread = False
 
     def consumer_done(self, buffer_id: int) -> None:
         gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        unread = False
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is not None:
                 e.consumers = max(0, e.consumers - 1)
+                if (e.consumers == 0 and e.state == PENDING and not e.client_ref and not e.released
+                        and not e.hold):
+                    e.unread = unread = True  # its last reader gave up before it existed
                 self._maybe_free(buffer_id, e, gone)
+        if unread and self.on_unread is not None:
+            self.on_unread(buffer_id)
 
     # ---- producing ----
     def put(
@@ -313,6 +327,14 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             return e is not None and (e.state != PENDING or e.released)
+
+    def unread(self, buffer_id: int) -> bool:
+        """Whether the buffer is pending and `unread`: the readers enqueued here all ended before
+        it existed, and neither the client nor a new reader holds it."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            return (e is not None and e.unread and e.state == PENDING and e.consumers == 0
+                    and not e.client_ref and not e.hold)
 
     def released(self, buffer_id: int) -> bool:
         """Whether the client released this buffer before it existed (a tombstone)."""

@@ -86,6 +86,11 @@ class Gathering:
     - at once when the buffer fails (`drop`: a member's failure notice, a part that does not fit;
       the store's `on_failed`: a run dropped because a member's host was lost fails the inputs of
       its tasks here, a reader that failed);
+    - at once when every reader enqueued here ended before it was whole and nothing else holds
+      it (`unread`, the store's `on_unread`): a reader that arrives after its run was dropped
+      fails on arrival, and the worker cannot tell whose input the parts are before it arrives
+      (parts name no run). The buffer fails then, so its store entry goes too; a first part
+      that comes after that is refused the same way;
     - at the next `sweep` when the buffer settled otherwise or the client released it;
     - at the next `sweep` after `idle_s` without a part: the buffer fails then, naming what is
       missing (a member gone without anyone dropping the run, a member that sent only some parts).
@@ -102,6 +107,7 @@ class Gathering:
         self._clock = clock
         if store is not None:
             store.on_failed = self.drop
+            store.on_unread = self.unread
 
     def add(self, buffer_id: int, global_shape: tuple[int, ...], start: tuple[int, ...],
             part: np.ndarray) -> np.ndarray | None:
@@ -116,24 +122,52 @@ class Gathering:
                 if buffer_id in self._abandoned or (
                         self._store is not None and self._store.gathering_over(buffer_id)):
                     return None
-                entry = self._open[buffer_id] = _Open(np.empty(global_shape, part.dtype))
-            whole = entry.whole
-            if whole.dtype != part.dtype or whole.shape != global_shape:
-                raise ValueError(f"parts of buffer {buffer_id} disagree on dtype or shape")
-            entry.last = self._clock()
-            if start not in entry.seen:
-                entry.seen.add(start)
-                whole[tuple(slice(b, b + n) for b, n in zip(start, part.shape, strict=True))] = part
-                entry.covered += part.size
-            if entry.covered < whole.size:
-                return None
-            del self._open[buffer_id]
-            return whole
+                unread = self._store is not None and self._store.unread(buffer_id)
+                if not unread:
+                    entry = self._open[buffer_id] = _Open(np.empty(global_shape, part.dtype))
+                else:
+                    self._dropped(buffer_id)
+            if entry is not None:
+                return self._added(buffer_id, entry, global_shape, start, part)
+        self._fail_unread(buffer_id)  # nobody here reads it any more: no entry, and the buffer goes
+        return None
+
+    def _added(self, buffer_id: int, entry: _Open, global_shape: tuple[int, ...], start: tuple[int, ...],
+               part: np.ndarray) -> np.ndarray | None:
+        """Puts the part into its entry (call with the lock held); the whole array once covered."""
+        whole = entry.whole
+        if whole.dtype != part.dtype or whole.shape != global_shape:
+            raise ValueError(f"parts of buffer {buffer_id} disagree on dtype or shape")
+        entry.last = self._clock()
+        if start not in entry.seen:
+            entry.seen.add(start)
+            whole[tuple(slice(b, b + n) for b, n in zip(start, part.shape, strict=True))] = part
+            entry.covered += part.size
+        if entry.covered < whole.size:
+            return None
+        del self._open[buffer_id]
+        return whole
 
     def drop(self, buffer_id: int) -> None:
         """Forgets the buffer's parts; later ones for it are ignored."""
         with self._lock:
             self._dropped(buffer_id)
+
+    def unread(self, buffer_id: int) -> None:
+        """The readers enqueued here ended before the buffer was whole (the store's `on_unread`):
+        its parts go now and the buffer fails, freeing its store entry. Left alone when no part
+        of it is here: it may be no gathered array at all (a whole one from a peer still comes,
+        and is freed as it is stored); a first part of it that comes later is refused (`add`)."""
+        with self._lock:
+            if buffer_id not in self._open:
+                return
+            self._dropped(buffer_id)
+        self._fail_unread(buffer_id)
+
+    def _fail_unread(self, buffer_id: int) -> None:
+        if self._store is not None:
+            self._store.fail(buffer_id, f"gathering buffer {buffer_id:#x}: its readers here ended before "
+                                        f"it was whole (their run dropped)")
 
     def _dropped(self, buffer_id: int) -> _Open | None:
         entry = self._open.pop(buffer_id, None)
@@ -176,3 +210,8 @@ class Gathering:
         """The memory held by the buffers being gathered."""
         with self._lock:
             return sum(e.whole.nbytes for e in self._open.values())
+
+    def stats(self) -> tuple[int, int]:
+        """(buffers being gathered, the bytes they hold), read together (WorkerStats)."""
+        with self._lock:
+            return len(self._open), sum(e.whole.nbytes for e in self._open.values())

@@ -253,7 +253,9 @@ class WorkerProcess:
             if now - last_beat >= interval * 0.9:
                 last_beat = now
                 n, nbytes = self.store.stats()
-                yield self._acked(cpb.WorkerToController(heartbeat=cpb.Heartbeat(buffers=n, buffer_bytes=nbytes)))
+                g, gbytes = self.servicer.gathering.stats() if self.servicer is not None else (0, 0)
+                yield self._acked(cpb.WorkerToController(heartbeat=cpb.Heartbeat(
+                    buffers=n, buffer_bytes=nbytes, gathering=g, gathering_bytes=gbytes)))
 
     def _acked(self, msg: cpb.WorkerToController) -> cpb.WorkerToController:
         """`msg` telling the controller which of its messages this worker handled (relay.py)."""

@@ -469,6 +469,7 @@ class WorkerServicer(wgrpc.WorkerServicer):
     async def Stats(self, request: wpb.WorkerStatsRequest, context: aio.ServicerContext) -> wpb.WorkerStats:
         buffers, nbytes = self.store.stats()
         relayed_in, relayed_out, rejected = self.relay_counts()
+        gathering, gathering_bytes = self.gathering.stats()
         return wpb.WorkerStats(
             host=self.host,
             island=self.island,
@@ -482,6 +483,8 @@ class WorkerServicer(wgrpc.WorkerServicer):
             relayed_in=relayed_in,
             relayed_out=relayed_out,
             relayed_rejected=rejected,
+            gathering=gathering,
+            gathering_bytes=gathering_bytes,
         )
 
 

@@ -455,21 +455,30 @@ Global___RegisterWorker: _TypeAlias = RegisterWorker  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
+    """What the worker holds, as of this beat (the controller's metrics: docs/metrics.md)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     BUFFERS_FIELD_NUMBER: _builtins.int
     BUFFER_BYTES_FIELD_NUMBER: _builtins.int
+    GATHERING_FIELD_NUMBER: _builtins.int
+    GATHERING_BYTES_FIELD_NUMBER: _builtins.int
     buffers: _builtins.int
     buffer_bytes: _builtins.int
+    gathering: _builtins.int
+    """as WorkerStats.gathering: arrays being gathered from members' parts"""
+    gathering_bytes: _builtins.int
     def __init__(
         self,
         *,
         buffers: _builtins.int = ...,
         buffer_bytes: _builtins.int = ...,
+        gathering: _builtins.int = ...,
+        gathering_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "gathering", b"gathering", "gathering_bytes", b"gathering_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

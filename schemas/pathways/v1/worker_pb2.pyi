@@ -443,6 +443,8 @@ class WorkerStats(_message.Message):
     RELAYED_IN_FIELD_NUMBER: _builtins.int
     RELAYED_OUT_FIELD_NUMBER: _builtins.int
     RELAYED_REJECTED_FIELD_NUMBER: _builtins.int
+    GATHERING_FIELD_NUMBER: _builtins.int
+    GATHERING_BYTES_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -462,6 +464,11 @@ class WorkerStats(_message.Message):
     """controller messages this worker forwarded to other workers as a relay"""
     relayed_rejected: _builtins.int
     """relayed messages for this worker dropped: their signature did not match"""
+    gathering: _builtins.int
+    """Arrays of multi-host slices being gathered here from their members' parts, not whole yet
+    (server/worker/parts.py), and the bytes they hold: each dropped when it cannot become whole.
+    """
+    gathering_bytes: _builtins.int
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -481,10 +488,12 @@ class WorkerStats(_message.Message):
         relayed_in: _builtins.int = ...,
         relayed_out: _builtins.int = ...,
         relayed_rejected: _builtins.int = ...,
+        gathering: _builtins.int = ...,
+        gathering_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "relayed_rejected", b"relayed_rejected", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "gathering", b"gathering", "gathering_bytes", b"gathering_bytes", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "relayed_rejected", b"relayed_rejected", "segments", b"segments"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
@@ -46,6 +47,11 @@ _WAKE = object()  # wakes a stream's sender that the stream outlived (it then ha
 # Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
 # are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
 MAX_HANDED = 65536
+# How long closing (at exit) waits for the runs still in flight to be reported over before the
+# session ends (which cancels them): a program that exits right after fetching its last result
+# has its earlier runs finished on the workers, and their reports on the way; they count as done,
+# not cancelled. A program exiting with work still running waits this long at most.
+CLOSE_DRAIN_S = 2.0
 
 
 class _Lost(Exception):
@@ -432,6 +438,16 @@ class Runtime:
             return
         self._out.put(Release(buffer_id, address))
 
+    def _drain(self, timeout: float) -> None:
+        """Waits up to `timeout` for the runs in flight to be reported over (close)."""
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while self._runs_done < self._runs_sent and not self._session_error:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._progress.wait(left)
+
     # ---- workers ----
     def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:
@@ -456,6 +472,7 @@ class Runtime:
     def close(self) -> None:
         if self.closed:
             return
+        self._drain(CLOSE_DRAIN_S)
         self.closed = True
         self._out.put(_STOP)
         for conn in list(self._workers.values()):

@@ -454,8 +454,14 @@ class Runtime:
             conn = self._workers.get(address)
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
-                                                             on_lost=self._uploads_lost)
+                                                             on_lost=self._uploads_lost, wanted=self._upload_wanted)
             return conn
+
+    def _upload_wanted(self, upload: Upload) -> bool:
+        """Whether an upload a worker did not acknowledge is still worth sending again
+        (worker_client.py): not once its run failed (the controller failed it, say for the loss
+        of the worker's host, or another of its inputs was lost), as nothing reads it then."""
+        return not (upload.run_id and upload.run_id in self._failed_runs)
 
     def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
         """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,

@@ -347,3 +347,70 @@ def test_an_upload_whose_run_failed_is_not_sent_again_to_the_restarted_worker(cl
         relay.close()
     assert "Traceback" not in worker.log.read_text(errors="replace")
 
+
+CROWDED = """\
+import json, threading
+from collections import OrderedDict
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import Upload
+
+rt = Runtime.get()
+
+
+class Crowded(OrderedDict):
+    # the runtime's failed runs, whose lookups wait for one another (up to 2 s) before they answer:
+    # two reports that race both look before either records the run
+    barrier = threading.Barrier(2, timeout=2.0)
+
+    def __contains__(self, key):
+        found = super().__contains__(key)
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:  # the other one does not come (it waits for the first)
+            pass
+        return found
+
+
+class Recorded:
+    # the session stream's queue, recording the cancel_run messages put on it
+    def __init__(self, q):
+        self.q, self.cancels = q, []
+
+    def put(self, item):
+        if hasattr(item, "WhichOneof") and item.WhichOneof("msg") == "cancel_run":
+            self.cancels.append(item.cancel_run.run_id)
+        self.q.put(item)
+
+    def get(self, *args, **kwargs):
+        return self.q.get(*args, **kwargs)
+
+    def get_nowait(self):
+        return self.q.get_nowait()
+
+
+rt._failed_runs = Crowded(rt._failed_runs)
+rt._out = sent = Recorded(rt._out)
+run = rt.new_id()
+a, b = (Upload(rt.new_id(), [], run) for _ in range(2))
+# two workers' clients give up an input of the same run at the same moment, each from its thread
+threads = [threading.Thread(target=rt._uploads_lost, args=([u], f"worker {i} gone")) for i, u in enumerate((a, b))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+rt._uploads_lost([a, b], "later")  # and again, later, both in one report
+cancels = sent.cancels
+print(json.dumps({"cancels": cancels, "run": run, "error": rt.run_failed(run)}), flush=True)
+"""
+
+
+def test_a_run_is_cancelled_once_however_many_of_its_uploads_are_lost(cluster: LocalCluster) -> None:
+    """Each worker's client reports its lost uploads from its own thread: two reports for inputs of
+    one run at the same moment sent a `cancel_run` each (both looked up the run before either
+    recorded it); now one, and none for a later report of the same run."""
+    r = subprocess.run([sys.executable, "-c", CROWDED], env=cluster.env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["cancels"] == [out["run"]], out
+    assert "of this run was lost: worker" in out["error"], out

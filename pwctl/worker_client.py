@@ -41,6 +41,7 @@ _REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISS
                        grpc.StatusCode.UNAUTHENTICATED})
 
 Lost = Callable[[list["Upload"], str], None]
+Wanted = Callable[["Upload"], bool]
 
 
 @dataclass(eq=False)
@@ -96,9 +97,13 @@ class WorkerClient:
     the call was cancelled), the uploads not acknowledged are sent again, in order, on a new
     stream opened at once; while none gets through the new stream is tried again after short
     pauses (`RESEND_PAUSES_S`), and then they are given up: `on_lost(uploads, error)` (the
-    runtime fails the runs that read them). An upload the worker refused is not sent again."""
+    runtime fails the runs that read them). An upload the worker refused is not sent again, nor
+    is one that `wanted(upload)` says nobody needs any more (the runtime: its run failed); that
+    one is dropped. Sent again to a worker that restarted meanwhile, it would be stored and kept
+    until the session's buffers go, as nothing would ever read or release it."""
 
-    def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None) -> None:
+    def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None,
+                 wanted: Wanted | None = None) -> None:
         self.address = address
         # the session credential (Welcome.worker_credential): the worker serves this session's
         # buffers only, and only to it
@@ -106,6 +111,9 @@ class WorkerClient:
         self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra)
         self._stub = wgrpc.WorkerStub(self._transport.channel)
         self.on_lost: Lost = on_lost or (lambda uploads, error: None)
+        # asked, with the lock held (it must be quick), of each upload not acknowledged before it
+        # is sent again
+        self.wanted: Wanted = wanted or (lambda upload: True)
         self._lock = threading.Lock()
         self._stream: _Stream | None = None
         self._unacked: deque[Upload] = deque()  # handed to the current stream (or the next), in order
@@ -129,6 +137,19 @@ class WorkerClient:
         """Uploads not acknowledged by the worker yet (tests)."""
         with self._lock:
             return len(self._unacked)
+
+    def _drop_unwanted(self) -> None:
+        """Drops the uploads not acknowledged that are not `wanted` any more (call with the lock
+        held and no stream current: a stream's acknowledgements count its uploads in order)."""
+        try:
+            keep = [u for u in self._unacked if self.wanted(u)]
+        except Exception:  # the callback's bug: send them all, as before it was asked
+            log.exception("asking whether %d uploads are still wanted failed", len(self._unacked))
+            return
+        if len(keep) < len(self._unacked):
+            log.info("%d uploads to the worker at %s not sent again: not wanted any more",
+                     len(self._unacked) - len(keep), self.address)
+            self._unacked = deque(keep)
 
     def _open(self) -> None:
         """A new stream carrying every upload not acknowledged, in order (call with the lock held)."""
@@ -177,6 +198,7 @@ class WorkerClient:
                         len(self._unacked), error)
             if code in _REFUSALS:  # the worker refused the first one not acknowledged: not sent again
                 refused.append(self._unacked.popleft())
+            self._drop_unwanted()  # neither sent again nor given up: its run is over already
             if self._failures < len(RESEND_PAUSES_S):
                 pause = RESEND_PAUSES_S[self._failures]
                 self._failures += 1
@@ -195,8 +217,10 @@ class WorkerClient:
             time.sleep(pause)
         with self._lock:
             self._reopening = False
-            if self._stream is None and not self._closed and self._unacked:
-                self._open()
+            if self._stream is None and not self._closed:
+                self._drop_unwanted()  # a run may have failed during the pause
+                if self._unacked:
+                    self._open()
 
     def _tell_lost(self, uploads: list[Upload], error: str) -> None:
         try:

@@ -259,3 +259,158 @@ def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_w
         relay.close()
     assert "hang detected" not in cluster.controller_logs()
     assert "Traceback" not in worker_log(cluster)
+
+
+RESTARTED = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import WorkerClient
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
+rt = Runtime.get()
+# from here this client's uploads to the worker go through the relay (sys.argv[1]), as rt.worker
+# makes its clients; the controller still reaches the worker directly
+wc = rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost,
+                                           wanted=rt._upload_wanted)
+assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]  # its stream is open: uploads wait on it
+print("ready", flush=True)
+sys.stdin.readline()  # the relay holds the link: the upload stays in it, unacknowledged
+f = inc(np.ones((1, 2)))
+start = time.monotonic()
+while not rt.run_failed(f.run_id) and time.monotonic() - start < 60:  # the worker is killed meanwhile
+    time.sleep(0.05)
+print(json.dumps({"error": rt.run_failed(f.run_id), "unacknowledged": wc.unacknowledged()}), flush=True)
+sys.stdin.readline()  # the worker is back at its address; the relay broke the held link and copies again
+start = time.monotonic()
+while wc.unacknowledged() and time.monotonic() - start < 30:
+    time.sleep(0.05)
+print(json.dumps({"unacknowledged": wc.unacknowledged(), "s": time.monotonic() - start}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"again": np.asarray(inc(np.full((1, 2), 2.0))).tolist()}), flush=True)
+"""
+
+
+def test_an_upload_whose_run_failed_is_not_sent_again_to_the_restarted_worker(cluster: LocalCluster) -> None:
+    """The worker is killed while a run's upload is unacknowledged; the controller fails the run
+    (host lost) and the client learns it. When the link comes back, the worker has restarted at
+    the same address: the upload is dropped, not sent again. Sent again, the new worker stored it
+    (it never saw it, nor its release) and kept it until the session's buffers went."""
+    address = cluster.hosts()["w-a"].address
+    relay = Relay(address)
+    proc = subprocess.Popen([sys.executable, "-c", RESTARTED, relay.address], env=cluster.env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def step() -> dict:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        return json.loads(line)
+
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        relay.hold()
+        time.sleep(0.2)
+        proc.stdin.write("\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        time.sleep(1.0)  # the run is sent, its upload waits in the relay
+        cluster.kill_worker("w-a")
+        out = json.loads(proc.stdout.readline())
+        assert "w-a" in out["error"] and out["unacknowledged"] == 1, out
+        worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
+        assert cluster.hosts()["w-a"].address == address
+        with grpc.insecure_channel(address) as ch:
+            stub = wgrpc.WorkerStub(ch)
+
+            def buffers() -> int:
+                return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
+
+            before = buffers()
+            relay.cut()  # the held link breaks: the client opens a new stream, to the new worker
+            relay.release()
+            out = step()
+            assert out["unacknowledged"] == 0, out
+            time.sleep(1.0)  # an upload sent again would be stored by now (it is acknowledged after)
+            assert buffers() == before, "the failed run's upload was sent again and is kept"
+        assert step() == {"again": [[3.0, 3.0]]}  # the link and the restarted worker work
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.close()
+    assert "Traceback" not in worker.log.read_text(errors="replace")
+
+
+CROWDED = """\
+import json, threading
+from collections import OrderedDict
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import Upload
+
+rt = Runtime.get()
+
+
+class Crowded(OrderedDict):
+    # the runtime's failed runs, whose lookups wait for one another (up to 2 s) before they answer:
+    # two reports that race both look before either records the run
+    barrier = threading.Barrier(2, timeout=2.0)
+
+    def __contains__(self, key):
+        found = super().__contains__(key)
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:  # the other one does not come (it waits for the first)
+            pass
+        return found
+
+
+class Recorded:
+    # the session stream's queue, recording the cancel_run messages put on it
+    def __init__(self, q):
+        self.q, self.cancels = q, []
+
+    def put(self, item):
+        if hasattr(item, "WhichOneof") and item.WhichOneof("msg") == "cancel_run":
+            self.cancels.append(item.cancel_run.run_id)
+        self.q.put(item)
+
+    def get(self, *args, **kwargs):
+        return self.q.get(*args, **kwargs)
+
+    def get_nowait(self):
+        return self.q.get_nowait()
+
+
+rt._failed_runs = Crowded(rt._failed_runs)
+rt._out = sent = Recorded(rt._out)
+run = rt.new_id()
+a, b = (Upload(rt.new_id(), [], run) for _ in range(2))
+# two workers' clients give up an input of the same run at the same moment, each from its thread
+threads = [threading.Thread(target=rt._uploads_lost, args=([u], f"worker {i} gone")) for i, u in enumerate((a, b))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+rt._uploads_lost([a, b], "later")  # and again, later, both in one report
+cancels = sent.cancels
+print(json.dumps({"cancels": cancels, "run": run, "error": rt.run_failed(run)}), flush=True)
+"""
+
+
+def test_a_run_is_cancelled_once_however_many_of_its_uploads_are_lost(cluster: LocalCluster) -> None:
+    """Each worker's client reports its lost uploads from its own thread: two reports for inputs of
+    one run at the same moment sent a `cancel_run` each (both looked up the run before either
+    recorded it); now one, and none for a later report of the same run."""
+    r = subprocess.run([sys.executable, "-c", CROWDED], env=cluster.env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["cancels"] == [out["run"]], out
+    assert "of this run was lost: worker" in out["error"], out

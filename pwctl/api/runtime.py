@@ -86,6 +86,7 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
+        self._lost_lock = threading.Lock()  # one cancel_run per run, whichever worker lost its inputs
         self.max_in_flight = env_amount("PWCTL_MAX_IN_FLIGHT", os.environ.get("PWCTL_MAX_IN_FLIGHT", ""),
                                         MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
         self._runs_sent = 0
@@ -454,20 +455,32 @@ class Runtime:
             conn = self._workers.get(address)
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
-                                                             on_lost=self._uploads_lost)
+                                                             on_lost=self._uploads_lost, wanted=self._upload_wanted)
             return conn
+
+    def _upload_wanted(self, upload: Upload) -> bool:
+        """Whether an upload a worker did not acknowledge is still worth sending again
+        (worker_client.py): not once its run failed (the controller failed it, say for the loss
+        of the worker's host, or another of its inputs was lost), as nothing reads it then."""
+        return not (upload.run_id and upload.run_id in self._failed_runs)
 
     def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
         """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,
-        here and on the controller, rather than when its hang detection gives up on them."""
-        for upload in uploads:
-            if upload.run_id and upload.run_id not in self._failed_runs:  # a run's first lost input names it
-                reason = f"input buffer {upload.buffer_id:#x} of this run was lost: {error}"
-                self._fail_run(upload.run_id, reason)
-                # and on the controller, which drops it on its workers: its tasks fail now rather
-                # than wait for the input until the hang timeout (the run's RunFinished says the same)
-                if not (self.closed or self._session_error):
-                    self._out.put(cpb.ClientMessage(cancel_run=cpb.CancelRun(run_id=upload.run_id, reason=reason)))
+        here and on the controller, rather than when its hang detection gives up on them. Each
+        run is cancelled once, however many of its inputs are lost, on however many workers
+        (each worker's client reports from a thread of its own)."""
+        cancels = []
+        with self._lost_lock:
+            for upload in uploads:
+                if upload.run_id and upload.run_id not in self._failed_runs:  # a run's first lost input names it
+                    reason = f"input buffer {upload.buffer_id:#x} of this run was lost: {error}"
+                    self._fail_run(upload.run_id, reason)
+                    cancels.append(cpb.CancelRun(run_id=upload.run_id, reason=reason))
+        # and on the controller, which drops it on its workers: its tasks fail now rather than
+        # wait for the input until the hang timeout (the run's RunFinished says the same)
+        if not (self.closed or self._session_error):
+            for cancel in cancels:
+                self._out.put(cpb.ClientMessage(cancel_run=cancel))
 
     def close(self) -> None:
         if self.closed:

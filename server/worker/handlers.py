@@ -88,9 +88,9 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         return handler
 
     def bidi_stream(method: str, fn: Any) -> Any:
-        async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
-            async for item in fn(checked(method, requests, context), context):
-                yield item
+        """A bidirectional stream whose handler writes its answers itself (`context.write`)."""
+        async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> None:
+            await fn(checked(method, requests, context), context)
         return handler
 
     handlers = {

@@ -23,6 +23,7 @@ from .. import wire
 from ..credentials import Caller
 from ..rpcguard import WarningLimiter
 from ..threadnames import name_native_thread
+from .acks import Acknowledger
 from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
@@ -128,17 +129,24 @@ class WorkerServicer(wgrpc.WorkerServicer):
 
     async def Uploads(  # type: ignore[override]  # requests parsed by wire.put_buffer
         self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext
-    ) -> AsyncIterator[wpb.UploadAck]:
-        """`PutBuffers` with an acknowledgement of the messages handled so far (worker.proto), for
-        a client that sends again what a broken stream may have lost (pwctl/worker_client.py).
-        An upload refused whole fails its buffer and is acknowledged (the stream goes on and ends
-        well); one refused in pieces, or under another's id, ends the stream with its status, as
-        in `PutBuffers`. An upload cut off mid-array is dropped without failing its buffer: the
-        client sends it again whole on its next stream, and the readers get it then."""
+    ) -> None:
+        """`PutBuffers` with acknowledgements of the messages handled so far (worker.proto,
+        coalesced: acks.py), for a client that sends again what a broken stream may have lost
+        (pwctl/worker_client.py). An upload refused whole fails its buffer and is acknowledged
+        (the stream goes on and ends well); one refused in pieces, or under another's id, ends
+        the stream with its status, as in `PutBuffers`. An upload cut off mid-array is dropped
+        without failing its buffer: the client sends it again whole on its next stream, and the
+        readers get it then."""
         caller = await self.auth.session(context, "upload")
         up = UploadStream()
-        async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=True):
-            yield wpb.UploadAck(handled=up.handled)
+        acks = Acknowledger(context)
+        ok = False
+        try:
+            async for _ in self._uploads(request_iterator, context, caller, up, resent_if_cut=True):
+                acks.handled(up.handled)
+            ok = True
+        finally:
+            await acks.close(ok)
 
     async def _uploads(self, request_iterator: AsyncIterator[wire.PutBuffer], context: aio.ServicerContext,
                        caller: Caller, up: UploadStream, *, resent_if_cut: bool) -> AsyncIterator[None]:

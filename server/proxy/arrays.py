@@ -239,7 +239,7 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
-    buffer_id = await session.backend.put(sharding.devices[0], dtype, shape, data)
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data)
     return whole(Buf(buffer_id, dtype, shape), sharding)
 
 

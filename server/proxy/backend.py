@@ -100,9 +100,11 @@ class SessionBackend(Protocol):
         `outputs`' specs; the service passes them only there."""
         ...
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
-        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id.
-        `data` may be a `HostData` (the parts the client sent), joined only if need be."""
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+        """Stores host bytes (C order) as a buffer holding the global value of an array on the
+        slice's `devices` (its sharding's); returns its buffer id. A backend of slices spanning
+        hosts stores it on the worker holding those devices where one does. `data` may be a
+        `HostData` (the parts the client sent), joined only if need be."""
         ...
 
     async def get(self, buffer_id: int) -> bytes | HostData:

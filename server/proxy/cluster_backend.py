@@ -59,7 +59,7 @@ from .corking import FlushCork
 from .failures import RunFailures
 from .handles import HostData
 from .modules import describe
-from .placing import compiles_on, runs_on
+from .placing import compiles_on, holder_of, runs_on
 from .staging import Staging
 from .workers import WorkerChannels
 
@@ -369,12 +369,17 @@ class SliceSession:
             if made:
                 self.free(made)
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+        """Stores an array for the slice's virtual `devices` on the worker holding them all where
+        one does (under the slice's placement now), else on the slice's first worker: the runs
+        reading it elsewhere have it sent there."""
         host = data if isinstance(data, HostData) else HostData([data])
-        return (await self._upload([(dtype, shape, host)]))[0]
+        address = holder_of(self._placement(), devices) if devices else None
+        return (await self._upload([(dtype, shape, host)], address))[0]
 
-    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> list[int]:
-        address, _ = self._worker()
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
+                      address: str | None = None) -> list[int]:
+        address, _ = self._worker(address)
         ids = [next(self._ids) for _ in arrays]
 
         def requests() -> Any:

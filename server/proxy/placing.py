@@ -29,6 +29,19 @@ def runs_on(placement: Any, devices: Sequence[int]) -> tuple[str, tuple[int, ...
     return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
 
+def holder_of(placement: Any, devices: Sequence[int]) -> str | None:
+    """The address of the one worker whose devices are all of the slice's virtual `devices`
+    under `placement` (an upload for them goes there), or None when they are on several."""
+    gang = placement.gang
+    if gang is None:
+        return str(placement.host.address)
+    try:
+        host, _, sub = narrowed(gang, devices)
+    except (ValueError, IndexError):  # a gang without its members' devices, or devices it lacks
+        return None
+    return None if sub is not None else str(host.address)
+
+
 def compiles_on(placement: Any, devices: Sequence[int]) -> tuple[HostInfo, list[int], int]:
     """The worker that compiles a program over the slice's virtual `devices` (empty: all, in
     order), the devices it compiles for in its numbering, and the group generation (0: not a

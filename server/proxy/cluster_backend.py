@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -116,7 +116,7 @@ def slice_info(sl: cpb.Slice) -> SliceInfo:
     platform = PLATFORMS.get(kind, kind)
     devices = tuple(DeviceInfo(id=d.index, kind=kind) for d in sorted(sl.devices, key=lambda d: d.index))
     return SliceInfo(platform_name=platform, platform_version=f"pathways slice {sl.name}", platform_id=0,
-                     devices=devices, hosts=len({d.host for d in sl.devices}))
+                     devices=devices)
 
 
 class SliceSession:
@@ -273,9 +273,6 @@ class SliceSession:
         if self._placed_at:
             self._check_placed(inputs, placement.generation)
         address, on, others = runs_on(placement, self._devices.get(program_id, ()))
-        workers = len(placement.gang.members) if placement.gang is not None else 1
-        if workers != self.slice.hosts:  # re-placed over another number of workers (downloads.py)
-            self.slice = replace(self.slice, hosts=workers)
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix

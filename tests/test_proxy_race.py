@@ -38,7 +38,8 @@ class HeldUploads(DescribedSlice):
         self.gate = asyncio.Event()
         self.freed: list[int] = []
 
-    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
         buffer_id = len(self.data) + 1
         self.data[buffer_id] = data.tobytes() if isinstance(data, HostData) else data
         self.waiting.set()

@@ -241,8 +241,11 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
-    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data)
-    return whole(Buf(buffer_id, dtype, shape), sharding)
+    domains = sharding.domains(shape)
+    # every device holds the whole array: a copy goes to each worker holding some of them
+    replicated = len(domains) > 1 and all(d == full(shape) for d in domains)
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
+    return whole(Buf(buffer_id, dtype, shape), sharding, domains)
 
 
 async def _read_back(staged: Staged) -> HostData:

@@ -100,11 +100,13 @@ class SessionBackend(Protocol):
         a gathered copy)."""
         ...
 
-    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
         """Stores host bytes (C order) as a buffer holding the global value of an array on the
-        slice's `devices` (its sharding's); returns its buffer id. A backend of slices spanning
-        hosts stores it on the worker holding those devices where one does. `data` may be a
-        `HostData` (the parts the client sent), joined only if need be."""
+        slice's `devices` (its sharding's; `replicated`: each of them holds all of it); returns
+        its buffer id. A backend of slices spanning hosts stores it on the worker holding those
+        devices where one does, a replicated one on each worker holding some of them. `data` may
+        be a `HostData` (the parts the client sent), joined only if need be."""
         ...
 
     async def get(self, buffer_id: int) -> bytes | HostData:

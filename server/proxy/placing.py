@@ -29,17 +29,15 @@ def runs_on(placement: Any, devices: Sequence[int]) -> tuple[str, tuple[int, ...
     return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
 
-def holder_of(placement: Any, devices: Sequence[int]) -> str | None:
-    """The address of the one worker whose devices are all of the slice's virtual `devices`
-    under `placement` (an upload for them goes there), or None when they are on several."""
+def holders_of(placement: Any, devices: Sequence[int]) -> tuple[str, ...]:
+    """The addresses of the workers holding the slice's virtual `devices` under `placement`, each
+    once, in the order of the devices (empty where the placement does not say)."""
     gang = placement.gang
     if gang is None:
-        return str(placement.host.address)
-    try:
-        host, _, sub = narrowed(gang, devices)
-    except (ValueError, IndexError):  # a gang without its members' devices, or devices it lacks
-        return None
-    return None if sub is not None else str(host.address)
+        return (str(placement.host.address),)
+    if len(gang.member_of) != len(gang.devices) or not all(0 <= v < len(gang.member_of) for v in devices):
+        return ()
+    return tuple(dict.fromkeys(str(gang.members[gang.member_of[v]].address) for v in devices))
 
 
 def compiles_on(placement: Any, devices: Sequence[int]) -> tuple[HostInfo, list[int], int]:

@@ -8,7 +8,9 @@ it does for `pw` clients.
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
-RPCs (PutBuffers, Fetch, Wait).
+RPCs (PutBuffers, Fetch, Wait). An upload goes to the worker holding its devices; a replicated one
+over devices of several workers as a copy to each of them (`put`); any other to the slice's first
+worker, from which the runs reading it elsewhere have it sent.
 
 Compiles and executes go the way a `pw` client's do: each session is a `ClientSession` of the
 controller's session manager; a compiled module is a function in a one-node program registered

@@ -253,7 +253,8 @@ class DescribedSlice:
     def spread_over_workers(self, buffer_id: int) -> bool:
         return False
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes,
+                  replicated: bool = False) -> int:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
     async def get(self, buffer_id: int) -> bytes:

@@ -12,7 +12,7 @@ backend's upload is held at a gate, and the gate opens in the same turn as the d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,8 @@ class HeldUploads(DescribedSlice):
         self.gate = asyncio.Event()
         self.freed: list[int] = []
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
         buffer_id = len(self.data) + 1
         self.data[buffer_id] = data.tobytes() if isinstance(data, HostData) else data
         self.waiting.set()

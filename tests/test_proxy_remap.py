@@ -108,3 +108,78 @@ def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: Loc
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+READ_AFTER_REMAP = """
+import sys, time
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+line = Mesh(np.array(jax.devices()), ("d",))
+f = jax.jit(lambda v: v * 2)
+x = np.arange(8.0, dtype=np.float32)
+def run():
+    deadline = time.monotonic() + 90
+    while True:  # the island's group of workers forms (again after a remap)
+        try:
+            return f(jax.device_put(x, NamedSharding(line, P("d"))))
+        except Exception as e:
+            if "forming" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+def read(y):
+    try:
+        return np.asarray(y).tolist()
+    except Exception as e:
+        return "error " + str(e).replace(chr(10), " ")
+y1, y2 = run(), run()  # not read here: the client keeps what it read
+y1.block_until_ready(), y2.block_until_ready()
+print("spread", y1.sharding.spec, flush=True)
+sys.stdin.readline()
+print("read at once", read(y1), flush=True)
+print("run", np.asarray(run()).tolist(), flush=True)
+print("read after a run", read(y2), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0)
+def test_an_array_spread_over_workers_before_a_remap_onto_one_reads_as_an_error_naming_it(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """A result whose parts were on two workers, read back after the slice was re-placed onto one
+    worker, fails with the error naming the remap, whether or not the program ran anything since
+    (the session's count of the slice's workers is refreshed by runs only: it must not decide
+    where a download reads from)."""
+    cluster.add_worker("a", 1, name="w-a2")
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="pair", devices=2))
+    assert {d.host for d in slice_of(cluster, "pair").devices} == {"w-a", "w-a2"}
+    proc = subprocess.Popen([sys.executable, "-c", READ_AFTER_REMAP],
+                            env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+
+        def line() -> str:
+            out = proc.stdout.readline().strip()  # type: ignore[union-attr]
+            assert out, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+            return out
+
+        assert line() == "spread P('d',)"
+        cluster.add_worker("a", 2, name="w-a3")
+        cluster.kill_worker("w-a")
+        cluster.kill_worker("w-a2")
+        wait_for(lambda: {d.host for d in slice_of(cluster, "pair").devices} == {"w-a3"}, 60,
+                 "the slice re-placed onto w-a3 alone")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        first = line()
+        assert first.startswith("read at once error") and "re-placed (remap" in first, first
+        assert line() == "run [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        again = line()
+        assert again.startswith("read after a run error") and "re-placed (remap" in again, again
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

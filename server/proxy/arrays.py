@@ -158,9 +158,11 @@ async def join(session: Session, rec: ArrayRecord, ids: dict[int, int] | None = 
         made = await asyncio.to_thread(piece_function, inputs, (rec.dtype, rec.shape), pieces,
                                        session.backend.slice.platform_name)
         session.functions[cache_key] = made
-    # on a slice spanning hosts its result is spread over the workers: its spec lets a later
-    # run on other devices read it through a gathered copy (cluster_backend.py `prepare`)
-    specs = [ArraySpec(rec.dtype, rec.shape)] if session.backend.slice.hosts > 1 else []
+    # where the slice spans hosts when it runs, its result is spread over the workers: its spec
+    # lets a later run on other devices read it through a gathered copy (cluster_backend.py
+    # `prepare`). Always passed: the session's count of the slice's hosts is refreshed by runs
+    # only, so right after a remap it may be stale.
+    specs = [ArraySpec(rec.dtype, rec.shape)]
     (out,) = await session.backend.run_function("proxy_assemble", made[1], 1,
                                                 [(ids or {}).get(b.id, b.id) for b in sources], outputs=specs)
     return out
@@ -239,8 +241,11 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
-    buffer_id = await session.backend.put(sharding.devices[0], dtype, shape, data)
-    return whole(Buf(buffer_id, dtype, shape), sharding)
+    domains = sharding.domains(shape)
+    # every device holds the whole array: a copy goes to each worker holding some of them
+    replicated = len(domains) > 1 and all(d == full(shape) for d in domains)
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
+    return whole(Buf(buffer_id, dtype, shape), sharding, domains)
 
 
 async def _read_back(staged: Staged) -> HostData:

@@ -42,7 +42,6 @@ class SliceInfo:
     platform_version: str
     platform_id: int  # PJRT's platform id (a fingerprint of the platform name)
     devices: tuple[DeviceInfo, ...]
-    hosts: int = 1  # workers the slice spans
 
 
 @dataclass(frozen=True)
@@ -95,14 +94,19 @@ class SessionBackend(Protocol):
     async def run_function(self, name: str, exported: bytes, num_outputs: int, inputs: Sequence[int],
                            devices: Sequence[int] = (), outputs: Sequence[ArraySpec] = ()) -> list[int]:
         """Runs a serialized `jax.export.Exported` (no donation) that the server made itself,
-        e.g. to assemble an array from shards: registered once, then like `execute`. A backend
-        of slices spanning hosts takes the virtual `devices` it runs on (empty: all) and its
-        `outputs`' specs; the service passes them only there."""
+        e.g. to assemble an array from shards: registered once, then like `execute`, on the
+        slice's virtual `devices` (empty: all). `outputs`: its results' specs, which a backend of
+        slices spanning hosts keeps for results left spread over workers (read elsewhere through
+        a gathered copy)."""
         ...
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
-        """Stores host bytes (C order) as a buffer for device `device_id`; returns its buffer id.
-        `data` may be a `HostData` (the parts the client sent), joined only if need be."""
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
+        """Stores host bytes (C order) as a buffer holding the global value of an array on the
+        slice's `devices` (its sharding's; `replicated`: each of them holds all of it); returns
+        its buffer id. A backend of slices spanning hosts stores it on the worker holding those
+        devices where one does, a replicated one on each worker holding some of them. `data` may
+        be a `HostData` (the parts the client sent), joined only if need be."""
         ...
 
     async def get(self, buffer_id: int) -> bytes | HostData:

@@ -8,7 +8,9 @@ it does for `pw` clients.
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
-RPCs (PutBuffers, Fetch, Wait).
+RPCs (PutBuffers, Fetch, Wait). An upload goes to the worker holding its devices; a replicated one
+over devices of several workers as a copy to each of them (`put`); any other to the slice's first
+worker, from which the runs reading it elsewhere have it sent.
 
 Compiles and executes go the way a `pw` client's do: each session is a `ClientSession` of the
 controller's session manager; a compiled module is a function in a one-node program registered
@@ -37,7 +39,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -59,7 +61,7 @@ from .corking import FlushCork
 from .failures import RunFailures
 from .handles import HostData
 from .modules import describe
-from .placing import compiles_on, runs_on
+from .placing import compiles_on, holders_of, runs_on
 from .staging import Staging
 from .workers import WorkerChannels
 
@@ -116,7 +118,7 @@ def slice_info(sl: cpb.Slice) -> SliceInfo:
     platform = PLATFORMS.get(kind, kind)
     devices = tuple(DeviceInfo(id=d.index, kind=kind) for d in sorted(sl.devices, key=lambda d: d.index))
     return SliceInfo(platform_name=platform, platform_version=f"pathways slice {sl.name}", platform_id=0,
-                     devices=devices, hosts=len({d.host for d in sl.devices}))
+                     devices=devices)
 
 
 class SliceSession:
@@ -152,6 +154,9 @@ class SliceSession:
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         self._workers = WorkerChannels()
         self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
+        # an upload replicated over devices of several workers -> the workers holding a whole copy
+        # (the first is its home): a run on some of them reads their own copies (`_input_home`)
+        self._copies: dict[int, tuple[str, ...]] = {}
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -273,9 +278,8 @@ class SliceSession:
         if self._placed_at:
             self._check_placed(inputs, placement.generation)
         address, on, others = runs_on(placement, self._devices.get(program_id, ()))
-        workers = len(placement.gang.members) if placement.gang is not None else 1
-        if workers != self.slice.hosts:  # re-placed over another number of workers (downloads.py)
-            self.slice = replace(self.slice, hosts=workers)
+        if self._copies or self._others:
+            homes = [self._input_home(b, home, (address, *others)) for b, home in zip(inputs, homes, strict=True)]
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
@@ -298,6 +302,19 @@ class SliceSession:
             for b, spec in zip(outputs, specs, strict=True):
                 self._spread[b] = (over, on, spec)
         return outputs
+
+    def _input_home(self, buffer_id: int, home: str, workers: tuple[str, ...]) -> str:
+        """Where a run on `workers` finds an input (`RunProgram.input_homes`; several: "a|b", each
+        member reads its own, nothing is sent): a copy held by each of them is read where it is,
+        and so is a result spread over exactly those workers (each holds its part under the
+        buffer's id); else its home, which sends it to the others."""
+        copies = self._copies.get(buffer_id)
+        if copies is not None:
+            return "|".join(workers) if all(w in copies for w in workers) else home
+        others = self._others.get(buffer_id)
+        if others is not None and len(workers) > 1 and set(workers) == {home, *others}:
+            return "|".join(workers)
+        return home
 
     def spread_over_workers(self, buffer_id: int) -> bool:
         """Whether the run that made this buffer left its parts on several workers (decided by
@@ -369,13 +386,43 @@ class SliceSession:
             if made:
                 self.free(made)
 
-    async def put(self, device_id: int, dtype: str, shape: tuple[int, ...], data: bytes | HostData) -> int:
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
+        """Stores an array for the slice's virtual `devices` (under the slice's placement now) on
+        the worker holding them all where one does; `replicated` (every device holds the whole
+        array) on each worker holding some of them, under one id; else on the slice's first
+        worker: the runs reading it elsewhere have it sent there."""
         host = data if isinstance(data, HostData) else HostData([data])
+        holders = holders_of(self._placement(), devices) if devices else ()
+        if len(holders) == 1 or (replicated and holders):
+            return (await self._upload([(dtype, shape, host)], holders))[0]
         return (await self._upload([(dtype, shape, host)]))[0]
 
-    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> list[int]:
-        address, _ = self._worker()
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
+                      addresses: Sequence[str] = ()) -> list[int]:
+        """Uploads `arrays` to each of `addresses` (none: the slice's first worker), under the
+        same ids; an array on several workers is a copy on each (`_copies`)."""
+        addresses = list(addresses) or [self._worker()[0]]
         ids = [next(self._ids) for _ in arrays]
+        done = await asyncio.gather(*(self._upload_to(a, ids, arrays) for a in addresses), return_exceptions=True)
+        stored = [a for a, d in zip(addresses, done, strict=True) if not isinstance(d, BaseException)]
+        for b in ids:
+            self._home[b] = stored[0] if stored else addresses[0]
+            if len(stored) > 1:
+                self._copies[b] = tuple(stored)
+        failed = [d for d in done if isinstance(d, BaseException)]
+        if failed:
+            if stored:  # the copies that were made go
+                self.free(ids)
+            else:
+                for b in ids:
+                    self._home.pop(b, None)
+            raise failed[0]
+        return ids
+
+    async def _upload_to(self, address: str, ids: Sequence[int],
+                         arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> None:
+        self._worker(address)
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
@@ -391,9 +438,6 @@ class SliceSession:
             await self._workers.put_raw(address)(requests(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
-        for b in ids:
-            self._home[b] = address
-        return ids
 
     def stage(self, nbytes: int) -> Staging:
         """A staged upload of `nbytes` host bytes to the worker `put` would upload them to (staging.py)."""
@@ -470,6 +514,9 @@ class SliceSession:
                 by_worker.setdefault(address, []).append(b)
                 for other in self._others.pop(b, ()):
                     by_worker.setdefault(other, []).append(b)
+                for other in self._copies.pop(b, (address,)):
+                    if other != address:
+                        by_worker.setdefault(other, []).append(b)
         manager = self._controls.sessions
         for address, ids in by_worker.items():
             if manager is None:
@@ -484,6 +531,7 @@ class SliceSession:
         self._watcher.cancel()
         await self._workers.close()
         self._home.clear()
+        self._copies.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)
         try:

@@ -29,6 +29,17 @@ def runs_on(placement: Any, devices: Sequence[int]) -> tuple[str, tuple[int, ...
     return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
 
+def holders_of(placement: Any, devices: Sequence[int]) -> tuple[str, ...]:
+    """The addresses of the workers holding the slice's virtual `devices` under `placement`, each
+    once, in the order of the devices (empty where the placement does not say)."""
+    gang = placement.gang
+    if gang is None:
+        return (str(placement.host.address),)
+    if len(gang.member_of) != len(gang.devices) or not all(0 <= v < len(gang.member_of) for v in devices):
+        return ()
+    return tuple(dict.fromkeys(str(gang.members[gang.member_of[v]].address) for v in devices))
+
+
 def compiles_on(placement: Any, devices: Sequence[int]) -> tuple[HostInfo, list[int], int]:
     """The worker that compiles a program over the slice's virtual `devices` (empty: all, in
     order), the devices it compiles for in its numbering, and the group generation (0: not a

@@ -1,0 +1,119 @@
+"""Where an unmodified JAX program's uploads land on a slice spanning two workers (2 devices
+each): an array for devices of one worker (one device, or a sub-mesh of that worker's devices)
+is stored on that worker, not on the slice's first one; a replicated array over devices of both
+is a copy on each; programs read them where they are, with no transfer between workers (nor for
+a result spread over both workers, read by a run on the same devices). A sharded array over
+devices of both workers still goes to the first worker (it is sent on when read). Checked in the
+workers' buffer counts and bytes and their transfer logs, with the program's output equal to the
+same program on 4 local CPU devices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, wait_for
+from proxy_env import client_env, proxy_env
+from test_proxy_cluster import worker_buffers
+from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_when_formed, two_workers
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+N = 4096  # float32 elements of each upload: under the proxy's staging threshold (4 MiB)
+
+UPLOADS = PRELUDE + f"""
+import sys
+N = {N}
+one = jax.device_put(np.arange(N, dtype=np.float32), devs[3])  # MakeArrayFromHostBuffer
+pair = jax.device_put(np.arange(2 * N, dtype=np.float32).reshape(2, N),  # MakeArraysFromHostBufferShards
+                      NamedSharding(back, P("s")))
+rep = jax.device_put(np.arange(N, dtype=np.float32) / 7, NamedSharding(line, P()))  # replicated over both
+one.block_until_ready()
+pair.block_until_ready()
+rep.block_until_ready()
+print("uploaded", flush=True)
+sys.stdin.readline()
+def up_scaled(v):
+    return (v * 3)[:4]
+def up_rows(v):
+    return v.sum(1)
+def rep_split(v):
+    return v.reshape(4, -1).sum(1)
+def rep_head(v):
+    return v[:3] * 2
+show("one", jax.jit(up_scaled)(one))
+show("pair", jax.jit(up_rows, out_shardings=NamedSharding(back, P("s")))(pair))
+show("rep", jax.jit(rep_split, out_shardings=NamedSharding(line, P("d")))(rep))
+show("rep back", jax.jit(rep_head)(jax.device_put(rep, devs[2])))
+show("rep front", jax.jit(rep_head)(jax.device_put(rep, devs[0])))
+print("read", flush=True)
+sys.stdin.readline()
+whole = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))  # over both workers
+show("whole", jax.jit(lambda v: v + 1)(whole))
+"""
+
+
+def worker_stats(cluster: LocalCluster) -> dict[str, wpb.WorkerStats]:
+    out = {}
+    for name, host in cluster.hosts().items():
+        with cluster.channel(host.address) as ch:
+            out[name] = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
+    return out
+
+
+def transfers(cluster: LocalCluster) -> list[str]:
+    """The workers' log lines of their first transfer to each peer (server/worker/transfer.py)."""
+    return [ln for log in sorted(cluster.home.glob("worker-*.log"))
+            for ln in log.read_text(errors="replace").splitlines() if "first transfer to" in ln]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster, tmp_path: Path) -> None:
+    where = two_workers(cluster)
+    owner = where[3][0]
+    assert where[2][0] == owner != where[0][0] == where[1][0]  # virtual 0, 1 on one worker; 2, 3 on the other
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    run_when_formed("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the warm-up's buffers to be freed")
+    local = subprocess.run([sys.executable, "-c", UPLOADS], env=client_env(tmp_path, **LOCAL4), input="go\ngo\n",
+                           capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-c", UPLOADS], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline().strip()
+        assert first == "uploaded", proc.stderr.read()[-3000:] if proc.stderr else first
+        stats = worker_stats(cluster)
+        # `one` and `pair` on the worker of devices 2 and 3 only; a copy of `rep` on each worker
+        assert (stats[owner].buffers, stats[owner].buffer_bytes) == (3, 4 * N * 4), stats
+        other = next(name for name in stats if name != owner)
+        assert (stats[other].buffers, stats[other].buffer_bytes) == (1, N * 4), stats
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        lines = []
+        while not lines or lines[-1] != "read":
+            lines.append(proc.stdout.readline().strip())
+            assert lines[-1], proc.stderr.read()[-3000:] if proc.stderr else lines
+        # every program so far read its inputs where they were, the downloads of `rep_split`'s
+        # result spread over both workers too (gathered by a run on its devices): no worker sent
+        # a buffer to another
+        assert transfers(cluster) == [], transfers(cluster)
+        out, err = proc.communicate("go\n", timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert ["uploaded", *lines, *out.splitlines()] == local.stdout.splitlines()
+    assert transfers(cluster) != []  # `whole`, on the first worker, was sent to the other (the check can fail)
+    assert local.stdout.splitlines()[1].startswith(
+        "one [0.0, 3.0, 6.0, 9.0] SingleDeviceSharding(device=CpuDevice(id=3)")
+    expect(cluster, where, {"up_scaled": [[3]], "up_rows": [[2, 3]], "rep_split": [[0, 1, 2, 3]],
+                            "rep_head": [[2], [0]]})
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+

@@ -1,5 +1,5 @@
 """The client's per-call path without a server: call signatures, the session stream's sender and
-its message packing."""
+its message packing, the bounded map of failed runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pwctl.api.bounded import Bounded
 from pwctl.api.functions import fast_key
 from pwctl.api.packing import Release as _Release
 from pwctl.api.packing import pack
@@ -114,6 +115,40 @@ def test_a_client_keeps_its_own_jax_on_the_cpu_unless_told_otherwise(env: dict[s
                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == want
+
+
+@pytest.mark.timeout(30)
+def test_a_bounded_map_keeps_its_last_insertions_however_they_are_made() -> None:
+    m: Bounded[int, str] = Bounded(3)
+    for i in range(5):
+        m[i] = str(i)
+    assert list(m.items()) == [(2, "2"), (3, "3"), (4, "4")]
+    m[3] = "again"  # already there: keeps its place, nothing forgotten
+    assert list(m.items()) == [(2, "2"), (3, "again"), (4, "4")]
+    m.update({5: "5", 6: "6"})
+    assert list(m) == [4, 5, 6]
+    assert m.setdefault(7, "7") == "7"
+    assert list(m) == [5, 6, 7]
+    m |= {8: "8"}
+    assert list(m) == [6, 7, 8]
+    with pytest.raises(ValueError, match="at least one"):
+        Bounded(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_bounded_map_keeps_its_bound_exactly_under_insertions_from_several_threads() -> None:
+    m: Bounded[int, int] = Bounded(100)
+
+    def insert(base: int) -> None:
+        for i in range(5000):
+            m[base + i] = i
+
+    threads = [threading.Thread(target=insert, args=(n * 10_000,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(m) == 100
 
 
 def _run(run_id: int) -> cpb.ClientMessage:

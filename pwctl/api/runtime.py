@@ -21,7 +21,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any
@@ -31,6 +30,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
 from ..worker_client import Upload, WorkerClient
+from .bounded import Bounded
 from .env import env_amount, keep_local_jax_on_cpu
 from .packing import Release
 from .registration import Registrations
@@ -85,7 +85,7 @@ class Runtime:
         self._welcome: CFuture[cpb.Welcome] = CFuture()
         self._sender = Sender(self._out, lambda: self.closed)
         self.registrations = Registrations(self)
-        self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
+        self._failed_runs: Bounded[int, str] = Bounded(MAX_FAILED_RUNS)  # run -> its error
         self._lost_lock = threading.Lock()  # one cancel_run per run, whichever worker lost its inputs
         self.max_in_flight = env_amount("PWCTL_MAX_IN_FLIGHT", os.environ.get("PWCTL_MAX_IN_FLIGHT", ""),
                                         MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
@@ -205,9 +205,7 @@ class Runtime:
                     self.registrations.answered(ev.registered)
                 elif kind == "finished":
                     if not ev.finished.ok:
-                        self._failed_runs[ev.finished.run_id] = ev.finished.error
-                        if len(self._failed_runs) > MAX_FAILED_RUNS:
-                            self._failed_runs.popitem(last=False)
+                        self._fail_run(ev.finished.run_id, ev.finished.error)
                 elif kind == "runs_done":
                     with self._progress:
                         self._runs_done = self._done_base + ev.runs_done.count
@@ -269,7 +267,9 @@ class Runtime:
         return self._sender.queued()
 
     def _fail_run(self, run_id: int, error: str) -> None:
-        """A queued run that will not be sent fails here (its futures report `error`)."""
+        """Run `run_id` failed (its futures report `error`): reported so by the controller, or
+        failed here (a queued run not sent after a restart, a run whose input upload was lost).
+        The last MAX_FAILED_RUNS are remembered (`_failed_runs` is bounded)."""
         self._failed_runs[run_id] = error
 
     def _requeue(self, keep: list[object], failed_runs: int) -> None:

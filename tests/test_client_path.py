@@ -1,18 +1,24 @@
-"""The client's per-call path without a server: call signatures and session message packing."""
+"""The client's per-call path without a server: call signatures, the session stream's sender and
+its message packing, the bounded map of failed runs."""
 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pwctl.api.bounded import Bounded
 from pwctl.api.functions import fast_key
 from pwctl.api.packing import Release as _Release
 from pwctl.api.packing import pack
+from pwctl.api.sender import STOP, Sender
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -109,3 +115,83 @@ def test_a_client_keeps_its_own_jax_on_the_cpu_unless_told_otherwise(env: dict[s
                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == want
+
+
+@pytest.mark.timeout(30)
+def test_a_bounded_map_keeps_its_last_insertions_however_they_are_made() -> None:
+    m: Bounded[int, str] = Bounded(3)
+    for i in range(5):
+        m[i] = str(i)
+    assert list(m.items()) == [(2, "2"), (3, "3"), (4, "4")]
+    m[3] = "again"  # already there: keeps its place, nothing forgotten
+    assert list(m.items()) == [(2, "2"), (3, "again"), (4, "4")]
+    m.update({5: "5", 6: "6"})
+    assert list(m) == [4, 5, 6]
+    assert m.setdefault(7, "7") == "7"
+    assert list(m) == [5, 6, 7]
+    m |= {8: "8"}
+    assert list(m) == [6, 7, 8]
+    with pytest.raises(ValueError, match="at least one"):
+        Bounded(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_bounded_map_keeps_its_bound_exactly_under_insertions_from_several_threads() -> None:
+    m: Bounded[int, int] = Bounded(100)
+
+    def insert(base: int) -> None:
+        for i in range(5000):
+            m[base + i] = i
+
+    threads = [threading.Thread(target=insert, args=(n * 10_000,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(m) == 100
+
+
+def _run(run_id: int) -> cpb.ClientMessage:
+    return cpb.ClientMessage(run=cpb.RunProgram(run_id=run_id, output_ids=[run_id << 8]))
+
+
+@pytest.mark.timeout(30)
+def test_the_sender_batches_the_queue_and_a_new_stream_sends_what_was_kept_queued_first() -> None:
+    """One stream's sender, then the next generation's after a resume took a run out of the queue."""
+    out: queue.SimpleQueue[object] = queue.SimpleQueue()
+    sender = Sender(out, lambda: False)
+    hello = cpb.ClientMessage(hello=cpb.Hello(client_name="t"))
+    got: list[cpb.ClientMessage] = []
+    first = sender.requests(0, [hello], sender.ready, sender.done)
+    consumer = threading.Thread(target=lambda: got.extend(first), daemon=True)
+    consumer.start()
+    out.put(_run(1))
+    out.put(_run(2))
+    time.sleep(0.1)
+    assert got == [hello]  # nothing past the hello before the Welcome
+    sender.ready.set()
+    deadline = time.monotonic() + 10
+    while sender.handed_total < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [m.run.run_id for m in got[1].batch.messages] == [1, 2]  # one message for both
+    assert list(sender.handed) == [(1, (1 << 8,)), (2, (2 << 8,))]
+
+    gen, ready, done = sender.next_stream()  # the old stream's sender wakes and ends
+    consumer.join(10)
+    assert not consumer.is_alive() and len(got) == 2
+    out.put(_run(3))
+    out.put(_Release(9, "w1"))
+    out.put(_run(4))
+    queued = sender.queued()
+    assert len(queued) == 3
+    sender.requeue([queued[0], queued[1]])  # run 4 taken out (it failed)
+    out.put(_run(5))
+    second = sender.requests(gen, [hello], ready, done)
+    assert next(second) is hello
+    ready.set()
+    msg = next(second)
+    kinds = [(m.WhichOneof("msg"), m.run.run_id, list(m.release.buffer_ids)) for m in msg.batch.messages]
+    assert kinds == [("run", 3, []), ("release", 0, [9]), ("run", 5, [])]  # what was kept first, in order
+    assert sender.handed_total == 4
+    out.put(STOP)
+    assert list(second) == [] and done.is_set()

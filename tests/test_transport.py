@@ -226,16 +226,16 @@ REGISTER_SPY = textwrap.dedent("""
     import json
     import numpy as np
     import pwctl as pw
-    from pwctl.api.runtime import Runtime
+    from pwctl.api.registration import Registrations
 
     sent = []  # per register message: how many functions carried their bytes
-    register_once = Runtime._register_once
+    register_once = Registrations.register_once
 
     def spy(self, graph, infos):
         sent.append(sum(1 for i in infos if i.exported))
         return register_once(self, graph, infos)
 
-    Runtime._register_once = spy
+    Registrations.register_once = spy
     s = pw.make_virtual_device_set().add_slice(devices=1)
     double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
     first = np.asarray(double(np.array([1.0]))).tolist()

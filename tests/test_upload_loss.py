@@ -416,6 +416,36 @@ def test_a_run_is_cancelled_once_however_many_of_its_uploads_are_lost(cluster: L
     assert "of this run was lost: worker" in out["error"], out
 
 
+BOUNDED = """\
+import json
+from pwctl.api import runtime
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import Upload
+
+rt = Runtime.get()
+limit = rt._failed_runs.limit
+rt._failed_runs.limit = 8  # the real runtime's map, its bound lowered: 12 runs lose an input, one after another
+runs = [rt.new_id() for _ in range(12)]
+for run in runs:
+    rt._uploads_lost([Upload(rt.new_id(), [], run)], "worker gone")
+print(json.dumps({"limit": limit, "max": runtime.MAX_FAILED_RUNS, "kept": len(rt._failed_runs),
+                  "errors": [rt.run_failed(run) for run in runs]}), flush=True)
+"""
+
+
+def test_runs_failed_by_a_lost_upload_are_remembered_within_the_bound(cluster: LocalCluster) -> None:
+    """Runs failed in the client (a lost upload) were remembered without a bound (only the
+    controller's RunFinished trimmed the map); every insertion now keeps MAX_FAILED_RUNS."""
+    r = subprocess.run([sys.executable, "-c", BOUNDED], env=cluster.env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["limit"] == out["max"] == 4096, out
+    assert out["kept"] == 8, out
+    errors = out["errors"]
+    assert errors[:4] == ["", "", "", ""], out  # the oldest four forgotten
+    assert all("of this run was lost: worker gone" in e for e in errors[4:]), out
+
+
 def test_acknowledgements_are_coalesced_and_the_last_covers_every_message(
         cluster: LocalCluster, session: Any) -> None:
     """A burst of small uploads gets far fewer acknowledgements than messages (server/worker/acks.py:

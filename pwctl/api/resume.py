@@ -11,8 +11,8 @@ whether each finished, so a future of such a run asks its worker (`Wait` with `m
 value that was computed is returned, one whose run never reached the worker fails with a clear
 error, and nothing waits forever.
 
-The runtime keeps the stream machinery (generations, the sender, the queue); this module asks it
-for what it needs through a few methods documented there as hooks for `Resume`.
+The runtime keeps the stream machinery (the queue, and its sender's generations in sender.py); this
+module asks it for what it needs through a few methods documented there as hooks for `Resume`.
 """
 
 from __future__ import annotations

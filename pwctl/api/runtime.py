@@ -6,7 +6,10 @@ batch and never waits for a reply (the client chooses run and buffer ids itself)
 Array bytes go straight to, and come straight from, the workers.
 
 The session outlives a controller restart: when the stream breaks, `Resume` (resume.py) opens
-it again and resumes the session; the runtime keeps the stream machinery it uses.
+it again and resumes the session, through a few hooks of the runtime's. The parts apart: the
+stream's sender and its generations (sender.py, `Sender`), the packing of a batch (packing.py),
+program registration (registration.py, `Registrations`); the runtime keeps the reader of the
+stream's events, the bound on runs in flight, the runs failed and the connections to workers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any
@@ -26,15 +28,17 @@ from typing import Any
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..client import Client
-from ..errors import ConnectionFailed, PathwaysError, ProgramError
+from ..errors import ConnectionFailed, PathwaysError
 from ..worker_client import Upload, WorkerClient
+from .bounded import Bounded
 from .env import env_amount, keep_local_jax_on_cpu
-from .packing import Release, pack
+from .packing import Release
+from .registration import Registrations
 from .resume import RECONNECT_S, Resume
+from .sender import STOP, Sender
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 4096
 # Failed runs remembered (their errors, for the futures of those runs); older ones are forgotten,
 # and a future of a forgotten run reports the worker's own error for its buffer instead.
 MAX_FAILED_RUNS = 4096
@@ -42,11 +46,6 @@ MAX_FAILED_RUNS = 4096
 # loop that calls without ever waiting would otherwise queue work (and its inputs) without limit;
 # JAX blocks its async dispatch the same way.
 MAX_IN_FLIGHT = 1024
-_STOP = object()
-_WAKE = object()  # wakes a stream's sender that the stream outlived (it then hands its item on)
-# Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
-# are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
-MAX_HANDED = 65536
 # How long closing (at exit) waits for the runs still in flight to be reported over before the
 # session ends (which cancels them): a program that exits right after fetching its last result
 # has its earlier runs finished on the workers, and their reports on the way; they count as done,
@@ -84,8 +83,9 @@ class Runtime:
         self._out: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._welcome: CFuture[cpb.Welcome] = CFuture()
-        self._pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
-        self._failed_runs: OrderedDict[int, str] = OrderedDict()  # the last MAX_FAILED_RUNS
+        self._sender = Sender(self._out, lambda: self.closed)
+        self.registrations = Registrations(self)
+        self._failed_runs: Bounded[int, str] = Bounded(MAX_FAILED_RUNS)  # run -> its error
         self._lost_lock = threading.Lock()  # one cancel_run per run, whichever worker lost its inputs
         self.max_in_flight = env_amount("PWCTL_MAX_IN_FLIGHT", os.environ.get("PWCTL_MAX_IN_FLIGHT", ""),
                                         MAX_IN_FLIGHT, int, "a number of runs (0: no bound)")
@@ -95,22 +95,10 @@ class Runtime:
         self._session_error = ""
         self._workers: dict[str, WorkerClient] = {}
         self._workers_lock = threading.Lock()
-        self.known_functions: set[str] = set()  # ids of the functions the server accepted from us
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
         self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
                                       RECONNECT_S, float, "seconds (0: never reconnect)")
-        # what a resumed session sends again: every program registered, registrations unanswered
-        self._programs: dict[str, tuple[cpb.ProgramGraph, list[Any]]] = {}
-        self._pending_msgs: dict[int, cpb.ClientMessage] = {}
-        # the streams: a generation per stream; a sender that its stream outlived hands on what
-        # it took (`_carry`, sent first on the next stream)
-        self._gen = 0
-        self._gen_lock = threading.Lock()
-        self._carry: deque[object] = deque()
-        # runs handed to the current stream, with their outputs
-        self._handed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_HANDED)
-        self._handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
-        self._done_base = 0
+        self._done_base = 0  # runs over before the current stream (its RunsDone counts from there)
         self.resume = Resume(self)  # across controller restarts; what is known of runs in flight at one
         self._resume_token = ""
         self.client_id = ""
@@ -122,11 +110,9 @@ class Runtime:
             weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
         )
-        ready = threading.Event()
-        self._ready = ready
-        self._sender_done = threading.Event()
-        self._call = self.client.session(self._requests(0, [cpb.ClientMessage(hello=self._hello)], ready,
-                                                        self._sender_done))
+        sender = self._sender
+        self._call = self.client.session(sender.requests(0, [cpb.ClientMessage(hello=self._hello)], sender.ready,
+                                                         sender.done))
         self._reader = threading.Thread(target=self._read, name="pw-session", daemon=True)
         self._reader.start()
         try:
@@ -174,73 +160,6 @@ class Runtime:
         """Runs sent whose end the controller has not reported yet."""
         return self._runs_sent - self._runs_done
 
-    def _requests(self, gen: int, first: list[cpb.ClientMessage], ready: threading.Event,
-                  done: threading.Event) -> Iterator[cpb.ClientMessage]:
-        """Stream `gen`'s messages: `first` (hello, and on a resumed stream the registrations),
-        then, once the Welcome came (`ready`), what was carried over and what is queued, in
-        batches. A newer stream ends this one: what it took then goes to `_carry`, in order."""
-        try:
-            yield from first
-            while not ready.wait(0.5):
-                if gen != self._gen or self.closed:
-                    return
-            while True:
-                with self._gen_lock:
-                    if gen != self._gen:
-                        return
-                    carried = list(self._carry)
-                    self._carry.clear()
-                batch: list[cpb.ClientMessage | Release] = []
-                stop = False
-                for item in carried:
-                    if item is _STOP:
-                        stop = True
-                    elif item is not _WAKE:
-                        assert isinstance(item, cpb.ClientMessage | Release)
-                        batch.append(item)
-                if not batch and not stop:
-                    item = self._out.get()
-                    if not self._take(gen, item, batch):
-                        return
-                    stop = item is _STOP
-                while not stop and batch and len(batch) < MAX_BATCH:
-                    try:
-                        nxt = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not self._take(gen, nxt, batch):
-                        return
-                    stop = nxt is _STOP
-                if batch:
-                    runs = [(m.run.run_id, tuple(m.run.output_ids)) for m in batch
-                            if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
-                    with self._gen_lock:  # handed (and remembered as such) only while the stream is current
-                        if gen != self._gen:
-                            self._carry.extend(batch)
-                            return
-                        if runs:
-                            self._handed.extend(runs)
-                            self._handed_total += len(runs)
-                    yield pack(batch)
-                if stop:
-                    return
-        finally:
-            done.set()
-
-    def _take(self, gen: int, item: object, batch: list[cpb.ClientMessage | Release]) -> bool:
-        """Adds `item` to `batch`; False when stream `gen` is over: then the batch and the item
-        go to `_carry`, in order, for the next stream."""
-        with self._gen_lock:
-            if gen != self._gen:
-                self._carry.extend(batch)
-                if item is not _WAKE:
-                    self._carry.append(item)
-                batch.clear()
-                return False
-        if isinstance(item, cpb.ClientMessage | Release):
-            batch.append(item)
-        return True
-
     # ---- incoming ----
     def _read(self) -> None:
         call: Any = self._call
@@ -270,11 +189,7 @@ class Runtime:
                 self._progress.notify_all()
             if not self._welcome.done():
                 self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
-            for fut in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(ConnectionFailed(self._session_error or "session closed"))
-            self._pending.clear()
-            self._pending_msgs.clear()
+            self.registrations.session_over(self._session_error or "session closed")
 
     def _serve(self, events: Iterator[cpb.SessionEvent]) -> None:
         """Handles a stream's events; raises _Lost when it ends (returns when we closed it)."""
@@ -285,22 +200,17 @@ class Runtime:
                 if kind == "welcome":
                     self._welcomed(ev.welcome)
                     self._welcome.set_result(ev.welcome)
-                    self._ready.set()
+                    self._sender.ready.set()
                 elif kind == "registered":
-                    self._pending_msgs.pop(ev.registered.request_id, None)
-                    fut = self._pending.pop(ev.registered.request_id, None)
-                    if fut is not None:
-                        fut.set_result(ev.registered)
+                    self.registrations.answered(ev.registered)
                 elif kind == "finished":
                     if not ev.finished.ok:
-                        self._failed_runs[ev.finished.run_id] = ev.finished.error
-                        if len(self._failed_runs) > MAX_FAILED_RUNS:
-                            self._failed_runs.popitem(last=False)
+                        self._fail_run(ev.finished.run_id, ev.finished.error)
                 elif kind == "runs_done":
                     with self._progress:
                         self._runs_done = self._done_base + ev.runs_done.count
                         if self._runs_done >= self._runs_sent:
-                            self._handed.clear()  # every run handed so far is over
+                            self._sender.handed.clear()  # every run handed so far is over
                         self._progress.notify_all()
                 elif kind == "slice_changed":
                     vs = self.slices.get(ev.slice_changed.slice.name)
@@ -320,28 +230,19 @@ class Runtime:
         if not self.closed:
             raise _Lost(going_away or "the server ended the session")
 
-    # ---- resuming the session ----
+    # ---- hooks for Resume (resume.py) ----
     def _next_stream(self) -> tuple[int, threading.Event, threading.Event]:
         """Ends the current stream's sender (it hands on what it took) and opens a generation."""
-        with self._gen_lock:
-            self._gen += 1
-            gen = self._gen
-        self._ready.set()  # a sender waiting for its Welcome looks again, and ends
-        self._out.put(_WAKE)
-        self._sender_done.wait(1.0)  # a sender blocked on the queue wakes; one stuck in gRPC never takes more
-        self._ready = threading.Event()
-        self._sender_done = threading.Event()
-        return gen, self._ready, self._sender_done
+        return self._sender.next_stream()
 
-    # ---- hooks for Resume (resume.py) ----
     def _strand_handed(self) -> None:
         """The runs handed to the stream that broke are uncertain, and over for the bound on runs
         in flight (calls waiting for room go on)."""
         with self._progress:
-            for run_id, outputs in self._handed:
+            for run_id, outputs in self._sender.handed:
                 self.resume.strand(run_id, outputs)
-            self._handed.clear()
-            self._done_base = self._handed_total
+            self._sender.handed.clear()
+            self._done_base = self._sender.handed_total
             self._runs_done = max(self._runs_done, self._done_base)
             self._progress.notify_all()
 
@@ -352,20 +253,8 @@ class Runtime:
         hello = cpb.Hello()
         hello.CopyFrom(self._hello)
         hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
-        first = [cpb.ClientMessage(hello=hello), *self._registrations()]
-        return self.client.session(self._requests(gen, first, ready, done)), ready
-
-    def _registrations(self) -> list[cpb.ClientMessage]:
-        """What a resumed session sends first: every program registered before, with its
-        functions' bytes (a new controller has none), then the registrations still unanswered."""
-        out = []
-        for graph, functions in list(self._programs.values()):
-            infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
-                                      exported=f.exported) for f in functions]
-            out.append(cpb.ClientMessage(register=cpb.RegisterProgram(request_id=self.new_id(), graph=graph,
-                                                                      functions=infos)))
-        out.extend(self._pending_msgs.values())
-        return out
+        first = [cpb.ClientMessage(hello=hello), *self.registrations.again()]
+        return self.client.session(self._sender.requests(gen, first, ready, done)), ready
 
     def _resumed(self, call: Any, welcome: cpb.Welcome) -> None:
         """The session goes on on `call`, whose Welcome this is."""
@@ -375,61 +264,31 @@ class Runtime:
     def _queued(self) -> list[object]:
         """Everything queued for the next stream, in order; no stream takes from the queue until
         its `ready` is set."""
-        with self._gen_lock:
-            while True:
-                try:
-                    self._carry.append(self._out.get_nowait())
-                except queue.Empty:
-                    break
-            return list(self._carry)
+        return self._sender.queued()
 
     def _fail_run(self, run_id: int, error: str) -> None:
-        """A queued run that will not be sent fails here (its futures report `error`)."""
+        """Run `run_id` failed (its futures report `error`): reported so by the controller, or
+        failed here (a queued run not sent after a restart, a run whose input upload was lost).
+        The last MAX_FAILED_RUNS are remembered (`_failed_runs` is bounded)."""
         self._failed_runs[run_id] = error
 
     def _requeue(self, keep: list[object], failed_runs: int) -> None:
         """Only `keep` stays queued: `failed_runs` runs were taken out, never sent, so over."""
-        with self._gen_lock:
-            self._carry = deque(keep)
+        self._sender.requeue(keep)
         with self._progress:
             self._done_base += failed_runs
             self._runs_done += failed_runs
             self._progress.notify_all()
 
     # ---- programs ----
-    def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:
-        """Registers a program graph in one round trip: functions this runtime registered before
-        go by id alone, the others with their bytes. Should the server lack some anyway (a
-        restarted controller), it names them and a second round trip sends their bytes."""
-        known = self.known_functions
-        infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
-                                  exported=b"" if f.function_id in known else f.exported)
-                 for f in functions]
-        reply = self._register_once(graph, infos)
-        if reply.missing_functions:
-            missing = set(reply.missing_functions)
-            infos = [
-                cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
-                                 exported=f.exported if f.function_id in missing else b"")
-                for f in functions
-            ]
-            reply = self._register_once(graph, infos)
-        if reply.error:
-            raise ProgramError(reply.error)
-        if reply.missing_functions:
-            raise ProgramError("the server did not accept the compiled functions")
-        known.update(f.function_id for f in functions)
-        self._programs[reply.program_id] = (graph, list(functions))
-        return reply.program_id
+    @property
+    def known_functions(self) -> set[str]:
+        """Ids of the functions the server accepted from this runtime."""
+        return self.registrations.known_functions
 
-    def _register_once(self, graph: cpb.ProgramGraph, infos: list[cpb.FunctionInfo]) -> cpb.ProgramRegistered:
-        request_id = self.new_id()
-        fut: CFuture[cpb.ProgramRegistered] = CFuture()
-        self._pending[request_id] = fut
-        msg = cpb.ClientMessage(register=cpb.RegisterProgram(request_id=request_id, graph=graph, functions=infos))
-        self._pending_msgs[request_id] = msg
-        self.send(msg)
-        return fut.result(timeout=300 + self.reconnect_s)
+    def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:
+        """Registers a program graph (registration.py); returns its program id."""
+        return self.registrations.register(graph, functions)
 
     def run_failed(self, run_id: int) -> str:
         return self._failed_runs.get(run_id, "") or self._session_error
@@ -487,7 +346,7 @@ class Runtime:
             return
         self._drain(CLOSE_DRAIN_S)
         self.closed = True
-        self._out.put(_STOP)
+        self._out.put(STOP)
         for conn in list(self._workers.values()):
             conn.close()
         try:

@@ -17,7 +17,7 @@ import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env, proxy_env
 from test_proxy_cluster import worker_buffers
-from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_when_formed, two_workers
+from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_on_slice, two_workers
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -77,7 +77,7 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
     owner = where[3][0]
     assert where[2][0] == owner != where[0][0] == where[1][0]  # virtual 0, 1 on one worker; 2, 3 on the other
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    run_when_formed("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
+    run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the warm-up's buffers to be freed")
     local = subprocess.run([sys.executable, "-c", UPLOADS], env=client_env(tmp_path, **LOCAL4), input="go\ngo\n",
                            capture_output=True, text=True, timeout=120)

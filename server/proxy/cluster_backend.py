@@ -10,7 +10,10 @@ Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
 RPCs (PutBuffers, Fetch, Wait). An upload goes to the worker holding its devices; a replicated one
 over devices of several workers as a copy to each of them (`put`); any other to the slice's first
-worker, from which the runs reading it elsewhere have it sent. An upload needs only which
+worker, from which the runs reading it elsewhere have it sent. A staged upload (a host buffer of
+4 MiB or more, streamed on to the slice's first worker before the client says which devices it
+is for: staging.py) then moves, worker to worker, to where `put` would have stored it
+(`settle_staged`: the dispatcher's `move`, worker.proto `BufferSend` and `BufferKeep`). An upload needs only which
 worker holds which device (the slice's holders, server/controller/holders.py), not the island's
 group that computations over a slice spanning hosts run in: uploads go on while it forms (at
 start, after a remap), and downloads read where the buffer is; compiles and executes wait for
@@ -464,10 +467,34 @@ class SliceSession:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
 
     def stage(self, nbytes: int) -> Staging:
-        """A staged upload of `nbytes` host bytes to the worker `put` would upload them to (staging.py)."""
+        """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
+        its devices are known it moves where they are (`settle_staged`)."""
         address = self._holders().first.address
         call = self._workers.put_raw(address)(metadata=self._metadata)
         return Staging(self, call, address, next(self._ids), self._owner, nbytes)
+
+    def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
+        """A staged upload, stored on the slice's first worker before the client said which
+        devices it is for, goes where `put` would have stored it: to the worker holding all of
+        `devices`, or, `replicated`, a copy to each worker holding some of them, worker to
+        worker (the dispatcher's `move`: nothing comes back here). Else it stays."""
+        manager = self._controls.sessions
+        home = self._home.get(buffer_id)
+        if manager is None or home is None or not devices:
+            return
+        try:
+            holders = holders_of(self._holders(), devices)
+        except BackendError:  # the slice is degraded: its next use says so
+            return
+        if not holders or (len(holders) > 1 and not replicated) or holders == (home,):
+            return
+        targets = [a for a in holders if a != home]
+        if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
+            return
+        self._home[buffer_id] = holders[0]
+        if len(holders) > 1:
+            self._copies[buffer_id] = holders
+        self._cork.decided()  # sent with the session's next flush
 
     def adopt(self, buffer_id: int, address: str) -> None:
         """Records a buffer a staged upload stored on worker `address`."""

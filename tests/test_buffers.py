@@ -223,3 +223,25 @@ def test_a_pending_buffer_whose_readers_all_ended_is_unread_until_a_new_reader_c
     s.put(5, np.zeros(2), 16)
     s.consumer_done(5)  # a reader that ran: nothing is left pending
     assert not s.unread(5) and told == [5] and live(s) == 1
+
+
+def test_a_buffer_a_peer_sends_to_keep_is_the_clients_whether_it_arrives_before_or_after() -> None:
+    """`keep` (worker.proto BufferKeep: a client's upload moved here from another worker): the
+    buffer a peer sends is held for the client until released, whichever comes first; a reader
+    does not free it; released before (a tombstone), the late copy is dropped."""
+    s = BufferStore()
+    s.keep(1, "client:1")  # before the copy arrives: a fetch waits for it
+    s.put(1, np.zeros(4, np.float32), 16, from_peer=True)
+    s.put(2, np.ones(2, np.float32), 8, from_peer=True)  # arrived first: held for a reader so far
+    s.keep(2, "client:1")
+    s.add_consumers([1, 2], owner="client:1")  # a run reads both, then ends
+    s.consumer_done(1)
+    s.consumer_done(2)
+    assert live(s) == 2 and s.stats()[1] == 24 and s.wait(2, timeout=1).tolist() == [1.0, 1.0]
+    s.release([1])
+    assert live(s) == 1
+    assert s.release_owner("client:1") == 1 and live(s) == 0  # the session's end frees it too
+    s.release([3])  # dropped before its copy came
+    s.keep(3, "client:1")
+    s.put(3, np.zeros(2), 16, from_peer=True)
+    assert live(s) == 0

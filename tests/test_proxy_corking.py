@@ -18,6 +18,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server.controller.cluster import HostInfo
 from server.controller.dispatch import Dispatcher
+from server.controller.holders import Holders
 from server.controller.programs import ProgramRegistry
 from server.controller.sessions import SessionManager
 from server.controller.slices import Placement
@@ -137,8 +138,11 @@ class Slices:
     def current(self, name: str) -> Placement:
         return self.placement(name)
 
-    def address(self, name: str) -> str:
-        return self.placement(name).host.address
+    def holders(self, name: str) -> Holders:
+        return Holders(name, (self.host,), (0,), 0)
+
+    async def settled(self, name: str, timeout: float) -> Placement:
+        return self.placement(name)
 
     def release_owner(self, owner: str) -> None:
         pass

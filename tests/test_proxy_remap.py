@@ -17,49 +17,24 @@ from proxy_env import proxy_env
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 REMAP = """
-import sys, time
+import sys
 import numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
 line = Mesh(np.array(jax.devices()), ("d",))
 f = jax.jit(lambda v: v * 2)
 x = np.arange(8.0, dtype=np.float32)
-def run():
-    deadline = time.monotonic() + 90
-    while True:  # the island's group of workers forms again after the remap
-        try:
-            return f(jax.device_put(x, NamedSharding(line, P("d"))))
-        except Exception as e:
-            if "forming" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+def run():  # after a remap the island's group of workers forms again: the run waits for it
+    return f(jax.device_put(x, NamedSharding(line, P("d"))))
 print("one worker", np.asarray(run()).tolist(), flush=True)
 sys.stdin.readline()
-def read():
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            y = run()
-            return y, np.asarray(y).tolist()
-        except Exception as e:
-            if "forming" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-y, got = read()
-print("two workers", got, flush=True)
+y = run()
+print("two workers", np.asarray(y).tolist(), flush=True)
 sys.stdin.readline()
-deadline = time.monotonic() + 90
-while True:
-    try:
-        print("stale", np.asarray(f(y)).tolist(), flush=True)
-        break
-    except Exception as e:
-        if "forming" in str(e) and time.monotonic() < deadline:
-            time.sleep(1)
-            continue
-        print("stale error", str(e).replace(chr(10), " "), flush=True)
-        break
-y2, got = read()
-print("again", got, flush=True)
+try:
+    print("stale", np.asarray(f(y)).tolist(), flush=True)
+except Exception as e:
+    print("stale error", str(e).replace(chr(10), " "), flush=True)
+print("again", np.asarray(run()).tolist(), flush=True)
 """
 
 
@@ -111,21 +86,14 @@ def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: Loc
 
 
 READ_AFTER_REMAP = """
-import sys, time
+import sys
 import numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
 line = Mesh(np.array(jax.devices()), ("d",))
 f = jax.jit(lambda v: v * 2)
 x = np.arange(8.0, dtype=np.float32)
-def run():
-    deadline = time.monotonic() + 90
-    while True:  # the island's group of workers forms (again after a remap)
-        try:
-            return f(jax.device_put(x, NamedSharding(line, P("d"))))
-        except Exception as e:
-            if "forming" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+def run():  # after a remap the island's group of workers forms again: the run waits for it
+    return f(jax.device_put(x, NamedSharding(line, P("d"))))
 def read(y):
     try:
         return np.asarray(y).tolist()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -103,15 +102,10 @@ show("span loop", w)
 """
 
 
-def run_when_formed(code: str, env: dict[str, str]) -> list[str]:
-    """The program's lines once the island's group of workers formed (a run before then is
-    refused, saying so)."""
-    deadline = time.monotonic() + 90
-    while True:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
-        if out.returncode == 0 or "group is forming" not in out.stderr or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+def run_on_slice(code: str, env: dict[str, str]) -> list[str]:
+    """The program's lines (its first run waits for the island's group of workers to form: no
+    retry is needed, tests/test_proxy_forming.py)."""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, "\n".join(ln for ln in out.stderr.splitlines() if "insecure" not in ln)[-3000:]
     return out.stdout.splitlines()
 
@@ -161,7 +155,7 @@ def test_programs_on_one_worker_of_a_slice_spanning_two(cluster: LocalCluster, t
     and of programs over the whole slice."""
     where = two_workers(cluster)
     local = run_program(ONE_WORKER, client_env(tmp_path, **LOCAL4))
-    assert run_when_formed(ONE_WORKER, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
+    assert run_on_slice(ONE_WORKER, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     assert by_name["one 3"].startswith("one 3 [1.0, 4.0, 7.0, 10.0] SingleDeviceSharding(device=CpuDevice(id=3)")
     assert by_name["col sum"].startswith("col sum [112.0, 128.0] SingleDeviceSharding(device=CpuDevice(id=2)")
@@ -177,7 +171,7 @@ def test_programs_across_part_of_a_slice_spanning_two_workers(cluster: LocalClus
     on those devices; the whole slice in reverse order too; their results read anywhere."""
     where = two_workers(cluster)
     local = run_program(ACROSS, client_env(tmp_path, **LOCAL4))
-    assert run_when_formed(ACROSS, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
+    assert run_on_slice(ACROSS, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
     names = ["across", "span psum", "reversed", "then one", "to line", "then whole", "span loop"]
     assert len(local) == len(names) and all(ln.startswith(f"{n} ") for ln, n in zip(local, names, strict=True))
     expect(cluster, where, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]],
@@ -221,7 +215,7 @@ def test_results_spread_over_workers_go_from_each_when_dropped(cluster: LocalClu
     only its one live array (an upload, on the slice's first worker) is left."""
     two_workers(cluster)
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    run_when_formed("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
+    run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -2,10 +2,11 @@
 each): an array for devices of one worker (one device, or a sub-mesh of that worker's devices)
 is stored on that worker, not on the slice's first one; a replicated array over devices of both
 is a copy on each; programs read them where they are, with no transfer between workers (nor for
-a result spread over both workers, read by a run on the same devices). A sharded array over
-devices of both workers still goes to the first worker (it is sent on when read). Checked in the
-workers' buffer counts and bytes and their transfer logs, with the program's output equal to the
-same program on 4 local CPU devices."""
+a result spread over both workers, read by a run on the same devices). A staged upload (4 MiB or
+more, streamed on to the first worker before its devices are known) then moves there, worker to
+worker. A sharded array over devices of both workers still goes to the first worker (it is sent
+on when read). Checked in the workers' buffer counts and bytes and their transfer logs, with the
+program's output equal to the same program on 4 local CPU devices."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env, proxy_env
 from test_proxy_cluster import worker_buffers
-from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_when_formed, two_workers
+from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_on_slice, two_workers
 
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -77,7 +78,7 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
     owner = where[3][0]
     assert where[2][0] == owner != where[0][0] == where[1][0]  # virtual 0, 1 on one worker; 2, 3 on the other
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    run_when_formed("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
+    run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the warm-up's buffers to be freed")
     local = subprocess.run([sys.executable, "-c", UPLOADS], env=client_env(tmp_path, **LOCAL4), input="go\ngo\n",
                            capture_output=True, text=True, timeout=120)
@@ -117,3 +118,69 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
                             "rep_head": [[2], [0]]})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 
+
+
+M = 2 << 20  # float32 elements (8 MiB) of each staged upload: over the proxy's staging threshold
+
+STAGED = PRELUDE + f"""
+import sys
+M = {M}
+one = jax.device_put(np.arange(M, dtype=np.float32), devs[3])  # staged before its device is known
+back_rep = jax.device_put(np.arange(M, dtype=np.float32) / 3, NamedSharding(back, P()))
+front = jax.device_put(np.arange(M, dtype=np.float32) / 5, devs[1])  # the first worker's: it stays
+rep = jax.device_put(np.arange(M, dtype=np.float32) / 7, NamedSharding(line, P()))  # a copy on each
+for a in (one, back_rep, front, rep):
+    a.block_until_ready()
+print("uploaded", flush=True)
+sys.stdin.readline()
+def big_head(v):
+    return (v * 3)[:4]
+show("one", jax.jit(big_head)(one))
+show("back rep", jax.jit(big_head)(back_rep))
+show("front", jax.jit(big_head)(front))
+show("rep back", jax.jit(big_head)(jax.device_put(rep, devs[2])))
+show("rep front", jax.jit(big_head)(jax.device_put(rep, devs[0])))
+print("sums", float(np.asarray(one, np.float64).sum()), float(np.asarray(back_rep, np.float64).sum()))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_staged_uploads_for_one_workers_devices_move_to_that_worker(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A host buffer of 4 MiB or more is streamed on to the slice's first worker before the
+    client says which devices it is for; one for another worker's devices then moves there, worker
+    to worker, and is read there. Checked in the workers' buffer counts and bytes, with the
+    program's output equal to the same program on 4 local CPU devices."""
+    where = two_workers(cluster)
+    owner = where[3][0]
+    first = min(h for h, _ in where.values())  # where staged uploads land (the group's first member)
+    assert where[2][0] == owner != first == where[1][0]
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
+                           capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-c", STAGED], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline().strip()
+        assert line == "uploaded", proc.stderr.read()[-3000:] if proc.stderr else line
+
+        def placed() -> bool:
+            stats = worker_stats(cluster)
+            return ((stats[owner].buffers, stats[owner].buffer_bytes) == (3, 3 * M * 4)
+                    and (stats[first].buffers, stats[first].buffer_bytes) == (2, 2 * M * 4))
+
+        # `one` and `back_rep` on the worker of devices 2 and 3 only (moved there), `front` stays,
+        # `rep` is a copy on each
+        wait_for(placed, 30, f"the staged uploads on their devices' workers: {worker_stats(cluster)}")
+        assert any(f"first transfer to {cluster.hosts()[owner].address}" in ln for ln in transfers(cluster))
+        out, err = proc.communicate("go\n", timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
+    expect(cluster, where, {"big_head": [[3], [2, 3], [1], [2], [0]]})
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

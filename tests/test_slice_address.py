@@ -1,17 +1,23 @@
-"""`SliceService.current` and `address`: where a slice runs, kept between calls (the IFRT proxy
-asks on every execute) and always what `placement` gives, however the slice or its host moved.
-A real cluster registry and slice service over a real SQLite file."""
+"""`SliceService.current` and `holders`: where a slice runs and which worker holds each of its
+devices, kept between calls (the IFRT proxy asks on every execute and upload) and always what
+`placement` gives, however the slice or its host moved; the holders of a slice spanning hosts
+are known while its island's group forms, and `settled` waits for the group. A real cluster
+registry, slice service over a real SQLite file, and island groups whose coordination services
+are real processes (`sleep`, as in test_groups.py); the workers' joins are told by hand."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from schemas.pathways.v1 import controller_pb2 as cpb
+from server.controller import groups as gm
 from server.controller.cluster import Cluster
-from server.controller.errors import NotFound
+from server.controller.errors import NotFound, Rejected
 from server.controller.links import WorkerLink
 from server.controller.slices import SliceService
 from server.db.engine import make_engine, session_factory
@@ -54,26 +60,99 @@ def test_the_kept_placement_is_the_placement_until_the_slice_or_its_host_changes
     placement = slices.placement
     monkeypatch.setattr(slices, "placement", lambda name: placed.append(name) or placement(name))
 
-    assert slices.address("s") == host.address
-    assert slices.address("s") == host.address
+    assert slices.current("s").host.address == host.address
+    assert slices.current("s").host.address == host.address
     assert placed == ["s"]  # the second answer was the kept one
+    assert slices.holders("s").first is host and slices.holders("s") is slices.holders("s")
     kept = slices.current("s")
     assert kept == placement("s") and slices.current("s") is kept and placed == ["s"]
 
     # the host registers again at another address: a new record, so the kept answer is stale
     register(cluster, host.name, f"{host.name}:2")
-    assert slices.address("s") == f"{host.name}:2" == placement("s").host.address
+    assert slices.current("s").host.address == f"{host.name}:2" == placement("s").host.address
     assert placed == ["s", "s"]
     assert slices.current("s") == placement("s") and slices.current("s").host is cluster.hosts[host.name]
+    assert slices.holders("s").first is cluster.hosts[host.name]
 
     # the host is lost: the slice is remapped onto the other host (the slices' epoch moves)
     cluster.mark_lost(host.name, "killed")
-    assert slices.address("s") == f"{other}:1" == placement("s").host.address
+    assert slices.current("s").host.address == f"{other}:1" == placement("s").host.address
     assert slices.current("s") == placement("s")
+    assert slices.holders("s").first.address == f"{other}:1"
 
     # the slice is deleted: nothing kept answers for it
     slices.delete("s")
     with pytest.raises(NotFound):
-        slices.address("s")
+        slices.current("s")
     with pytest.raises(NotFound):
-        slices.address("never")
+        slices.holders("never")
+    with pytest.raises(NotFound):
+        slices.holders("s")
+
+
+def test_the_holders_of_a_slice_spanning_hosts_are_known_while_its_group_forms(
+        parts: tuple[Cluster, SliceService], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice over two hosts has no placement until the island's group formed (a computation
+    needs it), but its holders (what an upload needs) are known at once, in the order of the
+    group's members; `settled` waits for the group, or fails after its timeout naming why."""
+    cluster, slices = parts
+    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(gm, "SETTLE_S", 0.0)
+    services: list[subprocess.Popen[bytes]] = []
+
+    def start(address: str, n: int) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        services.append(proc)
+        return proc
+
+    async def main() -> None:
+        sent: list[tuple[str, cpb.JoinGroup]] = []
+        groups = gm.IslandGroups(cluster.hosts, cluster.hosts_of, lambda host, msg: sent.append((host, msg.join)),
+                                 "127.0.0.1", start_service=start)
+        cluster.on_host_up.append(groups.host_up)
+        cluster.on_host_lost.append(groups.host_lost)
+        groups.listeners.append(slices.group_changed)
+        slices.groups = groups
+        register(cluster, "w2", "w2:1")
+        register(cluster, "w1", "w1:1")
+        made = slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c").slice
+        on = [d.host for d in made.devices]
+        assert sorted(on) == ["w1", "w2"]
+        with pytest.raises(Rejected, match="spans hosts"):
+            slices.current("s")
+        held = slices.holders("s")
+        assert [h.name for h in held.hosts] == ["w1", "w2"] and held.first is cluster.hosts["w1"]
+        assert [held.hosts[k].name for k in held.host_of] == on
+
+        waiting = asyncio.ensure_future(slices.settled("s", 20))
+        for _ in range(200):  # the group's service starts (a thread), then the joins go out
+            if len(sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(h for h, _ in sent) == ["w1", "w2"] and not waiting.done()
+        with pytest.raises(Rejected, match="group is forming"):
+            slices.current("s")
+        for host, join in sent:
+            groups.joined(host, join.generation, "")
+        placed = await asyncio.wait_for(waiting, 5)
+        assert placed.gang is not None and placed.host is held.first
+        assert [m.name for m in placed.gang.members] == [h.name for h in slices.holders("s").hosts]
+        assert [placed.gang.members[k].name for k in placed.gang.member_of] == on
+
+        # a third host registers: a new generation forms, which never completes here
+        sent.clear()
+        register(cluster, "w3", "w3:1")
+        for _ in range(200):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        assert slices.holders("s").hosts == held.hosts
+        with pytest.raises(Rejected, match="group is forming"):
+            await slices.settled("s", 0.3)
+        groups.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for proc in services:
+            gm.stop_service(proc)

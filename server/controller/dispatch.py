@@ -392,6 +392,26 @@ class Dispatcher:
         if host is not None:
             self._outbox.release(host.name, ids)
 
+    def move(self, buffer_id: int, owner: str, source: str, targets: Sequence[str], keep_source: bool) -> bool:
+        """Has the worker at address `source` send `owner`'s buffer to each worker of `targets`,
+        worker to worker, which keep it for the client as an upload (`BufferKeep`); `source` drops
+        its copy once sent unless `keep_source`. Sent at the next flush; False (nothing done) when
+        one of them is not a registered worker."""
+        src = self.host_by_address(source)
+        dests = [self.host_by_address(t) for t in targets]
+        if src is None or any(d is None for d in dests):
+            return False
+        for dest in dests:
+            assert dest is not None
+            self._outbox.enqueue(dest.name).keeps.add(buffer_id=buffer_id, owner=owner)
+        out = self._outbox.enqueue(src.name)
+        for dest in dests:
+            assert dest is not None
+            out.sends.add(buffer_id=buffer_id, address=dest.address, same_host=same_machine(src, dest))
+        if not keep_source:
+            out.release_ids.append(buffer_id)  # applied after the sends took their reference
+        return True
+
     def flush(self) -> None:
         """Sends everything decided since the last flush: one message per host and kind, and to
         each client whose runs finished meanwhile, how many of its runs are over."""

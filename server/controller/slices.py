@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -25,13 +26,15 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import resource_manager as rm
-from ..db.models import DeviceRow, HostRow, SliceDeviceRow, SliceRemapRow, SliceRow, int_list, utcnow
+from ..db.models import DeviceRow, HostRow, SliceRow, utcnow
 from ..db.writer import Write
 from ..timeutil import iso
 from .cluster import READY, HostInfo
 from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
 from .groups import GROUP_STRIDE, IslandGroups
+from .holders import Holders, slice_holders
 from .segments import Gang
+from .slice_rows import RowOp, slice_of, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,9 @@ class SliceService:
         self.epoch = 0  # bumps on every change of any slice
         self.groups: IslandGroups | None = None  # set by the composition root (core.py)
         self._meta: dict[str, _Meta] = {}
-        # slice name -> (epoch, placement) of its last placement (`current`)
+        # slice name -> (epoch, placement) of its last placement (`current`), and its holders
         self._kept: dict[str, tuple[int, Placement]] = {}
+        self._kept_holders: dict[str, tuple[int, Holders]] = {}
         # device id -> (host name, local index); kept for retired devices too, for display.
         self._local: dict[int, tuple[str, int]] = {}
 
@@ -133,7 +137,7 @@ class SliceService:
                 .order_by(SliceRow.id)
             )
             for row in rows:
-                slices.append(_slice_of(row))
+                slices.append(slice_of(row))
                 self._meta[row.name] = _Meta(row.created_at, [r.at for r in row.remaps])
         actions = self.rm.restore(devices, slices)
         log.info("restored %d slices on %d devices", len(slices), len(devices))
@@ -282,10 +286,46 @@ class SliceService:
             self._kept = {n: v for n, v in self._kept.items() if n in self.rm.slices}
         return placed
 
-    def address(self, name: str) -> str:
-        """The address of the worker slice `name` runs on now (a slice spanning hosts: its first
-        member's): `current(name).host.address`."""
-        return self.current(name).host.address
+    def holders(self, name: str) -> Holders:
+        """Which registered worker holds each virtual device of slice `name` now, whether or not
+        its island's group is formed (holders.py: what uploads need); kept like `current`. Raises
+        NotFound, or Rejected (degraded, or on a host not registered)."""
+        known = self._kept_holders.get(name)
+        if known is not None and known[0] == self.epoch and all(self._hosts.get(h.name) is h
+                                                                 for h in known[1].hosts):
+            return known[1]
+        s = self.rm.slices.get(name)
+        if s is None:
+            raise NotFound(f"slice {name!r} does not exist (deleted?)")
+        if s.status is rm.SliceStatus.DEGRADED:
+            raise Rejected(f"slice {name!r} is degraded: {s.reason}")
+        made = slice_holders(name, s.mapping, s.generation, lambda d: self.rm.devices[d].host, self._hosts)
+        if isinstance(made, str):  # pragma: no cover - the resource manager only knows registered hosts
+            raise Rejected(made)
+        self._kept_holders[name] = (self.epoch, made)
+        if len(self._kept_holders) > 2 * len(self.rm.slices) + 64:
+            self._kept_holders = {n: v for n, v in self._kept_holders.items() if n in self.rm.slices}
+        return made
+
+    async def settled(self, name: str, timeout: float) -> Placement:
+        """`current(name)`, waiting up to `timeout` seconds while slice `name` spans hosts whose
+        island group is not usable with them (forming at start, after a host joined or was lost,
+        after a remap); then raises what `current` raises."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.current(name)
+            except Rejected:
+                s = self.rm.slices.get(name)
+                left = deadline - time.monotonic()
+                if (s is None or s.status is rm.SliceStatus.DEGRADED or self.groups is None or left <= 0
+                        or len({self.rm.devices[d].host for d in s.mapping}) < 2):
+                    raise
+                island = self.rm.devices[s.mapping[0]].island
+            if self.groups.usable(island) is None:
+                await self.groups.wait_usable(island, left)
+            else:  # usable, but not with this slice's hosts yet: the next generation is due
+                await asyncio.sleep(min(left, 0.05))
 
     def _gang_placement(self, name: str, s: rm.Slice, island: str, hosts: builtins.list[str]) -> Placement:
         """A slice over several hosts: one SPMD computation over the island's group (groups.py)."""
@@ -343,7 +383,7 @@ class SliceService:
             return None
         self.epoch += 1  # the dispatcher's cached placements are stale now
         now = utcnow()
-        ops: builtins.list[_RowOp] = []
+        ops: builtins.list[RowOp] = []
         changed: builtins.list[rm.Slice] = []
         for a in todo:
             if isinstance(a, rm.SliceDeleted):
@@ -357,7 +397,7 @@ class SliceService:
             ops.append((a.slice.name, a.slice, meta.created_at, tuple(meta.remap_at)))
             if not isinstance(a, rm.SliceCreated):
                 changed.append(a.slice)
-        done = self._last_write = self._write(lambda s: _write_rows(s, ops))
+        done = self._last_write = self._write(lambda s: write_rows(s, ops))
         if self.groups is not None:
             for a in todo:
                 sl = getattr(a, "slice", None)
@@ -428,71 +468,3 @@ class SliceService:
             generation=sl.generation,
             programs=programs,
         )
-
-
-# (name, the slice as it is now or None when deleted, created at, remap times)
-_RowOp = tuple[str, "rm.Slice | None", datetime, tuple[datetime, ...]]
-
-
-def _write_rows(s: Session, ops: builtins.list[_RowOp]) -> None:
-    """The writer's job: make the slices' rows what `ops` say, in order."""
-    for name, sl, created_at, remap_at in ops:
-        row = s.scalar(select(SliceRow).where(SliceRow.name == name))
-        if sl is None:
-            if row is not None:
-                s.delete(row)
-                s.flush()  # a slice of the same name may come back in this transaction
-            continue
-        if row is None:
-            req = sl.request
-            row = SliceRow(
-                name=sl.name,
-                owner=sl.owner,
-                devices=req.devices,
-                mesh=list(req.mesh) if req.mesh is not None else None,
-                island=req.island or "",
-                kind=req.kind or "",
-                exclusive=req.exclusive,
-                host_axis=req.host_axis,
-                created_at=created_at,
-            )
-            s.add(row)
-        row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
-        by_index = {m.virtual_index: m for m in row.mapping}
-        for i, dev in enumerate(sl.mapping):
-            if i in by_index:
-                by_index[i].device_id = dev
-            else:
-                row.mapping.append(SliceDeviceRow(virtual_index=i, device_id=dev))
-        for i, rec in enumerate(sl.history[len(row.remaps):], start=len(row.remaps)):
-            row.remaps.append(SliceRemapRow(at=remap_at[i] if i < len(remap_at) else created_at,
-                                            reason=rec.reason, old_devices=list(rec.old),
-                                            new_devices=list(rec.new)))
-        s.flush()
-
-
-def _slice_of(row: SliceRow) -> rm.Slice:
-    """The resource manager's slice from its database rows (JSON columns validated)."""
-    request = rm.SliceRequest(
-        name=row.name,
-        devices=row.devices,
-        mesh=row.mesh_shape(),
-        island=row.island or None,
-        kind=row.kind or None,
-        exclusive=row.exclusive,
-        host_axis=row.host_axis,
-    )
-    history = tuple(
-        rm.RemapRecord(tuple(int_list(r.old_devices)), tuple(int_list(r.new_devices)), r.reason)
-        for r in row.remaps
-    )
-    return rm.Slice(
-        name=row.name,
-        request=request,
-        owner=row.owner,
-        mapping=tuple(m.device_id for m in row.mapping),
-        status=rm.SliceStatus(row.status),
-        reason=row.reason,
-        history=history,
-        generation=row.generation,
-    )

@@ -243,9 +243,14 @@ async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[in
                data: bytes | HostData) -> ArrayRecord:
     domains = sharding.domains(shape)
     # every device holds the whole array: a copy goes to each worker holding some of them
-    replicated = len(domains) > 1 and all(d == full(shape) for d in domains)
-    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data,
+                                          replicated=_replicated(domains, shape))
     return whole(Buf(buffer_id, dtype, shape), sharding, domains)
+
+
+def _replicated(domains: list[Index], shape: tuple[int, ...]) -> bool:
+    """Whether every device holds the whole array (of more than one device)."""
+    return len(domains) > 1 and all(d == full(shape) for d in domains)
 
 
 async def _read_back(staged: Staged) -> HostData:
@@ -276,7 +281,12 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
                 held.discard()
                 raise
             buffer_id = await held.finish(dtype, shape)
-            session.handles.settle(handle, whole(Buf(buffer_id, dtype, shape), sharding))
+            domains = sharding.domains(shape)
+            # on to the worker holding its devices (or a copy to each, replicated), as `_put` stores
+            settle = getattr(session.backend, "settle_staged", None)  # a backend that stages has it
+            if settle is not None:
+                settle(buffer_id, sharding.devices, _replicated(domains, shape))
+            session.handles.settle(handle, whole(Buf(buffer_id, dtype, shape), sharding, domains))
             resp.make_array_from_host_buffer_response.array_handle = handle
             return
     else:

@@ -10,7 +10,14 @@ Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
 RPCs (PutBuffers, Fetch, Wait). An upload goes to the worker holding its devices; a replicated one
 over devices of several workers as a copy to each of them (`put`); any other to the slice's first
-worker, from which the runs reading it elsewhere have it sent.
+worker, from which the runs reading it elsewhere have it sent. A staged upload (a host buffer of
+4 MiB or more, streamed on to the slice's first worker before the client says which devices it
+is for: staging.py) then moves, worker to worker, to where `put` would have stored it
+(`settle_staged`: the dispatcher's `move`, worker.proto `BufferSend` and `BufferKeep`). An upload needs only which
+worker holds which device (the slice's holders, server/controller/holders.py), not the island's
+group that computations over a slice spanning hosts run in: uploads go on while it forms (at
+start, after a remap), and downloads read where the buffer is; compiles and executes wait for
+it (`_settled`, at most GROUP_WAIT_S), then fail naming why it is not usable.
 
 Compiles and executes go the way a `pw` client's do: each session is a `ClientSession` of the
 controller's session manager; a compiled module is a function in a one-node program registered
@@ -71,6 +78,7 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platf
 
 
 WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
+GROUP_WAIT_S = 60.0  # the longest a compile or an execute waits for the island's group to form
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
@@ -86,7 +94,9 @@ class Slices(Protocol):
 
     def current(self, name: str) -> Any: ...
 
-    def address(self, name: str) -> str: ...
+    def holders(self, name: str) -> Any: ...
+
+    async def settled(self, name: str, timeout: float) -> Any: ...
 
     def get(self, name: str) -> cpb.Slice: ...
 
@@ -182,14 +192,24 @@ class SliceSession:
                         manager.dispatcher.release(where, ids)
             manager.dispatcher.flush()
 
-    def _worker(self, address: str | None = None) -> tuple[str, wgrpc.WorkerStub]:
-        if address is None:
-            try:
-                address = self._slices.address(self.name)  # kept while nothing moved (slices.py)
-            except ControllerError as e:
-                raise backend_error(e) from None
-        assert address is not None
+    def _worker(self, address: str) -> tuple[str, wgrpc.WorkerStub]:
         return address, self._workers.stub(address)
+
+    def _holders(self) -> Any:
+        """Which worker holds each of the slice's devices now: all an upload needs, known while
+        the island's group of a slice spanning hosts forms (server/controller/holders.py)."""
+        try:
+            return self._slices.holders(self.name)  # kept while nothing moved (slices.py)
+        except ControllerError as e:
+            raise backend_error(e) from None
+
+    async def _settled(self) -> Any:
+        """The slice's placement for a computation, waiting (at most GROUP_WAIT_S) while the
+        island's group of a slice spanning hosts forms, as it does after a remap."""
+        try:
+            return await self._slices.settled(self.name, GROUP_WAIT_S)
+        except ControllerError as e:
+            raise backend_error(e) from None
 
     def _manager(self) -> Any:
         if self._controls.sessions is None:
@@ -216,15 +236,18 @@ class SliceSession:
         if info.num_devices != len(device_ids):
             raise BackendError("INVALID_ARGUMENT", f"a module for {info.num_devices} devices compiled for "
                                f"{len(device_ids)}")
+        keep = None
+        if info.donated:  # the same module without donation, for inputs that other arrays share
+            keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep", propagate)
         out_shardings = info.out_shardings
         if propagate:
             out_shardings = await self._compile_on_worker(info.name, info.exported, info.function_id,
                                                           info.donated, part, len(info.outputs))
+        await self._settled()  # registering checks the slice's placement (nothing awaited until both are)
         program_id = self.register(info.name, info.exported, info.function_id, len(info.inputs),
                                    len(info.outputs), info.donated, part)
         keep_id = program_id
-        if info.donated:  # the same module without donation, for inputs that other arrays share
-            keep = await asyncio.to_thread(describe, module, self.slice.platform_name, ".keep", propagate)
+        if keep is not None:
             keep_id = self.register(keep.name, keep.exported, keep.function_id, len(keep.inputs),
                                     len(keep.outputs), (), part)
         for p in (program_id, keep_id):
@@ -239,7 +262,7 @@ class SliceSession:
                                  devices: Sequence[int], num_outputs: int) -> tuple[bytes | None, ...]:
         """Compiles a function on the slice's worker for the slice's virtual `devices` (empty:
         all, in order); the compiled output shardings (compiling.py)."""
-        host, numbers, generation = compiles_on(self._placement(), devices)
+        host, numbers, generation = compiles_on(await self._settled(), devices)
         address, stub = self._worker(host.address)
         blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
         return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation)
@@ -253,7 +276,8 @@ class SliceSession:
     def register(self, name: str, exported: bytes, function_id: str, n_in: int, n_out: int,
                  donate: Sequence[int], devices: Sequence[int] = ()) -> str:
         """Registers a one-node program running one exported function on the slice (on its
-        virtual `devices` in that order; empty: all of them); its id."""
+        virtual `devices` in that order; empty: all of them); its id. The caller awaited
+        `_settled` (registering a program checks its slice's placement)."""
         manager = self._manager()
         graph = cpb.ProgramGraph(
             name=f"proxy:{name}", num_inputs=n_in,
@@ -340,7 +364,9 @@ class SliceSession:
         (the caller frees them once the run is submitted): an input whose parts are spread over
         other devices of the slice than the program's (a result of an SPMD computation over
         several workers) is read through a copy gathered on its own devices, replicated there,
-        which every worker that reads it holds (or is sent) whole."""
+        which every worker that reads it holds (or is sent) whole. Waits while the island's
+        group forms (`_settled`): `execute`, which the caller calls next, needs it formed."""
+        await self._settled()
         if not self._spread:
             return list(inputs), []
         devices = self._devices.get(program_id, ())
@@ -375,6 +401,7 @@ class SliceSession:
         function_id = hashlib.sha256(exported).hexdigest()
         program_id = self._functions.get((function_id, tuple(devices)))
         if program_id is None:
+            await self._settled()
             program_id = self.register(name, exported, function_id, len(inputs), num_outputs, (), devices)
             self._functions[(function_id, tuple(devices))] = program_id
         if outputs:
@@ -393,7 +420,7 @@ class SliceSession:
         array) on each worker holding some of them, under one id; else on the slice's first
         worker: the runs reading it elsewhere have it sent there."""
         host = data if isinstance(data, HostData) else HostData([data])
-        holders = holders_of(self._placement(), devices) if devices else ()
+        holders = holders_of(self._holders(), devices) if devices else ()
         if len(holders) == 1 or (replicated and holders):
             return (await self._upload([(dtype, shape, host)], holders))[0]
         return (await self._upload([(dtype, shape, host)]))[0]
@@ -402,7 +429,7 @@ class SliceSession:
                       addresses: Sequence[str] = ()) -> list[int]:
         """Uploads `arrays` to each of `addresses` (none: the slice's first worker), under the
         same ids; an array on several workers is a copy on each (`_copies`)."""
-        addresses = list(addresses) or [self._worker()[0]]
+        addresses = list(addresses) or [self._holders().first.address]
         ids = [next(self._ids) for _ in arrays]
         done = await asyncio.gather(*(self._upload_to(a, ids, arrays) for a in addresses), return_exceptions=True)
         stored = [a for a, d in zip(addresses, done, strict=True) if not isinstance(d, BaseException)]
@@ -440,10 +467,34 @@ class SliceSession:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
 
     def stage(self, nbytes: int) -> Staging:
-        """A staged upload of `nbytes` host bytes to the worker `put` would upload them to (staging.py)."""
-        address, _ = self._worker()
+        """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
+        its devices are known it moves where they are (`settle_staged`)."""
+        address = self._holders().first.address
         call = self._workers.put_raw(address)(metadata=self._metadata)
         return Staging(self, call, address, next(self._ids), self._owner, nbytes)
+
+    def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
+        """A staged upload, stored on the slice's first worker before the client said which
+        devices it is for, goes where `put` would have stored it: to the worker holding all of
+        `devices`, or, `replicated`, a copy to each worker holding some of them, worker to
+        worker (the dispatcher's `move`: nothing comes back here). Else it stays."""
+        manager = self._controls.sessions
+        home = self._home.get(buffer_id)
+        if manager is None or home is None or not devices:
+            return
+        try:
+            holders = holders_of(self._holders(), devices)
+        except BackendError:  # the slice is degraded: its next use says so
+            return
+        if not holders or (len(holders) > 1 and not replicated) or holders == (home,):
+            return
+        targets = [a for a in holders if a != home]
+        if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
+            return
+        self._home[buffer_id] = holders[0]
+        if len(holders) > 1:
+            self._copies[buffer_id] = holders
+        self._cork.decided()  # sent with the session's next flush
 
     def adopt(self, buffer_id: int, address: str) -> None:
         """Records a buffer a staged upload stored on worker `address`."""

@@ -1,6 +1,8 @@
 """Where a proxy program over some of its slice's virtual devices runs, read from the slice's
-placement (server/controller/slices.py `Placement`): pure functions, asked again at each run, as
-a remap may move a sub-mesh from one worker onto several or the reverse."""
+placement (server/controller/slices.py `Placement`), and where an upload for some of them goes,
+read from the slice's holders (server/controller/holders.py, which need no island group): pure
+functions, asked again at each run and upload, as a remap may move a sub-mesh from one worker
+onto several or the reverse."""
 
 from __future__ import annotations
 
@@ -29,15 +31,13 @@ def runs_on(placement: Any, devices: Sequence[int]) -> tuple[str, tuple[int, ...
     return gang.members[0].address, on, tuple(m.address for m in gang.members[1:])
 
 
-def holders_of(placement: Any, devices: Sequence[int]) -> tuple[str, ...]:
-    """The addresses of the workers holding the slice's virtual `devices` under `placement`, each
-    once, in the order of the devices (empty where the placement does not say)."""
-    gang = placement.gang
-    if gang is None:
-        return (str(placement.host.address),)
-    if len(gang.member_of) != len(gang.devices) or not all(0 <= v < len(gang.member_of) for v in devices):
+def holders_of(holders: Any, devices: Sequence[int]) -> tuple[str, ...]:
+    """The addresses of the workers holding the slice's virtual `devices` under `holders` (the
+    slice's `Holders`, server/controller/holders.py: known while its island's group forms), each
+    once, in the order of the devices (empty where a device is not the slice's)."""
+    if not all(0 <= v < len(holders.host_of) for v in devices):
         return ()
-    return tuple(dict.fromkeys(str(gang.members[gang.member_of[v]].address) for v in devices))
+    return tuple(dict.fromkeys(str(holders.hosts[holders.host_of[v]].address) for v in devices))
 
 
 def compiles_on(placement: Any, devices: Sequence[int]) -> tuple[HostInfo, list[int], int]:

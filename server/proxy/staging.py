@@ -2,12 +2,13 @@
 
 The jaxlib client stores a host buffer (HostBufferStore, in chunks) before the MakeArray that says
 what array it is. Instead of holding the whole buffer, the controller opens a `PutBuffers` stream
-to the worker that will hold the array and forwards each chunk as a piece of a staged upload
+to the slice's first worker and forwards each chunk as a piece of a staged upload
 (worker/uploads.py: pieces without a dtype). The MakeArray then ends the stream with the array's
-dtype and shape (`finish`), which the worker checks against the bytes; a consumer that needs the
-bytes themselves (a strided buffer, a shard to assemble, a lookup) gets them back from the worker
-(`materialize`); a buffer deleted unused is dropped by cancelling the stream (`discard`), so the
-worker never stores it.
+dtype and shape (`finish`), which the worker checks against the bytes, and the array moves on,
+worker to worker, to the worker holding its devices where that is another (cluster_backend.py
+`settle_staged`); a consumer that needs the bytes themselves (a strided buffer, a shard to
+assemble, a lookup) gets them back from the worker (`materialize`); a buffer deleted unused is
+dropped by cancelling the stream (`discard`), so the worker never stores it.
 """
 
 from __future__ import annotations

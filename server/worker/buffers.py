@@ -124,6 +124,18 @@ class BufferStore:
             self.on_unread(buffer_id)
 
     # ---- producing ----
+    def keep(self, buffer_id: int, owner: str) -> None:
+        """A peer sends this buffer here (before or after this call) for `owner`'s client to
+        keep, as an upload (worker.proto `BufferKeep`): held until released, unless it was."""
+        with self._lock:
+            e = self._entries.get(buffer_id)
+            if e is None:
+                e = self._entries[buffer_id] = _Entry(owner=owner)
+            e.owner = e.owner or owner
+            e.hold, e.unread = False, False  # arrived already (held for a reader): the client's now
+            if not e.released:
+                e.client_ref = True
+
     def put(
         self, buffer_id: int, value: Any, nbytes: int, *, owner: str = "", client_ref: bool = False,
         from_peer: bool = False, same_owner: bool = False, again: bool = False,

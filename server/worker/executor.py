@@ -118,6 +118,8 @@ class Executor(Completion):
         self._feed(st.Reset(reason))
 
     def submit(self, enq: wpb.Enqueue) -> None:
+        for k in enq.keeps:  # before the tasks, which may read them
+            self.store.keep(k.buffer_id, k.owner)
         for blob in enq.functions:
             self.runners.functions[blob.function_id] = blob
         for d in enq.segments:

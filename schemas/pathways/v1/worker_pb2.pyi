@@ -897,11 +897,39 @@ class BufferSend(_message.Message):
 Global___BufferSend: _TypeAlias = BufferSend  # noqa: Y015
 
 @_typing.final
+class BufferKeep(_message.Message):
+    """Keep a buffer another worker sends here (its `BufferSend`) for a client, as an upload is kept,
+    until the client releases it: a client's upload moved from the worker it landed on to the one
+    holding its devices (server/proxy: a staged upload). Applied before the message's tasks.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUFFER_ID_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    buffer_id: _builtins.int
+    owner: _builtins.str
+    def __init__(
+        self,
+        *,
+        buffer_id: _builtins.int = ...,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_id", b"buffer_id", "owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BufferKeep: _TypeAlias = BufferKeep  # noqa: Y015
+
+@_typing.final
 class Enqueue(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FUNCTIONS_FIELD_NUMBER: _builtins.int
     SENDS_FIELD_NUMBER: _builtins.int
+    KEEPS_FIELD_NUMBER: _builtins.int
     RELEASE_IDS_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
@@ -912,6 +940,8 @@ class Enqueue(_message.Message):
 
     @_builtins.property
     def sends(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferSend]: ...
+    @_builtins.property
+    def keeps(self) -> _containers.RepeatedCompositeFieldContainer[Global___BufferKeep]: ...
     @_builtins.property
     def release_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Client releases applied after this message's nodes were registered (a release and the
@@ -935,6 +965,7 @@ class Enqueue(_message.Message):
         *,
         functions: _abc.Iterable[Global___FunctionBlob] | None = ...,
         sends: _abc.Iterable[Global___BufferSend] | None = ...,
+        keeps: _abc.Iterable[Global___BufferKeep] | None = ...,
         release_ids: _abc.Iterable[_builtins.int] | None = ...,
         segments: _abc.Iterable[Global___SegmentDef] | None = ...,
         tasks: _abc.Iterable[Global___Task] | None = ...,
@@ -942,7 +973,7 @@ class Enqueue(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_segments", b"forget_segments", "functions", b"functions", "release_ids", b"release_ids", "segments", b"segments", "sends", b"sends", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_segments", b"forget_segments", "functions", b"functions", "keeps", b"keeps", "release_ids", b"release_ids", "segments", b"segments", "sends", b"sends", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -35,3 +37,40 @@ def proxy_env(cluster: Any, tmp_path: Path, **extra: str) -> dict[str, str]:
     """`client_env` of a program sent to `cluster`'s proxy service (a `LocalCluster`), with its token."""
     return client_env(tmp_path, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{cluster.address}",
                       PWCTL_TOKEN=cluster.token or "", **extra)
+
+
+class Program:
+    """An unmodified JAX program run as a subprocess that a test steps through, line by line:
+    `line()` is its next line of output (failing with its stderr when it ended instead), `go()`
+    lets it past its next `sys.stdin.readline()`, `finish()` closes its input, checks it exits 0
+    and returns the rest of its output. Killed when the `with` block is left early."""
+
+    def __init__(self, code: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        out = self.proc.stdout.readline().strip()
+        assert out, self.proc.stderr.read()[-3000:]
+        return out
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def finish(self, send: str | None = None, timeout: float = 60) -> str:
+        """Sends `send` (if any), closes the program's input; the rest of its output once it
+        exited 0."""
+        out, err = self.proc.communicate(send, timeout=timeout)
+        assert self.proc.returncode == 0, err[-3000:]
+        return out

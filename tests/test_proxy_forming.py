@@ -7,14 +7,12 @@ computations on them wait for the group, with no retry in the program."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import proxy_env
+from proxy_env import Program, proxy_env
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -59,38 +57,22 @@ def test_uploads_go_on_while_the_islands_group_forms_again(cluster: LocalCluster
         c.create_slice(cpb.SliceSpec(name="wide", devices=4))  # answers once the group formed
         assert {d.host for d in c.slices()[0].devices} == {"w-a", "w-a2"}
     wait_for(lambda: re.fullmatch(r"gen \d+: 3 hosts", group_of(cluster)), 60, "the group of three")
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM], env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-
-        def line() -> str:
-            out = proc.stdout.readline().strip()  # type: ignore[union-attr]
-            assert out, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-            return out
-
-        assert line() == "ready 4"
+    with Program(PROGRAM, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) as prog:
+        assert prog.line() == "ready 4"
         # a worker joins the island while w-a3 is frozen: the next generation waits for w-a3,
         # which is still a live host (its heartbeats are late only after 60 s)
         cluster.stop_worker("w-a3")
         cluster.add_worker("a", 1, name="w-a4")
         wait_for(lambda: "forming" in group_of(cluster), 30, "the group forming again")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        got = [line() for _ in range(4)]
+        prog.go()
+        got = [prog.line() for _ in range(4)]
         assert got == ["sharded 120.0", "one 120.0", "replicated 120.0", f"staged {BIG_SUM}"], got
         assert not re.fullmatch(r"gen \d+: \d+ hosts", group_of(cluster))  # done while it formed
-        proc.stdin.write("go\n")  # its first compile waits for the group (no retry in the program) ...
-        proc.stdin.flush()
+        prog.go()  # its first compile waits for the group (no retry in the program) ...
         time.sleep(2)
         assert not re.fullmatch(r"gen \d+: \d+ hosts", group_of(cluster))
         cluster.cont_worker("w-a3")  # ... which forms now
-        got = [line() for _ in range(4)]
+        got = [prog.line() for _ in range(4)]
         assert got == ["twice sharded 240.0", "twice one 240.0", "twice replicated 240.0",
                        f"twice staged {2 * BIG_SUM}"], got
-        proc.stdin.close()
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        prog.finish()

@@ -6,13 +6,11 @@ remap fail with an error naming it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import proxy_env
+from proxy_env import Program, proxy_env
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -50,39 +48,23 @@ def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: Loc
         c.create_slice(cpb.SliceSpec(name="pair", devices=2))  # on w-a, the only worker yet
     cluster.add_worker("a", 1, name="w-a2")
     cluster.add_worker("a", 1, name="w-a3")
-    proc = subprocess.Popen([sys.executable, "-c", REMAP], env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-
-        def line() -> str:
-            out = proc.stdout.readline().strip()  # type: ignore[union-attr]
-            assert out, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-            return out
-
-        assert line() == "one worker [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+    with Program(REMAP, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair")) as prog:
+        assert prog.line() == "one worker [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
         cluster.kill_worker("w-a")  # the slice moves onto w-a2 and w-a3, one device each
         wait_for(lambda: {d.host for d in slice_of(cluster, "pair").devices} == {"w-a2", "w-a3"}, 30,
                  "the slice remapped onto the two one-device workers")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+        prog.go()
         # compiled while the slice was on one worker, its results are now spread over two
-        assert line() == "two workers [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        assert prog.line() == "two workers [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
         cluster.add_worker("a", 2, name="w-a4")
         cluster.kill_worker("w-a3")  # remapped again: y's parts were on w-a2 and the lost w-a3
         wait_for(lambda: "w-a3" not in {d.host for d in slice_of(cluster, "pair").devices}, 30,
                  "the slice remapped again")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        stale = line()
+        prog.go()
+        stale = prog.line()
         assert stale.startswith("stale error") and "re-placed (remap: generation 1 -> 2)" in stale, stale
-        assert line() == "again [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
-        proc.stdin.close()
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        assert prog.line() == "again [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        prog.finish()
 
 
 READ_AFTER_REMAP = """
@@ -121,33 +103,17 @@ def test_an_array_spread_over_workers_before_a_remap_onto_one_reads_as_an_error_
     with cluster.client() as c:
         c.create_slice(cpb.SliceSpec(name="pair", devices=2))
     assert {d.host for d in slice_of(cluster, "pair").devices} == {"w-a", "w-a2"}
-    proc = subprocess.Popen([sys.executable, "-c", READ_AFTER_REMAP],
-                            env=proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-
-        def line() -> str:
-            out = proc.stdout.readline().strip()  # type: ignore[union-attr]
-            assert out, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-            return out
-
-        assert line() == "spread P('d',)"
+    with Program(READ_AFTER_REMAP, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair")) as prog:
+        assert prog.line() == "spread P('d',)"
         cluster.add_worker("a", 2, name="w-a3")
         cluster.kill_worker("w-a")
         cluster.kill_worker("w-a2")
         wait_for(lambda: {d.host for d in slice_of(cluster, "pair").devices} == {"w-a3"}, 60,
                  "the slice re-placed onto w-a3 alone")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        first = line()
+        prog.go()
+        first = prog.line()
         assert first.startswith("read at once error") and "re-placed (remap" in first, first
-        assert line() == "run [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
-        again = line()
+        assert prog.line() == "run [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
+        again = prog.line()
         assert again.startswith("read after a run error") and "re-placed (remap" in again, again
-        proc.stdin.close()
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        prog.finish()

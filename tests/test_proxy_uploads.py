@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env, proxy_env
+from proxy_env import Program, client_env, proxy_env
 from test_proxy_cluster import worker_buffers
 from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_on_slice, two_workers
 
@@ -83,33 +83,22 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
     local = subprocess.run([sys.executable, "-c", UPLOADS], env=client_env(tmp_path, **LOCAL4), input="go\ngo\n",
                            capture_output=True, text=True, timeout=120)
     assert local.returncode == 0, local.stderr[-3000:]
-    proc = subprocess.Popen([sys.executable, "-c", UPLOADS], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        first = proc.stdout.readline().strip()
-        assert first == "uploaded", proc.stderr.read()[-3000:] if proc.stderr else first
+    with Program(UPLOADS, env) as prog:
+        assert prog.line() == "uploaded"
         stats = worker_stats(cluster)
         # `one` and `pair` on the worker of devices 2 and 3 only; a copy of `rep` on each worker
         assert (stats[owner].buffers, stats[owner].buffer_bytes) == (3, 4 * N * 4), stats
         other = next(name for name in stats if name != owner)
         assert (stats[other].buffers, stats[other].buffer_bytes) == (1, N * 4), stats
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+        prog.go()
         lines = []
         while not lines or lines[-1] != "read":
-            lines.append(proc.stdout.readline().strip())
-            assert lines[-1], proc.stderr.read()[-3000:] if proc.stderr else lines
+            lines.append(prog.line())
         # every program so far read its inputs where they were, the downloads of `rep_split`'s
         # result spread over both workers too (gathered by a run on its devices): no worker sent
         # a buffer to another
         assert transfers(cluster) == [], transfers(cluster)
-        out, err = proc.communicate("go\n", timeout=120)
-        assert proc.returncode == 0, err[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        out = prog.finish("go\n", timeout=120)
     assert ["uploaded", *lines, *out.splitlines()] == local.stdout.splitlines()
     assert transfers(cluster) != []  # `whole`, on the first worker, was sent to the other (the check can fail)
     assert local.stdout.splitlines()[1].startswith(
@@ -159,12 +148,8 @@ def test_staged_uploads_for_one_workers_devices_move_to_that_worker(cluster: Loc
     local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
                            capture_output=True, text=True, timeout=120)
     assert local.returncode == 0, local.stderr[-3000:]
-    proc = subprocess.Popen([sys.executable, "-c", STAGED], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        line = proc.stdout.readline().strip()
-        assert line == "uploaded", proc.stderr.read()[-3000:] if proc.stderr else line
+    with Program(STAGED, env) as prog:
+        assert prog.line() == "uploaded"
 
         def placed() -> bool:
             stats = worker_stats(cluster)
@@ -175,12 +160,7 @@ def test_staged_uploads_for_one_workers_devices_move_to_that_worker(cluster: Loc
         # `rep` is a copy on each
         wait_for(placed, 30, f"the staged uploads on their devices' workers: {worker_stats(cluster)}")
         assert any(f"first transfer to {cluster.hosts()[owner].address}" in ln for ln in transfers(cluster))
-        out, err = proc.communicate("go\n", timeout=120)
-        assert proc.returncode == 0, err[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        out = prog.finish("go\n", timeout=120)
     assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
     expect(cluster, where, {"big_head": [[3], [2, 3], [1], [2], [0]]})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

@@ -14,7 +14,7 @@ from proxy_env import Program, proxy_env
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-REMAP = """
+PRELUDE = """
 import sys
 import numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
@@ -23,6 +23,9 @@ f = jax.jit(lambda v: v * 2)
 x = np.arange(8.0, dtype=np.float32)
 def run():  # after a remap the island's group of workers forms again: the run waits for it
     return f(jax.device_put(x, NamedSharding(line, P("d"))))
+"""
+
+REMAP = PRELUDE + """
 print("one worker", np.asarray(run()).tolist(), flush=True)
 sys.stdin.readline()
 y = run()
@@ -67,15 +70,7 @@ def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: Loc
         prog.finish()
 
 
-READ_AFTER_REMAP = """
-import sys
-import numpy as np, jax
-from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
-line = Mesh(np.array(jax.devices()), ("d",))
-f = jax.jit(lambda v: v * 2)
-x = np.arange(8.0, dtype=np.float32)
-def run():  # after a remap the island's group of workers forms again: the run waits for it
-    return f(jax.device_put(x, NamedSharding(line, P("d"))))
+READ_AFTER_REMAP = PRELUDE + """
 def read(y):
     try:
         return np.asarray(y).tolist()

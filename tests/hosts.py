@@ -30,10 +30,12 @@ from bench.netns import (  # noqa: F401  (re-exported for the tests)
 )
 
 
-def start_controller(host: Host, heartbeat_timeout: float, port: int = 0) -> tuple[str, str]:
-    """`pwctl server start` on `host`, listening on its own address; (address, cluster token).
-    Beyond loopback the controller requires the token: it wrote it to the host's data directory."""
-    r = host.pwctl("server", "start", "--listen", f"{host.ip}:{port}", "--heartbeat-timeout", f"{heartbeat_timeout:g}")
+def start_controller(host: Host, heartbeat_timeout: float, port: int = 0, *extra: str) -> tuple[str, str]:
+    """`pwctl server start` on `host`, listening on its own address, with `extra` options;
+    (address, cluster token). Beyond loopback the controller requires the token: it wrote it to
+    the host's data directory."""
+    r = host.pwctl("server", "start", "--listen", f"{host.ip}:{port}", "--heartbeat-timeout", f"{heartbeat_timeout:g}",
+                   *extra)
     assert r.returncode == 0, f"server start: {r.stdout}{r.stderr}"
     m = re.search(r"at (\S+:\d+)", r.stdout)
     assert m, r.stdout
@@ -42,8 +44,9 @@ def start_controller(host: Host, heartbeat_timeout: float, port: int = 0) -> tup
     return address, (host.home / "token").read_text().strip()
 
 
-def read_until(proc: Any, pattern: str, deadline: float, lines: list[str]) -> str | None:
-    """Lines of `proc`'s stdout (collected in `lines`) until one starts with `pattern` (returned),
+def read_until(proc: Any, pattern: str | tuple[str, ...], deadline: float, lines: list[str]) -> str | None:
+    """Lines of `proc`'s stdout (collected in `lines`) until one starts with `pattern` (or one of
+    them: returned),
     the stream ends or the process exits (None), or the monotonic `deadline` passes (None)."""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)

@@ -170,8 +170,8 @@ def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path
         assert not (pw_home / "server.pid").exists()  # refused before anything started
 
 
-def test_server_start_checks_the_relay_settings(pw_home: Path) -> None:
-    for flag, value in (("--relay-group", "0"), ("--relay-min-hosts", "-1")):
+def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) -> None:
+    for flag, value in (("--relay-group", "0"), ("--relay-min-hosts", "-1"), ("--group-wait", "0")):
         r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", flag, value],
                            env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -286,7 +286,8 @@ def test_server_start_twice_info_stop(pw_local: Path) -> None:
     env = base_env(pw_local, PWCTL_SERVER=address)
     db = f"sqlite:///{pw_local / 'pw.db'}"
 
-    first = run_pwctl("server", "start", "--listen", address, "--db", db, "--relay-min-hosts", "8", env=env)
+    first = run_pwctl("server", "start", "--listen", address, "--db", db, "--relay-min-hosts", "8",
+                      "--group-wait", "12.5", env=env)
     assert first.returncode == 0, first.stderr
     pid_info = json.loads((pw_local / "server.pid").read_text())
     assert pid_info["address"] == address
@@ -294,6 +295,7 @@ def test_server_start_twice_info_stop(pw_local: Path) -> None:
     assert local.runs_module(pid, "server.controller")
     args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     assert args[args.index(b"--relay-min-hosts") + 1] == b"8" and args[args.index(b"--relay-group") + 1] == b"64"
+    assert args[args.index(b"--group-wait") + 1] == b"12.5"
     assert (pw_local / "server.log").exists()
 
     second = run_pwctl("server", "start", "--listen", address, "--db", db, env=env)

@@ -5,20 +5,25 @@ and 2, every client inside the hosts.
 A slice of 4 devices over both workers runs one SPMD computation whose collective crosses the
 hosts (checked against NumPy); killing one host fails the running program within 15 s with an
 error naming it, the surviving worker lives on, and once the host is back the island's group
-re-forms and the slice runs again.
+re-forms and the slice runs again. A `pw` call made while the island's group forms waits for it
+(bounded by the controller's --group-wait) and then runs, or fails naming why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hosts import Host, hosts, read_until, start_controller  # noqa: F401  (the fixture)
+from hosts import Host, _pids_in_netns, hosts, read_until, start_controller  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,11 +101,14 @@ print("host axis ok", flush=True)
 
 
 class Cluster:
-    def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0) -> None:
+    def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, workers: int = 0, *server_args: str) -> None:
+        """Workers on hosts 1..`workers` (0: every host but the controller's)."""
         self.hosts = hs
-        self.address, self.token = start_controller(hs[0], HEARTBEAT_TIMEOUT_S, port)
-        for i in range(1, len(hs)):  # hosts 1.. in turn on each island: 1, 2 on the first...
-            self.start_worker(i, islands[(i - 1) * len(islands) // (len(hs) - 1)])
+        self.address, self.token = start_controller(hs[0], heartbeat_timeout, port, *server_args)
+        n = workers + 1 if workers else len(hs)
+        for i in range(1, n):  # hosts 1.. in turn on each island: 1, 2 on the first...
+            self.start_worker(i, islands[(i - 1) * len(islands) // (n - 1)])
 
     def start_worker(self, i: int, island: str = "pod", name: str = "") -> None:
         h = self.hosts[i]
@@ -297,3 +305,120 @@ def test_a_lost_host_remaps_what_fits_and_degrades_the_rest(hosts: Any, tmp_path
     # the pair now fits on w1 alone: re-lowered for its new devices, it runs there
     r = hs[0].run([sys.executable, str(prog)], timeout=180, **env)
     assert r.returncode == 0 and "pair ok" in r.stdout and "hosts w1\n" in r.stdout, r.stdout + r.stderr
+
+
+FORMING = """
+import sys
+import time
+import jax
+import numpy as np
+import pwctl as pw
+from jax.sharding import PartitionSpec as P
+
+s = pw.make_virtual_device_set().add_slice(devices=4, island="pod")
+step = pw.pmap(lambda x: x * 2.0 + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+x = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+assert np.allclose(np.asarray(step(x)), x * 2.0 + x.sum(0))
+print("hosts", ",".join(sorted({d.host for d in s.info.devices})), flush=True)
+for line in sys.stdin:
+    k = float(line)
+    t0 = time.monotonic()
+    try:
+        y = step(x + k)  # a fresh upload, and a run of a registered program
+        if k > 0:  # and a new function: its registration comes behind the run
+            f = pw.jit(lambda a: a * k, mesh=s.mesh("d"), in_shardings=(P("d"),), out_shardings=P("d"))
+            assert np.allclose(np.asarray(f(x)), x * k)
+        assert np.allclose(np.asarray(y), (x + k) * 2.0 + (x + k).sum(0))
+        print("ok", k, f"{time.monotonic() - t0:.1f}", flush=True)
+    except Exception as e:
+        print("error", f"{time.monotonic() - t0:.1f}", type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+"""
+
+GROUP_WAIT_S = 8.0  # the controller's --group-wait in the test below (60 s by default)
+
+
+def test_pw_calls_wait_while_the_islands_group_forms(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
+    """A `pw` program's calls over a slice spanning two hosts, made while the island's group forms
+    again (a host joined while a third member is frozen, so the new generation waits for it),
+    wait for the group and then run (uploads, a run, a new function's registration); when the
+    group does not form within the controller's --group-wait, the call fails with an error
+    naming the member it waits for, and the next call after it formed runs."""
+    hs = hosts(5)
+    # heartbeats late only after 60 s: a frozen worker stays a member the group waits for
+    cl = Cluster(hs, ("pod",), 0, 60.0, 3, "--group-wait", f"{GROUP_WAIT_S:g}")
+    prog = tmp_path / "forming.py"
+    prog.write_text(FORMING)
+
+    def group() -> str:
+        r = hs[0].pwctl("island", "list", "-o", "json", **cl.env())
+        assert r.returncode == 0, r.stdout + r.stderr
+        return str(next(i for i in json.loads(r.stdout)["items"] if i["name"] == "pod")["group"])
+
+    def wait_group(pattern: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, seen := group()):
+            assert time.monotonic() < deadline, f"island group {seen!r}, not {pattern!r}"
+            time.sleep(0.3)
+
+    frozen: list[int] = []
+
+    def freeze(h: Host) -> None:
+        frozen.extend(p for p in _pids_in_netns(h.inode) if p != h.holder.pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw() -> None:
+        while frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen.pop(), signal.SIGCONT)
+
+    proc = hs[0].popen([sys.executable, str(prog)], stdin=subprocess.PIPE, **cl.env())
+    lines: list[str] = []
+    try:
+        assert proc.stdin is not None
+        got = read_until(proc, "hosts", time.monotonic() + 120, lines)
+        assert got is not None, "".join(lines) + cl.controller_log()[-3000:]
+        spans = got.split()[1].split(",")
+        assert len(spans) == 2, got
+        wait_group(r"gen \d+: 3 hosts", 60)  # every live host of the island is in its group
+        idle = hs[next(i for i in (1, 2, 3) if f"w{i}" not in spans)]  # in the group, holding none of the slice
+
+        def call(k: int) -> None:
+            proc.stdin.write(f"{k}\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+
+        # a host joins while the idle member is frozen: the next generation waits for it
+        freeze(idle)
+        cl.start_worker(4)
+        wait_group("forming", 30)
+        call(2)
+        assert read_until(proc, ("ok", "error"), time.monotonic() + 3, lines) is None, "".join(lines)  # waits: no error
+        assert "forming" in group()
+        thaw()  # ... the group forms, and the call runs
+        ok = read_until(proc, ("ok", "error"), time.monotonic() + 60, lines)
+        assert ok is not None and ok.startswith("ok 2.0"), "".join(lines) + cl.controller_log()[-3000:]
+
+        # a host is lost while the idle member is frozen: the group never forms within the bound
+        wait_group(r"gen \d+: 4 hosts", 30)
+        freeze(idle)
+        assert hs[4].kill_all()
+        wait_group("forming", 30)
+        call(3)
+        err = read_until(proc, ("ok", "error"), time.monotonic() + GROUP_WAIT_S + 15, lines)
+        assert err is not None and err.startswith("error"), "".join(lines)
+        took = float(err.split()[1])
+        assert GROUP_WAIT_S - 1 <= took <= GROUP_WAIT_S + 10, err
+        assert "forming" in err and f"waited {GROUP_WAIT_S:g} s" in err, err
+        assert idle.hostname in err or f"w{hs.index(idle)}" in err, err  # the member it waits for
+        thaw()
+        wait_group(r"gen \d+: 3 hosts", 60)
+        call(4)
+        ok = read_until(proc, ("ok", "error"), time.monotonic() + 60, lines)
+        assert ok is not None and ok.startswith("ok 4.0"), "".join(lines) + cl.controller_log()[-3000:]
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        thaw()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)

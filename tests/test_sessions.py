@@ -13,9 +13,10 @@ import pytest
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server.controller.client_session import ClientSession
+from server.controller.errors import GroupForming
 from server.controller.programs import ProgramRecord
 from server.controller.sessions import SessionManager
-from tests.test_dispatcher import FUNCTION, Parts, events, session, two_step_graph
+from tests.test_dispatcher import FUNCTION, Parts, Slices, events, session, two_step_graph
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -185,3 +186,92 @@ def test_a_stream_without_hello_or_with_an_unknown_mode_is_refused() -> None:
     assert asyncio.run(first([bad])) == [
         cpb.SessionEvent(error="unknown dispatch mode 'eager': use parallel or sequential")]
     assert p.manager.sessions == {}
+
+
+class FormingSlices(Slices):
+    """Slice "sb" spans hosts whose island group is forming until `form()`; `settled` waits for
+    that at most `wait_s`, as SliceService.settled does, and counts its calls."""
+
+    def __init__(self, hosts: dict[str, Any], wait_s: float) -> None:
+        super().__init__(hosts)
+        self.wait_s = wait_s
+        self.formed = asyncio.Event()
+        self.waits = 0
+
+    def form(self) -> None:
+        self.formed.set()
+        self.epoch += 1
+
+    def placement(self, name: str) -> Any:
+        if name == "sb" and not self.formed.is_set():
+            raise GroupForming("slice sb spans hosts b, c: island i's group is forming (waiting for c)", "sb")
+        return super().placement(name)
+
+    async def settled(self, name: str) -> Any:
+        self.waits += 1
+        try:
+            await asyncio.wait_for(self.formed.wait(), self.wait_s)
+        except TimeoutError:
+            raise GroupForming(f"slice {name}: group is forming; waited {self.wait_s:g} s for it", name) from None
+        return self.placement(name)
+
+
+def forming(wait_s: float) -> tuple[Sessions, FormingSlices, ClientSession, ProgramRecord]:
+    p = Sessions()
+    prog = p.register(s := p.open())  # registered while the group was usable
+    p.slices = p.manager.slices = p.dispatcher.placements = FormingSlices(p.hosts, wait_s)  # type: ignore[assignment]
+    return p, p.slices, s, prog  # type: ignore[return-value]
+
+
+def test_runs_and_registrations_wait_while_their_slices_group_forms_then_go_in_order() -> None:
+    p, slices, s, prog = forming(wait_s=20)
+
+    async def main() -> None:
+        gave_up: dict[str, tuple[int, str]] = {}
+        batch = cpb.ClientMessage(batch=cpb.ClientBatch(messages=[run(1, prog, 201), release(7), run(2, prog, 202)]))
+        taking = asyncio.ensure_future(p.manager._take(s, batch, gave_up))
+        await asyncio.sleep(0.2)
+        assert not taking.done() and p.outbox.take() == [] and events(s) == []  # waits: nothing refused
+        slices.form()
+        await asyncio.wait_for(taking, 5)
+        sent = p.outbox.take()
+        assert [(h, [t.run_id for t in m.enqueue.tasks]) for h, m in sent] == [("a", [1, 2]), ("b", [1, 2])]
+        # a registration waits likewise, then registers
+        reg = cpb.ClientMessage(register=cpb.RegisterProgram(request_id=5, graph=two_step_graph("q"),
+                                                             functions=[FUNCTION]))
+        slices.formed.clear()
+        taking = asyncio.ensure_future(p.manager._take(s, reg, gave_up))
+        await asyncio.sleep(0.2)
+        assert not taking.done() and events(s) == []
+        slices.form()
+        await asyncio.wait_for(taking, 5)
+        (ev,) = events(s)
+        assert ev.registered.request_id == 5 and ev.registered.program_id and not ev.registered.error
+        assert slices.waits == 2 and gave_up == {}
+
+    asyncio.run(main())
+
+
+def test_a_group_that_does_not_form_within_the_bound_refuses_the_waiting_calls_naming_why() -> None:
+    p, slices, s, prog = forming(wait_s=0.3)
+
+    async def main() -> None:
+        gave_up: dict[str, tuple[int, str]] = {}
+        reg = cpb.ClientMessage(register=cpb.RegisterProgram(request_id=5, graph=two_step_graph("q"),
+                                                             functions=[FUNCTION]))
+        batch = cpb.ClientMessage(batch=cpb.ClientBatch(messages=[run(1, prog, 201), reg, run(2, prog, 202)]))
+        await asyncio.wait_for(p.manager._take(s, batch, gave_up), 5)
+        # one wait for the three: after it ran out, the others (waiting behind it) go at once
+        assert slices.waits == 1 and p.outbox.take() == []
+        why = "slice sb: group is forming; waited 0.3 s for it"
+        assert [e for e in events(s) if e.WhichOneof("msg") != "runs_done"] == [
+            cpb.SessionEvent(finished=cpb.RunFinished(run_id=1, error=why)),
+            cpb.SessionEvent(registered=cpb.ProgramRegistered(request_id=5, error=why)),
+            cpb.SessionEvent(finished=cpb.RunFinished(run_id=2, error=why))]
+        assert p.finished == []  # refused: never started
+        # the group forms: the next run goes
+        slices.form()
+        await asyncio.wait_for(p.manager._take(s, run(3, prog, 203), gave_up), 5)
+        assert [(h, [t.run_id for t in m.enqueue.tasks]) for h, m in p.outbox.take()] == [("a", [3]), ("b", [3])]
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller import groups as gm
 from server.controller.cluster import Cluster
-from server.controller.errors import NotFound, Rejected
+from server.controller.errors import GroupForming, NotFound, Rejected
 from server.controller.links import WorkerLink
 from server.controller.slices import SliceService
 from server.db.engine import make_engine, session_factory
@@ -154,5 +155,77 @@ def test_the_holders_of_a_slice_spanning_hosts_are_known_while_its_group_forms(
     try:
         asyncio.run(main())
     finally:
+        for proc in services:
+            gm.stop_service(proc)
+
+
+def test_a_kept_gang_placement_goes_as_soon_as_its_group_does(
+        parts: tuple[Cluster, SliceService], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`current` never answers with a group that is gone: a member lost (before the next
+    generation is even due), or the group retired while the next one's service starts, moves
+    the slices' epoch; `settled` then waits, and says how long it waited when it gives up."""
+    cluster, slices = parts
+    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(gm, "SETTLE_S", 0.0)
+    services: list[subprocess.Popen[bytes]] = []
+    hold = threading.Event()
+    hold.set()
+
+    def start(address: str, n: int) -> subprocess.Popen[bytes]:
+        assert hold.wait(20)  # runs in a thread: while it waits, the island's next service "starts"
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        services.append(proc)
+        return proc
+
+    async def formed(sent: list[tuple[str, cpb.JoinGroup]], groups: gm.IslandGroups, n: int) -> None:
+        for _ in range(300):
+            if len(sent) == n:
+                break
+            await asyncio.sleep(0.01)
+        assert len(sent) == n, sent
+        for host, join in sent:
+            groups.joined(host, join.generation, "")
+        sent.clear()
+
+    async def main() -> None:
+        sent: list[tuple[str, cpb.JoinGroup]] = []
+        groups = gm.IslandGroups(cluster.hosts, cluster.hosts_of, lambda host, msg: sent.append((host, msg.join)),
+                                 "127.0.0.1", start_service=start)
+        cluster.on_host_up.append(groups.host_up)
+        cluster.on_host_lost.append(groups.host_lost)
+        groups.listeners.append(slices.group_changed)
+        slices.groups = groups
+        for name in ("w1", "w2", "w3"):
+            register(cluster, name, f"{name}:1")
+        slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c")
+        with pytest.raises(GroupForming):
+            slices.current("s")
+        await formed(sent, groups, 3)
+        kept = slices.current("s")
+        assert kept.gang is not None and slices.current("s") is kept
+        idle = next(m for m in ("w1", "w2", "w3") if m not in {h.name for h in kept.gang.members})
+
+        # the member holding none of the slice is lost: its group is not usable from now on
+        hold.clear()  # ... and the next generation's service takes its time to start
+        cluster.mark_lost(idle, "killed")
+        with pytest.raises(GroupForming, match=f"{idle}: lost"):
+            slices.current("s")
+        await asyncio.sleep(0.1)  # the old generation retired; the next one's service is starting
+        with pytest.raises(GroupForming, match="group is forming"):
+            slices.current("s")
+        with pytest.raises(GroupForming, match=r"waited 0\.2 s for it"):
+            await slices.settled("s", 0.2)
+        waiting = asyncio.ensure_future(slices.settled("s", 20))
+        hold.set()
+        await formed(sent, groups, 2)
+        placed = await asyncio.wait_for(waiting, 5)
+        assert placed.gang is not None and placed.gang.generation != kept.gang.generation
+        assert slices.current("s") is placed
+        groups.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        hold.set()
         for proc in services:
             gm.stop_service(proc)

@@ -60,6 +60,10 @@ RelayMinOpt = Annotated[int, typer.Option("--relay-min-hosts",
                                           help="Islands of this many hosts or more get their hosts' messages "
                                                "through relays, one per group of hosts (0: never)")]
 RelayGroupOpt = Annotated[int, typer.Option("--relay-group", help="Hosts per relay group")]
+GroupWaitOpt = Annotated[float, typer.Option("--group-wait",
+                                             help="Seconds a call on a slice spanning hosts waits for its island's "
+                                                  "group to form (at start, after a host joined or was lost) "
+                                                  "before it fails naming why")]
 
 
 @app.command("start")
@@ -79,12 +83,15 @@ def start(
     lost_host_ttl: LostHostTtlOpt = "24h",
     relay_min_hosts: RelayMinOpt = 32,
     relay_group: RelayGroupOpt = 64,
+    group_wait: GroupWaitOpt = 60.0,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     if heartbeat_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
     if hang_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--hang-timeout")
+    if group_wait <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--group-wait")
     if window < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--window")
     if relay_min_hosts < 0:
@@ -107,7 +114,8 @@ def start(
             raise typer.BadParameter(f"{e} (or 'off')", param_hint="--metrics-listen") from None
     extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
              "--metrics-listen", metrics_listen, "--trace-retention", trace_retention, "--lost-host-ttl", lost_host_ttl,
-             "--relay-min-hosts", str(relay_min_hosts), "--relay-group", str(relay_group)]
+             "--relay-min-hosts", str(relay_min_hosts), "--relay-group", str(relay_group),
+             "--group-wait", f"{group_wait:g}"]
     if no_token:
         extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

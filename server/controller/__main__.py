@@ -26,6 +26,7 @@ from .limits import (
 )
 from .relays import DEFAULT_GROUP_SIZE, DEFAULT_MIN_HOSTS
 from .session_store import DEFAULT_GRACE_S
+from .slices import DEFAULT_GROUP_WAIT_S
 from .trace_store import DEFAULT_RETENTION_BYTES
 
 
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--dispatch", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--hang-timeout", type=float, default=60.0)
+    p.add_argument("--group-wait", type=float, default=DEFAULT_GROUP_WAIT_S,
+                   help="seconds a call on a slice spanning hosts waits for its island's group to form")
     p.add_argument("--policy", choices=["fifo", "priority", "fair"], default="fifo",
                    help="how each island interleaves concurrent programs")
     p.add_argument("--window", type=int, default=256,
@@ -99,6 +102,8 @@ def main() -> None:
         trace_retention = parse_size(ns.trace_retention)
     except ValueError as e:
         p.error(f"--trace-retention: {e}")
+    if ns.group_wait <= 0:
+        p.error("--group-wait must be positive")
     if ns.window < 1:
         p.error("--window must be at least 1")
     if ns.job_log_max_mb < 1:
@@ -137,6 +142,7 @@ def main() -> None:
         lost_host_ttl=lost_host_ttl,
         relay_min_hosts=ns.relay_min_hosts,
         relay_group=ns.relay_group,
+        group_wait=ns.group_wait,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -31,7 +31,7 @@ from .relays import DEFAULT_GROUP_SIZE, DEFAULT_MIN_HOSTS, Relays
 from .removal import DEFAULT_LOST_HOST_TTL_S, Removal, slice_queries
 from .session_store import DEFAULT_GRACE_S, SessionStore
 from .sessions import SessionManager
-from .slices import SliceService
+from .slices import DEFAULT_GROUP_WAIT_S, SliceService
 from .trace_store import DEFAULT_RETENTION_BYTES, TraceStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class ControllerConfig:
     lost_host_ttl: float = DEFAULT_LOST_HOST_TTL_S  # a host lost this long is deleted (0: never)
     relay_min_hosts: int = DEFAULT_MIN_HOSTS  # islands this large send through relays (relays.py); 0: never
     relay_group: int = DEFAULT_GROUP_SIZE  # hosts per relay
+    group_wait: float = DEFAULT_GROUP_WAIT_S  # the longest a call on a slice spanning hosts waits for its group
 
 
 class Controller:
@@ -80,6 +81,7 @@ class Controller:
         self.registry = ProgramRegistry()
         self.slices = SliceService(self.db, write, self.cluster.hosts, self.registry.slice_in_use)
         self.slices.program_counts = self.registry.slice_counts
+        self.slices.group_wait_s = config.group_wait
         self.scheduler = GangScheduler(
             hang_timeout_s=config.hang_timeout or None, default_policy=Policy(config.policy),
             max_inflight_nodes=config.window,

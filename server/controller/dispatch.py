@@ -45,7 +45,7 @@ from ..scheduler import (
 from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
-from .errors import ControllerError, InvalidArgument
+from .errors import ControllerError, GroupForming, InvalidArgument
 from .outbox import GangEnqueue, Outbox, add_member, materialized
 from .plans import Plan, check_spread_inputs
 from .programs import ProgramRecord, ProgramRegistry
@@ -112,8 +112,11 @@ class Dispatcher:
         self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
 
     # ---- runs ----
-    def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
-        """Starts a run; with `batch`, its Submit is collected for one scheduler pass."""
+    def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
+               wait: bool = False) -> None:
+        """Starts a run; with `batch`, its Submit is collected for one scheduler pass. With
+        `wait`, a run on a slice whose island group is forming raises GroupForming (nothing
+        done: the caller waits for the group and submits it again) instead of being refused."""
         if self.probe is not None:
             self.probe.arrived(run.run_id)
         prog = self.registry.programs.get(run.program_id)
@@ -130,10 +133,9 @@ class Dispatcher:
             check_spread_inputs(plan, run.input_homes)
             reads_from = self._input_hosts(plan, run.input_homes)
         except ControllerError as e:
-            session.run_refused(run.run_id, str(e))
-            self._progressed.add(session)
-            if self.probe is not None:
-                self.probe.finished(run.run_id, False, 0)
+            if wait and isinstance(e, GroupForming):
+                raise
+            self.refuse(session, run.run_id, str(e))
             return
         session.run_opened(run.run_id)
         out_ids = list(run.output_ids)
@@ -162,6 +164,13 @@ class Dispatcher:
             self.handle(event)
         else:
             batch.append(event)
+
+    def refuse(self, session: ClientSession, run_id: int, why: str) -> None:
+        """Refuses a run before it started: the client hears `why` as the run's error."""
+        session.run_refused(run_id, why)
+        self._progressed.add(session)
+        if self.probe is not None:
+            self.probe.finished(run_id, False, 0)
 
     def _input_hosts(self, plan: Plan, homes: Sequence[str]) -> tuple[str, ...]:
         """Hosts holding the run's inputs that run none of its segments (the scheduler fails the

@@ -40,6 +40,16 @@ class Rejected(ControllerError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class GroupForming(Rejected):
+    """Slice `slice` spans hosts whose island group is not usable with them yet (forming at
+    start, after a host joined or was lost, after a remap): callers that can wait do
+    (`SliceService.settled`, bounded by the controller's --group-wait) and ask again."""
+
+    def __init__(self, message: str, slice: str) -> None:
+        super().__init__(message)
+        self.slice = slice
+
+
 class InUse(ControllerError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -164,16 +164,25 @@ class IslandGroups:
         # a registration (a new worker process, or a worker whose stream broke) is in no group:
         # the worker leaves its group when it registers, so its generation must form again
         self._leave_all(info.name)
-        cur = self.current.get(info.island)
-        if cur is not None and info.name in cur.members:
-            cur.failed.setdefault(info.name, "it registered again")
+        self._member_gone(info, "it registered again")
         if info.island in self._wanted:
             self._schedule(info.island)
 
     def host_lost(self, info: HostInfo, reason: str) -> None:
         self._leave_all(info.name)
+        self._member_gone(info, f"lost ({reason})")
         if info.island in self._wanted:
             self._schedule(info.island)
+
+    def _member_gone(self, info: HostInfo, why: str) -> None:
+        """A member of the island's current generation is no longer in it: the generation is not
+        usable from now on (the next one forms), and placements kept from it are stale."""
+        cur = self.current.get(info.island)
+        if cur is not None and info.name in cur.members and info.name not in cur.failed:
+            was_ready = cur.ready
+            cur.failed[info.name] = why
+            if was_ready:
+                self._changed(info.island)
 
     def joined(self, host: str, generation: int, error: str) -> None:
         """A worker's GroupJoined."""
@@ -213,6 +222,8 @@ class IslandGroups:
         if cur is not None:
             self._retire(cur)
             del self.current[island]
+            if cur.ready:  # its placements are stale now (slices.py keeps them per epoch)
+                self._changed(island)
         if len(members) < 2:
             for name in (cur.members if cur is not None else ()):
                 if name in members:  # the one left alone: its devices are its own again

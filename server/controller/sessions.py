@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
@@ -34,7 +35,7 @@ from ..scheduler import Batch, CancelRun, Submit
 from .callers import CallerSessions, caller_of
 from .client_session import ClientSession
 from .dispatch import Dispatcher
-from .errors import ControllerError, PermissionDenied
+from .errors import ControllerError, GroupForming, PermissionDenied
 from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
 from .programs import ProgramRecord, ProgramRegistry, check_devices
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
@@ -50,13 +51,30 @@ MAX_PREFIXES_REMEMBERED = 1 << 16  # prefixes handed out that new sessions avoid
 
 
 class Slices(Protocol):
-    """What sessions need of the slice service."""
+    """What sessions need of the slice service: `epoch` changes whenever any slice does, or
+    an island group's usability."""
+
+    epoch: int
 
     def placement(self, name: str) -> Placement:
         """Where slice `name` runs; raises a ControllerError naming the slice when it cannot."""
         ...
 
     def release_owner(self, owner: str) -> None: ...
+
+    async def settled(self, name: str) -> Placement:
+        """`placement(name)`, waiting (bounded: the controller's --group-wait) while the slice's
+        island group forms; raises like `placement` after that."""
+        ...
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A session's messages from one that found slice `slice`'s island group forming: they are
+    handled again, in order, once the group formed or the wait ran out (`SessionManager._take`)."""
+
+    slice: str
+    rest: list[cpb.ClientMessage]
 
 
 ProgramListener = Callable[[ClientSession, ProgramRecord], None]
@@ -204,10 +222,11 @@ class SessionManager:
             client_id=session.client_id, id_prefix=session.id_prefix,
             worker_credential=self.credential(session.owner, session.id_prefix),
             resume_token=token, resumed=resumed))
+        gave_up: dict[str, tuple[int, str]] = {}
         for msg in rest:
-            self.handle(session, msg)
+            await self._take(session, msg, gave_up)
         self.dispatcher.flush()
-        reader = asyncio.get_running_loop().create_task(self._read(session, it))
+        reader = asyncio.get_running_loop().create_task(self._read(session, it, gave_up))
         try:
             while True:
                 ev = await session.queue.get()
@@ -218,11 +237,11 @@ class SessionManager:
             reader.cancel()
             self.close(session)
 
-    async def _read(self, session: ClientSession, it: AsyncIterator[cpb.ClientMessage]) -> None:
+    async def _read(self, session: ClientSession, it: AsyncIterator[cpb.ClientMessage],
+                    gave_up: dict[str, tuple[int, str]]) -> None:
         try:
             async for msg in it:
-                self.handle(session, msg)
-                self.dispatcher.flush()
+                await self._take(session, msg, gave_up)
         except (aio.AioRpcError, aio.UsageError, asyncio.CancelledError):
             pass
         except InvariantError as e:  # a bug: loud in the log, and the client's session ends with it
@@ -233,29 +252,91 @@ class SessionManager:
         finally:
             session.queue.put_nowait(None)
 
-    def handle(self, session: ClientSession, msg: cpb.ClientMessage) -> None:
+    async def _take(self, session: ClientSession, msg: cpb.ClientMessage,
+                    gave_up: dict[str, tuple[int, str]]) -> None:
+        """Handles one message of the session's stream. A run or a registration on a slice whose
+        island group is forming (at start, after a host joined or was lost, after a remap) waits
+        for the group, bounded by the controller's --group-wait, and is then handled again, or
+        refused naming why the group is still not usable. The session's later messages wait
+        behind it, so its runs keep their order. `gave_up`: the session's slices whose wait ran
+        out, with the slices' epoch then and the error: while nothing changed since, the next
+        messages on them (which waited behind) are refused at once rather than waiting again."""
+        waiting = self.handle(session, msg)
+        while waiting is not None:
+            self.dispatcher.flush()  # what came before the waiting message goes now
+            name = waiting.slice
+            if gave_up.get(name, (None, ""))[0] != self.slices.epoch:
+                try:
+                    await self.slices.settled(name)
+                except GroupForming as e:
+                    gave_up[name] = (self.slices.epoch, str(e))
+                except ControllerError:
+                    pass  # handled again without waiting: refused, naming why
+            given_up = gave_up.get(name)
+            if given_up is not None and given_up[0] == self.slices.epoch:
+                self._refuse(session, waiting.rest[0], given_up[1])
+                waiting = self._handle_list(session, waiting.rest[1:], patient=True)
+            else:
+                waiting = self._handle_list(session, waiting.rest, patient=False)
+        self.dispatcher.flush()
+
+    def _refuse(self, session: ClientSession, msg: cpb.ClientMessage, why: str) -> None:
+        """Refuses a run or a registration (the messages that wait for a group) with `why`."""
+        if msg.WhichOneof("msg") == "run":
+            self.dispatcher.refuse(session, msg.run.run_id, why)
+        else:
+            session.send(cpb.SessionEvent(registered=cpb.ProgramRegistered(request_id=msg.register.request_id,
+                                                                           error=why)))
+
+    def handle(self, session: ClientSession, msg: cpb.ClientMessage, patient: bool = True) -> Waiting | None:
+        """Handles one message; a Waiting when it (with `patient`) found its slice's island
+        group forming, holding it and the messages after it (nothing of them done yet)."""
         kind = msg.WhichOneof("msg")
         if kind == "batch":  # the runs of a batch go to the scheduler in one pass
-            submits: list[Submit] = []
-            for m in msg.batch.messages:
-                if m.WhichOneof("msg") == "run":
-                    if self._own_ids(session, m.run):
-                        self.dispatcher.submit(session, m.run, submits)
-                else:
-                    self.handle(session, m)
-            self.submit_batch(submits)
+            return self._handle_list(session, list(msg.batch.messages), patient)
         elif kind == "run":
-            self.run(session, msg.run)
+            if self._own_ids(session, msg.run):
+                try:
+                    self.dispatcher.submit(session, msg.run, wait=patient)
+                except GroupForming as e:
+                    return Waiting(e.slice, [msg])
         elif kind == "release":
             self.release(session, msg.release.address, msg.release.buffer_ids)
         elif kind == "register":
-            session.send(cpb.SessionEvent(registered=self._register(session, msg.register)))
+            try:
+                registered = self._register(session, msg.register, wait=patient)
+            except GroupForming as e:
+                return Waiting(e.slice, [msg])
+            session.send(cpb.SessionEvent(registered=registered))
         elif kind == "cancel_run":
             cancel = msg.cancel_run
             if cancel.run_id >> PREFIX_SHIFT == session.id_prefix:  # its own runs only
                 self.dispatcher.handle(CancelRun(session.client_id, cancel.run_id,
                                                  cancel.reason[:MAX_CANCEL_REASON] or "cancelled by the client",
                                                  time.monotonic()))
+        return None
+
+    def _handle_list(self, session: ClientSession, messages: list[cpb.ClientMessage],
+                     patient: bool) -> Waiting | None:
+        """A batch's messages, its runs collected for one scheduler pass; `patient` for the first
+        (False: it waited already), the others always."""
+        submits: list[Submit] = []
+        for k, m in enumerate(messages):
+            now_patient = patient or k > 0
+            if m.WhichOneof("msg") == "run":
+                if self._own_ids(session, m.run):
+                    try:
+                        self.dispatcher.submit(session, m.run, submits, wait=now_patient)
+                    except GroupForming as e:
+                        self.submit_batch(submits)
+                        return Waiting(e.slice, messages[k:])
+            else:
+                waiting = self.handle(session, m, now_patient)
+                if waiting is not None:
+                    self.submit_batch(submits)
+                    return Waiting(waiting.slice, waiting.rest + messages[k + 1:])
+        self.submit_batch(submits)
+        return None
 
     def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
         """A `run` message of the session (the IFRT proxy's way in, without the ClientMessage).
@@ -289,7 +370,9 @@ class SessionManager:
         """Registers a program for `session` (also the IFRT proxy's way in: server/proxy)."""
         return self._register(session, req)
 
-    def _register(self, session: ClientSession, req: cpb.RegisterProgram) -> cpb.ProgramRegistered:
+    def _register(self, session: ClientSession, req: cpb.RegisterProgram, wait: bool = False) -> cpb.ProgramRegistered:
+        """Registers a program, or answers why not. With `wait`, a slice whose island group is
+        forming raises GroupForming instead (the caller waits for the group and asks again)."""
         reg = self.registry
         try:
             missing = reg.add_functions(list(req.functions))
@@ -301,6 +384,8 @@ class SessionManager:
                                       for name, p in placements.items()})
             rec = reg.register(req.graph, session.owner)
         except ControllerError as e:
+            if wait and isinstance(e, GroupForming):
+                raise
             return cpb.ProgramRegistered(request_id=req.request_id, error=str(e))
         for listener in self.program_listeners:
             listener(session, rec)

@@ -30,13 +30,15 @@ from ..db.models import DeviceRow, HostRow, SliceRow, utcnow
 from ..db.writer import Write
 from ..timeutil import iso
 from .cluster import READY, HostInfo
-from .errors import AlreadyExists, ControllerError, InUse, InvalidArgument, NotFound, Rejected
+from .errors import AlreadyExists, ControllerError, GroupForming, InUse, InvalidArgument, NotFound, Rejected
 from .groups import GROUP_STRIDE, IslandGroups
 from .holders import Holders, slice_holders
 from .segments import Gang
 from .slice_rows import RowOp, slice_of, write_rows
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_WAIT_S = 60.0  # the controller's --group-wait
 
 _STATE = {
     rm.SliceStatus.READY: cpb.SLICE_STATE_READY,
@@ -108,6 +110,8 @@ class SliceService:
         self._last_write: Future[None] | None = None
         self.epoch = 0  # bumps on every change of any slice
         self.groups: IslandGroups | None = None  # set by the composition root (core.py)
+        # how long a computation on a slice spanning hosts waits for its island's group (--group-wait)
+        self.group_wait_s = DEFAULT_GROUP_WAIT_S
         self._meta: dict[str, _Meta] = {}
         # slice name -> (epoch, placement) of its last placement (`current`), and its holders
         self._kept: dict[str, tuple[int, Placement]] = {}
@@ -307,17 +311,21 @@ class SliceService:
             self._kept_holders = {n: v for n, v in self._kept_holders.items() if n in self.rm.slices}
         return made
 
-    async def settled(self, name: str, timeout: float) -> Placement:
-        """`current(name)`, waiting up to `timeout` seconds while slice `name` spans hosts whose
-        island group is not usable with them (forming at start, after a host joined or was lost,
-        after a remap); then raises what `current` raises."""
+    async def settled(self, name: str, timeout: float | None = None) -> Placement:
+        """`current(name)`, waiting up to `timeout` seconds (None: `group_wait_s`, the controller's
+        --group-wait) while slice `name` spans hosts whose island group is not usable with them
+        (forming at start, after a host joined or was lost, after a remap); then raises what
+        `current` raises (GroupForming saying how long it waited)."""
+        timeout = self.group_wait_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             try:
                 return self.current(name)
-            except Rejected:
+            except GroupForming as e:
                 s = self.rm.slices.get(name)
                 left = deadline - time.monotonic()
+                if left <= 0 and timeout > 0:
+                    raise GroupForming(f"{e}; waited {timeout:g} s for it", name) from None
                 if (s is None or s.status is rm.SliceStatus.DEGRADED or self.groups is None or left <= 0
                         or len({self.rm.devices[d].host for d in s.mapping}) < 2):
                     raise
@@ -334,7 +342,7 @@ class SliceService:
             if self.groups is not None:
                 self.groups.want(island)
             why = self.groups.describe(island) if self.groups is not None else "no island groups here"
-            raise Rejected(f"slice {name} spans hosts {', '.join(hosts)}: {why}")
+            raise GroupForming(f"slice {name} spans hosts {', '.join(hosts)}: {why}", name)
         # one pass over the devices (the dispatcher asks again after any host or slice event, and
         # an island of 512 hosts has 2,048 devices: nothing here per member per device)
         spans = set(hosts)

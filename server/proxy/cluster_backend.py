@@ -17,7 +17,7 @@ is for: staging.py) then moves, worker to worker, to where `put` would have stor
 worker holds which device (the slice's holders, server/controller/holders.py), not the island's
 group that computations over a slice spanning hosts run in: uploads go on while it forms (at
 start, after a remap), and downloads read where the buffer is; compiles and executes wait for
-it (`_settled`, at most GROUP_WAIT_S), then fail naming why it is not usable.
+it (`_settled`, at most the controller's --group-wait, 60 s by default), then fail naming why it is not usable.
 
 Compiles and executes go the way a `pw` client's do: each session is a `ClientSession` of the
 controller's session manager; a compiled module is a function in a one-node program registered
@@ -78,7 +78,6 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platf
 
 
 WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
-GROUP_WAIT_S = 60.0  # the longest a compile or an execute waits for the island's group to form
 # A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
@@ -96,7 +95,7 @@ class Slices(Protocol):
 
     def holders(self, name: str) -> Any: ...
 
-    async def settled(self, name: str, timeout: float) -> Any: ...
+    async def settled(self, name: str, timeout: float | None = None) -> Any: ...
 
     def get(self, name: str) -> cpb.Slice: ...
 
@@ -204,10 +203,10 @@ class SliceSession:
             raise backend_error(e) from None
 
     async def _settled(self) -> Any:
-        """The slice's placement for a computation, waiting (at most GROUP_WAIT_S) while the
+        """The slice's placement for a computation, waiting (at most --group-wait) while the
         island's group of a slice spanning hosts forms, as it does after a remap."""
         try:
-            return await self._slices.settled(self.name, GROUP_WAIT_S)
+            return await self._slices.settled(self.name)  # at most the controller's --group-wait
         except ControllerError as e:
             raise backend_error(e) from None
 

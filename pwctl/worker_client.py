@@ -79,12 +79,19 @@ class _Stream:
         self.call: Any = None
 
     def requests(self) -> Iterator[wpb.PutBufferRequest]:
-        while True:
-            item = self.queue.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, Upload)
-            yield from item.messages
+        """The stream's messages, as gRPC's thread takes them. Made from the queue alone: that
+        thread holds the generator until it ends, and must not hold the call through it (a call
+        object left to finalization may hang it: `WorkerClient.join`)."""
+        return _requests(self.queue)
+
+
+def _requests(q: queue.SimpleQueue[object]) -> Iterator[wpb.PutBufferRequest]:
+    while True:
+        item = q.get()
+        if item is _STOP:
+            return
+        assert isinstance(item, Upload)
+        yield from item.messages
 
 
 class WorkerClient:
@@ -120,6 +127,8 @@ class WorkerClient:
         self._failures = 0  # streams in a row that ended with nothing acknowledged
         self._reopening = False  # a new stream is due after a pause (the ended stream's reader opens it)
         self._closed = False
+        self._closing = threading.Event()  # set by close: a pause before a stream opens again ends
+        self._readers: list[threading.Thread] = []  # the streams' acknowledgement readers (`join`)
 
     def put(self, buffer_id: int, arr: np.ndarray, run_id: int = 0) -> None:
         """Queues an upload; returns at once (the consuming node waits for it). `run_id`: the run
@@ -161,7 +170,10 @@ class WorkerClient:
             upload.sent = True
             stream.queue.put(upload)
         stream.call = self._transport.bidi(self._stub.Uploads, stream.requests())
-        threading.Thread(target=self._acks, args=(stream,), name="pw-upload-acks", daemon=True).start()
+        reader = threading.Thread(target=self._acks, args=(stream,), name="pw-upload-acks", daemon=True)
+        self._readers = [t for t in self._readers if t.is_alive()]
+        self._readers.append(reader)
+        reader.start()
 
     def _acks(self, stream: _Stream) -> None:
         """Reads a stream's acknowledgements, forgetting each upload whose messages are all in;
@@ -214,7 +226,7 @@ class WorkerClient:
         if pause is None or not self._reopening:
             return
         if pause:
-            time.sleep(pause)
+            self._closing.wait(pause)
         with self._lock:
             self._reopening = False
             if self._stream is None and not self._closed:
@@ -295,11 +307,31 @@ class WorkerClient:
         return reply.ready, reply.error
 
     def close(self) -> None:
+        """Ends the uploads (the stream is cancelled with the channel) and the channel; returns at
+        once. `join` then waits for the stream's reader to end."""
         with self._lock:
             self._closed = True
             if self._stream is not None:
                 self._stream.queue.put(_STOP)
+        self._closing.set()
         self._transport.close()
+
+    def join(self, timeout: float) -> bool:
+        """After `close`: waits up to `timeout` for the streams' readers to end, then lets go of the
+        stream (its gRPC call). True when none is left running. At interpreter exit this runs
+        while gRPC's threads still do (runtime.py, `Runtime.close`): a call object collected
+        later, during finalization, takes a lock that one of them may hold, frozen (grpc's
+        `_MultiThreadedRendezvous.__del__`)."""
+        deadline = time.monotonic() + timeout
+        for reader in list(self._readers):
+            if reader is not threading.current_thread():
+                reader.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._readers = [t for t in self._readers if t.is_alive()]
+            if self._stream is not None:
+                self._stream.call = None
+            self._stream = None
+            return not self._readers
 
 
 def _lost(e: ConnectionFailed) -> str:

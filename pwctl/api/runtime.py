@@ -15,6 +15,7 @@ stream's events, the bound on runs in flight, the runs failed and the connection
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import logging
 import os
@@ -51,6 +52,9 @@ MAX_IN_FLIGHT = 1024
 # has its earlier runs finished on the workers, and their reports on the way; they count as done,
 # not cancelled. A program exiting with work still running waits this long at most.
 CLOSE_DRAIN_S = 2.0
+# How long closing waits, at most, for the threads of the session and the uploads to end once their
+# calls are cancelled (they end within milliseconds: the bound is for a thread stuck elsewhere).
+CLOSE_THREADS_S = 2.0
 
 
 class _Lost(Exception):
@@ -111,8 +115,9 @@ class Runtime:
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
         )
         sender = self._sender
-        self._call = self.client.session(sender.requests(0, [cpb.ClientMessage(hello=self._hello)], sender.ready,
-                                                         sender.done))
+        # the session's current stream (let go of by close)
+        self._call: Any = self.client.session(sender.requests(0, [cpb.ClientMessage(hello=self._hello)], sender.ready,
+                                                              sender.done))
         self._reader = threading.Thread(target=self._read, name="pw-session", daemon=True)
         self._reader.start()
         try:
@@ -342,15 +347,32 @@ class Runtime:
                 self._out.put(cpb.ClientMessage(cancel_run=cancel))
 
     def close(self) -> None:
+        """Ends the session (at exit: registered with atexit) and everything it started.
+
+        It returns once the threads reading the session and the upload streams have ended
+        (within CLOSE_THREADS_S) and the gRPC call objects are collected. At interpreter exit,
+        atexit handlers run while daemon threads still do; after them, finalization freezes every
+        daemon thread where it stands, holding whatever lock it held. A gRPC stream's call
+        object, collected then, takes its call's lock (grpc `_MultiThreadedRendezvous.__del__`),
+        which one of gRPC's threads, or ours, may hold frozen: the process then hangs after its
+        last line. Collected here, while they run, it only waits for them to let go."""
         if self.closed:
             return
         self._drain(CLOSE_DRAIN_S)
         self.closed = True
         self._out.put(STOP)
-        for conn in list(self._workers.values()):
+        workers = list(self._workers.values())
+        for conn in workers:
             conn.close()
         try:
             self._call.cancel()
         except Exception:
             pass
         self.client.close()
+        deadline = time.monotonic() + CLOSE_THREADS_S
+        if self._reader is not threading.current_thread():
+            self._reader.join(CLOSE_THREADS_S)
+        for conn in workers:
+            conn.join(max(0.0, deadline - time.monotonic()))
+        self._call = None
+        gc.collect()  # the calls' objects sit in reference cycles (their exceptions' tracebacks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,24 @@ def parts(tmp_path: Path) -> Iterator[tuple[Cluster, SliceService]]:
 def register(cluster: Cluster, name: str, address: str) -> None:
     cluster.register(cpb.RegisterWorker(name=name, island="i", address=address, pid=1, device_kind="cpu",
                                         device_count=1, machine_id="m"), WorkerLink(name))
+
+
+Joins = list[tuple[str, cpb.JoinGroup]]
+
+
+def island_groups(cluster: Cluster, slices: SliceService,
+                  start: Callable[[str, int], subprocess.Popen[bytes]]) -> tuple[gm.IslandGroups, Joins]:
+    """Real island groups wired to `cluster` and `slices` as the controller wires them, their
+    coordination services started by `start`; with the JoinGroup messages they send (to be
+    answered by hand: `groups.joined`)."""
+    sent: Joins = []
+    groups = gm.IslandGroups(cluster.hosts, cluster.hosts_of, lambda host, msg: sent.append((host, msg.join)),
+                             "127.0.0.1", start_service=start)
+    cluster.on_host_up.append(groups.host_up)
+    cluster.on_host_lost.append(groups.host_lost)
+    groups.listeners.append(slices.group_changed)
+    slices.groups = groups
+    return groups, sent
 
 
 def test_the_kept_placement_is_the_placement_until_the_slice_or_its_host_changes(
@@ -107,13 +125,7 @@ def test_the_holders_of_a_slice_spanning_hosts_are_known_while_its_group_forms(
         return proc
 
     async def main() -> None:
-        sent: list[tuple[str, cpb.JoinGroup]] = []
-        groups = gm.IslandGroups(cluster.hosts, cluster.hosts_of, lambda host, msg: sent.append((host, msg.join)),
-                                 "127.0.0.1", start_service=start)
-        cluster.on_host_up.append(groups.host_up)
-        cluster.on_host_lost.append(groups.host_lost)
-        groups.listeners.append(slices.group_changed)
-        slices.groups = groups
+        groups, sent = island_groups(cluster, slices, start)
         register(cluster, "w2", "w2:1")
         register(cluster, "w1", "w1:1")
         made = slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c").slice
@@ -188,13 +200,7 @@ def test_a_kept_gang_placement_goes_as_soon_as_its_group_does(
         sent.clear()
 
     async def main() -> None:
-        sent: list[tuple[str, cpb.JoinGroup]] = []
-        groups = gm.IslandGroups(cluster.hosts, cluster.hosts_of, lambda host, msg: sent.append((host, msg.join)),
-                                 "127.0.0.1", start_service=start)
-        cluster.on_host_up.append(groups.host_up)
-        cluster.on_host_lost.append(groups.host_lost)
-        groups.listeners.append(slices.group_changed)
-        slices.groups = groups
+        groups, sent = island_groups(cluster, slices, start)
         for name in ("w1", "w2", "w3"):
             register(cluster, name, f"{name}:1")
         slices.create(cpb.SliceSpec(name="s", devices=2), False, "client:c")

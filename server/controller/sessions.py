@@ -295,11 +295,10 @@ class SessionManager:
         if kind == "batch":  # the runs of a batch go to the scheduler in one pass
             return self._handle_list(session, list(msg.batch.messages), patient)
         elif kind == "run":
-            if self._own_ids(session, msg.run):
-                try:
-                    self.dispatcher.submit(session, msg.run, wait=patient)
-                except GroupForming as e:
-                    return Waiting(e.slice, [msg])
+            try:
+                self.run(session, msg.run, wait=patient)
+            except GroupForming as e:
+                return Waiting(e.slice, [msg])
         elif kind == "release":
             self.release(session, msg.release.address, msg.release.buffer_ids)
         elif kind == "register":
@@ -324,12 +323,11 @@ class SessionManager:
         for k, m in enumerate(messages):
             now_patient = patient or k > 0
             if m.WhichOneof("msg") == "run":
-                if self._own_ids(session, m.run):
-                    try:
-                        self.dispatcher.submit(session, m.run, submits, wait=now_patient)
-                    except GroupForming as e:
-                        self.submit_batch(submits)
-                        return Waiting(e.slice, messages[k:])
+                try:
+                    self.run(session, m.run, submits, wait=now_patient)
+                except GroupForming as e:
+                    self.submit_batch(submits)
+                    return Waiting(e.slice, messages[k:])
             else:
                 waiting = self.handle(session, m, now_patient)
                 if waiting is not None:
@@ -338,11 +336,14 @@ class SessionManager:
         self.submit_batch(submits)
         return None
 
-    def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None) -> None:
-        """A `run` message of the session (the IFRT proxy's way in, without the ClientMessage).
-        With `batch`, its Submit is collected there for one scheduler pass (`submit_batch`)."""
+    def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
+            wait: bool = False) -> None:
+        """A `run` message of the session (also the IFRT proxy's way in, without the
+        ClientMessage). With `batch`, its Submit is collected there for one scheduler pass
+        (`submit_batch`); with `wait`, a slice whose island group is forming raises GroupForming
+        (Dispatcher.submit)."""
         if self._own_ids(session, run):
-            self.dispatcher.submit(session, run, batch)
+            self.dispatcher.submit(session, run, batch, wait=wait)
 
     def submit_batch(self, submits: list[Submit]) -> None:
         """Hands the Submits collected by `run(..., batch)` to the scheduler in one pass."""

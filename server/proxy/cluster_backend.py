@@ -36,7 +36,7 @@ island's group, whose outputs are spread over them (each holds its part). A run 
 spread over other devices than its own reads a copy gathered on those devices first (`prepare`).
 Where a run's outputs are follows the slice's placement when it runs (placing.py), so a remap
 between compile and run is followed; outputs spread over workers under an earlier placement
-are refused with an error naming the remap (`_check_placed`).
+are refused with an error naming the remap (holdings.py `check_placed`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from .compose import gather_function
 from .corking import FlushCork
 from .failures import RunFailures
 from .handles import HostData
+from .holdings import Holdings
 from .modules import describe
 from .placing import compiles_on, holders_of, runs_on
 from .staging import Staging
@@ -148,24 +149,13 @@ class SliceSession:
         self._num_outputs: dict[str, int] = {}
         self._devices: dict[str, tuple[int, ...]] = {}  # program -> its virtual devices (empty: all)
         self._out_specs: dict[str, tuple[ArraySpec, ...]] = {}  # program -> its outputs, where known
-        # buffer -> (the virtual devices its parts are on, as a set and in order, its spec): a
-        # result of a program over several workers of a slice spanning hosts, each of which holds
-        # only its own part
-        self._spread: dict[int, tuple[frozenset[int], tuple[int, ...], ArraySpec]] = {}
         self._all = frozenset(range(len(self.slice.devices)))
-        self._others: dict[int, tuple[str, ...]] = {}  # such a buffer -> the other workers holding parts
-        # such a buffer -> the slice's generation (remaps) when it was made: where its parts are
-        # is known for that placement only (`_check_placed`)
-        self._placed_at: dict[int, int] = {}
+        self._held = Holdings()  # where each buffer is (holdings.py)
         self._gather_functions: dict[tuple[str, tuple[int, ...], int], tuple[str, bytes]] = {}
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         self._workers = WorkerChannels()
-        self._home: dict[int, str] = {}  # buffer id -> the address of the worker holding it
-        # an upload replicated over devices of several workers -> the workers holding a whole copy
-        # (the first is its home): a run on some of them reads their own copies (`_input_home`)
-        self._copies: dict[int, tuple[str, ...]] = {}
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -296,13 +286,14 @@ class SliceSession:
     def execute(self, program_id: str, inputs: Sequence[int]) -> list[int]:
         manager = self._manager()
         self._failures.drain()
-        homes = [self._address_of(b) for b in inputs]
+        held = self._held
+        homes = [held.address_of(b) for b in inputs]
         placement = self._placement()
-        if self._placed_at:
-            self._check_placed(inputs, placement.generation)
+        if held.placed_at:
+            held.check_placed(inputs, placement.generation, self.name)
         address, on, others = runs_on(placement, self._devices.get(program_id, ()))
-        if self._copies or self._others:
-            homes = [self._input_home(b, home, (address, *others)) for b, home in zip(inputs, homes, strict=True)]
+        if held.copies or held.others:
+            homes = [held.input_home(b, home, (address, *others)) for b, home in zip(inputs, homes, strict=True)]
         self._worker(address)
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
@@ -313,50 +304,19 @@ class SliceSession:
         # held (`_flush`), once the session's requests pause (corking.py)
         manager.run(self._client, run, self._submits)
         self._cork.decided()
-        for b in outputs:
-            self._home[b] = address
-        if others:  # its parts there go when it does (`free`)
-            for b in outputs:
-                self._others[b] = others
-                self._placed_at[b] = placement.generation
+        held.made(outputs, address, others, placement.generation)
         specs = self._out_specs.get(program_id)
         if on is not None and specs is not None:
             over = self._all if len(on) == len(self._all) else frozenset(on)
             for b, spec in zip(outputs, specs, strict=True):
-                self._spread[b] = (over, on, spec)
+                held.spread[b] = (over, on, spec)
         return outputs
-
-    def _input_home(self, buffer_id: int, home: str, workers: tuple[str, ...]) -> str:
-        """Where a run on `workers` finds an input (`RunProgram.input_homes`; several: "a|b", each
-        member reads its own, nothing is sent): a copy held by each of them is read where it is,
-        and so is a result spread over exactly those workers (each holds its part under the
-        buffer's id); else its home, which sends it to the others."""
-        copies = self._copies.get(buffer_id)
-        if copies is not None:
-            return "|".join(workers) if all(w in copies for w in workers) else home
-        others = self._others.get(buffer_id)
-        if others is not None and len(workers) > 1 and set(workers) == {home, *others}:
-            return "|".join(workers)
-        return home
 
     def spread_over_workers(self, buffer_id: int) -> bool:
         """Whether the run that made this buffer left its parts on several workers (decided by
         the slice's placement when it ran, not when its program was compiled: a remap in between
         changes it); downloads then read a gathered copy (downloads.py)."""
-        return buffer_id in self._others
-
-    def _check_placed(self, inputs: Sequence[int], generation: int) -> None:
-        """Refuses inputs whose parts were left on several workers under an earlier placement
-        of the slice: after a remap, a run (or the gather a download runs) would look for them on
-        the devices their virtual devices map to now, and get parts of another array or none."""
-        for b in inputs:
-            made = self._placed_at.get(b)
-            if made is not None and made != generation:
-                raise BackendError(
-                    "FAILED_PRECONDITION",
-                    f"array {b}: its parts were on several workers of slice {self.name} before the slice was "
-                    f"re-placed (remap: generation {made} -> {generation}); it cannot be read any more, compute "
-                    f"it again")
+        return buffer_id in self._held.others
 
     async def prepare(self, program_id: str, inputs: Sequence[int]) -> tuple[list[int], list[int]]:
         """The buffers a run of `program_id` reads instead of `inputs`, and those of them it made
@@ -366,13 +326,13 @@ class SliceSession:
         which every worker that reads it holds (or is sent) whole. Waits while the island's
         group forms (`_settled`): `execute`, which the caller calls next, needs it formed."""
         await self._settled()
-        if not self._spread:
+        if not self._held.spread:
             return list(inputs), []
         devices = self._devices.get(program_id, ())
         mine = frozenset(devices) if devices else self._all
         ids, made = list(inputs), []
         for k, b in enumerate(inputs):
-            spread = self._spread.get(b)
+            spread = self._held.spread.get(b)
             if spread is not None and spread[0] != mine:
                 ids[k] = await self.gather(b)
                 made.append(ids[k])
@@ -382,7 +342,7 @@ class SliceSession:
         """A replicated copy of a result spread over workers (on the devices it is spread over,
         each of whose workers then holds it whole); the caller frees it. `dtype` and `shape`
         for a buffer whose spread is not known here (then over all the slice's devices)."""
-        _, on, spec = self._spread.get(buffer_id, (self._all, (), ArraySpec(dtype, shape)))
+        _, on, spec = self._held.spread.get(buffer_id, (self._all, (), ArraySpec(dtype, shape)))
         devices = on if on else tuple(range(len(self.slice.devices)))
         key = (spec.dtype, spec.shape, len(devices))
         made = self._gather_functions.get(key)
@@ -427,23 +387,18 @@ class SliceSession:
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
                       addresses: Sequence[str] = ()) -> list[int]:
         """Uploads `arrays` to each of `addresses` (none: the slice's first worker), under the
-        same ids; an array on several workers is a copy on each (`_copies`)."""
+        same ids; an array on several workers is a copy on each (holdings.py `copies`)."""
         addresses = list(addresses) or [self._holders().first.address]
         ids = [next(self._ids) for _ in arrays]
         done = await asyncio.gather(*(self._upload_to(a, ids, arrays) for a in addresses), return_exceptions=True)
         stored = [a for a, d in zip(addresses, done, strict=True) if not isinstance(d, BaseException)]
-        for b in ids:
-            self._home[b] = stored[0] if stored else addresses[0]
-            if len(stored) > 1:
-                self._copies[b] = tuple(stored)
         failed = [d for d in done if isinstance(d, BaseException)]
         if failed:
             if stored:  # the copies that were made go
+                self._held.stored(ids, stored)
                 self.free(ids)
-            else:
-                for b in ids:
-                    self._home.pop(b, None)
             raise failed[0]
+        self._held.stored(ids, stored)
         return ids
 
     async def _upload_to(self, address: str, ids: Sequence[int],
@@ -478,7 +433,7 @@ class SliceSession:
         `devices`, or, `replicated`, a copy to each worker holding some of them, worker to
         worker (the dispatcher's `move`: nothing comes back here). Else it stays."""
         manager = self._controls.sessions
-        home = self._home.get(buffer_id)
+        home = self._held.home.get(buffer_id)
         if manager is None or home is None or not devices:
             return
         try:
@@ -490,20 +445,15 @@ class SliceSession:
         targets = [a for a in holders if a != home]
         if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
             return
-        self._home[buffer_id] = holders[0]
-        if len(holders) > 1:
-            self._copies[buffer_id] = holders
+        self._held.stored([buffer_id], holders)
         self._cork.decided()  # sent with the session's next flush
 
     def adopt(self, buffer_id: int, address: str) -> None:
         """Records a buffer a staged upload stored on worker `address`."""
-        self._home[buffer_id] = address
+        self._held.stored([buffer_id], [address])
 
     def _address_of(self, buffer_id: int) -> str:
-        address = self._home.get(buffer_id)
-        if address is None:
-            raise BackendError("NOT_FOUND", f"buffer {buffer_id} is not this session's")
-        return address
+        return self._held.address_of(buffer_id)
 
     async def get(self, buffer_id: int) -> HostData:
         self._failures.check(buffer_id)
@@ -554,19 +504,9 @@ class SliceSession:
                 raise BackendError("DEADLINE_EXCEEDED", f"buffers not ready after {WAIT_S:g} s")
 
     def free(self, buffer_ids: Sequence[int]) -> None:
-        by_worker: dict[str, list[int]] = {}
         for b in buffer_ids:
             self._failures.forget(b)
-            self._spread.pop(b, None)
-            self._placed_at.pop(b, None)
-            address = self._home.pop(b, None)
-            if address is not None:
-                by_worker.setdefault(address, []).append(b)
-                for other in self._others.pop(b, ()):
-                    by_worker.setdefault(other, []).append(b)
-                for other in self._copies.pop(b, (address,)):
-                    if other != address:
-                        by_worker.setdefault(other, []).append(b)
+        by_worker = self._held.forget(buffer_ids)
         manager = self._controls.sessions
         for address, ids in by_worker.items():
             if manager is None:
@@ -580,8 +520,7 @@ class SliceSession:
         self._cork.flush()
         self._watcher.cancel()
         await self._workers.close()
-        self._home.clear()
-        self._copies.clear()
+        self._held.clear()
         if self._controls.sessions is not None:
             self._controls.sessions.dispatcher.client_gone(self._client.client_id)
         try:

@@ -157,8 +157,8 @@ async def _gathered(session: Session, buf: Buf) -> int:
 def _spread(session: Session, buf: Buf) -> bool:
     """Whether `buf`'s parts were left on several workers: decided by the slice's placement when
     the run making it ran (`Buf.spread`), not by the placement now. After a remap such a buffer
-    is read through a gather, which refuses it with an error naming the remap (cluster_backend.py
-    `_check_placed`), rather than fetched from a worker that holds only part of it, or is gone."""
+    is read through a gather, which refuses it with an error naming the remap (holdings.py
+    `check_placed`), rather than fetched from a worker that holds only part of it, or is gone."""
     return buf.spread
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
@@ -37,6 +38,8 @@ from .segments import Gang
 from .slice_rows import RowOp, slice_of, write_rows
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_GROUP_WAIT_S = 60.0  # the controller's --group-wait
 
@@ -279,24 +282,31 @@ class SliceService:
         so the last answer stands while the epoch is the same and its hosts are still the
         registered records. Placements are frozen and their lists only read."""
         known = self._kept.get(name)
-        if known is not None and known[0] == self.epoch:
-            kept = known[1]
-            hosts = kept.gang.members if kept.gang is not None else (kept.host,)
-            if all(self._hosts.get(h.name) is h for h in hosts):
+        if known is not None:
+            epoch, kept = known
+            if self._still(epoch, kept.gang.members if kept.gang is not None else (kept.host,)):
                 return kept
         placed = self.placement(name)  # NotFound, Rejected: nothing kept
         self._kept[name] = (self.epoch, placed)
-        if len(self._kept) > 2 * len(self.rm.slices) + 64:  # deleted slices' entries
-            self._kept = {n: v for n, v in self._kept.items() if n in self.rm.slices}
+        self._kept = self._pruned(self._kept)
         return placed
+
+    def _still(self, epoch: int, hosts: Iterable[HostInfo]) -> bool:
+        """Whether an answer kept at `epoch` naming the host records `hosts` stands (`current`)."""
+        return epoch == self.epoch and all(self._hosts.get(h.name) is h for h in hosts)
+
+    def _pruned(self, kept: dict[str, T]) -> dict[str, T]:
+        """`kept` without deleted slices' entries, once they may outnumber the others."""
+        if len(kept) > 2 * len(self.rm.slices) + 64:
+            return {n: v for n, v in kept.items() if n in self.rm.slices}
+        return kept
 
     def holders(self, name: str) -> Holders:
         """Which registered worker holds each virtual device of slice `name` now, whether or not
         its island's group is formed (holders.py: what uploads need); kept like `current`. Raises
         NotFound, or Rejected (degraded, or on a host not registered)."""
         known = self._kept_holders.get(name)
-        if known is not None and known[0] == self.epoch and all(self._hosts.get(h.name) is h
-                                                                 for h in known[1].hosts):
+        if known is not None and self._still(known[0], known[1].hosts):
             return known[1]
         s = self.rm.slices.get(name)
         if s is None:
@@ -307,8 +317,7 @@ class SliceService:
         if isinstance(made, str):  # pragma: no cover - the resource manager only knows registered hosts
             raise Rejected(made)
         self._kept_holders[name] = (self.epoch, made)
-        if len(self._kept_holders) > 2 * len(self.rm.slices) + 64:
-            self._kept_holders = {n: v for n, v in self._kept_holders.items() if n in self.rm.slices}
+        self._kept_holders = self._pruned(self._kept_holders)
         return made
 
     async def settled(self, name: str, timeout: float | None = None) -> Placement:

@@ -208,8 +208,7 @@ class Gathering:
 
     def open_bytes(self) -> int:
         """The memory held by the buffers being gathered."""
-        with self._lock:
-            return sum(e.whole.nbytes for e in self._open.values())
+        return self.stats()[1]
 
     def stats(self) -> tuple[int, int]:
         """(buffers being gathered, the bytes they hold), read together (WorkerStats)."""

@@ -35,7 +35,6 @@ from .status_view import StatusQuery
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-GROUP_WAIT_S = 30.0  # CreateSlice over several hosts waits this long for the island's group
 
 
 async def _until(stop: asyncio.Event, stream: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -217,8 +216,13 @@ class ControllerServicer(cgrpc.ControllerServicer):
         created = self.core.slices.create(request.spec, request.dry_run, request.owner)
         await self.core.slices.written()  # the answer promises a durable slice
         if not request.dry_run and len({d.host for d in created.slice.devices}) > 1:
-            # over several hosts: answer once the island's group can run it (or say why not)
-            await self.core.groups.wait_usable(created.slice.devices[0].island, GROUP_WAIT_S)
+            # over several hosts: answer once the island's group can run it (or say why not), at
+            # most the controller's --group-wait, as calls on the slice wait
+            island = created.slice.devices[0].island
+            if not await self.core.groups.wait_usable(island, self.core.slices.group_wait_s):
+                created.explanation += (f"; island {island}'s group is not formed yet "
+                                        f"({self.core.groups.summary(island) or 'forming'}): calls on the slice wait "
+                                        f"for it, up to the controller's --group-wait")
         return created
 
     async def ListSlices(self, request: cpb.ListSlicesRequest, context: aio.ServicerContext) -> cpb.ListSlicesResponse:

@@ -242,9 +242,16 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
     domains = sharding.domains(shape)
+    replicated = _replicated(domains, shape)
+    # sharded over devices of several workers: each gets the bytes of its own devices' shards
+    # only, and holds its part (a backend of slices spanning hosts has it: uploading.py)
+    spread = getattr(session.backend, "put_spread", None)
+    if spread is not None and not replicated and sharding.op_sharding is not None and math.prod(shape) > 0:
+        buffer_id = await spread(sharding.devices, sharding.op_sharding, domains, dtype, shape, data)
+        if buffer_id is not None:
+            return whole(Buf(buffer_id, dtype, shape, spread=True), sharding, domains)
     # every device holds the whole array: a copy goes to each worker holding some of them
-    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data,
-                                          replicated=_replicated(domains, shape))
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
     return whole(Buf(buffer_id, dtype, shape), sharding, domains)
 
 

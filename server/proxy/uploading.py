@@ -16,13 +16,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
+
+from schemas.arrays import byte_view, resolve_dtype
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
-from .backend import BackendError
+from .backend import ArraySpec, BackendError
 from .corking import FlushCork
 from .handles import HostData
 from .holdings import Holdings
-from .placing import holders_of
+from .placing import holders_of, spread_members
+from .shardings import Index
 from .staging import Staging
 from .workers import WorkerChannels
 
@@ -55,6 +60,9 @@ class Uploading:
     async def get(self, buffer_id: int) -> HostData:
         raise NotImplementedError
 
+    async def _settled(self) -> Any:
+        raise NotImplementedError
+
     async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
                   replicated: bool = False) -> int:
         """Stores an array for the slice's virtual `devices` (under the slice's placement now) on
@@ -66,6 +74,47 @@ class Uploading:
         if len(holders) == 1 or (replicated and holders):
             return (await self._upload([(dtype, shape, host)], holders))[0]
         return (await self._upload([(dtype, shape, host)]))[0]
+
+    async def put_spread(self, devices: Sequence[int], op_sharding: bytes, domains: Sequence[Index], dtype: str,
+                         shape: tuple[int, ...], data: bytes | HostData) -> int | None:
+        """Stores an array sharded over the slice's virtual `devices` (its sharding's, in order:
+        `op_sharding`, a serialized xla.OpSharding over them; `domains`, each device's shard) in
+        parts where they are on several members of the island's group: each member gets the
+        bytes of the distinct shards on its devices only, and holds its part of the global array
+        under the buffer's id (worker.proto `PartOf`), as a run over those devices leaves its
+        outputs (holdings.py `others`, `spread`). Waits while the group forms (`_settled`).
+        None (nothing stored) where the devices are on one worker."""
+        if len(holders_of(self._holders(), devices)) < 2:
+            return None
+        placement = await self._settled()
+        members = spread_members(placement, devices)
+        if members is None:
+            return None
+        gang = placement.gang
+        part_of = wpb.PartOf(global_shape=list(shape), op_sharding=op_sharding,
+                             devices=[gang.devices[v] for v in devices],
+                             group_generation=gang.generation).SerializeToString()
+        raw = data.tobytes() if isinstance(data, HostData) else data
+        value = np.frombuffer(raw, resolve_dtype(dtype)).reshape(shape)
+        buffer_id = next(self._ids)
+        uploads = []
+        for address, positions in members:
+            mine = dict.fromkeys(tuple((s.start, s.stop) for s in domains[k]) for k in positions)
+            shards = [value[tuple(slice(a, b) for a, b in dom)] for dom in mine]
+            host = HostData([byte_view(s) for s in shards if s.size])
+            count = sum(s.size for s in shards)
+            uploads.append(self._upload_to(address, [buffer_id], [(dtype, (count,), host)], part_of))
+        done = await asyncio.gather(*uploads, return_exceptions=True)
+        stored = [a for (a, _), d in zip(members, done, strict=True) if not isinstance(d, BaseException)]
+        failed = [d for d in done if isinstance(d, BaseException)]
+        if stored:
+            self._held.made([buffer_id], stored[0], tuple(stored[1:]), placement.generation)
+        if failed:
+            if stored:  # the parts that were stored go
+                self.free([buffer_id])
+            raise failed[0]
+        self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
+        return buffer_id
 
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
                       addresses: Sequence[str] = ()) -> list[int]:
@@ -85,18 +134,22 @@ class Uploading:
         return ids
 
     async def _upload_to(self, address: str, ids: Sequence[int],
-                         arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> None:
+                         arrays: Sequence[tuple[str, tuple[int, ...], HostData]], part_of: bytes = b"") -> None:
+        """Uploads `arrays` to worker `address` under `ids`; `part_of`: each is a part of a
+        global array (`put_spread`)."""
         self._worker(address)
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
                 if len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
-                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
+                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts,
+                                                  part_of=part_of)
                 else:  # over one worker message: in pieces, which the worker copies into one array
                     for start in range(0, len(data), UPLOAD_PIECE_BYTES):
                         piece = data.slice(start, start + UPLOAD_PIECE_BYTES)
                         yield wire.put_buffer_request(buffer_id, self._owner, dtype if start == 0 else "",
-                                                      shape if start == 0 else (), piece.parts, start, len(data))
+                                                      shape if start == 0 else (), piece.parts, start, len(data),
+                                                      part_of if start == 0 else b"")
 
         try:
             await self._workers.put_raw(address)(requests(), metadata=self._metadata)

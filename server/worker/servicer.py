@@ -28,7 +28,7 @@ from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
-from .parts import Gathering, is_partial, local_parts, part_chunks
+from .parts import Gathering, is_partial, local_parts, part_chunks, uploaded_part
 from .shmring import RingReader, is_segment_name, take_segment
 from .transfer import CHUNK, DATA_CHUNK
 from .uploads import Assembly, UploadStream, add_piece, decode_upload
@@ -160,7 +160,10 @@ class WorkerServicer(wgrpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                         f"buffer id {req.buffer_id:#x} is not one of this session's ids")
                 up.handled += 1
+                part_of = req.part_of
                 if req.total_bytes or up.pieces is not None:
+                    if up.pieces is not None:
+                        part_of = up.pieces.part_of
                     arr = await self._piece(req, up.pieces, caller, context)
                     if not isinstance(arr, np.ndarray):
                         up.pieces = arr
@@ -174,7 +177,16 @@ class WorkerServicer(wgrpc.WorkerServicer):
                         up.refused = up.refused or self._refuse(req, caller, e, held=True)
                         yield
                         continue
-                if not self.store.put(req.buffer_id, arr, arr.nbytes, owner=caller.owner, client_ref=True,
+                value: np.ndarray | jax.Array = arr
+                if part_of:  # this worker's part of an array sharded over several members (parts.py)
+                    try:
+                        value = uploaded_part(arr.reshape(-1), part_of, self.executor.runners.group,
+                                              self.executor.runners.devices)
+                    except ValueError as e:
+                        up.refused = up.refused or self._refuse(req, caller, e, held=True)
+                        yield
+                        continue
+                if not self.store.put(req.buffer_id, value, arr.nbytes, owner=caller.owner, client_ref=True,
                                       same_owner=True, again=req.again):
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
                 up.count += 1

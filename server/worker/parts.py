@@ -73,7 +73,11 @@ def uploaded_part(flat: np.ndarray, raw_part_of: bytes, group: IslandGroup, loca
     shape = tuple(int(d) for d in part_of.global_shape)
     if any(d < 0 for d in shape) or not part_of.op_sharding or not part_of.devices:
         raise ValueError(f"a part of a {list(shape)} array without a sharding or devices")
-    devices = tuple(group.device(group.local_device_number(n), local) for n in part_of.devices)
+    try:
+        devices = tuple(group.device(group.local_device_number(n), local) for n in part_of.devices)
+    except (IndexError, ValueError):
+        raise ValueError(f"devices {list(part_of.devices)} are not all devices of island group generation "
+                         f"{group.generation}") from None
     if len(set(devices)) != len(devices):
         raise ValueError(f"a sharding over devices {list(part_of.devices)}, some twice")
     try:

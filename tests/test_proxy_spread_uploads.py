@@ -49,7 +49,8 @@ def col_sum(v):
     return v.sum(0)
 show("other sharding", jax.jit(col_sum)(jax.device_put(x, NamedSharding(line, P(None, "d")))))
 show("one device", jax.jit(col_sum)(jax.device_put(x, devs[2])))
-show("one worker", jax.jit(col_sum, out_shardings=NamedSharding(back, P()))(jax.device_put(x, NamedSharding(back, P("s")))))
+show("one worker", jax.jit(col_sum, out_shardings=NamedSharding(back, P()))(
+    jax.device_put(x, NamedSharding(back, P("s")))))
 rev = Mesh(np.array(devs[::-1]), ("r",))
 show("reversed", jax.jit(lambda v: v * 3, out_shardings=NamedSharding(rev, P("r")))(
     jax.device_put(x, NamedSharding(rev, P("r")))))

@@ -5,8 +5,9 @@ is a copy on each; programs read them where they are, with no transfer between w
 a result spread over both workers, read by a run on the same devices). A staged upload (4 MiB or
 more, streamed on to the first worker before its devices are known) then moves there, worker to
 worker. A sharded array over devices of both workers goes in parts (each worker gets its own
-devices' shards: tests/test_proxy_spread_uploads.py) and is read in place too. Checked in the workers' buffer counts and bytes and their transfer logs, with the
-program's output equal to the same program on 4 local CPU devices."""
+devices' shards: tests/test_proxy_spread_uploads.py) and is read in place too. Checked in the
+workers' buffer counts and bytes and their transfer logs, with the program's output equal to the
+same program on 4 local CPU devices."""
 
 from __future__ import annotations
 

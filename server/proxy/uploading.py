@@ -22,6 +22,7 @@ from schemas.arrays import byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
+from ..controller.errors import ControllerError
 from .backend import ArraySpec, BackendError
 from .corking import FlushCork
 from .handles import HostData
@@ -47,6 +48,8 @@ class Uploading:
     _metadata: tuple[tuple[str, str], ...]
     _controls: Any
     _cork: FlushCork
+    _slices: Any
+    name: str
 
     def _holders(self) -> Any:
         raise NotImplementedError
@@ -60,8 +63,6 @@ class Uploading:
     async def get(self, buffer_id: int) -> HostData:
         raise NotImplementedError
 
-    async def _settled(self) -> Any:
-        raise NotImplementedError
 
     async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
                   replicated: bool = False) -> int:
@@ -82,11 +83,15 @@ class Uploading:
         parts where they are on several members of the island's group: each member gets the
         bytes of the distinct shards on its devices only, and holds its part of the global array
         under the buffer's id (worker.proto `PartOf`), as a run over those devices leaves its
-        outputs (holdings.py `others`, `spread`). Waits while the group forms (`_settled`).
-        None (nothing stored) where the devices are on one worker."""
+        outputs (holdings.py `others`, `spread`). None (nothing stored) where the devices are on
+        one worker, or while the island's group forms (its parts need the group's devices): uploads
+        do not wait for it, and `put` stores such an array whole."""
         if len(holders_of(self._holders(), devices)) < 2:
             return None
-        placement = await self._settled()
+        try:
+            placement = self._slices.current(self.name)  # the group formed: its generation now
+        except ControllerError:
+            return None
         members = spread_members(placement, devices)
         if members is None:
             return None

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 from grpc import aio
 
-from schemas.arrays import byte_view, dtype_name, from_bytes, from_parts, resolve_dtype, to_numpy
-from schemas.pathways.v1 import common_pb2 as pb
+from schemas.arrays import byte_view, dtype_name, resolve_dtype, to_numpy
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
@@ -29,8 +28,8 @@ from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, is_partial, local_parts, part_chunks, uploaded_part
-from .shmring import RingReader, is_segment_name, take_segment
-from .transfer import CHUNK, DATA_CHUNK
+from .shmring import RingReader, is_segment_name
+from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .uploads import Assembly, UploadStream, add_piece, decode_upload
 
 log = logging.getLogger(__name__)
@@ -40,15 +39,6 @@ MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again 
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
 MAX_CHECKED_NOW = 64  # a Wait for at most this many buffers is answered on the event loop once all are computed
-
-
-def _assemble(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
-    """A peer's array: inline bytes, or a segment the peer made (its name checked by the caller)."""
-    if first.shm_name:
-        return take_segment(first.shm_name, resolve_dtype(first.dtype), tuple(first.shape))
-    if len(parts) == 1:
-        return from_bytes(first.dtype, list(first.shape), parts[0])
-    return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy
 
 
 def _bounded(timeout_s: float) -> float:
@@ -417,9 +407,9 @@ class WorkerServicer(wgrpc.WorkerServicer):
                 continue
             try:
                 if name or len(data) > 1:
-                    arr = await loop.run_in_executor(None, _assemble, head.array, data)
+                    arr = await loop.run_in_executor(None, peer_array, head.array, data)
                 else:
-                    arr = _assemble(head.array, data)
+                    arr = peer_array(head.array, data)
             except (OSError, ValueError, TypeError) as e:
                 log.warning("transfer of buffer %#x failed: %s", bid, e)
                 self.gathering.drop(bid)

@@ -68,8 +68,10 @@ def uploaded_part(flat: np.ndarray, raw_part_of: bytes, group: IslandGroup, loca
     except Exception:
         raise ValueError("an undecodable part_of") from None
     if not group.active or part_of.group_generation != group.generation or group.announced != group.generation:
+        joining = f", joining {group.announced}" if group.announced != group.generation else ""
         raise ValueError(f"a part of an array of island group generation {part_of.group_generation}, but this "
-                         f"worker is in generation {group.generation} (the slice was re-placed: upload it again)")
+                         f"worker is in generation {group.generation}{joining} (the slice was re-placed: upload it "
+                         f"again)")
     shape = tuple(int(d) for d in part_of.global_shape)
     if any(d < 0 for d in shape) or not part_of.op_sharding or not part_of.devices:
         raise ValueError(f"a part of a {list(shape)} array without a sharding or devices")

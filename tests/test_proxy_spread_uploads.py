@@ -26,7 +26,8 @@ import sys
 R = {R}
 grid = Mesh(np.array(devs).reshape(2, 2), ("a", "b"))
 batch = jax.device_put(np.arange(R * 8, dtype=np.float32).reshape(R, 8) / 9, NamedSharding(line, P("d")))
-halves = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(grid, P("a")))  # 2 copies a half
+halves = jax.device_put(np.arange(32, dtype=jnp.bfloat16).reshape(8, 4),  # 2 copies of a half
+                        NamedSharding(grid, P("a")))
 batch.block_until_ready()
 halves.block_until_ready()
 print("uploaded", flush=True)
@@ -79,7 +80,7 @@ def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tm
         assert prog.line() == "uploaded"
         # each worker holds half of `batch` (its rows) and half of `halves` (the half its two
         # devices share, once): exactly, nothing whole anywhere
-        half = R * 8 * 4 // 2 + 8 * 4 * 4 // 2
+        half = R * 8 * 4 // 2 + 8 * 4 * 2 // 2  # float32 rows, bfloat16 halves
         stats = worker_stats(cluster)
         assert {name: (s.buffers, s.buffer_bytes) for name, s in stats.items()} == {
             name: (2, half) for name in stats}, stats

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,3 +89,28 @@ def test_uploaded_parts_hold_the_clients_shards_and_bad_ones_are_refused() -> No
     assert "some twice" in out["twice"], out["twice"]
     assert out["undecodable"] == "an undecodable part_of"
     assert "not a tiling of a 1-d array" in out["rank"], out["rank"]
+
+
+def test_only_plain_tilings_are_uploaded_in_parts() -> None:
+    """The controller sends parts only for a sharding a worker can hold a part of (shardings.py
+    `tiled`): a tiling, replicated on its last tile dimension at most; anything else (a manual
+    subgroup, a replicated array) goes whole as before."""
+    import math
+
+    from jax._src.lib import xla_client as xc
+
+    from server.proxy.shardings import Sharding
+
+    def op(dims: list[int], last: tuple[Any, ...] = ()) -> bytes:
+        o = xc.OpSharding()
+        o.type = xc.OpSharding.Type.OTHER
+        o.tile_assignment_dimensions = dims
+        o.tile_assignment_devices = list(range(math.prod(dims)))
+        o.last_tile_dims = list(last)
+        return bytes(o.SerializeToString())
+
+    devices = (0, 1, 2, 3)
+    assert Sharding(devices, op([4, 1])).tiled
+    assert Sharding(devices, op([2, 1, 2], (xc.OpSharding.Type.REPLICATED,))).tiled
+    assert not Sharding(devices, op([2, 1, 2], (xc.OpSharding.Type.MANUAL,))).tiled
+    assert not Sharding(devices).tiled

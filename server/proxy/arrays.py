@@ -246,7 +246,8 @@ async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[in
     # sharded over devices of several workers: each gets the bytes of its own devices' shards
     # only, and holds its part (a backend of slices spanning hosts has it: uploading.py)
     spread = getattr(session.backend, "put_spread", None)
-    if spread is not None and not replicated and sharding.op_sharding is not None and math.prod(shape) > 0:
+    if spread is not None and not replicated and math.prod(shape) > 0 and sharding.tiled:
+        assert sharding.op_sharding is not None
         buffer_id = await spread(sharding.devices, sharding.op_sharding, domains, dtype, shape, data)
         if buffer_id is not None:
             return whole(Buf(buffer_id, dtype, shape, spread=True), sharding, domains)

@@ -113,13 +113,11 @@ class Uploading:
             count = sum(s.size for s in shards)
             uploads.append(self._upload_to(address, [buffer_id], [(dtype, (count,), host)], part_of))
         done = await asyncio.gather(*uploads, return_exceptions=True)
-        stored = [a for (a, _), d in zip(members, done, strict=True) if not isinstance(d, BaseException)]
+        addresses = [a for a, _ in members]
+        self._held.made([buffer_id], addresses[0], tuple(addresses[1:]), placement.generation)
         failed = [d for d in done if isinstance(d, BaseException)]
-        if stored:
-            self._held.made([buffer_id], stored[0], tuple(stored[1:]), placement.generation)
-        if failed:
-            if stored:  # the parts that were stored go
-                self.free([buffer_id])
+        if failed:  # the parts stored go, and so does a part a worker refused (held failed for readers)
+            self.free([buffer_id])
             raise failed[0]
         self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
         return buffer_id

@@ -97,3 +97,42 @@ def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tm
         out = prog.finish("go\n", timeout=120)
     assert ["uploaded", *lines, "freed", *out.splitlines()] == local.stdout.splitlines()
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+
+
+STAGED = PRELUDE + """
+import sys
+big = np.arange(4 << 20, dtype=np.float32).reshape(4096, 1024) / 7  # 16 MiB: its 4 MiB shards are staged
+x = jax.device_put(big, NamedSharding(line, P("d")))
+x.block_until_ready()
+print("uploaded", flush=True)
+sys.stdin.readline()
+y = jax.jit(lambda v: jnp.sin(v) + v, out_shardings=NamedSharding(line, P("d")))(x)
+print("x", float(np.asarray(x, np.float64).sum()), np.asarray(x)[::1023, ::511].round(3).tolist())
+print("y", float(np.asarray(y, np.float64).sum()), np.asarray(y)[::1023, ::511].round(3).tolist())
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_staged_shards_over_both_workers_become_parts_where_they_are(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Shards of 4 MiB or more are streamed on to the slice's first worker before the client says
+    which devices they are for; an array of them sharded over both workers then becomes its parts
+    there without coming back through the controller: the other worker's shards move to it,
+    worker to worker, each worker makes its part, and the shards' own buffers go. Checked in the
+    workers' buffer counts and bytes (exact: half each), with the program's output equal to the
+    same program on 4 local CPU devices."""
+    two_workers(cluster)
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
+                           capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr[-3000:]
+    with Program(STAGED, env) as prog:
+        assert prog.line() == "uploaded"
+
+        def halves() -> bool:
+            return all((s.buffers, s.buffer_bytes) == (1, 8 << 20) for s in worker_stats(cluster).values())
+
+        wait_for(halves, 30, f"half of the array on each worker, and nothing else: {worker_stats(cluster)}")
+        out = prog.finish("go\n", timeout=120)
+    assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
+    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

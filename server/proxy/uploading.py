@@ -28,7 +28,7 @@ from .. import wire
 from ..controller.errors import ControllerError
 from .backend import ArraySpec, BackendError
 from .corking import FlushCork
-from .handles import HostData
+from .handles import HostData, Staged
 from .holdings import Holdings
 from .placing import holders_of, spread_members
 from .shardings import Index
@@ -121,6 +121,68 @@ class Uploading:
             raise failed[0]
         self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
         return buffer_id
+
+    async def put_spread_staged(self, devices: Sequence[int], op_sharding: bytes, domains: Sequence[Index],
+                                dtype: str, shape: tuple[int, ...],
+                                shards: Sequence[tuple[Sequence[int], Staged, tuple[int, ...]]]) -> int | None:
+        """`put_spread` for an array whose shards' host buffers were all staged (`shards`: each
+        one's shard indices, staging and shape), without reading them back here: each staging
+        becomes a buffer where it was staged, those another member needs move there worker to
+        worker (the dispatcher's `move`), and each member makes its part of the ones on its
+        devices (`PartOf.sources`); then they go. None (nothing done) where `put_spread` stores
+        nothing."""
+        manager = self._controls.sessions
+        if manager is None or len(holders_of(self._holders(), devices)) < 2:
+            return None
+        try:
+            placement = self._slices.current(self.name)
+        except ControllerError:
+            return None
+        members = spread_members(placement, devices)
+        if members is None:
+            return None
+        gang = placement.gang
+        made: list[int] = []
+        try:
+            of: dict[tuple[tuple[int, int], ...], int] = {}  # a shard's domain -> the buffer holding it
+            for indices, staged, hb_shape in shards:
+                made.append(await staged.finish(dtype, hb_shape))
+                for i in indices:
+                    of.setdefault(tuple((s.start, s.stop) for s in domains[i]), made[-1])
+            plan = [(address, [of[d] for d in dict.fromkeys(tuple((s.start, s.stop) for s in domains[k])
+                                                           for k in positions)]) for address, positions in members]
+            wanted: dict[int, list[str]] = {}
+            for address, ids in plan:
+                for b in ids:
+                    wanted.setdefault(b, []).append(address)
+            for b, targets in wanted.items():
+                home = self._held.address_of(b)
+                others = [a for a in targets if a != home]
+                if others:
+                    keep = home in targets
+                    if not manager.dispatcher.move(b, self._owner, home, others, keep_source=keep):
+                        raise BackendError("UNAVAILABLE", f"moving a shard to workers {others}: not all registered")
+                    self._held.stored([b], [home, *others] if keep else others)
+            self._cork.decided()
+            self._cork.waiting()  # the moves go now: the members wait for them
+            buffer_id = next(self._ids)
+            numbers = [gang.devices[v] for v in devices]
+            done = await asyncio.gather(*(self._upload_to(
+                address, [buffer_id], [(dtype, (0,), HostData([]))], wpb.PartOf(
+                    global_shape=list(shape), op_sharding=op_sharding, devices=numbers,
+                    group_generation=gang.generation, sources=ids).SerializeToString()) for address, ids in plan),
+                return_exceptions=True)
+            addresses = [a for a, _ in plan]
+            self._held.made([buffer_id], addresses[0], tuple(addresses[1:]), placement.generation)
+            failed = [d for d in done if isinstance(d, BaseException)]
+            if failed:
+                self.free([buffer_id])
+                raise failed[0]
+            self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
+            return buffer_id
+        finally:
+            if made:  # the shards' buffers go once the parts are made of them (or not)
+                self.free(made)
 
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
                       addresses: Sequence[str] = ()) -> list[int]:

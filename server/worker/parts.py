@@ -27,7 +27,8 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from .buffers import BufferStore
 from .group import IslandGroup
 
-__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "local_parts", "part_chunks", "uploaded_part"]
+__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "joined_sources", "local_parts", "part_chunks", "part_sources",
+           "uploaded_part"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,24 @@ def uploaded_part(flat: np.ndarray, raw_part_of: bytes, group: IslandGroup, loca
         at += size
     arrays = [jax.device_put(shards[index], d) for d, index in index_of.items()]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def part_sources(raw_part_of: bytes) -> list[int]:
+    """The buffers an uploaded part is made of (`PartOf.sources`; none: the message's bytes)."""
+    try:
+        return list(wpb.PartOf.FromString(raw_part_of).sources)
+    except Exception:
+        raise ValueError("an undecodable part_of") from None
+
+
+def joined_sources(values: list[Any], dtype: np.dtype) -> np.ndarray:
+    """The sources of an uploaded part (`part_sources`: arrays this worker holds) one after
+    another, as the 1-D bytes `uploaded_part` reads; ValueError for one of another dtype."""
+    arrays = [np.asarray(v) for v in values]
+    for a in arrays:
+        if a.dtype != dtype:
+            raise ValueError(f"a source of dtype {a.dtype} for a part of dtype {dtype}")
+    return np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, dtype)
 
 
 def _named(devices: tuple[Any, ...], hlo: Any, ndim: int) -> Any:

@@ -27,7 +27,7 @@ from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
-from .parts import Gathering, is_partial, local_parts, part_chunks, uploaded_part
+from .parts import Gathering, is_partial, joined_sources, local_parts, part_chunks, part_sources, uploaded_part
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .uploads import Assembly, UploadStream, add_piece, decode_upload
@@ -168,15 +168,18 @@ class WorkerServicer(wgrpc.WorkerServicer):
                         yield
                         continue
                 value: np.ndarray | jax.Array = arr
+                nbytes = arr.nbytes
                 if part_of:  # this worker's part of an array sharded over several members (parts.py)
                     try:
-                        value = uploaded_part(arr.reshape(-1), part_of, self.executor.runners.group,
-                                              self.executor.runners.devices)
+                        sources = part_sources(part_of)
+                        flat = await self._sources(sources, caller, arr.dtype) if sources else arr.reshape(-1)
+                        value = uploaded_part(flat, part_of, self.executor.runners.group, self.executor.runners.devices)
+                        nbytes = flat.nbytes
                     except ValueError as e:
                         up.refused = up.refused or self._refuse(req, caller, e, held=True)
                         yield
                         continue
-                if not self.store.put(req.buffer_id, value, arr.nbytes, owner=caller.owner, client_ref=True,
+                if not self.store.put(req.buffer_id, value, nbytes, owner=caller.owner, client_ref=True,
                                       same_owner=True, again=req.again):
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
                 up.count += 1
@@ -186,6 +189,15 @@ class WorkerServicer(wgrpc.WorkerServicer):
             if pieces is not None and not resent_if_cut:  # cut off (ended, failed or cancelled) mid-array
                 self.store.refuse(pieces.buffer_id, caller.owner, f"the upload of buffer {pieces.buffer_id:#x} "
                                   f"ended after {pieces.filled} of its {len(pieces.out)} bytes", held=False)
+
+    async def _sources(self, ids: list[int], caller: Caller, dtype: np.dtype) -> np.ndarray:
+        """The buffers an uploaded part is made of (the caller's, here or arriving), joined."""
+        if any(self._foreign(caller, b) for b in ids) or not await self._settled(ids, MAX_WAIT_S):
+            raise ValueError(f"its source buffers {[f'{b:#x}' for b in ids]} are not here after {MAX_WAIT_S:g} s")
+        try:
+            return joined_sources(self.store.wait_all(ids, 0.0), dtype)
+        except (TimeoutError, BufferFailed) as e:
+            raise ValueError(f"its source buffers: {e}") from None
 
     async def _piece(self, req: wire.PutBuffer, pieces: Assembly | None, caller: Caller,
                      context: aio.ServicerContext) -> Assembly | np.ndarray:

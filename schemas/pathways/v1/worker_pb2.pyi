@@ -149,6 +149,7 @@ class PartOf(_message.Message):
     OP_SHARDING_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     GROUP_GENERATION_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
     op_sharding: _builtins.bytes
     """The global array's sharding: a serialized xla.OpSharding over `devices` in order."""
     group_generation: _builtins.int
@@ -159,6 +160,14 @@ class PartOf(_message.Message):
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Group-wide device numbers (process * 65536 + local index, as SegmentDef.group_generation's)."""
 
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Set: the part is these buffers' bytes, one after another (the distinct shards on this
+        worker's devices, in order, as uploads held here or arriving from a peer), not the bytes of
+        this message, whose array is empty: the worker waits for them (at most 60 s) and stores the
+        part; the client releases them (the IFRT proxy's staged shards: uploading.py).
+        """
+
     def __init__(
         self,
         *,
@@ -166,10 +175,11 @@ class PartOf(_message.Message):
         op_sharding: _builtins.bytes = ...,
         devices: _abc.Iterable[_builtins.int] | None = ...,
         group_generation: _builtins.int = ...,
+        sources: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "global_shape", b"global_shape", "group_generation", b"group_generation", "op_sharding", b"op_sharding"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "global_shape", b"global_shape", "group_generation", b"group_generation", "op_sharding", b"op_sharding", "sources", b"sources"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

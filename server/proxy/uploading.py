@@ -4,12 +4,13 @@
 An upload goes to the worker holding its devices; a replicated one over devices of several
 workers as a copy to each of them (`put`); a sharded one over devices of several members of the
 island's group in parts, each member receiving and holding only its own devices' shards, as a
-run over those devices leaves its results (`put_spread`); any other (or that one while the
-group forms) to the slice's first worker, from which the runs reading it elsewhere have it
-sent. A staged upload (a host buffer of 4 MiB or more, streamed on to the slice's first worker
-before the client says which devices it is for: staging.py) then moves, worker to worker, to
-where `put` would have stored it (`settle_staged`: the dispatcher's `move`, worker.proto
-`BufferSend` and `BufferKeep`); one sharded over several workers stays there whole.
+run over those devices leaves its results (`put_spread`; from shards staged on the first
+worker, `put_spread_staged`); any other (or that one while the group forms) to the slice's
+first worker, from which the runs reading it elsewhere have it sent. A staged upload (a host
+buffer of 4 MiB or more, streamed on to the slice's first worker before the client says which
+devices it is for: staging.py) then moves, worker to worker, to where `put` would have stored
+it (`settle_staged`: the dispatcher's `move`, worker.proto `BufferSend` and `BufferKeep`); one
+sharded over several workers stays there whole.
 """
 
 from __future__ import annotations

@@ -103,12 +103,16 @@ STAGED = PRELUDE + """
 import sys
 big = np.arange(4 << 20, dtype=np.float32).reshape(4096, 1024) / 7  # 16 MiB: its 4 MiB shards are staged
 x = jax.device_put(big, NamedSharding(line, P("d")))
+grid = Mesh(np.array(devs).reshape(2, 2), ("a", "b"))
+g = jax.device_put(big[::-1] * 3, NamedSharding(grid, P("a")))  # each worker's two devices share a half
 x.block_until_ready()
+g.block_until_ready()
 print("uploaded", flush=True)
 sys.stdin.readline()
 y = jax.jit(lambda v: jnp.sin(v) + v, out_shardings=NamedSharding(line, P("d")))(x)
-print("x", float(np.asarray(x, np.float64).sum()), np.asarray(x)[::1023, ::511].round(3).tolist())
-print("y", float(np.asarray(y, np.float64).sum()), np.asarray(y)[::1023, ::511].round(3).tolist())
+h = jax.jit(lambda v: v[:, :8] - 1, out_shardings=NamedSharding(grid, P("a")))(g)
+for name, a in (("x", x), ("y", y), ("g", g), ("h", h)):
+    print(name, float(np.asarray(a, np.float64).sum()), np.asarray(a)[::1023, ::511].round(3).tolist())
 """
 
 
@@ -118,10 +122,12 @@ def test_staged_shards_over_both_workers_become_parts_where_they_are(cluster: Lo
     """Shards of 4 MiB or more are streamed on to the slice's first worker before the client says
     which devices they are for; an array of them sharded over both workers then becomes its parts
     there without coming back through the controller: the other worker's shards move to it,
-    worker to worker, each worker makes its part, and the shards' own buffers go. Checked in the
-    workers' buffer counts and bytes (exact: half each), with the program's output equal to the
+    worker to worker, each worker makes its part, and the shards' own buffers go (one shard for both of a
+    worker's devices too). Checked in the workers' buffer counts and bytes (exact: half of each
+    array on each worker), with the program's output equal to the
     same program on 4 local CPU devices."""
-    two_workers(cluster)
+    where = two_workers(cluster)
+    assert where[0][0] == where[1][0] != where[2][0] == where[3][0]
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
     local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
                            capture_output=True, text=True, timeout=120)
@@ -130,9 +136,13 @@ def test_staged_shards_over_both_workers_become_parts_where_they_are(cluster: Lo
         assert prog.line() == "uploaded"
 
         def halves() -> bool:
-            return all((s.buffers, s.buffer_bytes) == (1, 8 << 20) for s in worker_stats(cluster).values())
+            return all((s.buffers, s.buffer_bytes) == (2, 16 << 20) for s in worker_stats(cluster).values())
 
         wait_for(halves, 30, f"half of the array on each worker, and nothing else: {worker_stats(cluster)}")
+        # the other worker's shards came from the first worker, not through the controller (which
+        # sends its parts itself where it reads the shards back)
+        second = cluster.hosts()[where[2][0]].address
+        assert any(f"first transfer to {second}" in ln for ln in transfers(cluster)), transfers(cluster)
         out = prog.finish("go\n", timeout=120)
     assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

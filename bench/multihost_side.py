@@ -283,8 +283,7 @@ def stream_recv(ip: str) -> None:
 
     from schemas.pathways.v1 import worker_pb2 as wpb
     from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
-    from server.worker.servicer import _assemble
-    from server.worker.transfer import CHANNEL_OPTIONS
+    from server.worker.transfer import CHANNEL_OPTIONS, peer_array
 
     class Receiver(wgrpc.WorkerServicer):  # Transfer only
         async def Transfer(self, request_iterator: Any, context: Any) -> Any:
@@ -306,7 +305,7 @@ def stream_recv(ip: str) -> None:
                 parts.append(chunk.array.data)
                 if chunk.last:
                     ta = time.perf_counter()
-                    arr = await loop.run_in_executor(None, _assemble, head.array, parts)
+                    arr = await loop.run_in_executor(None, peer_array, head.array, parts)
                     total += arr.nbytes
                     _say({"call_s": time.perf_counter() - t0, "wait_s": wait, "assemble_s": time.perf_counter() - ta,
                           "messages": len(parts)})

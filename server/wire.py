@@ -113,11 +113,12 @@ def data_message(data: bytes | memoryview) -> bytes:
 
 
 def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[int],
-                       parts: Sequence[bytes | memoryview], offset: int = 0, total_bytes: int = 0) -> bytes:
+                       parts: Sequence[bytes | memoryview], offset: int = 0, total_bytes: int = 0,
+                       part_of: bytes = b"") -> bytes:
     """A serialized `pathways.v1.PutBufferRequest` (worker.proto: buffer_id = 1, array = 2
-    {dtype = 1, shape = 2 (packed), data = 3}, owner = 3, offset = 4, total_bytes = 5) whose data
-    is `parts`, one after another: the bytes are copied once, here, instead of into a message and
-    again to serialize it."""
+    {dtype = 1, shape = 2 (packed), data = 3}, owner = 3, offset = 4, total_bytes = 5, part_of = 7:
+    `part_of`, a serialized `PartOf`) whose data is `parts`, one after another: the bytes are
+    copied once, here, instead of into a message and again to serialize it."""
     size = sum(len(p) for p in parts)
     dt = dtype.encode()
     packed = b"".join(uvarint(int(d)) for d in shape)
@@ -130,6 +131,7 @@ def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[i
         len_field(3, len(owned)) + owned if owned else b"",
         uvarint(4 << 3 | VARINT) + uvarint(offset) if offset else b"",
         uvarint(5 << 3 | VARINT) + uvarint(total_bytes) if total_bytes else b"",
+        len_field(7, len(part_of)) + part_of if part_of else b"",
     ))
 
 
@@ -182,6 +184,7 @@ class PutBuffer:
     offset: int = 0  # a piece of a larger array (worker.proto): where its bytes go
     total_bytes: int = 0
     again: bool = False  # sent again after a stream that ended before acknowledging it
+    part_of: bytes = b""  # a serialized `PartOf`: the array is this worker's part of a global one
 
 
 def _int64(value: int) -> int:
@@ -225,7 +228,7 @@ def put_buffer(raw: bytes) -> PutBuffer:
     """Parses a serialized `PutBufferRequest` without copying its array's bytes (protobuf's
     parser copies them, and again on each read of `data`). WireError when malformed, or when
     the array comes in more than one piece (which protobuf would merge; no encoder does it)."""
-    buffer_id, array, offset, total, again = 0, None, 0, 0, False
+    buffer_id, array, offset, total, again, part_of = 0, None, 0, 0, False, b""
     for number, wire, value in fields(raw):
         if number == 1 and wire == VARINT:
             assert isinstance(value, int)
@@ -246,6 +249,9 @@ def put_buffer(raw: bytes) -> PutBuffer:
         elif number == 3 and wire == LEN:
             assert isinstance(value, memoryview)
             _text(value)
-        elif number in (1, 2, 3, 4, 5, 6):
+        elif number == 7 and wire == LEN:
+            assert isinstance(value, memoryview)
+            part_of = bytes(value)
+        elif number in (1, 2, 3, 4, 5, 6, 7):
             raise WireError(f"PutBufferRequest field {number} with wire type {wire}")
-    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""), offset, total, again)
+    return PutBuffer(buffer_id, array or Array("", (), memoryview(b""), ""), offset, total, again, part_of)

@@ -9,7 +9,7 @@ import pytest
 
 from schemas.arrays import ALIGN, aligned_empty, byte_view, from_parts
 from schemas.pathways.v1 import common_pb2 as pb
-from server.worker.servicer import _assemble
+from server.worker.transfer import peer_array
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,7 +27,7 @@ def test_a_stream_s_chunks_join_into_an_array_jax_adopts() -> None:
     want = np.arange(3 * 1024 * 1024 + 5, dtype=np.float32).reshape(-1, 1)
     raw = bytes(byte_view(want))
     parts = [raw[i:i + 1 << 20] for i in range(0, len(raw), 1 << 20)]
-    got = _assemble(pb.ArrayProto(dtype="float32", shape=list(want.shape)), parts)
+    got = peer_array(pb.ArrayProto(dtype="float32", shape=list(want.shape)), parts)
     np.testing.assert_array_equal(got, want)
     assert got.ctypes.data % ALIGN == 0
     assert jax.device_put(got, jax.devices("cpu")[0]).unsafe_buffer_pointer() == got.ctypes.data

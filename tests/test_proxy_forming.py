@@ -2,7 +2,8 @@
 the island's `jax.distributed` group forms again (a worker joined the island): storing bytes
 needs only which worker holds which device, not the group, so uploads (sharded, onto one
 device, replicated, and a staged one of 16 MiB) and their downloads go on at once; the
-computations on them wait for the group, with no retry in the program."""
+computations on them wait for the group, with no retry in the program. (A sharded upload goes
+whole to the slice's first worker then: its parts, one per worker, need the group's devices.)"""
 
 from __future__ import annotations
 

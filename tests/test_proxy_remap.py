@@ -2,7 +2,7 @@
 onto other workers): whether a program's results are whole on one worker or spread over several
 is decided by the slice's placement at each run, not when the program was compiled, so its
 results read back right after the remap; arrays whose parts were spread over workers before the
-remap fail with an error naming it."""
+remap (results, and uploads sharded over both workers) fail with an error naming it."""
 
 from __future__ import annotations
 
@@ -77,12 +77,15 @@ def read(y):
     except Exception as e:
         return "error " + str(e).replace(chr(10), " ")
 y1, y2 = run(), run()  # not read here: the client keeps what it read
-y1.block_until_ready(), y2.block_until_ready()
+u = jax.device_put(x * 3, NamedSharding(line, P("d")))  # uploaded in parts, one on each worker
+y1.block_until_ready(), y2.block_until_ready(), u.block_until_ready()
 print("spread", y1.sharding.spec, flush=True)
 sys.stdin.readline()
 print("read at once", read(y1), flush=True)
 print("run", np.asarray(run()).tolist(), flush=True)
 print("read after a run", read(y2), flush=True)
+print("upload read", read(u), flush=True)
+print("upload run", read(f(u)), flush=True)
 """
 
 
@@ -111,4 +114,7 @@ def test_an_array_spread_over_workers_before_a_remap_onto_one_reads_as_an_error_
         assert prog.line() == "run [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
         again = prog.line()
         assert again.startswith("read after a run error") and "re-placed (remap" in again, again
+        for what in ("upload read", "upload run"):  # an upload in parts reads as the results do
+            line = prog.line()
+            assert line.startswith(f"{what} error") and "re-placed (remap" in line, line
         prog.finish()

@@ -212,7 +212,7 @@ def buffers_per_worker(cluster: LocalCluster) -> list[int]:
 def test_results_spread_over_workers_go_from_each_when_dropped(cluster: LocalCluster, tmp_path: Path) -> None:
     """Results of programs over both workers (the whole slice, a sub-mesh, gathered copies) are
     freed on every worker holding a part of them once the program drops them, while it runs:
-    only its one live array (an upload, on the slice's first worker) is left."""
+    only its one live array (an upload sharded over both workers: a part on each) is left."""
     two_workers(cluster)
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
     run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
@@ -222,7 +222,7 @@ def test_results_spread_over_workers_go_from_each_when_dropped(cluster: LocalClu
         assert proc.stdout is not None and proc.stdin is not None
         lines = [proc.stdout.readline().strip() for _ in range(11)]
         assert lines == ["z [1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0]"] * 10 + ["holding"], lines
-        wait_for(lambda: buffers_per_worker(cluster) == [0, 1], 30, "the dropped results to be freed on both workers")
+        wait_for(lambda: buffers_per_worker(cluster) == [1, 1], 30, "the dropped results to be freed on both workers")
         proc.stdin.write("done\n")
         proc.stdin.flush()
         proc.communicate(timeout=60)

@@ -4,9 +4,10 @@ is stored on that worker, not on the slice's first one; a replicated array over 
 is a copy on each; programs read them where they are, with no transfer between workers (nor for
 a result spread over both workers, read by a run on the same devices). A staged upload (4 MiB or
 more, streamed on to the first worker before its devices are known) then moves there, worker to
-worker. A sharded array over devices of both workers still goes to the first worker (it is sent
-on when read). Checked in the workers' buffer counts and bytes and their transfer logs, with the
-program's output equal to the same program on 4 local CPU devices."""
+worker. A sharded array over devices of both workers goes in parts (each worker gets its own
+devices' shards: tests/test_proxy_spread_uploads.py) and is read in place too. Checked in the
+workers' buffer counts and bytes and their transfer logs, with the program's output equal to the
+same program on 4 local CPU devices."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ show("rep back", jax.jit(rep_head)(jax.device_put(rep, devs[2])))
 show("rep front", jax.jit(rep_head)(jax.device_put(rep, devs[0])))
 print("read", flush=True)
 sys.stdin.readline()
-whole = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))  # over both workers
+whole = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))  # in parts on both
 show("whole", jax.jit(lambda v: v + 1)(whole))
 """
 
@@ -100,7 +101,7 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
         assert transfers(cluster) == [], transfers(cluster)
         out = prog.finish("go\n", timeout=120)
     assert ["uploaded", *lines, *out.splitlines()] == local.stdout.splitlines()
-    assert transfers(cluster) != []  # `whole`, on the first worker, was sent to the other (the check can fail)
+    assert transfers(cluster) == [], transfers(cluster)  # `whole`, in parts on both workers, read in place
     assert local.stdout.splitlines()[1].startswith(
         "one [0.0, 3.0, 6.0, 9.0] SingleDeviceSharding(device=CpuDevice(id=3)")
     expect(cluster, where, {"up_scaled": [[3]], "up_rows": [[2, 3]], "rep_split": [[0, 1, 2, 3]],

@@ -104,6 +104,20 @@ def test_put_buffer_requests_match_protobuf(buffer_id: int, owner: str, dtype: s
         assert (got.offset, got.total_bytes) == (offset, total)
 
 
+
+def test_put_buffer_requests_carry_the_part_they_are_of() -> None:
+    part_of = wpb.PartOf(global_shape=[8, 2], op_sharding=b"\x08\x03", devices=[0, 65537], group_generation=4)
+    raw = wire.put_buffer_request(5, "o", "float32", (8,), [bytes(32)], 0, 64, part_of.SerializeToString())
+    expected = wpb.PutBufferRequest(buffer_id=5, owner="o", total_bytes=64, part_of=part_of,
+                                    array=pb.ArrayProto(dtype="float32", shape=[8], data=bytes(32)))
+    assert raw == expected.SerializeToString()
+    got = wire.put_buffer(raw)
+    assert wpb.PartOf.FromString(got.part_of) == part_of and got.total_bytes == 64
+    assert wire.put_buffer(wire.put_buffer_request(5, "o", "float32", (8,), [bytes(32)])).part_of == b""
+    with pytest.raises(wire.WireError):
+        wire.put_buffer(b"\x38\x01")  # part_of as a varint
+
+
 def test_host_data_slices_are_views_of_its_parts() -> None:
     raw = bytes(range(100))
     whole = HostData([raw[:10], memoryview(raw)[10:40], raw[40:]])

@@ -127,3 +127,42 @@ def test_an_upload_in_pieces_cut_off_fails_what_waits_and_leaves_nothing_otherwi
         in reply.error, reply
     assert time.monotonic() - start < 10
     assert "Traceback" not in worker_log(cluster)
+
+
+def test_a_part_for_a_group_this_worker_is_not_in_is_refused_and_the_stream_goes_on(
+        cluster: LocalCluster, session: Any) -> None:
+    """An upload that says it is this worker's part of an array over an island group
+    (`PutBufferRequest.part_of`) while the worker is in no group (or another generation: a remap
+    under way) fails that buffer naming the generations; the uploads behind it are stored."""
+    s, stub, _, md = session
+    part = wpb.PutBufferRequest(buffer_id=s.id(21), array=pb.ArrayProto(
+        dtype="float32", shape=[4], data=np.arange(4, dtype=np.float32).tobytes()), part_of=wpb.PartOf(
+        global_shape=[8], op_sharding=b"\x08\x03\x1a\x01\x02\x22\x02\x00\x01", devices=[0, 65536], group_generation=3))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PutBuffers(iter([part, whole(s.id(22), np.arange(3.0))]), metadata=md, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "island group generation 3, but this worker is in generation 0" in (e.value.details() or "")
+    error, _ = wait_error(stub, md, s.id(21))
+    assert "was refused" in error and "generation 3" in error, error
+    np.testing.assert_array_equal(fetch(stub, md, s.id(22)), np.arange(3.0))
+    assert "Traceback" not in worker_log(cluster)
+
+
+def test_a_part_made_of_buffers_it_cannot_use_is_refused(cluster: LocalCluster, session: Any) -> None:
+    """An uploaded part made of buffers (`PartOf.sources`) that are not the session's, or not of
+    the part's dtype, is refused at once naming them; the stream goes on."""
+    s, stub, _, md = session
+
+    def part(buffer_id: int, sources: list[int]) -> wpb.PutBufferRequest:
+        return wpb.PutBufferRequest(buffer_id=buffer_id, array=pb.ArrayProto(dtype="float32", shape=[0]),
+                                    part_of=wpb.PartOf(global_shape=[8], op_sharding=b"\x08\x03", devices=[0, 65536],
+                                                       group_generation=3, sources=sources))
+
+    stub.PutBuffers(iter([whole(s.id(31), np.arange(4.0))]), metadata=md, timeout=30)  # float64
+    for bid, sources, why in ((s.id(32), [s.id(31)], "a source of dtype float64 for a part of dtype float32"),
+                              (s.id(33), [(1 << 62) + 5], "are not here")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PutBuffers(iter([part(bid, sources), whole(bid + 100, np.ones(2))]), metadata=md, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in (e.value.details() or ""), e.value
+        np.testing.assert_array_equal(fetch(stub, md, bid + 100), np.ones(2))
+    assert "Traceback" not in worker_log(cluster)

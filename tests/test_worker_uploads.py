@@ -37,6 +37,20 @@ def test_pieces_in_order_make_the_array() -> None:
     assert not partial.done and partial.filled == 8192
 
 
+def test_a_part_in_pieces_keeps_the_part_of_its_first_piece() -> None:
+    """An uploaded part over one message (worker.proto `part_of`, on the first piece only): the
+    assembled array carries it, for the worker to store it as its part (servicer.py)."""
+    arr = np.arange(1000, dtype=np.float32)
+    raw = arr.tobytes()
+    reqs = [wire.put_buffer(wire.put_buffer_request(5, "o", "float32" if i == 0 else "", (1000,) if i == 0 else (),
+                                                    [raw[i:i + 1024]], i, len(raw), b"part" if i == 0 else b""))
+            for i in range(0, len(raw), 1024)]
+    got = assemble(reqs)
+    assert got.done and got.part_of == b"part"
+    np.testing.assert_array_equal(got.array(), arr)
+    assert assemble(pieces(5, arr, 1024)).part_of == b""
+
+
 def test_pieces_out_of_order_or_of_another_buffer_are_refused() -> None:
     arr = np.arange(2000, dtype=np.int32)
     first, second, third = pieces(5, arr, 3000)[:3]

@@ -43,6 +43,8 @@ DTYPES = {
     "KIND_C64": "complex64", "KIND_C128": "complex128",
 }
 SINGLE_DEVICE = sh.SINGLE_DEVICE
+# a MakeArraysFromHostBufferShards shard: its shard indices, shape, host buffer message, and bytes
+ShardBuffer = tuple[list[int], tuple[int, ...], Any, "HostData | Staged"]
 
 
 @dataclass(eq=False)
@@ -242,9 +244,17 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
     domains = sharding.domains(shape)
+    replicated = _replicated(domains, shape)
+    # sharded over devices of several workers: each gets the bytes of its own devices' shards
+    # only, and holds its part (a backend of slices spanning hosts has it: uploading.py)
+    spread = getattr(session.backend, "put_spread", None)
+    if spread is not None and not replicated and math.prod(shape) > 0 and sharding.tiled:
+        assert sharding.op_sharding is not None
+        buffer_id = await spread(sharding.devices, sharding.op_sharding, domains, dtype, shape, data)
+        if buffer_id is not None:
+            return whole(Buf(buffer_id, dtype, shape, spread=True), sharding, domains)
     # every device holds the whole array: a copy goes to each worker holding some of them
-    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data,
-                                          replicated=_replicated(domains, shape))
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
     return whole(Buf(buffer_id, dtype, shape), sharding, domains)
 
 
@@ -313,34 +323,74 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
         domains = sharding.domains(shape)
         if len(spec.addressable_shard_indices) != len(spec.host_buffers):
             raise HandleError("INVALID_ARGUMENT", "as many shard index lists as host buffers are needed")
-        np_dtype = resolve_dtype(dtype)
-        out: np.ndarray | None = None
-        data: bytes | None = None
-        covered: set[int] = set()
-        for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
-            hb_shape = tuple(int(d) for d in hb.shape.dims)
-            if numpy_dtype(hb.dtype) != dtype:
-                raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
-            raw = (await session.buffers.take(hb.host_buffer_handle)).tobytes()
-            value = strided(raw, dtype, hb_shape, hb.byte_strides if hb.HasField("byte_strides") else None)
-            for i in indices.indices:
-                if not 0 <= i < len(domains) or sh.index_shape(domains[i]) != hb_shape:
-                    raise HandleError("INVALID_ARGUMENT", f"shard {i} of a {dtype}{list(shape)} array cannot be a "
-                                      f"{list(hb_shape)} buffer")
-                covered.add(i)
-                if domains[i] == full(shape):
-                    data = value.tobytes()
-                    continue
-                if out is None:
-                    out = np.empty(shape, np_dtype)
-                out[domains[i]] = value
-        if len(covered) != len(domains):
-            raise HandleError("INVALID_ARGUMENT", f"shards {sorted(set(range(len(domains))) - covered)} missing")
-        if data is None:
-            assert out is not None
-            data = out.tobytes()
+        shards: list[ShardBuffer] = []
+        try:
+            for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
+                hb_shape = tuple(int(d) for d in hb.shape.dims)
+                if numpy_dtype(hb.dtype) != dtype:
+                    raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
+                held = await session.buffers.take_any(hb.host_buffer_handle)  # staged ones are on a worker
+                shards.append((list(indices.indices), hb_shape, hb, held))
+                for i in indices.indices:
+                    if not 0 <= i < len(domains) or sh.index_shape(domains[i]) != hb_shape:
+                        raise HandleError("INVALID_ARGUMENT", f"shard {i} of a {dtype}{list(shape)} array cannot be a "
+                                          f"{list(hb_shape)} buffer")
+            missing = set(range(len(domains))) - {i for s in shards for i in s[0]}
+            if missing:
+                raise HandleError("INVALID_ARGUMENT", f"shards {sorted(missing)} missing")
+            rec = await _staged_parts(session, sharding, domains, dtype, shape, shards)
+            if rec is not None:  # in parts on their workers, from where they were staged
+                session.handles.settle(h, rec)
+                continue
+            data = await _joined_shards(dtype, shape, domains, shards)
+        except BaseException:
+            for *_, held in shards:
+                if not isinstance(held, HostData):
+                    held.discard()  # (one finished or read back already: nothing to do)
+            raise
         session.handles.settle(h, await _put(session, sharding, dtype, shape, data))
     resp.make_arrays_from_host_buffer_shards_response.array_handles.extend(handles)
+
+
+async def _joined_shards(dtype: str, shape: tuple[int, ...], domains: list[Index],
+                         shards: list[ShardBuffer]) -> bytes:
+    """The array's C-order bytes from its shards' host buffers (staged ones read back)."""
+    out: np.ndarray | None = None
+    data: bytes | None = None
+    for indices, hb_shape, hb, held in shards:
+        raw = (held if isinstance(held, HostData) else await _read_back(held)).tobytes()
+        value = strided(raw, dtype, hb_shape, hb.byte_strides if hb.HasField("byte_strides") else None)
+        for i in indices:
+            if domains[i] == full(shape):
+                data = value.tobytes()
+                continue
+            if out is None:
+                out = np.empty(shape, resolve_dtype(dtype))
+            out[domains[i]] = value
+    if data is None:
+        assert out is not None
+        data = out.tobytes()
+    return data
+
+
+async def _staged_parts(session: Session, sharding: Sharding, domains: list[Index], dtype: str,
+                        shape: tuple[int, ...], shards: list[ShardBuffer]) -> ArrayRecord | None:
+    """An array sharded over devices of several workers whose shards' host buffers were all
+    staged (4 MiB or more each: on the slice's first worker), in parts on its workers without
+    reading the shards back here (uploading.py `put_spread_staged`); None where it is not one
+    (then the caller joins the shards here)."""
+    put = getattr(session.backend, "put_spread_staged", None)
+    if (put is None or _replicated(domains, shape) or not sharding.tiled or math.prod(shape) == 0
+            or any(isinstance(held, HostData) for *_, held in shards)):
+        return None
+    for _, hb_shape, hb, held in shards:
+        if hb.HasField("byte_strides") and list(hb.byte_strides.strides) not in ([], c_strides(dtype, hb_shape)):
+            return None
+        _check_size(held, dtype, hb_shape)
+    assert sharding.op_sharding is not None
+    staged = [(indices, held, hb_shape) for indices, hb_shape, _, held in shards]
+    buffer_id = await put(sharding.devices, sharding.op_sharding, domains, dtype, shape, staged)
+    return None if buffer_id is None else whole(Buf(buffer_id, dtype, shape, spread=True), sharding, domains)
 
 
 async def check_value_ready(session: Session, req: Message, resp: Message, proto: Any) -> None:

@@ -8,12 +8,7 @@ it does for `pw` clients.
 
 Arrays live in the workers' buffer stores, owned by the session (`client:proxy-<hex>`), so they
 go with the session like a `pw` client's; the controller moves their bytes with the workers' own
-RPCs (PutBuffers, Fetch, Wait). An upload goes to the worker holding its devices; a replicated one
-over devices of several workers as a copy to each of them (`put`); any other to the slice's first
-worker, from which the runs reading it elsewhere have it sent. A staged upload (a host buffer of
-4 MiB or more, streamed on to the slice's first worker before the client says which devices it
-is for: staging.py) then moves, worker to worker, to where `put` would have stored it
-(`settle_staged`: the dispatcher's `move`, worker.proto `BufferSend` and `BufferKeep`). An upload needs only which
+RPCs (PutBuffers, Fetch, Wait). Where an upload goes is uploading.py's. An upload needs only which
 worker holds which device (the slice's holders, server/controller/holders.py), not the island's
 group that computations over a slice spanning hosts run in: uploads go on while it forms (at
 start, after a remap), and downloads read where the buffer is; compiles and executes wait for
@@ -55,7 +50,6 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
@@ -69,8 +63,8 @@ from .failures import RunFailures
 from .handles import HostData
 from .holdings import Holdings
 from .modules import describe
-from .placing import compiles_on, holders_of, runs_on
-from .staging import Staging
+from .placing import compiles_on, runs_on
+from .uploading import Uploading
 from .workers import WorkerChannels
 
 log = logging.getLogger(__name__)
@@ -79,10 +73,6 @@ PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platf
 
 
 WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
-# A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
-# (server/worker/transfer.py); this leaves room for the message's other fields.
-MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
-UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
 
 
 class Slices(Protocol):
@@ -131,7 +121,7 @@ def slice_info(sl: cpb.Slice) -> SliceInfo:
                      devices=devices)
 
 
-class SliceSession:
+class SliceSession(Uploading):
     """One proxy session's slice and buffers; owns the slice when it created it."""
 
     def __init__(self, slices: Slices, controls: Controls, sl: cpb.Slice, owner: str, owns_slice: bool) -> None:
@@ -371,86 +361,6 @@ class SliceSession:
         finally:
             if made:
                 self.free(made)
-
-    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
-                  replicated: bool = False) -> int:
-        """Stores an array for the slice's virtual `devices` (under the slice's placement now) on
-        the worker holding them all where one does; `replicated` (every device holds the whole
-        array) on each worker holding some of them, under one id; else on the slice's first
-        worker: the runs reading it elsewhere have it sent there."""
-        host = data if isinstance(data, HostData) else HostData([data])
-        holders = holders_of(self._holders(), devices) if devices else ()
-        if len(holders) == 1 or (replicated and holders):
-            return (await self._upload([(dtype, shape, host)], holders))[0]
-        return (await self._upload([(dtype, shape, host)]))[0]
-
-    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
-                      addresses: Sequence[str] = ()) -> list[int]:
-        """Uploads `arrays` to each of `addresses` (none: the slice's first worker), under the
-        same ids; an array on several workers is a copy on each (holdings.py `copies`)."""
-        addresses = list(addresses) or [self._holders().first.address]
-        ids = [next(self._ids) for _ in arrays]
-        done = await asyncio.gather(*(self._upload_to(a, ids, arrays) for a in addresses), return_exceptions=True)
-        stored = [a for a, d in zip(addresses, done, strict=True) if not isinstance(d, BaseException)]
-        failed = [d for d in done if isinstance(d, BaseException)]
-        if failed:
-            if stored:  # the copies that were made go
-                self._held.stored(ids, stored)
-                self.free(ids)
-            raise failed[0]
-        self._held.stored(ids, stored)
-        return ids
-
-    async def _upload_to(self, address: str, ids: Sequence[int],
-                         arrays: Sequence[tuple[str, tuple[int, ...], HostData]]) -> None:
-        self._worker(address)
-
-        def requests() -> Any:
-            for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
-                if len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
-                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts)
-                else:  # over one worker message: in pieces, which the worker copies into one array
-                    for start in range(0, len(data), UPLOAD_PIECE_BYTES):
-                        piece = data.slice(start, start + UPLOAD_PIECE_BYTES)
-                        yield wire.put_buffer_request(buffer_id, self._owner, dtype if start == 0 else "",
-                                                      shape if start == 0 else (), piece.parts, start, len(data))
-
-        try:
-            await self._workers.put_raw(address)(requests(), metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
-
-    def stage(self, nbytes: int) -> Staging:
-        """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
-        its devices are known it moves where they are (`settle_staged`)."""
-        address = self._holders().first.address
-        call = self._workers.put_raw(address)(metadata=self._metadata)
-        return Staging(self, call, address, next(self._ids), self._owner, nbytes)
-
-    def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
-        """A staged upload, stored on the slice's first worker before the client said which
-        devices it is for, goes where `put` would have stored it: to the worker holding all of
-        `devices`, or, `replicated`, a copy to each worker holding some of them, worker to
-        worker (the dispatcher's `move`: nothing comes back here). Else it stays."""
-        manager = self._controls.sessions
-        home = self._held.home.get(buffer_id)
-        if manager is None or home is None or not devices:
-            return
-        try:
-            holders = holders_of(self._holders(), devices)
-        except BackendError:  # the slice is degraded: its next use says so
-            return
-        if not holders or (len(holders) > 1 and not replicated) or holders == (home,):
-            return
-        targets = [a for a in holders if a != home]
-        if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
-            return
-        self._held.stored([buffer_id], holders)
-        self._cork.decided()  # sent with the session's next flush
-
-    def adopt(self, buffer_id: int, address: str) -> None:
-        """Records a buffer a staged upload stored on worker `address`."""
-        self._held.stored([buffer_id], [address])
 
     def _address_of(self, buffer_id: int) -> str:
         return self._held.address_of(buffer_id)

@@ -54,3 +54,20 @@ def compiles_on(placement: Any, devices: Sequence[int]) -> tuple[HostInfo, list[
         return placement.host, list(placement.local_devices), gang.generation
     local = placement.local_devices
     return placement.host, [local[v] for v in devices] if devices else list(local), 0
+
+
+def spread_members(placement: Any, devices: Sequence[int]) -> list[tuple[str, list[int]]] | None:
+    """Where the parts of an upload sharded over the slice's virtual `devices` (its sharding's,
+    in order) go under `placement`: per member of the island's group holding some of them, in
+    the order of their first device, its address and the positions in `devices` of its devices.
+    None where they are not on several members (one worker, or no group)."""
+    gang = placement.gang
+    if gang is None or len(gang.member_of) != len(gang.devices) or not all(
+            0 <= v < len(gang.devices) for v in devices):
+        return None
+    by_member: dict[int, list[int]] = {}
+    for k, v in enumerate(devices):
+        by_member.setdefault(gang.member_of[v], []).append(k)
+    if len(by_member) < 2:
+        return None
+    return [(str(gang.members[m].address), positions) for m, positions in by_member.items()]

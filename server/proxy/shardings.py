@@ -64,6 +64,20 @@ class Sharding:
                                                                                              strict=True)))
         return out
 
+    @property
+    def tiled(self) -> bool:
+        """Whether its OpSharding is a plain tiling (replicated on its last tile dimension at
+        most: no manual or other subgroups), which a worker can hold a part of as a NamedSharding
+        (server/worker/parts.py `uploaded_part`)."""
+        if self.op_sharding is None:
+            return False
+        from jax._src.lib import xla_client as xc
+
+        op = xc.OpSharding()
+        op.ParseFromString(self.op_sharding)
+        hlo = xc.HloSharding.from_proto(op)
+        return bool(hlo.is_tiled() and not hlo.subgroup_types())
+
     def with_devices(self, devices: tuple[int, ...]) -> Sharding:
         if len(devices) != len(self.devices):
             raise HandleError("INVALID_ARGUMENT", f"{len(devices)} devices for a sharding over {len(self.devices)}")

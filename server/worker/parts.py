@@ -2,12 +2,15 @@
 live on its devices (a jax.Array that is not fully addressable), for fetching.
 
 The client asks every member worker for its parts (`FetchRequest.parts`) and puts the global
-array together (pwctl/api/futures.py); replicated shards are sent once.
+array together (pwctl/api/futures.py); replicated shards are sent once. An upload of such a
+part (`PutBufferRequest.part_of`: the IFRT proxy's upload of an array sharded over several
+members) becomes the same kind of array (`uploaded_part`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -22,8 +25,10 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferStore
+from .group import IslandGroup
 
-__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "local_parts", "part_chunks"]
+__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "joined_sources", "local_parts", "part_chunks", "part_sources",
+           "uploaded_part"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,98 @@ def local_parts(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
         if start not in seen:
             seen[start] = arrays.c_order(np.asarray(shard.data))
     return list(seen.items())
+
+
+def uploaded_part(flat: np.ndarray, raw_part_of: bytes, group: IslandGroup, local: list[Any]) -> Any:
+    """This worker's part of an array sharded over devices of several members of its island
+    group, from the bytes of its distinct shards (`flat`, 1-D: worker.proto, `PartOf`): a
+    jax.Array of the global shape that is not fully addressable, as a multi-host run leaves its
+    outputs (executable.py `_place` reads it in place, or reshards it collectively). ValueError
+    saying what does not fit: another group generation (a remap under way), devices that are not
+    the group's, a sharding that is not one, bytes that are not its shards' size."""
+    import jax
+    from jax._src.lib import xla_client as xc
+
+    try:
+        part_of = wpb.PartOf.FromString(raw_part_of)
+    except Exception:
+        raise ValueError("an undecodable part_of") from None
+    if not group.active or part_of.group_generation != group.generation or group.announced != group.generation:
+        joining = f", joining {group.announced}" if group.announced != group.generation else ""
+        raise ValueError(f"a part of an array of island group generation {part_of.group_generation}, but this "
+                         f"worker is in generation {group.generation}{joining} (the slice was re-placed: upload it "
+                         f"again)")
+    shape = tuple(int(d) for d in part_of.global_shape)
+    if any(d < 0 for d in shape) or not part_of.op_sharding or not part_of.devices:
+        raise ValueError(f"a part of a {list(shape)} array without a sharding or devices")
+    try:
+        devices = tuple(group.device(group.local_device_number(n), local) for n in part_of.devices)
+    except (IndexError, ValueError):
+        raise ValueError(f"devices {list(part_of.devices)} are not all devices of island group generation "
+                         f"{group.generation}") from None
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"a sharding over devices {list(part_of.devices)}, some twice")
+    try:
+        op = xc.OpSharding()
+        op.ParseFromString(part_of.op_sharding)
+        sharding = _named(devices, xc.HloSharding.from_proto(op), len(shape))
+        index_map = sharding.devices_indices_map(shape)
+    except Exception as e:
+        raise ValueError(f"a sharding of a {list(shape)} array over {len(devices)} devices that is not "
+                         f"one: {e}") from None
+    index_of = {d: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index_map[d], shape,
+                                                                                      strict=True))
+                for d in devices if d.process_index == group.process_id}
+    distinct = list(dict.fromkeys(index_of.values()))  # in the order of their first device
+    sizes = [math.prod(b - a for a, b in index) for index in distinct]
+    if sum(sizes) != flat.size:
+        raise ValueError(f"{flat.size} elements for the shards on this worker's devices of a {list(shape)} array "
+                         f"({sum(sizes)} elements)")
+    shards, at = {}, 0
+    for index, size in zip(distinct, sizes, strict=True):
+        shards[index] = flat[at:at + size].reshape(tuple(b - a for a, b in index))
+        at += size
+    arrays = [jax.device_put(shards[index], d) for d, index in index_of.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def part_sources(raw_part_of: bytes) -> list[int]:
+    """The buffers an uploaded part is made of (`PartOf.sources`; none: the message's bytes)."""
+    try:
+        return list(wpb.PartOf.FromString(raw_part_of).sources)
+    except Exception:
+        raise ValueError("an undecodable part_of") from None
+
+
+def joined_sources(values: list[Any], dtype: np.dtype) -> np.ndarray:
+    """The sources of an uploaded part (`part_sources`: arrays this worker holds) one after
+    another, as the 1-D bytes `uploaded_part` reads; ValueError for one of another dtype."""
+    arrays = [np.asarray(v) for v in values]
+    for a in arrays:
+        if a.dtype != dtype:
+            raise ValueError(f"a source of dtype {a.dtype} for a part of dtype {dtype}")
+    return np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, dtype)
+
+
+def _named(devices: tuple[Any, ...], hlo: Any, ndim: int) -> Any:
+    """The NamedSharding that is the HLO sharding `hlo` over `devices` (tile assignment ids are
+    positions in `devices`): a mesh of the tile assignment's shape, one axis per tiled dimension
+    (the last one replicated where it says so). A NamedSharding, not a GSPMDSharding: JAX
+    reshards an array that is not fully addressable from a NamedSharding only."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if hlo.is_replicated():
+        return NamedSharding(Mesh(np.array(devices, dtype=object), ("_pw_r",)), PartitionSpec())
+    dims = list(hlo.tile_assignment_dimensions())
+    tiled = len(dims) - (1 if hlo.replicate_on_last_tile_dim() else 0)
+    if not hlo.is_tiled() or hlo.subgroup_types() or tiled != ndim:
+        raise ValueError(f"an HLO sharding {hlo} that is not a tiling of a {ndim}-d array")
+    ids = list(hlo.tile_assignment_devices())
+    if sorted(ids) != list(range(len(devices))):
+        raise ValueError(f"an HLO sharding {hlo} over {len(devices)} devices")
+    names = [f"_pw_t{i}" for i in range(len(dims))]
+    mesh = Mesh(np.array([devices[i] for i in ids], dtype=object).reshape(dims), tuple(names))
+    return NamedSharding(mesh, PartitionSpec(*(names[i] if dims[i] > 1 else None for i in range(ndim))))
 
 
 def part_chunks(parts: list[tuple[tuple[int, ...], np.ndarray]], global_shape: tuple[int, ...],

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from schemas.arrays import byte_view, c_order, dtype_name, to_numpy
+from schemas.arrays import byte_view, c_order, dtype_name, from_bytes, from_parts, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
@@ -25,7 +25,7 @@ from ..credentials import PEER_HEADER, peer_credential
 from ..threadnames import name_native_thread
 from .locallink import LocalPeers
 from .parts import is_partial, local_parts
-from .shmring import put_segment
+from .shmring import put_segment, take_segment
 from .tcplink import TcpPeer
 
 log = logging.getLogger(__name__)
@@ -267,3 +267,13 @@ class TransferSender:
         for peer in list(self._peers.values()):
             peer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def peer_array(first: pb.ArrayProto, parts: list[bytes]) -> np.ndarray:
+    """A peer's array as the receiving worker stores it: inline bytes, or a segment the peer made
+    (its name checked by the caller)."""
+    if first.shm_name:
+        return take_segment(first.shm_name, resolve_dtype(first.dtype), tuple(first.shape))
+    if len(parts) == 1:
+        return from_bytes(first.dtype, list(first.shape), parts[0])
+    return from_parts(first.dtype, list(first.shape), parts)  # aligned: XLA takes it without a copy

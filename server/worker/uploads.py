@@ -53,6 +53,7 @@ class Assembly:
     shape: tuple[int, ...]
     out: np.ndarray  # uint8, total bytes
     filled: int = 0
+    part_of: bytes = b""  # the first piece's `part_of` (worker.proto): a part of a global array
 
     @property
     def done(self) -> bool:
@@ -80,7 +81,8 @@ def add_piece(current: Assembly | None, req: wire.PutBuffer) -> Assembly:
                 raise ValueError(f"{req.total_bytes} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
                                  f"expected {nbytes}")
         # 64-byte aligned: XLA on CPU adopts the array without another copy (schemas/arrays.py)
-        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((req.total_bytes,), np.uint8))
+        current = Assembly(req.buffer_id, dtype, tuple(req.array.shape), aligned_empty((req.total_bytes,), np.uint8),
+                           part_of=req.part_of)
     elif req.buffer_id != current.buffer_id or req.offset != current.filled or req.total_bytes != len(current.out):
         raise ValueError(f"a piece of buffer {req.buffer_id:#x} at offset {req.offset} where buffer "
                          f"{current.buffer_id:#x} continues at {current.filled}")

@@ -90,6 +90,7 @@ class PutBufferRequest(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     AGAIN_FIELD_NUMBER: _builtins.int
+    PART_OF_FIELD_NUMBER: _builtins.int
     buffer_id: _builtins.int
     owner: _builtins.str
     """ignored: a worker records the caller's authenticated owner (server/credentials.py)"""
@@ -109,6 +110,16 @@ class PutBufferRequest(_message.Message):
     """
     @_builtins.property
     def array(self) -> _common_pb2.ArrayProto: ...
+    @_builtins.property
+    def part_of(self) -> Global___PartOf:
+        """Set: the array is this worker's part of a global array sharded over devices of several
+        members of its island's group (an IFRT proxy upload over a slice spanning hosts): the
+        distinct shards on this worker's devices, in the order of their first device in
+        `part_of.devices`, each in C order, one after another, sent as a 1-D array of their elements
+        (on the first piece of an upload in pieces). The worker stores its part of the global array
+        (a jax.Array that is not fully addressable), as a multi-host run leaves its outputs.
+        """
+
     def __init__(
         self,
         *,
@@ -118,14 +129,61 @@ class PutBufferRequest(_message.Message):
         offset: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
         again: _builtins.bool = ...,
+        part_of: Global___PartOf | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["array", b"array", "part_of", b"part_of"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "array", b"array", "buffer_id", b"buffer_id", "offset", b"offset", "owner", b"owner", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "array", b"array", "buffer_id", b"buffer_id", "offset", b"offset", "owner", b"owner", "part_of", b"part_of", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PutBufferRequest: _TypeAlias = PutBufferRequest  # noqa: Y015
+
+@_typing.final
+class PartOf(_message.Message):
+    """Where an uploaded part belongs (PutBufferRequest.part_of)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_SHAPE_FIELD_NUMBER: _builtins.int
+    OP_SHARDING_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    GROUP_GENERATION_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    op_sharding: _builtins.bytes
+    """The global array's sharding: a serialized xla.OpSharding over `devices` in order."""
+    group_generation: _builtins.int
+    """the island group generation the numbers are of"""
+    @_builtins.property
+    def global_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Group-wide device numbers (process * 65536 + local index, as SegmentDef.group_generation's)."""
+
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Set: the part is these buffers' bytes, one after another (the distinct shards on this
+        worker's devices, in order, as uploads held here or arriving from a peer), not the bytes of
+        this message, whose array is empty: the worker waits for them (at most 60 s) and stores the
+        part; the client releases them (the IFRT proxy's staged shards: uploading.py).
+        """
+
+    def __init__(
+        self,
+        *,
+        global_shape: _abc.Iterable[_builtins.int] | None = ...,
+        op_sharding: _builtins.bytes = ...,
+        devices: _abc.Iterable[_builtins.int] | None = ...,
+        group_generation: _builtins.int = ...,
+        sources: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "global_shape", b"global_shape", "group_generation", b"group_generation", "op_sharding", b"op_sharding", "sources", b"sources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartOf: _TypeAlias = PartOf  # noqa: Y015
 
 @_typing.final
 class PutBuffersResponse(_message.Message):

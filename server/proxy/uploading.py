@@ -1,0 +1,258 @@
+"""A proxy session's uploads: host bytes stored in the workers' buffer stores of its slice
+(cluster_backend.py's `SliceSession` holds these as a mixin).
+
+An upload goes to the worker holding its devices; a replicated one over devices of several
+workers as a copy to each of them (`put`); a sharded one over devices of several members of the
+island's group in parts, each member receiving and holding only its own devices' shards, as a
+run over those devices leaves its results (`put_spread`; from shards staged on the first
+worker, `put_spread_staged`); any other (or that one while the group forms) to the slice's
+first worker, from which the runs reading it elsewhere have it sent. A staged upload (a host
+buffer of 4 MiB or more, streamed on to the slice's first worker before the client says which
+devices it is for: staging.py) then moves, worker to worker, to where `put` would have stored
+it (`settle_staged`: the dispatcher's `move`, worker.proto `BufferSend` and `BufferKeep`); one
+sharded over several workers stays there whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from schemas.arrays import byte_view, resolve_dtype
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .. import wire
+from ..controller.errors import ControllerError
+from .backend import ArraySpec, BackendError
+from .corking import FlushCork
+from .handles import HostData, Staged
+from .holdings import Holdings
+from .placing import holders_of, spread_members
+from .shardings import Index
+from .staging import Staging
+from .workers import WorkerChannels
+
+# A worker's PutBuffers takes one message per array, and workers accept messages up to 64 MiB
+# (server/worker/transfer.py); this leaves room for the message's other fields.
+MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
+UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
+
+
+class Uploading:
+    """The upload half of a proxy session (cluster_backend.SliceSession, which sets these)."""
+
+    _ids: Iterator[int]
+    _owner: str
+    _held: Holdings
+    _workers: WorkerChannels
+    _metadata: tuple[tuple[str, str], ...]
+    _controls: Any
+    _cork: FlushCork
+    _slices: Any
+    name: str
+
+    def _holders(self) -> Any:
+        raise NotImplementedError
+
+    def _worker(self, address: str) -> Any:
+        raise NotImplementedError
+
+    def free(self, buffer_ids: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    async def get(self, buffer_id: int) -> HostData:
+        raise NotImplementedError
+
+
+    async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
+                  replicated: bool = False) -> int:
+        """Stores an array for the slice's virtual `devices` (under the slice's placement now) on
+        the worker holding them all where one does; `replicated` (every device holds the whole
+        array) on each worker holding some of them, under one id; else on the slice's first
+        worker: the runs reading it elsewhere have it sent there."""
+        host = data if isinstance(data, HostData) else HostData([data])
+        holders = holders_of(self._holders(), devices) if devices else ()
+        if len(holders) == 1 or (replicated and holders):
+            return (await self._upload([(dtype, shape, host)], holders))[0]
+        return (await self._upload([(dtype, shape, host)]))[0]
+
+    async def put_spread(self, devices: Sequence[int], op_sharding: bytes, domains: Sequence[Index], dtype: str,
+                         shape: tuple[int, ...], data: bytes | HostData) -> int | None:
+        """Stores an array sharded over the slice's virtual `devices` (its sharding's, in order:
+        `op_sharding`, a serialized xla.OpSharding over them; `domains`, each device's shard) in
+        parts where they are on several members of the island's group: each member gets the
+        bytes of the distinct shards on its devices only, and holds its part of the global array
+        under the buffer's id (worker.proto `PartOf`), as a run over those devices leaves its
+        outputs (holdings.py `others`, `spread`). None (nothing stored) where the devices are on
+        one worker, or while the island's group forms (its parts need the group's devices): uploads
+        do not wait for it, and `put` stores such an array whole."""
+        if len(holders_of(self._holders(), devices)) < 2:
+            return None
+        try:
+            placement = self._slices.current(self.name)  # the group formed: its generation now
+        except ControllerError:
+            return None
+        members = spread_members(placement, devices)
+        if members is None:
+            return None
+        gang = placement.gang
+        part_of = wpb.PartOf(global_shape=list(shape), op_sharding=op_sharding,
+                             devices=[gang.devices[v] for v in devices],
+                             group_generation=gang.generation).SerializeToString()
+        raw = data.tobytes() if isinstance(data, HostData) else data
+        value = np.frombuffer(raw, resolve_dtype(dtype)).reshape(shape)
+        buffer_id = next(self._ids)
+        uploads = []
+        for address, positions in members:
+            mine = dict.fromkeys(tuple((s.start, s.stop) for s in domains[k]) for k in positions)
+            shards = [value[tuple(slice(a, b) for a, b in dom)] for dom in mine]
+            host = HostData([byte_view(s) for s in shards if s.size])
+            count = sum(s.size for s in shards)
+            uploads.append(self._upload_to(address, [buffer_id], [(dtype, (count,), host)], part_of))
+        done = await asyncio.gather(*uploads, return_exceptions=True)
+        addresses = [a for a, _ in members]
+        self._held.made([buffer_id], addresses[0], tuple(addresses[1:]), placement.generation)
+        failed = [d for d in done if isinstance(d, BaseException)]
+        if failed:  # the parts stored go, and so does a part a worker refused (held failed for readers)
+            self.free([buffer_id])
+            raise failed[0]
+        self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
+        return buffer_id
+
+    async def put_spread_staged(self, devices: Sequence[int], op_sharding: bytes, domains: Sequence[Index],
+                                dtype: str, shape: tuple[int, ...],
+                                shards: Sequence[tuple[Sequence[int], Staged, tuple[int, ...]]]) -> int | None:
+        """`put_spread` for an array whose shards' host buffers were all staged (`shards`: each
+        one's shard indices, staging and shape), without reading them back here: each staging
+        becomes a buffer where it was staged, those another member needs move there worker to
+        worker (the dispatcher's `move`), and each member makes its part of the ones on its
+        devices (`PartOf.sources`); then they go. None (nothing done) where `put_spread` stores
+        nothing."""
+        manager = self._controls.sessions
+        if manager is None or len(holders_of(self._holders(), devices)) < 2:
+            return None
+        try:
+            placement = self._slices.current(self.name)
+        except ControllerError:
+            return None
+        members = spread_members(placement, devices)
+        if members is None:
+            return None
+        gang = placement.gang
+        made: list[int] = []
+        try:
+            of: dict[tuple[tuple[int, int], ...], int] = {}  # a shard's domain -> the buffer holding it
+            for indices, staged, hb_shape in shards:
+                made.append(await staged.finish(dtype, hb_shape))
+                for i in indices:
+                    of.setdefault(tuple((s.start, s.stop) for s in domains[i]), made[-1])
+            plan = [(address, [of[d] for d in dict.fromkeys(tuple((s.start, s.stop) for s in domains[k])
+                                                           for k in positions)]) for address, positions in members]
+            wanted: dict[int, list[str]] = {}
+            for address, ids in plan:
+                for b in ids:
+                    wanted.setdefault(b, []).append(address)
+            for b, targets in wanted.items():
+                home = self._held.address_of(b)
+                others = [a for a in targets if a != home]
+                if others:
+                    keep = home in targets
+                    if not manager.dispatcher.move(b, self._owner, home, others, keep_source=keep):
+                        raise BackendError("UNAVAILABLE", f"moving a shard to workers {others}: not all registered")
+                    self._held.stored([b], [home, *others] if keep else others)
+            self._cork.decided()
+            self._cork.waiting()  # the moves go now: the members wait for them
+            buffer_id = next(self._ids)
+            numbers = [gang.devices[v] for v in devices]
+            done = await asyncio.gather(*(self._upload_to(
+                address, [buffer_id], [(dtype, (0,), HostData([]))], wpb.PartOf(
+                    global_shape=list(shape), op_sharding=op_sharding, devices=numbers,
+                    group_generation=gang.generation, sources=ids).SerializeToString()) for address, ids in plan),
+                return_exceptions=True)
+            addresses = [a for a, _ in plan]
+            self._held.made([buffer_id], addresses[0], tuple(addresses[1:]), placement.generation)
+            failed = [d for d in done if isinstance(d, BaseException)]
+            if failed:
+                self.free([buffer_id])
+                raise failed[0]
+            self._held.spread[buffer_id] = (frozenset(devices), tuple(devices), ArraySpec(dtype, shape))
+            return buffer_id
+        finally:
+            if made:  # the shards' buffers go once the parts are made of them (or not)
+                self.free(made)
+
+    async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
+                      addresses: Sequence[str] = ()) -> list[int]:
+        """Uploads `arrays` to each of `addresses` (none: the slice's first worker), under the
+        same ids; an array on several workers is a copy on each (holdings.py `copies`)."""
+        addresses = list(addresses) or [self._holders().first.address]
+        ids = [next(self._ids) for _ in arrays]
+        done = await asyncio.gather(*(self._upload_to(a, ids, arrays) for a in addresses), return_exceptions=True)
+        stored = [a for a, d in zip(addresses, done, strict=True) if not isinstance(d, BaseException)]
+        failed = [d for d in done if isinstance(d, BaseException)]
+        if failed:
+            if stored:  # the copies that were made go
+                self._held.stored(ids, stored)
+                self.free(ids)
+            raise failed[0]
+        self._held.stored(ids, stored)
+        return ids
+
+    async def _upload_to(self, address: str, ids: Sequence[int],
+                         arrays: Sequence[tuple[str, tuple[int, ...], HostData]], part_of: bytes = b"") -> None:
+        """Uploads `arrays` to worker `address` under `ids`; `part_of`: each is a part of a
+        global array (`put_spread`)."""
+        self._worker(address)
+
+        def requests() -> Any:
+            for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
+                if len(data) <= MAX_UPLOAD_BYTES:  # serialized from the parts (wire.py): one copy
+                    yield wire.put_buffer_request(buffer_id, self._owner, dtype, shape, data.parts,
+                                                  part_of=part_of)
+                else:  # over one worker message: in pieces, which the worker copies into one array
+                    for start in range(0, len(data), UPLOAD_PIECE_BYTES):
+                        piece = data.slice(start, start + UPLOAD_PIECE_BYTES)
+                        yield wire.put_buffer_request(buffer_id, self._owner, dtype if start == 0 else "",
+                                                      shape if start == 0 else (), piece.parts, start, len(data),
+                                                      part_of if start == 0 else b"")
+
+        try:
+            await self._workers.put_raw(address)(requests(), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
+
+    def stage(self, nbytes: int) -> Staging:
+        """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
+        its devices are known it moves where they are (`settle_staged`)."""
+        address = self._holders().first.address
+        call = self._workers.put_raw(address)(metadata=self._metadata)
+        return Staging(self, call, address, next(self._ids), self._owner, nbytes)
+
+    def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
+        """A staged upload, stored on the slice's first worker before the client said which
+        devices it is for, goes where `put` would have stored it: to the worker holding all of
+        `devices`, or, `replicated`, a copy to each worker holding some of them, worker to
+        worker (the dispatcher's `move`: nothing comes back here). Else it stays."""
+        manager = self._controls.sessions
+        home = self._held.home.get(buffer_id)
+        if manager is None or home is None or not devices:
+            return
+        try:
+            holders = holders_of(self._holders(), devices)
+        except BackendError:  # the slice is degraded: its next use says so
+            return
+        if not holders or (len(holders) > 1 and not replicated) or holders == (home,):
+            return
+        targets = [a for a in holders if a != home]
+        if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
+            return
+        self._held.stored([buffer_id], holders)
+        self._cork.decided()  # sent with the session's next flush
+
+    def adopt(self, buffer_id: int, address: str) -> None:
+        """Records a buffer a staged upload stored on worker `address`."""
+        self._held.stored([buffer_id], [address])

@@ -140,6 +140,7 @@ class Completion:
             self.nodes_executed += info.size
             nbytes += task.nbytes
             prompt = prompt or task.prompt
+        self.store.computed([b for task in batch for b in task.output_ids])  # Waits answered (servicer.py)
         self._completed += len(batch)
         self._completions.extend(batch)  # for the machine, taken when the launch thread next wakes
         if len(self._completions) > COMPLETIONS_BOUND:

@@ -9,6 +9,8 @@ import pytest
 
 from server.worker.buffers import BufferFailed, BufferStore
 
+pytestmark = pytest.mark.timeout(30)
+
 
 def live(store: BufferStore) -> int:
     return store.stats()[0]
@@ -245,3 +247,48 @@ def test_a_buffer_a_peer_sends_to_keep_is_the_clients_whether_it_arrives_before_
     s.keep(3, "client:1")
     s.put(3, np.zeros(2), 16, from_peer=True)
     assert live(s) == 0
+
+
+class Computing:
+    """A launched value whose computation the test ends (as a JAX array's `is_ready`)."""
+
+    def __init__(self, ready: bool = False) -> None:
+        self.ready = ready
+        self.nbytes = 4
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+
+def test_a_wait_for_launched_buffers_is_called_back_when_the_executor_completes_them() -> None:
+    s = BufferStore()
+    s.expect([1, 2, 3], owner="client:1", visible=[True, True, True])
+    a, b = Computing(), Computing(ready=True)
+    s.launched([1, 2], [a, b], input_ids=[])
+    s.put(3, np.zeros(1), 8)  # not a launch's output: the executor never completes it
+    calls: list[int] = []
+    assert s.when_computed([3, 1], lambda: calls.append(0)) is False  # the caller waits on the values
+    assert s.when_computed([2], lambda: calls.append(1)) is True  # computed already
+    latch = s.when_computed([1, 2, 1], lambda: calls.append(2))
+    assert not isinstance(latch, bool)
+    s.computed([2])  # not what it waits for
+    assert calls == []
+    a.ready = True
+    s.computed([1, 2])
+    assert calls == [2]
+    s.computed([1])  # once
+    assert calls == [2]
+    s.forget_computed([1, 2], latch)
+
+
+def test_a_forgotten_wait_for_launched_buffers_is_never_called_back() -> None:
+    s = BufferStore()
+    s.expect([1], owner="client:1", visible=[True])
+    s.launched([1], [Computing()], input_ids=[])
+    calls: list[int] = []
+    latch = s.when_computed([1], lambda: calls.append(1))
+    assert not isinstance(latch, bool)
+    s.forget_computed([1], latch)  # the caller timed out or was cancelled
+    s.computed([1])
+    assert calls == []
+    assert s.when_computed([4], lambda: None) is False  # unknown: not waited for here

@@ -46,6 +46,7 @@ class _Entry:
     # reader arrived fails that reader on arrival), and nothing else holds it
     unread: bool = False
     callbacks: list[Callable[[], None]] = field(default_factory=list)
+    launched: bool = False  # a launch's output: the executor says when its computation is over
 
 
 class _Latch:
@@ -74,6 +75,8 @@ class BufferStore:
         self._entries: dict[int, _Entry] = {}
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
         self._waiters: dict[int, list[_Latch]] = {}
+        # waits for launched buffers' computations to be over, per buffer (`when_computed`)
+        self._computing: dict[int, list[_Latch]] = {}
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
@@ -241,7 +244,7 @@ class BufferStore:
                     e = self._entries[buffer_id] = _Entry()
                 if e.state == READY:
                     continue
-                e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
+                e.state, e.value, e.nbytes, e.error, e.launched = READY, value, nbytes, "", True
                 if e.callbacks:
                     callbacks.extend(e.callbacks)
                     e.callbacks = []
@@ -326,6 +329,52 @@ class BufferStore:
                     waiting.remove(latch)
                     if not waiting:
                         del self._waiters[b]
+
+    # ---- computed: launched is not computed ----
+    def when_computed(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> _Latch | bool:
+        """Calls `callback` once the computations behind these ready buffers are over, from the
+        thread that completes the last (the executor's, through `computed`), so that a wait for
+        them holds no thread. True when they are all computed already (then it is not called);
+        False when one is not a launch's output (an upload, a peer's array: not the executor's to
+        complete) or is not ready: the caller waits on the values itself. `forget_computed`
+        forgets the latch."""
+        with self._lock:
+            computing = []
+            for b in dict.fromkeys(buffer_ids):
+                e = self._entries.get(b)
+                if e is None or e.state != READY or not e.launched:
+                    return False
+                try:
+                    if e.value.is_ready():
+                        continue
+                except Exception:  # deleted, or its computation failed: not waited for here
+                    continue
+                computing.append(b)  # `computed(b)` comes after this: it follows readiness, under the lock
+            if not computing:
+                return True
+            latch = _Latch(len(computing), callback)
+            for b in computing:
+                self._computing.setdefault(b, []).append(latch)
+            return latch
+
+    def computed(self, buffer_ids: Sequence[int]) -> None:
+        """(the executor, once these launched buffers' computations are over, failed or not)"""
+        if not self._computing:  # nobody waits (the hot path: no lock)
+            return
+        with self._lock:
+            for b in buffer_ids:
+                for latch in self._computing.pop(b, ()):
+                    latch.settled()
+
+    def forget_computed(self, buffer_ids: Sequence[int], latch: _Latch) -> None:
+        with self._lock:
+            latch.callback = None
+            for b in dict.fromkeys(buffer_ids):
+                waiting = self._computing.get(b)
+                if waiting is not None and latch in waiting:
+                    waiting.remove(latch)
+                    if not waiting:
+                        del self._computing[b]
 
     def owner_of(self, buffer_id: int) -> str | None:
         """The owner recorded for a buffer ("" when none was), None when the store has no entry."""

@@ -118,6 +118,9 @@ class Completion:
             for i, task in enumerate(batch):  # find which ones failed
                 if not infos[i].routes:
                     errors[i] = wait_outputs(task)
+        failed = any(errors)
+        if not failed:  # the Waits for them are answered now (waits.py), before the bookkeeping below
+            self.store.computed([b for task in batch for b in task.output_ids])
         group = self.runners.group
         for i, info in enumerate(infos):
             if errors[i] and info.definition.group_generation:
@@ -140,6 +143,8 @@ class Completion:
             self.nodes_executed += info.size
             nbytes += task.nbytes
             prompt = prompt or task.prompt
+        if failed:
+            self.store.computed([b for task in batch for b in task.output_ids])  # after their failure
         self._completed += len(batch)
         self._completions.extend(batch)  # for the machine, taken when the launch thread next wakes
         if len(self._completions) > COMPLETIONS_BOUND:

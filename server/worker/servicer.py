@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import jax
 import numpy as np
 from grpc import aio
 
@@ -28,13 +27,13 @@ from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .upload_service import UploadHandlers
+from .waits import MAX_CHECKED_NOW, Waits, wake
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
-MAX_CHECKED_NOW = 64  # a Wait for at most this many buffers is answered on the event loop once all are computed
 
 
 def _bounded(timeout_s: float) -> float:
@@ -44,19 +43,7 @@ def _bounded(timeout_s: float) -> float:
     return min(timeout_s, MAX_WAIT_S)
 
 
-def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    """Completes `fut` from any thread (the one settling a buffer), once."""
-    def resolve() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the loop closed: the worker is stopping, nobody waits any more
-        pass
-
-
-class WorkerServicer(UploadHandlers):
+class WorkerServicer(Waits, UploadHandlers):
     """Uploads, fetches and waits serve authenticated sessions their own buffers only; transfers
     serve the cluster's workers only (auth.py). Waits hold no thread: they end when the buffer
     settles, when the caller cancels, or after at most MAX_WAIT_S (the client asks again)."""
@@ -115,7 +102,7 @@ class WorkerServicer(UploadHandlers):
         may overtake the enqueue that declares its buffer). Cancelling the call ends the wait."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        latch = self.store.watch(buffer_ids, lambda: _wake(loop, fut), must_exist)
+        latch = self.store.watch(buffer_ids, lambda: wake(loop, fut), must_exist)
         if latch is None:
             return True
         try:
@@ -214,38 +201,14 @@ class WorkerServicer(UploadHandlers):
         if not ready:
             return wpb.WaitReply(ready=False)
         values = self._values_now(ids, request.must_exist)
+        if (values is None and len(ids) <= MAX_CHECKED_NOW
+                and await self._launches_over(ids, _bounded(request.timeout_s)) is False):
+            return wpb.WaitReply(ready=False)  # still computing after the timeout
+        if values is None:
+            values = self._values_now(ids, request.must_exist)
         if values is not None:  # computed already (or failed): answered here, no pool thread woken
             return self._computed(ids, request.must_exist, values)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
-
-    def _values_now(self, buffer_ids: list[int], must_exist: bool) -> list[object] | None:
-        """The settled buffers' values when the computations behind them are over, [] when the
-        answer needs no waiting either (one failed or is gone); None when something may still be
-        computing, or there are too many to check here (a pool thread then blocks on them)."""
-        try:
-            values = self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist)
-        except (TimeoutError, BufferFailed):
-            return []  # `_computed` answers it at once
-        if len(values) > MAX_CHECKED_NOW:
-            return None
-        try:
-            return values if all(getattr(v, "is_ready", _true)() for v in values) else None
-        except Exception:  # a deleted array: the pool thread's wait reports it
-            return None
-
-    def _computed(self, buffer_ids: list[int], must_exist: bool = False,
-                  values: list[object] | None = None) -> wpb.WaitReply:
-        """Waits for the computations behind settled buffers (launched is not computed);
-        `values`: theirs, when the caller read them already."""
-        try:
-            jax.block_until_ready(values or self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
-        except TimeoutError:
-            return wpb.WaitReply(ready=False)
-        except BufferFailed as e:
-            return wpb.WaitReply(error=str(e))
-        except Exception as e:  # the computation behind the array failed
-            return wpb.WaitReply(error=f"{type(e).__name__}: {e}")
-        return wpb.WaitReply(ready=True)
 
     async def Transfer(
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext
@@ -366,6 +329,3 @@ class WorkerServicer(UploadHandlers):
             gathering_bytes=gathering_bytes,
         )
 
-
-def _true() -> bool:
-    return True

@@ -91,6 +91,11 @@ def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tm
         # the runs over both workers read the parts in place, and so did the downloads (gathered
         # by a run on their devices): no worker sent a buffer to another
         assert transfers(cluster) == [], transfers(cluster)
+        # the results `out` and `twice`, left spread over both workers, count only the part each
+        # holds, as the uploads do (held_nbytes in server/worker/buffers.py), not the whole array
+        stats = worker_stats(cluster)
+        assert {name: (s.buffers, s.buffer_bytes) for name, s in stats.items()} == {
+            name: (4, 2 * half) for name in stats}, stats
         prog.go()
         assert prog.line() == "freed"
         wait_for(lambda: worker_buffers(cluster) == 0, 30, "both parts of every array to be freed")

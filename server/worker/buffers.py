@@ -11,6 +11,7 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -28,6 +29,20 @@ FAILED = "failed"
 
 class BufferFailed(Exception):
     """The buffer's producer failed; the message is the cause."""
+
+
+def held_nbytes(value: Any) -> int:
+    """The bytes of `value` this worker holds: the whole array's, or for an array spread over
+    several workers the distinct shards on its own devices (a replicated shard once, as every
+    value of the store counts its logical bytes once, not per device)."""
+    if getattr(value, "is_fully_addressable", True):
+        return int(getattr(value, "nbytes", 0))
+    seen: dict[tuple[int, ...], int] = {}
+    for shard in value.addressable_shards:
+        start = tuple(0 if s.start is None else int(s.start) for s in shard.index)
+        if start not in seen:
+            seen[start] = int(math.prod(shard.data.shape)) * value.dtype.itemsize
+    return sum(seen.values())
 
 
 @dataclass
@@ -234,7 +249,7 @@ class BufferStore:
         callbacks: list[Callable[[], None]] = []
         total = 0
         if sizes is None:
-            sizes = [int(getattr(v, "nbytes", 0)) for v in values]
+            sizes = [held_nbytes(v) for v in values]
         gone: list[_Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id, value, nbytes in zip(output_ids, values, sizes, strict=False):

@@ -44,7 +44,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from ..invariants import InvariantError
 from ..threadnames import name_native_thread
 from . import state as st
-from .buffers import BufferFailed, BufferStore
+from .buffers import BufferFailed, BufferStore, held_nbytes
 from .completion import COMPLETIONS_BATCH, COMPLETIONS_BOUND, INLINE_BATCH, Completion, all_ready
 from .fusion import NodeFailed
 from .segments import Runners, SegmentInfo, switch_group
@@ -368,7 +368,7 @@ class Executor(Completion):
             gone = [b for b, v in zip(task.input_ids, inputs, strict=False) if getattr(v, "is_deleted", bool)()]
             self.store.consumed(gone, f"buffer donated to {info.label}: it no longer exists (donate_argnums)")
         if info.out_nbytes is None:
-            info.out_nbytes = [int(getattr(v, "nbytes", 0)) for v in values]
+            info.out_nbytes = [held_nbytes(v) for v in values]
         task.nbytes = self.store.launched(task.output_ids, values, task.input_ids, info.out_nbytes)
         task.values, task.start_ns = values, start
         self._inflight[id(task)] = task

@@ -225,11 +225,14 @@ class WorkerProcess:
             due = self._events.due_in()
             poll = min(interval / 2, SENDER_POLL_S)
             timeout = poll if due is None else min(due, poll)
-            if timeout > 0:
+            if timeout > 0 and not self._wake.is_set():
+                # a timer that sets the event, rather than asyncio.wait_for, which makes a task for
+                # every wait: this loop wakes for every batch of node events the worker reports
+                timer = loop.call_later(timeout, self._wake.set)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                except TimeoutError:
-                    pass
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
             self._wake.clear()
             while self._urgent:
                 yield self._acked(self._urgent.pop(0))

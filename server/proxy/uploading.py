@@ -67,7 +67,6 @@ class Uploading:
     async def get(self, buffer_id: int) -> HostData:
         raise NotImplementedError
 
-
     async def put(self, devices: Sequence[int], dtype: str, shape: tuple[int, ...], data: bytes | HostData,
                   replicated: bool = False) -> int:
         """Stores an array for the slice's virtual `devices` (under the slice's placement now) on

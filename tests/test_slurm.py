@@ -172,7 +172,10 @@ def slurm() -> Iterator[Slurm]:
     finally:
         with contextlib.suppress(Exception):
             s.run("scontrol", "shutdown", timeout=20)
-        for p in reversed(procs):
+        for k, p in reversed(list(enumerate(procs))):
+            if k == 0:  # munged (under runuser) does not stop by itself: ask it, then wait
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int((munge_dir / "munged.pid").read_text()), signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
             if p.poll() is None:

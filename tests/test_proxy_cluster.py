@@ -95,8 +95,8 @@ def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -
         ({"PWCTL_TOKEN": token, "PATHWAYS_SLICE": "nope"}, "NOT_FOUND", "no slice named 'nope'"),
         ({"PWCTL_TOKEN": token, "PATHWAYS_DEVICES": "5"}, "RESOURCE_EXHAUSTED", "5"),
     ]
-    for env, code, message in cases:
-        proc = start(cluster, tmp_path, **env)
+    procs = [start(cluster, tmp_path, **env) for env, _, _ in cases]  # at once: each starts a JAX process
+    for proc, (_env, code, message) in zip(procs, cases, strict=True):
         rc, lines, err = finish(proc)
         assert rc != 0 and lines == []
         last = err.strip().splitlines()[-1]

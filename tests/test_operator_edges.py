@@ -173,6 +173,10 @@ def test_up_starts_workers_with_its_own_token_when_the_environment_names_another
     finally:
         down = run_pwctl("down", "-y", env=env, timeout=60)
     assert down.returncode == 0, down.stderr
+    # `down` asked the controller to stop with this cluster's token (the environment's was
+    # refused, and the controller was only terminated after waiting 10 s for it)
+    log = (pw_home / "server.log").read_text()
+    assert "shutdown requested by a caller" in log and "shutdown requested by SIGTERM" not in log, log[-2000:]
 
 
 @pytest.mark.timeout(120)

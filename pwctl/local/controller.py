@@ -196,7 +196,10 @@ def stop_controller(timeout: float = 10.0) -> int | None:
 
 def _stop_controller_pid(pid: int, address: str, timeout: float) -> None:
     if address:
-        with contextlib.suppress(PathwaysError), Client(server=address, timeout=2.0) as c:
+        # the local controller's own token, whatever $PWCTL_TOKEN says (it may name another
+        # cluster: refused, the controller was only terminated after `timeout`)
+        with contextlib.suppress(PathwaysError), Client(server=address, token=paths.read_token(),
+                                                        timeout=2.0) as c:
             c.shutdown()
     if _wait_gone([pid], timeout):
         terminate([pid])

@@ -127,8 +127,12 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     log.info("controller listening on %s (database %s)", core.address, config.db_url)
     print(f"controller listening on {core.address}", flush=True)
     loop = asyncio.get_running_loop()
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("shutdown requested by %s", sig.name)
+        core.request_shutdown()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, core.request_shutdown)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await core.shutdown_event.wait()
     finally:

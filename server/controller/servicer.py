@@ -112,6 +112,7 @@ class ControllerServicer(cgrpc.ControllerServicer):
         )
 
     async def Shutdown(self, request: cpb.ShutdownRequest, context: aio.ServicerContext) -> cpb.ShutdownResponse:
+        log.info("shutdown requested by a caller at %s", context.peer())
         self.core.request_shutdown()
         return cpb.ShutdownResponse()
 

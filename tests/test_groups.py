@@ -130,6 +130,8 @@ def test_a_failed_join_or_a_re_registration_forms_the_group_again(tmp_path: Path
             h.groups.joined(w, gen2, "")
         assert h.groups.usable("pod") is not None
         h.groups.host_up(h.hosts["w2"])  # w2's stream broke and it registered again: it left the group
+        why = h.groups.describe("pod")  # a formed group that lost a member, not one that never formed
+        assert "lost a member: w2: it registered again" in why and "failed to form" not in why, why
         await h.settle()
         assert h.joins()["w2"].generation > gen2
         for p in h.services:

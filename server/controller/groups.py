@@ -147,6 +147,12 @@ class IslandGroups:
         if g is None:
             return f"island {island} has no multi-host group (fewer than two ready hosts)"
         if g.failed:
+            # a member that had joined left a formed group (lost, or registered again); one that
+            # had not could not join: the group never formed
+            left = {h: e for h, e in g.failed.items() if h in g.joined}
+            if left:
+                return f"island {island}'s group generation {g.number} lost a member: " + "; ".join(
+                    f"{h}: {e}" for h, e in sorted(left.items()))
             return f"island {island}'s group generation {g.number} failed to form: " + "; ".join(
                 f"{h}: {e}" for h, e in sorted(g.failed.items()))
         waiting = sorted(set(g.members) - g.joined)

@@ -256,6 +256,48 @@ def test_an_input_held_by_a_worker_that_is_not_ready_is_refused_at_once() -> Non
     assert (9, False, "host c lost: it held inputs of program p") in p.finished
 
 
+def test_a_run_reading_an_output_of_a_refused_run_is_refused_at_once() -> None:
+    """A client pipelines its calls: x = f(x) sends the next run before it hears that the last
+    was refused. Admitted, that run waited on its worker for an input nobody makes, holding the
+    worker's gang order until the hang timeout (60 s; a resumed session whose future still named
+    its restarted worker's old address). It is refused at once, naming the first refusal; so is
+    the rest of the chain, with the same reason, and releasing the buffer forgets it."""
+    p = Parts()
+    prog, s = p.program(), session()
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=8, program_id=prog.program_id, input_ids=[100],
+                                          output_ids=[300], input_homes=["gone:1"]))
+    for run_id, read, made in ((9, 300, 301), (10, 301, 302)):  # x = f(x), twice, before the refusal came
+        p.dispatcher.submit(s, cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[read],
+                                              output_ids=[made], input_homes=["a:1"]))
+    p.dispatcher.flush()
+    assert p.outbox.take() == [] and p.dispatcher.runs == {}
+    refused = {e.finished.run_id: e.finished.error for e in events(s) if e.HasField("finished")}
+    first = "input 0 is held by the worker at gone:1, which is not ready (lost, or reconnecting): compute it again"
+    root = f"run 0x8 that computes it was refused: {first}"
+    assert refused == {8: first, 9: f"input 0 (buffer 0x12c) will never be computed: {root}",
+                       10: f"input 0 (buffer 0x12d) will never be computed: {root}"}
+    assert s.finished == 3  # over, for the client's bound on runs in flight
+    # a run reading what exists goes on; one of another session is not concerned
+    p.run(s, 11, prog, output=303)
+    other = session("c2")
+    p.dispatcher.submit(other, cpb.RunProgram(run_id=12, program_id=prog.program_id, input_ids=[300],
+                                              output_ids=[304], input_homes=["a:1"]))
+    p.dispatcher.flush()
+    assert {11, 12} <= set(p.dispatcher.runs)
+    assert [e for e in events(other) if e.HasField("finished")] == []
+
+
+def test_a_session_remembers_a_bounded_number_of_outputs_that_will_never_be_computed() -> None:
+    from server.controller import client_session
+
+    s = session()
+    s.never_made(range(client_session.MAX_NEVER_COMPUTED + 10), "refused")
+    assert len(s.never_computed) == client_session.MAX_NEVER_COMPUTED
+    assert s.uncomputable([5]) is None  # the oldest went first
+    assert s.uncomputable([1, client_session.MAX_NEVER_COMPUTED + 9]) == (1, client_session.MAX_NEVER_COMPUTED + 9,
+                                                                           "refused")
+
+
 def gang_parts() -> tuple[Parts, list[HostInfo]]:
     """Parts with slice "sg" over hosts g0, g1, g2 (island p, 2 devices each: a gang)."""
     from server.controller.segments import Gang

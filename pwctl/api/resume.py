@@ -123,12 +123,15 @@ class Resume:
         returns or they are remapped)."""
         rt = self.rt
         while rt.slices and not rt.closed:
-            self._refresh_slices()
-            wanted = {d.host for vs in list(rt.slices.values()) for d in vs.info.devices if d.host}
             try:
                 states = {h.name: h.state for h in rt.client.hosts()}
             except PathwaysError:
                 states = {}
+            # read after the hosts: a host seen back has its new address in them (read before,
+            # a host registering in between left the slices naming its old address, and every
+            # later call of the session went there)
+            self._refresh_slices()
+            wanted = {d.host for vs in list(rt.slices.values()) for d in vs.info.devices if d.host}
             if not any(states.get(h, pb.HOST_STATE_RECONNECTING) == pb.HOST_STATE_RECONNECTING for h in wanted):
                 return  # every host registered again, or marked lost
             if time.monotonic() >= deadline:

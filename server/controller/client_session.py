@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -18,6 +19,10 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 # before its session is ended: a client far behind is broken, and its queue must not grow the
 # controller without bound (issue 29, finding 2: idle sessions grew it to 1.1 GiB).
 MAX_QUEUED = 10_000
+# Outputs of the session's refused runs remembered (buffer id -> why it will never be computed;
+# ~150 bytes each): a client pipelines its calls, so runs reading them may follow before it hears
+# of the refusal (`ClientSession.never_computed`).
+MAX_NEVER_COMPUTED = 65_536
 
 
 @dataclass(eq=False)
@@ -39,6 +44,9 @@ class ClientSession:
     finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
     _reported: int = 0
     overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
+    # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
+    # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
+    never_computed: OrderedDict[int, str] = field(default_factory=OrderedDict)
 
     @property
     def owner(self) -> str:
@@ -60,6 +68,27 @@ class ClientSession:
         """A run that never started (unknown program, wrong arity): failed, and over."""
         self.run_failed(run_id, error)
         self.finished += 1
+
+    def never_made(self, buffer_ids: Iterable[int], why: str) -> None:
+        """These buffers (a refused run's outputs) will never be computed, because of `why`: a
+        run of the session that reads one is refused too, with `why`, rather than admitted to
+        wait on its worker for an input nobody makes (until the hang timeout, holding the
+        worker's gang order, and everything after it in the client's chain of calls)."""
+        for b in buffer_ids:
+            self.never_computed[b] = why
+            self.never_computed.move_to_end(b)
+        while len(self.never_computed) > MAX_NEVER_COMPUTED:
+            self.never_computed.popitem(last=False)
+
+    def uncomputable(self, buffer_ids: Iterable[int]) -> tuple[int, int, str] | None:
+        """The first of a run's inputs that will never be computed: (its index, its id, why)."""
+        if not self.never_computed:
+            return None
+        for k, b in enumerate(buffer_ids):
+            why = self.never_computed.get(b)
+            if why is not None:
+                return k, b, why
+        return None
 
     def report_finished(self) -> None:
         """Tells the client how many of its runs are over, if that changed since last time."""

@@ -119,6 +119,12 @@ class Dispatcher:
         done: the caller waits for the group and submits it again) instead of being refused."""
         if self.probe is not None:
             self.probe.arrived(run.run_id)
+        lost = session.uncomputable(run.input_ids)
+        if lost is not None:  # pipelined behind a run refused a moment ago
+            k, b, why = lost
+            self.refuse(session, run.run_id, f"input {k} (buffer {b:#x}) will never be computed: {why}",
+                        run.output_ids, why)
+            return
         prog = self.registry.programs.get(run.program_id)
         try:
             if prog is None:
@@ -135,7 +141,7 @@ class Dispatcher:
         except ControllerError as e:
             if wait and isinstance(e, GroupForming):
                 raise
-            self.refuse(session, run.run_id, str(e))
+            self.refuse(session, run.run_id, str(e), run.output_ids)
             return
         session.run_opened(run.run_id)
         out_ids = list(run.output_ids)
@@ -165,9 +171,14 @@ class Dispatcher:
         else:
             batch.append(event)
 
-    def refuse(self, session: ClientSession, run_id: int, why: str) -> None:
-        """Refuses a run before it started: the client hears `why` as the run's error."""
+    def refuse(self, session: ClientSession, run_id: int, why: str, outputs: Sequence[int] = (),
+               root: str = "") -> None:
+        """Refuses a run before it started: the client hears `why` as the run's error. Its
+        `outputs` will never be computed: the session's later runs that read one are refused
+        too, naming `root` (the first refusal of a chain: by default, this one)."""
         session.run_refused(run_id, why)
+        if outputs:
+            session.never_made(outputs, root or f"run {run_id:#x} that computes it was refused: {why}")
         self._progressed.add(session)
         if self.probe is not None:
             self.probe.finished(run_id, False, 0)

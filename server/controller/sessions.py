@@ -283,7 +283,7 @@ class SessionManager:
     def _refuse(self, session: ClientSession, msg: cpb.ClientMessage, why: str) -> None:
         """Refuses a run or a registration (the messages that wait for a group) with `why`."""
         if msg.WhichOneof("msg") == "run":
-            self.dispatcher.refuse(session, msg.run.run_id, why)
+            self.dispatcher.refuse(session, msg.run.run_id, why, msg.run.output_ids)
         else:
             session.send(cpb.SessionEvent(registered=cpb.ProgramRegistered(request_id=msg.register.request_id,
                                                                            error=why)))
@@ -355,6 +355,9 @@ class SessionManager:
         once the session's earlier runs that may read them are over (client_session.py)."""
         # only the session's own ids: another session's buffers are not its to free
         mine = [b for b in buffer_ids if b >> PREFIX_SHIFT == session.id_prefix]
+        if session.never_computed:  # no later run may read them: nothing to remember
+            for b in mine:
+                session.never_computed.pop(b, None)
         for where, ids in session.hold_release(address, mine):
             self.dispatcher.release(where, ids)
 

@@ -20,7 +20,7 @@ from server.controller.programs import ProgramRecord, ProgramRegistry, check_dev
 from server.controller.relays import Relays
 from server.controller.segments import Gang
 from server.controller.slices import Placement
-from server.scheduler import GangScheduler, Policy
+from server.scheduler import CancelRun, GangScheduler, Policy
 from server.worker.relay import Inbox, relayed_message
 from server.worker.relay import gang_parts as members_of
 
@@ -89,12 +89,13 @@ def two_step_graph(name: str = "p") -> cpb.ProgramGraph:
 class Parts:
     """A dispatcher and its real collaborators (no network, no processes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_inflight_nodes: int = 256) -> None:
         self.hosts = {"a": host("a", [10, 11]), "b": host("b", [20, 21])}
         self.outbox = RecordingOutbox()
         self.slices = Slices(self.hosts)
         self.registry = ProgramRegistry()
-        self.scheduler = GangScheduler(hang_timeout_s=None, default_policy=Policy("fifo"), max_inflight_nodes=256)
+        self.scheduler = GangScheduler(hang_timeout_s=None, default_policy=Policy("fifo"),
+                                       max_inflight_nodes=max_inflight_nodes)
         self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.hosts, self.by_address,
                                      self.outbox)
         self.finished: list[tuple[int, bool, str]] = []
@@ -285,6 +286,31 @@ def test_a_run_reading_an_output_of_a_refused_run_is_refused_at_once() -> None:
     p.dispatcher.flush()
     assert {11, 12} <= set(p.dispatcher.runs)
     assert [e for e in events(other) if e.HasField("finished")] == []
+
+
+def test_a_run_reading_an_output_of_a_run_cancelled_before_admission_is_refused_at_once() -> None:
+    """A run failed while it waited for admission (here cancelled: its upload was lost) never
+    reached a worker, so no worker fails its outputs either: a run reading one, pipelined behind
+    it, would wait on its worker for an input nobody makes until the hang timeout. It is refused
+    at once, naming the first failure; a run that failed on its workers is not concerned (they
+    fail its outputs, and its readers with them)."""
+    p = Parts(max_inflight_nodes=1)  # one node in flight per island: the second run waits
+    prog, s = p.program(), session()
+    p.run(s, 8, prog, output=300)
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=9, program_id=prog.program_id, input_ids=[300],
+                                          output_ids=[301], input_homes=["a:1"]))
+    p.dispatcher.flush()
+    waiting = {r.run_id for i in p.scheduler.snapshot().islands for r in i.waiting}
+    assert 9 in p.dispatcher.runs and 9 in waiting  # waits for admission: nothing of it on a worker
+    p.dispatcher.handle(CancelRun(s.client_id, 9, "input lost", 0.0))
+    assert (9, False, "input lost") in p.finished
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=10, program_id=prog.program_id, input_ids=[301],
+                                          output_ids=[302], input_homes=["a:1"]))
+    p.dispatcher.flush()
+    assert 10 not in p.dispatcher.runs
+    refused = {e.finished.run_id: e.finished.error for e in events(s) if e.HasField("finished")}
+    assert refused[10] == ("input 0 (buffer 0x12d) will never be computed: run 0x9 that computes it failed "
+                           "before it started: input lost"), refused
 
 
 def test_a_session_remembers_a_bounded_number_of_outputs_that_will_never_be_computed() -> None:

@@ -389,6 +389,9 @@ class Dispatcher:
             self._recent.popitem(last=False)
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
+            if a.unstarted:  # no worker will make or fail its outputs: later runs reading them are refused
+                run.session.never_made([b for ids in run.buffers for b in ids],
+                                       f"run {a.run_id:#x} that computes it failed before it started: {a.error}")
         for address, ids in run.session.run_closed(a.run_id):
             self.release(address, ids)
         self._progressed.add(run.session)

@@ -153,7 +153,7 @@ class SchedulerBook:
         """Fail a waiting or admitted run: RunFinished, then DropRun to hosts holding its nodes."""
         if run.state is RunState.WAITING:
             self._queues[run.client].remove(run.run_id)
-            self._finish(run, RunFinished(run.run_id, False, error))
+            self._finish(run, RunFinished(run.run_id, False, error, unstarted=True))
             return
         hosts: dict[str, None] = {}
         skipped: list[SkippedSeq] = []

@@ -6,7 +6,7 @@ carries `now` (seconds, any monotonic origin chosen by the caller).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -167,6 +167,10 @@ class RunFinished:
     run_id: int
     ok: bool
     error: str = ""
+    # failed before any of its nodes went to a worker (refused at submission, or failed while
+    # waiting for admission): no worker will ever compute or fail its outputs (the controller then
+    # refuses the session's later runs that read them, server/controller/dispatch.py)
+    unstarted: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

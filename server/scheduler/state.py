@@ -134,7 +134,7 @@ class GangScheduler(Views):
         shape, problem = self._shape(spec)
         if problem is not None or shape is None:
             self._remember_finished(spec.run_id)
-            self._actions.append(RunFinished(spec.run_id, False, f"invalid run: {problem}"))
+            self._actions.append(RunFinished(spec.run_id, False, f"invalid run: {problem}", unstarted=True))
             return
         hosts = self._hosts
         down = self._down
@@ -146,7 +146,7 @@ class GangScheduler(Views):
                 error = (
                     f"host {node.host} is down: node {node.index} of program {spec.program} is placed on it"
                 )
-                self._actions.append(RunFinished(spec.run_id, False, error))
+                self._actions.append(RunFinished(spec.run_id, False, error, unstarted=True))
                 return
         if not spec.nodes:
             self._remember_finished(spec.run_id)

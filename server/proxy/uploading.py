@@ -89,15 +89,10 @@ class Uploading:
         outputs (holdings.py `others`, `spread`). None (nothing stored) where the devices are on
         one worker, or while the island's group forms (its parts need the group's devices): uploads
         do not wait for it, and `put` stores such an array whole."""
-        if len(holders_of(self._holders(), devices)) < 2:
+        found = self._spread_over(devices)
+        if found is None:
             return None
-        try:
-            placement = self._slices.current(self.name)  # the group formed: its generation now
-        except ControllerError:
-            return None
-        members = spread_members(placement, devices)
-        if members is None:
-            return None
+        placement, members = found
         gang = placement.gang
         part_of = wpb.PartOf(global_shape=list(shape), op_sharding=op_sharding,
                              devices=[gang.devices[v] for v in devices],
@@ -132,15 +127,10 @@ class Uploading:
         devices (`PartOf.sources`); then they go. None (nothing done) where `put_spread` stores
         nothing."""
         manager = self._controls.sessions
-        if manager is None or len(holders_of(self._holders(), devices)) < 2:
+        found = self._spread_over(devices) if manager is not None else None
+        if found is None:
             return None
-        try:
-            placement = self._slices.current(self.name)
-        except ControllerError:
-            return None
-        members = spread_members(placement, devices)
-        if members is None:
-            return None
+        placement, members = found
         gang = placement.gang
         made: list[int] = []
         try:
@@ -183,6 +173,19 @@ class Uploading:
         finally:
             if made:  # the shards' buffers go once the parts are made of them (or not)
                 self.free(made)
+
+    def _spread_over(self, devices: Sequence[int]) -> tuple[Any, list[tuple[str, list[int]]]] | None:
+        """The slice's placement now and the members of the island's group holding `devices`
+        (each with the positions of its devices among them) where they are on several members
+        and the group formed; else None: such an upload is stored whole (`put`)."""
+        if len(holders_of(self._holders(), devices)) < 2:
+            return None
+        try:
+            placement = self._slices.current(self.name)  # the group formed: its generation now
+        except ControllerError:
+            return None
+        members = spread_members(placement, devices)
+        return None if members is None else (placement, members)
 
     async def _upload(self, arrays: Sequence[tuple[str, tuple[int, ...], HostData]],
                       addresses: Sequence[str] = ()) -> list[int]:

@@ -27,7 +27,7 @@ from .parts import Gathering, is_partial, local_parts, part_chunks
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .upload_service import UploadHandlers
-from .waits import MAX_CHECKED_NOW, Waits, wake
+from .waits import MAX_CHECKED_NOW, Waits, wake, woken_within
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,7 @@ class WorkerServicer(Waits, UploadHandlers):
         if latch is None:
             return True
         try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await woken_within(fut, timeout)
         finally:
             self.store.unwatch(buffer_ids, latch)
 

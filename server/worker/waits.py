@@ -34,6 +34,15 @@ def wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         pass
 
 
+async def woken_within(fut: asyncio.Future[None], timeout: float) -> bool:
+    """Whether `fut` (completed by `wake`) completed within `timeout` seconds."""
+    try:
+        await asyncio.wait_for(fut, timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
 def _true() -> bool:
     return True
 
@@ -55,10 +64,7 @@ class Waits:
         if latch is True:
             return True
         try:
-            await asyncio.wait_for(fut, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await woken_within(fut, timeout)
         finally:
             self.store.forget_computed(buffer_ids, latch)
 

@@ -92,7 +92,7 @@ def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tm
         # by a run on their devices): no worker sent a buffer to another
         assert transfers(cluster) == [], transfers(cluster)
         # the results `out` and `twice`, left spread over both workers, count only the part each
-        # holds, as the uploads do (held_nbytes in server/worker/buffers.py), not the whole array
+        # holds, as the uploads do (held_nbytes in server/worker/shards.py), not the whole array
         stats = worker_stats(cluster)
         assert {name: (s.buffers, s.buffer_bytes) for name, s in stats.items()} == {
             name: (4, 2 * half) for name in stats}, stats

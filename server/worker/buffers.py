@@ -11,12 +11,13 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
 # not kept as a new buffer nobody will release; the oldest are forgotten first
@@ -29,20 +30,6 @@ FAILED = "failed"
 
 class BufferFailed(Exception):
     """The buffer's producer failed; the message is the cause."""
-
-
-def held_nbytes(value: Any) -> int:
-    """The bytes of `value` this worker holds: the whole array's, or for an array spread over
-    several workers the distinct shards on its own devices (a replicated shard once, as every
-    value of the store counts its logical bytes once, not per device)."""
-    if getattr(value, "is_fully_addressable", True):
-        return int(getattr(value, "nbytes", 0))
-    seen: dict[tuple[int, ...], int] = {}
-    for shard in value.addressable_shards:
-        start = tuple(0 if s.start is None else int(s.start) for s in shard.index)
-        if start not in seen:
-            seen[start] = int(math.prod(shard.data.shape)) * value.dtype.itemsize
-    return sum(seen.values())
 
 
 @dataclass
@@ -372,7 +359,7 @@ class BufferStore:
                 self._computing.setdefault(b, []).append(latch)
             return latch
 
-    def computed(self, buffer_ids: Sequence[int]) -> None:
+    def computed(self, buffer_ids: Iterable[int]) -> None:
         """(the executor, once these launched buffers' computations are over, failed or not)"""
         if not self._computing:  # nobody waits (the hot path: no lock)
             return

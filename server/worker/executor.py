@@ -44,10 +44,11 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from ..invariants import InvariantError
 from ..threadnames import name_native_thread
 from . import state as st
-from .buffers import BufferFailed, BufferStore, held_nbytes
+from .buffers import BufferFailed, BufferStore
 from .completion import COMPLETIONS_BATCH, COMPLETIONS_BOUND, INLINE_BATCH, Completion, all_ready
 from .fusion import NodeFailed
 from .segments import Runners, SegmentInfo, switch_group
+from .shards import held_nbytes
 from .spans import DeviceSpans
 from .tasks import Exclusive, Task, names_a_node
 from .transfer import TransferSender

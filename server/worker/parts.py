@@ -26,8 +26,9 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferStore
 from .group import IslandGroup
+from .shards import distinct_shards
 
-__all__ = ["GATHER_IDLE_S", "Gathering", "is_partial", "joined_sources", "local_parts", "part_chunks", "part_sources",
+__all__ = ["GATHER_IDLE_S", "Gathering", "joined_sources", "local_parts", "part_chunks", "part_sources",
            "uploaded_part"]
 
 log = logging.getLogger(__name__)
@@ -39,19 +40,9 @@ GATHER_IDLE_S = 120.0
 MAX_ABANDONED = 4096  # buffers dropped while gathering, remembered to ignore their late parts
 
 
-def is_partial(value: Any) -> bool:
-    """Whether this worker holds only part of the value (its other shards are on peers)."""
-    return not getattr(value, "is_fully_addressable", True)
-
-
 def local_parts(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
     """(start index, data) of each distinct shard on this worker's devices."""
-    seen: dict[tuple[int, ...], np.ndarray] = {}
-    for shard in value.addressable_shards:
-        start = tuple(0 if s.start is None else int(s.start) for s in shard.index)
-        if start not in seen:
-            seen[start] = arrays.c_order(np.asarray(shard.data))
-    return list(seen.items())
+    return [(start, arrays.c_order(np.asarray(shard.data))) for start, shard in distinct_shards(value).items()]
 
 
 def uploaded_part(flat: np.ndarray, raw_part_of: bytes, group: IslandGroup, local: list[Any]) -> Any:

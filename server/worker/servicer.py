@@ -23,7 +23,8 @@ from .auth import WorkerAuth
 from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
-from .parts import Gathering, is_partial, local_parts, part_chunks
+from .parts import Gathering, local_parts, part_chunks
+from .shards import is_partial
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .upload_service import UploadHandlers

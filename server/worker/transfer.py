@@ -24,7 +24,8 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from ..credentials import PEER_HEADER, peer_credential
 from ..threadnames import name_native_thread
 from .locallink import LocalPeers
-from .parts import is_partial, local_parts
+from .parts import local_parts
+from .shards import is_partial
 from .shmring import put_segment, take_segment
 from .tcplink import TcpPeer
 

@@ -119,8 +119,10 @@ class Completion:
                 if not infos[i].routes:
                     errors[i] = wait_outputs(task)
         failed = any(errors)
+        # read only where a Wait waits for them (the store looks first): no list on the hot path
+        outputs = (b for task in batch for b in task.output_ids)
         if not failed:  # the Waits for them are answered now (waits.py), before the bookkeeping below
-            self.store.computed([b for task in batch for b in task.output_ids])
+            self.store.computed(outputs)
         group = self.runners.group
         for i, info in enumerate(infos):
             if errors[i] and info.definition.group_generation:
@@ -144,7 +146,7 @@ class Completion:
             nbytes += task.nbytes
             prompt = prompt or task.prompt
         if failed:
-            self.store.computed([b for task in batch for b in task.output_ids])  # after their failure
+            self.store.computed(outputs)  # after their failure
         self._completed += len(batch)
         self._completions.extend(batch)  # for the machine, taken when the launch thread next wakes
         if len(self._completions) > COMPLETIONS_BOUND:

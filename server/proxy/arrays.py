@@ -244,18 +244,25 @@ def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, .
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
                data: bytes | HostData) -> ArrayRecord:
     domains = sharding.domains(shape)
-    replicated = _replicated(domains, shape)
     # sharded over devices of several workers: each gets the bytes of its own devices' shards
     # only, and holds its part (a backend of slices spanning hosts has it: uploading.py)
     spread = getattr(session.backend, "put_spread", None)
-    if spread is not None and not replicated and math.prod(shape) > 0 and sharding.tiled:
+    if spread is not None and _in_parts(sharding, domains, shape):
         assert sharding.op_sharding is not None
         buffer_id = await spread(sharding.devices, sharding.op_sharding, domains, dtype, shape, data)
         if buffer_id is not None:
             return whole(Buf(buffer_id, dtype, shape, spread=True), sharding, domains)
     # every device holds the whole array: a copy goes to each worker holding some of them
-    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data, replicated=replicated)
+    buffer_id = await session.backend.put(sharding.devices, dtype, shape, data,
+                                          replicated=_replicated(domains, shape))
     return whole(Buf(buffer_id, dtype, shape), sharding, domains)
+
+
+def _in_parts(sharding: Sharding, domains: list[Index], shape: tuple[int, ...]) -> bool:
+    """Whether an upload with this sharding can be held in parts by the workers of its devices
+    (the backend decides whether they are several): sharded, not replicated, not empty, and a
+    plain tiling (`Sharding.tiled`)."""
+    return not _replicated(domains, shape) and math.prod(shape) > 0 and sharding.tiled
 
 
 def _replicated(domains: list[Index], shape: tuple[int, ...]) -> bool:
@@ -380,8 +387,8 @@ async def _staged_parts(session: Session, sharding: Sharding, domains: list[Inde
     reading the shards back here (uploading.py `put_spread_staged`); None where it is not one
     (then the caller joins the shards here)."""
     put = getattr(session.backend, "put_spread_staged", None)
-    if (put is None or _replicated(domains, shape) or not sharding.tiled or math.prod(shape) == 0
-            or any(isinstance(held, HostData) for *_, held in shards)):
+    if put is None or not _in_parts(sharding, domains, shape) or any(isinstance(held, HostData)
+                                                                       for *_, held in shards):
         return None
     for _, hb_shape, hb, held in shards:
         if hb.HasField("byte_strides") and list(hb.byte_strides.strides) not in ([], c_strides(dtype, hb_shape)):

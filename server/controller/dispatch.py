@@ -47,10 +47,10 @@ from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming, InvalidArgument
 from .outbox import GangEnqueue, Outbox, add_member, materialized
-from .plans import Plan, check_spread_inputs
+from .plans import Plan, check_spread_inputs, placed_plan, placement_key
 from .programs import ProgramRecord, ProgramRegistry
 from .runs import RunState, task_fields
-from .segments import PROGRAM_INPUT, Gang, cut, gathered_count, narrowed, same_machine
+from .segments import PROGRAM_INPUT, same_machine
 
 if TYPE_CHECKING:
     from .slices import Placement
@@ -209,37 +209,14 @@ class Dispatcher:
         plan = self._plans.get((prog.program_id, sequential))
         if plan is not None and plan.epoch == epoch:
             return plan  # nothing about slices or hosts changed since it was made
-        graph = prog.graph
         placements = {name: self.placements.placement(name) for name in sorted(prog.slices)}
-        key = tuple(
-            (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices),
-             p.gang.generation if p.gang is not None else 0) for n, p in placements.items()
-        )
+        key = placement_key(placements)
         if plan is not None and plan.key == key:
             plan.epoch = epoch
             return plan
         if plan is not None:
             self._forget(plan)
-        nodes = [placements[n.slice] for n in graph.nodes]
-        # a node on part of its slice (or its devices in another order) names them (checked at
-        # registration: programs.check_devices); on a slice spanning hosts it runs on the members
-        # holding them only (segments.narrowed): one plain computation, or a smaller gang
-        hosts: list[HostInfo] = []
-        devices: list[list[int]] = []
-        gangs: list[Gang | None] = []
-        for n, p in zip(graph.nodes, nodes, strict=True):
-            host, devs, gang = p.host, list(p.local_devices), p.gang
-            if n.devices and gang is not None:
-                host, devs, gang = narrowed(gang, n.devices)
-            elif n.devices:
-                devs = [p.local_devices[v] for v in n.devices]
-            hosts.append(host)
-            devices.append(devs)
-            gangs.append(gang)
-        segments = cut(prog, hosts, devices, [p.island for p in nodes],
-                       self._segment_ids, across_devices=not sequential, gangs=gangs)
-        plan = Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
-                    frozenset(s.host.address for s in segments))
+        plan = placed_plan(prog, placements, key, epoch, self._segment_ids, sequential)
         self._plans[(prog.program_id, sequential)] = plan
         return plan
 

@@ -5,13 +5,18 @@ slices' epoch before each run."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..scheduler import NodeSpec
 from .errors import InvalidArgument
-from .segments import PROGRAM_INPUT, SegmentPlan
+from .segments import PROGRAM_INPUT, Gang, SegmentPlan, cut, gathered_count, narrowed
+
+if TYPE_CHECKING:
+    from .cluster import HostInfo
+    from .programs import ProgramRecord
+    from .slices import Placement
 
 
 @dataclass
@@ -80,3 +85,40 @@ def check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
                     f"input {k} is an array of a multi-host slice (its parts are on {', '.join(spread[k])}); "
                     f"{seg.definition.label} is not a computation of that slice's hosts: pass it within one "
                     "@pw.program (the parts are then gathered where they are read) or fetch it")
+
+
+def placement_key(placements: Mapping[str, Placement]) -> tuple[Any, ...]:
+    """What a plan depends on in its slices' placements (by slice name): a cached plan whose key
+    is this one is still right."""
+    return tuple(
+        (n, p.generation, p.host.name, p.host.address, tuple(p.local_devices),
+         p.gang.generation if p.gang is not None else 0) for n, p in placements.items()
+    )
+
+
+def placed_plan(prog: ProgramRecord, placements: Mapping[str, Placement], key: tuple[Any, ...],
+                epoch: tuple[int, int], segment_ids: Iterator[int], sequential: bool) -> Plan:
+    """The program's segments under `placements` (its slices', by name; `key` their
+    `placement_key`). Sequential dispatch keeps the nodes on different devices of a worker in
+    segments of their own."""
+    graph = prog.graph
+    nodes = [placements[n.slice] for n in graph.nodes]
+    # a node on part of its slice (or its devices in another order) names them (checked at
+    # registration: programs.check_devices); on a slice spanning hosts it runs on the members
+    # holding them only (segments.narrowed): one plain computation, or a smaller gang
+    hosts: list[HostInfo] = []
+    devices: list[list[int]] = []
+    gangs: list[Gang | None] = []
+    for n, p in zip(graph.nodes, nodes, strict=True):
+        host, devs, gang = p.host, list(p.local_devices), p.gang
+        if n.devices and gang is not None:
+            host, devs, gang = narrowed(gang, n.devices)
+        elif n.devices:
+            devs = [p.local_devices[v] for v in n.devices]
+        hosts.append(host)
+        devices.append(devs)
+        gangs.append(gang)
+    segments = cut(prog, hosts, devices, [p.island for p in nodes], segment_ids, across_devices=not sequential,
+                   gangs=gangs)
+    return Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
+                frozenset(s.host.address for s in segments))

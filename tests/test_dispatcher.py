@@ -3,6 +3,7 @@ that records what would go to each worker. Every test asserts the exact messages
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -110,9 +111,10 @@ class Parts:
         assert self.registry.add_functions([FUNCTION]) == []
         return self.registry.register(two_step_graph(), owner)
 
-    def run(self, session: ClientSession, run_id: int, prog: ProgramRecord, output: int) -> RunState:
+    def run(self, session: ClientSession, run_id: int, prog: ProgramRecord, output: int,
+            prompt: bool = False) -> RunState:
         self.dispatcher.submit(session, cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[100],
-                                                       output_ids=[output], input_homes=["a:1"]))
+                                                       output_ids=[output], input_homes=["a:1"]), prompt=prompt)
         self.dispatcher.flush()
         return self.dispatcher.runs[run_id]
 
@@ -172,6 +174,34 @@ def test_reports_finish_the_run_and_tell_the_client_how_many_are_over() -> None:
     assert events(s) == [cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
     assert p.finished == [(7, True, "")] and p.dispatcher.runs == {}
     assert p.outbox.take() == []  # nothing for the workers: the outputs stay until the client frees them
+
+
+def test_a_prompt_run_s_tasks_are_reported_at_once_and_its_end_wakes_who_waits_for_it() -> None:
+    """A run submitted `prompt` (an IFRT proxy client blocking on its calls) has every task
+    sent `report_promptly`; `when_over` gives a future its end sets, well or not, and None for
+    a run that is not open (over already, or never submitted)."""
+
+    async def scenario() -> None:
+        p = Parts()
+        prog, s = p.program(), session()
+        p.run(s, 7, prog, output=200, prompt=True)
+        p.run(s, 8, prog, output=201)
+        p.run(s, 9, prog, output=202, prompt=True)
+        flags = {(t.run_id, t.segment): t.report_promptly for _, m in p.outbox.take() for t in m.enqueue.tasks}
+        assert flags == {(7, 0): True, (7, 1): True, (8, 0): False, (8, 1): False, (9, 0): True, (9, 1): True}
+        over7, over9 = s.when_over(7), s.when_over(9)
+        assert over7 is not None and over9 is not None and s.when_over(7) is over7
+        assert s.when_over(5) is None  # never submitted
+        p.report("a", 7, 0)
+        assert not over7.done()
+        p.report("b", 7, 1)
+        assert over7.done() and s.when_over(7) is None  # over: nothing to wait for
+        p.report("a", 9, 0, ok=False, error="boom")
+        assert over9.done()  # over, badly: the session's events say how
+        failed = [e.finished for e in events(s) if e.HasField("finished")]
+        assert [(f.run_id, f.ok, f.error.endswith("boom")) for f in failed] == [(9, False, True)]
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_node_fails_the_run_and_drops_it_where_it_waits() -> None:

@@ -221,7 +221,10 @@ print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.monotonic()
 try:
-    np.asarray(f(f(x)))
+    if sys.argv[1] == "download":
+        np.asarray(f(f(x)))
+    else:  # a blocking client: the run is prompt, its end awaited in the controller (no Wait)
+        f(x).block_until_ready()
     print("no error")
 except Exception as e:
     print("error", type(e).__name__, round(time.monotonic() - t0) < 60, flush=True)
@@ -230,11 +233,12 @@ except Exception as e:
 
 @pytest.mark.timeout(240)
 @pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=2.0)
-def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path) -> None:
-    """The worker freezes (SIGSTOP) while the program waits for a run: the controller declares the
-    host lost and fails the run, and the program gets the error then, not after the proxy's own
-    wait bound (an hour)."""
-    proc = subprocess.Popen([sys.executable, "-c", WAITS], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
+@pytest.mark.parametrize("wait", ["download", "block"])
+def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path, wait: str) -> None:
+    """The worker freezes (SIGSTOP) while the program waits for a run (downloading its result,
+    or blocking on it): the controller declares the host lost and fails the run, and the program
+    gets the error then, not after the proxy's own wait bound (an hour)."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITS, wait], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdin is not None

@@ -83,6 +83,24 @@ def test_sends_are_min_interval_apart_even_when_urgent() -> None:
     assert buf.due_in() == 0
 
 
+def test_an_event_the_controller_waits_for_is_not_held_for_the_min_interval() -> None:
+    """A prompt task's event (the controller answers a readiness check, or sends a sequential
+    run's next node, only when it comes) goes at once even right after a send; what is held
+    with it goes too, and the next send is min_interval after it again."""
+    buf, clock = buffer()
+    buf.add([done(1)], backlog=0)
+    buf.take()
+    clock.t += 0.001
+    assert buf.add([done(2)], backlog=5)
+    assert buf.due_in() == pytest.approx(0.05)  # held: max_delay after it came
+    assert buf.add([done(3)], prompt=True, backlog=5)  # wake the sender: due now
+    assert buf.due_in() == 0
+    assert [e.run_id for e in buf.take()] == [2, 3]
+    clock.t += 0.001
+    assert buf.add([done(4)], backlog=0)  # urgent, not prompt: min_interval from the last send
+    assert buf.due_in() == pytest.approx(0.004)
+
+
 def test_urgency_ends_with_the_send() -> None:
     buf, clock = buffer()
     buf.add([done(1)], prompt=True, nbytes=900)

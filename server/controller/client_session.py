@@ -47,6 +47,8 @@ class ClientSession:
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
     never_computed: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    # runs someone in the controller waits for (`when_over`): run id -> the future their end sets
+    _over_waiters: dict[int, asyncio.Future[None]] = field(default_factory=dict)
 
     @property
     def owner(self) -> str:
@@ -107,7 +109,22 @@ class ClientSession:
         if ordinal is not None:
             self._closed.add(ordinal)
             self.finished += 1
+        if self._over_waiters:
+            waiter = self._over_waiters.pop(run_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         return self.releasable()
+
+    def when_over(self, run_id: int) -> asyncio.Future[None] | None:
+        """A future set when the session's open run `run_id` ends (ran, failed or was
+        cancelled: the session's events say which); None when it is not open (over already, or
+        never submitted). One future per run, shared by its waiters (none of whom may cancel it)."""
+        if run_id not in self.open_runs:
+            return None
+        waiter = self._over_waiters.get(run_id)
+        if waiter is None:
+            waiter = self._over_waiters[run_id] = asyncio.get_running_loop().create_future()
+        return waiter
 
     def hold_release(self, address: str, ids: list[int]) -> list[tuple[str, list[int]]]:
         self.held_releases.append((self.submitted, address, ids))

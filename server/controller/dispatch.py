@@ -113,10 +113,11 @@ class Dispatcher:
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
-               wait: bool = False) -> None:
+               wait: bool = False, prompt: bool = False) -> None:
         """Starts a run; with `batch`, its Submit is collected for one scheduler pass. With
         `wait`, a run on a slice whose island group is forming raises GroupForming (nothing
-        done: the caller waits for the group and submits it again) instead of being refused."""
+        done: the caller waits for the group and submits it again) instead of being refused.
+        `prompt`: its workers report its end at once (someone here waits for it)."""
         if self.probe is not None:
             self.probe.arrived(run.run_id)
         lost = session.uncomputable(run.input_ids)
@@ -153,7 +154,7 @@ class Dispatcher:
         buffers = [lists[i] for i in plan.layout_of]
         gathered = [self._id_base | next(self._ids) for _ in range(plan.gathered)]
         self.runs[run.run_id] = RunState(run.run_id, session, prog, plan, list(run.input_ids),
-                                         list(run.input_homes), buffers, gathered)
+                                         list(run.input_homes), buffers, gathered, prompt=prompt)
         spec = RunSpec(
             run_id=run.run_id,
             program=prog.name,

@@ -29,6 +29,9 @@ class RunState:
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
     templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
+    # its workers report its tasks' ends at once: the controller waits for them (a proxy client
+    # blocking on its outputs: server/proxy/cluster_backend.py `ready`)
+    prompt: bool = False
 
 
 def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostInfo,
@@ -55,7 +58,7 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     fields: dict[str, Any] = dict(run_id=d.run_id, segment=d.node_index, seq=d.seq,
                                   segment_id=seg.definition.segment_id, input_ids=inputs, output_ids=outputs,
                                   output_visible=visible, owner=run.session.owner,
-                                  report_promptly=run.session.sequential)
+                                  report_promptly=run.session.sequential or run.prompt)
     if run.gathered and any(k >= 0 for k in seg.route_keys):
         fields["route_ids"] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
     return fields

@@ -337,13 +337,14 @@ class SessionManager:
         return None
 
     def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
-            wait: bool = False) -> None:
+            wait: bool = False, prompt: bool = False) -> None:
         """A `run` message of the session (also the IFRT proxy's way in, without the
         ClientMessage). With `batch`, its Submit is collected there for one scheduler pass
         (`submit_batch`); with `wait`, a slice whose island group is forming raises GroupForming
-        (Dispatcher.submit)."""
+        (Dispatcher.submit); with `prompt`, its workers report its end at once (the caller will
+        wait for it: `ClientSession.when_over`)."""
         if self._own_ids(session, run):
-            self.dispatcher.submit(session, run, batch, wait=wait)
+            self.dispatcher.submit(session, run, batch, wait=wait, prompt=prompt)
 
     def submit_batch(self, submits: list[Submit]) -> None:
         """Hands the Submits collected by `run(..., batch)` to the scheduler in one pass."""

@@ -152,6 +152,10 @@ class SliceSession(Uploading):
         self._metadata = tuple(metadata)
         self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
         self._submits: list[Any] = []  # the runs held by the cork, for one scheduler pass (`_flush`)
+        # a blocking client: it waited on the workers since its last execute, so it will likely
+        # wait for the next one too (op-by-op); that run is made prompt (`ready`)
+        self._blocking = False
+        self._made_by: dict[int, int] = {}  # output of a prompt run -> the run (until freed)
 
     def _flush(self) -> None:
         """The cork's flush: the runs it held go to the scheduler in one pass, in the order they
@@ -290,9 +294,13 @@ class SliceSession(Uploading):
         self._failures.ran(run_id, outputs)
         run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
                              input_homes=homes)
+        prompt, self._blocking = self._blocking, False
+        if prompt:
+            for b in outputs:
+                self._made_by[b] = run_id
         # its Submit waits with the cork, which hands it to the scheduler with the others it
         # held (`_flush`), once the session's requests pause (corking.py)
-        manager.run(self._client, run, self._submits)
+        manager.run(self._client, run, self._submits, prompt=prompt)
         self._cork.decided()
         held.made(outputs, address, others, placement.generation)
         specs = self._out_specs.get(program_id)
@@ -393,10 +401,25 @@ class SliceSession(Uploading):
         return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address)
 
     async def ready(self, buffer_ids: Sequence[int]) -> None:
+        """Returns once the buffers are computed (BackendError if one failed). An output of a
+        prompt run (`execute`, a client that blocks on its calls) is computed once its run ended
+        well: its workers report that at once, and the end is awaited here with no RPC; other
+        buffers (uploads, outputs of runs sent while the client was pipelining, whose reports
+        the workers may hold while busy: server/worker/reporting.py) are waited for on their
+        workers (`Wait`)."""
         self._cork.waiting()  # what it waits for is on its way to the workers
+        self._blocking = True
         by_worker: dict[str, list[int]] = {}
+        made_by = self._made_by
         for b in buffer_ids:
             self._failures.check(b)
+            run_id = made_by.get(b)
+            if run_id is not None:
+                over = self._client.when_over(run_id)
+                if over is not None:
+                    await asyncio.shield(over)  # shared by its waiters: a cancelled check must not cancel it
+                    self._failures.check(b)
+                continue
             by_worker.setdefault(self._address_of(b), []).append(b)
         for address, ids in by_worker.items():
             _, stub = self._worker(address)
@@ -414,8 +437,10 @@ class SliceSession(Uploading):
                 raise BackendError("DEADLINE_EXCEEDED", f"buffers not ready after {WAIT_S:g} s")
 
     def free(self, buffer_ids: Sequence[int]) -> None:
+        made_by = self._made_by
         for b in buffer_ids:
             self._failures.forget(b)
+            made_by.pop(b, None)
         by_worker = self._held.forget(buffer_ids)
         manager = self._controls.sessions
         for address, ids in by_worker.items():

@@ -21,7 +21,10 @@ busy. It sends them at once when someone may be waiting, or when holding them wo
     controller knows that every run submitted before the drop has finished, so holding reports
     of big outputs would hold memory.
 Otherwise it sends them `max_delay_s` after the first one. Two sends are at least
-`min_interval_s` apart, so that a burst of completions leaves as one message.
+`min_interval_s` apart, so that a burst of completions leaves as one message; except where the
+controller waits for the event itself (a task sent `report_promptly`: a sequential-dispatch run's
+node, whose successor is sent only then, or a run an IFRT proxy client blocks on, whose readiness
+check the controller answers from the run's end): that one goes at once.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class EventBuffer:
         self._bytes = 0
         self._first_at = 0.0
         self._urgent = False
+        self._prompt = False  # a held event the controller waits for: not held for min_interval_s
         self._last_sent = float("-inf")
 
     def add(self, events: Sequence[cpb.NodeEvent], prompt: bool = False, backlog: int | None = None,
@@ -76,15 +80,18 @@ class EventBuffer:
                 self._first_at = self.clock()
             self._events.extend(events)
             self._bytes += nbytes
-            was_urgent = self._urgent
+            was_urgent, was_prompt = self._urgent, self._prompt
             self._urgent = was_urgent or urgent or len(self._events) >= p.max_events or self._bytes >= p.max_bytes
-            return first or (self._urgent and not was_urgent)
+            self._prompt = was_prompt or prompt
+            return first or (self._urgent and not was_urgent) or (self._prompt and not was_prompt)
 
     def due_in(self) -> float | None:
         """Seconds until the held events are due (0: now); None when nothing is held."""
         with self._lock:
             if not self._events:
                 return None
+            if self._prompt:
+                return 0.0
             now = self.clock()
             at = self._last_sent + self.policy.min_interval_s
             if not self._urgent:
@@ -96,7 +103,7 @@ class EventBuffer:
         with self._lock:
             events, self._events = self._events, []
             self._bytes = 0
-            self._urgent = False
+            self._urgent = self._prompt = False
             self._last_sent = self.clock()
             return events
 

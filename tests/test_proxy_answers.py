@@ -59,7 +59,7 @@ class Runs(DescribedSlice):
         self.next += 1
         return [self.next]
 
-    async def ready(self, buffer_ids: Sequence[int]) -> None:
+    async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         pass
 
 

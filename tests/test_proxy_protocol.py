@@ -260,7 +260,7 @@ class DescribedSlice:
     async def get(self, buffer_id: int) -> bytes:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
-    async def ready(self, buffer_ids: Sequence[int]) -> None:
+    async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         raise BackendError("UNIMPLEMENTED", "no devices in this test")
 
     def free(self, buffer_ids: Sequence[int]) -> None:

@@ -113,8 +113,10 @@ class SessionBackend(Protocol):
         """A buffer's bytes (C order), once it is computed; BackendError if its run failed."""
         ...
 
-    async def ready(self, buffer_ids: Sequence[int]) -> None:
-        """Returns when the buffers exist; raises BackendError with the run's error if one failed."""
+    async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
+        """Returns when the buffers exist; raises BackendError with the run's error if one failed.
+        `blocking`: the client waits for the answer (a readiness check, a download), not a
+        status future the server keeps for it."""
         ...
 
     def free(self, buffer_ids: Sequence[int]) -> None:

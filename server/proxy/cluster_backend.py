@@ -400,15 +400,16 @@ class SliceSession(Uploading):
                                    data_messages=True)
         return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address)
 
-    async def ready(self, buffer_ids: Sequence[int]) -> None:
+    async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         """Returns once the buffers are computed (BackendError if one failed). An output of a
         prompt run (`execute`, a client that blocks on its calls) is computed once its run ended
         well: its workers report that at once, and the end is awaited here with no RPC; other
         buffers (uploads, outputs of runs sent while the client was pipelining, whose reports
         the workers may hold while busy: server/worker/reporting.py) are waited for on their
-        workers (`Wait`)."""
+        workers (`Wait`). `blocking`: the client waits for this (not a status future of an
+        execute): its next run is made prompt."""
         self._cork.waiting()  # what it waits for is on its way to the workers
-        self._blocking = True
+        self._blocking = self._blocking or blocking
         by_worker: dict[str, list[int]] = {}
         made_by = self._made_by
         for b in buffer_ids:

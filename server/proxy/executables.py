@@ -289,7 +289,8 @@ def _status_future(session: Session, bufs: list[Buf]) -> int:
     async def finished() -> None:
         try:
             if bufs:
-                await session.backend.ready([b.id for b in bufs])
+                # the execute's status, which the client may never ask for: not a blocking client
+                await session.backend.ready([b.id for b in bufs], blocking=False)
         finally:
             drop_buffers(session, bufs)
 

@@ -393,6 +393,33 @@ def test_the_tasks_of_a_gang_node_differ_only_in_segment_seq_and_id() -> None:
         p.outbox.take()
 
 
+@pytest.mark.parametrize("sequential", [True, False])
+def test_a_dropped_run_tells_its_readers_hosts_to_forget_what_they_gather_for_it(sequential: bool) -> None:
+    """A gang node's output read on host b is gathered there from the members' parts; when the
+    run fails, b's Drop names that gathered id (controller.proto Drop.gathered_ids), so b drops
+    the parts the members that finished sent: in sequential dispatch b's reader was never sent
+    (its seq is skipped) and nothing else would end them before the worker's idle timeout. The
+    members' Drops name nothing gathered: nothing is gathered there."""
+    p, _ = gang_parts()
+    graph = cpb.ProgramGraph(name="g", num_inputs=1, outputs=[out(1)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sg", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(0)], num_outputs=1, name="n1"),
+    ])
+    assert p.registry.add_functions([FUNCTION]) == []
+    prog = p.registry.register(graph, "client:c1")
+    run = p.run(session(sequential=sequential), 7, prog, output=200)
+    gathered = run.gathered[0]
+    sent = p.outbox.by_host()
+    assert [t.input_ids for m in sent.get("b", []) for t in m.enqueue.tasks] == ([] if sequential else [[gathered]])
+    p.report("g0", 7, 0)  # g0 finished: its part went to b
+    p.report("g1", 7, 1, ok=False, error="boom")
+    drops = {h: m.drop for h, msgs in p.outbox.by_host().items() for m in msgs if m.HasField("drop")}
+    assert sorted(drops) == ["b", "g2"]
+    assert list(drops["b"].gathered_ids) == [gathered] and list(drops["g2"].gathered_ids) == []
+    assert list(drops["b"].skipped_seqs) == ([1] if sequential else [])
+    assert p.finished == [(7, False, drops["b"].reason)]
+
+
 def test_a_node_on_part_of_its_slice_runs_on_those_devices_only() -> None:
     """ProgramNode.devices: virtual devices of the slice, in order, mapped through its placement
     (slice "w" is host a's devices 1, 0); the scheduler reserves only those devices."""

@@ -59,3 +59,14 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     if run.gathered and any(k >= 0 for k in seg.route_keys):
         fields["route_ids"] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
     return fields
+
+
+def gathered_by_host(run: RunState) -> dict[str, list[int]]:
+    """Per host, the ids of the run's gathered values read there (its segments' GATHERED
+    inputs): a Drop of the run tells the host to forget them (controller.proto Drop.gathered_ids)."""
+    out: dict[str, dict[int, None]] = {}
+    for seg in run.plan.segments:
+        for source, k in seg.inputs:
+            if source == GATHERED:
+                out.setdefault(seg.host.name, {})[run.gathered[k]] = None
+    return {h: list(ids) for h, ids in out.items()}

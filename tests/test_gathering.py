@@ -156,6 +156,28 @@ def test_a_drop_fails_the_gathered_input_its_enqueued_reader_waits_for(servicer:
 
 
 @pytest.mark.timeout(60)
+def test_a_drop_frees_the_copies_peers_sent_for_readers_that_never_came(servicer: WorkerServicer) -> None:
+    """A peer's output sent here before its reader (sequential dispatch) is held for it; the run's
+    Drop names it (Drop.routed_ids): the copy goes, unless a reader or the client holds it."""
+    s, store = servicer, servicer.store
+    whole = wpb.TransferChunk(buffer_id=50, last=True)
+    for bid in (50, 51, 52):
+        whole.buffer_id = bid
+        assert s.deliver_peer(whole, X.copy()) == X.nbytes
+    store.add_consumers([51])  # a live reader of 51 here
+    store.keep(52, "client:1")  # 52 kept for the client (a staged upload moved here)
+    assert store.stats() == (3, 3 * X.nbytes)
+    s.drop_runs(cpb.Drop(run_ids=[12], reason="node 1 failed", skipped_seqs=[1], routed_ids=[50, 51, 52, 53]))
+    assert store.owner_of(50) is None and store.owner_of(53) is None
+    assert store.stats() == (2, 2 * X.nbytes)
+    np.testing.assert_array_equal(store.wait(51, timeout=1), X)
+    store.consumer_done(51)
+    assert store.stats() == (1, X.nbytes)  # the client's 52 stays until released
+    store.release([52])
+    assert store.stats() == (0, 0)
+
+
+@pytest.mark.timeout(60)
 def test_gathered_parts_make_the_array_and_replicated_parts_count_once(servicer: WorkerServicer) -> None:
     s, store = servicer, servicer.store
     assert part(s, 11, 0) == 0 and part(s, 11, 0) == 0  # a replicated shard, sent by two members

@@ -61,12 +61,17 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     return fields
 
 
-def gathered_by_host(run: RunState) -> dict[str, list[int]]:
-    """Per host, the ids of the run's gathered values read there (its segments' GATHERED
-    inputs): a Drop of the run tells the host to forget them (controller.proto Drop.gathered_ids)."""
-    out: dict[str, dict[int, None]] = {}
-    for seg in run.plan.segments:
+def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int]]]:
+    """Per host, the ids of what other workers send there for the run's segments: (its gathered
+    values, segments.GATHERED inputs; the outputs routed to it from other hosts). A Drop of the
+    run names them (controller.proto Drop.gathered_ids, routed_ids): their readers may never come."""
+    out: dict[str, tuple[dict[int, None], dict[int, None]]] = {}
+    segments = run.plan.segments
+    for seg in segments:
+        gathered, routed = out.setdefault(seg.host.name, ({}, {}))
         for source, k in seg.inputs:
             if source == GATHERED:
-                out.setdefault(seg.host.name, {})[run.gathered[k]] = None
-    return {h: list(ids) for h, ids in out.items()}
+                gathered[run.gathered[k]] = None
+            elif source >= 0 and segments[source].host.name != seg.host.name:
+                routed[run.buffers[source][k]] = None
+    return {h: (list(g), list(r)) for h, (g, r) in out.items() if g or r}

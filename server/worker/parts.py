@@ -256,7 +256,8 @@ class Gathering:
                 self._dropped(bid)
         if self._store is not None:
             for bid in buffer_ids:
-                self._store.fail(bid, reason, unhold=True)
+                self._store.fail(bid, reason)
+            self._store.unhold(buffer_ids)
 
     def unread(self, buffer_id: int) -> None:
         """The readers enqueued here ended before the buffer was whole (the store's `on_unread`):

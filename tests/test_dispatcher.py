@@ -207,11 +207,13 @@ def test_a_prompt_run_s_tasks_are_reported_at_once_and_its_end_wakes_who_waits_f
 def test_a_failed_node_fails_the_run_and_drops_it_where_it_waits() -> None:
     p = Parts()
     prog, s = p.program(), session()
-    p.run(s, 7, prog, output=200)
+    run = p.run(s, 7, prog, output=200)
     p.outbox.take()
     p.report("a", 7, 0, ok=False, error="boom")
     reason = "node 0 (p/0 n0) failed: boom"
-    assert p.outbox.take() == [("b", cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7], reason=reason)))]
+    # (b's copy of n0's output, sent there for n1, is no longer held for it: Drop.routed_ids)
+    assert p.outbox.take() == [("b", cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7], reason=reason,
+                                                                          routed_ids=run.buffers[0])))]
     assert events(s) == [cpb.SessionEvent(finished=cpb.RunFinished(run_id=7, ok=False, error=reason)),
                          cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
     assert p.finished == [(7, False, reason)]
@@ -421,6 +423,59 @@ def test_the_tasks_of_a_gang_node_differ_only_in_segment_seq_and_id() -> None:
         p.report("b", run_id, 6)
         assert p.finished[-1] == (run_id, True, "")
         p.outbox.take()
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_a_dropped_run_tells_its_readers_hosts_to_forget_what_they_gather_for_it(sequential: bool) -> None:
+    """A gang node's output read on host b is gathered there from the members' parts; when the
+    run fails, b's Drop names that gathered id (controller.proto Drop.gathered_ids), so b drops
+    the parts the members that finished sent: in sequential dispatch b's reader was never sent
+    (its seq is skipped) and nothing else would end them before the worker's idle timeout. The
+    members' Drops name nothing gathered: nothing is gathered there."""
+    p, _ = gang_parts()
+    graph = cpb.ProgramGraph(name="g", num_inputs=1, outputs=[out(1)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sg", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(0)], num_outputs=1, name="n1"),
+    ])
+    assert p.registry.add_functions([FUNCTION]) == []
+    prog = p.registry.register(graph, "client:c1")
+    run = p.run(session(sequential=sequential), 7, prog, output=200)
+    gathered = run.gathered[0]
+    sent = p.outbox.by_host()
+    assert [t.input_ids for m in sent.get("b", []) for t in m.enqueue.tasks] == ([] if sequential else [[gathered]])
+    p.report("g0", 7, 0)  # g0 finished: its part went to b
+    p.report("g1", 7, 1, ok=False, error="boom")
+    drops = {h: m.drop for h, msgs in p.outbox.by_host().items() for m in msgs if m.HasField("drop")}
+    assert sorted(drops) == ["b", "g2"]
+    assert list(drops["b"].gathered_ids) == [gathered] and list(drops["g2"].gathered_ids) == []
+    assert list(drops["b"].routed_ids) == list(drops["g2"].routed_ids) == []
+    assert list(drops["b"].skipped_seqs) == ([1] if sequential else [])
+    assert p.finished == [(7, False, drops["b"].reason)]
+
+
+def test_a_dropped_sequential_run_tells_its_readers_host_to_free_what_was_sent_there_for_them() -> None:
+    """Sequential dispatch: n2 on host c reads n0 (host a) and n1 (host b), and is sent only once
+    both finished. n0 finished and sent its output to c, where it is held for n2; n1 failed, so
+    n2 never comes: c's Drop names n0's and n1's outputs (Drop.routed_ids) to free the copies."""
+    p = Parts()
+    p.hosts["c"] = host("c", [30, 31])
+    p.dispatcher.host_up(p.hosts["c"])
+    p.slices.where["sc"] = (p.hosts["c"], 0)
+    p.outbox.take()
+    assert p.registry.add_functions([FUNCTION]) == []
+    graph = cpb.ProgramGraph(name="r", num_inputs=1, outputs=[out(2)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sa", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n1"),
+        cpb.ProgramNode(function_id=F, slice="sc", inputs=[out(0), out(1)], num_outputs=1, name="n2"),
+    ])
+    run = p.run(session(sequential=True), 7, p.registry.register(graph, "client:c1"), output=200)
+    assert "c" not in p.outbox.by_host()  # n2 waits for n0 and n1
+    p.report("a", 7, 0)
+    p.report("b", 7, 1, ok=False, error="boom")
+    drops = {h: m.drop for h, msgs in p.outbox.by_host().items() for m in msgs if m.HasField("drop")}
+    assert sorted(drops) == ["c"]
+    assert list(drops["c"].routed_ids) == [run.buffers[0][0], run.buffers[1][0]]
+    assert list(drops["c"].gathered_ids) == [] and list(drops["c"].skipped_seqs) == [1]
 
 
 def test_a_node_on_part_of_its_slice_runs_on_those_devices_only() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_worker_executor import X, register
 
+from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from server.worker.buffers import BufferFailed, BufferStore
@@ -116,6 +117,64 @@ def test_a_reader_of_a_live_run_keeps_the_entry_a_dropped_runs_reader_leaves(ser
     assert s.gathering.open_ids() == [34]  # run 5's reader still waits for it
     part(s, 34, 2)
     np.testing.assert_array_equal(store.wait(35, timeout=10), X + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_drop_naming_a_gathered_buffer_whose_reader_never_came_takes_its_parts_at_once(
+        servicer: WorkerServicer) -> None:
+    """Sequential dispatch sends the reader once the gang node finished: when the run is dropped
+    first, the reader never comes, and the parts a member sent would stay until the idle time
+    (120 s). The controller's Drop names the run's gathered ids here (Drop.gathered_ids)."""
+    s, store = servicer, servicer.store
+    assert s.gathering.idle_s == 120.0  # the last resort is not what ends it
+    assert part(s, 40, 0) == 0  # member g0's part; g1's host dies before it sends
+    assert part(s, 41, 0) == 0 and part(s, 41, 2) == X.nbytes  # another gathered value: whole, held
+    assert s.gathering.open_ids() == [40] and store.stats() == (1, X.nbytes)  # held for the reader
+    s.drop_runs(cpb.Drop(run_ids=[9], reason="host g1 was lost", skipped_seqs=[1], gathered_ids=[40, 41]))
+    assert s.gathering.open_ids() == [] and s.gathering.open_bytes() == 0
+    assert store.stats() == (0, 0) and store.owner_of(40) is None and store.owner_of(41) is None
+    assert part(s, 40, 2) == 0  # the other member's part, late: ignored
+    assert s.gathering.open_ids() == [] and store.owner_of(40) is None and s.gathering.sweep() == 0
+    # the worker goes on: the reader's seq (1) was skipped, the next task runs
+    store.put(42, X, X.nbytes, owner="client:1", client_ref=True)
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=10, segment=0, seq=2, segment_id=1, input_ids=[42],
+                                                  output_ids=[43], output_visible=[True], owner="client:1")]))
+    np.testing.assert_array_equal(store.wait(43, timeout=10), X + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_drop_fails_the_gathered_input_its_enqueued_reader_waits_for(servicer: WorkerServicer) -> None:
+    s, store = servicer, servicer.store
+    s.executor.submit(wpb.Enqueue(tasks=[wpb.Task(run_id=11, segment=0, seq=1, segment_id=1, input_ids=[44],
+                                                  output_ids=[45], output_visible=[True], owner="client:1")]))
+    part(s, 44, 0)
+    s.drop_runs(cpb.Drop(run_ids=[11], reason="cancelled by the client", gathered_ids=[44]))
+    with pytest.raises(BufferFailed, match="cancelled by the client"):
+        store.wait(45, timeout=10)
+    assert s.gathering.open_ids() == []
+    assert until(lambda: store.owner_of(44) is None), "the dropped run's gathered input stayed"
+
+
+@pytest.mark.timeout(60)
+def test_a_drop_frees_the_copies_peers_sent_for_readers_that_never_came(servicer: WorkerServicer) -> None:
+    """A peer's output sent here before its reader (sequential dispatch) is held for it; the run's
+    Drop names it (Drop.routed_ids): the copy goes, unless a reader or the client holds it."""
+    s, store = servicer, servicer.store
+    whole = wpb.TransferChunk(buffer_id=50, last=True)
+    for bid in (50, 51, 52):
+        whole.buffer_id = bid
+        assert s.deliver_peer(whole, X.copy()) == X.nbytes
+    store.add_consumers([51])  # a live reader of 51 here
+    store.keep(52, "client:1")  # 52 kept for the client (a staged upload moved here)
+    assert store.stats() == (3, 3 * X.nbytes)
+    s.drop_runs(cpb.Drop(run_ids=[12], reason="node 1 failed", skipped_seqs=[1], routed_ids=[50, 51, 52, 53]))
+    assert store.owner_of(50) is None and store.owner_of(53) is None
+    assert store.stats() == (2, 2 * X.nbytes)
+    np.testing.assert_array_equal(store.wait(51, timeout=1), X)
+    store.consumer_done(51)
+    assert store.stats() == (1, X.nbytes)  # the client's 52 stays until released
+    store.release([52])
+    assert store.stats() == (0, 0)
 
 
 @pytest.mark.timeout(60)

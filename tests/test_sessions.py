@@ -124,9 +124,12 @@ def test_closing_a_session_frees_what_its_client_owned() -> None:
     assert p.broadcasts == [cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner="client:c1"))]
     ids = [seg.definition.segment_id for seg in run_state.plan.segments]
     drop = cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[1], reason="cancelled: client c1 disconnected"))
+    drop_b = cpb.ControllerToWorker()  # b's also frees the copy a sends there for its reader
+    drop_b.CopyFrom(drop)
+    drop_b.drop.routed_ids[:] = run_state.buffers[0]
     assert p.outbox.by_host() == {  # each worker's messages in order (workers in no particular one)
         "a": [drop, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[0]]))],
-        "b": [drop, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))],
+        "b": [drop_b, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))],
     }
     assert p.registry.programs == {} and p.slices.released == ["client:c1"]
     assert p.manager.sessions == {}

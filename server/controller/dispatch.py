@@ -49,7 +49,7 @@ from .errors import ControllerError, GroupForming, InvalidArgument
 from .outbox import GangEnqueue, Outbox, add_member, materialized
 from .plans import Plan, check_spread_inputs, placed_plan, placement_key
 from .programs import ProgramRecord, ProgramRegistry
-from .runs import RunState, task_fields
+from .runs import RunState, peer_inputs_by_host, task_fields
 from .segments import PROGRAM_INPUT, same_machine
 
 if TYPE_CHECKING:
@@ -384,9 +384,13 @@ class Dispatcher:
         skipped: dict[str, list[int]] = {}
         for s in a.skipped:
             skipped.setdefault(s.host, []).append(s.seq)
+        run = self.runs.get(a.run_id) or self._recent.get(a.run_id)
+        peer_inputs = peer_inputs_by_host(run) if run is not None else {}
         for h in set(a.hosts) | set(skipped):
+            gathered, routed = peer_inputs.get(h, ((), ()))
             self._outbox.other(h, cpb.ControllerToWorker(
-                drop=cpb.Drop(run_ids=[a.run_id], reason=a.reason, skipped_seqs=skipped.get(h, []))))
+                drop=cpb.Drop(run_ids=[a.run_id], reason=a.reason, skipped_seqs=skipped.get(h, []),
+                              gathered_ids=gathered, routed_ids=routed)))
 
     def release(self, address: str, ids: list[int]) -> None:
         host = self.host_by_address(address)

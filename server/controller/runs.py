@@ -62,3 +62,19 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     if run.gathered and any(k >= 0 for k in seg.route_keys):
         fields["route_ids"] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
     return fields
+
+
+def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int]]]:
+    """Per host, the ids of what other workers send there for the run's segments: (its gathered
+    values, segments.GATHERED inputs; the outputs routed to it from other hosts). A Drop of the
+    run names them (controller.proto Drop.gathered_ids, routed_ids): their readers may never come."""
+    out: dict[str, tuple[dict[int, None], dict[int, None]]] = {}
+    segments = run.plan.segments
+    for seg in segments:
+        gathered, routed = out.setdefault(seg.host.name, ({}, {}))
+        for source, k in seg.inputs:
+            if source == GATHERED:
+                gathered[run.gathered[k]] = None
+            elif source >= 0 and segments[source].host.name != seg.host.name:
+                routed[run.buffers[source][k]] = None
+    return {h: (list(g), list(r)) for h, (g, r) in out.items() if g or r}

@@ -173,6 +173,17 @@ class BufferStore:
             cb()
         return True
 
+    def unhold(self, buffer_ids: Sequence[int]) -> None:
+        """No reader will come for these peers' copies held for one (`put` from_peer): their run
+        was dropped before its reader here was sent. Each goes unless a reader or the client holds it."""
+        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        with self._lock:
+            for buffer_id in buffer_ids:
+                e = self._entries.get(buffer_id)
+                if e is not None and e.hold:
+                    e.hold = False
+                    self._maybe_free(buffer_id, e, gone)
+
     def fail(self, buffer_id: int, error: str) -> None:
         with self._lock:
             e = self._entries.get(buffer_id)

@@ -34,8 +34,9 @@ __all__ = ["GATHER_IDLE_S", "Gathering", "joined_sources", "local_parts", "part_
 log = logging.getLogger(__name__)
 
 # A buffer being gathered that got no part for this long fails and its parts go: its members
-# send their parts as their shards of one computation are ready, seconds apart at most; the
-# controller's hang timeout (60 s by default) usually fails the run first.
+# send their parts as their shards of one computation are ready, seconds apart at most. A last
+# resort: a run the controller drops (its hang timeout, 60 s by default, a lost host, a cancel)
+# takes its gathered buffers with it at once (`Gathering.forget`, `unread`).
 GATHER_IDLE_S = 120.0
 MAX_ABANDONED = 4096  # buffers dropped while gathering, remembered to ignore their late parts
 
@@ -171,6 +172,9 @@ class Gathering:
 
     An entry is made by the first part of a buffer and ends when its parts cover the array (the
     caller stores it). One that cannot end that way goes, with its memory:
+    - at once when the controller drops the run that reads it here (`forget`: Drop.gathered_ids),
+      whether or not its reader came (sequential dispatch sends a reader once its inputs' nodes
+      finished: it may never come);
     - at once when the buffer fails (`drop`: a member's failure notice, a part that does not fit;
       the store's `on_failed`: a run dropped because a member's host was lost fails the inputs of
       its tasks here, a reader that failed);
@@ -240,6 +244,20 @@ class Gathering:
         """Forgets the buffer's parts; later ones for it are ignored."""
         with self._lock:
             self._dropped(buffer_id)
+
+    def forget(self, buffer_ids: list[int], reason: str) -> None:
+        """The run these buffers were gathered for was dropped (controller.proto
+        Drop.gathered_ids): nothing will read them, so their parts go now, parts still coming
+        are ignored, and each buffer fails (a reader of the run enqueued here fails with
+        `reason`; one arriving later fails with its run) or, whole already and held for a reader
+        that never came, is freed."""
+        with self._lock:
+            for bid in buffer_ids:
+                self._dropped(bid)
+        if self._store is not None:
+            for bid in buffer_ids:
+                self._store.fail(bid, reason)
+            self._store.unhold(buffer_ids)
 
     def unread(self, buffer_id: int) -> None:
         """The readers enqueued here ended before the buffer was whole (the store's `on_unread`):

@@ -307,7 +307,10 @@ class WorkerProcess:
             elif msg.release.owner:
                 self.store.release_owner(msg.release.owner)
         elif kind == "drop":
-            self.executor.drop(list(msg.drop.run_ids), msg.drop.reason, list(msg.drop.skipped_seqs))
+            if self.servicer is not None:
+                self.servicer.drop_runs(msg.drop)
+            else:  # (not serving yet: nothing gathered here)
+                self.executor.drop(list(msg.drop.run_ids), msg.drop.reason, list(msg.drop.skipped_seqs))
         elif kind == "registered":
             self.executor.reset("the controller restarted")
             if self.executor.runners.group.announced:  # a new registration is in no island group

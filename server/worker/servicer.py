@@ -14,6 +14,7 @@ import numpy as np
 from grpc import aio
 
 from schemas.arrays import byte_view, dtype_name, resolve_dtype, to_numpy
+from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
@@ -75,6 +76,17 @@ class WorkerServicer(Waits, UploadHandlers):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.shutdown(wait=False, cancel_futures=True)
+
+    def drop_runs(self, drop: cpb.Drop) -> None:
+        """The controller's Drop: the runs' tasks here fail, the buffers gathered here for them
+        go with their parts (parts.py, Gathering.forget), and the copies other workers sent here
+        for their readers are no longer held for them (BufferStore.unhold): whether or not a
+        reader came (sequential dispatch sends one only once its inputs' nodes finished)."""
+        self.executor.drop(list(drop.run_ids), drop.reason, list(drop.skipped_seqs))
+        if drop.gathered_ids:
+            self.gathering.forget(list(drop.gathered_ids), drop.reason)
+        if drop.routed_ids:
+            self.store.unhold(list(drop.routed_ids))
 
     # ---- waiting for buffers ----
     @contextlib.asynccontextmanager

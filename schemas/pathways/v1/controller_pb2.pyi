@@ -933,21 +933,41 @@ class Drop(_message.Message):
     RUN_IDS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     SKIPPED_SEQS_FIELD_NUMBER: _builtins.int
+    GATHERED_IDS_FIELD_NUMBER: _builtins.int
+    ROUTED_IDS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     @_builtins.property
     def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def skipped_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def gathered_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Buffers of these runs this worker gathers from a multi-host slice's members (Task.route_ids
+        on the members, its readers' GATHERED inputs here; fresh ids of the run): nothing will read
+        them, so their parts go now and parts still coming are ignored. Its reader may never come
+        (sequential dispatch: not sent yet), so the parts name no reader that could end them.
+        """
+
+    @_builtins.property
+    def routed_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Buffers of these runs that other workers send here for its readers (their segments' routes
+        to this host). A copy that came before its reader is held for it, and that reader may never
+        come (sequential dispatch, as above): such a copy is freed. One a reader or the client holds
+        stays; a pending one is left (another run may still send the same buffer for its reader).
+        """
+
     def __init__(
         self,
         *,
         run_ids: _abc.Iterable[_builtins.int] | None = ...,
         reason: _builtins.str = ...,
         skipped_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        gathered_ids: _abc.Iterable[_builtins.int] | None = ...,
+        routed_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gathered_ids", b"gathered_ids", "reason", b"reason", "routed_ids", b"routed_ids", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

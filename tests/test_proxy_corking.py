@@ -97,6 +97,23 @@ def test_after_a_wait_the_next_decision_goes_at_once() -> None:
     assert flushed == [1, 1, 1]
 
 
+def test_after_a_wait_releases_are_held_for_the_next_run() -> None:
+    """An op-by-op client drops the previous call's arrays before its next call: those
+    releases wait (armed as usual) and leave with the next run, which goes at once."""
+    c, loop, flushed = cork(quiet_passes=3)
+    c.waiting()
+    c.decided(run=False)
+    c.decided(run=False)
+    assert flushed == [] and c.held == 2
+    c.decided()  # the next call: it and the releases, in one flush
+    assert flushed == [1] and c.held == 0
+    c.decided(run=False)  # no wait since: held, then flushed by the quiet passes
+    assert flushed == [1] and c.held == 1
+    for _ in range(4):
+        loop.run_pass()
+    assert flushed == [1, 1] and c.held == 0
+
+
 def test_an_explicit_flush_sends_at_once_and_stops_the_pending_passes() -> None:
     c, loop, flushed = cork(quiet_passes=2)
     c.flush()

@@ -450,7 +450,7 @@ class SliceSession(Uploading):
             else:  # behind the session's earlier runs, which may read them (client_session.py)
                 manager.release(self._client, address, ids)
         if by_worker and manager is not None:
-            self._cork.decided()
+            self._cork.decided(run=False)
 
     async def close(self) -> None:
         self._cork.flush()

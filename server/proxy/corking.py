@@ -20,9 +20,11 @@ autocorking holds a socket's small writes while the application is still writing
   about that time;
 - `waiting` sends what is held at once: called before anything that waits on the workers (a
   readiness check, a download), so a blocking call never waits for the cork; and the session's
-  next decision goes at once too: a client that blocks on its results calls one at a time
+  next run goes at once too: a client that blocks on its results calls one at a time
   (op-by-op), so there is nothing to coalesce its next call with and holding it could only
-  delay it.
+  delay it. Releases in between (the client drops the previous call's arrays before its next
+  call) do not go at once: they are held (armed as any decision) and leave with that run, in its
+  `Enqueue`, one message to the worker per call instead of two.
 
 Holding back a flush changes no order: the held runs go to the scheduler at the flush, in the
 order they came, in one scheduler pass (cluster_backend.py: as a `pw` client's batch of runs),
@@ -67,11 +69,11 @@ class FlushCork:
         self._waited = False  # a call waited on the workers since the last decision
         self.flushes = 0
 
-    def decided(self) -> None:
-        """A run or a release was handed to the dispatcher (not flushed)."""
+    def decided(self, run: bool = True) -> None:
+        """A run (`run`) or a release or move was handed to the dispatcher (not flushed)."""
         self.held += 1
         self._decisions += 1
-        if self._waited or self.held >= self.max_held:
+        if (run and self._waited) or self.held >= self.max_held:
             self._waited = False
             self.flush()
         elif not self._armed:

@@ -155,7 +155,7 @@ class Uploading:
                     if not manager.dispatcher.move(b, self._owner, home, others, keep_source=keep):
                         raise BackendError("UNAVAILABLE", f"moving a shard to workers {others}: not all registered")
                     self._held.stored([b], [home, *others] if keep else others)
-            self._cork.decided()
+            self._cork.decided(run=False)
             self._cork.waiting()  # the moves go now: the members wait for them
             buffer_id = next(self._ids)
             numbers = [gang.devices[v] for v in devices]
@@ -289,7 +289,7 @@ class Uploading:
         if not manager.dispatcher.move(buffer_id, self._owner, home, targets, keep_source=home in holders):
             return
         self._held.stored([buffer_id], holders)
-        self._cork.decided()  # sent with the session's next flush
+        self._cork.decided(run=False)  # sent with the session's next flush
 
     def adopt(self, buffer_id: int, address: str) -> None:
         """Records a buffer a staged upload stored on worker `address`."""

@@ -14,71 +14,24 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch
 from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
 # not kept as a new buffer nobody will release; the oldest are forgotten first
 MAX_FREED_UPLOADS = 16384
 
-PENDING = "pending"
-READY = "ready"
-FAILED = "failed"
-
-
-class BufferFailed(Exception):
-    """The buffer's producer failed; the message is the cause."""
-
-
-@dataclass
-class _Entry:
-    state: str = PENDING
-    value: Any = None
-    error: str = ""
-    client_ref: bool = False  # held for the client until it releases
-    released: bool = False  # the client released it (maybe before it existed)
-    consumers: int = 0  # enqueued readers that have not finished
-    owner: str = ""
-    nbytes: int = 0
-    hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
-    uploaded: bool = False  # a client's upload supplied it
-    # every reader enqueued here ended before it existed (they failed: a run dropped before its
-    # reader arrived fails that reader on arrival), and nothing else holds it
-    unread: bool = False
-    callbacks: list[Callable[[], None]] = field(default_factory=list)
-    launched: bool = False  # a launch's output: the executor says when its computation is over
-
-
-class _Latch:
-    """What a thread blocked in `wait_all` waits on: set when the last of its buffers settles, so
-    a wait for many buffers (a pipeline pass's outputs, a training step's parameters) wakes its
-    thread once, not once per buffer. Counted down under the store's lock."""
-
-    __slots__ = ("callback", "event", "left")
-
-    def __init__(self, count: int, callback: Callable[[], None] | None = None) -> None:
-        self.left = count
-        self.event = threading.Event()
-        self.callback = callback  # called (under the store's lock: it must be quick) when set
-
-    def settled(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.event.set()
-            if self.callback is not None:
-                self.callback()
-
 
 class BufferStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
-        self._waiters: dict[int, list[_Latch]] = {}
+        self._waiters: dict[int, list[Latch]] = {}
         # waits for launched buffers' computations to be over, per buffer (`when_computed`)
-        self._computing: dict[int, list[_Latch]] = {}
+        self._computing: dict[int, list[Latch]] = {}
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
@@ -97,7 +50,7 @@ class BufferStore:
             for i, buffer_id in enumerate(buffer_ids):
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = _Entry(owner=owner)
+                    e = self._entries[buffer_id] = Entry(owner=owner)
                 if i < len(visible) and visible[i] and not e.released:
                     e.client_ref = True
                 e.owner = e.owner or owner
@@ -109,13 +62,13 @@ class BufferStore:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = _Entry(owner=owner)
+                    e = self._entries[buffer_id] = Entry(owner=owner)
                 e.consumers += 1
                 e.hold = False
                 e.unread = False
 
     def consumer_done(self, buffer_id: int) -> None:
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         unread = False
         with self._lock:
             e = self._entries.get(buffer_id)
@@ -135,7 +88,7 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
-                e = self._entries[buffer_id] = _Entry(owner=owner)
+                e = self._entries[buffer_id] = Entry(owner=owner)
             e.owner = e.owner or owner
             e.hold, e.unread = False, False  # arrived already (held for a reader): the client's now
             if not e.released:
@@ -150,13 +103,13 @@ class BufferStore:
         With same_owner (a client's upload) a buffer recorded under another owner is left as it
         is and the answer is False. `again`: an upload sent again (worker.proto), dropped when
         this buffer settled already or was an upload freed since."""
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             e = self._entries.get(buffer_id)
             if again and (e.state != PENDING if e is not None else buffer_id in self._freed_uploads):
                 return True
             if e is None:
-                e = self._entries[buffer_id] = _Entry(owner=owner, hold=from_peer)
+                e = self._entries[buffer_id] = Entry(owner=owner, hold=from_peer)
             elif same_owner and e.owner and e.owner != owner:
                 return False
             e.owner = e.owner or owner
@@ -176,7 +129,7 @@ class BufferStore:
     def unhold(self, buffer_ids: Sequence[int]) -> None:
         """No reader will come for these peers' copies held for one (`put` from_peer): their run
         was dropped before its reader here was sent. Each goes unless a reader or the client holds it."""
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
@@ -188,7 +141,7 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
-                e = self._entries[buffer_id] = _Entry()
+                e = self._entries[buffer_id] = Entry()
             if e.state != PENDING:
                 return
             callbacks = self._failed(buffer_id, e, error)
@@ -197,7 +150,7 @@ class BufferStore:
         for cb in callbacks:
             cb()
 
-    def _failed(self, buffer_id: int, e: _Entry, error: str) -> list[Callable[[], None]]:
+    def _failed(self, buffer_id: int, e: Entry, error: str) -> list[Callable[[], None]]:
         """Settles a pending entry as failed (call with the lock held): its waiters woken, the
         entry freed if nothing holds it; the callbacks to call once the lock is released."""
         e.state, e.error, e.value = FAILED, error, None
@@ -219,7 +172,7 @@ class BufferStore:
             if e is None:
                 if not held and buffer_id not in self._waiters:
                     return
-                e = self._entries[buffer_id] = _Entry(owner=owner)
+                e = self._entries[buffer_id] = Entry(owner=owner)
             elif e.state != PENDING or (e.owner and e.owner != owner):
                 return
             e.owner = e.owner or owner
@@ -248,13 +201,13 @@ class BufferStore:
         total = 0
         if sizes is None:
             sizes = [held_nbytes(v) for v in values]
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id, value, nbytes in zip(output_ids, values, sizes, strict=False):
                 total += nbytes
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = _Entry()
+                    e = self._entries[buffer_id] = Entry()
                 if e.state == READY:
                     continue
                 e.state, e.value, e.nbytes, e.error, e.launched = READY, value, nbytes, "", True
@@ -299,7 +252,7 @@ class BufferStore:
             pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
             if not pending:
                 return self._values(buffer_ids)
-            latch = _Latch(len(pending))
+            latch = Latch(len(pending))
             for b in pending:
                 self._waiters.setdefault(b, []).append(latch)
         latch.event.wait(timeout)
@@ -317,7 +270,7 @@ class BufferStore:
             return self._values(buffer_ids)
 
     def watch(self, buffer_ids: Sequence[int], callback: Callable[[], None],
-              must_exist: bool = False) -> _Latch | None:
+              must_exist: bool = False) -> Latch | None:
         """Calls `callback` once every buffer settled (ready, failed, or gone), from the thread that
         settles the last; None when all are settled already (then it is not called). Unknown ids
         are waited for (a fetch may overtake the enqueue that declares them) unless `must_exist`,
@@ -328,12 +281,12 @@ class BufferStore:
             pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist=must_exist)]
             if not pending:
                 return None
-            latch = _Latch(len(pending), callback)
+            latch = Latch(len(pending), callback)
             for b in pending:
                 self._waiters.setdefault(b, []).append(latch)
             return latch
 
-    def unwatch(self, buffer_ids: Sequence[int], latch: _Latch) -> None:
+    def unwatch(self, buffer_ids: Sequence[int], latch: Latch) -> None:
         with self._lock:
             latch.callback = None
             for b in dict.fromkeys(buffer_ids):
@@ -344,7 +297,7 @@ class BufferStore:
                         del self._waiters[b]
 
     # ---- computed: launched is not computed ----
-    def when_computed(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> _Latch | bool:
+    def when_computed(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> Latch | bool:
         """Calls `callback` once the computations behind these ready buffers are over, from the
         thread that completes the last (the executor's, through `computed`), so that a wait for
         them holds no thread. True when they are all computed already (then it is not called);
@@ -365,7 +318,7 @@ class BufferStore:
                 computing.append(b)  # `computed(b)` comes after this: it follows readiness, under the lock
             if not computing:
                 return True
-            latch = _Latch(len(computing), callback)
+            latch = Latch(len(computing), callback)
             for b in computing:
                 self._computing.setdefault(b, []).append(latch)
             return latch
@@ -379,7 +332,7 @@ class BufferStore:
                 for latch in self._computing.pop(b, ()):
                     latch.settled()
 
-    def forget_computed(self, buffer_ids: Sequence[int], latch: _Latch) -> None:
+    def forget_computed(self, buffer_ids: Sequence[int], latch: Latch) -> None:
         with self._lock:
             latch.callback = None
             for b in dict.fromkeys(buffer_ids):
@@ -458,19 +411,19 @@ class BufferStore:
     # ---- releasing ----
     def release(self, buffer_ids: Sequence[int]) -> None:
         """The client dropped these buffers (some maybe before they exist: tombstones)."""
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    self._entries[buffer_id] = _Entry(released=True)
+                    self._entries[buffer_id] = Entry(released=True)
                     continue
                 e.released, e.client_ref = True, False
                 self._maybe_free(buffer_id, e, gone)
 
     def release_owner(self, owner: str) -> int:
         """Drops every client reference held by `owner` (a client or job went away)."""
-        gone: list[_Entry] = []  # freed under the lock, deallocated after it
+        gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             ids = [i for i, e in self._entries.items() if e.owner == owner]
             for i in ids:
@@ -479,7 +432,7 @@ class BufferStore:
                 self._maybe_free(i, e, gone)
             return len(ids)
 
-    def _maybe_free(self, buffer_id: int, e: _Entry, gone: list[_Entry]) -> None:
+    def _maybe_free(self, buffer_id: int, e: Entry, gone: list[Entry]) -> None:
         """Forgets the buffer when nobody needs it any more. Its entry goes to `gone`, which the
         caller drops after leaving the lock: dropping the last reference to a JAX array runs
         XLA's deallocation (tens of µs, more while a computation still reads it), which must not

@@ -1,0 +1,55 @@
+"""What the worker's buffer store (buffers.py) keeps per buffer, and what its waiters wait on."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PENDING = "pending"
+READY = "ready"
+FAILED = "failed"
+
+
+class BufferFailed(Exception):
+    """The buffer's producer failed; the message is the cause."""
+
+
+@dataclass
+class Entry:
+    state: str = PENDING
+    value: Any = None
+    error: str = ""
+    client_ref: bool = False  # held for the client until it releases
+    released: bool = False  # the client released it (maybe before it existed)
+    consumers: int = 0  # enqueued readers that have not finished
+    owner: str = ""
+    nbytes: int = 0
+    hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
+    uploaded: bool = False  # a client's upload supplied it
+    # every reader enqueued here ended before it existed (they failed: a run dropped before its
+    # reader arrived fails that reader on arrival), and nothing else holds it
+    unread: bool = False
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+    launched: bool = False  # a launch's output: the executor says when its computation is over
+
+
+class Latch:
+    """What a thread blocked in `wait_all` waits on: set when the last of its buffers settles, so
+    a wait for many buffers (a pipeline pass's outputs, a training step's parameters) wakes its
+    thread once, not once per buffer. Counted down under the store's lock."""
+
+    __slots__ = ("callback", "event", "left")
+
+    def __init__(self, count: int, callback: Callable[[], None] | None = None) -> None:
+        self.left = count
+        self.event = threading.Event()
+        self.callback = callback  # called (under the store's lock: it must be quick) when set
+
+    def settled(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.event.set()
+            if self.callback is not None:
+                self.callback()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,29 @@ class RunState:
     # (their reader is not enqueued yet, so the worker would free them); released when the run ends
     held_ids: dict[str, list[int]] = field(default_factory=dict)  # worker address -> held buffer ids
     templates: dict[int, wpb.Task] = field(default_factory=dict)  # task group (Plan.group_of) -> its task
+
+
+def never_reading(runs: Mapping[int, RunState], run_ids: Iterable[int],
+                  lost: dict[int, str]) -> list[tuple[RunState, str, str]]:
+    """Of `run_ids` (submission order), the runs that read a buffer of `lost` (buffer id -> why
+    it will never be computed), each with the error it fails with (naming its first such input)
+    and why its own outputs will never be computed: that input's why (the chain's first
+    failure, as refusals name it: dispatch.py `refuse`). They join `lost`, so the reader's
+    readers submitted after it are found in the same pass."""
+    out = []
+    for rid in run_ids:
+        run = runs.get(rid)
+        if run is None:
+            continue
+        for k, b in enumerate(run.input_ids):
+            why = lost.get(b)
+            if why is not None:
+                out.append((run, f"input {k} (buffer {b:#x}) will never be computed: {why}", why))
+                for ids in run.buffers:
+                    for x in ids:
+                        lost[x] = why
+                break
+    return out
 
 
 def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostInfo,
@@ -59,3 +83,10 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     if run.gathered and any(k >= 0 for k in seg.route_keys):
         fields["route_ids"] = [run.gathered[k] if k >= 0 else 0 for k in seg.route_keys]
     return fields
+
+
+def segment_size(run: RunState | None, segment: int) -> int:
+    """Program nodes in a run's segment (1 when the run is gone)."""
+    if run is None or not 0 <= segment < len(run.plan.segments):
+        return 1
+    return run.plan.segments[segment].size

@@ -172,7 +172,8 @@ class RunFinished:
     error: str = ""
     # failed before any of its nodes went to a worker (refused at submission, or failed while
     # waiting for admission): no worker will ever compute or fail its outputs (the controller then
-    # refuses the session's later runs that read them, server/controller/dispatch.py)
+    # cancels the session's runs submitted already that read them, and refuses those submitted
+    # later: server/controller/dispatch.py)
     unstarted: bool = field(default=False, compare=False)
 
 

@@ -345,6 +345,60 @@ def test_a_run_reading_an_output_of_a_run_cancelled_before_admission_is_refused_
                            "before it started: input lost"), refused
 
 
+def one_node_graph(name: str, slice_name: str) -> cpb.ProgramGraph:
+    return cpb.ProgramGraph(name=name, num_inputs=1, outputs=[out(0)], nodes=[
+        cpb.ProgramNode(function_id=F, slice=slice_name, inputs=[cpb.ValueRef(program_input=0)], num_outputs=1,
+                        name="n0")])
+
+
+def test_runs_submitted_already_that_read_an_output_of_a_run_failed_before_it_started_fail_with_it() -> None:
+    """A run waiting for admission on a busy island (A) is cancelled; the run reading its output,
+    pipelined behind it and placed on an idle island (B), is admitted by that same pass and sent
+    to its worker, which would wait for the input until the hang timeout, holding B's gang
+    order. It fails at once, naming the first failure, and is dropped on its worker; so does,
+    transitively, the run reading its output (still waiting: it never reaches a worker). A run
+    of the session reading something else goes on, and later readers are refused at once."""
+    p = Parts(max_inflight_nodes=1)  # one node in flight per island
+    p.hosts["b"].island = "j"  # sa on island i (host a), sb on island j (host b)
+    assert p.registry.add_functions([FUNCTION]) == []
+    on_a = p.registry.register(one_node_graph("pa", "sa"), "client:c1")
+    on_b = p.registry.register(one_node_graph("pb", "sb"), "client:c1")
+    s = session()
+
+    def submit(run_id: int, prog: ProgramRecord, input_id: int, home: str, output: int) -> None:
+        p.dispatcher.submit(s, cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[input_id],
+                                              output_ids=[output], input_homes=[home]))
+
+    submit(8, on_a, 100, "a:1", 200)  # admitted: island i is full
+    submit(9, on_a, 100, "a:1", 300)  # the producer: waits
+    submit(10, on_b, 300, "a:1", 301)  # reads 9's output on island j: waits behind 9 (its client's order)
+    submit(11, on_a, 301, "b:1", 302)  # reads 10's output
+    submit(12, on_a, 200, "a:1", 303)  # reads 8's: not concerned
+    p.dispatcher.flush()
+    p.outbox.take()
+    p.dispatcher.handle(CancelRun(s.client_id, 9, "input lost", 0.0))
+    p.dispatcher.flush()
+    first = "run 0x9 that computes it failed before it started: input lost"
+    err10 = f"input 0 (buffer 0x12c) will never be computed: {first}"
+    err11 = f"input 0 (buffer 0x12d) will never be computed: {first}"
+    assert p.finished == [(9, False, "input lost"), (10, False, err10), (11, False, err11)]
+    assert sorted(p.dispatcher.runs) == [8, 12]
+    sent = p.outbox.by_host()
+    # 10 was admitted with 9's failure (island j is idle) and sent to b: dropped there, after it
+    assert [m.WhichOneof("msg") for m in sent["b"]] == ["enqueue", "drop"]
+    assert [t.run_id for t in sent["b"][0].enqueue.tasks] == [10]
+    assert sent["b"][1].drop == cpb.Drop(run_ids=[10], reason=err10)
+    assert "drop" not in [m.WhichOneof("msg") for m in sent.get("a", [])]  # 11 never reached a
+    assert [(e.finished.run_id, e.finished.error) for e in events(s) if e.HasField("finished")] == [
+        (9, "input lost"), (10, err10), (11, err11)]
+    p.report("a", 8, 0)  # 8 done: 12 goes on
+    assert [t.run_id for m in p.outbox.by_host()["a"] for t in m.enqueue.tasks] == [12]
+    submit(13, on_a, 302, "a:1", 304)  # reads 11's output: refused at once
+    assert 13 not in p.dispatcher.runs
+    assert events(s)[-1].finished == cpb.RunFinished(
+        run_id=13, ok=False, error=f"input 0 (buffer 0x12e) will never be computed: {first}")
+
+
 def test_a_session_remembers_a_bounded_number_of_outputs_that_will_never_be_computed() -> None:
     from server.controller import client_session
 

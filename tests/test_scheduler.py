@@ -499,6 +499,28 @@ def test_a_client_cancels_a_run_of_its_own_admitted_or_waiting() -> None:
     assert s.handle(CancelRun("c1", 99, "unknown", now=2.0)) == []
 
 
+def test_runs_cancelled_in_one_batch_all_fail_before_the_next_admission() -> None:
+    """What the controller sends for the runs reading an output of a run that failed before it
+    started (server/controller/dispatch.py): cancelled together, none of them is admitted (sent
+    to its workers) between two cancels only to be dropped there."""
+    from server.scheduler import Batch
+
+    s = new(max_inflight_nodes=1)
+    s.handle(Submit(chain(1, 1, "h0", "a"), now=0.0))  # admitted: island a is full
+    s.handle(Submit(chain(2, 1, "h0", "a"), now=0.0))  # waits
+    s.handle(Submit(chain(3, 1, "h1", "b"), now=0.0))  # waits behind 2 (its client's order), island b idle
+    actions = s.handle(Batch((CancelRun("c1", 2, "input lost", 1.0), CancelRun("c1", 3, "reads 2's", 1.0)), 1.0))
+    assert actions == [RunFinished(2, False, "input lost"), RunFinished(3, False, "reads 2's")]
+    assert all(isinstance(a, RunFinished) and a.unstarted for a in actions)  # neither reached a worker
+    assert s.history()[-1].text == ("Batch of 2: CancelRun run 2 client c1: input lost; "
+                                    "CancelRun run 3 client c1: reads 2's")
+    s2 = new(max_inflight_nodes=1)  # one at a time: 3 is admitted as 2 fails, then dropped
+    for r in (chain(1, 1, "h0", "a"), chain(2, 1, "h0", "a"), chain(3, 1, "h1", "b")):
+        s2.handle(Submit(r, now=0.0))
+    assert s2.handle(CancelRun("c1", 2, "input lost", 1.0)) == [RunFinished(2, False, "input lost"),
+                                                                Dispatch("h1", (d(3, 0, 1),))]
+
+
 # -------------------------------------------------------------------------------- hang detection
 
 

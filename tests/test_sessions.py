@@ -111,6 +111,24 @@ def test_a_batch_is_one_scheduler_pass_and_releases_keep_their_place() -> None:
     assert p.outbox.take() == [("b", release_msg(7))]
 
 
+def test_a_cancel_in_a_batch_reaches_the_runs_before_it_in_the_batch() -> None:
+    """A `pw` client's cancel_run (an input upload of the run lost) may leave in the same batch as
+    the run: the batch's runs went to the scheduler at its end, after the cancel, which found no
+    such run and was lost (the run then waited for its input until the hang timeout)."""
+    p = Sessions()
+    s = p.open()
+    prog = p.register(s)
+    cancel = cpb.ClientMessage(cancel_run=cpb.CancelRun(run_id=2, reason="input lost"))
+    p.send(s, cpb.ClientMessage(batch=cpb.ClientBatch(messages=[run(1, prog, 201), run(2, prog, 202), cancel,
+                                                                run(3, prog, 203)])))
+    assert p.finished == [(2, False, "input lost")]
+    for host, msgs in p.outbox.by_host().items():  # in order on each worker: 1 and 2, 2 dropped, then 3
+        assert [m.WhichOneof("msg") for m in msgs] == ["enqueue", "drop", "enqueue"], host
+        assert [[t.run_id for t in m.enqueue.tasks] for m in msgs] == [[1, 2], [], [3]], host
+        drop = msgs[1].drop
+        assert (list(drop.run_ids), drop.reason, list(drop.skipped_seqs)) == ([2], "input lost", []), host
+
+
 def test_closing_a_session_frees_what_its_client_owned() -> None:
     p = Sessions()
     s = p.open()

@@ -27,6 +27,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from ..scheduler import (
     Action,
     Batch,
+    CancelRun,
     ClientGone,
     Dispatch,
     DropRun,
@@ -45,11 +46,11 @@ from ..scheduler import (
 from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
-from .errors import ControllerError, GroupForming, InvalidArgument
+from .errors import ControllerError, GroupForming
 from .outbox import GangEnqueue, Outbox, add_member, materialized
-from .plans import Plan, check_spread_inputs, placed_plan, placement_key
+from .plans import Plan, check_spread_inputs, input_hosts, placed_plan, placement_key
 from .programs import ProgramRecord, ProgramRegistry
-from .runs import RunState, peer_inputs_by_host, task_fields
+from .runs import RunState, never_reading, peer_inputs_by_host, task_fields
 from .segments import PROGRAM_INPUT, same_machine
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class Dispatcher:
         self._recent: OrderedDict[int, RunState] = OrderedDict()
         self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
+        # outputs of runs failed before they started, whose session's runs reading them are yet
+        # to be failed (`_fail_readers`): session -> buffer id -> why it will never be computed
+        self._unmade: dict[ClientSession, dict[int, str]] = {}
         self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
 
     # ---- runs ----
@@ -138,7 +142,7 @@ class Dispatcher:
                 )
             plan = self._plan(prog, session.sequential)
             check_spread_inputs(plan, run.input_homes)
-            reads_from = self._input_hosts(plan, run.input_homes)
+            reads_from = input_hosts(plan, run.input_homes, self.host_by_address)
         except ControllerError as e:
             if wait and isinstance(e, GroupForming):
                 raise
@@ -184,24 +188,6 @@ class Dispatcher:
         if self.probe is not None:
             self.probe.finished(run_id, False, 0)
 
-    def _input_hosts(self, plan: Plan, homes: Sequence[str]) -> tuple[str, ...]:
-        """Hosts holding the run's inputs that run none of its segments (the scheduler fails the
-        run if one is lost: those inputs would never arrive). Raises InvalidArgument for an input
-        held by a worker that is not ready: it would be waited for until the hang timeout."""
-        own = plan.addresses
-        out: dict[str, None] = {}
-        for k, home in enumerate(homes):
-            if not home or home in own:
-                continue
-            for address in home.split("|"):
-                host = self.host_by_address(address)
-                if host is None:
-                    raise InvalidArgument(f"input {k} is held by the worker at {address}, which is not ready "
-                                          "(lost, or reconnecting): compute it again")
-                if address not in own:
-                    out[host.name] = None
-        return tuple(out)
-
     def _plan(self, prog: ProgramRecord, sequential: bool) -> Plan:
         """The program's segments under its slices' current placement. Sequential dispatch
         (the baseline that waits for each computation before sending the next) keeps the nodes
@@ -243,6 +229,11 @@ class Dispatcher:
         self.apply(self.scheduler.handle(event))
 
     def apply(self, actions: list[Action]) -> None:
+        self._apply(actions)
+        while self._unmade:
+            self._fail_readers()
+
+    def _apply(self, actions: list[Action]) -> None:
         for i, a in enumerate(actions):
             if type(a) is Dispatch:  # the scheduler gives them last
                 self._dispatch_all(actions, i)
@@ -367,9 +358,12 @@ class Dispatcher:
             self._recent.popitem(last=False)
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
-            if a.unstarted:  # no worker will make or fail its outputs: later runs reading them are refused
-                run.session.never_made([b for ids in run.buffers for b in ids],
-                                       f"run {a.run_id:#x} that computes it failed before it started: {a.error}")
+            if a.unstarted:  # no worker will make or fail its outputs: the runs reading them fail
+                outputs = [b for ids in run.buffers for b in ids]
+                why = f"run {a.run_id:#x} that computes it failed before it started: {a.error}"
+                run.session.never_made(outputs, why)  # those submitted later: refused (`submit`)
+                if len(run.session.open_runs) > 1:  # those submitted already: `_fail_readers`
+                    self._unmade.setdefault(run.session, {}).update(dict.fromkeys(outputs, why))
         for address, ids in run.session.run_closed(a.run_id):
             self.release(address, ids)
         self._progressed.add(run.session)
@@ -379,6 +373,29 @@ class Dispatcher:
             cb(run, a.ok, a.error)
         if self.probe is not None:
             self.probe.finished(a.run_id, a.ok, len(run.plan.segments))
+
+    def _fail_readers(self) -> None:
+        """Fails the runs submitted already (waiting, or admitted: their workers wait for the
+        input) reading an output of a run that failed before it started, and the runs reading
+        theirs, in one scheduler pass (the admitted ones dropped on their workers: DropRun).
+        One look at those sessions' open runs, at the (rare) failure."""
+        unmade, self._unmade = self._unmade, {}
+        now = time.monotonic()
+        doomed = [d for session, lost in unmade.items()
+                  for d in never_reading(self.runs, list(session.open_runs), lost)]
+        if not doomed:
+            return
+        self._apply(self.scheduler.handle(Batch(tuple(
+            CancelRun(run.session.client_id, run.run_id, error, now) for run, error, _ in doomed), now)))
+        for run, _, why in doomed:  # what a later reader of theirs is refused with
+            run.session.never_made((b for ids in run.buffers for b in ids), why)
+        for session, lost in unmade.items():  # their readers were found above
+            again = self._unmade.get(session)
+            if again is not None:
+                for b in lost:
+                    again.pop(b, None)
+                if not again:
+                    del self._unmade[session]
 
     def _drop(self, a: DropRun) -> None:
         skipped: dict[str, list[int]] = {}
@@ -481,9 +498,3 @@ class Dispatcher:
         self.handle(Tick(time.monotonic()))
         self.flush()
 
-
-def segment_size(run: RunState | None, segment: int) -> int:
-    """Program nodes in a run's segment (1 when the run is gone)."""
-    if run is None or not 0 <= segment < len(run.plan.segments):
-        return 1
-    return run.plan.segments[segment].size

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import Cluster
-from .dispatch import segment_size
 from .errors import InvalidArgument, NotFound
+from .runs import segment_size
 from .status_view import StatusQuery, build_status
 from .trace import DeviceKey, NodeRun, TraceBuilder, _Ring, chrome_trace
 from .trace_store import FLUSH_INTERVAL_S, Segment, TraceStore

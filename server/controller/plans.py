@@ -5,7 +5,7 @@ slices' epoch before each run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,26 @@ def check_spread_inputs(plan: Plan, homes: Sequence[str]) -> None:
                     f"input {k} is an array of a multi-host slice (its parts are on {', '.join(spread[k])}); "
                     f"{seg.definition.label} is not a computation of that slice's hosts: pass it within one "
                     "@pw.program (the parts are then gathered where they are read) or fetch it")
+
+
+def input_hosts(plan: Plan, homes: Sequence[str],
+                host_by_address: Callable[[str], HostInfo | None]) -> tuple[str, ...]:
+    """Hosts holding the run's inputs that run none of its segments (the scheduler fails the
+    run if one is lost: those inputs would never arrive). Raises InvalidArgument for an input
+    held by a worker that is not ready: it would be waited for until the hang timeout."""
+    own = plan.addresses
+    out: dict[str, None] = {}
+    for k, home in enumerate(homes):
+        if not home or home in own:
+            continue
+        for address in home.split("|"):
+            host = host_by_address(address)
+            if host is None:
+                raise InvalidArgument(f"input {k} is held by the worker at {address}, which is not ready "
+                                      "(lost, or reconnecting): compute it again")
+            if address not in own:
+                out[host.name] = None
+    return tuple(out)
 
 
 def placement_key(placements: Mapping[str, Placement]) -> tuple[Any, ...]:

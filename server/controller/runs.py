@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,29 @@ class RunState:
     # its workers report its tasks' ends at once: the controller waits for them (a proxy client
     # blocking on its outputs: server/proxy/cluster_backend.py `ready`)
     prompt: bool = False
+
+
+def never_reading(runs: Mapping[int, RunState], run_ids: Iterable[int],
+                  lost: dict[int, str]) -> list[tuple[RunState, str, str]]:
+    """Of `run_ids` (submission order), the runs that read a buffer of `lost` (buffer id -> why
+    it will never be computed), each with the error it fails with (naming its first such input)
+    and why its own outputs will never be computed: that input's why (the chain's first
+    failure, as refusals name it: dispatch.py `refuse`). They join `lost`, so the reader's
+    readers submitted after it are found in the same pass."""
+    out = []
+    for rid in run_ids:
+        run = runs.get(rid)
+        if run is None:
+            continue
+        for k, b in enumerate(run.input_ids):
+            why = lost.get(b)
+            if why is not None:
+                out.append((run, f"input {k} (buffer {b:#x}) will never be computed: {why}", why))
+                for ids in run.buffers:
+                    for x in ids:
+                        lost[x] = why
+                break
+    return out
 
 
 def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostInfo,
@@ -78,3 +102,10 @@ def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int]]]
             elif source >= 0 and segments[source].host.name != seg.host.name:
                 routed[run.buffers[source][k]] = None
     return {h: (list(g), list(r)) for h, (g, r) in out.items() if g or r}
+
+
+def segment_size(run: RunState | None, segment: int) -> int:
+    """Program nodes in a run's segment (1 when the run is gone)."""
+    if run is None or not 0 <= segment < len(run.plan.segments):
+        return 1
+    return run.plan.segments[segment].size

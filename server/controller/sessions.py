@@ -317,7 +317,8 @@ class SessionManager:
 
     def _handle_list(self, session: ClientSession, messages: list[cpb.ClientMessage],
                      patient: bool) -> Waiting | None:
-        """A batch's messages, its runs collected for one scheduler pass; `patient` for the first
+        """A batch's messages, its runs collected for one scheduler pass (those before a
+        cancel_run go to the scheduler before it: it may name one); `patient` for the first
         (False: it waited already), the others always."""
         submits: list[Submit] = []
         for k, m in enumerate(messages):
@@ -329,6 +330,9 @@ class SessionManager:
                     self.submit_batch(submits)
                     return Waiting(e.slice, messages[k:])
             else:
+                if submits and m.WhichOneof("msg") == "cancel_run":  # it may name one of them
+                    self.submit_batch(submits)
+                    submits = []
                 waiting = self.handle(session, m, now_patient)
                 if waiting is not None:
                     self.submit_batch(submits)

@@ -13,6 +13,7 @@ from server.invariants import DEFAULT_HISTORY, InvariantError, Stimulus, validat
 from server.scheduler.events import (
     Action,
     Batch,
+    CancelRun,
     DispatchedNode,
     DropRun,
     Event,
@@ -75,6 +76,8 @@ def _stimulus_text(event: Event) -> str:
         case NodeFinished():
             outcome = "ok" if event.ok else f"failed: {event.error}"
             return f"NodeFinished run {event.run_id} node {event.node_index} {outcome}"
+        case CancelRun():
+            return f"CancelRun run {event.run_id} client {event.client}: {event.reason}"
         case Batch(events=events):
             shown = "; ".join(_stimulus_text(e) for e in events[:8])
             more = f"; ... {len(events) - 8} more" if len(events) > 8 else ""

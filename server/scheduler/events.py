@@ -105,8 +105,10 @@ class ClientGone:
 
 @dataclass(frozen=True, slots=True)
 class CancelRun:
-    """A client gives up a run of its own (an input it could not upload, pwctl/worker_client.py):
-    it fails with `reason`, its nodes dropped on their hosts (as a lost host's runs are)."""
+    """A client gives up a run of its own (an input it could not upload, pwctl/worker_client.py),
+    or the controller gives up a client's run that reads an output of a run that failed before
+    it started (server/controller/dispatch.py): it fails with `reason`, its nodes dropped on
+    their hosts (as a lost host's runs are)."""
 
     client: str
     run_id: int
@@ -133,9 +135,10 @@ class SetPolicy:
 @dataclass(frozen=True, slots=True)
 class Batch:
     """Several events applied in order with ONE admission pass at the end: a worker's report
-    of many node completions, or a client's batch of runs, costs one pass, not one each."""
+    of many node completions, or a client's batch of runs, costs one pass, not one each; the
+    runs cancelled together all fail before the next admission (none is admitted, then dropped)."""
 
-    events: tuple[Submit | NodeStarted | NodeFinished, ...]
+    events: tuple[Submit | NodeStarted | NodeFinished | CancelRun, ...]
     now: float
 
 
@@ -169,7 +172,8 @@ class RunFinished:
     error: str = ""
     # failed before any of its nodes went to a worker (refused at submission, or failed while
     # waiting for admission): no worker will ever compute or fail its outputs (the controller then
-    # refuses the session's later runs that read them, server/controller/dispatch.py)
+    # cancels the session's runs submitted already that read them, and refuses those submitted
+    # later: server/controller/dispatch.py)
     unstarted: bool = field(default=False, compare=False)
 
 

@@ -292,3 +292,21 @@ def test_a_forgotten_wait_for_launched_buffers_is_never_called_back() -> None:
     s.computed([1])
     assert calls == []
     assert s.when_computed([4], lambda: None) is False  # unknown: not waited for here
+
+
+def test_a_buffer_never_made_fails_where_it_is_pending_and_goes_once_released() -> None:
+    """The producer's run failed before it started, after a reader elsewhere had this worker send
+    it on: the send (a consumer and a settle callback) would keep it pending for good."""
+    s = BufferStore()
+    sent: list[str] = []
+    s.add_consumers([300])  # Enqueue.sends: the send reads it once
+    s.on_settled(300, lambda: sent.append("settled"))
+    s.never_made([300, 999], "run 0x9 that computes it failed before it started: input lost")
+    assert sent == ["settled"]  # the send runs now, with the failure
+    with pytest.raises(BufferFailed, match="failed before it started"):
+        s.wait(300, timeout=1)
+    s.consumer_done(300)  # the send is over
+    s.release([300])
+    assert live(s) == 0
+    with pytest.raises(BufferFailed, match="does not exist"):  # an id never heard of stays unknown
+        s.wait(999, timeout=0.1)

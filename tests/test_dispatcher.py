@@ -357,7 +357,9 @@ def test_runs_submitted_already_that_read_an_output_of_a_run_failed_before_it_st
     to its worker, which would wait for the input until the hang timeout, holding B's gang
     order. It fails at once, naming the first failure, and is dropped on its worker; so does,
     transitively, the run reading its output (still waiting: it never reaches a worker). A run
-    of the session reading something else goes on, and later readers are refused at once."""
+    of the session reading something else goes on, and later readers are refused at once. The
+    worker told to send the producer's output on to the admitted reader fails it (`never_ids`):
+    it would keep it pending, with its send, for good."""
     p = Parts(max_inflight_nodes=1)  # one node in flight per island
     p.hosts["b"].island = "j"  # sa on island i (host a), sb on island j (host b)
     assert p.registry.add_functions([FUNCTION]) == []
@@ -388,7 +390,10 @@ def test_runs_submitted_already_that_read_an_output_of_a_run_failed_before_it_st
     assert [m.WhichOneof("msg") for m in sent["b"]] == ["enqueue", "drop"]
     assert [t.run_id for t in sent["b"][0].enqueue.tasks] == [10]
     assert sent["b"][1].drop == cpb.Drop(run_ids=[10], reason=err10)
-    assert "drop" not in [m.WhichOneof("msg") for m in sent.get("a", [])]  # 11 never reached a
+    # 11 never reached a; a was told to send 9's output to b for 10, and waits for it: it fails it
+    sends = [(s.buffer_id, s.address) for m in sent["a"] if m.HasField("enqueue") for s in m.enqueue.sends]
+    assert sends == [(300, "b:1")]
+    assert [m.drop for m in sent["a"] if m.HasField("drop")] == [cpb.Drop(reason=first, never_ids=[300])]
     assert [(e.finished.run_id, e.finished.error) for e in events(s) if e.HasField("finished")] == [
         (9, "input lost"), (10, err10), (11, err11)]
     p.report("a", 8, 0)  # 8 done: 12 goes on

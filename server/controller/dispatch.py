@@ -19,7 +19,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -47,36 +47,18 @@ from .client_session import ClientSession
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
-from .outbox import GangEnqueue, Outbox, add_member, materialized
-from .plans import Plan, check_spread_inputs, input_hosts, placed_plan, placement_key
+from .outbox import GangEnqueue, Outbox, WorkerOutbox, add_member, materialized
+from .plans import Placements, Plan, check_spread_inputs, input_hosts, placed_plan, placement_key
 from .programs import ProgramRecord, ProgramRegistry
-from .runs import RunState, never_reading, peer_inputs_by_host, task_fields
+from .runs import RunState, never_reading, peer_inputs_by_host, task_fields, unmade_inputs_elsewhere
 from .segments import PROGRAM_INPUT, same_machine
 
 if TYPE_CHECKING:
-    from .slices import Placement
+    pass
 
 log = logging.getLogger(__name__)
 
 RECENT_RUNS = 4_000  # finished runs kept to attribute their late node events
-
-
-class Placements(Protocol):
-    """Where slices run (the slice service): `epoch` changes whenever any slice does."""
-
-    epoch: int
-
-    def placement(self, name: str) -> Placement:
-        """Raises a ControllerError (NotFound, Rejected) when the slice cannot run now."""
-        ...
-
-
-class WorkerOutbox(Protocol):
-    """Where a flush's messages go: the worker links (the cluster), or a test's recorder."""
-
-    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
-        """Queues `msg` on host `host`'s stream, in order; drops it when the host has no link."""
-        ...
 
 
 class Dispatcher:
@@ -378,15 +360,21 @@ class Dispatcher:
         """Fails the runs submitted already (waiting, or admitted: their workers wait for the
         input) reading an output of a run that failed before it started, and the runs reading
         theirs, in one scheduler pass (the admitted ones dropped on their workers: DropRun).
-        One look at those sessions' open runs, at the (rare) failure."""
+        One look at those sessions' open runs, at the (rare) failure. The workers an admitted
+        reader had send it such an input fail it (`Drop.never_ids`): it would stay pending there."""
         unmade, self._unmade = self._unmade, {}
         now = time.monotonic()
+        first = {b: why for lost in unmade.values() for b, why in lost.items()}  # before readers join
         doomed = [d for session, lost in unmade.items()
                   for d in never_reading(self.runs, list(session.open_runs), lost)]
         if not doomed:
             return
         self._apply(self.scheduler.handle(Batch(tuple(
             CancelRun(run.session.client_id, run.run_id, error, now) for run, error, _ in doomed), now)))
+        for address, ids in unmade_inputs_elsewhere((run for run, _, _ in doomed), first.keys()).items():
+            if (host := self.host_by_address(address)) is not None:
+                self._outbox.other(host.name, cpb.ControllerToWorker(drop=cpb.Drop(reason=first[ids[0]],
+                                                                                  never_ids=ids)))
         for run, _, why in doomed:  # what a later reader of theirs is refused with
             run.session.never_made((b for ids in run.buffers for b in ids), why)
         for session, lost in unmade.items():  # their readers were found above

@@ -12,7 +12,7 @@ members make their messages of it (server/worker/relay.py `gang_parts`, `relayed
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -100,3 +100,11 @@ class Outbox:
 
     def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
         self.msgs.setdefault(host, []).append(msg)
+
+
+class WorkerOutbox(Protocol):
+    """Where a flush's messages go: the worker links (the cluster), or a test's recorder."""
+
+    def send(self, host: str, msg: cpb.ControllerToWorker) -> None:
+        """Queues `msg` on host `host`'s stream, in order; drops it when the host has no link."""
+        ...

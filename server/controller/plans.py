@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..scheduler import NodeSpec
 from .errors import InvalidArgument
@@ -142,3 +142,13 @@ def placed_plan(prog: ProgramRecord, placements: Mapping[str, Placement], key: t
                    gangs=gangs)
     return Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
                 frozenset(s.host.address for s in segments))
+
+
+class Placements(Protocol):
+    """Where slices run (the slice service): `epoch` changes whenever any slice does."""
+
+    epoch: int
+
+    def placement(self, name: str) -> Placement:
+        """Raises a ControllerError (NotFound, Rejected) when the slice cannot run now."""
+        ...

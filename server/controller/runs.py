@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,21 @@ def never_reading(runs: Mapping[int, RunState], run_ids: Iterable[int],
                         lost[x] = why
                 break
     return out
+
+
+def unmade_inputs_elsewhere(runs: Iterable[RunState], unmade: Set[int]) -> dict[str, list[int]]:
+    """Per worker address, the `unmade` buffers (outputs of runs that failed before they
+    started) that these runs read from there: an admitted reader had its input's home send it
+    on (`Enqueue.sends`), which keeps the buffer pending there until a Drop's `never_ids` fails it."""
+    out: dict[str, dict[int, None]] = {}
+    for run in runs:
+        own = run.plan.addresses
+        for b, home in zip(run.input_ids, run.input_homes, strict=False):
+            if b in unmade and home and home not in own:
+                for address in home.split("|"):
+                    if address not in own:
+                        out.setdefault(address, {})[b] = None
+    return {a: list(ids) for a, ids in out.items()}
 
 
 def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostInfo,

@@ -137,6 +137,16 @@ class BufferStore:
                     e.hold = False
                     self._maybe_free(buffer_id, e, gone)
 
+    def never_made(self, buffer_ids: Sequence[int], error: str) -> None:
+        """Their producer's run failed before it started: each one pending here (a send to a
+        reader, a wait) fails with `error`; an id this worker never heard of is left unknown."""
+        for buffer_id in buffer_ids:
+            with self._lock:
+                e = self._entries.get(buffer_id)
+                if e is None or e.state != PENDING:
+                    continue
+            self.fail(buffer_id, error)
+
     def fail(self, buffer_id: int, error: str) -> None:
         with self._lock:
             e = self._entries.get(buffer_id)

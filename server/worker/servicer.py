@@ -81,8 +81,12 @@ class WorkerServicer(Waits, UploadHandlers):
         """The controller's Drop: the runs' tasks here fail, the buffers gathered here for them
         go with their parts (parts.py, Gathering.forget), and the copies other workers sent here
         for their readers are no longer held for them (BufferStore.unhold): whether or not a
-        reader came (sequential dispatch sends one only once its inputs' nodes finished)."""
-        self.executor.drop(list(drop.run_ids), drop.reason, list(drop.skipped_seqs))
+        reader came (sequential dispatch sends one only once its inputs' nodes finished). Buffers
+        no run will make (`never_ids`) fail where they are pending (BufferStore.never_made)."""
+        if drop.run_ids:
+            self.executor.drop(list(drop.run_ids), drop.reason, list(drop.skipped_seqs))
+        if drop.never_ids:  # a run that never started: nothing will make them
+            self.store.never_made(list(drop.never_ids), drop.reason)
         if drop.gathered_ids:
             self.gathering.forget(list(drop.gathered_ids), drop.reason)
         if drop.routed_ids:

@@ -935,6 +935,7 @@ class Drop(_message.Message):
     SKIPPED_SEQS_FIELD_NUMBER: _builtins.int
     GATHERED_IDS_FIELD_NUMBER: _builtins.int
     ROUTED_IDS_FIELD_NUMBER: _builtins.int
+    NEVER_IDS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     @_builtins.property
     def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -956,6 +957,13 @@ class Drop(_message.Message):
         stays; a pending one is left (another run may still send the same buffer for its reader).
         """
 
+    @_builtins.property
+    def never_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Outputs of runs that failed before they started (no worker will ever make them) that a reader
+        admitted meanwhile had this worker send on (`Enqueue.sends`): each one pending here fails with
+        `reason`, so its sends and waits end and it goes once released (run_ids may be empty).
+        """
+
     def __init__(
         self,
         *,
@@ -964,10 +972,11 @@ class Drop(_message.Message):
         skipped_seqs: _abc.Iterable[_builtins.int] | None = ...,
         gathered_ids: _abc.Iterable[_builtins.int] | None = ...,
         routed_ids: _abc.Iterable[_builtins.int] | None = ...,
+        never_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gathered_ids", b"gathered_ids", "reason", b"reason", "routed_ids", b"routed_ids", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gathered_ids", b"gathered_ids", "never_ids", b"never_ids", "reason", b"reason", "routed_ids", b"routed_ids", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

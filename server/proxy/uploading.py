@@ -153,7 +153,11 @@ class Uploading:
                 if others:
                     keep = home in targets
                     if not manager.dispatcher.move(b, self._owner, home, others, keep_source=keep):
-                        raise BackendError("UNAVAILABLE", f"moving a shard to workers {others}: not all registered")
+                        gone = [a for a in (home, *others) if manager.dispatcher.host_by_address(a) is None]
+                        raise BackendError("UNAVAILABLE", f"moving a shard of this array between the slice's "
+                                           f"workers failed: the worker at {', '.join(gone) or home} is no longer "
+                                           "registered (its host was lost or is reconnecting); the slice is "
+                                           "remapped or degraded: see `pwctl slice list`")
                     self._held.stored([b], [home, *others] if keep else others)
             self._cork.decided(run=False)
             self._cork.waiting()  # the moves go now: the members wait for them

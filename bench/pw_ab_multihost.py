@@ -1,0 +1,178 @@
+"""A/B of the issue-27 blocking psum (bench/multihost.py `psum`, the `pw` side) between two source
+trees (two commits' `git archive`s), both up at once on the same three hosts (network namespaces,
+bench/netns.py; needs root): per tree a controller and the `psum_pw` client on host 0 and a worker
+`--island pod --devices 2` on each of hosts A and B, every process started from that tree (its
+cwd and PYTHONPATH) with its own PATHWAYS_HOME. Windows of blocking calls alternate between the
+two, the order flipping every pair; per window, calls/s and the CPU per call of each process
+(from /proc). Prints one JSON line per window and a summary (medians, per-pair ratio B / A).
+
+    python -m bench.pw_ab_multihost /tmp/base /tmp/new --pairs 8 --calls 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import netns
+from bench.multihost import PSUM_DEVICES, Side, SideError
+
+ENV = {"PATHWAYS_VALIDATE": "0"}
+
+
+class TreeSide(Side):
+    """A bench.multihost_side process started by `Tree.popen` (not from this repository)."""
+
+    def __init__(self, proc: subprocess.Popen[str], task: str) -> None:
+        import queue
+        import threading
+
+        self.proc, self.task = proc, task
+        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+
+class Tree:
+    """One tree's cluster on the hosts, and its psum client."""
+
+    def __init__(self, label: str, tree: Path, hosts: list[netns.Host], root: Path) -> None:
+        self.label, self.tree, self.hosts = label, tree, hosts
+        self.homes = [root / label / f"h{i}" for i in range(len(hosts))]
+        for h in self.homes:
+            h.mkdir(parents=True)
+        self.address = self.token = ""
+        self.client: TreeSide | None = None
+        self.pids: dict[str, int] = {}
+
+    def _argv(self, host: netns.Host, cmd: list[str]) -> list[str]:
+        return ["nsenter", "-t", str(host.holder.pid), "-n", "-m", "-u", f"--wd={self.tree}", "--", *cmd]
+
+    def _env(self, i: int, **extra: str) -> dict[str, str]:
+        return self.hosts[i].env(PATHWAYS_HOME=str(self.homes[i]), PYTHONPATH=str(self.tree), **ENV, **extra)
+
+    def pwctl(self, i: int, *args: str, **extra: str) -> str:
+        r = subprocess.run(self._argv(self.hosts[i], [sys.executable, "-m", "pwctl.cli.main", *args]),
+                           env=self._env(i, **extra), capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise SideError(f"{self.label}: pwctl {' '.join(args)}: {(r.stdout + r.stderr)[-1500:]}")
+        return r.stdout
+
+    def up(self, calls: int) -> None:
+        h0 = self.hosts[0]
+        out = self.pwctl(0, "server", "start", "--listen", f"{h0.ip}:0")
+        m = re.search(r"at (\S+:\d+)", out)
+        if not m:
+            raise SideError(f"{self.label}: server start: {out}")
+        self.address = m.group(1)
+        self.token = (self.homes[0] / "token").read_text().strip()
+        for i in (1, 2):
+            self.pwctl(i, "worker", "start", "--island", "pod", "--devices", str(PSUM_DEVICES), "--name", f"pod{i}",
+                       "--listen", f"{self.hosts[i].ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
+        args = {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls}
+        proc = subprocess.Popen(self._argv(h0, [sys.executable, "-m", "bench.multihost_side", "psum_pw",
+                                                json.dumps(args)]),
+                                env=self._env(0, PWCTL_SERVER=self.address, PWCTL_TOKEN=self.token),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                stdin=subprocess.PIPE)
+        self.client = TreeSide(proc, f"{self.label} psum_pw")
+        ready = self.client.read(600)
+        if "error" in ready:
+            raise SideError(f"{self.label}: {ready['error']}")
+        self._find_pids()
+
+    def _find_pids(self) -> None:
+        homes = {str(h): i for i, h in enumerate(self.homes)}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+            i = homes.get(env.get("PATHWAYS_HOME", ""))
+            if i is None or "nsenter" in cmd:
+                continue
+            words = cmd.split()
+            if "bench.multihost_side" in words:
+                self.pids["client"] = int(pid)
+            elif "server.controller" in words:  # (not its island coordination service)
+                self.pids["controller"] = int(pid)
+            elif "server.worker" in words and i:
+                self.pids[f"worker{'AB'[i - 1]}"] = int(pid)
+        print(f"# {self.label} {self.tree}: {self.pids}", flush=True)
+
+    def cpu(self) -> dict[str, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for role, pid in self.pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[role] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def window(self, calls: int) -> dict[str, Any]:
+        assert self.client is not None
+        before = self.cpu()
+        out = self.client.ask("go", 300)
+        after = self.cpu()
+        out["cpu_us_per_call"] = {r: round((after[r] - before[r]) / calls * 1e6, 1) for r in before}
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+    why = netns.unavailable()
+    if why:
+        sys.exit(f"cannot make hosts here: {why}")
+    tmp = Path(tempfile.mkdtemp(prefix="pw-ab-mh-"))
+    made = netns.Hosts(tmp / "hosts")
+    rates: dict[str, list[float]] = {"A": [], "B": []}
+    cpu: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    loads: list[float] = []
+    try:
+        hosts = made.start(3)
+        sides = [Tree("A", args.a.resolve(), hosts, tmp), Tree("B", args.b.resolve(), hosts, tmp)]
+        for s in sides:
+            s.up(args.calls)
+        for s in sides:  # one untimed window each
+            s.window(args.calls)
+        for i in range(args.pairs):
+            for s in sides if i % 2 == 0 else sides[::-1]:
+                out = s.window(args.calls)
+                rates[s.label].append(float(out["per_s"]))
+                for role, us in out["cpu_us_per_call"].items():
+                    cpu[s.label].setdefault(role, []).append(us)
+                loads.append(os.getloadavg()[0])
+                print(json.dumps({"pair": i, "side": s.label, "per_s": round(out["per_s"], 1),
+                                  "cpu_us_per_call": out["cpu_us_per_call"], "load1": loads[-1],
+                                  "t": time.strftime("%H:%M:%S")}), flush=True)
+    finally:
+        made.close()
+    a, b = rates["A"], rates["B"]
+    ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
+    print(json.dumps({"A_median": round(statistics.median(a), 1), "B_median": round(statistics.median(b), 1),
+                      "B_over_A_pair_median": round(statistics.median(ratios), 4),
+                      "B_faster_pairs": sum(r > 1 for r in ratios), "pairs": len(ratios),
+                      "cpu_us_per_call_medians": {side: {r: statistics.median(v) for r, v in cpu[side].items()}
+                                                  for side in ("A", "B")},
+                      "load1_min": min(loads), "load1_max": max(loads)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ JAX uses to place shards, so nothing is guessed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,19 +70,24 @@ class Sharding:
         """Whether its OpSharding is a plain tiling (replicated on its last tile dimension at
         most: no manual or other subgroups), which a worker can hold a part of as a NamedSharding
         (server/worker/parts.py `uploaded_part`)."""
-        if self.op_sharding is None:
-            return False
-        from jax._src.lib import xla_client as xc
-
-        op = xc.OpSharding()
-        op.ParseFromString(self.op_sharding)
-        hlo = xc.HloSharding.from_proto(op)
-        return bool(hlo.is_tiled() and not hlo.subgroup_types())
+        return self.op_sharding is not None and _is_plain_tiling(self.op_sharding)
 
     def with_devices(self, devices: tuple[int, ...]) -> Sharding:
         if len(devices) != len(self.devices):
             raise HandleError("INVALID_ARGUMENT", f"{len(devices)} devices for a sharding over {len(self.devices)}")
         return Sharding(devices, self.op_sharding, self.explicit)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_plain_tiling(op_sharding: bytes) -> bool:
+    """`Sharding.tiled` of a serialized OpSharding: parsed once per distinct sharding (a client
+    uploads with the same few shardings over and over)."""
+    from jax._src.lib import xla_client as xc
+
+    op = xc.OpSharding()
+    op.ParseFromString(op_sharding)
+    hlo = xc.HloSharding.from_proto(op)
+    return bool(hlo.is_tiled() and not hlo.subgroup_types())
 
 
 def index_shape(index: Index) -> tuple[int, ...]:

@@ -143,9 +143,13 @@ def pw_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def base_env(home: Path, **extra: str) -> dict[str, str]:
+    """A cluster's processes' environment. PYTHONPATH puts this checkout first, whatever a
+    process's cwd (a client script under tests/clients): a git worktree sharing another
+    checkout's editable install then runs its own code, not the install's."""
     env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
+    path = [str(REPO), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO))]
     env.update(PATHWAYS_HOME=str(home), XLA_FLAGS=XLA_FLAGS, NO_COLOR="1", COLUMNS="200",
-               PYTHONUNBUFFERED="1", PATHWAYS_VALIDATE="1")
+               PYTHONUNBUFFERED="1", PATHWAYS_VALIDATE="1", PYTHONPATH=os.pathsep.join(path))
     env.update(extra)
     return env
 

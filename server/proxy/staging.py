@@ -22,6 +22,7 @@ import grpc
 from .. import wire
 from .backend import BackendError
 from .handles import HostData
+from .host_watch import Guard
 
 PIECE_BYTES = 4 << 20  # a chunk larger than this goes on in pieces of this size (worker messages ≤ 64 MiB)
 
@@ -39,11 +40,14 @@ class Owner(Protocol):
 class Staging:
     """One host buffer on its way to a worker: `write` its bytes in order, then exactly one of
     `finish`, `materialize`, `discard`. `call` is the worker's PutBuffers (serialized requests),
-    opened without a request iterator."""
+    opened without a request iterator; `guard` cancels it once the worker's host is lost
+    (host_watch.py), and the staging's next step fails naming the host."""
 
-    def __init__(self, session: Owner, call: Any, address: str, buffer_id: int, owner: str, nbytes: int) -> None:
+    def __init__(self, session: Owner, call: Any, address: str, buffer_id: int, owner: str, nbytes: int,
+                 guard: Guard | None = None) -> None:
         self._session = session
         self._call = call
+        self._guard = guard
         self.address = address
         self.buffer_id = buffer_id
         self._owner = owner
@@ -54,15 +58,33 @@ class Staging:
     def __len__(self) -> int:
         return self.nbytes
 
+    def _close(self) -> None:
+        self._closed = True
+        if self._guard is not None:
+            self._guard.stop()
+
+    def _lost(self) -> BackendError | None:
+        """The error naming the worker's host where the call was cancelled because it was lost."""
+        return self._guard.error() if self._guard is not None else None
+
     async def _send(self, message: bytes) -> None:
         try:
             await self._call.write(message)
         except (grpc.RpcError, asyncio.InvalidStateError):
             raise await self._error() from None
+        except asyncio.CancelledError:  # the guard cancelled the call (its host was lost), or ours was
+            lost = self._lost()
+            if lost is None:
+                raise
+            self._close()
+            raise lost from None
 
     async def _error(self) -> BackendError:
-        """The worker's reason for ending the stream (it aborts with one)."""
-        self._closed = True
+        """The worker's reason for ending the stream (it aborts with one), or the loss of its host."""
+        self._close()
+        lost = self._lost()
+        if lost is not None:
+            return lost
         try:
             await self._call
         except grpc.RpcError as e:
@@ -91,7 +113,13 @@ class Staging:
             reply = await self._call
         except (grpc.RpcError, asyncio.InvalidStateError):
             raise await self._error() from None
-        self._closed = True
+        except asyncio.CancelledError:
+            lost = self._lost()
+            if lost is None:
+                raise
+            self._close()
+            raise lost from None
+        self._close()
         if reply.count != 1:
             raise BackendError("INTERNAL", f"worker {self.address} stored {reply.count} buffers of an upload of one")
         self._session.adopt(self.buffer_id, self.address)
@@ -108,5 +136,5 @@ class Staging:
     def discard(self) -> None:
         """Drops the staged bytes: the worker drops an upload whose stream is cancelled."""
         if not self._closed:
-            self._closed = True
+            self._close()
             self._call.cancel()

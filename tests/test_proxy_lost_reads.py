@@ -1,0 +1,112 @@
+"""Reads of arrays on a worker that stops answering (frozen: its connections stay open, nothing
+comes back): a download (`np.asarray`) and a readiness check (`block_until_ready`, the worker's
+`Wait`) of an array computed there before it froze end with an error naming the lost host as
+soon as the controller declares it lost (5 s of missed heartbeats here), not after the proxy's
+own wait bound (an hour); a later read of another of its arrays (an upload) fails at once; the session
+answers its next request (the slice degraded); another session on the cluster runs meanwhile."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster
+from proxy_env import Program, proxy_env
+from test_proxy_staged_move import ELSEWHERE
+from test_proxy_submesh import PRELUDE, two_workers
+
+HEARTBEAT_TIMEOUT_S = 5.0
+
+FROZEN = PRELUDE + """
+import sys, threading, time
+x = jax.device_put(np.arange(8.0, dtype=np.float32), devs[2])  # on the second worker
+# runs sent before the program blocked on anything: their outputs' readiness is the worker's Wait
+y = jax.jit(lambda v: v * 3)(x)
+z = jax.jit(lambda v: v + 1)(y)
+z.block_until_ready()  # y is computed too
+print("ready", flush=True)
+sys.stdin.readline()
+def said(what, e):
+    return " ".join([what, "error", type(e).__name__, str(e).replace(chr(10), " ")[:400]])
+def block():
+    try:
+        y.block_until_ready()
+        print("block ok", flush=True)
+    except Exception as e:
+        print(said("block", e), flush=True)
+waiting = threading.Thread(target=block)
+waiting.start()
+try:
+    print("download", np.asarray(y).tolist(), flush=True)
+except Exception as e:
+    print(said("download", e), flush=True)
+waiting.join()
+start = time.monotonic()
+try:
+    print("again", np.asarray(x).tolist(), flush=True)  # an upload: no run of the lost host fails it
+except Exception as e:
+    print(said("again", e), f"{time.monotonic() - start:.1f}", flush=True)
+try:
+    w = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))
+    print("after", np.asarray(w).tolist(), flush=True)
+except Exception as e:
+    print(said("after", e), flush=True)
+"""
+
+
+def lines_within(prog: Program, n: int, seconds: float) -> list[str]:
+    """The program's next `n` lines, which must all come within `seconds`."""
+    got: list[str] = []
+
+    def read() -> None:
+        for _ in range(n):
+            got.append(prog.line())
+
+    reader = threading.Thread(target=read, daemon=True)  # ends with the program's output at the latest
+    reader.start()
+    reader.join(seconds)
+    assert len(got) == n, f"after {seconds:g} s, still waiting on the reads from the frozen worker: only {got}"
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
+def test_reads_from_a_worker_that_stops_answering_fail_when_its_host_is_lost(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    where = two_workers(cluster)
+    home, dest = where[0][0], where[2][0]
+    assert home != dest == where[3][0]
+    env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
+    try:
+        with Program(FROZEN, env) as prog:
+            assert prog.line() == "ready"
+            cluster.stop_worker(dest)
+            start = time.monotonic()
+            prog.go()
+            block, download = sorted(lines_within(prog, 2, 4 * HEARTBEAT_TIMEOUT_S))
+            took = time.monotonic() - start
+            address = cluster.hosts()[dest].address
+            lost = f"worker {address} failed: its host {dest} was lost"
+            assert block.startswith("block error JaxRuntimeError UNAVAILABLE: ") and block.endswith(
+                f"waiting on {lost}"), block
+            assert download.startswith("download error JaxRuntimeError UNAVAILABLE: ") and download.endswith(
+                f"downloading from {lost}"), download
+            assert HEARTBEAT_TIMEOUT_S - 1 < took < 3 * HEARTBEAT_TIMEOUT_S, took
+            # a read from the lost host later fails at once (no call sent, no wait for a timer)
+            again = prog.line()
+            assert again.startswith("again error JaxRuntimeError UNAVAILABLE: ") and f"downloading from {lost} " \
+                in again and float(again.rsplit(" ", 1)[1]) < 2, again
+            # the session answers: the slice is degraded now, and says so
+            line = prog.line()
+            assert line.startswith("after error JaxRuntimeError") and f"host {dest} lost" in line, line
+            # the cluster goes on: another session, on the surviving worker's devices, runs
+            other = subprocess.run([sys.executable, "-c", ELSEWHERE], capture_output=True, text=True, timeout=60,
+                                   env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
+            assert (other.returncode, other.stdout) == (0, "[0.0, 2.0, 4.0, 6.0]\n"), other.stderr[-3000:]
+            prog.finish(timeout=30)
+    finally:
+        cluster.cont_worker(dest)

@@ -37,9 +37,13 @@ def lost_error(doing: str, address: str, host: str) -> BackendError:
 
 class Guard:
     """One call's watch on its worker's host (`HostWatch.guard`): cancels `call` once the host
-    is lost; `stop` when the call is over (the timer also stops by itself once the call is done)."""
+    is lost; `stop` when the call is over (the timer also stops by itself once the call is done).
 
-    __slots__ = ("_address", "_call", "_doing", "_host", "_loop", "_timer", "lost")
+    `writer`: a task waiting on a write of the call's request stream, which cancelling the call
+    leaves waiting (grpc.aio's `write` blocked by flow control, the worker reading nothing): it is
+    cancelled too, and `error` takes that cancellation back."""
+
+    __slots__ = ("_address", "_call", "_doing", "_host", "_loop", "_timer", "_woken", "lost", "writer")
 
     def __init__(self, host: Any, call: Any, doing: str, address: str) -> None:
         self._host = host
@@ -47,6 +51,8 @@ class Guard:
         self._doing = doing
         self._address = address
         self.lost = False
+        self.writer: asyncio.Task[Any] | None = None
+        self._woken: asyncio.Task[Any] | None = None
         self._loop = loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = loop.call_later(LOST_POLL_S, self._look)
 
@@ -55,6 +61,9 @@ class Guard:
             self.lost = True
             self._timer = None
             self._call.cancel()
+            if self.writer is not None:
+                self._woken, self.writer = self.writer, None
+                self._woken.cancel()
         elif self._call.done():
             self._timer = None
         else:
@@ -68,12 +77,16 @@ class Guard:
     def error(self) -> BackendError | None:
         """The error to raise for the call's failure (a cancellation, or its RpcError) where the
         guard cancelled it because the host was lost; None otherwise, and while the caller's own
-        task is being cancelled (that cancellation goes on)."""
+        task is being cancelled (that cancellation goes on). Called where the failure was caught."""
         if not self.lost:
             return None
         task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            return None
+        if task is not None:
+            if task is self._woken:  # this guard cancelled it (`writer`): taken back
+                self._woken = None
+                task.uncancel()
+            if task.cancelling():
+                return None
         return lost_error(self._doing, self._address, self._host.name)
 
 

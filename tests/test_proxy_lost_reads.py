@@ -140,6 +140,12 @@ try:
 except Exception as e:
     print("error", type(e).__name__, str(e).replace(chr(10), " ")[:400], flush=True)
 try:
+    v = jax.device_put(big, devs[3])  # staged again: on the degraded slice
+    v.block_until_ready()
+    print("again stored", flush=True)
+except Exception as e:
+    print("again error", type(e).__name__, str(e).replace(chr(10), " ")[:400], flush=True)
+try:
     w = jax.device_put(np.arange(8.0, dtype=np.float32), devs[3])
     print("after", np.asarray(w).tolist(), flush=True)
 except Exception as e:
@@ -171,8 +177,9 @@ def test_a_staged_upload_to_a_first_worker_that_stops_answering_fails_when_its_h
             assert HEARTBEAT_TIMEOUT_S - 1 < took < 3 * HEARTBEAT_TIMEOUT_S, took
             # the session goes on (the jaxlib client ends its session when a HostBufferStore
             # fails: the staging's failure is the array's): the slice is degraded now, and says so
-            line = prog.line()
-            assert line.startswith("after error JaxRuntimeError") and f"host {first} lost" in line, line
+            for step in ("again", "after"):  # a large upload (staged), a small one
+                line = prog.line()
+                assert line.startswith(f"{step} error JaxRuntimeError") and f"host {first} lost" in line, line
             prog.finish(timeout=30)
     finally:
         cluster.cont_worker(first)

@@ -56,6 +56,14 @@ class Staging:
         self._closed = False
         self._failed: BackendError | None = None  # why the stream failed while the bytes came (`write`)
 
+    @classmethod
+    def failed(cls, session: Owner, error: BackendError, nbytes: int) -> Staging:
+        """A staging that takes the bytes nowhere: the array made of them fails with `error`."""
+        staging = cls(session, None, "", 0, "", nbytes)
+        staging._failed = error
+        staging._closed = True
+        return staging
+
     def __len__(self) -> int:
         return self.nbytes
 

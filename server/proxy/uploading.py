@@ -232,10 +232,15 @@ class Uploading:
 
     def stage(self, nbytes: int) -> Staging:
         """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
-        its devices are known it moves where they are (`settle_staged`)."""
-        address = self._holders().first.address
-        call = self._workers.put_raw(address)(metadata=self._metadata)
-        guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
+        its devices are known it moves where they are (`settle_staged`). Where the slice cannot
+        take it now (degraded, its first worker's host lost) the array made of it fails with why
+        (`Staging.failed`: the client's HostBufferStore must not, see `Staging.write`)."""
+        try:
+            address = self._holders().first.address
+            call = self._workers.put_raw(address)(metadata=self._metadata)
+            guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
+        except BackendError as e:
+            return Staging.failed(self, e, nbytes)
         return Staging(self, call, address, next(self._ids), self._owner, nbytes, guard)
 
     def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:

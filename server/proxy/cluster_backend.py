@@ -62,6 +62,7 @@ from .corking import FlushCork
 from .failures import RunFailures
 from .handles import HostData
 from .holdings import Holdings
+from .host_watch import HostWatch
 from .modules import describe
 from .placing import compiles_on, runs_on
 from .uploading import Uploading
@@ -72,7 +73,9 @@ log = logging.getLogger(__name__)
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # slice device kind -> the PJRT platform name clients see
 
 
-WAIT_S = 3600.0  # the longest a download or a readiness check waits for a computation
+# the longest a download or a readiness check waits for a computation (a worker whose host is
+# lost ends it sooner: host_watch.py)
+WAIT_S = 3600.0
 
 
 class Slices(Protocol):
@@ -146,6 +149,8 @@ class SliceSession(Uploading):
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         self._workers = WorkerChannels()
+        # a call to a worker ends once the controller declares its host lost (host_watch.py)
+        self._watch = HostWatch(controls.sessions.dispatcher.host_by_address if controls.sessions is not None else None)
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
             metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
@@ -248,7 +253,8 @@ class SliceSession(Uploading):
         host, numbers, generation = compiles_on(await self._settled(), devices)
         address, stub = self._worker(host.address)
         blob = wpb.FunctionBlob(function_id=function_id, exported=exported, name=name, donate=list(donated))
-        return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation)
+        return await compile_on_worker(stub, self._metadata, address, blob, numbers, num_outputs, generation,
+                                       self._watch)
 
     def _placement(self) -> Any:
         try:
@@ -390,7 +396,7 @@ class SliceSession(Uploading):
         address = self._address_of(buffer_id)
         self._cork.waiting()  # the run making it is on its way to the worker
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
-        return fetching.chunks(self._workers.fetch_raw(address), request, self._metadata, address)
+        return fetching.chunks(self._workers.fetch_raw(address), request, self._metadata, address, self._watch)
 
     def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[bytes, None]:
         """The same bytes as the worker's `FetchData` messages (`data_messages`), which a
@@ -398,7 +404,8 @@ class SliceSession(Uploading):
         address = self._address_of(buffer_id)
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
                                    data_messages=True)
-        return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address)
+        return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address,
+                                      self._watch)
 
     async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         """Returns once the buffers are computed (BackendError if one failed). An output of a
@@ -427,7 +434,8 @@ class SliceSession(Uploading):
 
             async def wait(stub: wgrpc.WorkerStub = stub, ids: list[int] = ids, address: str = address) -> Any:
                 try:
-                    return await stub.Wait(wpb.WaitRequest(buffer_ids=ids, timeout_s=WAIT_S), metadata=self._metadata)
+                    call = stub.Wait(wpb.WaitRequest(buffer_ids=ids, timeout_s=WAIT_S), metadata=self._metadata)
+                    return await self._watch.unless_lost(address, call, "waiting on")
                 except grpc.RpcError as e:
                     raise BackendError("UNAVAILABLE", f"waiting on worker {address} failed: {e.details()}") from None
 

@@ -19,6 +19,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .backend import BackendError
+from .host_watch import HostWatch
 from .shardings import replicated_none
 
 COMPILE_S = 600.0  # the longest a worker may take to compile a program
@@ -26,13 +27,17 @@ COMPILE_S = 600.0  # the longest a worker may take to compile a program
 
 async def compile_on_worker(stub: wgrpc.WorkerStub, metadata: Sequence[tuple[str, str]], address: str,
                             blob: wpb.FunctionBlob, local_devices: Sequence[int],
-                            num_outputs: int, group_generation: int = 0) -> tuple[bytes | None, ...]:
+                            num_outputs: int, group_generation: int = 0,
+                            watch: HostWatch | None = None) -> tuple[bytes | None, ...]:
     """The compiled output shardings of `blob` on the worker's `local_devices` (group-wide numbers
     of island group `group_generation` on a slice spanning hosts; serialized xla.OpSharding over
-    them in order; None: replicated). BackendError if it does not compile."""
+    them in order; None: replicated). BackendError if it does not compile; `watch`: also once the
+    worker's host is lost (host_watch.py)."""
     request = wpb.CompileRequest(function=blob, local_devices=list(local_devices), group_generation=group_generation)
     try:
-        reply: Any = await stub.Compile(request, metadata=metadata, timeout=COMPILE_S)
+        call = stub.Compile(request, metadata=metadata, timeout=COMPILE_S)
+        doing = f"compiling {blob.name} on"
+        reply: Any = await (watch.unless_lost(address, call, doing) if watch is not None else call)
     except grpc.RpcError as e:
         raise BackendError("UNAVAILABLE", f"compiling {blob.name} on worker {address} failed: {e.details()}") from None
     if reply.error:

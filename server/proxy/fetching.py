@@ -3,10 +3,13 @@ its answers left serialized (server/wire.py): no protobuf parse, no copy of the 
 
 Both readers take the next message only when their consumer asks for it, so gRPC's flow control
 holds the worker back while the consumer is slow, and closing the generator cancels the call
-(a consumer that stopped early, or went away: the worker stops sending)."""
+(a consumer that stopped early, or went away: the worker stops sending). A call whose worker's
+host the controller declares lost is cancelled then, and its reader raises the error naming the
+host (host_watch.py), rather than waiting for a worker that stopped answering."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -16,6 +19,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
 from .backend import BackendError
+from .host_watch import HostWatch
 
 FETCH_METHOD = "/pathways.v1.Worker/Fetch"
 
@@ -26,11 +30,15 @@ def fetch_method(channel: Any) -> Any:
                                 response_deserializer=None)
 
 
-async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any,
-                 address: str) -> AsyncGenerator[memoryview, None]:
+DOING = "downloading from"
+
+
+async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
+                 watch: HostWatch | None = None) -> AsyncGenerator[memoryview, None]:
     """The array bytes of each `FetchChunk` (views of what gRPC received); a chunk's error is
-    FAILED_PRECONDITION."""
+    FAILED_PRECONDITION. `watch`: the call ends once its worker's host is lost."""
     call = fetch(request, metadata=metadata)
+    guard = watch.guard(address, call, DOING) if watch is not None else None
     try:
         async for raw in call:
             try:
@@ -40,18 +48,26 @@ async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any,
             if error:
                 raise BackendError("FAILED_PRECONDITION", error)
             yield data
-    except grpc.RpcError as e:
+    except (grpc.RpcError, asyncio.CancelledError) as e:
+        lost = guard.error() if guard is not None else None
+        if lost is not None:
+            raise lost from None
+        if isinstance(e, asyncio.CancelledError):
+            raise
         raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
     finally:
         call.cancel()
+        if guard is not None:
+            guard.stop()
 
 
-async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any,
-                        address: str) -> AsyncGenerator[bytes, None]:
+async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
+                        watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
     """The serialized `FetchData` messages of a fetch with `data_messages`, as they came (each
     one's header checked: `{bytes data = 1}` and nothing else, else INTERNAL); the call's
-    FAILED_PRECONDITION (the buffer failed) keeps its code and cause."""
+    FAILED_PRECONDITION (the buffer failed) keeps its code and cause. `watch`: as `chunks`."""
     call = fetch(request, metadata=metadata)
+    guard = watch.guard(address, call, DOING) if watch is not None else None
     try:
         async for raw in call:
             try:
@@ -59,9 +75,16 @@ async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any,
             except wire.WireError as e:
                 raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
             yield raw
-    except grpc.RpcError as e:
+    except (grpc.RpcError, asyncio.CancelledError) as e:
+        lost = guard.error() if guard is not None else None
+        if lost is not None:
+            raise lost from None
+        if isinstance(e, asyncio.CancelledError):
+            raise
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
             raise BackendError("FAILED_PRECONDITION", e.details() or "") from None
         raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
     finally:
         call.cancel()
+        if guard is not None:
+            guard.stop()

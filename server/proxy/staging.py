@@ -22,6 +22,7 @@ import grpc
 from .. import wire
 from .backend import BackendError
 from .handles import HostData
+from .host_watch import Guard
 
 PIECE_BYTES = 4 << 20  # a chunk larger than this goes on in pieces of this size (worker messages ≤ 64 MiB)
 
@@ -39,30 +40,69 @@ class Owner(Protocol):
 class Staging:
     """One host buffer on its way to a worker: `write` its bytes in order, then exactly one of
     `finish`, `materialize`, `discard`. `call` is the worker's PutBuffers (serialized requests),
-    opened without a request iterator."""
+    opened without a request iterator; `guard` cancels it once the worker's host is lost (and
+    wakes a write waiting on it: host_watch.py), and the staging fails naming the host."""
 
-    def __init__(self, session: Owner, call: Any, address: str, buffer_id: int, owner: str, nbytes: int) -> None:
+    def __init__(self, session: Owner, call: Any, address: str, buffer_id: int, owner: str, nbytes: int,
+                 guard: Guard | None = None) -> None:
         self._session = session
         self._call = call
+        self._guard = guard
         self.address = address
         self.buffer_id = buffer_id
         self._owner = owner
         self.nbytes = nbytes
         self.sent = 0
         self._closed = False
+        self._failed: BackendError | None = None  # why the stream failed while the bytes came (`write`)
+
+    @classmethod
+    def failed(cls, session: Owner, error: BackendError, nbytes: int) -> Staging:
+        """A staging that takes the bytes nowhere: the array made of them fails with `error`."""
+        staging = cls(session, None, "", 0, "", nbytes)
+        staging._failed = error
+        staging._closed = True
+        return staging
 
     def __len__(self) -> int:
         return self.nbytes
 
-    async def _send(self, message: bytes) -> None:
+    def _close(self) -> None:
+        self._closed = True
+        if self._guard is not None:
+            self._guard.stop()
+
+    async def _step(self, step: Any) -> Any:
+        """Awaits `step` (a write, or the end of the stream) of the call; the call's failure is
+        the worker's reason (`_error`), or the loss of its host: its guard then cancels the call
+        and wakes this task, which a write blocked on the worker's flow control needs."""
+        guard = self._guard
+        if guard is not None:
+            guard.writer = asyncio.current_task()
         try:
-            await self._call.write(message)
+            return await step
         except (grpc.RpcError, asyncio.InvalidStateError):
             raise await self._error() from None
+        except asyncio.CancelledError:
+            lost = guard.error() if guard is not None else None
+            if lost is None:  # not the guard's: the task is cancelled
+                raise
+            self._close()
+            raise lost from None
+        finally:
+            if guard is not None:
+                guard.writer = None
+
+    async def _send(self, message: bytes) -> None:
+        await self._step(self._call.write(message))
 
     async def _error(self) -> BackendError:
-        """The worker's reason for ending the stream (it aborts with one)."""
-        self._closed = True
+        """The worker's reason for ending the stream (it aborts with one), or the loss of its host."""
+        self._close()
+        if self._guard is not None and self._guard.lost:
+            error = self._guard.error()
+            if error is not None:
+                return error
         try:
             await self._call
         except grpc.RpcError as e:
@@ -73,25 +113,33 @@ class Staging:
         return BackendError("UNAVAILABLE", f"uploading to worker {self.address}: the stream ended")
 
     async def write(self, chunk: bytes | memoryview) -> None:
-        """Forwards the next bytes of the buffer (the caller checks the total stays in `nbytes`)."""
+        """Forwards the next bytes of the buffer (the caller checks the total stays in `nbytes`).
+        Once the stream failed the bytes go nowhere, and the array made of them (`finish`) fails
+        with its error: the client's HostBufferStore ends well, since the jaxlib client ends its
+        whole session when one fails."""
+        if self._failed is not None:
+            return
         view = memoryview(chunk).cast("B")
         for start in range(0, len(view), PIECE_BYTES):
             piece = view[start : start + PIECE_BYTES]
-            await self._send(wire.put_buffer_request(self.buffer_id, self._owner, "", (), [piece], self.sent,
-                                                     self.nbytes))
+            try:
+                await self._send(wire.put_buffer_request(self.buffer_id, self._owner, "", (), [piece], self.sent,
+                                                         self.nbytes))
+            except BackendError as e:
+                self._failed = e
+                return
             self.sent += len(piece)
 
     async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
         """Makes the staged bytes the array `dtype[shape]` on the worker; its buffer id."""
+        if self._failed is not None:
+            raise self._failed
         assert self.sent == self.nbytes and not self._closed
         await self._send(wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.sent,
                                                  self.nbytes))
-        try:
-            await self._call.done_writing()
-            reply = await self._call
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            raise await self._error() from None
-        self._closed = True
+        await self._step(self._call.done_writing())
+        reply = await self._step(self._call)
+        self._close()
         if reply.count != 1:
             raise BackendError("INTERNAL", f"worker {self.address} stored {reply.count} buffers of an upload of one")
         self._session.adopt(self.buffer_id, self.address)
@@ -108,5 +156,5 @@ class Staging:
     def discard(self) -> None:
         """Drops the staged bytes: the worker drops an upload whose stream is cancelled."""
         if not self._closed:
-            self._closed = True
+            self._close()
             self._call.cancel()

@@ -26,12 +26,12 @@ from schemas.arrays import byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
-from ..controller.cluster_rows import LOST
 from ..controller.errors import ControllerError
 from .backend import ArraySpec, BackendError
 from .corking import FlushCork
 from .handles import HostData, Staged
 from .holdings import Holdings
+from .host_watch import HostWatch
 from .placing import holders_of, spread_members
 from .shardings import Index
 from .staging import Staging
@@ -41,7 +41,6 @@ from .workers import WorkerChannels
 # (server/worker/transfer.py); this leaves room for the message's other fields.
 MAX_UPLOAD_BYTES = (64 << 20) - (64 << 10)
 UPLOAD_PIECE_BYTES = 4 << 20  # a larger array goes in pieces of this size (worker/uploads.py)
-LOST_POLL_S = 0.25  # how often an upload in flight checks that its worker's host was not lost
 
 
 class Uploading:
@@ -51,6 +50,7 @@ class Uploading:
     _owner: str
     _held: Holdings
     _workers: WorkerChannels
+    _watch: HostWatch  # ends a call to a worker once its host is lost (host_watch.py)
     _metadata: tuple[tuple[str, str], ...]
     _controls: Any
     _cork: FlushCork
@@ -229,50 +229,23 @@ class Uploading:
                                                       part_of if start == 0 else b"")
 
         try:
-            await self._unless_lost(address, self._workers.put_raw(address)(requests(), metadata=self._metadata))
+            await self._watch.unless_lost(address, self._workers.put_raw(address)(requests(), metadata=self._metadata),
+                                          "uploading to")
         except grpc.RpcError as e:
             raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {e.details()}") from None
 
-    async def _unless_lost(self, address: str, call: Any) -> Any:
-        """Awaits `call`, an RPC to the worker at `address`; once the controller declares that
-        worker's host lost, the call is cancelled and fails naming it. A worker that stops
-        answering without closing its connections (frozen, cut off) would otherwise keep the call,
-        and the client's array, waiting with no end: gRPC gives such a call no deadline. (A timer
-        looks every LOST_POLL_S: a call over sooner costs one timer, no task.)"""
-        manager = self._controls.sessions
-        host = manager.dispatcher.host_by_address(address) if manager is not None else None
-        if host is None:  # not a ready host now (unwatched: the call says what it finds)
-            return await call
-        loop = asyncio.get_running_loop()
-        lost = False
-        timer: asyncio.TimerHandle | None = None
-
-        def look() -> None:
-            nonlocal lost, timer
-            if host.state == LOST:
-                lost = True
-                call.cancel()
-            else:
-                timer = loop.call_later(LOST_POLL_S, look)
-
-        timer = loop.call_later(LOST_POLL_S, look)
-        try:
-            return await call
-        except (asyncio.CancelledError, grpc.RpcError):
-            if lost:
-                raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: its host {host.name} "
-                                                  f"was lost") from None
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-
     def stage(self, nbytes: int) -> Staging:
         """A staged upload of `nbytes` host bytes to the slice's first worker (staging.py); once
-        its devices are known it moves where they are (`settle_staged`)."""
-        address = self._holders().first.address
-        call = self._workers.put_raw(address)(metadata=self._metadata)
-        return Staging(self, call, address, next(self._ids), self._owner, nbytes)
+        its devices are known it moves where they are (`settle_staged`). Where the slice cannot
+        take it now (degraded, its first worker's host lost) the array made of it fails with why
+        (`Staging.failed`: the client's HostBufferStore must not, see `Staging.write`)."""
+        try:
+            address = self._holders().first.address
+            call = self._workers.put_raw(address)(metadata=self._metadata)
+            guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
+        except BackendError as e:
+            return Staging.failed(self, e, nbytes)
+        return Staging(self, call, address, next(self._ids), self._owner, nbytes, guard)
 
     def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
         """A staged upload, stored on the slice's first worker before the client said which

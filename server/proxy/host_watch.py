@@ -1,0 +1,133 @@
+"""A proxy session's calls to workers, ended once the controller declares the worker's host lost.
+
+A worker that stops answering without closing its connections (frozen, cut off by the network)
+keeps a call to it waiting with no end: the proxy's calls to workers have no deadline, or a long
+one (a download or a readiness check waits up to an hour for a computation, a compile ten
+minutes), and the unmodified JAX client waits on them. The controller declares such a host lost
+once its heartbeats stop (its --heartbeat-timeout); each call in flight to a worker holds a
+`Guard`, a timer that looks at the state of the worker's host every LOST_POLL_S and cancels the
+call once it is lost; the caller then raises `Guard.error()`, UNAVAILABLE naming the host. A call
+to a worker whose host this session saw lost fails at once, before it is sent.
+
+The cost is one timer a call (re-armed while the call lasts, stopped when it ends), no task: a
+call over sooner than LOST_POLL_S costs one `call_later` and its cancel. Streaming calls (a
+`Fetch`'s answers, a staged upload's `PutBuffers`) hold their guard for their whole life, and
+their reader turns the cancellation into the same error (fetching.py, staging.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ..controller.cluster_rows import LOST
+from .backend import BackendError
+
+LOST_POLL_S = 0.25  # how often a call in flight looks at its worker's host
+
+HostOf = Callable[[str], Any]  # worker address -> its ready host (controller/cluster.py HostInfo), or None
+
+
+def lost_error(doing: str, address: str, host: str) -> BackendError:
+    return BackendError("UNAVAILABLE", f"{doing} worker {address} failed: its host {host} was lost")
+
+
+class Guard:
+    """One call's watch on its worker's host (`HostWatch.guard`): cancels `call` once the host
+    is lost; `stop` when the call is over (the timer also stops by itself once the call is done).
+
+    `writer`: a task waiting on a write of the call's request stream, which cancelling the call
+    leaves waiting (grpc.aio's `write` blocked by flow control, the worker reading nothing): it is
+    cancelled too, and `error` takes that cancellation back."""
+
+    __slots__ = ("_address", "_call", "_doing", "_host", "_loop", "_timer", "_woken", "lost", "writer")
+
+    def __init__(self, host: Any, call: Any, doing: str, address: str) -> None:
+        self._host = host
+        self._call = call
+        self._doing = doing
+        self._address = address
+        self.lost = False
+        self.writer: asyncio.Task[Any] | None = None
+        self._woken: asyncio.Task[Any] | None = None
+        self._loop = loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(LOST_POLL_S, self._look)
+
+    def _look(self) -> None:
+        if self._host.state == LOST:
+            self.lost = True
+            self._timer = None
+            self._call.cancel()
+            if self.writer is not None:
+                self._woken, self.writer = self.writer, None
+                self._woken.cancel()
+        elif self._call.done():
+            self._timer = None
+        else:
+            self._timer = self._loop.call_later(LOST_POLL_S, self._look)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def error(self) -> BackendError | None:
+        """The error to raise for the call's failure (a cancellation, or its RpcError) where the
+        guard cancelled it because the host was lost; None otherwise, and while the caller's own
+        task is being cancelled (that cancellation goes on). Called where the failure was caught."""
+        if not self.lost:
+            return None
+        task = asyncio.current_task()
+        if task is not None:
+            if task is self._woken:  # this guard cancelled it (`writer`): taken back
+                self._woken = None
+                task.uncancel()
+            if task.cancelling():
+                return None
+        return lost_error(self._doing, self._address, self._host.name)
+
+
+class HostWatch:
+    """The hosts of one session's worker calls. `host_of`: the controller's ready host at an
+    address (the dispatcher's `host_by_address`); None: nothing is watched (no controller)."""
+
+    def __init__(self, host_of: HostOf | None) -> None:
+        self._host_of = host_of
+        self._seen: dict[str, Any] = {}  # address -> the host last found ready there
+
+    def guard(self, address: str, call: Any, doing: str) -> Guard | None:
+        """A guard on `call`, just made, to the worker at `address` (`doing` it: "downloading
+        from", for the error: "{doing} worker {address} failed: its host {name} was lost").
+        Raises that error at once (the call cancelled) where the host this session last saw at
+        `address` is lost; None where no ready host is there now (unwatched: the call says what
+        it finds)."""
+        if self._host_of is None:
+            return None
+        host = self._host_of(address)
+        if host is None:
+            seen = self._seen.get(address)
+            if seen is not None and seen.state == LOST:
+                call.cancel()
+                raise lost_error(doing, address, seen.name)
+            return None
+        self._seen[address] = host
+        return Guard(host, call, doing, address)
+
+    async def unless_lost(self, address: str, call: Any, doing: str) -> Any:
+        """Awaits `call` (a unary or stream-unary call to the worker at `address`); once its host
+        is lost the call is cancelled and this raises the error naming it (`guard`)."""
+        guard = self.guard(address, call, doing)
+        if guard is None:
+            return await call
+        try:
+            return await call
+        except (asyncio.CancelledError, grpc.RpcError):
+            error = guard.error()
+            if error is not None:
+                raise error from None
+            raise
+        finally:
+            guard.stop()

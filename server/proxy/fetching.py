@@ -19,7 +19,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
 from .backend import BackendError
-from .host_watch import HostWatch
+from .host_watch import Guard, HostWatch
 
 FETCH_METHOD = "/pathways.v1.Worker/Fetch"
 
@@ -49,16 +49,12 @@ async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: 
                 raise BackendError("FAILED_PRECONDITION", error)
             yield data
     except (grpc.RpcError, asyncio.CancelledError) as e:
-        lost = guard.error() if guard is not None else None
-        if lost is not None:
-            raise lost from None
-        if isinstance(e, asyncio.CancelledError):
+        failure = _failure(e, guard, address, keep_failed=False)
+        if failure is e:
             raise
-        raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+        raise failure from None
     finally:
-        call.cancel()
-        if guard is not None:
-            guard.stop()
+        _end(call, guard)
 
 
 async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
@@ -76,15 +72,30 @@ async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, ad
                 raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
             yield raw
     except (grpc.RpcError, asyncio.CancelledError) as e:
-        lost = guard.error() if guard is not None else None
-        if lost is not None:
-            raise lost from None
-        if isinstance(e, asyncio.CancelledError):
+        failure = _failure(e, guard, address, keep_failed=True)
+        if failure is e:
             raise
-        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            raise BackendError("FAILED_PRECONDITION", e.details() or "") from None
-        raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {e.details()}") from None
+        raise failure from None
     finally:
-        call.cancel()
-        if guard is not None:
-            guard.stop()
+        _end(call, guard)
+
+
+def _failure(e: BaseException, guard: Guard | None, address: str, keep_failed: bool) -> BaseException:
+    """What a fetch's failure `e` raises: the lost host's error where the guard ended the call
+    (host_watch.py), `e` itself for a cancellation of the caller, FAILED_PRECONDITION with the
+    worker's cause where `keep_failed` (the buffer failed), else UNAVAILABLE naming the worker."""
+    lost = guard.error() if guard is not None else None
+    if lost is not None:
+        return lost
+    if isinstance(e, asyncio.CancelledError) or not isinstance(e, grpc.RpcError):
+        return e
+    rpc: Any = e  # grpc.aio's AioRpcError: code() and details()
+    if keep_failed and rpc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return BackendError("FAILED_PRECONDITION", rpc.details() or "")
+    return BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {rpc.details()}")
+
+
+def _end(call: Any, guard: Guard | None) -> None:
+    call.cancel()
+    if guard is not None:
+        guard.stop()

@@ -51,6 +51,16 @@ for line in sys.stdin:
 XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process (role -> pid) used so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for role, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[role] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class Side:
     """One tree's cluster and client."""
 
@@ -112,12 +122,7 @@ class Side:
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds (user + system) each of this side's processes used so far."""
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for role, pid in self.pids.items():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[role] = (int(fields[11]) + int(fields[12])) / tick
-        return out
+        return cpu_seconds(self.pids)
 
     def ask(self, mode: str, calls: int) -> dict[str, Any]:
         assert self.client is not None and self.client.stdin is not None

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench import netns
 from bench.multihost import PSUM_DEVICES, Side, SideError
+from bench.proxy_ab import cpu_seconds
 
 ENV = {"PATHWAYS_VALIDATE": "0"}
 
@@ -114,12 +115,7 @@ class Tree:
         print(f"# {self.label} {self.tree}: {self.pids}", flush=True)
 
     def cpu(self) -> dict[str, float]:
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for role, pid in self.pids.items():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[role] = (int(fields[11]) + int(fields[12])) / tick
-        return out
+        return cpu_seconds(self.pids)
 
     def window(self, calls: int) -> dict[str, Any]:
         assert self.client is not None

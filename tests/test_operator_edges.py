@@ -198,3 +198,37 @@ def test_up_says_when_it_reuses_a_controller_it_did_not_start_and_down_leaves_it
     finally:
         stop = run_pwctl("server", "stop", env=env, timeout=60)
     assert stop.returncode == 0 and not local.is_alive(controller)
+
+
+def _workers_of(home: Path) -> list[int]:
+    """Pids of worker processes running with this data directory."""
+    found = []
+    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
+        try:
+            cmd = (pid / "cmdline").read_bytes()
+            env = (pid / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"server.worker" in cmd and f"PATHWAYS_HOME={home}".encode() in env:
+            found.append(int(pid.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_up_whose_controller_cannot_start_leaves_no_worker_behind(pw_home: Path) -> None:
+    """The controller's port is taken: `up` fails saying so, and the worker it started beside the
+    controller goes too (before, it stayed, retrying that address, with nothing recorded for
+    `down`)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        env = base_env(pw_home, PWCTL_SERVER=address)
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, "--no-token", env=env,
+                      timeout=90)
+        assert r.returncode != 0 and "the controller failed to start" in r.stderr, r.stderr
+        assert "cannot listen on" in r.stderr, r.stderr
+        assert _workers_of(pw_home) == []
+        assert not (pw_home / "cluster.json").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, PathwaysError
 from .controller import _spawn_controller, _stop_controller_pid, _wait_controller, running_controller
 from .processes import (
     CONTROLLER_MODULE,
@@ -113,7 +113,15 @@ def up(
 
     controller_pid = state.get("controller_pid")
     if proc is not None:
-        address = _wait_controller(proc, log_offset, db).address
+        try:
+            address = _wait_controller(proc, log_offset, db).address
+        except PathwaysError:  # e.g. its port is taken: the workers started for it must not stay,
+            # retrying that address (another process's) with nothing recorded for `down` to stop
+            terminate([worker_pids[n] for n in started])
+            for n in started:
+                if (_read_json(worker_pid_path(n)) or {}).get("pid") == worker_pids[n]:
+                    worker_pid_path(n).unlink(missing_ok=True)
+            raise
         controller_pid = proc.pid
     elif running is not None and controller_pid != running.pid:
         # the cluster's controller restarted since (`pwctl server stop`/`start`) stays the cluster's;

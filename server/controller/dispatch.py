@@ -19,7 +19,6 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -52,9 +51,6 @@ from .plans import Placements, Plan, check_spread_inputs, input_hosts, placed_pl
 from .programs import ProgramRecord, ProgramRegistry
 from .runs import RunState, never_reading, peer_inputs_by_host, task_fields, unmade_inputs_elsewhere
 from .segments import PROGRAM_INPUT, same_machine
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +337,7 @@ class Dispatcher:
         if not a.ok:
             run.session.run_failed(a.run_id, a.error)
             if a.unstarted:  # no worker will make or fail its outputs: the runs reading them fail
-                outputs = [b for ids in run.buffers for b in ids]
+                outputs = run.all_buffers()
                 why = f"run {a.run_id:#x} that computes it failed before it started: {a.error}"
                 run.session.never_made(outputs, why)  # those submitted later: refused (`submit`)
                 if len(run.session.open_runs) > 1:  # those submitted already: `_fail_readers`
@@ -376,7 +372,7 @@ class Dispatcher:
                 self._outbox.other(host.name, cpb.ControllerToWorker(drop=cpb.Drop(reason=first[ids[0]],
                                                                                   never_ids=ids)))
         for run, _, why in doomed:  # what a later reader of theirs is refused with
-            run.session.never_made((b for ids in run.buffers for b in ids), why)
+            run.session.never_made(run.all_buffers(), why)
         for session, lost in unmade.items():  # their readers were found above
             again = self._unmade.get(session)
             if again is not None:

@@ -34,6 +34,10 @@ class RunState:
     # blocking on its outputs: server/proxy/cluster_backend.py `ready`)
     prompt: bool = False
 
+    def all_buffers(self) -> list[int]:
+        """Every buffer its segments make (the program's outputs and its intermediates)."""
+        return [b for ids in self.buffers for b in ids]
+
 
 def never_reading(runs: Mapping[int, RunState], run_ids: Iterable[int],
                   lost: dict[int, str]) -> list[tuple[RunState, str, str]]:
@@ -51,9 +55,7 @@ def never_reading(runs: Mapping[int, RunState], run_ids: Iterable[int],
             why = lost.get(b)
             if why is not None:
                 out.append((run, f"input {k} (buffer {b:#x}) will never be computed: {why}", why))
-                for ids in run.buffers:
-                    for x in ids:
-                        lost[x] = why
+                lost.update(dict.fromkeys(run.all_buffers(), why))
                 break
     return out
 

@@ -139,13 +139,13 @@ class BufferStore:
 
     def never_made(self, buffer_ids: Sequence[int], error: str) -> None:
         """Their producer's run failed before it started: each one pending here (a send to a
-        reader, a wait) fails with `error`; an id this worker never heard of is left unknown."""
+        reader, a wait) fails with `error` (`fail`: one settled already stays as it is); an id
+        this worker never heard of is left unknown (`fail` would record it)."""
         for buffer_id in buffer_ids:
             with self._lock:
-                e = self._entries.get(buffer_id)
-                if e is None or e.state != PENDING:
-                    continue
-            self.fail(buffer_id, error)
+                known = buffer_id in self._entries
+            if known:
+                self.fail(buffer_id, error)
 
     def fail(self, buffer_id: int, error: str) -> None:
         with self._lock:

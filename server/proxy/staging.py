@@ -99,10 +99,9 @@ class Staging:
     async def _error(self) -> BackendError:
         """The worker's reason for ending the stream (it aborts with one), or the loss of its host."""
         self._close()
-        if self._guard is not None and self._guard.lost:
-            error = self._guard.error()
-            if error is not None:
-                return error
+        lost = self._guard.error() if self._guard is not None else None  # None unless the host was lost
+        if lost is not None:
+            return lost
         try:
             await self._call
         except grpc.RpcError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,21 @@ class Program:
         out = self.proc.stdout.readline().strip()
         assert out, self.proc.stderr.read()[-3000:]
         return out
+
+    def lines_within(self, n: int, seconds: float) -> list[str]:
+        """Its next `n` lines, which must all come within `seconds` (a call that should end, on
+        a worker that stopped answering: the reader is not left blocking the test)."""
+        got: list[str] = []
+
+        def read() -> None:
+            for _ in range(n):
+                got.append(self.line())
+
+        reader = threading.Thread(target=read, daemon=True)  # ends with the program's output at the latest
+        reader.start()
+        reader.join(seconds)
+        assert len(got) == n, f"after {seconds:g} s, the calls to the frozen worker still wait: only {got}"
+        return got
 
     def go(self) -> None:
         assert self.proc.stdin is not None

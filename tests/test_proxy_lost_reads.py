@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -69,21 +68,6 @@ except Exception as e:
 """
 
 
-def lines_within(prog: Program, n: int, seconds: float) -> list[str]:
-    """The program's next `n` lines, which must all come within `seconds`."""
-    got: list[str] = []
-
-    def read() -> None:
-        for _ in range(n):
-            got.append(prog.line())
-
-    reader = threading.Thread(target=read, daemon=True)  # ends with the program's output at the latest
-    reader.start()
-    reader.join(seconds)
-    assert len(got) == n, f"after {seconds:g} s, the calls to the frozen worker still wait: only {got}"
-    return got
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
 def test_reads_from_a_worker_that_stops_answering_fail_when_its_host_is_lost(
@@ -98,7 +82,7 @@ def test_reads_from_a_worker_that_stops_answering_fail_when_its_host_is_lost(
             cluster.stop_worker(dest)
             start = time.monotonic()
             prog.go()
-            block, compiled, download = sorted(lines_within(prog, 3, 4 * HEARTBEAT_TIMEOUT_S))
+            block, compiled, download = sorted(prog.lines_within(3, 4 * HEARTBEAT_TIMEOUT_S))
             took = time.monotonic() - start
             address = cluster.hosts()[dest].address
             lost = f"worker {address} failed: its host {dest} was lost"
@@ -169,7 +153,7 @@ def test_a_staged_upload_to_a_first_worker_that_stops_answering_fails_when_its_h
             cluster.stop_worker(first)
             start = time.monotonic()
             prog.go()
-            (line,) = lines_within(prog, 1, 4 * HEARTBEAT_TIMEOUT_S)
+            (line,) = prog.lines_within(1, 4 * HEARTBEAT_TIMEOUT_S)
             took = time.monotonic() - start
             address = cluster.hosts()[first].address
             assert line.startswith("error JaxRuntimeError UNAVAILABLE: ") and line.endswith(

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,19 @@ for line in sys.stdin:
     print(json.dumps({"per_s": int(n) / dt, "calls": int(n), "value": float(np.asarray(x)[0])}), flush=True)
 """
 XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
+
+
+def processes() -> Iterator[tuple[int, dict[str, str], str]]:
+    """Every process this user can read: (pid, its environment, its command line)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        yield int(pid), dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e), cmd
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -95,20 +109,15 @@ class Side:
     def check_code(self) -> list[str]:
         """Each of this side's Python processes with its cwd and PYTHONPATH (they must be this tree)."""
         found = []
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-            except OSError:
-                continue
-            env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        for pid, env, cmd in processes():
             if env.get("PATHWAYS_HOME") == str(self.home) and "python" in cmd:
+                try:
+                    cwd = os.readlink(f"/proc/{pid}/cwd")
+                except OSError:
+                    continue
                 words = cmd.split()
                 role = words[2].split(".")[-1] if len(words) > 2 and words[1] == "-m" else "client"
-                self.pids[role] = int(pid)
+                self.pids[role] = pid
                 found.append(f"{pid} {role} cwd={cwd} PYTHONPATH={env.get('PYTHONPATH')}")
         return found
 
@@ -125,15 +134,20 @@ class Side:
         return cpu_seconds(self.pids)
 
     def ask(self, mode: str, calls: int) -> dict[str, Any]:
+        return self.timed(f"{mode} {calls}", calls, f"{mode}: x + 1")
+
+    def timed(self, request: str, calls: int, what: str) -> dict[str, Any]:
+        """Sends the client one window's `request` line; its reply, with each process's CPU per
+        call over the window. The client counts its `calls` steps (`value`): they must all have run."""
         assert self.client is not None and self.client.stdin is not None
         before = self.cpu()
-        self.client.stdin.write(f"{mode} {calls}\n")
+        self.client.stdin.write(request + "\n")
         self.client.stdin.flush()
         out = self._reply()
         after = self.cpu()
         out["cpu_us_per_call"] = {r: round((after[r] - before[r]) / calls * 1e6, 1) for r in before}
         if out["value"] != out["calls"]:
-            raise RuntimeError(f"{self.label} {mode}: x + 1 {out['calls']} times gave {out['value']}")
+            raise RuntimeError(f"{self.label} {what} {out['calls']} times gave {out['value']}")
         return out
 
     def down(self) -> None:

@@ -68,16 +68,7 @@ class PwSide(Side):
         self._reply()
 
     def run(self, variant: str, mode: str, calls: int) -> dict[str, Any]:
-        assert self.client is not None and self.client.stdin is not None
-        before = self.cpu()
-        self.client.stdin.write(f"{variant} {mode} {calls}\n")
-        self.client.stdin.flush()
-        out = self._reply()
-        after = self.cpu()
-        out["cpu_us_per_call"] = {r: round((after[r] - before[r]) / calls * 1e6, 1) for r in before}
-        if out["value"] != out["calls"]:
-            raise RuntimeError(f"{self.label} {variant} {mode}: {out['calls']} steps gave {out['value']}")
-        return out
+        return self.timed(f"{variant} {mode} {calls}", calls, f"{variant} {mode}: steps,")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench import netns
 from bench.multihost import PSUM_DEVICES, Side, SideError
-from bench.proxy_ab import cpu_seconds
+from bench.proxy_ab import cpu_seconds, processes
 
 ENV = {"PATHWAYS_VALIDATE": "0"}
 
@@ -93,25 +93,17 @@ class Tree:
 
     def _find_pids(self) -> None:
         homes = {str(h): i for i, h in enumerate(self.homes)}
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        for pid, env, cmd in processes():
             i = homes.get(env.get("PATHWAYS_HOME", ""))
             if i is None or "nsenter" in cmd:
                 continue
             words = cmd.split()
             if "bench.multihost_side" in words:
-                self.pids["client"] = int(pid)
+                self.pids["client"] = pid
             elif "server.controller" in words:  # (not its island coordination service)
-                self.pids["controller"] = int(pid)
+                self.pids["controller"] = pid
             elif "server.worker" in words and i:
-                self.pids[f"worker{'AB'[i - 1]}"] = int(pid)
+                self.pids[f"worker{'AB'[i - 1]}"] = pid
         print(f"# {self.label} {self.tree}: {self.pids}", flush=True)
 
     def cpu(self) -> dict[str, float]:

@@ -117,10 +117,7 @@ def up(
             address = _wait_controller(proc, log_offset, db).address
         except PathwaysError:  # e.g. its port is taken: the workers started for it must not stay,
             # retrying that address (another process's) with nothing recorded for `down` to stop
-            terminate([worker_pids[n] for n in started])
-            for n in started:
-                if (_read_json(worker_pid_path(n)) or {}).get("pid") == worker_pids[n]:
-                    worker_pid_path(n).unlink(missing_ok=True)
+            _stop_workers({n: worker_pids[n] for n in started})
             raise
         controller_pid = proc.pid
     elif running is not None and controller_pid != running.pid:
@@ -177,6 +174,14 @@ def stop_island_services(record_path: Path | None = None) -> None:
     terminate(pids, 2.0)
 
 
+def _stop_workers(pids: dict[str, int], grace: float = STOP_GRACE_S) -> None:
+    """Stops these workers (name -> pid) and removes the pid files that still name them."""
+    terminate(list(pids.values()), grace)
+    for name, pid in pids.items():
+        if (_read_json(worker_pid_path(name)) or {}).get("pid") == pid:
+            worker_pid_path(name).unlink(missing_ok=True)
+
+
 def down(grace: float = STOP_GRACE_S) -> DownResult | None:
     """Stops the cluster `up` recorded in cluster.json (workers first), by pid, also the controller
     and workers restarted since under the same names and address; None if nothing was recorded."""
@@ -193,10 +198,7 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
             again = running_worker(name)
             if again is not None:
                 ours[name] = again
-    terminate(list(ours.values()), grace)
-    for name, pid in ours.items():
-        if (_read_json(worker_pid_path(name)) or {}).get("pid") == pid:
-            worker_pid_path(name).unlink(missing_ok=True)
+    _stop_workers(ours, grace)
     controller_pid = _cluster_controller(state)
     stopped_controller: int | None = None
     left_controller: int | None = None  # a controller `up` did not start, serving the cluster's address

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .backend import ArraySpec, BackendError
@@ -352,13 +352,17 @@ def describe(module: bytes, platform: str, suffix: str = "", propagate: bool = F
 
     in_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in inputs)
     out_avals = tuple(core.ShapedArray(s.shape, jax.numpy.dtype(s.dtype)) for s in outputs)
+    # jax 0.10 marks an export with named shardings (`_has_named_shardings`); 0.11 dropped the
+    # field (every export has them) and rejects it
+    has_marker = "_has_named_shardings" in {f.name for f in fields(jax.export.Exported)}
+    marker = {"_has_named_shardings": True} if has_marker else {}
     exp = jax.export.Exported(
         fun_name=name + suffix,
         in_tree=jax.tree.structure((tuple(range(len(inputs))), {})),
         in_avals=in_avals,
         out_tree=jax.tree.structure(tuple(range(len(outputs)))),
         out_avals=out_avals,
-        _has_named_shardings=True,  # None: unspecified, as on one device
+        **marker,  # a None sharding: unspecified, as on one device
         _in_named_shardings=in_named,
         _out_named_shardings=out_named,
         in_shardings_hlo=in_hlo,

@@ -3,10 +3,11 @@ hosts (tests/hosts.py): the controller on host 0, one worker of island `pod` on 
 and 2, every client inside the hosts.
 
 A slice of 4 devices over both workers runs one SPMD computation whose collective crosses the
-hosts (checked against NumPy); killing one host fails the running program within 15 s with an
-error naming it, the surviving worker lives on, and once the host is back the island's group
-re-forms and the slice runs again. A `pw` call made while the island's group forms waits for it
-(bounded by the controller's --group-wait) and then runs, or fails naming why.
+hosts (checked against NumPy), and a program mixes it with single-host slices; killing one host
+fails the running program within 15 s with an error naming it, the surviving worker lives on,
+and once the host is back the island's group re-forms and the slice runs again. A `pw` call made
+while the island's group forms waits for it (bounded by the controller's --group-wait) and then
+runs, or fails naming why.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hosts import Host, _pids_in_netns, hosts, read_until, start_controller  # noqa: F401  (the fixture)
+from hosts import Host, _pids_in_netns, hosts, in_parallel, read_until, start_controller  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,13 +104,16 @@ print("host axis ok", flush=True)
 
 class Cluster:
     def __init__(self, hs: list[Host], islands: tuple[str, ...] = ("pod",), port: int = 0,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, workers: int = 0, *server_args: str) -> None:
-        """Workers on hosts 1..`workers` (0: every host but the controller's)."""
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, workers: int = 0, *server_args: str,
+                 also: tuple[tuple[int, str, str], ...] = ()) -> None:
+        """Workers on hosts 1..`workers` (0: every host but the controller's), and the (host,
+        island, name) workers of `also`, all started at once."""
         self.hosts = hs
         self.address, self.token = start_controller(hs[0], heartbeat_timeout, port, *server_args)
         n = workers + 1 if workers else len(hs)
-        for i in range(1, n):  # hosts 1.. in turn on each island: 1, 2 on the first...
-            self.start_worker(i, islands[(i - 1) * len(islands) // (n - 1)])
+        # hosts 1.. in turn on each island: 1, 2 on the first...
+        starts = [partial(self.start_worker, i, islands[(i - 1) * len(islands) // (n - 1)]) for i in range(1, n)]
+        in_parallel(starts + [partial(self.start_worker, *worker) for worker in also])
 
     def start_worker(self, i: int, island: str = "pod", name: str = "") -> None:
         h = self.hosts[i]
@@ -133,9 +138,26 @@ class Cluster:
         return {h["name"] for h in doc["items"] if str(h.get("state", "")).lower().endswith("ready")}
 
 
+def mixes_multi_host_and_single_host_slices(cl: Cluster, tmp_path: Path) -> None:
+    """A program mixes multi-host and single-host slices (on the spmd test's fresh cluster, with
+    island solo's worker w0 on host 0): a value from another island goes to both hosts of the
+    multi-host slice; its output is gathered from both onto a single-host slice on one of them,
+    and fetched whole."""
+    prog = tmp_path / "mixed.py"
+    prog.write_text(MIXED)
+    r = cl.hosts[0].run([sys.executable, str(prog)], timeout=180, **cl.env())
+    assert r.returncode == 0 and "host axis ok" in r.stdout, \
+        f"mixed slices: {r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
+    for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
+        assert re.search(r"first transfer to \S+ by TCP link", cl.worker_log(i)), \
+            f"mixed slices, w{i}:\n{cl.worker_log(i)[-3000:]}"
+
+
 def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
-    cl = Cluster(hs)
+    cl = Cluster(hs, also=((0, "solo", "w0"),))  # island solo's worker, for the mixed slices
+    # first (a worker logs its first transfer to a peer only once): its parts go by the TCP link
+    mixes_multi_host_and_single_host_slices(cl, tmp_path)
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
     # one SPMD computation over both hosts: its psum crosses them, its numbers are NumPy's
@@ -147,6 +169,7 @@ def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Pa
     listed = hs[0].pwctl("island", "list", "-o", "json", **cl.env())
     pod = next(i for i in json.loads(listed.stdout)["items"] if i["name"] == "pod")
     assert pod["hosts"] == 2 and pod["devices"] == 4 and re.fullmatch(r"gen \d+: 2 hosts", pod["group"]), pod
+    formed = set(re.findall(r"island group: generation (\d+), process \d of 2", cl.worker_log(1)))
 
     # a host dies mid-run: the program fails within the bound, naming it; the survivor lives
     proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())
@@ -172,22 +195,8 @@ def test_spmd_across_hosts_then_a_host_dies_and_returns(hosts: Any, tmp_path: Pa
     r = hs[0].run([sys.executable, str(prog), "once"], timeout=180, **cl.env())
     assert r.returncode == 0 and "ok 3" in r.stdout, f"rejoined: {r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
     assert "hosts w1,w2" in r.stdout, r.stdout
-    generations = re.findall(r"island group: generation (\d+), process \d of 2", cl.worker_log(1))
-    assert len(set(generations)) >= 2, cl.worker_log(1)[-3000:]  # it re-formed with the returning host
-
-
-def test_a_program_mixes_multi_host_and_single_host_slices(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
-    """A value from another island goes to both hosts of the multi-host slice; its output is
-    gathered from both onto a single-host slice on one of them, and fetched whole."""
-    hs = hosts(3)
-    cl = Cluster(hs)
-    cl.start_worker(0, island="solo", name="w0")
-    prog = tmp_path / "mixed.py"
-    prog.write_text(MIXED)
-    r = hs[0].run([sys.executable, str(prog)], timeout=180, **cl.env())
-    assert r.returncode == 0 and "host axis ok" in r.stdout, f"{r.stdout}{r.stderr}\n{cl.controller_log()[-3000:]}"
-    for i in (1, 2):  # each member sent its own part to the reading host (one of them to itself)
-        assert re.search(r"first transfer to \S+ by TCP link", cl.worker_log(i)), cl.worker_log(i)[-3000:]
+    generations = set(re.findall(r"island group: generation (\d+), process \d of 2", cl.worker_log(1)))
+    assert generations - formed, cl.worker_log(1)[-3000:]  # it re-formed with the returning host
 
 
 TWO_CLIENTS = """
@@ -211,8 +220,7 @@ def test_two_islands_over_two_hosts_each_with_clients_sharing_them(hosts: Any, t
     """Islands a (hosts 1 and 2) and b (host 3 and a worker on host 0) at once, each spanning two hosts,
     two clients on each: one gang order per island, so nobody's collectives meet another's."""
     hs = hosts(4)
-    cl = Cluster(hs, islands=("a", "a", "b"))
-    cl.start_worker(0, island="b", name="w0")
+    cl = Cluster(hs, islands=("a", "a", "b"), also=((0, "b", "w0"),))
     prog = tmp_path / "client.py"
     prog.write_text(TWO_CLIENTS)
     procs = [hs[0].popen([sys.executable, str(prog), island, k], **cl.env())

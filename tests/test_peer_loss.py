@@ -13,10 +13,12 @@ Real processes: a controller and two workers whose transfers use the TCP link
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +64,35 @@ print(json.dumps({"again": np.asarray(pipe(x)).tolist()}), flush=True)
 """
 
 
+def _sockets(pid: int) -> set[str]:
+    """The socket inodes process `pid` holds (Linux /proc)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    found.add(link[len("socket:["):-1])
+    return found
+
+
+def in_flight(sender: int, receiver: int) -> bool:
+    """Whether a TCP connection between processes `sender` and `receiver` has bytes the sender
+    could not send yet (its send queue) and bytes the receiver has not read (its receive queue):
+    with the receiver stopped, the sender is blocked in the middle of what it sends."""
+    ends: dict[tuple[str, str], tuple[str, int, int]] = {}  # (local, remote) -> (inode, tx, rx)
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{sender}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()  # sl local_address rem_address st tx_queue:rx_queue ... inode
+                tx, rx = (int(q, 16) for q in f[4].split(":"))
+                ends[(f[1], f[2])] = (f[9], tx, rx)
+    mine, theirs = _sockets(sender), _sockets(receiver)
+    return any(inode in mine and tx > 0 and (peer := ends.get((remote, local))) is not None
+               and peer[0] in theirs and peer[2] > 0
+               for (local, remote), (inode, tx, _) in ends.items())
+
+
 def _line(proc: subprocess.Popen[str]) -> dict:
     line = proc.stdout.readline() if proc.stdout else ""
     assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
@@ -82,7 +113,9 @@ def test_a_peer_killed_mid_transfer_fails_the_waiting_task_within_seconds(cluste
             proc.stdin.write("\n")
             proc.stdin.flush()
             assert _line(proc) == {"sent": True}
-            time.sleep(3.0)  # w-a computed the array and is sending it (64 MiB: far over the socket buffers)
+            # w-a computed the array and is sending it (64 MiB: far over the socket buffers)
+            wait_for(lambda: in_flight(cluster.workers["w-a"].pid, receiver.pid), 30,
+                     "w-a's transfer to the stopped w-b to be under way")
             cluster.kill_worker("w-a")
         finally:
             cluster.cont_worker("w-b")

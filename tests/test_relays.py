@@ -261,8 +261,10 @@ def test_a_relayed_gang_whose_lists_do_not_match_gives_no_message() -> None:
     assert relayed_message(part, inbox) is None and inbox.rejected == 0
 
 
+# six runs, their result; again for each line of input
 SPMD = """
 import json
+import sys
 import numpy as np
 import pwctl as pw
 import jax
@@ -271,9 +273,15 @@ s = pw.make_virtual_device_set().add_slice(devices=3, island="a")
 step = pw.pmap(lambda x: x * 2.0 + jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
 x = np.arange(3 * 5, dtype=np.float32).reshape(3, 5) / 7.0
 want = x * 2.0 + x.sum(0)
-got = [np.asarray(step(x)) for _ in range(6)]
-print(json.dumps({"hosts": sorted({d.host for d in s.info.devices}),
-                  "close": [bool(np.allclose(g, want, rtol=1e-6)) for g in got]}))
+
+def six():
+    got = [np.asarray(step(x)) for _ in range(6)]
+    print(json.dumps({"hosts": sorted({d.host for d in s.info.devices}),
+                      "close": [bool(np.allclose(g, want, rtol=1e-6)) for g in got]}), flush=True)
+
+six()
+for _ in sys.stdin:
+    six()
 """
 
 PIPELINE = """
@@ -320,6 +328,13 @@ def _stats(cluster: LocalCluster, name: str) -> wpb.WorkerStats:
         return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10)
 
 
+def _add_workers(cluster: LocalCluster, *names: str) -> None:
+    """One-device workers of island a, started at once; waits until all are ready."""
+    for name in names:
+        cluster.add_worker("a", 1, name=name, wait=False)
+    cluster.wait_ready(list(names))
+
+
 def _no_repeats(stats: wpb.WorkerStats) -> None:
     """Each task a worker ran ("run:segment@seq") ran once: no message was handled twice."""
     twice = [e for e, k in Counter(stats.executed_order).items() if k > 1]
@@ -327,31 +342,52 @@ def _no_repeats(stats: wpb.WorkerStats) -> None:
 
 
 @pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
-def test_a_gang_program_through_a_relay_gives_the_exact_results(cluster: LocalCluster) -> None:
+def test_a_gang_program_through_a_relay_gives_the_exact_results(cluster: LocalCluster, tmp_path: Path) -> None:
     """Three one-device workers of island a, one group (relay w-a, the first by name): every run
     of a pmap with a psum over the three hosts carries its members' Enqueues in one batch to w-a,
     which forwards them; the results are NumPy's."""
-    cluster.add_worker("a", 1, name="w-a2")
-    cluster.add_worker("a", 1, name="w-a3")
+    _add_workers(cluster, "w-a2", "w-a3")
 
-    def run() -> dict[str, object]:
+    errors = tmp_path / "spmd.err"  # a file: a pipe nobody reads while the program runs could fill
+
+    def start() -> tuple[subprocess.Popen[str], str]:
         deadline = time.monotonic() + 120
         while True:  # the island's group forms first (a run before then is refused, saying so)
-            out = subprocess.run([sys.executable, "-c", SPMD], env=cluster.env(), capture_output=True, text=True,
-                                 timeout=180)
-            if out.returncode == 0 or "forming" not in out.stderr or time.monotonic() > deadline:
-                break
+            with open(errors, "w") as err:
+                proc = subprocess.Popen([sys.executable, "-c", SPMD], env=cluster.env(), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=err, text=True)
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            if first:
+                return proc, first
+            proc.wait(timeout=30)
+            if "forming" not in errors.read_text() or time.monotonic() > deadline:
+                raise AssertionError(f"the program failed: {errors.read_text()[-3000:]}")
             time.sleep(2)
-        assert out.returncode == 0, out.stderr[-3000:]
-        got: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-        assert got["hosts"] == ["w-a", "w-a2", "w-a3"] and got["close"] == [True] * 6, got
-        return got
 
-    run()  # the group formed, the function compiled, every worker acknowledged its registration
-    names = ("w-a", "w-a2", "w-a3")
-    before = {n: _stats(cluster, n) for n in names}
-    run()
-    after = {n: _stats(cluster, n) for n in names}
+    def check(line: str) -> None:
+        got = json.loads(line)
+        assert got["hosts"] == ["w-a", "w-a2", "w-a3"] and got["close"] == [True] * 6, got
+
+    # six runs: the group formed, the function compiled, every worker acknowledged its registration
+    proc, first = start()
+    try:
+        check(first)
+        assert proc.stdin is not None and proc.stdout is not None
+        names = ("w-a", "w-a2", "w-a3")
+        before = {n: _stats(cluster, n) for n in names}
+        proc.stdin.write("\n")  # six more
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, f"the program ended: {errors.read_text()[-3000:]}"
+        check(line)
+        after = {n: _stats(cluster, n) for n in names}
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0, errors.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     # each of the 6 runs: w-a2's and w-a3's Enqueues forwarded by w-a, w-a's own handed to itself
     assert after["w-a"].relayed_out - before["w-a"].relayed_out >= 12, (before, after)
     assert all(after[n].relayed_in - before[n].relayed_in >= 6 for n in names), (before, after)
@@ -365,8 +401,7 @@ def test_a_relay_killed_mid_run_loses_and_duplicates_nothing(cluster: LocalClust
     r-0, joins island a and, first by name, becomes the group's relay: each run's three Enqueues
     go through it. It is killed while runs flow; the controller sends what it had not delivered
     directly, and every run before and after gives the exact result, each task run once."""
-    cluster.add_worker("a", 1, name="w-a2")
-    cluster.add_worker("a", 1, name="w-a3")
+    _add_workers(cluster, "w-a2", "w-a3")
     client = subprocess.Popen([sys.executable, "-c", PIPELINE, str(tmp_path)], env=cluster.env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

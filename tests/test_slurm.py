@@ -1,6 +1,6 @@
 """examples/slurm/pathways.sbatch on a real Slurm: munged, slurmctld and slurmd started here with a
 generated slurm.conf in a temporary directory (one node: this machine), the batch script submitted
-with `sbatch`, the seed program's output checked in the job's output file, the exit code of a
+with `sbatch` (two jobs side by side), the seed program's output checked in the job's output file, the exit code of a
 failing program checked as the job's, and nothing of the job left running afterwards.
 
 scripts/test.sh installs Debian's slurm-wlm and munge when it can (root, apt-get); where they are
@@ -191,8 +191,8 @@ def slurm() -> Iterator[Slurm]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(slurm: Slurm, workdir: Path, program: Path, **env: str) -> tuple[str, dict[str, str], str]:
-    """sbatch the launcher with `program`; waits for the job; returns (job id, its info, its output)."""
+def sbatch(slurm: Slurm, workdir: Path, program: Path, **env: str) -> str:
+    """sbatch the launcher with `program` (in `workdir`); its job id."""
     workdir.mkdir()
     job_env = dict(slurm.env, PW_PYTHON=sys.executable, PW_DEVICES="8", PW_READY_TIMEOUT="90",
                    PYTHONPATH=str(REPO), XLA_FLAGS="", **env)
@@ -201,10 +201,37 @@ def submit(slurm: Slurm, workdir: Path, program: Path, **env: str) -> tuple[str,
                         f"--output={workdir}/job-%j.out", str(SBATCH), str(program)],
                        env=job_env, cwd=workdir, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, f"sbatch: {r.stderr}"
-    job_id = r.stdout.strip().split(";")[0]
-    info = slurm.wait_job(job_id)
-    out = (workdir / f"job-{job_id}.out").read_text(errors="replace")
-    return job_id, info, out
+    return r.stdout.strip().split(";")[0]
+
+
+@dataclass
+class Job:
+    workdir: Path
+    id: str
+
+    def wait(self, slurm: Slurm) -> tuple[dict[str, str], str]:
+        """Waits for the job to end; (its info, its output)."""
+        info = slurm.wait_job(self.id)
+        return info, (self.workdir / f"job-{self.id}.out").read_text(errors="replace")
+
+
+FAILS = "import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n"
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    """The module's two jobs, submitted at once (the node runs both side by side: most of a job's
+    time is the launcher waiting for its controller and worker): "ok", the seed program; "fail",
+    a program exiting 3, its worker named into island "main". Each test waits for its own."""
+    root = tmp_path_factory.mktemp("slurm-jobs")
+    program = root / "fails.py"
+    program.write_text(FAILS)
+    made = {"ok": Job(root / "ok", sbatch(slurm, root / "ok", SEED))}
+    made["fail"] = Job(root / "fail", sbatch(slurm, root / "fail", program, PW_ISLANDS="main"))
+    yield made
+    for job in made.values():  # none left running, whichever test ran
+        with contextlib.suppress(TimeoutError):
+            slurm.wait_job(job.id)
 
 
 def job_processes(job_dir: Path) -> list[int]:
@@ -219,11 +246,12 @@ def job_processes(job_dir: Path) -> list[int]:
     return found
 
 
-def test_seed_program_on_slurm(slurm: Slurm, tmp_path: Path) -> None:
-    job_id, info, out = submit(slurm, tmp_path / "ok", SEED)
+def test_seed_program_on_slurm(slurm: Slurm, jobs: dict[str, Job]) -> None:
+    job = jobs["ok"]
+    info, out = job.wait(slurm)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
     assert "(array([3., 5.]), array([2., 4.]))" in out, out
-    job_dir = tmp_path / "ok" / f"pathways-{job_id}"
+    job_dir = job.workdir / f"pathways-{job.id}"
     token = job_dir / "token"
     assert token.stat().st_mode & 0o777 == 0o600
     assert job_dir.stat().st_mode & 0o777 == 0o700
@@ -232,13 +260,12 @@ def test_seed_program_on_slurm(slurm: Slurm, tmp_path: Path) -> None:
     assert not job_processes(job_dir), "the controller or a worker outlived the job"
 
 
-def test_program_exit_code_is_the_jobs(slurm: Slurm, tmp_path: Path) -> None:
-    program = tmp_path / "fails.py"
-    program.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
-    job_id, info, out = submit(slurm, tmp_path / "fail", program, PW_ISLANDS="main")
+def test_program_exit_code_is_the_jobs(slurm: Slurm, jobs: dict[str, Job]) -> None:
+    job = jobs["fail"]
+    info, out = job.wait(slurm)
     assert "about to fail" in out, out
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, out)
-    job_dir = tmp_path / "fail" / f"pathways-{job_id}"
+    job_dir = job.workdir / f"pathways-{job.id}"
     assert not job_processes(job_dir)
     # PW_ISLANDS named the node's worker into island "main" (by default: the node's name)
     node = socket.gethostname()

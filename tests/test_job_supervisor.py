@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,24 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] else 0)
 def cluster(make_cluster: Any, *args: str) -> LocalCluster:
     c: LocalCluster = make_cluster(controller_args=list(args), start=False)
     c.start_controller()
+    return c
+
+
+@pytest.fixture(scope="module")
+def module_controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("jobs-controller")) as c:
+        c.start_controller()
+        yield c
+
+
+@pytest.fixture
+def controller(module_controller: LocalCluster) -> LocalCluster:
+    """A controller (no workers) shared by the tests below with the default settings: each ends
+    its own jobs, and one that stopped or restarted the controller leaves it running (started
+    here again should a test have failed with it down)."""
+    c = module_controller
+    if c.controller is None or c.controller.poll() is not None:
+        c.start_controller()
     return c
 
 
@@ -92,8 +111,8 @@ def job_dir(c: LocalCluster, job_id: str) -> Path:
     return c.home / "jobs" / job_id
 
 
-def test_a_setsid_grandchild_ends_with_its_job(make_cluster: Any, tmp_path: Path) -> None:
-    c = cluster(make_cluster)
+def test_a_setsid_grandchild_ends_with_its_job(controller: LocalCluster, tmp_path: Path) -> None:
+    c = controller
     done = submit(c, tmp_path, "orphaner.py", ORPHANER)
     pid = grandchild_pid(c, done)
     (job_dir(c, done) / "go").write_text("")
@@ -123,10 +142,10 @@ def cgroups_writable() -> bool:
 
 
 @pytest.mark.skipif(not cgroups_writable(), reason="no writable cgroup v2 hierarchy here")
-def test_a_killed_supervisor_leaves_nothing_of_its_job(make_cluster: Any, tmp_path: Path) -> None:
+def test_a_killed_supervisor_leaves_nothing_of_its_job(controller: LocalCluster, tmp_path: Path) -> None:
     """The subreaper cannot end the tree once it is dead itself (an OOM kill): the job's cgroup
     can. Without it the `setsid` grandchild was left running under init."""
-    c = cluster(make_cluster)
+    c = controller
     job_id = submit(c, tmp_path, "orphaner.py", ORPHANER, "stay")
     pid = grandchild_pid(c, job_id)
     info = json.loads((job_dir(c, job_id) / "sup.json").read_text())
@@ -152,8 +171,8 @@ def test_a_killed_supervisor_leaves_nothing_of_its_job(make_cluster: Any, tmp_pa
 
 
 @pytest.mark.parametrize("kill", [True, False], ids=["crash", "stop"])
-def test_a_controller_restart_ends_no_job(make_cluster: Any, tmp_path: Path, kill: bool) -> None:
-    c = cluster(make_cluster)
+def test_a_controller_restart_ends_no_job(controller: LocalCluster, tmp_path: Path, kill: bool) -> None:
+    c = controller
     job_id = submit(c, tmp_path, "waiter.py", WAITER)
     wait_output(c, job_id, "before")
     driver = describe(c, job_id)["pid"]
@@ -176,8 +195,8 @@ def test_a_controller_restart_ends_no_job(make_cluster: Any, tmp_path: Path, kil
     assert job["state"] == "succeeded" and job["exit_code"] == 0, job
 
 
-def test_a_job_that_ends_while_the_controller_is_down(make_cluster: Any, tmp_path: Path) -> None:
-    c = cluster(make_cluster)
+def test_a_job_that_ends_while_the_controller_is_down(controller: LocalCluster, tmp_path: Path) -> None:
+    c = controller
     ended = submit(c, tmp_path, "waiter.py", WAITER, "4")
     wait_output(c, ended, "before")
     lost = submit(c, tmp_path, "waiter.py", WAITER)

@@ -218,7 +218,8 @@ def test_jobs_list_and_describe_json(module_cluster: LocalCluster, tmp_path: Pat
 
 
 def test_a_job_adopted_after_a_controller_restart_can_be_cancelled(make_cluster: Any, tmp_path: Path) -> None:
-    c: LocalCluster = make_cluster(islands=1, devices=2)
+    c: LocalCluster = make_cluster(start=False)  # a controller alone: the driver makes no `pw` call
+    c.start_controller()
     sleeper = script(tmp_path, "sleeper.py", SLEEPER)
     job_id = submit_detached(c, sleeper)
     wait_output(c, job_id, "started")
@@ -249,8 +250,8 @@ runpy.run_path(sys.argv[0].replace("token_check.py", "seed_program.py"), run_nam
 """
 
 
-def test_a_job_gets_the_token(make_cluster: Any, tmp_path: Path) -> None:
-    c: LocalCluster = make_cluster(islands=1, devices=2)
+def test_a_job_gets_the_token(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
     assert c.token
     wd = tmp_path / "proj"
     wd.mkdir()

@@ -302,7 +302,8 @@ def test_a_session_resumes_when_its_worker_came_back_at_a_new_address(make_clust
         c.stop_controller(kill=True)
         c.kill_worker("w-a")
         c.start_controller()
-        time.sleep(3.0)  # the client resumes and waits for its slice's host
+        # the client resumes, then waits for its slice's host (a worker takes seconds to register)
+        wait_for(lambda: "resumed" in c.controller_logs(), 30, "the program's session to resume")
         c.add_worker("a", 1)
         back = time.monotonic()
         assert c.hosts()["w-a"].address != old

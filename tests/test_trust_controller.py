@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -67,16 +68,37 @@ def refused(cluster: LocalCluster, reg: cpb.RegisterWorker) -> grpc.RpcError:
         w.close()
 
 
+def shared_cluster(islands: int, devices: int, *controller_args: str) -> Any:
+    """A module-scoped cluster of this shape for the tests below that leave it as they found it
+    (each keeps its own assertions; the invariant check runs when the module ends)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+        with LocalCluster(tmp_path_factory.mktemp("shared-cluster"), controller_args=controller_args) as c:
+            c.start([(chr(ord("a") + i), devices) for i in range(islands)])
+            yield c
+
+    return fixture
+
+
+# one island: one worker of one device (the malformed requests, the unknown ids); of two devices
+# (the absurd registrations, the slice owners); and one with both small limits the limit tests
+# set (each test looks at its own: a worker's devices, or the sessions and watches open)
+cluster_1x1 = shared_cluster(1, 1)
+cluster_1x2 = shared_cluster(1, 2)
+cluster_limits = shared_cluster(1, 1, "--max-devices-per-host", "1", "--max-sessions", "2", "--max-watches", "1")
+
+
 def no_tracebacks(c: LocalCluster) -> None:
     logs = c.controller_logs()
     assert "Traceback" not in logs, logs[logs.find("Traceback") - 500:][:3000]
 
 
 # ---- finding 2: absurd sizes ----
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster: LocalCluster) -> None:
+def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster_1x2: LocalCluster) -> None:
     """50,000 devices froze the controller for ~107 s and left an island nothing could remove;
     now: INVALID_ARGUMENT naming the limit, nothing recorded, the controller answering."""
+    cluster = cluster_1x2
     start = time.monotonic()
     err = refused(cluster, registration("huge", "evil", 50_000))
     took = time.monotonic() - start
@@ -99,15 +121,15 @@ def test_a_worker_declaring_absurd_devices_is_refused_at_once(cluster: LocalClus
     no_tracebacks(cluster)
 
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--max-devices-per-host", "1"])
-def test_the_device_cap_is_configurable(cluster: LocalCluster) -> None:
+def test_the_device_cap_is_configurable(cluster_limits: LocalCluster) -> None:
+    cluster = cluster_limits
     err = refused(cluster, registration("two", "a", 2))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 1 per host" in err.details()
 
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--max-sessions", "2", "--max-watches", "1"])
-def test_open_sessions_and_watches_are_bounded(cluster: LocalCluster) -> None:
+def test_open_sessions_and_watches_are_bounded(cluster_limits: LocalCluster) -> None:
     """Idle sessions and unread watch streams grew the controller from 164 MiB to 1.1 GiB."""
+    cluster = cluster_limits
     channel = cluster.channel()
     stub = cgrpc.ControllerStub(channel)
     stop = threading.Event()
@@ -160,10 +182,10 @@ def test_listing_pages_are_bounded() -> None:
 
 
 # ---- finding 4: CreateSlice owner ----
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_caller_owns_slices_only_as_its_own_session_or_job(cluster: LocalCluster) -> None:
+def test_a_caller_owns_slices_only_as_its_own_session_or_job(cluster_1x2: LocalCluster) -> None:
     """`CreateSlice(owner="job:<someone else's job>")` was accepted; now only the caller's own
     session (or its job) may be named, and nothing changes otherwise."""
+    cluster = cluster_1x2
     # channels of one process share a connection; another tenant's process has its own (a
     # local subchannel pool gives this test's attacker one)
     victim = cluster.channel()
@@ -312,8 +334,8 @@ BIDI = ["WorkerConnect", "Session"]
 GARBAGE = b"\xff\xff\xff\xff\x0f\x08garbage"
 
 
-@pytest.mark.cluster(islands=1, devices=1)
-def test_malformed_requests_are_invalid_argument_without_tracebacks(cluster: LocalCluster) -> None:
+def test_malformed_requests_are_invalid_argument_without_tracebacks(cluster_1x1: LocalCluster) -> None:
+    cluster = cluster_1x1
     channel = cluster.channel()
     try:
         for method in UNARY:
@@ -346,8 +368,8 @@ def test_malformed_requests_are_invalid_argument_without_tracebacks(cluster: Loc
     assert len(warnings) < 40, len(warnings)
 
 
-@pytest.mark.cluster(islands=1, devices=1)
-def test_unknown_ids_are_not_found(cluster: LocalCluster) -> None:
+def test_unknown_ids_are_not_found(cluster_1x1: LocalCluster) -> None:
+    cluster = cluster_1x1
     stub = cgrpc.ControllerStub(cluster.channel())
     calls = {
         "StreamLogs": lambda: list(stub.StreamLogs(cpb.StreamLogsRequest(id="job-nope"), timeout=10)),

@@ -9,6 +9,7 @@ worker as a hostile client would make them."""
 from __future__ import annotations
 
 import _posixshmem
+import contextlib
 import itertools
 import json
 import mmap
@@ -114,13 +115,28 @@ def code_of(fn: Any) -> grpc.StatusCode:
     return e.value.code()
 
 
-@pytest.fixture
-def worker(cluster: LocalCluster) -> Iterator[tuple[str, grpc.Channel, wgrpc.WorkerStub, grpc.Channel]]:
+@contextlib.contextmanager
+def worker_channels(cluster: LocalCluster) -> Iterator[tuple[str, grpc.Channel, wgrpc.WorkerStub, grpc.Channel]]:
     address = cluster.hosts()["w-a"].address
     wch, cch = grpc.insecure_channel(address), grpc.insecure_channel(cluster.address)
     yield address, wch, wgrpc.WorkerStub(wch), cch
     wch.close()
     cch.close()
+
+
+@pytest.fixture
+def worker(cluster: LocalCluster) -> Iterator[tuple[str, grpc.Channel, wgrpc.WorkerStub, grpc.Channel]]:
+    """The worker of this test's own cluster (a test that stops it, or counts its buffers)."""
+    with worker_channels(cluster) as w:
+        yield w
+
+
+@pytest.fixture
+def shared_worker(module_cluster: LocalCluster) -> Iterator[tuple[str, grpc.Channel, wgrpc.WorkerStub, grpc.Channel]]:
+    """The worker of the module's cluster, for tests that leave it as they found it (their
+    sessions, and the buffers those own, end with the test)."""
+    with worker_channels(module_cluster) as w:
+        yield w
 
 
 def worker_log(cluster: LocalCluster) -> str:
@@ -178,8 +194,10 @@ def _exists(name: str) -> bool:
     return os.path.exists("/dev/shm" + name)
 
 
-def test_no_client_can_make_the_worker_open_or_unlink_a_segment(cluster: LocalCluster, worker: Any) -> None:
-    _, _, stub, cch = worker
+def test_no_client_can_make_the_worker_open_or_unlink_a_segment(
+        module_cluster: LocalCluster, shared_worker: Any) -> None:
+    cluster = module_cluster
+    _, _, stub, cch = shared_worker
     s = open_session(cluster, cch)
     md = meta(cluster, s)
     ring = "/pw_ring_" + secrets.token_hex(8)  # looks like another worker's ring
@@ -259,10 +277,11 @@ def test_a_session_cannot_read_feed_fail_or_free_another_sessions_buffers(cluste
     b.close()
 
 
-def test_a_fetch_of_a_byte_range_sends_those_bytes_and_refuses_bad_ranges(cluster: LocalCluster,
-                                                                         worker: Any) -> None:
+def test_a_fetch_of_a_byte_range_sends_those_bytes_and_refuses_bad_ranges(module_cluster: LocalCluster,
+                                                                         shared_worker: Any) -> None:
     """The IFRT proxy streams one shard of a larger buffer as a byte range of its Fetch."""
-    _, _, stub, cch = worker
+    cluster = module_cluster
+    _, _, stub, cch = shared_worker
     s = open_session(cluster, cch)
     md = meta(cluster, s)
     arr = np.arange(1000, dtype=np.int32)
@@ -289,12 +308,13 @@ def test_a_fetch_of_a_byte_range_sends_those_bytes_and_refuses_bad_ranges(cluste
     s.close()
 
 
-def test_a_data_message_fetch_is_the_bytes_in_order_and_fails_with_a_status(cluster: LocalCluster,
-                                                                           worker: Any) -> None:
+def test_a_data_message_fetch_is_the_bytes_in_order_and_fails_with_a_status(module_cluster: LocalCluster,
+                                                                           shared_worker: Any) -> None:
     """FetchRequest.data_messages (what the IFRT proxy forwards to its client unparsed): only
     `FetchData` messages of at most DATA_CHUNK bytes, the range's bytes in order; a buffer that
     is not there in time is the call's FAILED_PRECONDITION; another session's buffer is refused."""
-    _, wch, _, cch = worker
+    cluster = module_cluster
+    _, wch, _, cch = shared_worker
     s, other = open_session(cluster, cch), open_session(cluster, cch)
     md = meta(cluster, s)
     stub = wgrpc.WorkerStub(wch)
@@ -324,8 +344,9 @@ def test_a_data_message_fetch_is_the_bytes_in_order_and_fails_with_a_status(clus
     other.close()
 
 
-def test_session_prefixes_and_client_ids_are_not_a_sequence(cluster: LocalCluster, worker: Any) -> None:
-    _, _, _, cch = worker
+def test_session_prefixes_and_client_ids_are_not_a_sequence(module_cluster: LocalCluster, shared_worker: Any) -> None:
+    cluster = module_cluster
+    _, _, _, cch = shared_worker
     sessions = [open_session(cluster, cch) for _ in range(6)]
     prefixes = [s.prefix for s in sessions]
     steps = {b - a for a, b in itertools.pairwise(prefixes)}
@@ -337,8 +358,10 @@ def test_session_prefixes_and_client_ids_are_not_a_sequence(cluster: LocalCluste
 
 # ---- findings 8 and 9: status codes, and no traceback for malformed input ----
 
-def test_malformed_requests_get_invalid_argument_and_no_traceback(cluster: LocalCluster, worker: Any) -> None:
-    _, wch, stub, cch = worker
+def test_malformed_requests_get_invalid_argument_and_no_traceback(
+        module_cluster: LocalCluster, shared_worker: Any) -> None:
+    cluster = module_cluster
+    _, wch, stub, cch = shared_worker
     s = open_session(cluster, cch)
     md = meta(cluster, s)
     raw_fetch = wch.unary_stream("/pathways.v1.Worker/Fetch")
@@ -415,8 +438,9 @@ def test_the_worker_requires_the_token_on_loopback(cluster: LocalCluster, worker
     s.close()
 
 
-def test_a_pw_program_still_runs_end_to_end(cluster: LocalCluster) -> None:
+def test_a_pw_program_still_runs_end_to_end(module_cluster: LocalCluster) -> None:
     """The real client presents its credential by itself: upload, run, fetch, wait."""
+    cluster = module_cluster
     code = ("import numpy as np, pwctl as pw\n"
             "d = pw.make_virtual_device_set().add_slice(devices=1).devices\n"
             "f = pw.pmap(lambda x: x * 2.0, devices=d)\n"
@@ -556,14 +580,16 @@ def test_prefixes_are_random_distinct_and_keep_ids_signed_64_bit() -> None:
     assert max(prefixes) > 1 << 20 and sorted(prefixes) != prefixes  # spread out, not a sequence
 
 
-def test_the_tcp_transfer_port_takes_only_the_clusters_workers(cluster: LocalCluster, worker: Any) -> None:
+def test_the_tcp_transfer_port_takes_only_the_clusters_workers(
+        module_cluster: LocalCluster, shared_worker: Any) -> None:
     """The workers' raw TCP transfer link (tcplink.py) takes the peer credential in its hello, not
     the cluster token every tenant holds: a tenant cannot plant a value in another session's
     buffer through it (nor fail one)."""
+    cluster = module_cluster
     import socket
     import struct
 
-    _, _, stub, cch = worker
+    _, _, stub, cch = shared_worker
     a = open_session(cluster, cch)
     data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
     assert data_address, "the worker serves a TCP transfer port"
@@ -625,13 +651,15 @@ def test_an_upload_that_comes_before_the_workers_registration_waits_for_it(clust
             assert fetch(wgrpc.WorkerStub(wch), meta(cluster, s), s.id(1)).tolist() == [0.0, 1.0, 2.0]
 
 
-def test_the_clients_uploads_go_on_after_the_worker_ended_their_stream(cluster: LocalCluster, worker: Any) -> None:
+def test_the_clients_uploads_go_on_after_the_worker_ended_their_stream(
+        module_cluster: LocalCluster, shared_worker: Any) -> None:
     """An upload stream the worker ends (here: an upload it refuses) is opened again for the next
     upload; before, every later upload to that worker was queued behind the ended stream and never
     sent, and the runs reading them waited for them."""
+    cluster = module_cluster
     from pwctl.worker_client import WorkerClient
 
-    address, _, _, cch = worker
+    address, _, _, cch = shared_worker
     s = open_session(cluster, cch)
     lost: list[tuple[list[int], str]] = []
     wc = WorkerClient(address, cluster.token, s.credential,

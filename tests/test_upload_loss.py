@@ -6,12 +6,14 @@ Before, a `pw` upload over one message (64 MiB) ended the client's upload stream
 and every one queued behind it were lost: the runs reading them waited for the controller's hang
 timeout (60 s). A stream that broke lost what it had not delivered the same way.
 
-Real processes: a controller and a worker (`cluster`), a `pw` program in its own process, the
+Real processes: a controller and a worker (`module_cluster`, shared; `cluster` for a test that
+kills the worker or counts its buffers), a `pw` program in its own process, the
 client library's `WorkerClient` against the worker, and a TCP relay (tests/relay.py) between
 them where a connection must break while both ends live."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -56,7 +58,8 @@ print(json.dumps(out), flush=True)
 """
 
 
-def test_a_pw_upload_over_one_message_and_the_uploads_behind_it_reach_the_worker(cluster: LocalCluster) -> None:
+def test_a_pw_upload_over_one_message_and_the_uploads_behind_it_reach_the_worker(module_cluster: LocalCluster) -> None:
+    cluster = module_cluster
     r = subprocess.run([sys.executable, "-c", LARGE], env=cluster.env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -77,8 +80,8 @@ def fetch_whole(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, timeout_s: floa
     return np.frombuffer(data, dtype=head.dtype).reshape(list(head.shape))
 
 
-@pytest.fixture
-def session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
+@contextlib.contextmanager
+def opened_session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
     address = cluster.hosts()["w-a"].address
     big = [("grpc.max_receive_message_length", 256 << 20)]  # fetches of arrays over 4 MiB come whole
     with grpc.insecure_channel(address, options=big) as wch, grpc.insecure_channel(cluster.address) as cch:
@@ -87,7 +90,23 @@ def session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, 
         s.close()
 
 
-def test_uploads_a_broken_connection_did_not_deliver_are_sent_again(cluster: LocalCluster, session: Any) -> None:
+@pytest.fixture
+def session(module_cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
+    """A session on the module's cluster, with a stub for its worker (the tests that use it leave
+    the cluster as they found it: their buffers go with their session)."""
+    with opened_session(module_cluster) as s:
+        yield s
+
+
+@pytest.fixture
+def own_session(cluster: LocalCluster) -> Iterator[tuple[Session, wgrpc.WorkerStub, Any, str]]:
+    """A session on this test's own cluster (a test that counts the worker's buffers)."""
+    with opened_session(cluster) as s:
+        yield s
+
+
+def test_uploads_a_broken_connection_did_not_deliver_are_sent_again(module_cluster: LocalCluster, session: Any) -> None:
+    cluster = module_cluster
     s, stub, md, address = session
     relay = Relay(address)
     lost: list[Any] = []
@@ -120,7 +139,9 @@ def test_uploads_a_broken_connection_did_not_deliver_are_sent_again(cluster: Loc
     assert "Traceback" not in worker_log(cluster)
 
 
-def test_uploads_that_cannot_get_through_are_given_up_within_seconds(cluster: LocalCluster, session: Any) -> None:
+def test_uploads_that_cannot_get_through_are_given_up_within_seconds(
+        module_cluster: LocalCluster, session: Any) -> None:
+    cluster = module_cluster
     s, stub, md, address = session
     relay = Relay(address)
     lost: list[tuple[list[int], str, float]] = []
@@ -150,10 +171,11 @@ def test_uploads_that_cannot_get_through_are_given_up_within_seconds(cluster: Lo
 
 
 def test_an_array_cut_off_on_an_acknowledged_stream_is_kept_for_its_second_sending(
-        cluster: LocalCluster, session: Any) -> None:
+        module_cluster: LocalCluster, session: Any) -> None:
     """On `Uploads` a cut-off array is dropped without failing what waits for it (the client sends
     it again); on `PutBuffers`, whose callers do not, the waiter gets the reason at once
     (tests/test_worker_refused_uploads.py)."""
+    cluster = module_cluster
     s, stub, md, _ = session
     arr = np.arange(PIECE_BYTES // 4 + 3, dtype=np.float32)
     first, *rest = upload_messages(s.id(5), arr)
@@ -180,10 +202,10 @@ def test_an_array_cut_off_on_an_acknowledged_stream_is_kept_for_its_second_sendi
     assert "Traceback" not in worker_log(cluster)
 
 
-def test_an_upload_sent_again_after_the_worker_freed_it_is_not_kept(cluster: LocalCluster, session: Any) -> None:
+def test_an_upload_sent_again_after_the_worker_freed_it_is_not_kept(cluster: LocalCluster, own_session: Any) -> None:
     """The copy a client sends again (its acknowledgement was lost with the stream) of an upload
     the worker stored, served and freed since is dropped: kept, nobody would ever release it."""
-    s, stub, md, address = session
+    s, stub, md, address = own_session
 
     def buffers() -> int:
         return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
@@ -234,10 +256,12 @@ print(json.dumps({"error": rt.run_failed(f.run_id), "failed_s": failed, "over_s"
 """
 
 
-def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_worker(cluster: LocalCluster) -> None:
+def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_worker(
+        module_cluster: LocalCluster) -> None:
     """The client cannot reach the worker (the controller still can): the upload is given up
     within seconds, the run fails in the client naming the input, and the client cancels it on
     the controller, which drops it on the worker: the run is over at once, not at the hang timeout."""
+    cluster = module_cluster
     relay = Relay(cluster.hosts()["w-a"].address)
     proc = subprocess.Popen([sys.executable, "-c", GIVEN_UP, relay.address], env=cluster.env(), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -405,10 +429,11 @@ print(json.dumps({"cancels": cancels, "run": run, "error": rt.run_failed(run)}),
 """
 
 
-def test_a_run_is_cancelled_once_however_many_of_its_uploads_are_lost(cluster: LocalCluster) -> None:
+def test_a_run_is_cancelled_once_however_many_of_its_uploads_are_lost(module_cluster: LocalCluster) -> None:
     """Each worker's client reports its lost uploads from its own thread: two reports for inputs of
     one run at the same moment sent a `cancel_run` each (both looked up the run before either
     recorded it); now one, and none for a later report of the same run."""
+    cluster = module_cluster
     r = subprocess.run([sys.executable, "-c", CROWDED], env=cluster.env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -433,9 +458,10 @@ print(json.dumps({"limit": limit, "max": runtime.MAX_FAILED_RUNS, "kept": len(rt
 """
 
 
-def test_runs_failed_by_a_lost_upload_are_remembered_within_the_bound(cluster: LocalCluster) -> None:
+def test_runs_failed_by_a_lost_upload_are_remembered_within_the_bound(module_cluster: LocalCluster) -> None:
     """Runs failed in the client (a lost upload) were remembered without a bound (only the
     controller's RunFinished trimmed the map); every insertion now keeps MAX_FAILED_RUNS."""
+    cluster = module_cluster
     r = subprocess.run([sys.executable, "-c", BOUNDED], env=cluster.env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -446,8 +472,7 @@ def test_runs_failed_by_a_lost_upload_are_remembered_within_the_bound(cluster: L
     assert all("of this run was lost: worker gone" in e for e in errors[4:]), out
 
 
-def test_acknowledgements_are_coalesced_and_the_last_covers_every_message(
-        cluster: LocalCluster, session: Any) -> None:
+def test_acknowledgements_are_coalesced_and_the_last_covers_every_message(session: Any) -> None:
     """A burst of small uploads gets far fewer acknowledgements than messages (server/worker/acks.py:
     one per message cost a third of a small-upload loop's calls/s), each a count covering all
     before it, the last one every message; every upload is stored."""

@@ -31,6 +31,7 @@ from .processes import (
     _wait_gone,
     is_alive,
     runs_module,
+    stop_children,
     terminate,
 )
 
@@ -128,8 +129,13 @@ def _wait_controller(proc: subprocess.Popen[bytes], log_offset: int, db: str,
         if address and _answers(address):
             return ControllerHandle(pid=proc.pid, address=address, db=db, log_path=log_path, started=True)
         if time.monotonic() > deadline:
+            # not left running: before its pid file names it, `pwctl server stop` cannot find it
+            stop_children([proc])
+            if (_read_json(paths.server_pid_path()) or {}).get("pid") == proc.pid:
+                paths.server_pid_path().unlink(missing_ok=True)
             raise PathwaysError(
-                f"the controller (pid {proc.pid}) did not answer within {timeout:g} s (log: {log_path})"
+                f"the controller (pid {proc.pid}) did not answer within {timeout:g} s and was stopped "
+                f"(log: {log_path})"
             )
         time.sleep(READY_POLL_S)
 

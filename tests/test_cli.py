@@ -11,6 +11,7 @@ import pytest
 
 from pwctl import local
 from tests.conftest import LocalCluster, base_env, free_port, run_pwctl
+from tests.together import together
 
 
 def _one_line(stderr: str) -> str:
@@ -21,24 +22,37 @@ def _one_line(stderr: str) -> str:
 
 def test_listings_print_names_and_wide_columns(module_cluster: LocalCluster) -> None:
     lc = module_cluster
-    r = lc.pwctl("island", "list", "-o", "name")
+    # the listings of the unchanged cluster are independent reads: run at once (tests/together.py)
+    (i_name, i_table, i_wide, i_json, d_json, d_name, d_wide, d_table, h_name, h_wide) = together(
+        lambda: lc.pwctl("island", "list", "-o", "name"),
+        lambda: lc.pwctl("island", "list"),
+        lambda: lc.pwctl("island", "list", "-o", "wide"),
+        lambda: lc.pwctl_json("island", "list"),
+        lambda: lc.pwctl_json("device", "list"),
+        lambda: lc.pwctl("device", "list", "-o", "name"),
+        lambda: lc.pwctl("device", "list", "-o", "wide"),
+        lambda: lc.pwctl("device", "list"),
+        lambda: lc.pwctl("host", "list", "-o", "name"),
+        lambda: lc.pwctl("host", "list", "-o", "wide"),
+    )
+    r = i_name
     assert r.returncode == 0 and r.stdout == "a\nb\n", r.stderr
-    table, wide = lc.pwctl("island", "list"), lc.pwctl("island", "list", "-o", "wide")
+    table, wide = i_table, i_wide
     assert table.returncode == wide.returncode == 0
     assert "CREATED" not in table.stdout and "CREATED" in wide.stdout.splitlines()[0]
-    created = [i["created_at"] for i in lc.pwctl_json("island", "list")["items"]]
+    created = [i["created_at"] for i in i_json["items"]]
     assert all(ts in wide.stdout for ts in created)
 
-    devices = lc.pwctl_json("device", "list")["items"]
-    r = lc.pwctl("device", "list", "-o", "name")
+    devices = d_json["items"]
+    r = d_name
     assert r.returncode == 0 and r.stdout.split() == [str(d["id"]) for d in devices]
-    wide = lc.pwctl("device", "list", "-o", "wide")
+    wide = d_wide
     assert wide.returncode == 0 and "LOCAL" in wide.stdout.splitlines()[0]
-    assert "LOCAL" not in lc.pwctl("device", "list").stdout
+    assert "LOCAL" not in d_table.stdout
 
-    r = lc.pwctl("host", "list", "-o", "name")
+    r = h_name
     assert r.returncode == 0 and r.stdout.split() == ["w-a", "w-b"]
-    wide = lc.pwctl("host", "list", "-o", "wide")
+    wide = h_wide
     assert wide.returncode == 0 and "PID" in wide.stdout.splitlines()[0]
     for name, w in lc.workers.items():
         row = next(line for line in wide.stdout.splitlines() if line.startswith(name))
@@ -47,35 +61,40 @@ def test_listings_print_names_and_wide_columns(module_cluster: LocalCluster) -> 
     r = lc.pwctl("slice", "create", "cli", "--devices", "2", "--island", "a")
     assert r.returncode == 0, r.stderr
     try:
-        r = lc.pwctl("slice", "list", "-o", "name")
+        r, wide, table = together(lambda: lc.pwctl("slice", "list", "-o", "name"),
+                                  lambda: lc.pwctl("slice", "list", "-o", "wide"),
+                                  lambda: lc.pwctl("slice", "list"))
         assert r.returncode == 0 and r.stdout == "cli\n"
-        wide = lc.pwctl("slice", "list", "-o", "wide")
         header = wide.stdout.splitlines()[0]
         assert wide.returncode == 0 and "MAPPING" in header and "GENERATION" in header
-        assert "MAPPING" not in lc.pwctl("slice", "list").stdout
+        assert "MAPPING" not in table.stdout
     finally:
         assert lc.pwctl("slice", "delete", "cli", "-y").returncode == 0
 
-    r = lc.pwctl("job", "list", "-o", "name")
+    r, wide, table = together(lambda: lc.pwctl("job", "list", "-o", "name"),
+                              lambda: lc.pwctl("job", "list", "-o", "wide"),
+                              lambda: lc.pwctl("job", "list"))
     assert r.returncode == 0 and r.stdout == ""  # no jobs: nothing on stdout
-    wide = lc.pwctl("job", "list", "-o", "wide")
-    assert wide.returncode == 0 and "PROGRAMS" in wide.stdout and "PROGRAMS" not in lc.pwctl("job", "list").stdout
+    assert wide.returncode == 0 and "PROGRAMS" in wide.stdout and "PROGRAMS" not in table.stdout
 
 
 def test_debug_shows_the_traceback_and_without_it_one_line(module_cluster: LocalCluster) -> None:
-    r = module_cluster.pwctl("slice", "describe", "nope")
+    plain, debug = together(lambda: module_cluster.pwctl("slice", "describe", "nope"),
+                            lambda: module_cluster.pwctl("--debug", "slice", "describe", "nope"))
+    r = plain
     assert r.returncode == 3
     assert _one_line(r.stderr) == "error: no slice named 'nope' (see `pwctl slice list`)"
-    r = module_cluster.pwctl("--debug", "slice", "describe", "nope")
+    r = debug
     assert r.returncode == 3
     assert "Traceback (most recent call last)" in r.stderr and "pwctl/cli/" in r.stderr
     assert r.stderr.strip().splitlines()[-1] == "error: no slice named 'nope' (see `pwctl slice list`)"
 
 
 def test_status_interval_needs_watch(module_cluster: LocalCluster) -> None:
-    r = module_cluster.pwctl("status", "--interval", "2")
+    r, plain = together(lambda: module_cluster.pwctl("status", "--interval", "2"),
+                        lambda: module_cluster.pwctl("status"))
     assert r.returncode == 2 and "only with --watch" in r.stderr
-    assert module_cluster.pwctl("status").returncode == 0
+    assert plain.returncode == 0
 
 
 def _write_config(home: Path, **config: str) -> None:
@@ -83,32 +102,33 @@ def _write_config(home: Path, **config: str) -> None:
     (home / "config.json").write_text(json.dumps(config))
 
 
-def test_config_file_names_the_server_and_token(make_cluster: Callable[..., LocalCluster],
-                                                tmp_path: Path) -> None:
-    c = make_cluster(islands=1, devices=1)
+def test_config_file_names_the_server_and_token(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
     token = c.token
     assert token
-    home = tmp_path / "elsewhere"  # a machine with neither the token file nor PWCTL_* set
-    env = base_env(home)
-
-    _write_config(home, server=c.address, token=token)
-    r = run_pwctl("island", "list", "-o", "name", env=env)
-    assert r.returncode == 0 and r.stdout == "a\n", r.stderr
-
-    _write_config(home, server=c.address, token="not-the-token")
-    r = run_pwctl("island", "list", env=env)
-    assert r.returncode == 4 and "rejected" in _one_line(r.stderr)
-    r = run_pwctl("island", "list", "-o", "name", env={**env, "PWCTL_TOKEN": token})  # the variable wins
-    assert r.returncode == 0 and r.stdout == "a\n", r.stderr
-
     dead = f"127.0.0.1:{free_port()}"
-    _write_config(home, server=dead, token=token)
-    r = run_pwctl("island", "list", env=env)
-    assert r.returncode == 1 and f"cannot reach the server at {dead}" in _one_line(r.stderr)
-    for override in (["--server", c.address], []):  # the flag, then $PWCTL_SERVER, win over the file
-        r = run_pwctl("island", "list", "-o", "name", *override,
-                      env=env if override else {**env, "PWCTL_SERVER": c.address})
-        assert r.returncode == 0 and r.stdout == "a\n", r.stderr
+    # one machine per config file, each with neither the token file nor PWCTL_* set, so that the
+    # calls (independent reads) run at once (tests/together.py)
+    env = {}
+    for name, server, config_token in (("right", c.address, token), ("wrong", c.address, "not-the-token"),
+                                       ("dead", dead, token)):
+        _write_config(tmp_path / name, server=server, token=config_token)
+        env[name] = base_env(tmp_path / name)
+    right, wrong, variable, unreachable, flag, server_env = together(
+        lambda: run_pwctl("island", "list", "-o", "name", env=env["right"]),
+        lambda: run_pwctl("island", "list", env=env["wrong"]),
+        lambda: run_pwctl("island", "list", "-o", "name", env={**env["wrong"], "PWCTL_TOKEN": token}),
+        lambda: run_pwctl("island", "list", env=env["dead"]),
+        # the flag, then $PWCTL_SERVER, win over the file
+        lambda: run_pwctl("island", "list", "-o", "name", "--server", c.address, env=env["dead"]),
+        lambda: run_pwctl("island", "list", "-o", "name", env={**env["dead"], "PWCTL_SERVER": c.address}),
+    )
+    assert right.returncode == 0 and right.stdout == "a\nb\n", right.stderr
+    assert wrong.returncode == 4 and "rejected" in _one_line(wrong.stderr)
+    assert variable.returncode == 0 and variable.stdout == "a\nb\n", variable.stderr  # the variable wins
+    assert unreachable.returncode == 1 and f"cannot reach the server at {dead}" in _one_line(unreachable.stderr)
+    for r in (flag, server_env):
+        assert r.returncode == 0 and r.stdout == "a\nb\n", r.stderr
 
 
 def test_worker_start_and_stop(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
@@ -128,9 +148,10 @@ def test_worker_start_and_stop(make_cluster: Callable[..., LocalCluster], tmp_pa
         assert local.runs_module(pid, local.WORKER_MODULE)
         assert json.loads((home / "workers" / "w-c.pid").read_text())["pid"] == pid
 
-        r = run_pwctl("island", "list", "-o", "name", env=env)
+        r, host_list = together(lambda: run_pwctl("island", "list", "-o", "name", env=env),
+                                lambda: run_pwctl("host", "list", "-o", "json", env=env))
         assert r.returncode == 0 and r.stdout == "a\nc\n", r.stderr
-        hosts = {h["name"]: h for h in json.loads(run_pwctl("host", "list", "-o", "json", env=env).stdout)["items"]}
+        hosts = {h["name"]: h for h in json.loads(host_list.stdout)["items"]}
         assert hosts["w-c"]["pid"] == pid and hosts["w-c"]["state"] == "ready" and hosts["w-c"]["devices"] == 2
 
         r = run_pwctl("worker", "start", "--island", "c", "--devices", "1", "--name", "w-c", env=env)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, LocalCluster, base_env, connected_to, default_sigint, wait_for
+from together import together
 
 from pwctl.errors import InvalidArgument
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -73,12 +74,15 @@ def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluste
 def test_server_before_the_subcommand_and_unknown_islands(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     env = base_env(c.home)  # no PWCTL_SERVER: only the flag says where
-    r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "--server", c.address, "island", "list",
-                        "-o", "name"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    unknown = (["slice", "create", "--devices", "1", "--island", "nope"], ["host", "list", "--island", "nope"],
+               ["device", "list", "--island", "nope"])
+    # independent: a read and three refusals, run at once (tests/together.py)
+    r, *refused = together(
+        lambda: subprocess.run([sys.executable, "-m", "pwctl.cli.main", "--server", c.address, "island", "list",
+                                "-o", "name"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60),
+        *(lambda args=args: c.pwctl(*args) for args in unknown))
     assert r.returncode == 0 and r.stdout.split() == ["a", "b"], r.stderr
-    for args in (["slice", "create", "--devices", "1", "--island", "nope"], ["host", "list", "--island", "nope"],
-                 ["device", "list", "--island", "nope"]):
-        r = c.pwctl(*args)
+    for args, r in zip(unknown, refused, strict=True):
         assert r.returncode == 3, (args, r.returncode, r.stderr)
         assert "nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -146,12 +150,14 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
 def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended
-    listed = c.pwctl_json("jobs", "list", "--all")["items"]
-    info = c.pwctl_json("server", "info")["item"]
+    listed_doc, info_doc, table_r = together(lambda: c.pwctl_json("jobs", "list", "--all"),
+                                             lambda: c.pwctl_json("server", "info"), lambda: c.pwctl("server", "info"))
+    listed = listed_doc["items"]
+    info = info_doc["item"]
     active = sum(j["state"] in ("pending", "running") for j in listed)
     assert info["jobs_total"] == len(listed) >= 1 and info["jobs"] == active < len(listed), (info, listed)
     assert info["policy"] == "fifo"
-    table = c.pwctl("server", "info").stdout
+    table = table_r.stdout
     assert re.search(rf"^jobs\s+{len(listed)} \({active} pending or running\)\s*$", table, re.M), table
     assert re.search(r"^policy\s+fifo\s*$", table, re.M), table
 
@@ -160,18 +166,21 @@ def test_server_info_counts_every_job_not_only_running_ones(module_cluster: Loca
 def test_server_start_passes_the_lost_host_ttl_and_trace_retention(pw_home: Path) -> None:
     """`pwctl server start` takes --lost-host-ttl (it was only the controller's flag) and
     --trace-retention; a bad value is one line naming the flag."""
-    for flag, value, message in (("--lost-host-ttl", "soon", "invalid duration 'soon'"),
-                                 ("--trace-retention", "lots", "invalid size 'lots'")):
-        r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen",
-                            "127.0.0.1:0", flag, value], env=base_env(pw_home), cwd=REPO, capture_output=True,
-                           text=True, timeout=60)
+    cases = (("--lost-host-ttl", "soon", "invalid duration 'soon'"),
+             ("--trace-retention", "lots", "invalid size 'lots'"))
+    runs = together(*(lambda flag=flag, value=value: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen", "127.0.0.1:0", flag, value],
+        env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60) for flag, value, _ in cases))
+    for (flag, _, message), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and f"{flag}: {message}" in r.stderr, r.stderr  # a usage error
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
         assert not (pw_home / "server.pid").exists()  # refused before anything started
 
 
 def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) -> None:
-    for flag, value in (("--relay-group", "0"), ("--relay-min-hosts", "-1"), ("--group-wait", "0")):
-        r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", flag, value],
-                           env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60)
+    cases = (("--relay-group", "0"), ("--relay-min-hosts", "-1"), ("--group-wait", "0"))
+    runs = together(*(lambda flag=flag, value=value: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", "server", "start", flag, value],
+        env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60) for flag, value in cases))
+    for (flag, _), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr

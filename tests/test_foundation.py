@@ -10,12 +10,13 @@ import json
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
+from together import pwctls, together
 
 from pwctl import local
 from schemas.pathways.v1 import common_pb2 as pb
@@ -105,14 +106,16 @@ def test_server_info_json(module_cluster: LocalCluster) -> None:
 
 def test_cli_exit_codes(module_cluster: LocalCluster) -> None:
     c = module_cluster
-    assert c.pwctl("island", "list").returncode == 0
+    # reads and refusals: independent, run at once (tests/together.py)
+    ok, usage, flag, noun, missing = pwctls(c, ["island", "list"], ["island", "list", "-o", "bogus"],
+                                            ["device", "list", "--no-such-flag"], ["no-such-noun"],
+                                            ["device", "list", "--island", "nope"])
+    assert ok.returncode == 0
 
-    usage = c.pwctl("island", "list", "-o", "bogus")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
-    assert c.pwctl("device", "list", "--no-such-flag").returncode == 2
-    assert c.pwctl("no-such-noun").returncode == 2
+    assert flag.returncode == 2
+    assert noun.returncode == 2
 
-    missing = c.pwctl("device", "list", "--island", "nope")
     assert missing.returncode == 3
     _assert_one_line_error(missing.stderr, "nope")
     assert missing.stdout == ""
@@ -120,11 +123,13 @@ def test_cli_exit_codes(module_cluster: LocalCluster) -> None:
 
 def test_unreachable_server_is_one_line(pw_home: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
-    r = run_pwctl("island", "list", env=base_env(pw_home, PWCTL_SERVER=address))
+    r, flag = together(
+        lambda: run_pwctl("island", "list", env=base_env(pw_home, PWCTL_SERVER=address)),
+        lambda: run_pwctl("device", "list", "--server", address, env=base_env(pw_home, PWCTL_SERVER="127.0.0.1:1")))
     assert r.returncode == 1
     _assert_one_line_error(r.stderr, f"cannot reach the server at {address}", "try `pwctl up`")
     # the flag wins over the environment
-    r = run_pwctl("device", "list", "--server", address, env=base_env(pw_home, PWCTL_SERVER="127.0.0.1:1"))
+    r = flag
     assert r.returncode == 1
     _assert_one_line_error(r.stderr, f"cannot reach the server at {address}")
 
@@ -151,8 +156,24 @@ def test_heartbeat_loss_and_return(cluster: LocalCluster) -> None:
     assert sorted(d["id"] for d in devices_after) == sorted(d["id"] for d in devices)
 
 
-@pytest.mark.cluster(islands=2, devices=2)
-def test_controller_restart_keeps_state_and_workers_reconnect(cluster: LocalCluster) -> None:
+# The heartbeat timeout of the restart tests' cluster: a host restored from the database that does
+# not come back is lost after it. Long enough for the calls of test_restored_host... to run before
+# it on a slow machine too (they take ~1 s), short because that test waits it out.
+RESTORED_TIMEOUT_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """2 islands x 2 devices for the controller restart tests (starting one takes seconds): each
+    leaves it with its controller and both workers up and ready. Its logs are checked for broken
+    invariants at the end of the module."""
+    with LocalCluster(tmp_path_factory.mktemp("restartable"), heartbeat_timeout=RESTORED_TIMEOUT_S) as c:
+        c.start([("a", 2), ("b", 2)])
+        yield c
+
+
+def test_controller_restart_keeps_state_and_workers_reconnect(restartable: LocalCluster) -> None:
+    cluster = restartable
     hosts_before = cluster.pwctl_json("host", "list")["items"]
     devices_before = cluster.pwctl_json("device", "list")["items"]
 
@@ -186,27 +207,31 @@ def test_controller_restart_keeps_state_and_workers_reconnect(cluster: LocalClus
     assert sorted(d["id"] for d in ready) == sorted(d["id"] for d in devices_before)
 
 
-@pytest.mark.cluster(islands=2, devices=2, heartbeat_timeout=8)
-def test_restored_host_is_reconnecting_until_it_registers(cluster: LocalCluster) -> None:
+def test_restored_host_is_reconnecting_until_it_registers(restartable: LocalCluster) -> None:
     """After a restart the database's hosts are not shown ready before their workers are back:
     one that cannot come back (frozen here) is reconnecting, then lost after the timeout (long
     enough here for the four CLI calls below to run before it, on a slow machine too)."""
+    cluster = restartable
     cluster.stop_controller()
     cluster.stop_worker("w-b")  # frozen while the controller is down: it cannot reconnect
-    cluster.start_controller()
+    try:
+        cluster.start_controller()
 
-    hosts = cluster.hosts()
-    assert hosts["w-b"].state == pb.HOST_STATE_RECONNECTING
-    devices = cluster.pwctl_json("device", "list", "--island", "b")["items"]
-    assert {d["state"] for d in devices} == {"reconnecting"}
-    island_b = {i["name"]: i for i in cluster.pwctl_json("island", "list")["items"]}["b"]
-    assert (island_b["devices"], island_b["available_devices"]) == (2, 0)
-    table = cluster.pwctl("host", "list")
-    assert "reconnecting" in table.stdout
+        # the four reads run at once (tests/together.py), all before the timeout
+        hosts, devices_doc, islands_doc, table = together(
+            cluster.hosts, lambda: cluster.pwctl_json("device", "list", "--island", "b"),
+            lambda: cluster.pwctl_json("island", "list"), lambda: cluster.pwctl("host", "list"))
+        assert hosts["w-b"].state == pb.HOST_STATE_RECONNECTING
+        devices = devices_doc["items"]
+        assert {d["state"] for d in devices} == {"reconnecting"}
+        island_b = {i["name"]: i for i in islands_doc["items"]}["b"]
+        assert (island_b["devices"], island_b["available_devices"]) == (2, 0)
+        assert "reconnecting" in table.stdout
 
-    cluster.wait_host_state("w-a", pb.HOST_STATE_READY, timeout=15)  # the live one registers again
-    cluster.wait_host_state("w-b", pb.HOST_STATE_LOST, timeout=15)  # the frozen one times out
-    cluster.cont_worker("w-b")
+        cluster.wait_host_state("w-a", pb.HOST_STATE_READY, timeout=15)  # the live one registers again
+        cluster.wait_host_state("w-b", pb.HOST_STATE_LOST, timeout=15)  # the frozen one times out
+    finally:
+        cluster.cont_worker("w-b")  # (after a failure too: the module's cluster stays usable)
     cluster.wait_host_state("w-b", pb.HOST_STATE_READY, timeout=15)
 
 
@@ -252,8 +277,8 @@ def test_a_stopping_controller_ends_worker_watch_and_client_streams_cleanly(clus
     assert "Traceback" not in logs and " ERROR " not in logs, logs[-3000:]
 
 
-def test_token_required_and_accepted(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
-    c = make_cluster(islands=1, devices=1)
+def test_token_required_and_accepted(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster  # only read: the module's cluster (2 islands) does
     token_file = c.home / "token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = c.token
@@ -263,19 +288,22 @@ def test_token_required_and_accepted(make_cluster: Callable[..., LocalCluster], 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     no_token = base_env(elsewhere, PWCTL_SERVER=c.address)
-    r = run_pwctl("island", "list", env=no_token)
+    # independent calls, run at once (tests/together.py)
+    r, wrong, ok, local_call = together(
+        lambda: run_pwctl("island", "list", env=no_token),
+        lambda: run_pwctl("island", "list", env={**no_token, "PWCTL_TOKEN": "not-the-token"}),
+        lambda: run_pwctl("island", "list", "-o", "json", env={**no_token, "PWCTL_TOKEN": token}),
+        # on the server's own machine pwctl finds the token file by itself
+        lambda: c.pwctl("island", "list"))
     assert r.returncode == 4
     _assert_one_line_error(r.stderr, "rejected", "PWCTL_TOKEN")
 
-    wrong = run_pwctl("island", "list", env={**no_token, "PWCTL_TOKEN": "not-the-token"})
     assert wrong.returncode == 4
 
-    ok = run_pwctl("island", "list", "-o", "json", env={**no_token, "PWCTL_TOKEN": token})
     assert ok.returncode == 0, ok.stderr
-    assert [i["name"] for i in json.loads(ok.stdout)["items"]] == ["a"]  # the worker got in with it
+    assert [i["name"] for i in json.loads(ok.stdout)["items"]] == ["a", "b"]  # the workers got in with it
 
-    # on the server's own machine pwctl finds the token file by itself
-    assert c.pwctl("island", "list").returncode == 0
+    assert local_call.returncode == 0
 
 
 # ---- pwctl server / up / down (detached processes under a temporary PATHWAYS_HOME) ----
@@ -302,11 +330,12 @@ def test_server_start_twice_info_stop(pw_local: Path) -> None:
     assert second.returncode == 0
     assert f"already running (pid {pid} at {address})" in second.stderr
 
-    doc = json.loads(run_pwctl("server", "info", "-o", "json", env=env).stdout)
+    info, table = together(lambda: run_pwctl("server", "info", "-o", "json", env=env),
+                           lambda: run_pwctl("server", "info", env=env))
+    doc = json.loads(info.stdout)
     assert doc["kind"] == "ServerInfo"
     assert (doc["item"]["pid"], doc["item"]["address"]) == (pid, address)
     assert doc["item"]["database"] == db
-    table = run_pwctl("server", "info", env=env)
     assert table.returncode == 0 and "uptime" in table.stdout
 
     stop = run_pwctl("server", "stop", env=env)

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import REPO, LocalCluster, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from together import pwctls
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -77,8 +79,19 @@ def metrics_url(c: LocalCluster) -> str:
     return url
 
 
-@pytest.mark.cluster(islands=2, devices=2, controller_args=["--metrics-listen", "127.0.0.1:0"])
-def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: LocalCluster) -> None:
+@pytest.fixture(scope="module")
+def metrics_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """2 islands x 2 devices serving metrics on a free port, for the tests that only run programs
+    and scrape (starting a cluster takes seconds); its logs are checked for broken invariants when
+    the module ends."""
+    with LocalCluster(tmp_path_factory.mktemp("metrics"), controller_args=["--metrics-listen", "127.0.0.1:0"]) as c:
+        c.start([("a", 2), ("b", 2)])
+        yield c
+
+
+@pytest.mark.cluster  # (metrics_cluster's; the first test on it: nothing ran before)
+def test_scraping_a_real_controller_before_and_after_a_program_ran(metrics_cluster: LocalCluster) -> None:
+    cluster = metrics_cluster
     url = metrics_url(cluster)
     before = scrape(url, cluster.token)
     assert value(before, "pathways_hosts", island="a", state="ready") == 1
@@ -124,9 +137,11 @@ def test_scraping_a_real_controller_before_and_after_a_program_ran(cluster: Loca
     documented = set(re.findall(r"`(pathways_[a-z_]+)`", DOC.read_text()))
     assert families <= documented, sorted(families - documented)
     assert status_of(url.replace("/metrics", "/nothing"), {"Authorization": f"Bearer {cluster.token}"}) == 404
-    info = cluster.pwctl_json("server", "info")["item"]
+    info_r, table_r = pwctls(cluster, ["server", "info", "-o", "json"], ["server", "info"])  # at once
+    assert info_r.returncode == 0, info_r.stderr
+    info = json.loads(info_r.stdout)["item"]
     assert info["policy"] == "fifo" and info["jobs"] == 0 and info["jobs_total"] == 0
-    table = cluster.pwctl("server", "info").stdout
+    table = table_r.stdout
     assert url in table and "fifo" in table
 
 
@@ -162,8 +177,9 @@ def test_a_workers_unfinished_gatherings_show_in_its_stats_and_in_the_metrics(cl
     assert value(after, "pathways_worker_buffer_bytes", island="b") == 0
 
 
-@pytest.mark.cluster(islands=1, devices=1, controller_args=["--metrics-listen", "127.0.0.1:0"])
-def test_a_scrape_needs_the_token_as_a_bearer_token(cluster: LocalCluster) -> None:
+@pytest.mark.cluster  # (metrics_cluster's: scrapes change nothing)
+def test_a_scrape_needs_the_token_as_a_bearer_token(metrics_cluster: LocalCluster) -> None:
+    cluster = metrics_cluster
     url = metrics_url(cluster)
     token = cluster.token
     assert token
@@ -186,5 +202,7 @@ def test_metrics_flag_errors_are_one_line(tmp_path: Path) -> None:
 
 def test_metrics_off_shows_in_server_info(make_cluster: Any) -> None:
     c = make_cluster(islands=1, devices=1, controller_args=["--metrics-listen", "off"])
-    assert c.pwctl_json("server", "info")["item"]["metrics_url"] == ""
-    assert re.search(r"^metrics\s+off\s*$", c.pwctl("server", "info").stdout, re.M)
+    info, table = pwctls(c, ["server", "info", "-o", "json"], ["server", "info"])  # two reads, at once
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["item"]["metrics_url"] == ""
+    assert re.search(r"^metrics\s+off\s*$", table.stdout, re.M)

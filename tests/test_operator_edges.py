@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, base_env, free_port, log_tail, run_pwctl, wait_for
+from together import together
 
 from pwctl import local
 from pwctl.version import compatible, release
@@ -39,20 +40,24 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         assert f"local-a pid {worker_pid}" in again.stdout
         assert json.loads((pw_home / "cluster.json").read_text()) == state
 
-        # usage errors: exit 2, one line, nothing started
-        for args, message in ((["--devices", "all", "--islands", "2"], "one island"),
-                              (["--devices", "0"], "neither a positive number nor 'all'"),
-                              (["--devices", "lots"], "neither a positive number nor 'all'")):
-            bad = run_pwctl("up", *args, "--listen", address, env=env)
+        # usage errors: exit 2, one line, nothing started (refusals: run at once, tests/together.py)
+        usage = ((["--devices", "all", "--islands", "2"], "one island"),
+                 (["--devices", "0"], "neither a positive number nor 'all'"),
+                 (["--devices", "lots"], "neither a positive number nor 'all'"))
+        refused = together(*(lambda args=args: run_pwctl("up", *args, "--listen", address, env=env)
+                             for args, _ in usage))
+        for (_, message), bad in zip(usage, refused, strict=True):
             assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert json.loads((pw_home / "cluster.json").read_text()) == state
 
         # a listing piped at 80 columns keeps each row on one line, headers included
         name = "a-slice-whose-name-alone-takes-more-than-forty-columns"
         assert run_pwctl("slice", "create", name, "--devices", "1", env=env).returncode == 0
-        for args, first, last in ((["slice", "list", "-o", "wide"], name, "REASON"),
-                                  (["host", "list", "-o", "wide"], "local-a", "LAST HEARTBEAT")):
-            listed = run_pwctl(*args, env={**env, "COLUMNS": "80"})
+        listings = ((["slice", "list", "-o", "wide"], name, "REASON"),
+                    (["host", "list", "-o", "wide"], "local-a", "LAST HEARTBEAT"))
+        outputs = together(*(lambda args=args: run_pwctl(*args, env={**env, "COLUMNS": "80"})
+                             for args, _, _ in listings))
+        for (_, first, last), listed in zip(listings, outputs, strict=True):
             assert listed.returncode == 0, listed.stderr
             lines = listed.stdout.splitlines()
             assert len(lines) == 2 and lines[0].rstrip().endswith(last), listed.stdout
@@ -110,13 +115,13 @@ def test_a_controller_of_another_version_is_refused_up_front(pw_home: Path, tmp_
         assert json.loads(info.stdout)["item"]["version"] == "0.99.0", log_tail(log)
         assert "warning: pwctl 0.1.0 does not talk to the controller" in info.stderr  # info shows, and warns
 
-        r = run_pwctl("island", "list", env=env)
+        r, skipped = together(lambda: run_pwctl("island", "list", env=env),
+                              lambda: run_pwctl("island", "list", env={**env, "PWCTL_SKIP_VERSION_CHECK": "1"}))
         assert r.returncode == 4, r.stdout + r.stderr
         assert r.stderr.strip() == (
             f"error: pwctl 0.1.0 does not talk to the controller at {address}, which runs version 0.99.0: install "
             "the same version on both sides (pip install 'pathways==0.99.0'), or use the pwctl installed with the "
             "controller (PWCTL_SKIP_VERSION_CHECK=1 skips this check)")
-        skipped = run_pwctl("island", "list", env={**env, "PWCTL_SKIP_VERSION_CHECK": "1"})
         assert skipped.returncode == 0, skipped.stderr
     finally:
         proc.terminate()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +38,84 @@ def client_json(cluster: LocalCluster, name: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+# Client programs that use only slices of their own and assert nothing about the cluster as a
+# whole: they start together when the module's first test needs one (each is mostly Python and JAX
+# starting, and two cores run two at once), and each test waits for its own and asserts its output.
+# release.py (it counts every buffer on the workers), inflight.py and the named-slice race run alone.
+AT_ONCE = {"seed": SEED, "basics": CLIENTS / "basics.py", "bf16": CLIENTS / "bf16.py",
+           "spmd": CLIENTS / "spmd.py", "donate": CLIENTS / "donate.py", "errors": CLIENTS / "errors.py"}
+
+
+class Started:
+    """The AT_ONCE client processes, started on the module's cluster."""
+
+    running: list[Started] = []  # (at most one: the module fixture's)
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.procs = {name: subprocess.Popen([sys.executable, str(script)], env=cluster.env(), cwd=script.parent,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for name, script in AT_ONCE.items()}
+        self.done: dict[str, subprocess.CompletedProcess[str]] = {}
+        Started.running.append(self)
+
+    @classmethod
+    def finish_all(cls) -> None:
+        """Waits until every started client ended (kept for its test): for a test that needs the
+        cluster to itself."""
+        for started in cls.running:
+            for name in started.procs:
+                try:
+                    started.result(name)
+                except AssertionError:
+                    pass  # its own test reports it
+
+    def result(self, name: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+        if name in self.done:
+            return self.done[name]
+        proc = self.procs[name]
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            raise AssertionError(f"{name} did not finish in {timeout:g} s:\n{err[-3000:]}") from None
+        self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.done[name]
+
+    def json(self, name: str) -> dict:
+        r = self.result(name)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        Started.running.remove(self)
+        for name, proc in self.procs.items():
+            if name not in self.done:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def started(module_cluster: LocalCluster) -> Iterator[Started]:
+    clients = Started(module_cluster)
+    yield clients
+    clients.close()
+
+
 def test_the_example_is_the_seed_program_unchanged() -> None:
     assert hashlib.sha256(SEED.read_bytes()).hexdigest() == SEED_SHA256
 
 
-def test_seed_program_prints_exactly(module_cluster: LocalCluster) -> None:
-    r = run_client(module_cluster, SEED)
+def test_seed_program_prints_exactly(started: Started) -> None:
+    r = started.result("seed")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == "(array([3., 5.]), array([2., 4.]))\n"
 
 
-def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> None:
-    out = client_json(module_cluster, "basics.py")
+def test_standalone_calls_pytrees_and_programs(started: Started) -> None:
+    out = started.json("basics")
     assert out["shape"] == [2] and out["dtype"] == "float64"
     assert out["chained"] == [4.0, 8.0] and out["ready"] is True and out["ready_value"] == [8.0, 16.0]
     assert out["waited"] is True and out["after_wait"] == [16.0, 32.0]
@@ -58,13 +125,13 @@ def test_standalone_calls_pytrees_and_programs(module_cluster: LocalCluster) -> 
     assert out["traces"] == 1
 
 
-def test_bfloat16_moves_between_workers_and_is_fetched(module_cluster: LocalCluster) -> None:
-    out = client_json(module_cluster, "bf16.py")
+def test_bfloat16_moves_between_workers_and_is_fetched(started: Started) -> None:
+    out = started.json("bf16")
     assert out == {"dtype": "bfloat16", "exact": True, "fetched": "bfloat16", "fetched_exact": True}
 
 
-def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalCluster) -> None:
-    out = client_json(module_cluster, "spmd.py")
+def test_spmd_and_cross_island_pipeline_match_plain_jax(started: Started) -> None:
+    out = started.json("spmd")
     assert out["spmd_max_err"] < 1e-6
     assert np.allclose(out["across"], out["across_want"])
     assert out["psum"] == [6.0, 7.0, 8.0, 9.0]
@@ -73,11 +140,11 @@ def test_spmd_and_cross_island_pipeline_match_plain_jax(module_cluster: LocalClu
     assert np.allclose(*out["chain_psum"])
 
 
-def test_donated_inputs_are_consumed_and_results_right(module_cluster: LocalCluster) -> None:
+def test_donated_inputs_are_consumed_and_results_right(started: Started, module_cluster: LocalCluster) -> None:
     """donate_argnums through pw.pmap and pw.jit: the results are right; the donated buffer is
     gone on its worker, so every later use (the same function, another one, a fetch) is a clear
     error naming the donation, and the worker and the session go on."""
-    out = client_json(module_cluster, "donate.py")
+    out = started.json("donate")
     assert out["pmap_result"] == [[3.0] * 3] * 2
     assert out["pmap_not_donated"] == {"value": [[2.0] * 3] * 2}
     for key, fn in (("pmap_reuse", "accumulate"), ("pmap_fetch_donated", "accumulate"),
@@ -90,8 +157,8 @@ def test_donated_inputs_are_consumed_and_results_right(module_cluster: LocalClus
     assert all(w.proc.poll() is None for w in module_cluster.workers.values())
 
 
-def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:
-    out = client_json(module_cluster, "errors.py")
+def test_errors_are_clear_and_contained(started: Started) -> None:
+    out = started.json("errors")
     assert "argument 0 has leading axis 3, the slice has 2 devices" in out["shape"]
     assert "boom from user code" in out["user_exception"]
     assert out["failed_node"].startswith("ProgramError") and "bad" in out["failed_node"]
@@ -103,6 +170,7 @@ def test_errors_are_clear_and_contained(module_cluster: LocalCluster) -> None:
 
 
 def test_buffers_are_released_when_futures_are_dropped(module_cluster: LocalCluster) -> None:
+    Started.finish_all()  # it counts every buffer on the workers: no other client runs meanwhile
     addresses = [h.address for h in module_cluster.hosts().values()]
     out = client_json(module_cluster, "release.py", *addresses)
     assert out["values_ok"]

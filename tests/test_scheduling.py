@@ -9,7 +9,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 from conftest import LocalCluster, wait_for
 
 from bench.threads import read_threads
+from pwctl.paths import load_or_create_token
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
@@ -154,10 +155,27 @@ def test_concurrent_collectives_keep_one_gang_order(cluster: LocalCluster, tmp_p
 # ------------------------------------------------------------------------------------ dispatch
 
 
-@pytest.mark.cluster(islands=2, devices=4)
-def test_parallel_and_sequential_dispatch_give_identical_results(cluster: LocalCluster) -> None:
-    par = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="parallel")
-    seq = run_one(cluster, "dispatch.py", PWCTL_DISPATCH="sequential")
+@pytest.fixture(scope="module")
+def dispatch_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """2 islands x 4 devices, shared by the dispatch tests (starting a cluster takes seconds). The
+    heartbeat timeout is 30 s: check_dispatch_order freezes worker b for a while. Each test leaves
+    it as it found it (its client gone, worker b continued); its logs are checked for broken
+    invariants when the module ends."""
+    with LocalCluster(tmp_path_factory.mktemp("dispatch"), heartbeat_timeout=30) as c:
+        c.start([("a", 4), ("b", 4)])
+        yield c
+
+
+@pytest.mark.cluster  # (dispatch_cluster's)
+def test_parallel_and_sequential_dispatch_give_identical_results(dispatch_cluster: LocalCluster) -> None:
+    # two client processes at once (each is mostly its imports and compiles, on a core of its own)
+    par_client = ClientProc(dispatch_cluster, "dispatch.py", PWCTL_DISPATCH="parallel")
+    seq_client = ClientProc(dispatch_cluster, "dispatch.py", PWCTL_DISPATCH="sequential")
+    try:
+        par, seq = par_client.result(60), seq_client.result(60)
+    finally:
+        par_client.kill()
+        seq_client.kill()
     assert par["dtypes"] == seq["dtypes"] == ["float64"] * 10
     assert par["sha256"] == seq["sha256"]
     assert par["values"] == seq["values"]
@@ -311,12 +329,18 @@ def test_a_stalled_worker_fails_the_program_naming_node_and_host(cluster: LocalC
 # ------------------------------------------------------------------------------------ transfers
 
 
-@pytest.mark.cluster(islands=3, devices=1)
-def test_big_arrays_cross_islands_by_grpc_stream_and_shared_memory(cluster: LocalCluster) -> None:
+@pytest.mark.cluster
+def test_big_arrays_cross_islands_by_grpc_stream_and_shared_memory(make_cluster: Callable[..., LocalCluster]) -> None:
     """12 MB (three 4 MiB chunks) a -> b -> c: w-a sends over chunked gRPC streams
     (PATHWAYS_TRANSFER=grpc), w-b over shared memory (the default between workers of one host)."""
-    cluster.kill_worker("w-a")
-    cluster.add_worker("a", 1, env={"PATHWAYS_TRANSFER": "grpc"})
+    cluster = make_cluster(start=False)  # as LocalCluster.start does, but w-a with its own setting
+    load_or_create_token(cluster.home / "token")
+    cluster.start_controller(wait=False)
+    cluster.add_worker("a", 1, wait=False, env={"PATHWAYS_TRANSFER": "grpc"})
+    cluster.add_worker("b", 1, wait=False)
+    cluster.add_worker("c", 1, wait=False)
+    cluster.wait_controller()
+    cluster.wait_ready()
     out = run_one(cluster, "transfer.py")
     assert out == {"exact": True, "nbytes": 12_000_000, "dtype": "float32", "shape": [1, 3_000_000]}
     # the workers' threads carry their names in the kernel too (top -H, perf, bench.threads)
@@ -362,6 +386,9 @@ def check_dispatch_order(cluster: LocalCluster, workdir: Path, mode: str, **env:
     its output; the program uploads nothing). Sequential dispatch enqueues only x (no deps): x runs
     on worker a, and a holds exactly one buffer more (x's output); n1, which would have come in the
     same message as x, is not there. Once b continues, both modes give the right values."""
+    # a shared cluster: the buffers of an earlier test's client are released (a fresh cluster's start)
+    wait_for(lambda: all(worker_stats(cluster, n).buffers == 0 for n in ("w-a", "w-b")), 30,
+             "the workers to hold no buffers")
     client = ClientProc(cluster, "dispatch_order.py", str(workdir), **env)
     try:
         wait_for(lambda: (workdir / "ready").exists() or client.proc.poll() is not None, 60, "the warm-up")
@@ -387,11 +414,11 @@ def check_dispatch_order(cluster: LocalCluster, workdir: Path, mode: str, **env:
     assert out["n1"] == out["warm"][0] and out["x"] == out["warm"][1]
 
 
-@pytest.mark.cluster(islands=2, devices=4, heartbeat_timeout=30)
+@pytest.mark.cluster  # (dispatch_cluster's)
 @pytest.mark.parametrize("mode", ["parallel", "sequential"])
-def test_client_dispatch_mode_decides_when_successors_are_enqueued(cluster: LocalCluster, tmp_path: Path,
+def test_client_dispatch_mode_decides_when_successors_are_enqueued(dispatch_cluster: LocalCluster, tmp_path: Path,
                                                                   mode: str) -> None:
-    check_dispatch_order(cluster, tmp_path, mode, PWCTL_DISPATCH=mode)
+    check_dispatch_order(dispatch_cluster, tmp_path, mode, PWCTL_DISPATCH=mode)
 
 
 def test_controller_dispatch_sequential_is_the_default_of_its_sessions(

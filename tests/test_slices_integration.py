@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
+from together import pwctls
 
 from pwctl.client import Client
 from pwctl.errors import PathwaysError, Rejected
@@ -24,11 +25,30 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
+@pytest.fixture(scope="module")
+def shared_lc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One cluster for the module's tests: starting one takes seconds, and each test leaves it as
+    it found it (see `lc`). Its logs are checked for broken invariants when the module ends."""
+    with LocalCluster(tmp_path_factory.mktemp("slices-cluster")) as c:
+        c.start([("a", 4), ("b", 2)])
+        yield c
+
+
 @pytest.fixture
-def lc(make_cluster: Callable[..., LocalCluster]) -> Iterator[LocalCluster]:
-    c = make_cluster(start=False)
-    c.start([("a", 4), ("b", 2)])
+def lc(shared_lc: LocalCluster) -> Iterator[LocalCluster]:
+    """The module's cluster, as every test finds it: no slices, both workers ready. A test that
+    killed a worker started it again; the slices a test leaves are deleted after it."""
+    c = shared_lc
+    with c.client() as client:
+        assert not client.slices(), "a previous test left slices behind"
     yield c
+    with c.client() as client:
+        for s in client.slices():
+            client.delete_slice(s.name)
+    for name, w in c.workers.items():
+        if w.proc.poll() is not None:
+            c.add_worker(w.island, w.devices, name=name, wait=False)
+    c.wait_ready()
 
 
 def slices(c: LocalCluster) -> dict[str, Any]:
@@ -94,9 +114,9 @@ def test_create_list_describe_delete(lc: LocalCluster) -> None:
         "error: needs 8 devices on one island; the largest island has 4 (island a, 4 free)"
     )
 
-    # bad input: refused, state unchanged
+    # bad input: refused, state unchanged (the refusals change nothing: they run at once)
     before = slices(lc)
-    for args, code, text in [
+    cases = [
         (["--devices", "0"], 2, "devices must be positive"),
         (["--devices", "-1"], 2, "devices must be positive"),
         (["--devices", "3", "--mesh", "2x2"], 2, "mesh (2, 2) has 4 devices"),
@@ -106,8 +126,9 @@ def test_create_list_describe_delete(lc: LocalCluster) -> None:
         (["--devices", "1", "--kind", "gpu"], 2, "no gpu devices"),
         (["train", "--devices", "1"], 4, "already exists"),
         (["Bad_Name", "--devices", "1"], 2, "invalid slice name"),
-    ]:
-        r = lc.pwctl("slice", "create", *args)
+    ]
+    refused = pwctls(lc, *(["slice", "create", *args] for args, _, _ in cases))
+    for (args, code, text), r in zip(cases, refused, strict=True):
         assert r.returncode == code, (args, r.returncode, r.stderr)
         assert text in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -184,6 +205,7 @@ def test_concurrent_exclusive_creates_exactly_one_wins(lc: LocalCluster) -> None
             assert set(state) == {"hold", won[0]}
             assert mapping(state[won[0]]) == ids["b"]
             clients[0].delete_slice(won[0])
+        clients[0].delete_slice("hold")
     finally:
         for c in clients:
             c.close()
@@ -234,8 +256,9 @@ def test_lost_worker_remaps_or_degrades_and_recovers(lc: LocalCluster) -> None:
     assert "host w-a lost" in s["big"]["reason"]
 
     # the workers come back: slices are placed again (big on its old devices)
-    lc.add_worker("a", 4)
-    lc.add_worker("b", 2)
+    lc.add_worker("a", 4, wait=False)
+    lc.add_worker("b", 2, wait=False)
+    lc.wait_ready()
     s = wait_slices(lc, lambda s: all(x["state"] != "degraded" for x in s.values()), "all slices placed")
     assert mapping(s["big"]) == ids["a"] and s["big"]["state"] == "ready"
     assert s["pinned"]["state"] == "ready" and set(mapping(s["pinned"])) <= set(ids["b"])

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
+from together import pwctls, together
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.views import ClusterStatusView
@@ -343,7 +344,8 @@ def test_rate_follows_activity(busy: LocalCluster, tmp_path: Path) -> None:
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_status_json_snapshot(busy: LocalCluster) -> None:
-    doc = busy.pwctl_json("status")
+    # the document and the screen piped at 80 columns: two reads, run at once (tests/together.py)
+    doc, r = together(lambda: busy.pwctl_json("status"), lambda: busy.pwctl("status", COLUMNS="80"))
     assert doc["apiVersion"] == "pathways/v1" and doc["kind"] == "ClusterStatus"
     assert doc["at"].endswith("Z")
     assert sorted(i["name"] for i in doc["islands"]) == ["a", "b"]
@@ -363,7 +365,6 @@ def test_status_json_snapshot(busy: LocalCluster) -> None:
     assert all({"running", "waiting", "stalled", "longest_wait_s"} <= set(q) for q in doc["queues"])
 
     # piped at 80 columns: every line fits, every device row is one line
-    r = busy.pwctl("status", COLUMNS="80")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), r.stdout
@@ -392,9 +393,8 @@ def test_status_json_pages_devices(busy: LocalCluster) -> None:
             break
         assert "--page-token" in r.stderr  # says how to get the rest
     assert seen == sorted(seen) and len(set(seen)) == 4
-    bad = busy.pwctl("status", "-o", "json", "--page-token", "not-a-token")
+    bad, table = pwctls(busy, ["status", "-o", "json", "--page-token", "not-a-token"], ["status", "--limit", "2"])
     assert bad.returncode == 2 and "invalid page token" in bad.stderr, bad.stderr
-    table = busy.pwctl("status", "--limit", "2")
     assert table.returncode == 2 and "only with -o json" in table.stderr
 
 
@@ -432,7 +432,9 @@ def test_watch_streams_json_lines(busy: LocalCluster, flags: list[str]) -> None:
 @pytest.mark.timeout(120)
 def test_trace_of_a_program(busy: LocalCluster, tmp_path: Path) -> None:
     out = tmp_path / "trace.json"
-    r = busy.pwctl("trace", "step", "-o", str(out))
+    # the program's trace and the standalone calls' (below): two reads, run at once (tests/together.py)
+    r, standalone = pwctls(busy, ["trace", "step", "-o", str(out)],
+                           ["trace", "double", "-o", str(tmp_path / "double.json")])
     assert r.returncode == 0, r.stderr
     assert "node runs" in r.stderr and "perfetto" in r.stderr.lower()
     doc = json.loads(out.read_text())
@@ -458,7 +460,6 @@ def test_trace_of_a_program(busy: LocalCluster, tmp_path: Path) -> None:
     assert len([e for e in json.loads(r.stdout)["traceEvents"] if e["ph"] == "X"]) == 10
 
     # the standalone calls are one-node programs named after their function
-    standalone = busy.pwctl("trace", "double", "-o", str(tmp_path / "double.json"))
     assert standalone.returncode == 0, standalone.stderr
     ds = [e for e in json.loads((tmp_path / "double.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(ds) == 600  # 300 calls x 2 devices

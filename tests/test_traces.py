@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
+from together import pwctls
 
 from pwctl.units import parse_size
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -159,17 +160,22 @@ def test_a_programs_trace_is_there_after_a_controller_restart(cluster: LocalClus
     assert resp.node_runs == 3 and resp.node_runs_total >= 12
     events = [e for e in json.loads(resp.chrome_trace_json)["traceEvents"] if e["ph"] == "X"]
     assert {e["args"]["program"] for e in events} == {"lasting"} and len({e["args"]["run_id"] for e in events}) == 3
-    # the CLI: --last N gives N, and says what the window left out; --since a window in time
-    out = tmp_path / "t.json"
-    r = cluster.pwctl("trace", "lasting", "--last", "4", "-o", str(out))
+    # the CLI: --last N gives N, and says what the window left out; --since a window in time (the
+    # reads, each to a file of its own, run at once: tests/together.py)
+    last, hour, future = (tmp_path / f"{name}.json" for name in ("last", "hour", "future"))
+    r, r_hour, r_future, r_bad = pwctls(
+        cluster, ["trace", "lasting", "--last", "4", "-o", str(last)],
+        ["trace", "lasting", "--since", "1h", "-o", str(hour)],
+        ["trace", "lasting", "--since", "2200-01-01T00:00:00Z", "-o", str(future)],
+        ["trace", "lasting", "--since", "yesterday"])
     assert r.returncode == 0, r.stderr
-    assert json.loads(out.read_text())["otherData"]["node_runs"] == 4
+    assert json.loads(last.read_text())["otherData"]["node_runs"] == 4
     assert f"the window holds 4 of the {resp.node_runs_total} node runs kept" in r.stderr
-    r = cluster.pwctl("trace", "lasting", "--since", "1h", "-o", str(out))
-    assert r.returncode == 0 and json.loads(out.read_text())["otherData"]["node_runs"] == resp.node_runs_total
-    r = cluster.pwctl("trace", "lasting", "--since", "2200-01-01T00:00:00Z", "-o", str(out))
-    assert r.returncode == 0 and json.loads(out.read_text())["otherData"]["node_runs"] == 0
-    r = cluster.pwctl("trace", "lasting", "--since", "yesterday")
+    r = r_hour
+    assert r.returncode == 0 and json.loads(hour.read_text())["otherData"]["node_runs"] == resp.node_runs_total
+    r = r_future
+    assert r.returncode == 0 and json.loads(future.read_text())["otherData"]["node_runs"] == 0
+    r = r_bad
     assert r.returncode == 2 and "neither a duration" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -180,10 +186,10 @@ def test_trace_of_any_listed_job_says_what_there_is(cluster: LocalCluster, tmp_p
     so, rather than "no node runs recorded ... `pwctl jobs list`" as for a job that does not exist."""
     quiet = tmp_path / "quiet.py"
     quiet.write_text("print('no computation')\n")
-    assert cluster.pwctl("submit", str(quiet)).returncode == 0
     busy = tmp_path / "busy.py"
     busy.write_text(CLIENT)
-    assert cluster.pwctl("submit", str(busy)).returncode == 0
+    # two independent jobs, submitted (and waited for) at once: tests/together.py
+    assert [r.returncode for r in pwctls(cluster, ["submit", str(quiet)], ["submit", str(busy)])] == [0, 0]
     jobs = {j["name"]: j for j in cluster.pwctl_json("jobs", "list", "--all")["items"]}
     out = tmp_path / "t.json"
     r = cluster.pwctl("trace", jobs["quiet"]["id"], "-o", str(out))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env, proxy_env
+from proxy_env import client_env, parts_output, proxy_env, start_parts
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -162,11 +162,43 @@ def run_program(code: str, env: dict[str, str]) -> list[str]:
 def matches_local(cluster: LocalCluster, tmp_path: Path, program: str, devices: int) -> list[str]:
     """`program`'s lines on plain JAX with `devices` CPU devices, asserted equal to its lines
     through `cluster`'s proxy on as many devices."""
+    local, proxied = local_and_proxied(cluster, tmp_path, {"program": program}, devices)
+    return same_as_local(local, proxied, "program")
+
+
+def local_env(tmp_path: Path, devices: int) -> dict[str, str]:
+    """`client_env` of plain JAX on `devices` local CPU devices."""
     flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
-    local = run_program(program, client_env(tmp_path, JAX_PLATFORMS="cpu", **flags))
-    proxied = run_program(program, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES=str(devices)))
-    assert proxied == local
-    return local
+    return client_env(tmp_path, JAX_PLATFORMS="cpu", **flags)
+
+
+def local_and_proxied(cluster: LocalCluster, tmp_path: Path, parts: dict[str, str], devices: int,
+                      proxy_only: dict[str, str] | None = None,
+                      slice_name: str | None = None) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The programs `parts` (name -> code) run in one process on plain JAX with `devices` CPU
+    devices and, at the same time, in one process through `cluster`'s proxy on as many devices
+    (on the slice `slice_name` if given; there followed by the programs `proxy_only`): each
+    side's lines by program name. Compare them with `same_as_local`."""
+    where = {"PATHWAYS_SLICE": slice_name} if slice_name else {"PATHWAYS_DEVICES": str(devices)}
+    on_cpu = start_parts(parts, local_env(tmp_path, devices))
+    proxy = start_parts({**parts, **(proxy_only or {})}, proxy_env(cluster, tmp_path, **where))
+    try:
+        return parts_output(on_cpu), parts_output(proxy)
+    finally:
+        for p in (on_cpu, proxy):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def same_as_local(local: dict[str, list[str]], proxied: dict[str, list[str]], name: str) -> list[str]:
+    """Program `name`'s lines on plain JAX, asserted to have run to its end there and through the
+    proxy, with the same lines."""
+    assert name in local and name in proxied, f"program {name!r} did not run: {sorted(local)}, {sorted(proxied)}"
+    for side, lines in (("plain JAX", local[name]), ("the proxy", proxied[name])):
+        assert not any(ln.startswith("FAILED ") for ln in lines), f"program {name!r} raised on {side}: {lines}"
+    assert proxied[name] == local[name], f"program {name!r}: its lines through the proxy differ from plain JAX's"
+    return local[name]
 
 
 @pytest.mark.cluster(islands=1, devices=2)

@@ -2,7 +2,8 @@
 the controller's own port, sessions on named and fresh slices, the cluster token, clear errors.
 
 Single-device arrays move through the proxy into worker buffers and back; computing is in
-tests/test_proxy_compute.py.
+tests/test_proxy_compute.py. The tests that leave the cluster as they found it share one
+(`module_cluster`: one island of 2 devices).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from proxy_env import client_env, parts_output, proxy_env, start_parts
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+pytestmark = pytest.mark.cluster(islands=1, devices=2)  # the module's cluster (tests' own marks win)
 
 PROGRAM = """
 import sys
@@ -86,8 +89,8 @@ def test_proxy_sessions_on_the_cluster(cluster: LocalCluster, tmp_path: Path) ->
     wait_for(lambda: not proxy_slices(cluster), 30, "the proxy session's slice to be released")
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_refused_proxy_sessions_say_why(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     token = cluster.token
     assert token
     cases = [
@@ -201,8 +204,8 @@ def same_as_local(local: dict[str, list[str]], proxied: dict[str, list[str]], na
     return local[name]
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_arrays_move_through_the_proxy(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     local = matches_local(cluster, tmp_path, ARRAYS, 2)
     assert local[-1] == "ok"
     with cluster.client() as c:  # the session's buffers and slice went with it
@@ -228,8 +231,8 @@ sys.stdin.readline()
 """
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_killed_program_frees_its_buffers(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -245,7 +248,11 @@ def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Pat
     wait_for(lambda: not proxy_slices(cluster), 30, "the killed program's slice to be released")
     with cluster.client() as c:  # the cluster goes on: a new slice, a new session
         c.create_slice(cpb.SliceSpec(name="after", devices=2))
-    proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "devices 2 cpu"
-    assert finish(proc)[0] == 0
+    try:
+        proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "devices 2 cpu"
+        assert finish(proc)[0] == 0
+    finally:
+        with cluster.client() as c:  # the module's cluster as it was
+            c.delete_slice("after", force=True)

@@ -143,3 +143,27 @@ def parts_output(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str,
 def run_parts(parts: dict[str, str], env: dict[str, str], timeout: float = 240) -> dict[str, list[str]]:
     """`start_parts` then `parts_output`: every program's lines, by name."""
     return parts_output(start_parts(parts, env), timeout)
+
+
+def start_plain(code: str, env: dict[str, str], send: str = "") -> subprocess.Popen[str]:
+    """Starts `code` (on plain JAX, say) with its whole input `send` given at once, to run while
+    the test steps a `Program` through the proxy; `plain_lines` waits for its output."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(send)  # a few lines: the pipe takes them without a reader
+    proc.stdin.close()
+    proc.stdin = None  # given already: communicate() must not flush it
+    return proc
+
+
+def plain_lines(proc: subprocess.Popen[str], timeout: float = 120) -> list[str]:
+    """The lines of a program started by `start_plain`, once it exited 0."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    return out.splitlines()

@@ -23,6 +23,8 @@ from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
+LOCAL4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # for other modules
+
 PRELUDE = """
 import os
 import numpy as np, jax, jax.numpy as jnp

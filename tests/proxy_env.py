@@ -107,7 +107,8 @@ for name, code in json.loads(sys.argv[1]):
     except BaseException as e:
         sys.stdout.flush()
         traceback.print_exc()
-        print("FAILED " + type(e).__name__ + ": " + str(e).splitlines()[0] if str(e) else "FAILED " + type(e).__name__)
+        why = (str(e).splitlines() or [""])[0]
+        print("FAILED " + type(e).__name__ + (": " + why if why else ""))
     sys.stdout.flush()
     ns.clear()
     del ns

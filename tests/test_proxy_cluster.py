@@ -130,8 +130,8 @@ def test_proxy_sessions_count_against_their_callers_cap(cluster: LocalCluster, t
     assert "Traceback" not in cluster.controller_logs()
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_controller_restart_ends_the_proxy_session(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     proc = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "devices 1 cpu"
@@ -141,6 +141,7 @@ def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_
     assert len(lines) == 1, err
     assert lines[0].startswith("error JaxRuntimeError UNAVAILABLE: Connection to IFRT proxy server was terminated")
     assert proxy_slices(cluster) == []  # the new controller released the old session's slice
+    cluster.wait_ready()  # the module's cluster as it was: its worker registered with the new controller
 
 
 ARRAYS = """

@@ -26,9 +26,10 @@ from server.proxy.arrays import Buf, Part, new_record
 from server.proxy.downloads import byte_range, plan
 from server.proxy.shardings import Index, Sharding
 
-# the cluster of the tests without their own (`module_cluster`); those that measure the
+# the cluster of the tests without their own (`module_cluster`: one island of 4 devices, for the
+# sharded downloads; the raw sessions take a fresh slice of one); those that measure the
 # controller's RSS have their own, whose heap no earlier download has grown
-pytestmark = pytest.mark.cluster(islands=1, devices=1)
+pytestmark = pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
 
 DOWNLOAD = """
 import numpy as np, jax, jax.numpy as jnp
@@ -158,8 +159,8 @@ for name, spec, mesh in (("rows", P("d"), line), ("cols", P(None, "d"), line), (
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
-def test_sharded_downloads_arrive_exactly(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_sharded_downloads_arrive_exactly(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     local = matches_local(cluster, tmp_path, SHARDS, 4)
     assert len(local) == 3 * 6
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

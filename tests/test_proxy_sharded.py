@@ -109,6 +109,114 @@ print("sharded", bool((np.asarray(y).ravel() == a).all()), float(jnp.sum(y[:, :2
 """
 
 
+# The tests with their own clusters first: the module's cluster (made for the first test that
+# asks for it) is not yet there to load the machine while their workers' heartbeats are timed.
+
+WAITS = """
+import sys, time
+import numpy as np, jax, jax.numpy as jnp
+f = jax.jit(lambda v: v @ v)
+x = f(jnp.ones((256, 256)))
+x.block_until_ready()
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+try:
+    if sys.argv[1] == "download":
+        np.asarray(f(f(x)))
+    else:  # a blocking client: the run is prompt, its end awaited in the controller (no Wait)
+        f(x).block_until_ready()
+    print("no error")
+except Exception as e:
+    print("error", type(e).__name__, round(time.monotonic() - t0) < 60, flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=2.0)
+@pytest.mark.parametrize("wait", ["download", "block"])
+def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path, wait: str) -> None:
+    """The worker freezes (SIGSTOP) while the program waits for a run (downloading its result,
+    or blocking on it): the controller declares the host lost and fails the run, and the program
+    gets the error then, not after the proxy's own wait bound (an hour)."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITS, wait], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        name = next(iter(cluster.workers))
+        cluster.stop_worker(name)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=150)
+        assert out.strip() == "error JaxRuntimeError True", err[-3000:]
+        assert time.monotonic() - t0 < 60
+    finally:
+        cluster.cont_worker(next(iter(cluster.workers)))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+SPANNING = """
+import numpy as np, jax, jax.numpy as jnp
+from functools import partial
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+from jax import shard_map
+line = Mesh(np.array(jax.devices()), ("d",))
+x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(line, P("d")))
+@jax.jit
+@partial(shard_map, mesh=line, in_specs=P("d"), out_specs=P("d"))
+def mix(b):
+    return b + jax.lax.psum(jnp.sum(b, axis=0, keepdims=True), "d")
+y = mix(x)
+print("y", np.asarray(y).tolist(), y.sharding.spec)
+print("shards", [(s.device.id, np.asarray(s.data).tolist()) for s in y.addressable_shards])
+z = jax.jit(lambda v: v.T * 2)(x)  # a result whose sharding XLA's propagation picks
+print("z", z.sharding.spec, [(s.device.id, s.index, np.asarray(s.data).tolist()) for s in z.addressable_shards])
+print("z next", np.asarray(jax.jit(lambda v: v.sum(1))(z)).tolist())
+print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
+import hashlib
+a = (np.arange(2048 * 2048, dtype=np.float32) % 65521).reshape(2048, 2048)  # 16 MiB: streamed back
+r = jax.jit(lambda v: v * 2 + 1, out_shardings=NamedSharding(line, P("d")))(a)
+print("read back", r.sharding.spec, [hashlib.sha256(np.asarray(v).tobytes()).hexdigest()[:16] for v in
+                    (r, r.addressable_shards[0].data, r.addressable_shards[3].data)])
+"""
+
+
+SPANNING_PART = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+devs = jax.devices()
+part = Mesh(np.array(devs[2:]), ("b",))
+y = jax.device_put(np.arange(4.0, dtype=np.float32), NamedSharding(part, P("b")))
+print("moved", np.asarray(y).tolist(), [s.device.id for s in y.addressable_shards])
+print("part", np.asarray(jax.jit(lambda v: v * 2)(y)).tolist())
+line = Mesh(np.array(devs), ("d",))
+whole = jax.device_put(np.asarray(y), NamedSharding(line, P("d")))
+print("after", np.asarray(jax.jit(lambda v: v + 1)(whole)).tolist())
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+def test_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Four devices on two workers: sharded results span workers, and are read back whole."""
+    cluster.add_worker("a", 2, name="w-a2")
+    with cluster.client() as c:
+        c.create_slice(cpb.SliceSpec(name="wide", devices=4))
+        assert len({d.host for d in c.slices()[0].devices}) == 2
+    # SPANNING, then SPANNING_PART in the same process; its first run waits for the island's group
+    # of workers to form: no retry (test_proxy_forming.py)
+    outputs = local_and_proxied(cluster, tmp_path, {"SPANNING": SPANNING}, 4,
+                                proxy_only={"SPANNING_PART": SPANNING_PART}, slice_name="wide")
+    same_as_local(*outputs, "SPANNING")
+    # a program over part of a slice spanning workers runs there (tests/test_proxy_submesh.py)
+    lines = proxied_lines(outputs, "SPANNING_PART")
+    assert lines == ["moved [0.0, 1.0, 2.0, 3.0] [2, 3]", "part [0.0, 2.0, 4.0, 6.0]", "after [1.0, 2.0, 3.0, 4.0]"]
+
+
 # big copies starve heartbeats under load: a long heartbeat timeout
 pytestmark = pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
 
@@ -245,53 +353,6 @@ def test_a_proxy_and_a_pw_client_share_an_island(module_cluster: LocalCluster, t
             c.delete_slice("shared", force=True)
 
 
-WAITS = """
-import sys, time
-import numpy as np, jax, jax.numpy as jnp
-f = jax.jit(lambda v: v @ v)
-x = f(jnp.ones((256, 256)))
-x.block_until_ready()
-print("ready", flush=True)
-sys.stdin.readline()
-t0 = time.monotonic()
-try:
-    if sys.argv[1] == "download":
-        np.asarray(f(f(x)))
-    else:  # a blocking client: the run is prompt, its end awaited in the controller (no Wait)
-        f(x).block_until_ready()
-    print("no error")
-except Exception as e:
-    print("error", type(e).__name__, round(time.monotonic() - t0) < 60, flush=True)
-"""
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=2.0)
-@pytest.mark.parametrize("wait", ["download", "block"])
-def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path, wait: str) -> None:
-    """The worker freezes (SIGSTOP) while the program waits for a run (downloading its result,
-    or blocking on it): the controller declares the host lost and fails the run, and the program
-    gets the error then, not after the proxy's own wait bound (an hour)."""
-    proc = subprocess.Popen([sys.executable, "-c", WAITS, wait], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline().strip() == "ready"
-        name = next(iter(cluster.workers))
-        cluster.stop_worker(name)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        t0 = time.monotonic()
-        out, err = proc.communicate(timeout=150)
-        assert out.strip() == "error JaxRuntimeError True", err[-3000:]
-        assert time.monotonic() - t0 < 60
-    finally:
-        cluster.cont_worker(next(iter(cluster.workers)))
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 TRAIN_SCRIPT = """
 import sys
 import numpy as np, jax
@@ -336,61 +397,3 @@ def test_submit_proxy_runs_an_unmodified_script_as_a_job(module_cluster: LocalCl
     finally:
         with cluster.client() as c:  # the module's cluster as it was
             c.delete_slice("train", force=True)
-
-
-SPANNING = """
-import numpy as np, jax, jax.numpy as jnp
-from functools import partial
-from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
-from jax import shard_map
-line = Mesh(np.array(jax.devices()), ("d",))
-x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), NamedSharding(line, P("d")))
-@jax.jit
-@partial(shard_map, mesh=line, in_specs=P("d"), out_specs=P("d"))
-def mix(b):
-    return b + jax.lax.psum(jnp.sum(b, axis=0, keepdims=True), "d")
-y = mix(x)
-print("y", np.asarray(y).tolist(), y.sharding.spec)
-print("shards", [(s.device.id, np.asarray(s.data).tolist()) for s in y.addressable_shards])
-z = jax.jit(lambda v: v.T * 2)(x)  # a result whose sharding XLA's propagation picks
-print("z", z.sharding.spec, [(s.device.id, s.index, np.asarray(s.data).tolist()) for s in z.addressable_shards])
-print("z next", np.asarray(jax.jit(lambda v: v.sum(1))(z)).tolist())
-print("big", float(jnp.sum(jax.device_put(np.ones((4096, 4096), np.float32), NamedSharding(line, P("d"))) * 2)))
-import hashlib
-a = (np.arange(2048 * 2048, dtype=np.float32) % 65521).reshape(2048, 2048)  # 16 MiB: streamed back
-r = jax.jit(lambda v: v * 2 + 1, out_shardings=NamedSharding(line, P("d")))(a)
-print("read back", r.sharding.spec, [hashlib.sha256(np.asarray(v).tobytes()).hexdigest()[:16] for v in
-                    (r, r.addressable_shards[0].data, r.addressable_shards[3].data)])
-"""
-
-
-SPANNING_PART = """
-import numpy as np, jax
-from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
-devs = jax.devices()
-part = Mesh(np.array(devs[2:]), ("b",))
-y = jax.device_put(np.arange(4.0, dtype=np.float32), NamedSharding(part, P("b")))
-print("moved", np.asarray(y).tolist(), [s.device.id for s in y.addressable_shards])
-print("part", np.asarray(jax.jit(lambda v: v * 2)(y)).tolist())
-line = Mesh(np.array(devs), ("d",))
-whole = jax.device_put(np.asarray(y), NamedSharding(line, P("d")))
-print("after", np.asarray(jax.jit(lambda v: v + 1)(whole)).tolist())
-"""
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
-def test_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> None:
-    """Four devices on two workers: sharded results span workers, and are read back whole."""
-    cluster.add_worker("a", 2, name="w-a2")
-    with cluster.client() as c:
-        c.create_slice(cpb.SliceSpec(name="wide", devices=4))
-        assert len({d.host for d in c.slices()[0].devices}) == 2
-    # SPANNING, then SPANNING_PART in the same process; its first run waits for the island's group
-    # of workers to form: no retry (test_proxy_forming.py)
-    outputs = local_and_proxied(cluster, tmp_path, {"SPANNING": SPANNING}, 4,
-                                proxy_only={"SPANNING_PART": SPANNING_PART}, slice_name="wide")
-    same_as_local(*outputs, "SPANNING")
-    # a program over part of a slice spanning workers runs there (tests/test_proxy_submesh.py)
-    lines = proxied_lines(outputs, "SPANNING_PART")
-    assert lines == ["moved [0.0, 1.0, 2.0, 3.0] [2, 3]", "part [0.0, 2.0, 4.0, 6.0]", "after [1.0, 2.0, 3.0, 4.0]"]

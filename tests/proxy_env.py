@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,3 +91,80 @@ class Program:
         out, err = self.proc.communicate(send, timeout=timeout)
         assert self.proc.returncode == 0, err[-3000:]
         return out
+
+
+# Runs several independent programs in one Python process (one JAX import and one proxy session
+# instead of one each): each in a fresh namespace, its output after a header line; an exception
+# ends only its own program, recorded as a "FAILED" line with the traceback's last line, and the
+# next program still runs. Each program's globals are dropped (its arrays freed) before the next.
+_PARTS_RUNNER = """
+import gc, json, sys, traceback
+for name, code in json.loads(sys.argv[1]):
+    print("\\x1epart " + name, flush=True)
+    ns = {"__name__": "__main__"}
+    try:
+        exec(compile(code, "<" + name + ">", "exec"), ns)
+    except BaseException as e:
+        sys.stdout.flush()
+        traceback.print_exc()
+        why = (str(e).splitlines() or [""])[0]
+        print("FAILED " + type(e).__name__ + (": " + why if why else ""))
+    sys.stdout.flush()
+    ns.clear()
+    del ns
+    gc.collect()
+"""
+
+
+def start_parts(parts: dict[str, str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Starts the programs `parts` (name -> code) in one process; `parts_output` reads them."""
+    return subprocess.Popen([sys.executable, "-c", _PARTS_RUNNER, json.dumps(list(parts.items()))], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def parts_output(proc: subprocess.Popen[str], timeout: float = 240) -> dict[str, list[str]]:
+    """Each program's lines (name -> lines) once the process started by `start_parts` exited 0;
+    a program that raised ends with its "FAILED ..." line, so comparing its lines shows why."""
+    out, err = proc.communicate(timeout=timeout)
+    err = "\n".join(ln for ln in err.splitlines() if "insecure" not in ln)
+    assert proc.returncode == 0, f"the programs' process exited {proc.returncode}:\n{err[-3000:]}"
+    got: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for ln in out.removesuffix("\n").split("\n"):  # not splitlines(): it splits at the \x1e of the header too
+        if ln.startswith("\x1epart "):
+            lines = got.setdefault(ln[len("\x1epart "):], [])
+        else:
+            lines.append(ln)
+    for part in got.values():
+        if part and part[-1].startswith("FAILED "):
+            part.append(f"(stderr of the programs' process: {err[-2000:]})")
+    return got
+
+
+def run_parts(parts: dict[str, str], env: dict[str, str], timeout: float = 240) -> dict[str, list[str]]:
+    """`start_parts` then `parts_output`: every program's lines, by name."""
+    return parts_output(start_parts(parts, env), timeout)
+
+
+def start_plain(code: str, env: dict[str, str], send: str = "") -> subprocess.Popen[str]:
+    """Starts `code` (on plain JAX, say) with its whole input `send` given at once, to run while
+    the test steps a `Program` through the proxy; `plain_lines` waits for its output."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(send)  # a few lines: the pipe takes them without a reader
+    proc.stdin.close()
+    proc.stdin = None  # given already: communicate() must not flush it
+    return proc
+
+
+def plain_lines(proc: subprocess.Popen[str], timeout: float = 120) -> list[str]:
+    """The lines of a program started by `start_plain`, once it exited 0."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    return out.splitlines()

@@ -2,7 +2,8 @@
 the controller's own port, sessions on named and fresh slices, the cluster token, clear errors.
 
 Single-device arrays move through the proxy into worker buffers and back; computing is in
-tests/test_proxy_compute.py.
+tests/test_proxy_compute.py. The tests that leave the cluster as they found it share one
+(`module_cluster`: one island of 2 devices).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env, proxy_env
+from proxy_env import client_env, parts_output, proxy_env, start_parts
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+pytestmark = pytest.mark.cluster(islands=1, devices=2)  # the module's cluster (tests' own marks win)
 
 PROGRAM = """
 import sys
@@ -86,8 +89,8 @@ def test_proxy_sessions_on_the_cluster(cluster: LocalCluster, tmp_path: Path) ->
     wait_for(lambda: not proxy_slices(cluster), 30, "the proxy session's slice to be released")
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_refused_proxy_sessions_say_why(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_refused_proxy_sessions_say_why(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     token = cluster.token
     assert token
     cases = [
@@ -127,8 +130,8 @@ def test_proxy_sessions_count_against_their_callers_cap(cluster: LocalCluster, t
     assert "Traceback" not in cluster.controller_logs()
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_controller_restart_ends_the_proxy_session(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     proc = start(cluster, tmp_path, PATHWAYS_DEVICES="1")
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "devices 1 cpu"
@@ -138,6 +141,7 @@ def test_a_controller_restart_ends_the_proxy_session(cluster: LocalCluster, tmp_
     assert len(lines) == 1, err
     assert lines[0].startswith("error JaxRuntimeError UNAVAILABLE: Connection to IFRT proxy server was terminated")
     assert proxy_slices(cluster) == []  # the new controller released the old session's slice
+    cluster.wait_ready()  # the module's cluster as it was: its worker registered with the new controller
 
 
 ARRAYS = """
@@ -162,15 +166,47 @@ def run_program(code: str, env: dict[str, str]) -> list[str]:
 def matches_local(cluster: LocalCluster, tmp_path: Path, program: str, devices: int) -> list[str]:
     """`program`'s lines on plain JAX with `devices` CPU devices, asserted equal to its lines
     through `cluster`'s proxy on as many devices."""
+    local, proxied = local_and_proxied(cluster, tmp_path, {"program": program}, devices)
+    return same_as_local(local, proxied, "program")
+
+
+def local_env(tmp_path: Path, devices: int) -> dict[str, str]:
+    """`client_env` of plain JAX on `devices` local CPU devices."""
     flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
-    local = run_program(program, client_env(tmp_path, JAX_PLATFORMS="cpu", **flags))
-    proxied = run_program(program, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES=str(devices)))
-    assert proxied == local
-    return local
+    return client_env(tmp_path, JAX_PLATFORMS="cpu", **flags)
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_arrays_move_through_the_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
+def local_and_proxied(cluster: LocalCluster, tmp_path: Path, parts: dict[str, str], devices: int,
+                      proxy_only: dict[str, str] | None = None,
+                      slice_name: str | None = None) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The programs `parts` (name -> code) run in one process on plain JAX with `devices` CPU
+    devices and, at the same time, in one process through `cluster`'s proxy on as many devices
+    (on the slice `slice_name` if given; there followed by the programs `proxy_only`): each
+    side's lines by program name. Compare them with `same_as_local`."""
+    where = {"PATHWAYS_SLICE": slice_name} if slice_name else {"PATHWAYS_DEVICES": str(devices)}
+    on_cpu = start_parts(parts, local_env(tmp_path, devices))
+    proxy = start_parts({**parts, **(proxy_only or {})}, proxy_env(cluster, tmp_path, **where))
+    try:
+        return parts_output(on_cpu), parts_output(proxy)
+    finally:
+        for p in (on_cpu, proxy):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def same_as_local(local: dict[str, list[str]], proxied: dict[str, list[str]], name: str) -> list[str]:
+    """Program `name`'s lines on plain JAX, asserted to have run to its end there and through the
+    proxy, with the same lines."""
+    assert name in local and name in proxied, f"program {name!r} did not run: {sorted(local)}, {sorted(proxied)}"
+    for side, lines in (("plain JAX", local[name]), ("the proxy", proxied[name])):
+        assert not any(ln.startswith("FAILED ") for ln in lines), f"program {name!r} raised on {side}: {lines}"
+    assert proxied[name] == local[name], f"program {name!r}: its lines through the proxy differ from plain JAX's"
+    return local[name]
+
+
+def test_arrays_move_through_the_proxy(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     local = matches_local(cluster, tmp_path, ARRAYS, 2)
     assert local[-1] == "ok"
     with cluster.client() as c:  # the session's buffers and slice went with it
@@ -196,8 +232,8 @@ sys.stdin.readline()
 """
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_killed_program_frees_its_buffers(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -213,7 +249,11 @@ def test_a_killed_program_frees_its_buffers(cluster: LocalCluster, tmp_path: Pat
     wait_for(lambda: not proxy_slices(cluster), 30, "the killed program's slice to be released")
     with cluster.client() as c:  # the cluster goes on: a new slice, a new session
         c.create_slice(cpb.SliceSpec(name="after", devices=2))
-    proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "devices 2 cpu"
-    assert finish(proc)[0] == 0
+    try:
+        proc = start(cluster, tmp_path, PATHWAYS_SLICE="after")
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "devices 2 cpu"
+        assert finish(proc)[0] == 0
+    finally:
+        with cluster.client() as c:  # the module's cluster as it was
+            c.delete_slice("after", force=True)

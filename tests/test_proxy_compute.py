@@ -1,6 +1,9 @@
 """Unmodified JAX programs that compute through the IFRT proxy on a real local cluster: the
 workers compile the client's StableHLO and run it as one-node programs through the scheduler.
-Each program's output is compared with the same program on local CPU."""
+Each program's output is compared with the same program on local CPU.
+
+JITTED, TRAIN and PIPELINED run once, in one process on each side (`outputs`), on one cluster for
+the module; each test checks its own program's lines."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from test_proxy_cluster import matches_local, worker_buffers
+from test_proxy_cluster import local_and_proxied, matches_local, same_as_local, worker_buffers
 
 JITTED = """
 import numpy as np, jax, jax.numpy as jnp
@@ -78,25 +81,37 @@ print("op by op", x.tolist())
 """
 
 
-@pytest.mark.cluster(islands=1, devices=1)
-def test_pipelined_tiny_calls_are_exact(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = matches_local(cluster, tmp_path, PIPELINED, 1)
+pytestmark = pytest.mark.cluster(islands=1, devices=2)
+
+Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
+
+
+@pytest.fixture(scope="module")
+def outputs(module_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Outputs:
+    """JITTED, TRAIN and PIPELINED on one local CPU device and through the proxy on one."""
+    return local_and_proxied(module_cluster, tmp_path_factory.mktemp("compute"),
+                             {"JITTED": JITTED, "TRAIN": TRAIN, "PIPELINED": PIPELINED}, 1)
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_tiny_calls_are_exact(module_cluster: LocalCluster, outputs: Outputs) -> None:
+    local = same_as_local(*outputs, "PIPELINED")
     assert local[-1] == "op by op [420.0, 420.0, 420.0]"
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the proxy session's buffers to be freed")
 
 
-@pytest.mark.cluster(islands=1, devices=2)
-def test_jitted_programs_run_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = matches_local(cluster, tmp_path, JITTED, 1)
+@pytest.mark.timeout(120)
+def test_jitted_programs_run_on_the_cluster(module_cluster: LocalCluster, outputs: Outputs, tmp_path: Path) -> None:
+    local = same_as_local(*outputs, "JITTED")
     assert local[-2:] == ["bad shapes TypeError", "after True"]
-    with cluster.client() as c:  # the session's programs, buffers and slice went with it
+    with module_cluster.client() as c:  # the session's programs, buffers and slice went with it
         wait_for(lambda: not c.slices(), 30, "the proxy session's slice to be released")
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the proxy session's buffers to be freed")
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the proxy session's buffers to be freed")
     # a program on another device than the slice's first
-    assert matches_local(cluster, tmp_path, ELSEWHERE, 2) == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
+    assert matches_local(module_cluster, tmp_path, ELSEWHERE, 2) == ["[2.0, 2.0, 2.0] [1]", "after [2.0, 2.0]"]
 
 
-@pytest.mark.cluster(islands=1, devices=1)
-def test_a_training_loop_with_donation(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = matches_local(cluster, tmp_path, TRAIN, 1)
+@pytest.mark.timeout(120)
+def test_a_training_loop_with_donation(module_cluster: LocalCluster, outputs: Outputs) -> None:
+    local = same_as_local(*outputs, "TRAIN")
     assert local[-1] == "decreased True"

@@ -26,6 +26,11 @@ from server.proxy.arrays import Buf, Part, new_record
 from server.proxy.downloads import byte_range, plan
 from server.proxy.shardings import Index, Sharding
 
+# the cluster of the tests without their own (`module_cluster`: one island of 4 devices, for the
+# sharded downloads; the raw sessions take a fresh slice of one); those that measure the
+# controller's RSS have their own, whose heap no earlier download has grown
+pytestmark = pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
+
 DOWNLOAD = """
 import numpy as np, jax, jax.numpy as jnp
 n = NBYTES // 4
@@ -83,7 +88,7 @@ def test_a_slow_or_vanishing_reader_holds_nothing_in_the_controller(cluster: Loc
             call = await _lookup_call(s, host_handle)
             first = [(await call.read()).data for _ in range(2)]
             assert b"".join(first) == data[: 2 * MIB]
-            await asyncio.sleep(3.0)  # the worker would have sent all 256 MiB by now, unchecked
+            await asyncio.sleep(2.0)  # the worker would have sent all 256 MiB by now, unchecked
         grown = sampler.grown
         print(f"controller RSS growth behind a stalled reader: {grown / MIB:.0f} MiB")
         assert grown < 128 * MIB, f"the controller's RSS grew by {grown / MIB:.0f} MiB behind a stalled reader"
@@ -154,16 +159,16 @@ for name, spec, mesh in (("rows", P("d"), line), ("cols", P(None, "d"), line), (
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
-def test_sharded_downloads_arrive_exactly(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_sharded_downloads_arrive_exactly(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    cluster = module_cluster
     local = matches_local(cluster, tmp_path, SHARDS, 4)
     assert len(local) == 3 * 6
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.cluster(islands=1, devices=1)
-def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(cluster: LocalCluster) -> None:
+def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(module_cluster: LocalCluster) -> None:
+    cluster = module_cluster  # left as found: its sessions end, their buffers freed
     size = 8 * MIB
     data = np.random.default_rng(1).bytes(size)
 
@@ -185,8 +190,8 @@ def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(cluster: LocalClu
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.cluster(islands=1, devices=1)
-def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(cluster: LocalCluster) -> None:
+def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(module_cluster: LocalCluster) -> None:
+    cluster = module_cluster  # left as found: its sessions end, their buffers freed
     """The worker's messages go to the client as they came (FetchRequest.data_messages): each
     one is a GrpcHostBufferLookupResponse and nothing more, of at most 1 MiB, and together they
     are the array's bytes in order; another session, or a made-up session id, reads nothing."""

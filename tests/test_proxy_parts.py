@@ -1,17 +1,19 @@
 """Unmodified JAX programs through the IFRT proxy on a real local cluster: programs over part of
 the slice's devices or over its devices in another order (ProgramNode.devices), and results
 whose sharding only XLA's sharding propagation decides (the workers compile at Compile time and
-report it). Each program's output is compared with the same program on 4 local CPU devices."""
+report it). Each program's output is compared with the same program on 4 local CPU devices.
+
+The three programs run once, in one process on each side (`outputs`), on one cluster for the
+module; each test checks its own program's lines."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import LocalCluster, wait_for
-from test_proxy_cluster import matches_local, worker_buffers
+from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
 
 PRELUDE = """
 import numpy as np, jax, jax.numpy as jnp
@@ -92,10 +94,21 @@ show("s next", jax.jit(lambda v: v * v)(s))
 """
 
 
+pytestmark = pytest.mark.cluster(islands=1, devices=4)
+
+Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
+
+
+@pytest.fixture(scope="module")
+def outputs(module_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Outputs:
+    """PARTS, PROPAGATED and ONE_DEVICE on 4 local CPU devices and through the proxy on 4."""
+    return local_and_proxied(module_cluster, tmp_path_factory.mktemp("parts"),
+                             {"PARTS": PARTS, "PROPAGATED": PROPAGATED, "ONE_DEVICE": ONE_DEVICE}, 4)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4)
-def test_programs_over_part_of_the_slice_and_other_orders(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = matches_local(cluster, tmp_path, PARTS, 4)
+def test_programs_over_part_of_the_slice_and_other_orders(module_cluster: LocalCluster, outputs: Outputs) -> None:
+    local = same_as_local(*outputs, "PARTS")
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     assert by_name["y2"].startswith("y2 [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0] ")
     assert by_name["y2"].endswith("[(2, (slice(0, 4, None),), [0.0, 2.0, 4.0, 6.0]), "
@@ -109,19 +122,18 @@ def test_programs_over_part_of_the_slice_and_other_orders(cluster: LocalCluster,
                                  "(0, (slice(3, 4, None), slice(None, None, None)), [[12.0, 13.0, 14.0, 15.0]])]")
     assert by_name["rows"].startswith("rows [[2.0, 4.0], [10.0, 12.0], [18.0, 20.0], [26.0, 28.0]] ")
     assert by_name["whole"].startswith("whole [28.0, 32.0, 36.0, 40.0] ")
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the programs' buffers to be freed")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4)
-def test_results_get_the_shardings_xla_propagation_picks(cluster: LocalCluster, tmp_path: Path) -> None:
-    local = matches_local(cluster, tmp_path, PROPAGATED, 4)
+def test_results_get_the_shardings_xla_propagation_picks(module_cluster: LocalCluster, outputs: Outputs) -> None:
+    local = same_as_local(*outputs, "PROPAGATED")
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     # propagation shards these results, not as replicated: the proxy reports the same
     assert "spec=P('d',)" in by_name["y"]
     assert "spec=P()" not in by_name["gram"] and "spec=P()" not in by_name["cols"]
     assert "spec=P(None, 'b')" not in by_name["s"] and "spec=P()" not in by_name["s"]
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the programs' buffers to be freed")
 
 
 ONE_DEVICE = PRELUDE + """
@@ -135,14 +147,13 @@ for d in (2, 3, 2):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=4)
-def test_a_one_device_program_runs_on_its_device_only(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_a_one_device_program_runs_on_its_device_only(module_cluster: LocalCluster, outputs: Outputs) -> None:
     """A jit on one device of a 4-device slice runs there (ProgramNode.devices), not replicated
     over the slice: the scheduler holds that device only, and the worker launches it on one."""
-    local = matches_local(cluster, tmp_path, ONE_DEVICE, 4)
+    local = same_as_local(*outputs, "ONE_DEVICE")
     assert [ln.split(" [")[0] for ln in local] == ["on 2", "on 3", "on 2"]
     assert local[1].startswith("on 3 [10.0, 13.0, 16.0, 19.0] SingleDeviceSharding(device=CpuDevice(id=3)")
-    with cluster.client() as c:
+    with module_cluster.client() as c:
         def runs() -> list[dict[str, Any]]:
             events = json.loads(c.trace_window().chrome_trace_json)["traceEvents"]
             return [e for e in events if e["ph"] == "X" and "triple" in e["name"]]

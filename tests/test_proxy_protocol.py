@@ -320,23 +320,29 @@ def test_session_with_the_real_client(tmp_path: Path) -> None:
                 "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": target, "PATHWAYS_SLICE": "train",
                 "PATHWAYS_CONNECT_TIMEOUT_S": "2",  # the client retries a refused session this long
             }
-            rc, out, err = await run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="secret", **base))
+            # three clients at once (each a JAX process; the refused two retry for 2 s): one with
+            # the token, one with a wrong token, one asking for a slice that does not exist
+            missing = client_env(tmp_path, PWCTL_TOKEN="secret", **{**base, "PATHWAYS_SLICE": "missing"})
+            (rc, out, err), wrong, absent = await asyncio.gather(
+                run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="secret", **base)),
+                run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="wrong", **base)),
+                run_client(PROGRAM, missing))
             assert rc == 0, err
             lines = out.splitlines()
             assert lines[0] == "devices 4 cpu"
             # the unsupported request is a JaxRuntimeError naming it; the session stays usable
             message = "UNIMPLEMENTED: no devices in this test"  # the backend's refusal of the compile
             assert lines[1:] == [f"error JaxRuntimeError {message}"] * 2
-            assert cluster.opened == [("train", None)]
-            assert service.sessions == {}  # the program ended: its session closed
+            assert service.sessions == {}  # the programs ended: the one session closed
             assert DescribedSlice.closed == closed_before + 1
 
-            rc, out, err = await run_client(PROGRAM, client_env(tmp_path, PWCTL_TOKEN="wrong", **base))
+            rc, out, err = wrong
             assert rc != 0 and "UNAUTHENTICATED" in err and "missing or wrong cluster token" in err
-            assert cluster.opened == [("train", None)]
+            # the wrong token opened nothing: one session asked for "train" (the good client's),
+            # the others for "missing"
+            assert [o for o in cluster.opened if o != ("missing", None)] == [("train", None)], cluster.opened
 
-            env = client_env(tmp_path, PWCTL_TOKEN="secret", **{**base, "PATHWAYS_SLICE": "missing"})
-            rc, out, err = await run_client(PROGRAM, env)
+            rc, out, err = absent
             assert rc != 0 and "no slice 'missing'" in err
         finally:
             await server.stop(None)

@@ -49,8 +49,9 @@ def slice_of(cluster: LocalCluster, name: str) -> cpb.Slice:
 def test_a_proxy_sessions_slice_remapped_onto_two_workers_and_again(cluster: LocalCluster, tmp_path: Path) -> None:
     with cluster.client() as c:
         c.create_slice(cpb.SliceSpec(name="pair", devices=2))  # on w-a, the only worker yet
-    cluster.add_worker("a", 1, name="w-a2")
-    cluster.add_worker("a", 1, name="w-a3")
+    cluster.add_worker("a", 1, name="w-a2", wait=False)  # both started at once
+    cluster.add_worker("a", 1, name="w-a3", wait=False)
+    cluster.wait_ready(["w-a2", "w-a3"])
     with Program(REMAP, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="pair")) as prog:
         assert prog.line() == "one worker [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"
         cluster.kill_worker("w-a")  # the slice moves onto w-a2 and w-a3, one device each

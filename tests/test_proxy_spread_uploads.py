@@ -8,13 +8,11 @@ sharding, on other devices, and in another device order give the same numbers as
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import Program, client_env, proxy_env
+from proxy_env import Program, client_env, plain_lines, proxy_env, start_plain
 from test_proxy_cluster import worker_buffers
 from test_proxy_submesh import LOCAL4, PRELUDE, two_workers
 from test_proxy_uploads import transfers, worker_stats
@@ -69,13 +67,11 @@ show("columns summed", jax.jit(lambda v: v.sum(1))(cols))
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
 def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = start_plain(SPREAD, client_env(tmp_path, **LOCAL4), "go\ngo\ngo\n")  # plain JAX, meanwhile
     where = two_workers(cluster)
     front = where[0][0]
     assert where[1][0] == front != where[2][0] == where[3][0]  # virtual 0, 1 on one worker; 2, 3 on the other
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    local = subprocess.run([sys.executable, "-c", SPREAD], env=client_env(tmp_path, **LOCAL4), input="go\ngo\ngo\n",
-                           capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr[-3000:]
     with Program(SPREAD, env) as prog:
         assert prog.line() == "uploaded"
         # each worker holds half of `batch` (its rows) and half of `halves` (the half its two
@@ -100,7 +96,8 @@ def test_sharded_uploads_over_both_workers_go_in_parts(cluster: LocalCluster, tm
         assert prog.line() == "freed"
         wait_for(lambda: worker_buffers(cluster) == 0, 30, "both parts of every array to be freed")
         out = prog.finish("go\n", timeout=120)
-    assert ["uploaded", *lines, "freed", *out.splitlines()] == local.stdout.splitlines()
+    local_lines = plain_lines(local)
+    assert ["uploaded", *lines, "freed", *out.splitlines()] == local_lines
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
 
 
@@ -131,12 +128,10 @@ def test_staged_shards_over_both_workers_become_parts_where_they_are(cluster: Lo
     worker's devices too). Checked in the workers' buffer counts and bytes (exact: half of each
     array on each worker), with the program's output equal to the
     same program on 4 local CPU devices."""
+    local = start_plain(STAGED, client_env(tmp_path, **LOCAL4), "go\n")  # plain JAX, meanwhile
     where = two_workers(cluster)
     assert where[0][0] == where[1][0] != where[2][0] == where[3][0]
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
-                           capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr[-3000:]
     with Program(STAGED, env) as prog:
         assert prog.line() == "uploaded"
 
@@ -149,5 +144,6 @@ def test_staged_shards_over_both_workers_become_parts_where_they_are(cluster: Lo
         second = cluster.hosts()[where[2][0]].address
         assert any(f"first transfer to {second}" in ln for ln in transfers(cluster)), transfers(cluster)
         out = prog.finish("go\n", timeout=120)
-    assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
+    local_lines = plain_lines(local)
+    assert ["uploaded", *out.splitlines()] == local_lines
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

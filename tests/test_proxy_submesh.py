@@ -3,7 +3,11 @@ each), over part of its devices or over them in another order: a one-device prog
 stages each on one worker's devices, a psum there, and programs over devices of both workers
 (a sub-mesh across them, the whole slice reversed). Each run uses only the devices it was
 compiled for, on the workers holding them (checked in the trace), and the program's output
-equals the same program on 4 local CPU devices."""
+equals the same program on 4 local CPU devices.
+
+The tests share one cluster (`module_cluster`, with its slice "wide" over both workers made
+once); ONE_WORKER and ACROSS run once, in one process on each side (`outputs`), and each test
+checks its own program's lines and runs."""
 
 from __future__ import annotations
 
@@ -14,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import client_env, proxy_env
-from test_proxy_cluster import run_program, worker_buffers
+from proxy_env import proxy_env
+from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
-LOCAL4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+LOCAL4 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # for other modules
 
 PRELUDE = """
 import os
@@ -147,36 +151,53 @@ def expect(cluster: LocalCluster, where: dict[int, tuple[str, int]], runs: dict[
     assert {label: runs_of(cluster, label) for label in want} == want
 
 
+pytestmark = pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
+
+Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
+
+
+@pytest.fixture(scope="module")
+def wide(module_cluster: LocalCluster) -> dict[int, tuple[str, int]]:
+    """`two_workers` on the module's cluster: its slice "wide", virtual device -> (worker, local index)."""
+    return two_workers(module_cluster)
+
+
+@pytest.fixture(scope="module")
+def outputs(module_cluster: LocalCluster, wide: dict[int, tuple[str, int]],
+            tmp_path_factory: pytest.TempPathFactory) -> Outputs:
+    """ONE_WORKER and ACROSS on 4 local CPU devices and through the proxy on slice "wide" (its
+    first run waits for the island's group of workers to form: no retry, tests/test_proxy_forming.py)."""
+    return local_and_proxied(module_cluster, tmp_path_factory.mktemp("submesh"),
+                             {"ONE_WORKER": ONE_WORKER, "ACROSS": ACROSS}, 4, slice_name="wide")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
-def test_programs_on_one_worker_of_a_slice_spanning_two(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_programs_on_one_worker_of_a_slice_spanning_two(module_cluster: LocalCluster, wide: dict[int, tuple[str, int]],
+                                                        outputs: Outputs) -> None:
     """One-device programs and sub-meshes of one worker's devices run there alone (a plain
     computation on that worker, holding only those devices), reading arrays of other workers
     and of programs over the whole slice."""
-    where = two_workers(cluster)
-    local = run_program(ONE_WORKER, client_env(tmp_path, **LOCAL4))
-    assert run_on_slice(ONE_WORKER, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
+    local = same_as_local(*outputs, "ONE_WORKER")
     by_name = {ln.split(" [", 1)[0]: ln for ln in local}
     assert by_name["one 3"].startswith("one 3 [1.0, 4.0, 7.0, 10.0] SingleDeviceSharding(device=CpuDevice(id=3)")
     assert by_name["col sum"].startswith("col sum [112.0, 128.0] SingleDeviceSharding(device=CpuDevice(id=2)")
-    expect(cluster, where, {"plus_one": [[3], [0]], "col_sum": [[2]], "stage_one": [[0, 1]] * 7,
-                            "stage_two": [[2, 3]] * 8, "back_total": [[2, 3]]})
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+    expect(module_cluster, wide, {"plus_one": [[3], [0]], "col_sum": [[2]], "stage_one": [[0, 1]] * 7,
+                                  "stage_two": [[2, 3]] * 8, "back_total": [[2, 3]]})
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the program's buffers to be freed")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
-def test_programs_across_part_of_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_programs_across_part_of_a_slice_spanning_two_workers(module_cluster: LocalCluster,
+                                                              wide: dict[int, tuple[str, int]],
+                                                              outputs: Outputs) -> None:
     """A sub-mesh over devices of both workers runs as an SPMD computation of those two only,
     on those devices; the whole slice in reverse order too; their results read anywhere."""
-    where = two_workers(cluster)
-    local = run_program(ACROSS, client_env(tmp_path, **LOCAL4))
-    assert run_on_slice(ACROSS, proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")) == local
+    local = same_as_local(*outputs, "ACROSS")
     names = ["across", "span psum", "reversed", "then one", "to line", "then whole", "span loop"]
     assert len(local) == len(names) and all(ln.startswith(f"{n} ") for ln, n in zip(local, names, strict=True))
-    expect(cluster, where, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]],
-                            "span_step": [[1, 2]] * 8})
-    wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")
+    expect(module_cluster, wide, {"across": [[1, 2]], "span_total": [[1, 2]], "reversed_times": [[0, 1, 2, 3]],
+                                  "span_step": [[1, 2]] * 8})
+    wait_for(lambda: worker_buffers(module_cluster) == 0, 30, "the program's buffers to be freed")
 
 
 HOLD = PRELUDE + """
@@ -208,12 +229,13 @@ def buffers_per_worker(cluster: LocalCluster) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
-def test_results_spread_over_workers_go_from_each_when_dropped(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_results_spread_over_workers_go_from_each_when_dropped(module_cluster: LocalCluster,
+                                                               wide: dict[int, tuple[str, int]],
+                                                               tmp_path: Path) -> None:
     """Results of programs over both workers (the whole slice, a sub-mesh, gathered copies) are
     freed on every worker holding a part of them once the program drops them, while it runs:
     only its one live array (an upload sharded over both workers: a part on each) is left."""
-    two_workers(cluster)
+    cluster = module_cluster
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
     run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
     proc = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

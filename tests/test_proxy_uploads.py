@@ -11,13 +11,11 @@ same program on 4 local CPU devices."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from proxy_env import Program, client_env, proxy_env
+from proxy_env import Program, client_env, plain_lines, proxy_env, start_plain
 from test_proxy_cluster import worker_buffers
 from test_proxy_submesh import LOCAL4, PRELUDE, expect, run_on_slice, two_workers
 
@@ -75,15 +73,13 @@ def transfers(cluster: LocalCluster) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
 def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster, tmp_path: Path) -> None:
+    local = start_plain(UPLOADS, client_env(tmp_path, **LOCAL4), "go\ngo\n")  # plain JAX, meanwhile
     where = two_workers(cluster)
     owner = where[3][0]
     assert where[2][0] == owner != where[0][0] == where[1][0]  # virtual 0, 1 on one worker; 2, 3 on the other
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
     run_on_slice("import jax, numpy as np\nprint(float(jax.jit(lambda v: v.sum())(np.ones(4, np.float32))))", env)
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the warm-up's buffers to be freed")
-    local = subprocess.run([sys.executable, "-c", UPLOADS], env=client_env(tmp_path, **LOCAL4), input="go\ngo\n",
-                           capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr[-3000:]
     with Program(UPLOADS, env) as prog:
         assert prog.line() == "uploaded"
         stats = worker_stats(cluster)
@@ -100,9 +96,10 @@ def test_uploads_for_one_workers_devices_go_to_that_worker(cluster: LocalCluster
         # a buffer to another
         assert transfers(cluster) == [], transfers(cluster)
         out = prog.finish("go\n", timeout=120)
-    assert ["uploaded", *lines, *out.splitlines()] == local.stdout.splitlines()
+    local_lines = plain_lines(local)
+    assert ["uploaded", *lines, *out.splitlines()] == local_lines
     assert transfers(cluster) == [], transfers(cluster)  # `whole`, in parts on both workers, read in place
-    assert local.stdout.splitlines()[1].startswith(
+    assert local_lines[1].startswith(
         "one [0.0, 3.0, 6.0, 9.0] SingleDeviceSharding(device=CpuDevice(id=3)")
     expect(cluster, where, {"up_scaled": [[3]], "up_rows": [[2, 3]], "rep_split": [[0, 1, 2, 3]],
                             "rep_head": [[2], [0]]})
@@ -141,14 +138,12 @@ def test_staged_uploads_for_one_workers_devices_move_to_that_worker(cluster: Loc
     client says which devices it is for; one for another worker's devices then moves there, worker
     to worker, and is read there. Checked in the workers' buffer counts and bytes, with the
     program's output equal to the same program on 4 local CPU devices."""
+    local = start_plain(STAGED, client_env(tmp_path, **LOCAL4), "go\n")  # plain JAX, meanwhile
     where = two_workers(cluster)
     owner = where[3][0]
     first = min(h for h, _ in where.values())  # where staged uploads land (the group's first member)
     assert where[2][0] == owner != first == where[1][0]
     env = proxy_env(cluster, tmp_path, PATHWAYS_SLICE="wide")
-    local = subprocess.run([sys.executable, "-c", STAGED], env=client_env(tmp_path, **LOCAL4), input="go\n",
-                           capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr[-3000:]
     with Program(STAGED, env) as prog:
         assert prog.line() == "uploaded"
 
@@ -162,6 +157,7 @@ def test_staged_uploads_for_one_workers_devices_move_to_that_worker(cluster: Loc
         wait_for(placed, 30, f"the staged uploads on their devices' workers: {worker_stats(cluster)}")
         assert any(f"first transfer to {cluster.hosts()[owner].address}" in ln for ln in transfers(cluster))
         out = prog.finish("go\n", timeout=120)
-    assert ["uploaded", *out.splitlines()] == local.stdout.splitlines()
+    local_lines = plain_lines(local)
+    assert ["uploaded", *out.splitlines()] == local_lines
     expect(cluster, where, {"big_head": [[3], [2, 3], [1], [2], [0]]})
     wait_for(lambda: worker_buffers(cluster) == 0, 30, "the program's buffers to be freed")

@@ -69,17 +69,23 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def connected_to(pid: int, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to loopback port `port` (Linux
-    /proc). A client that talks to a server only inside its main loop is then past its imports
-    and set-up: a test may interrupt it there, where a fixed sleep would race its start."""
-    sockets = set()
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process `pid` holds (Linux /proc; empty once it is gone)."""
+    found = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:["):
-                    sockets.add(link[len("socket:["):-1])
+                    found.add(link[len("socket:["):-1])
+    return found
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to loopback port `port` (Linux
+    /proc). A client that talks to a server only inside its main loop is then past its imports
+    and set-up: a test may interrupt it there, where a fixed sleep would race its start."""
+    sockets = socket_inodes(pid)
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]

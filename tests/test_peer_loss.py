@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import LocalCluster, wait_for
+from conftest import LocalCluster, socket_inodes, wait_for
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.cluster(islands=2, devices=1, worker_env={"PATHWAYS_TRANSFER": "tcp"})]
@@ -64,18 +62,6 @@ print(json.dumps({"again": np.asarray(pipe(x)).tolist()}), flush=True)
 """
 
 
-def _sockets(pid: int) -> set[str]:
-    """The socket inodes process `pid` holds (Linux /proc)."""
-    found = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    found.add(link[len("socket:["):-1])
-    return found
-
-
 def in_flight(sender: int, receiver: int) -> bool:
     """Whether a TCP connection between processes `sender` and `receiver` has bytes the sender
     could not send yet (its send queue) and bytes the receiver has not read (its receive queue):
@@ -87,7 +73,7 @@ def in_flight(sender: int, receiver: int) -> bool:
                 f = line.split()  # sl local_address rem_address st tx_queue:rx_queue ... inode
                 tx, rx = (int(q, 16) for q in f[4].split(":"))
                 ends[(f[1], f[2])] = (f[9], tx, rx)
-    mine, theirs = _sockets(sender), _sockets(receiver)
+    mine, theirs = socket_inodes(sender), socket_inodes(receiver)
     return any(inode in mine and tx > 0 and (peer := ends.get((remote, local))) is not None
                and peer[0] in theirs and peer[2] > 0
                for (local, remote), (inode, tx, _) in ends.items())

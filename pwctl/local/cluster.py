@@ -18,6 +18,7 @@ from .processes import (
     _check_address,
     _read_json,
     _write_json,
+    remove_pid_file,
     runs_module,
     terminate,
 )
@@ -178,8 +179,7 @@ def _stop_workers(pids: dict[str, int], grace: float = STOP_GRACE_S) -> None:
     """Stops these workers (name -> pid) and removes the pid files that still name them."""
     terminate(list(pids.values()), grace)
     for name, pid in pids.items():
-        if (_read_json(worker_pid_path(name)) or {}).get("pid") == pid:
-            worker_pid_path(name).unlink(missing_ok=True)
+        remove_pid_file(worker_pid_path(name), pid)
 
 
 def down(grace: float = STOP_GRACE_S) -> DownResult | None:
@@ -205,8 +205,7 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
     if controller_pid is not None:
         stopped_controller = int(controller_pid)
         _stop_controller_pid(stopped_controller, str(state.get("address", "")), 10.0)
-        if (_read_json(paths.server_pid_path()) or {}).get("pid") == stopped_controller:
-            paths.server_pid_path().unlink(missing_ok=True)
+        remove_pid_file(paths.server_pid_path(), stopped_controller)
     else:
         left_controller = _controller_at(str(state.get("address", "")))
     stop_island_services()

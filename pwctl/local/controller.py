@@ -30,6 +30,7 @@ from .processes import (
     _spawn,
     _wait_gone,
     is_alive,
+    remove_pid_file,
     runs_module,
     stop_children,
     terminate,
@@ -131,8 +132,7 @@ def _wait_controller(proc: subprocess.Popen[bytes], log_offset: int, db: str,
         if time.monotonic() > deadline:
             # not left running: before its pid file names it, `pwctl server stop` cannot find it
             stop_children([proc])
-            if (_read_json(paths.server_pid_path()) or {}).get("pid") == proc.pid:
-                paths.server_pid_path().unlink(missing_ok=True)
+            remove_pid_file(paths.server_pid_path(), proc.pid)
             raise PathwaysError(
                 f"the controller (pid {proc.pid}) did not answer within {timeout:g} s and was stopped "
                 f"(log: {log_path})"
@@ -195,8 +195,7 @@ def stop_controller(timeout: float = 10.0) -> int | None:
         pid_path.unlink(missing_ok=True)
         return None
     _stop_controller_pid(pid, str(info.get("address", "")), timeout)
-    if (_read_json(pid_path) or {}).get("pid") == pid:
-        pid_path.unlink(missing_ok=True)
+    remove_pid_file(pid_path, pid)
     return pid
 
 

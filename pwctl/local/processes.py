@@ -102,6 +102,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def remove_pid_file(path: Path, pid: int) -> None:
+    """Removes the pid file `path` if it still names `pid` (not one a later start wrote)."""
+    if (_read_json(path) or {}).get("pid") == pid:
+        path.unlink(missing_ok=True)
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -176,9 +176,12 @@ def local_env(tmp_path: Path, devices: int) -> dict[str, str]:
     return client_env(tmp_path, JAX_PLATFORMS="cpu", **flags)
 
 
+# each program's lines (name -> lines) on plain JAX, then through the proxy (`local_and_proxied`)
+Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
+
+
 def local_and_proxied(cluster: LocalCluster, tmp_path: Path, parts: dict[str, str], devices: int,
-                      proxy_only: dict[str, str] | None = None,
-                      slice_name: str | None = None) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+                      proxy_only: dict[str, str] | None = None, slice_name: str | None = None) -> Outputs:
     """The programs `parts` (name -> code) run in one process on plain JAX with `devices` CPU
     devices and, at the same time, in one process through `cluster`'s proxy on as many devices
     (on the slice `slice_name` if given; there followed by the programs `proxy_only`): each

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
-from test_proxy_cluster import local_and_proxied, matches_local, same_as_local, worker_buffers
+from test_proxy_cluster import Outputs, local_and_proxied, matches_local, same_as_local, worker_buffers
 
 JITTED = """
 import numpy as np, jax, jax.numpy as jnp
@@ -82,8 +82,6 @@ print("op by op", x.tolist())
 
 
 pytestmark = pytest.mark.cluster(islands=1, devices=2)
-
-Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
 
 
 @pytest.fixture(scope="module")

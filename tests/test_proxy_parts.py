@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import LocalCluster, wait_for
-from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
+from test_proxy_cluster import Outputs, local_and_proxied, same_as_local, worker_buffers
 
 PRELUDE = """
 import numpy as np, jax, jax.numpy as jnp
@@ -95,8 +95,6 @@ show("s next", jax.jit(lambda v: v * v)(s))
 
 
 pytestmark = pytest.mark.cluster(islands=1, devices=4)
-
-Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import client_env, proxy_env
-from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
+from test_proxy_cluster import Outputs, local_and_proxied, same_as_local, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -219,8 +219,6 @@ def test_a_slice_spanning_two_workers(cluster: LocalCluster, tmp_path: Path) -> 
 
 # big copies starve heartbeats under load: a long heartbeat timeout
 pytestmark = pytest.mark.cluster(islands=1, devices=4, heartbeat_timeout=15.0)
-
-Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
 
 
 @pytest.fixture(scope="module")

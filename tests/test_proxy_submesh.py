@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import proxy_env
-from test_proxy_cluster import local_and_proxied, same_as_local, worker_buffers
+from test_proxy_cluster import Outputs, local_and_proxied, same_as_local, worker_buffers
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -152,8 +152,6 @@ def expect(cluster: LocalCluster, where: dict[int, tuple[str, int]], runs: dict[
 
 
 pytestmark = pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=15.0)
-
-Outputs = tuple[dict[str, list[str]], dict[str, list[str]]]
 
 
 @pytest.fixture(scope="module")

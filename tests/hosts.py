@@ -1,8 +1,7 @@
 """Separate hosts on one machine for tests: the `hosts` fixture over bench/netns.py (the
 namespace machinery, shared with the multi-host benchmarks), whose names are re-exported here,
-and what the tests on such hosts share: a controller started on one of them (`start_controller`),
-reading a program's output lines as they come (`read_until`), and starting workers of several
-hosts at once (`in_parallel`).
+and what the tests on such hosts share: a controller started on one of them (`start_controller`)
+and reading a program's output lines as they come (`read_until`).
 
 `hosts` (fixture): a factory, `hosts(3)` -> list[Host]; skips with the reason when namespaces
 cannot be made (not root, no `ip`/`nsenter`/`unshare`, or the kernel refuses).
@@ -13,10 +12,9 @@ from __future__ import annotations
 import re
 import select
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -44,19 +42,6 @@ def start_controller(host: Host, heartbeat_timeout: float, port: int = 0, *extra
     address = m.group(1)
     assert address.startswith(host.ip + ":"), address
     return address, (host.home / "token").read_text().strip()
-
-
-T = TypeVar("T")
-
-
-def in_parallel(calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Runs `calls` at once (threads; each usually waits on a subprocess: a worker's start, which
-    waits until it registered), their results in order; the first exception raised is raised."""
-    if len(calls) <= 1:
-        return [c() for c in calls]
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        futures = [pool.submit(c) for c in calls]
-        return [f.result() for f in futures]
 
 
 def read_until(proc: Any, pattern: str | tuple[str, ...], deadline: float, lines: list[str]) -> str | None:

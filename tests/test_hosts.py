@@ -26,10 +26,10 @@ from hosts import (
     NamespaceUnavailable,
     _pids_in_netns,
     hosts,  # noqa: F401  (the fixture)
-    in_parallel,
     read_until,
     start_controller,
 )
+from together import together
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,7 +125,8 @@ class Cluster:
     def __init__(self, hs: list[Host]) -> None:
         self.hosts = hs
         self.address, self.token = start_controller(hs[0], HEARTBEAT_TIMEOUT_S)
-        in_parallel([partial(self.start_worker, i) for i in range(1, len(hs))])  # all at once
+        starts = [partial(self.start_worker, i) for i in range(1, len(hs))]
+        together(*starts, at_once=len(starts))  # all at once
 
     def start_worker(self, i: int) -> None:
         h = self.hosts[i]

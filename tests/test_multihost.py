@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hosts import Host, _pids_in_netns, hosts, in_parallel, read_until, start_controller  # noqa: F401  (the fixture)
+from hosts import Host, _pids_in_netns, hosts, read_until, start_controller  # noqa: F401  (the fixture)
+from together import together
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -113,7 +114,8 @@ class Cluster:
         n = workers + 1 if workers else len(hs)
         # hosts 1.. in turn on each island: 1, 2 on the first...
         starts = [partial(self.start_worker, i, islands[(i - 1) * len(islands) // (n - 1)]) for i in range(1, n)]
-        in_parallel(starts + [partial(self.start_worker, *worker) for worker in also])
+        starts += [partial(self.start_worker, *worker) for worker in also]
+        together(*starts, at_once=len(starts))
 
     def start_worker(self, i: int, island: str = "pod", name: str = "") -> None:
         h = self.hosts[i]

@@ -19,9 +19,10 @@ T = TypeVar("T")
 MAX_AT_ONCE = 4
 
 
-def together(*steps: Callable[[], T]) -> list[T]:
-    """Runs every step in its own thread; their results in order (the first exception raised)."""
-    with ThreadPoolExecutor(max_workers=min(MAX_AT_ONCE, max(1, len(steps)))) as pool:
+def together(*steps: Callable[[], T], at_once: int = MAX_AT_ONCE) -> list[T]:
+    """Runs the steps in threads, `at_once` at a time; their results in order (the first
+    exception raised)."""
+    with ThreadPoolExecutor(max_workers=min(at_once, max(1, len(steps)))) as pool:
         futures = [pool.submit(step) for step in steps]
         return [f.result() for f in futures]
 

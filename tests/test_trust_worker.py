@@ -93,10 +93,11 @@ def meta(cluster: LocalCluster, s: Session | None = None) -> tuple[tuple[str, st
     return tuple(m)
 
 
-def upload(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, arr: np.ndarray, **array: Any) -> wpb.PutBuffersResponse:
+def upload(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, arr: np.ndarray, timeout_s: float = 10.0,
+           **array: Any) -> wpb.PutBuffersResponse:
     req = wpb.PutBufferRequest(buffer_id=buffer_id, array=pb.ArrayProto(
         dtype=arr.dtype.name, shape=list(arr.shape), data=arr.tobytes(), **array))
-    return stub.PutBuffers(iter([req]), metadata=md, timeout=10)
+    return stub.PutBuffers(iter([req]), metadata=md, timeout=timeout_s)
 
 
 def fetch(stub: wgrpc.WorkerStub, md: Any, buffer_id: int, timeout_s: float = 5.0) -> np.ndarray:
@@ -620,7 +621,8 @@ def test_an_upload_that_comes_before_the_workers_registration_waits_for_it(clust
     registers it, so their first upload can reach the worker before its Registered message does.
     It was refused at once (UNAVAILABLE), which ended the client's upload stream for good: the
     chaos run's stuck calls. It now waits for the registration (and the client opens a new
-    stream when one ended, pwctl/worker_client.py)."""
+    stream when one ended, pwctl/worker_client.py), until the call's own deadline: here the
+    controller comes back 6 s later (a loaded machine's restart; the worker once gave up at 5 s)."""
     import re
     import threading
 
@@ -636,13 +638,20 @@ def test_an_upload_that_comes_before_the_workers_registration_waits_for_it(clust
         def put() -> None:
             with grpc.insecure_channel(address) as wch:
                 try:
-                    result["reply"] = upload(wgrpc.WorkerStub(wch), meta(cluster, s), s.id(1), np.arange(3.0))
+                    result["reply"] = upload(wgrpc.WorkerStub(wch), meta(cluster, s), s.id(1), np.arange(3.0),
+                                             timeout_s=40.0)
                 except grpc.RpcError as e:
                     result["error"] = e.code()
 
         t = threading.Thread(target=put)
+        began = time.monotonic()
         t.start()
-        time.sleep(1.0)  # the upload waits while the worker has no controller
+        with grpc.insecure_channel(address) as wch:  # a call whose own deadline comes first ends at it
+            code = code_of(lambda: wgrpc.WorkerStub(wch).Fetch(
+                wpb.FetchRequest(buffer_id=s.id(1), timeout_s=1.0), metadata=meta(cluster, s), timeout=1.0))
+            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), code
+            assert time.monotonic() - began < 5.0
+        time.sleep(max(0.0, began + 6.0 - time.monotonic()))  # the upload waits while the worker has no controller
         assert t.is_alive(), result
         cluster.start_controller()
         t.join(30)

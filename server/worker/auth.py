@@ -9,17 +9,18 @@ Two layers, on every address (loopback included: a machine's loopback is shared 
 2. Credentials the controller issues (server/credentials.py), checked per call whatever the token:
    uploads, fetches and waits need a session credential, which names the caller's owner and
    buffer-id prefix; peer transfers need the peer credential. The worker learns the key at
-   registration. A call that comes before it waits for it a moment (`REGISTRATION_WAIT_S`): a
-   restarted worker's clients learn its address from the controller as the controller registers
-   it, so their first upload can overtake the worker's own Registered message. After that wait
-   such calls are UNAVAILABLE (the client retries or reports it).
+   registration. A call that comes before it waits for it: a restarted worker's clients learn its
+   address from the controller as the controller registers it, so their first upload can overtake
+   the worker's own Registered message, and a controller that restarts with its workers may take
+   seconds on a loaded machine. The wait ends at the call's own deadline, and at
+   `REGISTRATION_WAIT_S` at the latest; after it such calls are UNAVAILABLE (the client retries or
+   reports it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 from grpc import aio
@@ -28,7 +29,7 @@ from ..credentials import PEER_HEADER, SESSION_HEADER, Caller, check_peer, check
 
 log = logging.getLogger(__name__)
 
-REGISTRATION_WAIT_S = 5.0  # how long a call that came before the worker's registration waits for it
+REGISTRATION_WAIT_S = 30.0  # the longest a call that came before the worker's registration waits for it
 
 
 def _metadata(context: aio.ServicerContext, key: str) -> str:
@@ -50,13 +51,23 @@ class WorkerAuth:
 
     def __init__(self) -> None:
         self.key: bytes | None = None
+        self._registered = asyncio.Event()
+
+    def set_key(self, key: bytes) -> None:
+        """The key of the registration the controller just confirmed (called on the event loop)."""
+        self.key = key
+        self._registered.set()
 
     async def _registered_key(self, context: aio.ServicerContext) -> bytes:
-        """The key; a call before registration waits for it up to REGISTRATION_WAIT_S, then is
-        UNAVAILABLE (rare, and at start only: polled, not signalled)."""
-        deadline = time.monotonic() + REGISTRATION_WAIT_S
-        while self.key is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        """The key; a call before registration waits for it until its deadline (at most
+        REGISTRATION_WAIT_S), then is UNAVAILABLE."""
+        remaining = context.time_remaining()
+        wait_s = REGISTRATION_WAIT_S if remaining is None else min(max(remaining, 0.0), REGISTRATION_WAIT_S)
+        try:
+            async with asyncio.timeout(wait_s):
+                await self._registered.wait()
+        except TimeoutError:
+            pass
         if self.key is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "this worker is not registered with its controller yet; try again")

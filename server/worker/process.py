@@ -317,7 +317,7 @@ class WorkerProcess:
                 self.executor.join_group(cpb.JoinGroup(num_processes=1), lambda error: None)
             self.inbox.link = msg.registered.link  # relayed messages of this registration carry it
             if msg.registered.session_key:  # callers' credentials are checked with it (auth.py)
-                self.auth.key = msg.registered.session_key
+                self.auth.set_key(msg.registered.session_key)
                 self.sender.set_key(msg.registered.session_key)
                 if self.forwarder is not None:
                     self.forwarder.key = msg.registered.session_key

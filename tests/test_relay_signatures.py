@@ -196,20 +196,27 @@ def test_the_controller_counts_a_member_s_rejections_logs_once_and_sends_it_dire
         caplog: pytest.LogCaptureFixture) -> None:
     """A member's report of rejected messages: counted, one warning per interval (naming the
     member and its relay), the member's unacknowledged messages sent directly and its later ones
-    too; the relay's other members stay relayed."""
+    too. The relay is demoted: what it carried for the others and nobody acknowledged goes
+    again directly, and the group's next host relays from then on."""
     relays, hosts = _relay_setup(4)
     _flush(relays, ["h1", "h2", "h3"])
     _queued(hosts["h0"])
+    hosts["h1"].link.ack(2)  # type: ignore[union-attr]  # h1 got its message through h0; h3 did not yet
     with caplog.at_level(logging.WARNING, logger="server.controller.relays"):
         relays.failed("h2", ["h2"], rejected=3)
         relays.failed("h2", ["h2"], rejected=2)  # within the interval: counted, not logged
     assert relays.rejected == 5
     lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
     assert len(lines) == 1 and "host h2 rejected 3 relayed message(s)" in lines[0] and "relay: h0" in lines[0], lines
+    demoted = [r.getMessage() for r in caplog.records if "demoted" in r.getMessage()]
+    assert len(demoted) == 1 and "relay h0 demoted: host h2" in demoted[0], demoted
     assert [m.seq for m in _queued(hosts["h2"])] == [2]  # the one it rejected (or never got), directly
-    _flush(relays, ["h1", "h2", "h3"])
-    [batch] = _queued(hosts["h0"])
-    assert [p.host for p in batch.relay.messages] == ["h1", "h3"]
+    assert [m.seq for m in _queued(hosts["h3"])] == [2]  # h0 carried it: sent again directly
+    assert not _queued(hosts["h1"])  # acknowledged: not sent again
+    _flush(relays, ["h0", "h1", "h2", "h3"])
+    [batch] = _queued(hosts["h1"])  # h1 relays now (h2 gets direct sends only, h0 relays no more)
+    assert [p.host for p in batch.relay.messages] == ["h0", "h1", "h3"]
+    assert not _queued(hosts["h0"]) and not _queued(hosts["h3"])
     assert [m.seq for m in _queued(hosts["h2"])] == [3]
 
 
@@ -223,8 +230,9 @@ def test_a_hostile_relay_cannot_forge_alter_or_replay_a_member_s_messages(cluste
     w-a2's messages it sends a Drop of that message's runs under the message's numbers and
     signature, and after it a replay of the one before. w-a2 rejects the forgeries (without
     signatures it would take the Drop and discard the genuine Enqueue as a duplicate: its runs
-    would never finish), reports them, and gets its messages directly from then on; w-a's and
-    w-a3's keep coming through r-0; every run gives the exact result, each task run once."""
+    would never finish), reports them, and gets its messages directly from then on; r-0 is
+    demoted (it relays for nobody), and w-a's and w-a3's messages keep coming relayed, through
+    the group's next relay (w-a); every run gives the exact result, each task run once."""
     cluster.add_worker("a", 1, name="w-a2")
     cluster.add_worker("a", 1, name="w-a3")
     client = subprocess.Popen([sys.executable, "-c", PIPELINE, str(tmp_path)], env=cluster.env(),
@@ -241,12 +249,16 @@ def test_a_hostile_relay_cannot_forge_alter_or_replay_a_member_s_messages(cluste
         cluster.add_worker("a", 1, name="r-0", program=(str(HOSTILE),),
                            env={"HOSTILE_RELAY_VICTIM": "w-a2", "HOSTILE_RELAY_COUNT": str(forged)})
         wait_for(lambda: forged.exists() and int(forged.read_text() or 0) >= 1, 60, "r-0 forging w-a2's messages")
-        honest = {n: _stats(cluster, n).relayed_in for n in ("w-a", "w-a3")}
+        wait_for(lambda: "relay r-0 demoted: host w-a2" in cluster.controller_logs(), 30, "r-0 demoted")
         before = runs()
         wait_for(lambda: runs() >= before + 20 or client.poll() is not None, 90,
                  "runs after the forgeries (a forged Drop taken would stall them)")
+        honest = {n: _stats(cluster, n).relayed_in for n in ("w-a", "w-a3")}
+        r0_out = _stats(cluster, "r-0").relayed_out
         wait_for(lambda: all(_stats(cluster, n).relayed_in >= honest[n] + 10 for n in honest), 60,
-                 "w-a's and w-a3's messages still coming through r-0")
+                 "w-a's and w-a3's messages still relayed")
+        assert _stats(cluster, "r-0").relayed_out == r0_out  # demoted: it relays for nobody
+        assert _stats(cluster, "w-a").relayed_out > 0  # the group's next relay
         (tmp_path / "stop").write_text("stop")
         out, err = client.communicate(timeout=60)
     finally:

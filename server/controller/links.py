@@ -49,6 +49,9 @@ class WorkerLink:
         # only if it must be sent again
         self.retained: deque[tuple[int, cpb.ControllerToWorker | GangEnqueue]] = deque()
         self.relayable = True  # False once a relay could not reach this worker: direct sends only
+        # False once a host whose messages it carried missed or rejected one: it relays for nobody
+        # (server/controller/relays.py, `_demote`), until it registers again (a new link)
+        self.may_relay = True
 
     def set_relay_key(self, key: bytes) -> None:
         self.relay_key = key

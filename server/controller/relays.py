@@ -34,7 +34,15 @@ member over the body's digest (hashed once per body and flush) and its numbers, 
 member (one BLAKE2s block from the link's keyed state). A host drops a part whose signature
 fails and reports how many (`RelayFailed.rejected`): counted here (`rejected`), logged
 (rate-limited), and that host gets its messages directly from then on, so a relay that alters
-or forges cannot stall it; the relay's other members are untouched.
+or forges cannot stall it.
+
+A relay a member reports (a relayed message missing past the member's `GAP_S`, or one whose
+signature failed) is *demoted*: it relays for nobody until it registers again, its group gets the
+next eligible host as its relay, and what it carried and nobody acknowledged is sent again
+directly. So a relay that drops, delays or alters messages costs its group one incident, not
+one per member in turn (signatures stop alterations, not delays or drops). The member cannot
+prove which relay failed it; every relay that carried its messages is demoted. A member that
+reports falsely costs its group relays (direct sends: the small island's path), never a message.
 
 Only hosts that acknowledged their registration (`WorkerToController.delivered` >= 1: they know
 its `link` id, which relayed messages must carry) are relayed to or relay.
@@ -76,8 +84,13 @@ def groups_of(names: Sequence[str], group_size: int) -> list[tuple[str, ...]]:
 
 
 def _eligible(info: HostInfo) -> bool:
+    """Whether `info` may be relayed to (and, unless demoted, relay)."""
     link = info.link
     return info.state == READY and link is not None and not link.closed and link.acked >= 1 and link.relayable
+
+
+def _may_relay(info: HostInfo) -> bool:
+    return _eligible(info) and info.link.may_relay  # type: ignore[union-attr]  # checked by _eligible
 
 
 class Relays:
@@ -147,10 +160,22 @@ class Relays:
                 continue
             info.link.relayable = False
             n = info.link.resend_retained()
-            if name == relay:  # the host itself: a relayed message never came (server/worker/relay.py)
+            if name == relay:  # the host itself: a relayed message never came, or was altered
                 log.warning("host %s misses a relayed message: %d message(s) sent again directly", name, n)
+                self._demote(name)
             else:
                 log.warning("relay %s could not reach host %s: %d message(s) sent again directly", relay, name, n)
+
+    def _demote(self, member: str) -> None:
+        """The relays that carried `member`'s messages relay no more (the module docstring); what
+        they carried for any host and nobody acknowledged goes again directly."""
+        for relay in [r for r, hosts in self._via.items() if member in hosts]:
+            info = self.hosts.get(relay)
+            if info is not None and info.link is not None and info.link.may_relay:
+                info.link.may_relay = False
+                log.warning("relay %s demoted: host %s reported a relayed message missing or altered; its group "
+                            "gets another relay", relay, member)
+            self._relay_gone(relay)
 
     def _rejected(self, host: str, n: int) -> None:
         self.rejected += n
@@ -228,7 +253,7 @@ class Relays:
         for p in pending.values():
             relay = None
             if len(p.others) + sum(len(gang.members) for gang in p.gangs.values()) >= 2:  # hosts to write to
-                relay = next((h for n in p.group if (h := hosts.get(n)) is not None and _eligible(h)), None)
+                relay = next((h for n in p.group if (h := hosts.get(n)) is not None and _may_relay(h)), None)
             if relay is None:
                 for gang in p.gangs.values():
                     for name, _, _, seq, _ in gang.members:

@@ -367,9 +367,14 @@ def test_a_program_refused_when_its_session_resumed_runs_once_its_slice_is_back(
         c.stop_controller()  # (its database says the host is lost: SIGTERM drains its writes)
         c.start_controller()  # the slice is restored degraded
         wait_for(lambda: "resumed" in c.controller_logs(), 30, "the program's session to resume")
-        # the calls fail while the worker is away, naming the degraded slice (the first may
-        # still meet the refused registration)
-        errors = [call() for _ in range(3)]
+        # the calls fail while the worker is away; once the runtime has read the refusal, they
+        # name the degraded slice (before, they go to the lost worker's address, or meet the
+        # refused registration)
+        errors = [call()]
+        deadline = time.monotonic() + 20
+        while "is degraded" not in errors[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            errors.append(call())
         c.add_worker("a", 1)
         outcomes = []  # the slice's new address reaches the client with the slice's event
         for _ in range(50):
@@ -385,3 +390,4 @@ def test_a_program_refused_when_its_session_resumed_runs_once_its_slice_is_back(
             proc.kill()
         _out, err = proc.communicate()
     assert "Traceback" not in err, err[-3000:]
+    assert "not registered again after resuming the session: slice" in err, err[-3000:]  # said why

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from schemas.pathways.v1 import common_pb2 as pb
 from tests.conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -323,3 +324,70 @@ def test_a_session_resumes_when_its_worker_came_back_at_a_new_address(make_clust
             assert "cannot reach the worker" not in line or old in line, line  # never a wrong address
             assert "hang detected" not in line and "never started" not in line, line
     assert "hang detected" not in c.controller_logs()
+
+
+DEGRADED_AT_RESUME = """\
+import sys
+import numpy as np
+import pwctl as pw
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+f = pw.jit(lambda x: x + 1.0, mesh=s.mesh("x"))
+print(np.asarray(f(np.zeros(2))).tolist(), flush=True)
+for _ in sys.stdin:  # one call per line: its result, or its error
+    try:
+        print(np.asarray(f(np.ones(2))).tolist(), flush=True)
+    except pw.PathwaysError as e:
+        print("error:", e, flush=True)
+"""
+
+
+def test_a_program_refused_when_its_session_resumed_runs_once_its_slice_is_back(make_cluster: Any) -> None:
+    """The session resumes while its slice's worker is lost: the new controller refuses the
+    program's registration (the slice is degraded). That refusal was dropped: the runtime went on
+    calling a program the controller never registered ("not registered (register it first)") for
+    ever, after the worker came back too (the chaos run's job and psum workload). Each call
+    registers it again now: while the slice is degraded the call fails naming that, and once the
+    worker is back the program runs."""
+    c: LocalCluster = make_cluster(islands=1, devices=1)
+    proc = subprocess.Popen([sys.executable, "-c", DEGRADED_AT_RESUME], env=c.env(), cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def call() -> str:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    try:
+        assert proc.stdout.readline().strip() == "[1.0, 1.0]"
+        c.kill_worker("w-a")
+        c.wait_host_state("w-a", pb.HOST_STATE_LOST)
+        c.stop_controller()  # (its database says the host is lost: SIGTERM drains its writes)
+        c.start_controller()  # the slice is restored degraded
+        wait_for(lambda: "resumed" in c.controller_logs(), 30, "the program's session to resume")
+        # the calls fail while the worker is away; once the runtime has read the refusal, they
+        # name the degraded slice (before, they go to the lost worker's address, or meet the
+        # refused registration)
+        errors = [call()]
+        deadline = time.monotonic() + 20
+        while "is degraded" not in errors[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            errors.append(call())
+        c.add_worker("a", 1)
+        outcomes = []  # the slice's new address reaches the client with the slice's event
+        for _ in range(50):
+            outcomes.append(call())
+            if outcomes[-1] == "[2.0, 2.0]":
+                break
+            time.sleep(0.2)
+        assert outcomes[-1] == "[2.0, 2.0]", (errors, outcomes)
+        assert not any("not registered" in o for o in outcomes), outcomes
+        assert all(e.startswith("error:") for e in errors) and "is degraded" in errors[-1], errors
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _out, err = proc.communicate()
+    assert "Traceback" not in err, err[-3000:]
+    assert "not registered again after resuming the session: slice" in err, err[-3000:]  # said why

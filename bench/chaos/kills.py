@@ -170,13 +170,15 @@ class KillRun:
             from schemas.pathways.v1 import controller_pb2 as cpb
             cl.create_slice(cpb.SliceSpec(name="chaos-named", devices=1))
         self.baseline = c.snapshot()
-        for kind in self.kinds:
-            if not self._current(kind).ready.wait(90):
-                raise RuntimeError(f"the {kind} workload did not start")
+        started = [self._current(kind) for kind in self.kinds]  # all at once, the job too
         if self.job:
             with c.client(timeout=30) as cl:
                 self.job_id = cl.submit_job(cpb.SubmitJobRequest(name="chaos-job", entrypoint="driver.py",
                                                                  script=JOB_DRIVER.encode())).id
+        for w in started:
+            if not w.ready.wait(90):
+                raise RuntimeError(f"the {w.kind} workload did not start")
+        if self.job:
             deadline = time.time() + 90
             while not any(x["ok"] for x in self._job_calls()):  # the kills start once it serves
                 if time.time() > deadline:

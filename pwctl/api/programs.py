@@ -180,6 +180,8 @@ def register_trace(rt: Runtime, trace: Trace, result: Any) -> Registered:
 def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     """Runs a registered program: upload array inputs, send one run message, return futures.
     Waits first while the process has `rt.max_in_flight` runs in flight (uploads included)."""
+    if rt.registrations.refused:  # refused when the session resumed: registered again first
+        rt.registrations.ensure(reg.program_id)
     rt.wait_for_room()
     values: list[Any] = list(flat_args) + [None] * (reg.num_inputs - len(flat_args))
     for i, v in reg.captured:

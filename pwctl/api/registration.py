@@ -3,11 +3,15 @@
 A registration is one `RegisterProgram` on the runtime's stream (runtime.py), answered by a
 `ProgramRegistered` that the runtime's reader hands here. The programs registered, and the
 registrations still unanswered, are kept: a resumed session (resume.py) sends them first, as a
-new controller knows none of them.
+new controller knows none of them. The new controller may refuse one (a slice of it degraded:
+its worker is lost, or its island's group still forming): such a program is `refused`, and its
+next call registers it again first (programs.py `execute`), failing with the controller's
+reason until that succeeds, rather than running a program the controller does not know.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future as CFuture
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +21,8 @@ from ..errors import ConnectionFailed, ProgramError
 
 if TYPE_CHECKING:
     from .runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 # How long a registration waits for its answer, beyond the runtime's reconnect window.
 REGISTER_S = 300
@@ -32,6 +38,8 @@ class Registrations:
         self.programs: dict[str, tuple[cpb.ProgramGraph, list[Any]]] = {}
         self.pending: dict[int, CFuture[cpb.ProgramRegistered]] = {}
         self.pending_msgs: dict[int, cpb.ClientMessage] = {}
+        self.resent: dict[int, str] = {}  # request id -> program id, of what a resumed session sent again
+        self.refused: dict[str, str] = {}  # program id -> why the controller refused it again
 
     def register(self, graph: cpb.ProgramGraph, functions: list[Any]) -> str:
         """Registers a program graph in one round trip: functions this runtime registered before
@@ -69,8 +77,26 @@ class Registrations:
         rt.send(msg)
         return fut.result(timeout=REGISTER_S + rt.reconnect_s)
 
+    def ensure(self, program_id: str) -> None:
+        """Registers `program_id` again if the controller refused it when the session resumed;
+        raises ProgramError with the controller's reason while it still refuses it."""
+        if program_id not in self.refused:
+            return
+        graph, functions = self.programs[program_id]
+        self.register(graph, functions)  # ProgramError: refused again (the slice still degraded)
+        self.refused.pop(program_id, None)
+
     def answered(self, reply: cpb.ProgramRegistered) -> None:
         """The server's answer to a registration (the runtime's reader)."""
+        program_id = self.resent.pop(reply.request_id, None)
+        if program_id is not None:  # a program registered again as its session resumed
+            if reply.error or reply.missing_functions:
+                why = reply.error or "the server did not accept the compiled functions"
+                log.warning("program %s not registered again after resuming the session: %s", program_id, why)
+                self.refused[program_id] = why
+            else:
+                self.refused.pop(program_id, None)
+            return
         self.pending_msgs.pop(reply.request_id, None)
         fut = self.pending.pop(reply.request_id, None)
         if fut is not None:
@@ -83,15 +109,19 @@ class Registrations:
                 fut.set_exception(ConnectionFailed(error))
         self.pending.clear()
         self.pending_msgs.clear()
+        self.resent.clear()
 
     def again(self) -> list[cpb.ClientMessage]:
         """What a resumed session sends first: every program registered before, with its
         functions' bytes (a new controller has none), then the registrations still unanswered."""
         out = []
-        for graph, functions in list(self.programs.values()):
+        self.resent.clear()  # answers to an earlier stream's are not coming
+        for program_id, (graph, functions) in list(self.programs.items()):
             infos = [cpb.FunctionInfo(function_id=f.function_id, name=f.name, donate=list(f.donate),
                                       exported=f.exported) for f in functions]
-            out.append(cpb.ClientMessage(register=cpb.RegisterProgram(request_id=self.rt.new_id(), graph=graph,
+            request_id = self.rt.new_id()
+            self.resent[request_id] = program_id
+            out.append(cpb.ClientMessage(register=cpb.RegisterProgram(request_id=request_id, graph=graph,
                                                                       functions=infos)))
         out.extend(self.pending_msgs.values())
         return out

@@ -1,5 +1,5 @@
 """`pwctl` starts light: reading the command line imports Typer and the command modules, not gRPC,
-the protocol stubs, the pydantic views, Rich or `pwctl.local` (psutil); each command imports
+the protocol stubs, the pydantic views, Rich, `pwctl.local` (psutil) or platformdirs; each command imports
 what it uses when it runs (pwctl/cli/common.py says why). `pwctl --help` then takes a fraction
 of the time, and so does every one of the hundreds of pwctl calls the suite makes."""
 
@@ -14,7 +14,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
-HEAVY = ("grpc", "google.protobuf", "pydantic", "rich", "schemas", "psutil", "jax", "pwctl.local", "pwctl.client")
+HEAVY = ("grpc", "google.protobuf", "pydantic", "rich", "schemas", "psutil", "jax", "pwctl.local", "pwctl.client",
+         "platformdirs")
 
 LOADED = """
 import json, sys

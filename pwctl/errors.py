@@ -22,7 +22,10 @@ gRPC status (`code`) and the server's message (`details`); its class says what c
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # gRPC loads with the first RPC's error: `pwctl --help` and friends do not need it
+    import grpc
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -115,27 +118,32 @@ def exit_code_for(err: BaseException) -> int:
     return EXIT_FAILED
 
 
-_BY_CODE: dict[grpc.StatusCode, type[PathwaysError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-}
+def _by_code() -> dict[grpc.StatusCode, type[PathwaysError]]:
+    import grpc
+
+    return {
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+        grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+        grpc.StatusCode.NOT_FOUND: NotFound,
+        grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+        grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+        grpc.StatusCode.UNAVAILABLE: Unavailable,
+        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    }
 
 
 def from_rpc_error(err: grpc.RpcError, address: str, peer: str = "server") -> PathwaysError:
     """The typed error for a failed RPC to `peer` ("server", "worker") at `address`."""
+    import grpc
+
     code_fn = getattr(err, "code", None)
     details_fn = getattr(err, "details", None)
     code: grpc.StatusCode = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
     details: str = (details_fn() if callable(details_fn) else "") or ""
-    cls = _BY_CODE.get(code, PathwaysError)
+    cls = _by_code().get(code, PathwaysError)
     if code == grpc.StatusCode.UNAVAILABLE:
         advice = ": is it running? try `pwctl up`" if peer == "server" else " (host lost?)"
         message = f"cannot reach the {peer} at {address}{advice}"

@@ -14,10 +14,7 @@ that and owned by this user is tightened when used.
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
-
-import platformdirs
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -73,7 +70,12 @@ def private_file(path: Path) -> Path:
 
 def data_dir() -> Path:
     root = os.environ.get("PATHWAYS_HOME")
-    path = Path(root) if root else Path(platformdirs.user_data_dir("pathways", appauthor=False))
+    if root:
+        path = Path(root)
+    else:
+        import platformdirs  # here: every pwctl command and process imports this module
+
+        path = Path(platformdirs.user_data_dir("pathways", appauthor=False))
     return private_dir(path)
 
 
@@ -105,6 +107,8 @@ def load_or_create_token(path: Path | None = None) -> str:
         existing = ""
     if existing:
         return existing
+    import secrets
+
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

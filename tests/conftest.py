@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from precompile import compile_checkout
 
 from pwctl.client import Client
 from pwctl.errors import ConnectionFailed, PathwaysError
@@ -122,6 +123,10 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    compile_checkout(REPO)  # the processes the suite starts read it (tests/precompile.py)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,12 +8,9 @@ from typing import Annotated
 
 import typer
 
-from .. import local, paths
-from ..client import Client
+from .. import paths
 from ..errors import ConnectionFailed
-from ..transport import NO_RETRY
 from .common import confirm_or_exit, hint
-from .jobs import TERMINAL
 
 IslandsOpt = Annotated[int | None, typer.Option(
     "--islands", min=1, show_default=False, help="Islands, one worker each (default 2; 1 with --devices all)")]
@@ -40,6 +37,8 @@ def up(
         raise typer.BadParameter("--devices all gives every accelerator of this machine to one worker, so one "
                                  "island: leave --islands out (more islands: `pwctl worker start` on other hosts)",
                                  param_hint="--islands")
+    from .. import local
+
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
@@ -76,6 +75,9 @@ def _devices(text: str) -> int | None:
 
 def _island_sizes(address: str, names: list[str], token: str | None) -> dict[str, int]:
     """Island name -> devices, as the controller counts them ({} when it does not answer)."""
+    from ..client import Client
+    from ..transport import NO_RETRY
+
     try:
         with Client(address, token=token, timeout=10.0, retry=NO_RETRY) as c:
             return {i.name: i.devices for i in c.islands() if i.name in names}
@@ -90,6 +92,8 @@ def down(
 
     Jobs outlive a controller restart (each runs under its own supervisor), so stopping the cluster
     cancels them explicitly: after a confirmation, which -y skips."""
+    from .. import local
+
     address = local.recorded_address()
     if address is not None:
         _cancel_running_jobs(address, yes)
@@ -108,10 +112,14 @@ def down(
 
 def _cancel_running_jobs(address: str, yes: bool) -> None:
     """Cancels the jobs still running on the controller at `address` (none if it does not answer)."""
+    from ..client import Client
+    from ..transport import NO_RETRY
+    from .jobs import ended
+
     try:
         # the local cluster's own token, whatever $PWCTL_TOKEN says (it may name another cluster)
         with Client(address, token=paths.read_token(), timeout=15.0, retry=NO_RETRY) as c:  # a cancel: ~8 s
-            live = [j for j in c.jobs() if j.state not in TERMINAL]
+            live = [j for j in c.jobs() if not ended(j.state)]
             if not live:
                 return
             ids = ", ".join(j.id for j in live)

@@ -1,4 +1,10 @@
-"""Options, output and error helpers shared by every pwctl command."""
+"""Options, output and error helpers shared by every pwctl command.
+
+Every pwctl command imports this module, and `pwctl --help` imports every command module: so
+modules here import only Typer and what command signatures need at the top, and the rest (gRPC,
+the protocol stubs, the pydantic views, Rich, `pwctl.local`) inside the commands and helpers
+that use it. `pwctl --help` and `pwctl up` then start in a fraction of the time.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,17 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from pydantic import BaseModel
-from rich.console import Console
-from rich.table import Table
 
-from schemas import views
-
-from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
-from ..version import check_server
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from rich.console import Console
+
+    from ..client import Client
 
 ServerOpt = Annotated[
     str | None,
@@ -39,10 +44,14 @@ OutputOpt = Annotated[Format, typer.Option("--output", "-o", help="Output format
 
 
 def stdout() -> Console:
+    from rich.console import Console
+
     return Console(no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=False)
 
 
 def stderr() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or not sys.stderr.isatty())
 
 
@@ -53,6 +62,9 @@ def hint(message: str) -> None:
 
 def client(server: str | None, timeout: float = 30.0, check_version: bool = True) -> Client:
     """A client of the controller, whose version is checked first (pwctl/version.py)."""
+    from ..client import Client
+    from ..version import check_server
+
     c = Client(server=server, timeout=timeout)
     if check_version:
         try:
@@ -74,6 +86,8 @@ def emit_list(
     name: Callable[[Any], str] | None = None,
 ) -> None:
     if fmt == Format.json:
+        from schemas import views
+
         doc = views.ListDocument[Any](kind=kind, items=list(items))
         sys.stdout.write(views.dump(doc) + "\n")
         return
@@ -81,6 +95,8 @@ def emit_list(
         for item in items:
             sys.stdout.write((name(item) if name else str(getattr(item, "name", ""))) + "\n")
         return
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False)
     cols = list(columns) + (list(wide_columns) if fmt == Format.wide else [])
     for c in cols:
@@ -100,6 +116,8 @@ def emit_list(
 
 def emit_item(fmt: Format, kind: str, item: BaseModel, render: Callable[[Any], None]) -> None:
     if fmt == Format.json:
+        from schemas import views
+
         sys.stdout.write(views.dump(views.ItemDocument[Any](kind=kind, item=item)) + "\n")
     elif fmt == Format.name:
         sys.stdout.write(str(getattr(item, "name", "")) + "\n")

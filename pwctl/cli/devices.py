@@ -7,9 +7,6 @@ from typing import Annotated
 
 import typer
 
-from schemas.pathways.v1 import common_pb2 as pb
-from schemas.views import DeviceView, HostView
-
 from .common import Format, OutputOpt, ServerOpt, age, client, delete_each, emit_list, hint
 
 app = typer.Typer(help="Physical devices (accelerators or virtual CPU devices).", no_args_is_help=True)
@@ -47,6 +44,9 @@ def _shown(kind: str, shown: int, total: int) -> None:
 def list_(island: IslandOpt = "", state: DeviceStateOpt = None, limit: LimitOpt = 0, server: ServerOpt = None,
           output: OutputOpt = Format.table) -> None:
     """List devices: island, host, id, kind, state, last heartbeat."""
+    from schemas.pathways.v1 import common_pb2 as pb
+    from schemas.views import DeviceView
+
     code = pb.DeviceState.Value(f"DEVICE_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
         found, total = c.devices_page(island, code, limit)
@@ -62,6 +62,9 @@ def list_(island: IslandOpt = "", state: DeviceStateOpt = None, limit: LimitOpt 
 def hosts_list(island: IslandOpt = "", state: HostStateOpt = None, limit: LimitOpt = 0, server: ServerOpt = None,
                output: OutputOpt = Format.table) -> None:
     """List hosts (workers): island, address, state, devices, last heartbeat."""
+    from schemas.pathways.v1 import common_pb2 as pb
+    from schemas.views import HostView
+
     code = pb.HostState.Value(f"HOST_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
         found, total = c.hosts_page(island, code, limit)

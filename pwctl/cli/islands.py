@@ -6,8 +6,6 @@ from typing import Annotated
 
 import typer
 
-from schemas.views import IslandView
-
 from .common import Format, OutputOpt, ServerOpt, client, delete_each, emit_list
 
 app = typer.Typer(help="Islands: devices joined by a fast interconnect.", no_args_is_help=True)
@@ -16,6 +14,8 @@ app = typer.Typer(help="Islands: devices joined by a fast interconnect.", no_arg
 @app.command("list")
 def list_(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """List islands with their hosts and devices."""
+    from schemas.views import IslandView
+
     with client(server) as c:
         items = [IslandView.of(i) for i in c.islands()]
     emit_list(output, "IslandList", items, ["island", "hosts", "devices", "available"],

@@ -7,21 +7,14 @@ attached job detaches, says how to follow and cancel it, and exits 130.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import time
-import zipfile
 from pathlib import Path
-from typing import Annotated, TextIO
+from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
-from schemas.pathways.v1 import controller_pb2 as cpb
-from schemas.views import JobView
-
-from .. import proxy_plugin
-from ..client import Client
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
 from .common import (
     Format,
@@ -37,8 +30,20 @@ from .common import (
 )
 from .workdir import zip_with_progress
 
+if TYPE_CHECKING:
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from schemas.views import JobView
+
+    from ..client import Client
+
 DRIVER_SUFFIXES = (".py", ".sh")  # the server's too: Python and bash
-TERMINAL = {cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED}
+
+
+def ended(state: int) -> bool:
+    """Whether a job in `state` (a JobState) has ended: succeeded, failed or cancelled."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
+    return state in (cpb.JOB_STATE_SUCCEEDED, cpb.JOB_STATE_FAILED, cpb.JOB_STATE_CANCELLED)
 
 app = typer.Typer(help="Jobs: driver scripts the server runs for you (`pwctl submit`).", no_args_is_help=True)
 
@@ -47,6 +52,8 @@ app = typer.Typer(help="Jobs: driver scripts the server runs for you (`pwctl sub
 def _complete_job_ids(incomplete: str) -> list[str]:
     """Shell completion from the server; silent (no candidates) when it is unreachable."""
     try:
+        from ..client import Client
+
         with Client(timeout=1.0) as c:
             return [j.id for j in c.jobs(all=True) if j.id.startswith(incomplete)]
     except Exception:
@@ -60,6 +67,9 @@ JobIdArg = Annotated[str, typer.Argument(help="Job id (a unique prefix is enough
 # ---------------------------------------------------------------- helpers
 def _with_file(zipped: bytes, name: str, data: bytes) -> bytes:
     """A working-directory zip that also holds `name` (replaced if it was there)."""
+    import io
+    import zipfile
+
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as out:
         if zipped:
@@ -82,11 +92,15 @@ def _entrypoint(script: Path, working_dir: Path | None) -> str:
 
 
 def state_name(job: cpb.Job) -> str:
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
     return cpb.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
 
 
 def job_exit_code(job: cpb.Job) -> int:
     """What attached submit and wait exit with: the driver's code; 1 when it has none."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
     if job.state == cpb.JOB_STATE_SUCCEEDED:
         return 0
     if job.state == cpb.JOB_STATE_FAILED and job.has_exit_code and 0 < job.exit_code < 256:
@@ -96,6 +110,8 @@ def job_exit_code(job: cpb.Job) -> int:
 
 def report_end(job: cpb.Job) -> int:
     """Says on stderr how the job ended (when not succeeded); returns the exit code to use."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
     code = job_exit_code(job)
     if job.state == cpb.JOB_STATE_CANCELLED:
         hint(f"job {job.id} was cancelled")
@@ -155,6 +171,11 @@ def submit(
 
     Example: pwctl submit train.py --working-dir . -- --steps 100
     """
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from schemas.views import JobView
+
+    from .. import proxy_plugin
+
     if weight <= 0:
         raise InvalidArgument(f"--weight must be > 0, not {weight:g}")
     try:
@@ -205,7 +226,7 @@ def submit(
         except KeyboardInterrupt:
             _detach_hint(job.id)
             raise typer.Exit(EXIT_INTERRUPTED) from None
-    if final is None or final.state not in TERMINAL:
+    if final is None or not ended(final.state):
         raise PathwaysError(f"lost the output stream of job {job.id}; it may still be running: "
                             f"`pwctl logs {job.id} -f`")
     if as_json:
@@ -222,13 +243,15 @@ def logs(
     server: ServerOpt = None,
 ) -> None:
     """Print a job's output (stdout and stderr of its driver)."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
     with client(server) as c:
         job = c.get_job(job_id)
         try:
             final = stream_output(c, job.id, sys.stdout, follow=follow, tail=tail)
         except KeyboardInterrupt:
             raise typer.Exit(0) from None
-    if follow and final is not None and final.state in TERMINAL:
+    if follow and final is not None and ended(final.state):
         code = f" (exit code {final.exit_code})" if final.has_exit_code else ""
         reason = f": {final.reason}" if final.reason and final.state != cpb.JOB_STATE_SUCCEEDED else ""
         hint(f"job {final.id} {state_name(final)}{code}{reason}")
@@ -244,9 +267,9 @@ def cancel(
     with client(server) as c:
         # resolve every id first, so a typo cancels nothing and the prompt shows full ids
         jobs = list({j.id: j for j in (c.get_job(i) for i in job_ids)}.values())
-        live = [j for j in jobs if j.state not in TERMINAL]
+        live = [j for j in jobs if not ended(j.state)]
         for j in jobs:
-            if j.state in TERMINAL:
+            if ended(j.state):
                 hint(f"job {j.id} already ended ({state_name(j)})")
         if not live:
             return
@@ -263,7 +286,7 @@ def cancel(
                 sys.stderr.write(f"error: {e}\n")
                 failed = failed or e
                 continue
-            hint(f"job {done.id} {state_name(done)}" if done.state in TERMINAL
+            hint(f"job {done.id} {state_name(done)}" if ended(done.state)
                  else f"job {done.id} is being cancelled")
     if failed is not None:
         raise typer.Exit(failed.exit_code)
@@ -284,7 +307,7 @@ def wait(
         with client(server) as c:
             job = c.get_job(job_id)
             job_name = job.id
-            while job.state not in TERMINAL:
+            while not ended(job.state):
                 if deadline is not None and time.monotonic() >= deadline:
                     hint(f"job {job.id} still {state_name(job)} after {timeout:g} s")
                     raise typer.Exit(EXIT_TIMEOUT)
@@ -324,6 +347,8 @@ def list_(
     output: OutputOpt = Format.table,
 ) -> None:
     """List jobs: state, exit code, age, duration, reason."""
+    from schemas.views import JobView
+
     with client(server) as c:
         items = [JobView.of(j) for j in c.jobs(state=state, all=all_)]
     emit_list(output, "JobList", items, ["id", "name", "state", "exit", "submitted", "duration", "reason"],
@@ -357,6 +382,8 @@ def render(v: JobView) -> None:
 @app.command("describe")
 def describe(job_id: JobIdArg, server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Show a job: state, times, exit code, slices, programs, runs, why it waits."""
+    from schemas.views import JobView
+
     with client(server) as c:
         view = JobView.of(c.get_job(job_id))
     if output == Format.name:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import sys
 from enum import StrEnum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from schemas.views import ServerInfoView
-
-from .. import __version__, local, paths, units
+from .. import __version__, paths, units
 from ..errors import InvalidArgument
 from ..version import compatible, mismatch
 from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
+
+if TYPE_CHECKING:
+    from schemas.views import ServerInfoView
 
 app = typer.Typer(help="The controller: start, stop, inspect.", no_args_is_help=True)
 
@@ -86,6 +87,8 @@ def start(
     group_wait: GroupWaitOpt = 60.0,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
+    from .. import local
+
     if heartbeat_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
     if hang_timeout <= 0:
@@ -132,6 +135,8 @@ def start(
 @app.command("stop")
 def stop() -> None:
     """Stop the controller started from this data directory."""
+    from .. import local
+
     pid = local.stop_controller()
     if pid is None:
         hint("no controller running")
@@ -142,6 +147,8 @@ def stop() -> None:
 @app.command("info")
 def info(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Version, address, database, uptime, and what the controller holds."""
+    from schemas.views import ServerInfoView
+
     with client(server, timeout=10.0, check_version=False) as c:  # it shows the version: no check
         view = ServerInfoView.of(c.info())
     emit_item(output, "ServerInfo", view, _render)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
-
-from schemas.pathways.v1 import controller_pb2 as cpb
-from schemas.views import SliceView
 
 from ..errors import InvalidArgument
 from .common import Format, OutputOpt, ServerOpt, age, client, delete_each, emit_item, emit_list, hint, stdout
+
+if TYPE_CHECKING:
+    from schemas.views import SliceView
 
 app = typer.Typer(
     help="Virtual slices: N devices (optionally a mesh, an island, a kind) mapped onto physical devices.",
@@ -44,6 +43,8 @@ def _request(v: SliceView) -> str:
 
 def render(v: SliceView) -> None:
     """Human view of one slice: request, state, virtual -> physical mapping, remap history."""
+    from rich.table import Table
+
     out = stdout()
     rows = [("name", v.name), ("state", v.state + (f" ({v.reason})" if v.reason else "")),
             ("request", _request(v)), ("owner", v.owner or "-")]
@@ -96,6 +97,9 @@ def create(
     output: OutputOpt = Format.table,
 ) -> None:
     """Allocate a slice, all or nothing, and print its virtual -> physical device mapping."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from schemas.views import SliceView
+
     shape = parse_mesh(mesh) if mesh else []
     if devices is None:
         if not shape:
@@ -120,6 +124,8 @@ def list_(
     output: OutputOpt = Format.table,
 ) -> None:
     """List slices: state, size, mesh, island, owner, age."""
+    from schemas.views import SliceView
+
     with client(server) as c:
         items = [SliceView.of(s) for s in c.slices(owner)]
     emit_list(output, "SliceList", items, ["name", "state", "devices", "mesh", "island", "owner", "age"],
@@ -137,6 +143,8 @@ def describe(
     output: OutputOpt = Format.table,
 ) -> None:
     """Show a slice: request, state, mapping, and every remap with its old and new devices."""
+    from schemas.views import SliceView
+
     with client(server) as c:
         view = SliceView.of(c.get_slice(name))
     emit_item(output, "Slice", view, render)

@@ -6,10 +6,8 @@ what it zips (a bar on a terminal, else one line) and stops as soon as the zip p
 
 from __future__ import annotations
 
-import io
 import os
 import sys
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +41,9 @@ def zip_working_dir(root: Path, limit: int = MAX_WORKING_DIR_ZIP,
     """Zips a directory (skipping caches and VCS folders); InvalidArgument as soon as the zip
     passes `limit` bytes, or a file cannot be read. `progress(bytes_read, bytes_total)` is called
     after each file; `files`: `working_dir_files(root)` when the caller has it already."""
+    import io
+    import zipfile
+
     files = working_dir_files(root) if files is None else files
     total = sum(size for _, size in files)
     buf = io.BytesIO()

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from .. import local, settings
 from .common import ServerOpt, hint
 
 app = typer.Typer(help="Workers: one process per host, owning its devices.", no_args_is_help=True)
@@ -38,6 +37,8 @@ def start(
     no_token: NoTokenOpt = False,
 ) -> None:
     """Start a worker that registers with the controller and heartbeats (reconnecting on its own)."""
+    from .. import local, settings
+
     address = settings.resolve(server).address
     worker_name = name or local.default_worker_name(island)
     pid = local.start_worker(address, island, devices, worker_name, listen, detach=not foreground,
@@ -52,6 +53,8 @@ def start(
 @app.command("stop")
 def stop(name: Annotated[str, typer.Argument(help="Worker name, as given to `worker start --name`")]) -> None:
     """Stop a worker started from this machine (SIGTERM, SIGKILL after 5 s)."""
+    from .. import local
+
     pid = local.stop_worker(name)
     sys.stdout.write(f"worker {name} stopped (pid {pid})\n")
 

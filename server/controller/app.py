@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc import aio
@@ -20,11 +21,7 @@ from .. import heap, paths
 from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
-from ..proxy.backend import BackendError
-from ..proxy.cluster_backend import Controls
-from ..proxy.controller_backend import ControllerBackend
 from ..proxy.routing import LazyProxyHandler, guards_itself, is_proxy_method
-from ..proxy.service import Admit, ProxyService
 from ..rpcguard import GuardInterceptor
 from .callers import caller_of
 from .core import Controller, ControllerConfig
@@ -32,6 +29,10 @@ from .errors import Rejected, classify
 from .metrics import DEFAULT_LISTEN as DEFAULT_METRICS_LISTEN
 from .metrics import ControllerCollector, MetricsServer
 from .servicer import ControllerServicer
+
+if TYPE_CHECKING:  # the proxy's modules (and NumPy) load with the first proxy call: `proxy_service`
+    from ..proxy.controller_backend import ControllerBackend
+    from ..proxy.service import Admit, ProxyService
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ def write_pid_file(path: Path, address: str, db: str) -> None:
 
 def proxy_backend(core: Controller) -> ControllerBackend:
     """The proxy service's view of the controller (server/proxy/cluster_backend.py)."""
+    from ..proxy.cluster_backend import Controls
+    from ..proxy.controller_backend import ControllerBackend
+
 
     def release_buffers(address: str, ids: list[int]) -> None:
         core.dispatcher.release(address, ids)
@@ -64,6 +68,8 @@ def proxy_backend(core: Controller) -> ControllerBackend:
 def proxy_admission(core: Controller) -> Admit:
     """A proxy session's place among its caller's sessions: the per-caller cap counts `pw` and
     proxy sessions together (callers.py)."""
+    from ..proxy.backend import BackendError
+
 
     @contextlib.contextmanager
     def admit(peer: str) -> Iterator[None]:
@@ -78,6 +84,14 @@ def proxy_admission(core: Controller) -> Admit:
             place.__exit__(None, None, None)
 
     return admit
+
+
+def proxy_service(core: Controller, token: str | None) -> ProxyService:
+    """The IFRT proxy service, built on the first proxy call (routing.LazyProxyHandler): its modules
+    and NumPy load then, so a controller no proxy client calls starts without them."""
+    from ..proxy.service import ProxyService
+
+    return ProxyService(proxy_backend(core), token, core.config.limits.max_sessions, proxy_admission(core))
 
 
 async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
@@ -105,8 +119,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
     proxy_token = None if config.no_token else config.token
-    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: ProxyService(
-        proxy_backend(core), proxy_token, config.limits.max_sessions, proxy_admission(core)))])
+    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: proxy_service(core, proxy_token))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
     try:

@@ -13,19 +13,29 @@ import os
 import sys
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.live import Live
-
-from schemas.views import ClusterStatusView, dump
 
 from .. import common
 from ..common import ServerOpt, client, hint, stdout
-from .screen import bar, render
 from .trace import parse_since, trace
 
+if TYPE_CHECKING:
+    from schemas.views import ClusterStatusView
+
+    from .screen import bar, render
+
 __all__ = ["bar", "parse_since", "register", "render", "status", "trace"]
+
+
+def __getattr__(name: str) -> Any:
+    """`bar` and `render` (screen.py, which imports Rich and the views) load when first asked for."""
+    if name in ("bar", "render"):
+        from . import screen
+
+        return getattr(screen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 SCREEN_DEVICES = 1024  # devices one screen update asks for (it shows them grouped, then "and N more hosts")
 SCREEN_QUEUE = 24  # queue entries per island one screen update asks for (the counts cover every gang)
@@ -59,6 +69,10 @@ def status(
     queues), what each device runs now, jobs and the longest waits. With --watch, a live view that
     fits the terminal; piped or with -o json, one JSON document (kind ClusterStatus) per line per
     update, with everything the screen shows. Ctrl-C stops watching."""
+    from schemas.views import ClusterStatusView, dump
+
+    from .screen import render
+
     if interval is not None and not watch:
         raise typer.BadParameter("only with --watch (without it, status shows one snapshot)",
                                  param_hint="--interval")
@@ -105,6 +119,10 @@ def _json_lines(updates: Iterator[ClusterStatusView]) -> None:
 
 def _live(updates: Iterator[ClusterStatusView], address: str) -> None:
     """A full-screen view, redrawn for each update at the terminal's size of the moment."""
+    from rich.live import Live
+
+    from .screen import render
+
     console = common.stdout()
     first = next(updates, None)
     if first is None:

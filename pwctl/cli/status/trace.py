@@ -8,15 +8,17 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from schemas.pathways.v1 import controller_pb2 as cpb
-
-from ...client import Client
 from ...errors import NotFound
 from ..common import ServerOpt, client, hint
+
+if TYPE_CHECKING:
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
+    from ...client import Client
 
 
 def trace(
@@ -64,6 +66,8 @@ def trace(
 def _no_runs_kept(c: Client, target: str) -> cpb.TraceResponse:
     """The controller holds no node runs for `target`: an empty trace for a listed job that ran
     none (yet), else NotFound saying why (a job whose node runs were dropped, or nothing by that name)."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+
     try:
         job = c.get_job(target)
     except NotFound:

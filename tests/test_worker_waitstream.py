@@ -139,6 +139,29 @@ def test_the_stream_needs_the_credential_and_refuses_malformed_messages(module_c
         a.close()
 
 
+def test_an_owners_bound_on_waits_refuses_per_request_and_frees_as_they_end(module_cluster: LocalCluster) -> None:
+    """One owner's waits in progress are bounded (the unary Wait's RESOURCE_EXHAUSTED): on the
+    stream that is one request's reply, and the stream goes on once the waits holding it end."""
+    with worker_channels(module_cluster) as (_, _, stub, cch):
+        a = open_session(module_cluster, cch)
+        ma = meta(module_cluster, a)
+        upload(stub, ma, a.id(1), np.ones(2))
+        s = RawStream(stub, ma)
+        s.send(1, [a.id(100_000 + i) for i in range(MAX_WAIT_IDS)], 5.0)  # none exists: it waits, holding them all
+        s.send(2, [a.id(1)], 1.0)  # read after it: one id over the owner's bound
+        r = s.reply()
+        code, details = unary_refusal(stub, ma, buffer_ids=[a.id(1)], timeout_s=1.0)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many fetches and waits" in details
+        assert (r.seq, r.ready, r.code, r.error) == (2, False, code.value[0], details)
+        r = s.reply(30)
+        assert (r.seq, r.ready, r.error, r.code) == (1, False, "", 0), "the big wait ran out of time"
+        s.send(3, [a.id(1)], 1.0)
+        r = s.reply()
+        assert (r.seq, r.ready, r.code) == (3, True, 0), "the stream goes on once the waits holding the bound end"
+        s.end()
+        a.close()
+
+
 def client(cluster: LocalCluster, s: Session) -> WorkerClient:
     return WorkerClient(cluster.hosts()["w-a"].address, cluster.token, s.credential)
 

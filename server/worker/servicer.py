@@ -257,6 +257,9 @@ class WorkerServicer(Waits, UploadHandlers):
         ended = False
         try:
             async for request in requests:
+                if len(pending) >= MAX_WAITS_PER_OWNER:  # a caller that does not read its answers, or
+                    # sends more than it may wait on: no more is read until one is answered
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 task = loop.create_task(answer(request))
                 pending.add(task)
                 task.add_done_callback(pending.discard)

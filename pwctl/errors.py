@@ -143,6 +143,14 @@ def from_rpc_error(err: grpc.RpcError, address: str, peer: str = "server") -> Pa
     details_fn = getattr(err, "details", None)
     code: grpc.StatusCode = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
     details: str = (details_fn() if callable(details_fn) else "") or ""
+    return from_status(code, details, address, peer)
+
+
+def from_status(code: grpc.StatusCode, details: str, address: str, peer: str = "server") -> PathwaysError:
+    """The typed error for status `code` with message `details` from `peer` at `address` (a
+    failed RPC's, or a refusal a stream carries as a message: worker.proto `WaitReply.code`)."""
+    import grpc
+
     cls = _by_code().get(code, PathwaysError)
     if code == grpc.StatusCode.UNAVAILABLE:
         advice = ": is it running? try `pwctl up`" if peer == "server" else " (host lost?)"

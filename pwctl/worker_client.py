@@ -20,10 +20,12 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError
+from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError, from_status
 from .transport import NO_RETRY, Transport
+from .waitstream import WaitStream
 
 _STOP = object()
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}  # WaitReply.code -> its StatusCode
 log = logging.getLogger(__name__)
 
 
@@ -117,6 +119,7 @@ class WorkerClient:
         extra = (("x-pathways-session", credential),) if credential else ()
         self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra)
         self._stub = wgrpc.WorkerStub(self._transport.channel)
+        self.waits = WaitStream(self._transport, self._stub)  # `wait`'s stream (pwctl/waitstream.py)
         self.on_lost: Lost = on_lost or (lambda uploads, error: None)
         # asked, with the lock held (it must be quick), of each upload not acknowledged before it
         # is sent again
@@ -298,12 +301,22 @@ class WorkerClient:
     def wait(self, buffer_ids: list[int], timeout_s: float, must_exist: bool = False) -> tuple[bool, str]:
         """(True, "") once every buffer is computed, (False, error) when one failed or the worker
         is unreachable, (False, "") on timeout; no bytes move. Other failures raise. With
-        `must_exist`, a buffer the worker does not know fails at once (else it is waited for)."""
-        try:
-            request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
-            reply = self._transport.unary(self._stub.Wait, request, timeout=timeout_s + 5.0)
-        except ConnectionFailed as e:
-            return False, _lost(e)
+        `must_exist`, a buffer the worker does not know fails at once (else it is waited for).
+        Asked on the `Waits` stream when it can be (pwctl/waitstream.py), else a unary `Wait`:
+        the same answers either way."""
+        request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
+        reply = self.waits.ask(request, timeout_s + 5.0)
+        if reply is None:
+            request.seq = 0
+            try:
+                reply = self._transport.unary(self._stub.Wait, request, timeout=timeout_s + 5.0)
+            except ConnectionFailed as e:
+                return False, _lost(e)
+        elif reply.code:  # refused, as the unary call would have been with this status
+            error = from_status(_STATUS.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error, self.address, "worker")
+            if isinstance(error, ConnectionFailed):
+                return False, _lost(error)
+            raise error
         return reply.ready, reply.error
 
     def close(self) -> None:
@@ -314,6 +327,7 @@ class WorkerClient:
             if self._stream is not None:
                 self._stream.queue.put(_STOP)
         self._closing.set()
+        self.waits.close()
         self._transport.close()
 
     def join(self, timeout: float) -> bool:
@@ -331,6 +345,7 @@ class WorkerClient:
             if self._stream is not None:
                 self._stream.call = None
             self._stream = None
+            self.waits.forget()
             return not self._readers
 
 

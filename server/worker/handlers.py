@@ -5,6 +5,7 @@ traceback."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -45,6 +46,28 @@ async def _refuse(context: aio.ServicerContext, method: str, bad: Malformed) -> 
         peer = "?"
     _warnings.warn(f"Worker/{method}", peer, bad.message)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+
+
+class _OneAtATime:
+    """A bidirectional stream's context whose writes and abort never overlap: gRPC refuses a
+    status sent while a write is under way (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS: the caller never
+    hears it, and waits out its deadline), so `abort` waits for the write in progress, and
+    writes from several tasks (`Waits`' answers) wait for each other."""
+
+    def __init__(self, context: aio.ServicerContext) -> None:
+        self._context = context
+        self._lock = asyncio.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        async with self._lock:
+            await self._context.write(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        async with self._lock:
+            await self._context.abort(code, details, trailing_metadata)
 
 
 def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
@@ -88,9 +111,11 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         return handler
 
     def bidi_stream(method: str, fn: Any) -> Any:
-        """A bidirectional stream whose handler writes its answers itself (`context.write`)."""
+        """A bidirectional stream whose handler writes its answers itself (`context.write`, one
+        at a time and never under an abort: `_OneAtATime`)."""
         async def handler(requests: AsyncIterator[Any], context: aio.ServicerContext) -> None:
-            await fn(checked(method, requests, context), context)
+            one = _OneAtATime(context)
+            await fn(checked(method, requests, one), one)
         return handler
 
     handlers = {
@@ -108,6 +133,10 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             response_serializer=_serialized),
         "Wait": grpc.unary_unary_rpc_method_handler(
             unary("Wait", servicer.Wait),
+            request_deserializer=_tolerant(wpb.WaitRequest),
+            response_serializer=wpb.WaitReply.SerializeToString),
+        "Waits": grpc.stream_stream_rpc_method_handler(
+            bidi_stream("Waits", servicer.Waits),
             request_deserializer=_tolerant(wpb.WaitRequest),
             response_serializer=wpb.WaitReply.SerializeToString),
         "Transfer": grpc.stream_unary_rpc_method_handler(

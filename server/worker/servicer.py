@@ -38,6 +38,14 @@ MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
 
 
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
+    """A wait's refusal (WaitReply.code): the unary Wait ends with it as its status."""
+    return wpb.WaitReply(code=code.value[0], error=message)
+
+
 def _bounded(timeout_s: float) -> float:
     """A wait's length in seconds: what the caller asked (0: as long as allowed), at most MAX_WAIT_S."""
     if not timeout_s > 0 or not math.isfinite(timeout_s):
@@ -93,26 +101,36 @@ class WorkerServicer(Waits, UploadHandlers):
             self.store.unhold(list(drop.routed_ids))
 
     # ---- waiting for buffers ----
-    @contextlib.asynccontextmanager
-    async def _wait_slot(self, caller: Caller, ids: int, context: aio.ServicerContext) -> AsyncIterator[None]:
+    def _take_slot(self, caller: Caller, ids: int) -> str:
         """Counts a fetch or wait (and the ids it waits on) against its owner's bounds, so that
-        one owner's waits cost bounded memory (RESOURCE_EXHAUSTED beyond them)."""
+        one owner's waits cost bounded memory: "" when taken (`_give_slot` gives it back), else
+        why not (RESOURCE_EXHAUSTED)."""
         calls, waited = self._waits.get(caller.owner, (0, 0))
         if calls >= MAX_WAITS_PER_OWNER or waited + ids > MAX_WAIT_IDS:
             log.warning("%s refused a wait: %d waits on %d buffers already in progress", caller.owner, calls,
                         waited)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many fetches and waits in progress for {caller.owner} (at most "
-                                f"{MAX_WAITS_PER_OWNER}, on at most {MAX_WAIT_IDS} buffers)")
+            return (f"too many fetches and waits in progress for {caller.owner} (at most "
+                    f"{MAX_WAITS_PER_OWNER}, on at most {MAX_WAIT_IDS} buffers)")
         self._waits[caller.owner] = (calls + 1, waited + ids)
+        return ""
+
+    def _give_slot(self, caller: Caller, ids: int) -> None:
+        calls, waited = self._waits[caller.owner]
+        if calls > 1:
+            self._waits[caller.owner] = (calls - 1, waited - ids)
+        else:
+            del self._waits[caller.owner]
+
+    @contextlib.asynccontextmanager
+    async def _wait_slot(self, caller: Caller, ids: int, context: aio.ServicerContext) -> AsyncIterator[None]:
+        """`_take_slot` for the length of a call, which ends RESOURCE_EXHAUSTED when refused."""
+        refused = self._take_slot(caller, ids)
+        if refused:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             yield
         finally:
-            calls, waited = self._waits[caller.owner]
-            if calls > 1:
-                self._waits[caller.owner] = (calls - 1, waited - ids)
-            else:
-                del self._waits[caller.owner]
+            self._give_slot(caller, ids)
 
     async def _settled(self, buffer_ids: list[int], timeout: float, must_exist: bool = False) -> bool:
         """Whether every buffer settled within `timeout` (unknown ones are waited for: a fetch
@@ -135,16 +153,22 @@ class WorkerServicer(Waits, UploadHandlers):
         owner = self.store.owner_of(buffer_id)
         return bool(owner) and owner != caller.owner
 
+    def _refusal(self, caller: Caller, ids: list[int], timeout_s: float) -> tuple[grpc.StatusCode, str] | None:
+        """Why a fetch or wait is refused (its status and message), or None."""
+        if len(ids) > MAX_WAIT_IDS:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} buffers in one request; at most {MAX_WAIT_IDS}"
+        if math.isnan(timeout_s) or timeout_s < 0:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"invalid timeout_s {timeout_s}"
+        bad = next((b for b in ids if self._foreign(caller, b)), None)
+        if bad is not None:
+            return grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker"
+        return None
+
     async def _check_request(self, context: aio.ServicerContext, caller: Caller, ids: list[int],
                              timeout_s: float) -> None:
-        if len(ids) > MAX_WAIT_IDS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(ids)} buffers in one request; at most {MAX_WAIT_IDS}")
-        if math.isnan(timeout_s) or timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid timeout_s {timeout_s}")
-        for b in ids:
-            if self._foreign(caller, b):
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {b:#x} on this worker")
+        refused = self._refusal(caller, ids, timeout_s)
+        if refused is not None:
+            await context.abort(*refused)
 
     async def Fetch(  # type: ignore[override]  # yields chunks serialized already (server/wire.py)
         self, request: wpb.FetchRequest, context: aio.ServicerContext
@@ -203,20 +227,74 @@ class WorkerServicer(Waits, UploadHandlers):
 
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
         caller = await self.auth.session(context, "wait")
+        reply = await self._wait_reply(caller, request)
+        if reply.code:
+            await context.abort(_STATUS[reply.code], reply.error)
+        return reply
+
+    async def Waits(  # type: ignore[override]  # writes its replies itself (context.write)
+        self, requests: AsyncIterator[wpb.WaitRequest], context: aio.ServicerContext
+    ) -> None:
+        """`Wait` on a stream (worker.proto): the session checked once, each request answered by
+        its own task (a long wait holds up none after it), refusals as replies. Its context
+        writes one reply at a time (handlers.py `_OneAtATime`)."""
+        caller = await self.auth.session(context, "wait")
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task[None]] = set()
+
+        async def answer(request: wpb.WaitRequest) -> None:
+            try:
+                reply = await self._wait_reply(caller, request)
+            except Exception as e:  # a bug here must not leave the caller waiting for its deadline
+                log.exception("a wait on the Waits stream of %s failed", caller.owner)
+                reply = wpb.WaitReply(code=grpc.StatusCode.INTERNAL.value[0], error=f"{type(e).__name__}: {e}")
+            reply.seq = request.seq
+            try:
+                await context.write(reply)
+            except Exception:  # the stream ended meanwhile: nobody to answer
+                pass
+
+        ended = False
+        try:
+            async for request in requests:
+                if len(pending) >= MAX_WAITS_PER_OWNER:  # a caller that does not read its answers, or
+                    # sends more than it may wait on: no more is read until one is answered
+                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                task = loop.create_task(answer(request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            ended = True
+            if pending:  # the caller closed its side: the waits under way still get their answers
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            if not ended:
+                for task in list(pending):
+                    task.cancel()
+
+    async def _wait_reply(self, caller: Caller, request: wpb.WaitRequest) -> wpb.WaitReply:
+        """The answer to one wait (`Wait`, `Waits`); a refusal has `code` set (its status)."""
         ids = list(request.buffer_ids)
-        await self._check_request(context, caller, ids, request.timeout_s)
-        async with self._wait_slot(caller, len(ids), context):
+        timeout = _bounded(request.timeout_s)
+        refused = self._refusal(caller, ids, request.timeout_s)
+        if refused is not None:
+            return _refused(*refused)
+        busy = self._take_slot(caller, len(ids))
+        if busy:
+            return _refused(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
+        try:
             # must_exist (a client after a controller restart): an id this worker does not hold is
             # an answer ("does not exist"), not something to wait for
-            ready = await self._settled(ids, _bounded(request.timeout_s), request.must_exist)
-        if any(self._foreign(caller, b) for b in ids):
-            bad = next(b for b in ids if self._foreign(caller, b))
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
+            ready = await self._settled(ids, timeout, request.must_exist)
+        finally:
+            self._give_slot(caller, len(ids))
+        bad = next((b for b in ids if self._foreign(caller, b)), None)
+        if bad is not None:  # it appeared under another owner, or was released meanwhile
+            return _refused(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
         if not ready:
             return wpb.WaitReply(ready=False)
         values = self._values_now(ids, request.must_exist)
         if (values is None and len(ids) <= MAX_CHECKED_NOW
-                and await self._launches_over(ids, _bounded(request.timeout_s)) is False):
+                and await self._launches_over(ids, timeout) is False):
             return wpb.WaitReply(ready=False)  # still computing after the timeout
         if values is None:
             values = self._values_now(ids, request.must_exist)

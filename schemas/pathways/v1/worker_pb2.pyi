@@ -302,12 +302,15 @@ class WaitRequest(_message.Message):
     BUFFER_IDS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     MUST_EXIST_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
     timeout_s: _builtins.float
     """0: wait forever"""
     must_exist: _builtins.bool
     """an id the worker does not know fails at once instead of being waited for (a client asking
     after a run that was in flight when the controller restarted: it may never have arrived)
     """
+    seq: _builtins.int
+    """on `Waits`: the caller's number for it, echoed in its reply"""
     @_builtins.property
     def buffer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -316,10 +319,11 @@ class WaitRequest(_message.Message):
         buffer_ids: _abc.Iterable[_builtins.int] | None = ...,
         timeout_s: _builtins.float = ...,
         must_exist: _builtins.bool = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "must_exist", b"must_exist", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_ids", b"buffer_ids", "must_exist", b"must_exist", "seq", b"seq", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,19 +335,29 @@ class WaitReply(_message.Message):
 
     READY_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     """every buffer is computed"""
     error: _builtins.str
     """a buffer failed: the cause (ready is false)"""
+    seq: _builtins.int
+    """on `Waits`: the request's seq"""
+    code: _builtins.int
+    """On `Waits`: the request was refused, with the status (a grpc.StatusCode's number) and
+    message (`error`) that the unary Wait ends with. 0: answered.
+    """
     def __init__(
         self,
         *,
         ready: _builtins.bool = ...,
         error: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        code: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "error", b"error", "ready", b"ready", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

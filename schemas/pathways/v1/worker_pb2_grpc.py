@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
                 response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
                 _registered_method=True)
+        self.Waits = channel.stream_stream(
+                '/pathways.v1.Worker/Waits',
+                request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
+                response_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
+                _registered_method=True)
         self.Transfer = channel.stream_unary(
                 '/pathways.v1.Worker/Transfer',
                 request_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.TransferChunk.SerializeToString,
@@ -112,6 +117,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Waits(self, request_iterator, context):
+        """Client -> worker: the same waits on one long-lived stream (a `pw` client keeps one per
+        worker: pwctl/waitstream.py), so a blocking call costs no call set-up on either side. The
+        session credential is checked once, when the stream opens. Each request's reply carries its
+        `seq`; replies may come in any order. What the unary Wait refuses with a status (an unknown
+        or another session's buffer, a bad timeout, too many waits) is that request's reply with
+        `code` set, and the stream goes on; an undecodable message ends the stream (INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Transfer(self, request_iterator, context):
         """Worker -> worker: push a node's output to the worker that consumes it.
         """
@@ -163,6 +180,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Wait': grpc.unary_unary_rpc_method_handler(
                     servicer.Wait,
+                    request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.FromString,
+                    response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.SerializeToString,
+            ),
+            'Waits': grpc.stream_stream_rpc_method_handler(
+                    servicer.Waits,
                     request_deserializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.FromString,
                     response_serializer=schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.SerializeToString,
             ),
@@ -293,6 +315,33 @@ class Worker:
             request,
             target,
             '/pathways.v1.Worker/Wait',
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
+            schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Waits(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pathways.v1.Worker/Waits',
             schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitRequest.SerializeToString,
             schemas_dot_pathways_dot_v1_dot_worker__pb2.WaitReply.FromString,
             options,

@@ -49,6 +49,14 @@ class WorkerStub:
     """Client -> worker: wait until buffers are computed, without moving their bytes
     (`block_until_ready`).
     """
+    Waits: _grpc.StreamStreamMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]
+    """Client -> worker: the same waits on one long-lived stream (a `pw` client keeps one per
+    worker: pwctl/waitstream.py), so a blocking call costs no call set-up on either side. The
+    session credential is checked once, when the stream opens. Each request's reply carries its
+    `seq`; replies may come in any order. What the unary Wait refuses with a status (an unknown
+    or another session's buffer, a bad timeout, too many waits) is that request's reply with
+    `code` set, and the stream goes on; an undecodable message ends the stream (INVALID_ARGUMENT).
+    """
     Transfer: _grpc.StreamUnaryMultiCallable[_worker_pb2.TransferChunk, _worker_pb2.TransferResponse]
     """Worker -> worker: push a node's output to the worker that consumes it."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerStatsRequest, _worker_pb2.WorkerStats]
@@ -80,6 +88,14 @@ class WorkerAsyncStub(WorkerStub):
     Wait: _aio.UnaryUnaryMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]  # type: ignore[assignment]
     """Client -> worker: wait until buffers are computed, without moving their bytes
     (`block_until_ready`).
+    """
+    Waits: _aio.StreamStreamMultiCallable[_worker_pb2.WaitRequest, _worker_pb2.WaitReply]  # type: ignore[assignment]
+    """Client -> worker: the same waits on one long-lived stream (a `pw` client keeps one per
+    worker: pwctl/waitstream.py), so a blocking call costs no call set-up on either side. The
+    session credential is checked once, when the stream opens. Each request's reply carries its
+    `seq`; replies may come in any order. What the unary Wait refuses with a status (an unknown
+    or another session's buffer, a bad timeout, too many waits) is that request's reply with
+    `code` set, and the stream goes on; an undecodable message ends the stream (INVALID_ARGUMENT).
     """
     Transfer: _aio.StreamUnaryMultiCallable[_worker_pb2.TransferChunk, _worker_pb2.TransferResponse]  # type: ignore[assignment]
     """Worker -> worker: push a node's output to the worker that consumes it."""
@@ -133,6 +149,20 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.WaitReply, _abc.Awaitable[_worker_pb2.WaitReply]]:
         """Client -> worker: wait until buffers are computed, without moving their bytes
         (`block_until_ready`).
+        """
+
+    @_abc_1.abstractmethod
+    def Waits(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.WaitRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.WaitReply], _abc.AsyncIterator[_worker_pb2.WaitReply]]:
+        """Client -> worker: the same waits on one long-lived stream (a `pw` client keeps one per
+        worker: pwctl/waitstream.py), so a blocking call costs no call set-up on either side. The
+        session credential is checked once, when the stream opens. Each request's reply carries its
+        `seq`; replies may come in any order. What the unary Wait refuses with a status (an unknown
+        or another session's buffer, a bad timeout, too many waits) is that request's reply with
+        `code` set, and the stream goes on; an undecodable message ends the stream (INVALID_ARGUMENT).
         """
 
     @_abc_1.abstractmethod

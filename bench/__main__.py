@@ -123,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     on_cluster = [n for n in names if n in benches]
     standalone = [n for n in names if n not in benches]
-    # a standalone suite alone keeps its own latest files, apart from the main table's
-    prefix = "gpu-" if ns.gpu else ("" if on_cluster else "-".join(standalone) + "-")
-    if not ns.gpu and names == ["proxy"]:  # the proxy suite alone keeps its own latest files too
-        prefix = "proxy-"
+    # `latest.*` is the last run of every on-cluster suite (the README's table); a run of some
+    # suites (`--only`) keeps its own files, named for them (`proxy-latest.md`, `multihost-...`)
+    if ns.gpu:
+        prefix = "gpu-"
+    elif set(on_cluster) == set(benches) and not standalone:
+        prefix = ""
+    else:
+        prefix = "-".join(names) + "-"
     stamp = prefix + dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     info = machine()
     t_start = time.perf_counter()

@@ -292,8 +292,25 @@ def test_auto_names_skip_taken_and_are_not_reused() -> None:
     assert isinstance(action, SliceCreated) and action.slice.name == "slice-3"
     assert action.slice.request.name == "slice-3"
     assert rm.handle(DeleteSlice("slice-1")) == [SliceDeleted("slice-1")]
-    action = create(rm, "", 1)  # the first free name again, so a restarted controller agrees
-    assert isinstance(action, SliceCreated) and action.slice.name == "slice-1"
+    assert rm.handle(DeleteSlice("slice-3")) == [SliceDeleted("slice-3")]
+    # never a deleted slice's name: a program or script holding "slice-3" must not reach a new slice
+    action = create(rm, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-4"
+    assert rm.handle(DeleteSlice("slice-2")) == [SliceDeleted("slice-2")]
+    placed(rm, "slice-9", 1)  # named like an automatic one: the automatic ones go past it
+    assert rm.handle(DeleteSlice("slice-9")) == [SliceDeleted("slice-9")]
+    action = create(rm, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-10"
+    preview = create(rm, "", 1, dry_run=True)  # a preview takes no name
+    assert isinstance(preview, PlacementPreview) and preview.name == "slice-11"
+    assert rm.handle(DeleteSlice("slice-10")) == [SliceDeleted("slice-10")]
+    action = create(rm, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-11"
+    # a restarted controller goes on past the highest slice it restores
+    restored = cluster(("h1", "a", range(2)))
+    restored.restore([(d, True) for d in rm._devices.values()], list(rm.slices.values()))
+    action = create(restored, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-12"
 
 
 # ------------------------------------------------------------------------------------------ capacity

@@ -145,6 +145,7 @@ class ResourceManager(Remapper):
             return [PlacementPreview(name, placed.mapping, placed.explanation)]
         s = Slice(name=name, request=req, owner=ev.owner, mapping=placed.mapping)
         self._slices[name] = s
+        self._held_name(name)
         self._attach(s)
         return [SliceCreated(s, placed.explanation)]
 
@@ -225,6 +226,7 @@ class ResourceManager(Remapper):
                     raise ValueError(f"slice {s.name} shares devices {_fmt_ids(clash)} held exclusively")
                 self._attach(s)
             self._slices[s.name] = s
+            self._held_name(s.name)
 
 
 def describe(event: Event) -> str:

@@ -92,11 +92,16 @@ class Remapper(Placer):
         return frozenset(a.slice.name for a in actions if isinstance(a, SliceDegraded))
 
     def _next_auto_name(self) -> str:
-        """The first free "slice-N" (N from 1); a deleted slice's name may come back."""
-        seq = 1
+        """The next "slice-N": past every one this manager has held (`_auto_seq`) and any taken."""
+        seq = self._auto_seq + 1
         while f"slice-{seq}" in self._slices:
             seq += 1
         return f"slice-{seq}"
+
+    def _held_name(self, name: str) -> None:
+        """Records that a slice named `name` exists (an automatic name, or one chosen like it)."""
+        if name.startswith("slice-") and name[6:].isdigit():
+            self._auto_seq = max(self._auto_seq, int(name[6:]))
 
 
 def _remapped(s: Slice, mapping: tuple[int, ...], reason: str) -> Slice:

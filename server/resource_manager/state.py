@@ -39,6 +39,12 @@ class RMState:
     _healthy: set[int] = field(default_factory=set)
     _hosts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _slices: dict[str, Slice] = field(default_factory=dict)  # creation order
+    # the highest N of every "slice-N" this manager has held: an automatic name never comes back
+    # within a controller's life, so a stale reference to a deleted slice cannot reach a new slice
+    # of the same name. Not in the database: a restarted controller goes on past the highest slice
+    # it restores (a deleted slice's name above that may come back after a restart), hence not
+    # compared (the database view rebuilds every compared field)
+    _auto_seq: int = field(default=0, compare=False)
     _load: dict[int, int] = field(default_factory=dict)  # only devices with load > 0
     _exclusive: dict[int, str] = field(default_factory=dict)  # device id -> exclusive slice name
     # island -> kind -> devices of that kind (one kind per island): derived from `_devices`, so

@@ -165,10 +165,11 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
 @pytest.mark.parametrize("close_cancelled", [False, True], ids=["released", "close-cancelled"])
 def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cleanly(
         db: sessionmaker[Session], close_cancelled: bool) -> None:
-    """An auto-named slice that was remapped, then released with its owner, then a new slice
-    taking the same name: the database must hold the new slice alone (no remap of the old one),
-    or a restarted controller refuses to load it ("1 remaps but generation 0", seen in the chaos
-    run when a proxy session's fresh slice went through exactly this). `close_cancelled`: the
+    """A slice that was remapped, then released with its owner, then a new slice taking the same
+    name: the database must hold the new slice alone (no remap of the old one), or a restarted
+    controller refuses to load it ("1 remaps but generation 0", seen in the chaos run when a
+    proxy session's fresh slice went through exactly this, when automatic names still came back;
+    a name chosen by the caller still can). `close_cancelled`: the
     releasing session's close is cancelled while it awaits the write (its client went away), as
     in the chaos run; the write must still land before the name comes back."""
     from schemas.pathways.v1 import controller_pb2 as cpb
@@ -190,7 +191,7 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
     for name in ("w1", "w2"):
         cluster.register(cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
                                             device_count=1, machine_id="m"), WorkerLink(name))
-    first = slices.create(cpb.SliceSpec(devices=1), False, "client:p").slice
+    first = slices.create(cpb.SliceSpec(name="reused", devices=1), False, "client:p").slice
     host = next(h.name for h in cluster.hosts.values() if first.devices[0].device_id in h.device_ids)
     cluster.mark_lost(host, "killed")
     assert slices.rm.slices[first.name].generation == 1  # remapped onto the other host
@@ -209,8 +210,8 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
         asyncio.run(close())
     else:
         slices.release_owner("client:p")
-    again = slices.create(cpb.SliceSpec(devices=1), False, "client:q").slice
-    assert again.name == first.name  # the freed name comes back
+    again = slices.create(cpb.SliceSpec(name="reused", devices=1), False, "client:q").slice
+    assert again.name == first.name == "reused"  # the freed name, chosen again
     assert w.close(10)
 
     w2 = DbWriter(db)

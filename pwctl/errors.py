@@ -22,6 +22,7 @@ gRPC status (`code`) and the server's message (`details`); its class says what c
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # gRPC loads with the first RPC's error: `pwctl --help` and friends do not need it
@@ -118,6 +119,7 @@ def exit_code_for(err: BaseException) -> int:
     return EXIT_FAILED
 
 
+@functools.cache
 def _by_code() -> dict[grpc.StatusCode, type[PathwaysError]]:
     import grpc
 
@@ -133,6 +135,21 @@ def _by_code() -> dict[grpc.StatusCode, type[PathwaysError]]:
         grpc.StatusCode.UNAVAILABLE: Unavailable,
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     }
+
+
+@functools.cache
+def _by_number() -> dict[int, grpc.StatusCode]:
+    import grpc
+
+    return {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status whose number is `number`, for a status a message carries (worker.proto
+    `WaitReply.code`); UNKNOWN for a number gRPC does not define."""
+    import grpc
+
+    return _by_number().get(number, grpc.StatusCode.UNKNOWN)
 
 
 def from_rpc_error(err: grpc.RpcError, address: str, peer: str = "server") -> PathwaysError:

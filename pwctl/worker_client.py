@@ -20,12 +20,11 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError, from_status
+from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError, from_status, status_code
 from .transport import NO_RETRY, Transport
 from .waitstream import WaitStream
 
 _STOP = object()
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}  # WaitReply.code -> its StatusCode
 log = logging.getLogger(__name__)
 
 
@@ -313,7 +312,7 @@ class WorkerClient:
             except ConnectionFailed as e:
                 return False, _lost(e)
         elif reply.code:  # refused, as the unary call would have been with this status
-            error = from_status(_STATUS.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error, self.address, "worker")
+            error = from_status(status_code(reply.code), reply.error, self.address, "worker")
             if isinstance(error, ConnectionFailed):
                 return False, _lost(error)
             raise error

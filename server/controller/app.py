@@ -54,7 +54,6 @@ def proxy_backend(core: Controller) -> ControllerBackend:
     from ..proxy.cluster_backend import Controls
     from ..proxy.controller_backend import ControllerBackend
 
-
     def release_buffers(address: str, ids: list[int]) -> None:
         core.dispatcher.release(address, ids)
         core.dispatcher.flush()
@@ -69,7 +68,6 @@ def proxy_admission(core: Controller) -> Admit:
     """A proxy session's place among its caller's sessions: the per-caller cap counts `pw` and
     proxy sessions together (callers.py)."""
     from ..proxy.backend import BackendError
-
 
     @contextlib.contextmanager
     def admit(peer: str) -> Iterator[None]:

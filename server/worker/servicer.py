@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
+from pwctl.errors import status_code
 from schemas.arrays import byte_view, dtype_name, resolve_dtype, to_numpy
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -36,9 +37,6 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
-
-
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
@@ -229,7 +227,7 @@ class WorkerServicer(Waits, UploadHandlers):
         caller = await self.auth.session(context, "wait")
         reply = await self._wait_reply(caller, request)
         if reply.code:
-            await context.abort(_STATUS[reply.code], reply.error)
+            await context.abort(status_code(reply.code), reply.error)
         return reply
 
     async def Waits(  # type: ignore[override]  # writes its replies itself (context.write)

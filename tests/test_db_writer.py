@@ -162,6 +162,44 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
     assert w2.close(10)
 
 
+def test_automatic_slice_names_never_come_back_after_a_restart(db: sessionmaker[Session]) -> None:
+    """A deleted slice's automatic name stays given across a controller restart: the highest N
+    of "slice-N" lives in the database (`counters`), so a function or script still holding a
+    deleted "slice-3" cannot reach a new slice of a later controller. A chosen name like
+    "slice-<57 digits>" is past any counter and does not break the write."""
+    from schemas.pathways.v1 import controller_pb2 as cpb
+    from server.controller.cluster import Cluster
+    from server.controller.links import WorkerLink
+    from server.controller.slices import SliceService
+
+    def parts(w: DbWriter) -> SliceService:
+        cluster = Cluster(db, w.submit, 1.0, 5.0)
+        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+        cluster.on_host_up.append(slices.host_up)
+        slices.load()
+        cluster.load()
+        cluster.register(cpb.RegisterWorker(name="w1", island="i", address="w1:1", pid=1, device_kind="cpu",
+                                            device_count=4, machine_id="m"), WorkerLink("w1"))
+        return slices
+
+    w = DbWriter(db)
+    slices = parts(w)
+    made = [slices.create(cpb.SliceSpec(devices=1), False, "client:c").slice.name for _ in range(3)]
+    assert made == ["slice-1", "slice-2", "slice-3"]
+    huge = "slice-" + "9" * 57
+    slices.create(cpb.SliceSpec(name=huge, devices=1), False, "client:c")
+    slices.delete("slice-2")
+    slices.delete("slice-3")  # the highest: no row of it is left
+    slices.delete(huge)
+    assert w.close(10)
+
+    w2 = DbWriter(db)
+    slices2 = parts(w2)
+    assert [s.name for s in slices2.list()] == ["slice-1"]
+    assert slices2.create(cpb.SliceSpec(devices=1), False, "client:d").slice.name == "slice-4"
+    assert w2.close(10)
+
+
 @pytest.mark.parametrize("close_cancelled", [False, True], ids=["released", "close-cancelled"])
 def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cleanly(
         db: sessionmaker[Session], close_cancelled: bool) -> None:

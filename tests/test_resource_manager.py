@@ -311,6 +311,16 @@ def test_auto_names_skip_taken_and_are_not_reused() -> None:
     restored.restore([(d, True) for d in rm._devices.values()], list(rm.slices.values()))
     action = create(restored, "", 1)
     assert isinstance(action, SliceCreated) and action.slice.name == "slice-12"
+    # ... and past the highest it ever gave, which the database keeps (deleted slices included)
+    assert restored.handle(DeleteSlice("slice-12")) == [SliceDeleted("slice-12")]
+    again = cluster(("h1", "a", range(2)))
+    again.restore([(d, True) for d in restored._devices.values()], list(restored.slices.values()), auto_seq=12)
+    action = create(again, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-13"
+    # a chosen name past what the counter can hold is taken as any other name
+    placed(again, "slice-" + "9" * 57, 1)
+    action = create(again, "", 1)
+    assert isinstance(action, SliceCreated) and action.slice.name == "slice-14"
 
 
 # ------------------------------------------------------------------------------------------ capacity

@@ -9,7 +9,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import resource_manager as rm
-from ..db.models import SliceDeviceRow, SliceRemapRow, SliceRow, int_list
+from ..db.models import CounterRow, SliceDeviceRow, SliceRemapRow, SliceRow, int_list
+from ..resource_manager.remap import auto_name_seq
+
+AUTO_SEQ = "slice_auto_seq"  # CounterRow: the highest N of an automatic name "slice-N" ever given
 
 # (name, the slice as it is now or None when deleted, created at, remap times)
 RowOp = tuple[str, "rm.Slice | None", datetime, tuple[datetime, ...]]
@@ -39,6 +42,7 @@ def write_rows(s: Session, ops: list[RowOp]) -> None:
             )
             s.add(row)
         row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
+        _note_name(s, sl.name)
         by_index = {m.virtual_index: m for m in row.mapping}
         for i, dev in enumerate(sl.mapping):
             if i in by_index:
@@ -50,6 +54,25 @@ def write_rows(s: Session, ops: list[RowOp]) -> None:
                                             reason=rec.reason, old_devices=list(rec.old),
                                             new_devices=list(rec.new)))
         s.flush()
+
+
+def _note_name(s: Session, name: str) -> None:
+    """Raises the `slice_auto_seq` counter to N when `name` is "slice-N" (automatic or chosen
+    like one), so that no later controller gives that name again."""
+    seq = auto_name_seq(name)
+    if seq is None:
+        return
+    counter = s.get(CounterRow, AUTO_SEQ)
+    if counter is None:
+        s.add(CounterRow(name=AUTO_SEQ, value=seq))
+    elif counter.value < seq:
+        counter.value = seq
+
+
+def auto_seq(s: Session) -> int:
+    """The `slice_auto_seq` counter (0 in a database that has not given one yet)."""
+    counter = s.get(CounterRow, AUTO_SEQ)
+    return 0 if counter is None else counter.value
 
 
 def slice_of(row: SliceRow) -> rm.Slice:

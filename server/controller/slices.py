@@ -35,7 +35,7 @@ from .errors import AlreadyExists, ControllerError, GroupForming, InUse, Invalid
 from .groups import GROUP_STRIDE, IslandGroups
 from .holders import Holders, slice_holders
 from .segments import Gang
-from .slice_rows import RowOp, slice_of, write_rows
+from .slice_rows import RowOp, auto_seq, slice_of, write_rows
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,8 @@ class SliceService:
             for row in rows:
                 slices.append(slice_of(row))
                 self._meta[row.name] = _Meta(row.created_at, [r.at for r in row.remaps])
-        actions = self.rm.restore(devices, slices)
+            seq = auto_seq(s)
+        actions = self.rm.restore(devices, slices, auto_seq=seq)
         log.info("restored %d slices on %d devices", len(slices), len(devices))
         self._apply(actions)
 

@@ -222,3 +222,17 @@ class ClientSessionRow(Base):
     job_id: Mapped[str] = mapped_column(String(32), default="")
     name: Mapped[str] = mapped_column(String(128), default="")
     opened_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class CounterRow(Base):
+    """A named sequence that must never go back, across controller restarts too.
+
+    `slice_auto_seq`: the highest N of an automatic slice name "slice-N" ever given. A deleted
+    slice's row is gone, so without it a restarted controller could give a deleted slice's name
+    to a new slice, and a function still bound to the old one would reach the new one.
+    """
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(Integer)

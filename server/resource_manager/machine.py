@@ -174,9 +174,10 @@ class ResourceManager(Remapper):
     # ---------------------------------------------------------------------------------- restore
 
     def restore(
-        self, devices: Iterable[tuple[PhysicalDevice, bool]], slices: Iterable[Slice]
+        self, devices: Iterable[tuple[PhysicalDevice, bool]], slices: Iterable[Slice], auto_seq: int = 0
     ) -> list[Action]:
-        """Replace all state with what the database holds: (device, healthy) pairs and slices.
+        """Replace all state with what the database holds: (device, healthy) pairs and slices,
+        and `auto_seq`, the highest automatic name "slice-N" ever given (deleted slices included).
 
         Slices are taken in creation order. Raises ValueError (state unchanged) on inconsistent
         input. Placed slices on unhealthy devices are then repaired as after a host loss, and the
@@ -191,6 +192,7 @@ class ResourceManager(Remapper):
         vars(self).update(vars(fresh))
         try:
             self._restore(device_list, slice_list)
+            self._auto_seq = max(self._auto_seq, auto_seq)
         except ValueError:
             vars(self).update(saved)
             raise

@@ -17,6 +17,8 @@ from server.resource_manager.models import (
 )
 from server.resource_manager.placement import Placer
 
+MAX_AUTO_SEQ = 2**53
+
 
 class Remapper(Placer):
     """The transitions of placed and degraded slices."""
@@ -100,8 +102,18 @@ class Remapper(Placer):
 
     def _held_name(self, name: str) -> None:
         """Records that a slice named `name` exists (an automatic name, or one chosen like it)."""
-        if name.startswith("slice-") and name[6:].isdigit():
-            self._auto_seq = max(self._auto_seq, int(name[6:]))
+        seq = auto_name_seq(name)
+        if seq is not None:
+            self._auto_seq = max(self._auto_seq, seq)
+
+
+def auto_name_seq(name: str) -> int | None:
+    """N for a name "slice-N" that automatic naming could give (N up to 2**53, so it stays an
+    integer every database holds); None for any other name."""
+    if name.startswith("slice-") and name[6:].isascii() and name[6:].isdigit():
+        seq = int(name[6:])
+        return seq if seq <= MAX_AUTO_SEQ else None
+    return None
 
 
 def _remapped(s: Slice, mapping: tuple[int, ...], reason: str) -> Slice:

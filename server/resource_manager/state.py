@@ -40,10 +40,9 @@ class RMState:
     _hosts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _slices: dict[str, Slice] = field(default_factory=dict)  # creation order
     # the highest N of every "slice-N" this manager has held: an automatic name never comes back
-    # within a controller's life, so a stale reference to a deleted slice cannot reach a new slice
-    # of the same name. Not in the database: a restarted controller goes on past the highest slice
-    # it restores (a deleted slice's name above that may come back after a restart), hence not
-    # compared (the database view rebuilds every compared field)
+    # again, so a stale reference to a deleted slice cannot reach a new slice of the same name.
+    # The database keeps it (the `counters` table, server/controller/slice_rows.py) and `restore`
+    # takes it back; not compared, since the database view rebuilds only the compared fields
     _auto_seq: int = field(default=0, compare=False)
     _load: dict[int, int] = field(default_factory=dict)  # only devices with load > 0
     _exclusive: dict[int, str] = field(default_factory=dict)  # device id -> exclusive slice name

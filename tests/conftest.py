@@ -63,11 +63,21 @@ HEARTBEAT_TIMEOUT_S = 10.0
 free_port = held_port
 
 
-def default_sigint() -> None:
-    """`preexec_fn` for a child that a test interrupts as Ctrl-C would: SIGINT back to its default.
-    A test runner started in the background by a non-interactive shell inherits SIGINT ignored,
-    and Python leaves an ignored SIGINT ignored, so the child would never see the test's SIGINT."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def popen_interruptible(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """`subprocess.Popen` of a child that a test interrupts as Ctrl-C would, with SIGINT at its
+    default in the child. A test runner started in the background by a non-interactive shell
+    inherits SIGINT ignored, and an ignored signal stays ignored across exec, so the child would
+    never see the test's SIGINT. A handled signal goes back to its default at exec: SIGINT is
+    handled here for the moment of the start. (A `preexec_fn` did the same from the child, but
+    forces a plain fork of this multi-threaded, JAX-importing process, which JAX warns of.)"""
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, text=True, **kwargs)
+    finally:
+        if old is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, old)
 
 
 def socket_inodes(pid: int) -> set[str]:

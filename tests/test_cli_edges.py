@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LocalCluster, base_env, connected_to, default_sigint, wait_for
+from conftest import REPO, LocalCluster, base_env, connected_to, popen_interruptible, wait_for
 from together import together
 
 from pwctl.errors import InvalidArgument
@@ -50,9 +50,8 @@ def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluste
     try:
         r = c.pwctl("wait", job, "--timeout", "0.5")
         assert r.returncode == 124 and f"job {job} still" in r.stderr
-        proc = subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "wait", job], env=c.env(), cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=default_sigint)
+        proc = popen_interruptible([sys.executable, "-m", "pwctl.cli.main", "wait", job], env=c.env(), cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             # interrupted while it waits (connected to the controller), not while Python still
             # imports it: a fixed pause raced the child's start on a loaded machine (a traceback,
@@ -127,9 +126,9 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
     traceback from the middle of an import. Interrupted once the CLI's imports are under way
     (`-X importtime` says when Typer is in), it exits 130 and prints nothing."""
     for module in ("pwctl.cli.main", "pwctl"):
-        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", module, "--server", "127.0.0.1:9",
-                                 "wait", "job-x"], env=base_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+        proc = popen_interruptible([sys.executable, "-X", "importtime", "-m", module, "--server", "127.0.0.1:9",
+                                    "wait", "job-x"], env=base_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
         assert proc.stderr is not None
         try:
             lines = []

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO, LocalCluster, default_sigint, wait_for
+from tests.conftest import REPO, LocalCluster, popen_interruptible, wait_for
 
 pytestmark = [pytest.mark.cluster(islands=1, devices=2), pytest.mark.timeout(60)]
 
@@ -144,9 +144,8 @@ def test_cancel_a_sleeping_driver(module_cluster: LocalCluster, tmp_path: Path) 
 def test_ctrl_c_detaches_an_attached_submit(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     path = script(tmp_path, "sleeper.py", SLEEPER)
-    proc = subprocess.Popen([sys.executable, "-m", "pwctl.cli.main", "submit", str(path)], env=c.env(),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+    proc = popen_interruptible([sys.executable, "-m", "pwctl.cli.main", "submit", str(path)], env=c.env(),
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "started\n"  # the job's output, streamed

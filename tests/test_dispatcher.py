@@ -243,13 +243,20 @@ def test_a_run_of_an_unknown_program_or_the_wrong_arity_is_refused() -> None:
     prog, s = p.program(), session()
     p.dispatcher.submit(s, cpb.RunProgram(run_id=1, program_id="p-nope", input_ids=[1], output_ids=[2]))
     p.dispatcher.submit(s, cpb.RunProgram(run_id=2, program_id=prog.program_id, input_ids=[], output_ids=[2]))
+    # a program whose registration the session was refused: the error says why it is unknown
+    s.program_refused("p-refused", "slice 'x' is degraded: host w-a lost")
+    p.dispatcher.submit(s, cpb.RunProgram(run_id=3, program_id="p-refused", input_ids=[1], output_ids=[3]))
     p.dispatcher.flush()
     assert events(s) == [
         cpb.SessionEvent(finished=cpb.RunFinished(
-            run_id=1, error="program p-nope is not registered (register it first)")),
+            run_id=1, error="program p-nope is not registered with this controller (a controller forgets the "
+                            "programs of sessions that ended; register it first)")),
         cpb.SessionEvent(finished=cpb.RunFinished(
             run_id=2, error="program 'p' takes 1 inputs and gives 1 outputs; the run has 0 and 1")),
-        cpb.SessionEvent(runs_done=cpb.RunsDone(count=2)),
+        cpb.SessionEvent(finished=cpb.RunFinished(
+            run_id=3, error="program p-refused is not registered: its registration was refused (slice 'x' is "
+                            "degraded: host w-a lost)")),
+        cpb.SessionEvent(runs_done=cpb.RunsDone(count=3)),
     ]
     assert p.outbox.take() == [] and p.dispatcher.runs == {}
 

@@ -23,6 +23,11 @@ MAX_QUEUED = 10_000
 # ~150 bytes each): a client pipelines its calls, so runs reading them may follow before it hears
 # of the refusal (`ClientSession.never_computed`).
 MAX_NEVER_COMPUTED = 65_536
+# Programs whose registration this session was refused, remembered (program id -> why): a client
+# pipelines calls behind a registration, and its resumed session re-registers every program at
+# once, so a call of a refused program may come before the client read the refusal; its error
+# then says why the program is unknown.
+MAX_REFUSED_PROGRAMS = 256
 
 
 @dataclass(eq=False)
@@ -47,6 +52,8 @@ class ClientSession:
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
     never_computed: OrderedDict[int, str] = field(default_factory=OrderedDict)
+    # programs whose registration was refused (program id -> why), the last MAX_REFUSED_PROGRAMS
+    refused_programs: OrderedDict[str, str] = field(default_factory=OrderedDict)
     # runs someone in the controller waits for (`when_over`): run id -> the future their end sets
     _over_waiters: dict[int, asyncio.Future[None]] = field(default_factory=dict)
 
@@ -81,6 +88,21 @@ class ClientSession:
             self.never_computed.move_to_end(b)
         while len(self.never_computed) > MAX_NEVER_COMPUTED:
             self.never_computed.popitem(last=False)
+
+    def program_refused(self, program_id: str, why: str) -> None:
+        """The session's registration of `program_id` was refused because of `why`."""
+        self.refused_programs[program_id] = why
+        self.refused_programs.move_to_end(program_id)
+        while len(self.refused_programs) > MAX_REFUSED_PROGRAMS:
+            self.refused_programs.popitem(last=False)
+
+    def unknown_program(self, program_id: str) -> str:
+        """The error of a run of a program the controller does not know."""
+        why = self.refused_programs.get(program_id)
+        if why is not None:
+            return f"program {program_id} is not registered: its registration was refused ({why})"
+        return (f"program {program_id} is not registered with this controller (a controller forgets "
+                "the programs of sessions that ended; register it first)")
 
     def uncomputable(self, buffer_ids: Iterable[int]) -> tuple[int, int, str] | None:
         """The first of a run's inputs that will never be computed: (its index, its id, why)."""

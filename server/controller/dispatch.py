@@ -111,7 +111,7 @@ class Dispatcher:
         prog = self.registry.programs.get(run.program_id)
         try:
             if prog is None:
-                raise ControllerError(f"program {run.program_id} is not registered (register it first)")
+                raise ControllerError(session.unknown_program(run.program_id))
             graph = prog.graph
             if len(run.input_ids) != graph.num_inputs or len(run.output_ids) != len(prog.outputs):
                 raise ControllerError(

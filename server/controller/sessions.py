@@ -37,7 +37,7 @@ from .client_session import ClientSession
 from .dispatch import Dispatcher
 from .errors import ControllerError, GroupForming, PermissionDenied
 from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
-from .programs import ProgramRecord, ProgramRegistry, check_devices
+from .programs import ProgramRecord, ProgramRegistry, check_devices, program_id_of
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
 if TYPE_CHECKING:
@@ -395,7 +395,9 @@ class SessionManager:
         except ControllerError as e:
             if wait and isinstance(e, GroupForming):
                 raise
+            session.program_refused(program_id_of(req.graph), str(e))
             return cpb.ProgramRegistered(request_id=req.request_id, error=str(e))
+        session.refused_programs.pop(rec.program_id, None)
         for listener in self.program_listeners:
             listener(session, rec)
         return cpb.ProgramRegistered(request_id=req.request_id, program_id=rec.program_id)

@@ -1,0 +1,179 @@
+"""TLS on every link (pwctl/tls.py; README.md, "TLS"), with a throwaway CA made by `openssl`
+(tests/tlscerts.py).
+
+(a) `pwctl up` with TLS on loopback: listings, a `pw` program whose array crosses islands by the
+(TLS) TCP link, and a `pwctl submit` job all work; a plaintext client, one trusting another CA and
+one checking another name each get one line saying so (exit 1), and the cluster keeps serving
+with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
+saying it needs one, one with a certificate the CA signs works, and a worker trusting another CA
+never registers and logs why; (c) bad settings are one line and exit 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
+from tlscerts import Cert, make_ca, make_cert
+
+from pwctl import tls
+from pwctl.errors import InvalidArgument
+from pwctl.local import tlsfiles
+
+pytestmark = pytest.mark.timeout(180)
+
+# a's slice doubles, b's adds one: b(a(x)) sends a's output from island a's worker to b's
+PROGRAM = """
+import json, numpy as np, pwctl as pw
+vds = pw.make_virtual_device_set()
+a, b = vds.add_slice(devices=1, island="a"), vds.add_slice(devices=1, island="b")
+twice = pw.pmap(lambda v: v * 2.0, devices=a.devices)
+plus = pw.pmap(lambda v: v + 1.0, devices=b.devices)
+x = np.arange(300_000, dtype=np.float32).reshape(1, -1)
+print(json.dumps({"exact": bool(np.array_equal(np.asarray(plus(twice(x))), x * 2.0 + 1.0))}))
+"""
+
+
+class Certs:
+    def __init__(self, folder: Path) -> None:
+        self.ca = make_ca(folder)
+        self.host = make_cert(self.ca, folder, "host", ["127.0.0.1", "localhost"])
+        self.client = make_cert(self.ca, folder, "client", ["client.example"])
+        self.named = make_cert(self.ca, folder, "named", ["pathways.cluster"])  # one cluster-wide name
+        self.other = make_ca(folder, "other")  # a CA that signs none of them
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return Certs(tmp_path_factory.mktemp("tls"))
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 1, one line on stderr (no gRPC log lines, no traceback) containing every needle."""
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for needle in needles:
+        assert needle in lines[0], r.stderr
+
+
+def server_flags(cert: Cert, ca: Cert) -> list[str]:
+    return ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key), "--tls-ca", str(ca.cert)]
+
+
+def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, pw_home: Path, tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    # PATHWAYS_TRANSFER=tcp (inherited by the workers): islands a and b send by the TCP link, as between hosts
+    env = base_env(pw_home, PWCTL_SERVER=address, PATHWAYS_TRANSFER="tcp")
+    r = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address,
+                  *server_flags(certs.host, certs.ca), env=env, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "(TLS)" in r.stdout
+        assert (pw_home / "tls-ca.pem").read_bytes() == certs.ca.cert.read_bytes()  # where clients find it
+        assert not (pw_home / "tls-client.pem").exists()  # no mutual TLS: no client certificate left
+        islands = json.loads(run_pwctl("island", "list", "-o", "json", env=env).stdout)
+        assert [i["name"] for i in islands["items"]] == ["a", "b"]
+
+        # a `pw` program: the client to the controller and the workers, worker to worker by the TCP link
+        prog = tmp_path / "prog.py"
+        prog.write_text(PROGRAM)
+        out = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=90,
+                             cwd=tmp_path)
+        assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1]) == {"exact": True}, out.stderr[-3000:]
+        sender = (pw_home / "logs" / "worker-local-a.log").read_text()
+        assert re.search(r"first transfer to 127\.0\.0\.1:\d+ by TCP link", sender), sender[-3000:]
+        # a job's driver finds the CA too (the controller passes it on)
+        job = run_pwctl("submit", str(prog), env=env, timeout=90)
+        assert job.returncode == 0 and '{"exact": true}' in job.stdout, job.stdout + job.stderr
+
+        token = (pw_home / "token").read_text().strip()
+        elsewhere = tmp_path / "elsewhere"  # a client with no data directory of the cluster's
+        elsewhere.mkdir()
+        plain = base_env(elsewhere, PWCTL_SERVER=address, PWCTL_TOKEN=token)
+        one_line_error(run_pwctl("island", "list", env=plain), "requires TLS", "PWCTL_TLS_CA")
+        one_line_error(run_pwctl("island", "list", env={**plain, "PWCTL_TLS_CA": str(certs.other.cert)}),
+                       "does not sign", str(certs.other.cert))
+        one_line_error(run_pwctl("island", "list", env={**plain, "PWCTL_TLS_CA": str(certs.ca.cert),
+                                                        "PATHWAYS_TLS_SERVER_NAME": "pathways.cluster"}),
+                       "does not name", "PATHWAYS_TLS_SERVER_NAME")
+        # `--tls-ca` names the CA as PWCTL_TLS_CA does
+        ok = run_pwctl("--tls-ca", str(certs.ca.cert), "island", "list", "-o", "name", env=plain)
+        assert ok.returncode == 0 and ok.stdout.split() == ["a", "b"], ok.stderr
+        log = (pw_home / "server.log").read_text()
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+
+
+def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # the workers take their TLS from PATHWAYS_TLS_* (the flags' defaults), the controller from flags
+    worker_env = {"PATHWAYS_TLS_CERT": str(certs.host.cert), "PATHWAYS_TLS_KEY": str(certs.host.key),
+                  "PATHWAYS_TLS_CA": str(certs.ca.cert), "PATHWAYS_TLS_REQUIRE_CLIENT_CERT": "1"}
+    client = {"PWCTL_TLS_CA": str(certs.ca.cert), "PWCTL_TLS_CERT": str(certs.client.cert),
+              "PWCTL_TLS_KEY": str(certs.client.key)}
+    for k, v in client.items():  # this process's clients (the fixture's readiness checks)
+        monkeypatch.setenv(k, v)
+    flags = [*server_flags(certs.host, certs.ca), "--tls-require-client-cert"]
+    with LocalCluster(tmp_path / "c", controller_args=flags, worker_env=worker_env) as c:
+        c.start([("a", 2)])
+        assert c.pwctl("island", "list", "-o", "name").stdout.split() == ["a"]
+        basics = subprocess.run([sys.executable, str(REPO / "tests" / "clients" / "basics.py")], env=c.env(),
+                                capture_output=True, text=True, timeout=90, cwd=REPO / "tests" / "clients")
+        assert basics.returncode == 0 and json.loads(basics.stdout.splitlines()[-1])["loop"] == [2048.0, 2048.0], \
+            basics.stderr[-3000:]
+        no_cert = c.env(PWCTL_TLS_CERT="", PWCTL_TLS_KEY="")
+        one_line_error(c.pwctl("island", "list", env=no_cert), "requires a client certificate", "PWCTL_TLS_CERT")
+        plain = {k: v for k, v in c.env().items() if not k.startswith("PWCTL_TLS_")}
+        one_line_error(c.pwctl("island", "list", env=plain), "requires TLS with a client certificate")
+        # a worker trusting another CA: refused by its own check of the controller, says so, never registers
+        w = c.add_worker("b", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})
+        wait_for(lambda: "does not sign" in w.log.read_text(), 60, "the worker's TLS error")
+        assert "b" not in c.pwctl("island", "list", "-o", "name").stdout.split()
+        assert c.controller is not None and c.controller.poll() is None
+        assert "Traceback" not in c.controller_logs()
+
+
+def test_bad_settings_are_one_line(certs: Certs, pw_home: Path, tmp_path: Path) -> None:
+    for kwargs, needle in (({"cert": str(certs.host.cert)}, "go together"),
+                           ({"cert": str(certs.host.cert), "key": str(certs.host.key)}, "needs --tls-ca"),
+                           ({"require_client_cert": True}, "needs --tls-cert"),
+                           ({"cert": str(tmp_path / "nope.pem"), "key": str(certs.host.key), "ca": str(certs.ca.cert)},
+                            "cannot read"),
+                           ({"cert": str(certs.host.key.with_suffix(".ext")), "key": str(certs.host.key),
+                             "ca": str(certs.ca.cert)}, "not a PEM file")):
+        with pytest.raises(InvalidArgument, match=needle):
+            tls.server_config(**kwargs)  # type: ignore[arg-type]
+    assert tls.server_config() is None  # off unless configured
+    env = base_env(pw_home)
+    r = run_pwctl("up", "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(certs.host.key), env=env)
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --tls-cert: cannot read"), r.stderr
+    assert not (pw_home / "server.pid").exists()
+    r = subprocess.run([sys.executable, "-m", "server.controller", "--tls-cert", str(certs.host.cert)], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "go together" in r.stderr.splitlines()[-1], r.stderr
+    r = run_pwctl("island", "list", env={**env, "PWCTL_TLS_CA": str(tmp_path / "nope.pem")})
+    assert r.returncode == 2 and "cannot read" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_a_plaintext_start_removes_the_tls_files_clients_would_use(certs: Certs, pw_home: Path) -> None:
+    config = tls.server_config(str(certs.host.cert), str(certs.host.key), str(certs.ca.cert), "pathways.cluster",
+                               require_client_cert=True)
+    tlsfiles.publish(config)
+    names = {"tls-ca.pem", "tls-client.pem", "tls-client.key", "tls-server-name"}
+    assert names <= {p.name for p in pw_home.iterdir()}
+    from pwctl import settings
+
+    found = settings.resolve_tls()
+    assert found is not None and found.has_cert and found.server_name == "pathways.cluster"
+    tlsfiles.publish(None)
+    assert not names & {p.name for p in pw_home.iterdir()}
+    assert settings.resolve_tls() is None
+

@@ -6,7 +6,10 @@
 one checking another name each get one line saying so (exit 1), and the cluster keeps serving
 with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
 saying it needs one, one with a certificate the CA signs works, and a worker trusting another CA
-never registers and logs why; (c) bad settings are one line and exit 2, before anything starts.
+never registers and logs why; (c) bad settings are one line and exit 2, before anything starts;
+(d) on separate hosts (network namespaces, tests/hosts.py) with per-host IP-SAN certificates,
+workers on two hosts register over TLS and a program's array crosses from one host to the other
+by the TLS TCP link.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
+from hosts import hosts, start_controller  # noqa: F401  (the fixture)
 from tlscerts import Cert, make_ca, make_cert
+from together import together
 
 from pwctl import tls
 from pwctl.errors import InvalidArgument
@@ -177,3 +183,34 @@ def test_a_plaintext_start_removes_the_tls_files_clients_would_use(certs: Certs,
     assert not names & {p.name for p in pw_home.iterdir()}
     assert settings.resolve_tls() is None
 
+
+
+HOSTS_PROGRAM = PROGRAM.replace('island="a"', 'island="h1"').replace('island="b"', 'island="h2"')
+
+
+@pytest.mark.timeout(240)
+def test_workers_on_two_hosts_over_tls(hosts: Any, certs: Certs, tmp_path: Path) -> None:  # noqa: F811
+    hs = hosts(3)
+    mine = [make_cert(certs.ca, tmp_path / "certs", f"h{i}", [h.ip]) for i, h in enumerate(hs)]  # IP SANs
+    address, token = start_controller(hs[0], 3.0, 0, *server_flags(mine[0], certs.ca))
+
+    def start_worker(i: int) -> None:
+        h = hs[i]
+        r = h.pwctl("worker", "start", "--island", f"h{i}", "--devices", "1", "--name", f"w{i}",
+                    "--listen", f"{h.ip}:0", "--server", address, *server_flags(mine[i], certs.ca),
+                    PWCTL_TOKEN=token)
+        assert r.returncode == 0, f"worker start on {h.hostname}: {r.stdout}{r.stderr}"
+
+    together(lambda: start_worker(1), lambda: start_worker(2), at_once=2)
+    prog = tmp_path / "prog.py"
+    prog.write_text(HOSTS_PROGRAM)
+    # host 0's client finds the CA where `pwctl server start` left it (its data directory)
+    r = hs[0].run([sys.executable, str(prog)], timeout=120, PWCTL_SERVER=address, PWCTL_TOKEN=token,
+                  PYTHONPATH=str(REPO))  # this checkout, not an installed one
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == {"exact": True}, r.stdout + r.stderr
+    sender = (hs[1].home / "logs" / "worker-w1.log").read_text(errors="replace")
+    assert re.search(rf"first transfer to {re.escape(hs[2].ip)}:\d+ by TCP link", sender), sender[-3000:]
+    assert "(TLS)" in sender  # it served TLS only
+    # from host 2, a plaintext client of the controller is told it needs the CA
+    r = hs[2].pwctl("island", "list", PWCTL_SERVER=address, PWCTL_TOKEN=token)
+    one_line_error(r, "requires TLS")

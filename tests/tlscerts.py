@@ -44,6 +44,7 @@ def make_cert(ca: Cert, folder: Path, name: str, sans: list[str]) -> Cert:
             entries.append(f"IP:{san}")
         except ValueError:
             entries.append(f"DNS:{san}")
+    folder.mkdir(parents=True, exist_ok=True)
     ext = folder / f"{name}.ext"
     ext.write_text(f"subjectAltName={','.join(entries)}\n"
                    "extendedKeyUsage=serverAuth,clientAuth\nkeyUsage=digitalSignature,keyEncipherment\n")

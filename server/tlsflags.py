@@ -20,6 +20,9 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-require-client-cert", action="store_true",
                    help="mutual TLS: callers must present a certificate the CA signs "
                         f"(default ${ENV_REQUIRE_CLIENT_CERT}=1; off: the cluster token authenticates callers)")
+    g.add_argument("--health-listen", default="", metavar="HOST:PORT",
+                   help="also answer the gRPC health service alone, plaintext, here: Kubernetes' grpc probes "
+                        "cannot speak TLS (default: none)")
 
 
 def tls_from_flags(ns: argparse.Namespace) -> TlsConfig | None:

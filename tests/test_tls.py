@@ -5,11 +5,11 @@
 (TLS) TCP link, and a `pwctl submit` job all work; a plaintext client, one trusting another CA and
 one checking another name each get one line saying so (exit 1), and the cluster keeps serving
 with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
-saying it needs one, one with a certificate the CA signs works, and a worker trusting another CA
-never registers and logs why; (c) bad settings are one line and exit 2, before anything starts;
-(d) on separate hosts (network namespaces, tests/hosts.py) with per-host IP-SAN certificates,
-workers on two hosts register over TLS and a program's array crosses from one host to the other
-by the TLS TCP link.
+saying it needs one, one with a certificate the CA signs works, a worker trusting another CA
+never registers and logs why, and `--health-listen` answers the health service alone, plaintext;
+(c) bad settings are one line and exit 2, before anything starts; (d) on separate hosts
+(network namespaces, tests/hosts.py) with per-host IP-SAN certificates, workers on two hosts
+register over TLS and a program's array crosses from one host to the other by the TLS TCP link.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hosts import hosts, start_controller  # noqa: F401  (the fixture)
 from tlscerts import Cert, make_ca, make_cert
 from together import together
@@ -30,6 +32,8 @@ from together import together
 from pwctl import tls
 from pwctl.errors import InvalidArgument
 from pwctl.local import tlsfiles
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -127,10 +131,17 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
               "PWCTL_TLS_KEY": str(certs.client.key)}
     for k, v in client.items():  # this process's clients (the fixture's readiness checks)
         monkeypatch.setenv(k, v)
-    flags = [*server_flags(certs.host, certs.ca), "--tls-require-client-cert"]
+    health = f"127.0.0.1:{free_port()}"  # the plaintext health port (Kubernetes' grpc probes)
+    flags = [*server_flags(certs.host, certs.ca), "--tls-require-client-cert", "--health-listen", health]
     with LocalCluster(tmp_path / "c", controller_args=flags, worker_env=worker_env) as c:
         c.start([("a", 2)])
         assert c.pwctl("island", "list", "-o", "name").stdout.split() == ["a"]
+        with grpc.insecure_channel(health) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:  # that port serves nothing else
+                cgrpc.ControllerStub(ch).GetInfo(cpb.GetInfoRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
         basics = subprocess.run([sys.executable, str(REPO / "tests" / "clients" / "basics.py")], env=c.env(),
                                 capture_output=True, text=True, timeout=90, cwd=REPO / "tests" / "clients")
         assert basics.returncode == 0 and json.loads(basics.stdout.splitlines()[-1])["loop"] == [2048.0, 2048.0], \

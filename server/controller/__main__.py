@@ -89,7 +89,9 @@ def main() -> None:
     ns = p.parse_args()
     try:
         tls = tls_from_flags(ns)
-    except InvalidArgument as e:
+        if ns.health_listen:
+            paths.split_address(ns.health_listen)
+    except (InvalidArgument, ValueError) as e:
         p.error(str(e))
     if ns.relay_min_hosts < 0 or ns.relay_group < 1:
         p.error("--relay-min-hosts must not be negative and --relay-group must be at least 1")
@@ -150,6 +152,7 @@ def main() -> None:
         relay_group=ns.relay_group,
         group_wait=ns.group_wait,
         tls=tls,
+        health_listen=ns.health_listen,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -128,6 +128,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     metrics = await start_metrics(core, config)  # before start(): an address that is taken ends it here
     await core.start()
     await server.start()
+    probes = await health.serve_plain(config.health_listen) if config.health_listen else None
     await health.serving()
     heap.settle()  # start-up objects (SQLAlchemy, protobuf, modules) stay out of later collections
     heap.reuse_large_buffers()  # the proxy's transfer messages: heap buffers, not fresh mappings
@@ -153,6 +154,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         if metrics is not None:
             await metrics.stop()
         await server.stop(grace=1.0)
+        if probes is not None:
+            await probes.stop(grace=None)
         await core.stop()
         if pid_file is not None and pid_file.exists():
             try:

@@ -63,6 +63,7 @@ class ControllerConfig:
     relay_min_hosts: int = DEFAULT_MIN_HOSTS  # islands this large send through relays (relays.py); 0: never
     relay_group: int = DEFAULT_GROUP_SIZE  # hosts per relay
     group_wait: float = DEFAULT_GROUP_WAIT_S  # the longest a call on a slice spanning hosts waits for its group
+    health_listen: str = ""  # HOST:PORT answering the health service alone, plaintext (health.py); "": none
     tls: TlsConfig | None = None  # serve TLS only, and reach workers over TLS (pwctl/tls.py); None: plaintext
 
 

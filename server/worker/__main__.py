@@ -51,7 +51,11 @@ def main() -> None:
 
     try:
         tls = tls_from_flags(ns)
-    except InvalidArgument as e:
+        if ns.health_listen:
+            from .. import paths
+
+            paths.split_address(ns.health_listen)
+    except (InvalidArgument, ValueError) as e:
         p.error(str(e))
     from pwctl.version import check_jax
 
@@ -96,6 +100,7 @@ def main() -> None:
             check_token=not ns.no_token,
             unload_after_s=ns.unload_after,
             tls=tls,
+            health_listen=ns.health_listen,
         ),
         log_level=ns.log_level,
     )

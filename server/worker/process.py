@@ -132,6 +132,7 @@ class WorkerProcess:
         tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok,
                           tls=self.config.tls)
         servicer.data_address = tcp.start()
+        probes = await health.serve_plain(self.config.health_listen) if self.config.health_listen else None
         await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections
         log.info("worker %s (island %s, %d %s devices) serving at %s%s",
@@ -152,6 +153,8 @@ class WorkerProcess:
         tcp.close()
         self.forwarder.close()
         await server.stop(grace=0.5)
+        if probes is not None:
+            await probes.stop(grace=None)
 
     async def _controller_loop(self) -> None:
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None

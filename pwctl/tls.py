@@ -117,6 +117,10 @@ class TlsConfig:
     @functools.cached_property
     def ssl_client_context(self) -> ssl.SSLContext:
         """A Python `ssl` context checking servers against the CA, presenting this side's certificate."""
+        return self.new_client_context()
+
+    def new_client_context(self) -> ssl.SSLContext:
+        """A fresh `ssl_client_context` (one to set ALPN on: pwctl/tlsbridge.py)."""
         import ssl
 
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

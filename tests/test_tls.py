@@ -6,7 +6,8 @@
 one checking another name each get one line saying so (exit 1), and the cluster keeps serving
 with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
 saying it needs one, one with a certificate the CA signs works, a worker trusting another CA
-never registers and logs why, and `--health-listen` answers the health service alone, plaintext;
+never registers and logs why, an unmodified JAX program reaches it through the plugin's TLS bridge
+(pwctl/tlsbridge.py), and `--health-listen` answers the health service alone, plaintext;
 (c) bad settings are one line and exit 2, before anything starts; (d) on separate hosts
 (network namespaces, tests/hosts.py) with per-host IP-SAN certificates, workers on two hosts
 register over TLS and a program's array crosses from one host to the other by the TLS TCP link.
@@ -26,6 +27,7 @@ import pytest
 from conftest import REPO, LocalCluster, base_env, free_port, run_pwctl, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hosts import hosts, start_controller  # noqa: F401  (the fixture)
+from proxy_env import proxy_env
 from tlscerts import Cert, make_ca, make_cert
 from together import together
 
@@ -46,6 +48,13 @@ twice = pw.pmap(lambda v: v * 2.0, devices=a.devices)
 plus = pw.pmap(lambda v: v + 1.0, devices=b.devices)
 x = np.arange(300_000, dtype=np.float32).reshape(1, -1)
 print(json.dumps({"exact": bool(np.array_equal(np.asarray(plus(twice(x))), x * 2.0 + 1.0))}))
+"""
+
+
+JAX_PROGRAM = """
+import jax, numpy as np
+x = jax.device_put(np.arange(3, dtype=np.float32))
+print(np.asarray(jax.jit(lambda v: v + 1)(x)).tolist())
 """
 
 
@@ -150,6 +159,14 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
         one_line_error(c.pwctl("island", "list", env=no_cert), "requires a client certificate", "PWCTL_TLS_CERT")
         plain = {k: v for k, v in c.env().items() if not k.startswith("PWCTL_TLS_")}
         one_line_error(c.pwctl("island", "list", env=plain), "requires TLS with a client certificate")
+        # an unmodified JAX program (JAX_PLATFORMS=proxy): the jaxlib client has no TLS, so the plugin
+        # bridges it over TLS, presenting the client certificate; the proxy service reaches the
+        # worker over mutual TLS with the controller's certificate
+        ok, wrong = (subprocess.run([sys.executable, "-c", JAX_PROGRAM], capture_output=True, text=True, timeout=120,
+                                    env=proxy_env(c, tmp_path, **{**client, **extra}))
+                     for extra in ({}, {"PWCTL_TLS_CA": str(certs.other.cert)}))
+        assert ok.returncode == 0 and ok.stdout.split() == ["[1.0,", "2.0,", "3.0]"], ok.stderr[-3000:]
+        assert wrong.returncode != 0 and "does not sign" in wrong.stderr.strip().splitlines()[-1], wrong.stderr[-3000:]
         # a worker trusting another CA: refused by its own check of the controller, says so, never registers
         w = c.add_worker("b", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})
         wait_for(lambda: "does not sign" in w.log.read_text(), 60, "the worker's TLS error")

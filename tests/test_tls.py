@@ -242,3 +242,74 @@ def test_workers_on_two_hosts_over_tls(hosts: Any, certs: Certs, tmp_path: Path)
     # from host 2, a plaintext client of the controller is told it needs the CA
     r = hs[2].pwctl("island", "list", PWCTL_SERVER=address, PWCTL_TOKEN=token)
     one_line_error(r, "requires TLS")
+
+
+@pytest.mark.timeout(60)
+def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> None:
+    """pwctl/tlsbridge.py against a real TLS server (Python's ssl, the host certificate): 8 MiB go
+    through unchanged both ways, the server's end reaches the client as its end of stream, and the
+    handshake check turns another CA or a plaintext server into one line."""
+    import contextlib
+    import socket
+    import ssl
+    import threading
+
+    from pwctl import tlsbridge
+    from pwctl.errors import ConnectionFailed
+
+    payload = bytes(range(256)) * (8 * 4096)  # 8 MiB
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(certs.host.cert, certs.host.key)
+    ctx.set_alpn_protocols(["h2"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[str] = []
+
+    def serve() -> None:  # reads the payload, answers it reversed, closes
+        conn, _ = listener.accept()
+        with ctx.wrap_socket(conn, server_side=True) as tls_conn:
+            got.append(str(tls_conn.selected_alpn_protocol()))
+            buf = bytearray()
+            while len(buf) < len(payload):
+                chunk = tls_conn.recv(1 << 20)
+                if not chunk:
+                    break
+                buf += chunk
+            tls_conn.sendall(bytes(reversed(buf)))
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = listener.getsockname()[1]
+    config = tls.TlsConfig(ca=str(certs.ca.cert))
+    b = tlsbridge.Bridge("127.0.0.1", port, config)
+    try:
+        host, _, bport = b.address.rpartition(":")
+        with socket.create_connection((host, int(bport)), timeout=30) as s:
+            s.sendall(payload)
+            back = bytearray()
+            while chunk := s.recv(1 << 20):
+                back += chunk
+        assert bytes(back) == payload[::-1]
+        assert got == ["h2"]
+    finally:
+        b.proc.kill()
+        b.proc.wait()
+        listener.close()
+
+    other = tls.TlsConfig(ca=str(certs.other.cert))
+    with socket.create_server(("127.0.0.1", 0)) as again:
+        def refused_handshake() -> None:  # the client refuses this certificate: the server's handshake fails
+            with contextlib.suppress(OSError):
+                ctx.wrap_socket(again.accept()[0], server_side=True)
+
+        threading.Thread(target=refused_handshake, daemon=True).start()
+        with pytest.raises(ConnectionFailed, match="does not sign"):
+            tlsbridge.bridge("127.0.0.1", again.getsockname()[1], other)
+    with socket.create_server(("127.0.0.1", 0)) as plain:
+        def answer_plaintext() -> None:
+            conn, _ = plain.accept()
+            conn.recv(4096)
+            conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00" + bytes(18))  # an HTTP/2 SETTINGS frame
+            conn.close()
+
+        threading.Thread(target=answer_plaintext, daemon=True).start()
+        with pytest.raises(ConnectionFailed, match="does not speak TLS"):
+            tlsbridge.bridge("127.0.0.1", plain.getsockname()[1], config)

@@ -160,6 +160,7 @@ class WorkerProcess:
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None
         loop = asyncio.get_running_loop()
         retry = Reconnect(self.config.reconnect_max_s)
+        said = ""  # the last TLS failure logged: said once, not at every retry
         while not self.stopping.is_set():
             rejected = False
             async with tls.aio_channel(self.config.server, CHANNEL_OPTIONS, self.config.tls) as channel:
@@ -172,11 +173,16 @@ class WorkerProcess:
                         self._receive(msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() != grpc.StatusCode.UNAVAILABLE
-                    why = tls.explain(e.details() or "", self.config.server, "controller", self.config.tls)
+                    why = None
+                    if not rejected:  # a TLS failure is UNAVAILABLE too: say which (one probe, off the loop)
+                        why = await asyncio.to_thread(tls.diagnose, e.details() or "", self.config.server,
+                                                      "controller", self.config.tls)
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                         log.error("the controller rejected this worker: %s", e.details())
                     elif why is not None:
-                        log.error("%s", why)
+                        if why != said:
+                            log.error("%s", why)
+                        said = why
                     elif rejected:
                         log.warning("controller stream ended: %s %s", e.code().name, e.details())
             await asyncio.sleep(retry.delay(loop.time(), rejected))

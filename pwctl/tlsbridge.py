@@ -13,21 +13,22 @@ user's process: jaxlib calls such as `jax.device_put` hold the GIL while they wa
 connection, so a forwarder needing the GIL would stall them (measured: a device_put waited 20 s
 for its connection's first frame, then failed). The parent binds the listening socket (so its port
 is known at once) and hands it over; the child ends when the parent does (the pipe on its stdin
-closes), however the parent ends. One asyncio loop reads up to `CHUNK` at a time and writes with
-backpressure (`drain`) both ways. Half-close: the controller's end of a stream ends the local
-connection's sending side (`write_eof`) while the other direction drains; the local side's end
-closes the TLS connection once its bytes are written (asyncio's TLS transports cannot half-close;
-gRPC closes both directions together anyway). Only processes on this machine reach the loopback
-port: the trust the plaintext proxy connection to a local controller had.
+closes), however the parent ends. One thread and a selector move the bytes (`Forwarder`): up to
+`CHUNK` buffered each way per connection, read only while there is room (backpressure). Half-close:
+either side's end of stream, once its bytes are written, ends the other side's sending direction
+(a TCP half-close; toward the controller without TLS close_notify, which it reads as the end)
+while the other direction goes on; the connection is over when both are. gRPC closes both
+directions together anyway. Only processes on this machine reach the loopback port: the trust the
+plaintext proxy connection to a local controller had.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
+import selectors
 import signal
 import socket
 import ssl
@@ -52,49 +53,152 @@ def client_context(tls: TlsConfig) -> ssl.SSLContext:
     return ctx
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    """Copies `src` to `dst` until `src` ends, then ends `dst`'s sending side (or closes it)."""
-    try:
-        while data := await src.read(CHUNK):
-            dst.write(data)
-            await dst.drain()
-        if dst.can_write_eof():
-            dst.write_eof()
-        else:
-            dst.close()
-    except (OSError, ssl.SSLError, asyncio.IncompleteReadError):
-        dst.close()
+class _Flow:
+    """One direction of one connection: what `src` gave waits in `buf` until `dst` took it."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+        self.src, self.dst = src, dst
+        self.buf = memoryview(bytearray(CHUNK))
+        self.start = self.end = 0
+        self.eof = False  # `src` ended
+        self.done = False  # ... and all of it went out, and `dst`'s sending side was ended
+
+    @property
+    def room(self) -> bool:
+        return not self.eof and self.end < len(self.buf)
+
+    @property
+    def waiting(self) -> bool:
+        return self.start < self.end
+
+    def fill(self) -> bool:
+        """Reads what `src` has, until it would block or `buf` is full; True when it read anything.
+        (A TLS socket gives one record, 16 KiB at most, a call: it is read until it would block.)"""
+        if self.start == self.end:
+            self.start = self.end = 0
+        moved = False
+        while self.room:
+            try:
+                n = self.src.recv_into(self.buf[self.end:])
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            if n == 0:
+                self.eof = True
+            self.end += n
+            moved = True
+        return moved
+
+    def drain(self) -> bool:
+        """Writes what waits, until `dst` would block; at the end of `src`, ends `dst`'s sending side
+        (a TCP half-close: under TLS without close_notify, which the controller sees as its end)."""
+        moved = False
+        while self.waiting:
+            try:
+                n = self.dst.send(self.buf[self.start:self.end])
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                return moved
+            self.start += n
+            moved = True
+        if self.eof and not self.done:
+            self.done = True
+            socket.socket.shutdown(self.dst, socket.SHUT_WR)  # not SSLSocket's: that drops the TLS session
+            moved = True
+        return moved
+
+
+class _Pair:
+    """A local connection and its TLS connection to the controller."""
+
+    def __init__(self, local: socket.socket, remote: ssl.SSLSocket) -> None:
+        self.local, self.remote = local, remote
+        self.up, self.down = _Flow(local, remote), _Flow(remote, local)
+
+    def step(self) -> bool:
+        """Moves what can move both ways; False once the connection is over (both ways ended)."""
+        progress = True
+        while progress:
+            progress = False
+            for flow in (self.up, self.down):
+                progress |= flow.fill()
+                progress |= flow.drain()
+        return not (self.up.done and self.down.done)
+
+    def interest(self, sock: socket.socket) -> int:
+        out, into = (self.up, self.down) if sock is self.local else (self.down, self.up)
+        return (selectors.EVENT_READ if out.room else 0) | (selectors.EVENT_WRITE if into.waiting else 0)
+
+    def close(self) -> None:
+        for s in (self.local, self.remote):
+            with contextlib.suppress(OSError):
+                s.close()
 
 
 class Forwarder:
-    """The child's side: accepts on `listener`, forwards each connection to host:port over TLS."""
+    """The child's side: one thread, one selector: accepts on the listener and forwards each
+    connection to host:port over TLS. C does the TLS and the copies (`recv_into` a 1 MiB buffer,
+    `send` from it); Python only moves offsets (asyncio's streams cost ~2x more CPU per byte)."""
 
     def __init__(self, host: str, port: int, tls: TlsConfig) -> None:
         self.host, self.port = host, port
         self.server_name = tls.server_name or host
         self.ctx = client_context(tls)
+        self.sel = selectors.DefaultSelector()
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _connect(self, local: socket.socket) -> _Pair | None:
+        """The TLS connection for a new local one (its handshake blocks the loop for a moment:
+        the jaxlib client opens two connections in all)."""
         try:
-            up_reader, up_writer = await asyncio.open_connection(
-                self.host, self.port, ssl=self.ctx, server_hostname=self.server_name, limit=CHUNK,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
-        except (TimeoutError, OSError, ssl.SSLError) as e:
+            raw = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
+            remote = self.ctx.wrap_socket(raw, server_hostname=self.server_name)
+        except (OSError, ssl.SSLError) as e:
             sys.stderr.write(f"pathways TLS bridge: cannot reach {self.host}:{self.port}: {e}\n")
-            writer.close()
-            return
-        try:
-            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
-        finally:
-            for w in (writer, up_writer):
-                w.close()
-                with contextlib.suppress(Exception):
-                    await w.wait_closed()
+            local.close()
+            return None
+        for s in (local, remote):
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Pair(local, remote)
 
-    async def run(self, listener: socket.socket) -> None:
-        server = await asyncio.start_server(self.serve, sock=listener, limit=CHUNK)
-        async with server:
-            await asyncio.Event().wait()  # until the process ends
+    def _watch(self, pair: _Pair) -> None:
+        for s in (pair.local, pair.remote):
+            events = pair.interest(s)
+            key = self.sel.get_map().get(s)
+            if key is None and events:
+                self.sel.register(s, events, pair)
+            elif key is not None and not events:
+                self.sel.unregister(s)
+            elif key is not None and key.events != events:
+                self.sel.modify(s, events, pair)
+
+    def _end(self, pair: _Pair) -> None:
+        for s in (pair.local, pair.remote):
+            if s in self.sel.get_map():
+                self.sel.unregister(s)
+        pair.close()
+
+    def run(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, None)
+        while True:
+            for key, _ in self.sel.select():
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        local, _ = listener.accept()
+                        pair = self._connect(local)
+                        if pair is not None:  # a first step: the handshake may have read data already
+                            self._advance(pair)
+                    continue
+                self._advance(key.data)
+
+    def _advance(self, pair: _Pair) -> None:
+        try:
+            alive = pair.step()
+        except (OSError, ssl.SSLError):  # reset, broken pipe, a TLS error: the connection is over
+            alive = False
+        if alive:
+            self._watch(pair)
+        else:
+            self._end(pair)
 
 
 class Bridge:
@@ -195,8 +299,7 @@ def main() -> None:
 
     threading.Thread(target=parent_gone, daemon=True).start()
     tls = TlsConfig(ca=ns.ca, cert=ns.cert, key=ns.key, server_name=ns.server_name)
-    listener = socket.socket(fileno=ns.fd)
-    asyncio.run(Forwarder(ns.host, ns.port, tls).run(listener))
+    Forwarder(ns.host, ns.port, tls).run(socket.socket(fileno=ns.fd))
 
 
 if __name__ == "__main__":

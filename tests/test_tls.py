@@ -10,7 +10,9 @@ never registers and logs why, an unmodified JAX program reaches it through the p
 (pwctl/tlsbridge.py), and `--health-listen` answers the health service alone, plaintext;
 (c) bad settings are one line and exit 2, before anything starts; (d) on separate hosts
 (network namespaces, tests/hosts.py) with per-host IP-SAN certificates, workers on two hosts
-register over TLS and a program's array crosses from one host to the other by the TLS TCP link.
+register over TLS and a program's array crosses from one host to the other by the TLS TCP link;
+(e) the proxy bridge moves bytes unchanged both ways against a real TLS server; (f) a certificate
+naming one cluster-wide name works by the server-name override, and says so without it.
 """
 
 from __future__ import annotations
@@ -313,3 +315,41 @@ def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> Non
         threading.Thread(target=answer_plaintext, daemon=True).start()
         with pytest.raises(ConnectionFailed, match="does not speak TLS"):
             tlsbridge.bridge("127.0.0.1", plain.getsockname()[1], config)
+
+
+@pytest.mark.timeout(60)
+def test_one_cluster_name_for_every_certificate(certs: Certs) -> None:
+    """A server whose certificate names only `pathways.cluster` (no IP): dialled by IP, the client
+    says the certificate does not name the address and how to fix it; with the server-name
+    override it connects. The server's port is made by `tls.add_port`, the client's channel by
+    `pwctl.transport`, as everywhere."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health
+
+    from pwctl.errors import Unavailable
+    from pwctl.transport import NO_RETRY, Transport
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    config = tls.server_config(str(certs.named.cert), str(certs.named.key), str(certs.ca.cert))
+    port = tls.add_port(server, "127.0.0.1:0", config)
+    assert port > 0
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        ask = health_pb2.HealthCheckRequest()
+        for name, ok in (("", False), ("pathways.cluster", True)):
+            config = tls.TlsConfig(ca=str(certs.ca.cert), server_name=name)
+            t = Transport(address, timeout=5, retry=NO_RETRY, tls=config)
+            try:
+                call = health_pb2_grpc.HealthStub(t.channel).Check
+                if ok:
+                    assert t.unary(call, ask).status == health_pb2.HealthCheckResponse.SERVING
+                else:
+                    with pytest.raises(Unavailable, match=r"does not name 127\.0\.0\.1.*PATHWAYS_TLS_SERVER_NAME"):
+                        t.unary(call, ask)
+            finally:
+                t.close()
+    finally:
+        server.stop(None)

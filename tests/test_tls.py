@@ -137,7 +137,8 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # the workers take their TLS from PATHWAYS_TLS_* (the flags' defaults), the controller from flags
     worker_env = {"PATHWAYS_TLS_CERT": str(certs.host.cert), "PATHWAYS_TLS_KEY": str(certs.host.key),
-                  "PATHWAYS_TLS_CA": str(certs.ca.cert), "PATHWAYS_TLS_REQUIRE_CLIENT_CERT": "1"}
+                  "PATHWAYS_TLS_CA": str(certs.ca.cert), "PATHWAYS_TLS_REQUIRE_CLIENT_CERT": "1",
+                  "PATHWAYS_TRANSFER": "tcp"}  # worker to worker by the TCP link, as between hosts
     client = {"PWCTL_TLS_CA": str(certs.ca.cert), "PWCTL_TLS_CERT": str(certs.client.cert),
               "PWCTL_TLS_KEY": str(certs.client.key)}
     for k, v in client.items():  # this process's clients (the fixture's readiness checks)
@@ -145,8 +146,8 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
     health = f"127.0.0.1:{free_port()}"  # the plaintext health port (Kubernetes' grpc probes)
     flags = [*server_flags(certs.host, certs.ca), "--tls-require-client-cert", "--health-listen", health]
     with LocalCluster(tmp_path / "c", controller_args=flags, worker_env=worker_env) as c:
-        c.start([("a", 2)])
-        assert c.pwctl("island", "list", "-o", "name").stdout.split() == ["a"]
+        c.start([("a", 2), ("b", 1)])
+        assert c.pwctl("island", "list", "-o", "name").stdout.split() == ["a", "b"]
         with grpc.insecure_channel(health) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -157,6 +158,13 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
                                 capture_output=True, text=True, timeout=90, cwd=REPO / "tests" / "clients")
         assert basics.returncode == 0 and json.loads(basics.stdout.splitlines()[-1])["loop"] == [2048.0, 2048.0], \
             basics.stderr[-3000:]
+        # a's output to b's worker by the TCP link, each end checking the other's certificate
+        prog = tmp_path / "prog.py"
+        prog.write_text(PROGRAM)
+        out = subprocess.run([sys.executable, str(prog)], env=c.env(), capture_output=True, text=True, timeout=90,
+                             cwd=tmp_path)
+        assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1]) == {"exact": True}, out.stderr[-3000:]
+        assert re.search(r"first transfer to \S+ by TCP link", c.workers["w-a"].log.read_text())
         no_cert = c.env(PWCTL_TLS_CERT="", PWCTL_TLS_KEY="")
         one_line_error(c.pwctl("island", "list", env=no_cert), "requires a client certificate", "PWCTL_TLS_CERT")
         plain = {k: v for k, v in c.env().items() if not k.startswith("PWCTL_TLS_")}
@@ -170,9 +178,9 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
         assert ok.returncode == 0 and ok.stdout.split() == ["[1.0,", "2.0,", "3.0]"], ok.stderr[-3000:]
         assert wrong.returncode != 0 and "does not sign" in wrong.stderr.strip().splitlines()[-1], wrong.stderr[-3000:]
         # a worker trusting another CA: refused by its own check of the controller, says so, never registers
-        w = c.add_worker("b", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})
+        w = c.add_worker("c", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})
         wait_for(lambda: "does not sign" in w.log.read_text(), 60, "the worker's TLS error")
-        assert "b" not in c.pwctl("island", "list", "-o", "name").stdout.split()
+        assert "c" not in c.pwctl("island", "list", "-o", "name").stdout.split()
         assert c.controller is not None and c.controller.poll() is None
         assert "Traceback" not in c.controller_logs()
 

@@ -163,6 +163,7 @@ def server_config(cert: str | None = None, key: str | None = None, ca: str | Non
         return None
     if require and not ca:
         raise InvalidArgument("--tls-require-client-cert needs --tls-ca (the CA that signs client certificates)")
+    cert, key, ca = (os.path.abspath(p) if p else None for p in (cert, key, ca))  # kept in cluster.json, passed on
     config = TlsConfig(ca=ca, cert=cert, key=key, server_name=server_name or env.get(ENV_SERVER_NAME, ""),
                        require_client_cert=require)
     config.check_server()

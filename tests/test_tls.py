@@ -109,6 +109,10 @@ def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, p
         assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1]) == {"exact": True}, out.stderr[-3000:]
         sender = (pw_home / "logs" / "worker-local-a.log").read_text()
         assert re.search(r"first transfer to 127\.0\.0\.1:\d+ by TCP link", sender), sender[-3000:]
+        # `up` again without the flags: the worker it starts again joins with the cluster's TLS
+        assert run_pwctl("worker", "stop", "local-b", env=env).returncode == 0
+        again = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address, env=env, timeout=120)
+        assert again.returncode == 0 and "(TLS)" in again.stdout, again.stdout + again.stderr
         # a job's driver finds the CA too (the controller passes it on)
         job = run_pwctl("submit", str(prog), env=env, timeout=90)
         assert job.returncode == 0 and '{"exact": true}' in job.stdout, job.stdout + job.stderr

@@ -63,14 +63,15 @@ def up(
                       no_token=no_token, tls=tls)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
+    secure = " (TLS)" if result.tls else ""
     what = ", ".join(f"{i} ({sizes.get(i, '?')} device(s))" for i in result.islands)
     total = sum(v for v in sizes.values())
     if already:
         pids = ", ".join(f"{w} pid {p}" for w, p in sorted(result.worker_pids.items()))
-        sys.stdout.write(f"already up at {result.address}: {len(result.islands)} island(s): {what}, {total} device(s) "
-                         f"in all (workers {pids}); nothing started\n")
+        sys.stdout.write(f"already up at {result.address}{secure}: {len(result.islands)} island(s): {what}, "
+                         f"{total} device(s) in all (workers {pids}); nothing started\n")
     else:
-        sys.stdout.write(f"cluster up at {result.address}{' (TLS)' if tls else ''}: {len(result.islands)} island(s): "
+        sys.stdout.write(f"cluster up at {result.address}{secure}: {len(result.islands)} island(s): "
                          f"{what}, {total} device(s) in all\n")
     if result.foreign_controller is not None:
         hint(f"the controller (pid {result.foreign_controller}) was started by `pwctl server start`, not by `pwctl "

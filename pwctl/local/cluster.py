@@ -26,6 +26,8 @@ from .processes import (
 from .tlsfiles import publish as publish_tls
 from .workers import running_worker, start_worker, wait_workers_ready, worker_pid_path
 
+TLS_FIELDS = ("ca", "cert", "key", "server_name", "require_client_cert")  # what cluster.json keeps of TLS
+
 
 @dataclass(frozen=True)
 class UpResult:
@@ -37,6 +39,7 @@ class UpResult:
     started_workers: list[str] = field(default_factory=list)
     token: str | None = None  # the cluster's own token (None: it requires none)
     foreign_controller: int | None = None  # the pid of a running controller `up` did not start: `down` leaves it
+    tls: TlsConfig | None = None  # the cluster's TLS (as given, or as cluster.json kept it); None: plaintext
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ def up(
     db = db or paths.default_db_url()
     state = _read_json(paths.cluster_state_path()) or {}
     running = running_controller()
+    if tls is None and running is not None and isinstance(state.get("tls"), dict):
+        # run again without the flags: workers it starts join the running cluster with its TLS
+        tls = TlsConfig(**{k: v for k, v in state["tls"].items() if k in TLS_FIELDS})
     proc: subprocess.Popen[bytes] | None = None
     log_offset = 0
     # the local cluster's own token: workers started here present it even where the caller's
@@ -133,6 +139,8 @@ def up(
         # one `up` never started (`pwctl server start` before the first `up`) is left alone by `down`
         controller_pid = running.pid if _cluster_controller(state) == running.pid else None
     new_state: dict[str, Any] = {"address": address, "worker_pids": worker_pids}
+    if tls is not None:
+        new_state["tls"] = {k: getattr(tls, k) for k in TLS_FIELDS}
     if controller_pid:
         new_state["controller_pid"] = controller_pid
     # written before waiting, so `down` can clean up even when a worker fails to come up
@@ -140,7 +148,7 @@ def up(
     wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout, token, tls)
     return UpResult(address=address, islands=names, devices=devices, controller_started=proc is not None,
                     worker_pids=worker_pids, started_workers=started, token=token,
-                    foreign_controller=None if controller_pid or running is None else running.pid)
+                    foreign_controller=None if controller_pid or running is None else running.pid, tls=tls)
 
 
 def recorded_address() -> str | None:

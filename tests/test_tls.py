@@ -2,7 +2,8 @@
 (tests/tlscerts.py).
 
 (a) `pwctl up` with TLS on loopback: listings, a `pw` program whose array crosses islands by the
-(TLS) TCP link, and a `pwctl submit` job all work; a plaintext client, one trusting another CA and
+(TLS) TCP link, a `pwctl submit` job and an unmodified JAX one (`--proxy`) all work, and `up` run
+again keeps TLS; a plaintext client, one trusting another CA and
 one checking another name each get one line saying so (exit 1), and the cluster keeps serving
 with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
 saying it needs one, one with a certificate the CA signs works, a worker trusting another CA
@@ -116,6 +117,11 @@ def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, p
         # a job's driver finds the CA too (the controller passes it on)
         job = run_pwctl("submit", str(prog), env=env, timeout=90)
         assert job.returncode == 0 and '{"exact": true}' in job.stdout, job.stdout + job.stderr
+        # and an unmodified JAX program as a job (`--proxy`): its driver reaches the controller by the bridge
+        jax_prog = tmp_path / "unmodified.py"
+        jax_prog.write_text(JAX_PROGRAM)
+        job = run_pwctl("submit", str(jax_prog), "--proxy", "--devices", "1", env=env, timeout=120)
+        assert job.returncode == 0 and "[1.0, 2.0, 3.0]" in job.stdout, job.stdout + job.stderr
 
         token = (pw_home / "token").read_text().strip()
         elsewhere = tmp_path / "elsewhere"  # a client with no data directory of the cluster's

@@ -3,9 +3,9 @@
 
 (a) `pwctl up` with TLS on loopback: listings, a `pw` program whose array crosses islands by the
 (TLS) TCP link, a `pwctl submit` job and an unmodified JAX one (`--proxy`) all work, and `up` run
-again keeps TLS; a plaintext client, one trusting another CA and
-one checking another name each get one line saying so (exit 1), and the cluster keeps serving
-with no traceback logged; (b) mutual TLS: a client without a certificate is refused with one line
+again keeps TLS; a plaintext client, one trusting another CA and one checking another name each
+get one line saying so (exit 1), and the cluster keeps serving with no traceback logged;
+(b) mutual TLS: a client without a certificate is refused with one line
 saying it needs one, one with a certificate the CA signs works, a worker trusting another CA
 never registers and logs why, an unmodified JAX program reaches it through the plugin's TLS bridge
 (pwctl/tlsbridge.py), and `--health-listen` answers the health service alone, plaintext;

@@ -10,6 +10,13 @@ shared machine) and a summary: each side's medians, and the median of the per-pa
 (a pair shares most of the machine's drift).
 
     python -m bench.proxy_ab /tmp/base /tmp/new --pairs 10 --calls 1500,6000
+
+`--tls B` (or A) starts that side's cluster with TLS (a throwaway CA, bench/tlscerts.py): its
+client reaches the controller through the plugin's TLS bridge (pwctl/tlsbridge.py). With the same
+tree on both sides that measures what TLS costs; the `updown` mode times a `--mib` MiB upload
+(`jax.device_put`) and the download of its double (`np.asarray`), as bench/proxy.py's transfer rows.
+
+    python -m bench.proxy_ab . . --tls B --modes pipelined,updown --pairs 6
 """
 
 from __future__ import annotations
@@ -34,11 +41,27 @@ CLIENT = """
 import json, sys, time
 import jax, numpy as np
 step = jax.jit(lambda x: x + 1.0)
+double = jax.jit(lambda v: v * 2.0)
 x0 = jax.device_put(np.zeros((1,), np.float32), jax.devices()[0])
 step(x0).block_until_ready()
 print(json.dumps({"ready": True, "backend": str(jax.devices()[0].client.platform_version)}), flush=True)
 for line in sys.stdin:
     mode, n = line.split()
+    if mode == "updown":  # n MiB up, and its double down
+        host = np.arange(int(n) * 2**18, dtype=np.float32) + np.float32(len(line))
+        t0 = time.perf_counter()
+        y = jax.device_put(host, jax.devices()[0])
+        y.block_until_ready()
+        up = time.perf_counter() - t0
+        z = double(y)
+        z.block_until_ready()
+        t1 = time.perf_counter()
+        back = np.asarray(z)
+        down = time.perf_counter() - t1
+        ok = bool(np.array_equal(back, host * np.float32(2)))
+        print(json.dumps({"per_s": int(n) / up, "down_mib_s": int(n) / down, "calls": 1, "value": float(ok)}),
+              flush=True)
+        continue
     x = x0
     t0 = time.perf_counter()
     for _ in range(int(n)):
@@ -78,8 +101,8 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 class Side:
     """One tree's cluster and client."""
 
-    def __init__(self, label: str, tree: Path, port: int, home: Path) -> None:
-        self.label, self.tree, self.port, self.home = label, tree, port, home
+    def __init__(self, label: str, tree: Path, port: int, home: Path, tls: bool = False) -> None:
+        self.label, self.tree, self.port, self.home, self.tls = label, tree, port, home, tls
         self.address = f"127.0.0.1:{port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith(("PWCTL_", "PATHWAYS_", "JAX_"))}
         self.env = {**base, "PYTHONPATH": str(tree), "PATHWAYS_HOME": str(home), "PWCTL_SERVER": self.address,
@@ -95,7 +118,14 @@ class Side:
         return out.stdout
 
     def up(self) -> None:
-        self.pwctl("up", "--islands", "1", "--devices", "4", "--listen", self.address, "--no-token")
+        flags: list[str] = []
+        if self.tls:  # the CA lands in this side's data directory, where its client finds it
+            from bench.tlscerts import make_ca, make_cert
+
+            ca = make_ca(self.home / "certs")
+            host = make_cert(ca, self.home / "certs", "host", ["127.0.0.1"])
+            flags = ["--tls-cert", str(host.cert), "--tls-key", str(host.key), "--tls-ca", str(ca.cert)]
+        self.pwctl("up", "--islands", "1", "--devices", "4", "--listen", self.address, "--no-token", *flags)
         self.pwctl("slice", "create", SLICE, "--devices", "4")
         env = {**self.env, "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": f"grpc://{self.address}",
                "PATHWAYS_SLICE": SLICE}
@@ -170,13 +200,18 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--calls", default="1500,6000", help="calls per window, op-by-op and pipelined")
     ap.add_argument("--ports", default="7391,7392")
-    ap.add_argument("--modes", default="opbyop,pipelined")
+    ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, updown")
+    ap.add_argument("--mib", type=int, default=64, help="the updown mode's array (MiB)")
+    ap.add_argument("--tls", default="", choices=["", "A", "B"], help="this side's cluster serves TLS")
     args = ap.parse_args()
     ports = [int(p) for p in args.ports.split(",")]
     modes = args.modes.split(",")
     calls = dict(zip(("opbyop", "pipelined"), (int(c) for c in args.calls.split(",")), strict=True))
+    calls["updown"] = args.mib
     tmp = Path(tempfile.mkdtemp(prefix="proxy-ab-"))
-    sides = [Side("A", args.a.resolve(), ports[0], tmp / "a"), Side("B", args.b.resolve(), ports[1], tmp / "b")]
+    sides = [Side("A", args.a.resolve(), ports[0], tmp / "a", tls=args.tls == "A"),
+             Side("B", args.b.resolve(), ports[1], tmp / "b", tls=args.tls == "B")]
+    down: dict[str, list[float]] = {"A": [], "B": []}  # updown: download MiB/s
     rates: dict[str, dict[str, list[float]]] = {m: {"A": [], "B": []} for m in modes}
     loads: list[float] = []
     cpu: dict[str, dict[str, dict[str, list[float]]]] = {m: {"A": {}, "B": {}} for m in modes}
@@ -187,13 +222,15 @@ def main() -> None:
                 print(f"# {s.label}: {line}", flush=True)
         for mode in modes:  # one untimed window each: the first windows after start read low
             for s in sides:
-                s.ask(mode, calls[mode] // 3)
+                s.ask(mode, max(1, calls[mode] // 3))
         for i in range(args.pairs):
             order = sides if i % 2 == 0 else sides[::-1]
             for mode in modes:
                 for s in order:
                     out = s.ask(mode, calls[mode])
                     rates[mode][s.label].append(float(out["per_s"]))
+                    if "down_mib_s" in out:
+                        down[s.label].append(float(out["down_mib_s"]))
                     for role, us in out["cpu_us_per_call"].items():
                         cpu[mode][s.label].setdefault(role, []).append(us)
                     load = os.getloadavg()[0]
@@ -213,6 +250,12 @@ def main() -> None:
                           "B_over_A_pair_median": round(statistics.median(ratios), 4),
                           "B_faster_pairs": sum(r > 1 for r in ratios), "pairs": len(ratios),
                           "A": [round(v) for v in a], "B": [round(v) for v in b]}), flush=True)
+        if mode == "updown":  # per_s above: upload MiB/s
+            da, db = down["A"], down["B"]
+            print(json.dumps({"mode": "updown (download MiB/s)", "A_median": round(statistics.median(da), 1),
+                              "B_median": round(statistics.median(db), 1),
+                              "B_over_A_pair_median": round(statistics.median(
+                                  [y / x for x, y in zip(da, db, strict=False) if x > 0]), 4)}), flush=True)
         print(json.dumps({"mode": mode, "cpu_us_per_call_medians": {
             side: {r: statistics.median(v) for r, v in cpu[mode][side].items()} for side in ("A", "B")}}), flush=True)
     print(json.dumps({"load1_min": min(loads), "load1_max": max(loads),

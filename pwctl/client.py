@@ -15,6 +15,7 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from . import settings
 from .errors import ConnectionFailed, Unavailable
+from .tls import TlsConfig
 from .transport import DEFAULT_RETRY, BidiStream, RetryPolicy, Transport
 
 R = TypeVar("R")
@@ -30,12 +31,13 @@ class Client:
     Every call goes through one `Transport` (typed errors, retries of idempotent reads)."""
 
     def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, tls: TlsConfig | None = None) -> None:
         target = settings.resolve(server, token)
         self.address = target.address
         self.token = target.token
+        self.tls = tls or target.tls  # TLS as `settings` finds it, unless given (pwctl/tls.py)
         self.timeout = timeout
-        self._transport = Transport(self.address, target.token, timeout=timeout, retry=retry)
+        self._transport = Transport(self.address, target.token, timeout=timeout, retry=retry, tls=self.tls)
         self._stub = cgrpc.ControllerStub(self._transport.channel)
 
     @property

@@ -30,9 +30,14 @@ __all__ = [
     "logs_dir",
     "private_dir",
     "private_file",
+    "read_tls_server_name",
     "server_log_path",
     "server_pid_path",
     "split_address",
+    "tls_ca_path",
+    "tls_client_cert_path",
+    "tls_client_key_path",
+    "tls_server_name_path",
     "token_path",
 ]
 
@@ -123,6 +128,32 @@ def load_or_create_token(path: Path | None = None) -> str:
         tmp.unlink(missing_ok=True)
     _tighten(path, 0o600)
     return path.read_text().strip()
+
+
+def tls_ca_path() -> Path:
+    """The CA bundle `pwctl up`/`server start` with TLS copy here for clients (pwctl/settings.py)."""
+    return data_dir() / "tls-ca.pem"
+
+
+def tls_client_cert_path() -> Path:
+    """With mutual TLS, the client certificate (and `tls_client_key_path`) local clients present."""
+    return data_dir() / "tls-client.pem"
+
+
+def tls_client_key_path() -> Path:
+    return data_dir() / "tls-client.key"
+
+
+def tls_server_name_path() -> Path:
+    return data_dir() / "tls-server-name"
+
+
+def read_tls_server_name() -> str:
+    """The server name `pwctl up`/`server start --tls-server-name` left here ("" when none)."""
+    try:
+        return tls_server_name_path().read_text().strip()
+    except OSError:
+        return ""
 
 
 def server_pid_path() -> Path:

@@ -21,6 +21,11 @@ timeout and only then raises, with the server's message; `PATHWAYS_CONNECT_TIMEO
 `CONNECT_TIMEOUT_S`) bounds that wait, and a controller's start-up.
 The controller speaks plaintext gRPC, which the client refuses unless
 `IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS` is true; we set it unless the user set it.
+
+A controller with TLS (found as `pwctl` finds its CA: `PWCTL_TLS_CA`, the config file, the data
+directory) is out of the jaxlib client's reach (plaintext or ALTS only): the client is pointed at a
+loopback bridge in this process instead, which carries its connection over TLS
+(pwctl/tlsbridge.py).
 """
 
 from __future__ import annotations
@@ -143,16 +148,34 @@ def timer_slack(ns: int) -> Iterator[None]:
             libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(before), 0, 0, 0)
 
 
+def client_target(environ: Mapping[str, str] | None = None) -> str:
+    """Where the jaxlib client connects: `target()`, or with TLS the loopback bridge to it."""
+    address = target(environ)
+    from pwctl import settings
+
+    tls = settings.resolve_tls()
+    if tls is None:
+        return address
+    from pwctl import tlsbridge
+
+    scheme, _, hostport = address.partition("://")
+    host, _, port = hostport.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"JAX_BACKEND_TARGET={address!r}: expected grpc://HOST:PORT")
+    return f"{scheme}://{tlsbridge.bridge(host, int(port), tls).address}"
+
+
 def make_client() -> Any:
     """The backend factory: a connected IFRT proxy client (JAX calls it on first use)."""
     from jax.extend.backend import ifrt_proxy
 
-    os.environ.setdefault(INSECURE_ENV, "true")
+    os.environ.setdefault(INSECURE_ENV, "true")  # to the controller, or to the TLS bridge (loopback)
     options = ifrt_proxy.ClientConnectionOptions()
     options.initialization_data = initialization_data()
     options.connection_timeout_in_seconds = connect_timeout()
+    address = client_target()
     with timer_slack(client_timer_slack_ns()):
-        return ifrt_proxy.get_client(target(), options)
+        return ifrt_proxy.get_client(address, options)
 
 
 def initialize() -> None:

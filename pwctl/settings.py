@@ -3,6 +3,13 @@
 The token likewise: --token, $PWCTL_TOKEN, the config file, the server's token file.
 The config file is `$PATHWAYS_HOME/config.json` (or the user's data dir), e.g.
 `{"server": "10.0.0.5:7070", "token": "..."}`.
+
+TLS likewise (pwctl/tls.py): the CA bundle from --tls-ca ($PWCTL_TLS_CA), the config file's
+"tls_ca", then the copy `pwctl up`/`server start` left in the data directory (`tls-ca.pem`); none:
+plaintext. A client certificate (mutual TLS) from $PWCTL_TLS_CERT/$PWCTL_TLS_KEY, "tls_cert"/
+"tls_key", then the data directory's `tls-client.pem`/`.key`; the name to check in the server's
+certificate instead of the dialled host from $PATHWAYS_TLS_SERVER_NAME, "tls_server_name", then
+the data directory's `tls-server-name`.
 """
 
 from __future__ import annotations
@@ -13,15 +20,21 @@ from dataclasses import dataclass
 
 from . import paths
 from .errors import InvalidArgument
+from .tls import ENV_SERVER_NAME, TlsConfig
+
+ENV_CA = "PWCTL_TLS_CA"
+ENV_CERT = "PWCTL_TLS_CERT"
+ENV_KEY = "PWCTL_TLS_KEY"
 
 
 @dataclass(frozen=True)
 class Target:
     address: str
     token: str | None
+    tls: TlsConfig | None = None
 
 
-CONFIG_KEYS = ("server", "token")
+CONFIG_KEYS = ("server", "token", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 def _config() -> dict[str, str]:
@@ -57,4 +70,28 @@ def resolve(server: str | None = None, token: str | None = None) -> Target:
     cfg = _config()
     address = server or os.environ.get("PWCTL_SERVER") or cfg.get("server") or paths.DEFAULT_ADDRESS
     tok = token or os.environ.get("PWCTL_TOKEN") or cfg.get("token")
-    return Target(address=address, token=tok or paths.read_token())
+    return Target(address=address, token=tok or paths.read_token(), tls=resolve_tls(cfg))
+
+
+def _existing(path: os.PathLike[str]) -> str | None:
+    return str(path) if os.path.exists(path) else None
+
+
+def resolve_tls(cfg: dict[str, str] | None = None) -> TlsConfig | None:
+    """The client's TLS settings (the order in the module's docstring); None: plaintext."""
+    cfg = _config() if cfg is None else cfg
+    env = os.environ
+    ca = env.get(ENV_CA) or cfg.get("tls_ca") or _existing(paths.tls_ca_path())
+    if not ca:
+        return None
+    cert = env.get(ENV_CERT) or cfg.get("tls_cert")
+    key = env.get(ENV_KEY) or cfg.get("tls_key")
+    if not cert and not key:  # the data directory's pair, where both are there
+        cert, key = _existing(paths.tls_client_cert_path()), _existing(paths.tls_client_key_path())
+        cert, key = (cert, key) if cert and key else (None, None)
+    name = env.get(ENV_SERVER_NAME) or cfg.get("tls_server_name") or paths.read_tls_server_name()
+    try:
+        return TlsConfig(ca=ca, cert=cert, key=key, server_name=name or "")
+    except InvalidArgument as e:  # name the client-side settings, not the servers' flags
+        raise InvalidArgument(str(e).replace("--tls-ca", "the CA bundle (PWCTL_TLS_CA)").replace(
+            "--tls-cert", "PWCTL_TLS_CERT").replace("--tls-key", "PWCTL_TLS_KEY")) from None

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from . import tls as tls_
 from .errors import PathwaysError, from_rpc_error
 
 R = TypeVar("R")
@@ -71,9 +72,10 @@ DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-def channel(address: str) -> grpc.Channel:
-    """A channel to `address` with the client's options (the only place channels are made)."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: tls_.TlsConfig | None = None) -> grpc.Channel:
+    """A channel to `address` with the client's options (the only place channels are made):
+    TLS with `tls` (pwctl/tls.py), plaintext without."""
+    return tls_.channel(address, CHANNEL_OPTIONS, tls)
 
 
 class BidiStream(Generic[R]):
@@ -96,25 +98,33 @@ class BidiStream(Generic[R]):
 
 class Transport:
     """One connection to a controller or a worker at `address` ("server" or "worker": `peer`
-    names it in error messages). Cheap to create; close() when done."""
+    names it in error messages), over TLS with `tls`. Cheap to create; close() when done."""
 
     def __init__(self, address: str, token: str | None = None, *, peer: str = "server", timeout: float = 30.0,
-                 retry: RetryPolicy = DEFAULT_RETRY, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, metadata: tuple[tuple[str, str], ...] = (),
+                 tls: tls_.TlsConfig | None = None) -> None:
         self.address = address
+        self.tls = tls
         self.peer = peer
         self.timeout = timeout
         self.retry = retry
         # the bearer token, and what else every call carries (a worker's session credential)
         self.metadata: tuple[tuple[str, str], ...] = (
             ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata))
-        self.channel = channel(address)
+        self.channel = channel(address, tls)
 
     def close(self) -> None:
         self.channel.close()
 
     def error(self, e: grpc.RpcError) -> PathwaysError:
-        """The typed error for a failed call on this connection."""
-        return from_rpc_error(e, self.address, self.peer)
+        """The typed error for a failed call on this connection; a connection that failed for TLS
+        (plaintext to a TLS server, a CA that does not sign its certificate...) says so."""
+        err = from_rpc_error(e, self.address, self.peer)
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            why = tls_.diagnose(err.details, self.address, self.peer, self.tls)
+            if why is not None:
+                return type(err)(why, code=err.code, details=err.details)
+        return err
 
     def unary(self, rpc: Callable[..., R], request: Any, *, timeout: float | None = None,
               idempotent: bool = False) -> R:

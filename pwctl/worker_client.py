@@ -21,6 +21,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .errors import ConnectionFailed, DeadlineExceeded, PathwaysError, from_status, status_code
+from .tls import TlsConfig
 from .transport import NO_RETRY, Transport
 from .waitstream import WaitStream
 
@@ -111,12 +112,12 @@ class WorkerClient:
     until the session's buffers go, as nothing would ever read or release it."""
 
     def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None,
-                 wanted: Wanted | None = None) -> None:
+                 wanted: Wanted | None = None, tls: TlsConfig | None = None) -> None:
         self.address = address
         # the session credential (Welcome.worker_credential): the worker serves this session's
         # buffers only, and only to it
         extra = (("x-pathways-session", credential),) if credential else ()
-        self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra)
+        self._transport = Transport(address, token, peer="worker", retry=NO_RETRY, metadata=extra, tls=tls)
         self._stub = wgrpc.WorkerStub(self._transport.channel)
         self.waits = WaitStream(self._transport, self._stub)  # `wait`'s stream (pwctl/waitstream.py)
         self.on_lost: Lost = on_lost or (lambda uploads, error: None)

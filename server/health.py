@@ -6,6 +6,10 @@ is built until `serving()`, and NOT_SERVING again, for good, from `shutting_down
 the gRPC server stops, so a watcher sees NOT_SERVING before its stream ends.
 
 The status is kept for the whole server ("") and for the server's own service name.
+
+With TLS (pwctl/tls.py) the server's port speaks TLS only, which Kubernetes' `grpc:` probes cannot:
+`serve_plain` answers the same status on a port of its own, plaintext, with this service alone
+(`--health-listen`; it tells nothing but up or down).
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ class Health:
         for name in self.services:
             await self._servicer.set(name, NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+
+    async def serve_plain(self, listen: str) -> aio.Server:
+        """A plaintext server at `listen` answering this health service alone; raises SystemExit
+        (one line) when it cannot listen there."""
+        server = aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise SystemExit(f"cannot serve health checks on {listen}: address in use or not available")
+        await server.start()
+        return server
 
     async def serving(self) -> None:
         for name in self.services:

@@ -133,3 +133,27 @@ def test_broken_manifests_fail(tmp_path: Path) -> None:
         r = validate(files, VERSIONS[0])
         assert r.returncode != 0, f"the validator passed a broken manifest ({name}):\n{r.stdout}{r.stderr}"
         assert "workers.yaml" in r.stdout + r.stderr
+
+
+def test_every_pod_serves_tls_from_the_tls_secret() -> None:
+    """Controller and workers mount the kubernetes.io/tls Secret the kustomization generates and
+    pass its three files as --tls-cert/--tls-key/--tls-ca; their probes ask the plaintext health
+    port (`--health-listen`), since kubelet's grpc probes cannot speak TLS."""
+    generated = {g["name"]: g for g in kustomization()["secretGenerator"]}
+    assert generated["pathways-tls"]["type"] == "kubernetes.io/tls"
+    assert set(generated["pathways-tls"]["files"]) == {"tls.crt", "tls.key", "ca.crt"}
+    docs = load_all()
+    for name in ("pathways-controller", "pathways-worker"):
+        pod = docs[("StatefulSet", name)]["spec"]["template"]["spec"]
+        c = _container(docs, name)
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        tls_volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "pathways-tls")
+        where = mounts[tls_volume["name"]]
+        line = " ".join(c.get("args", []) + c.get("command", [])).replace("=", " ")
+        for flag, file in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt")):
+            assert f"{flag} {where}/{file}" in line, (name, flag)
+        health = {p["name"]: p["containerPort"] for p in c["ports"]}["health"]
+        assert f":{health}" in line.split("--health-listen ")[1].split()[0], name
+        assert c["readinessProbe"]["grpc"]["port"] == c["livenessProbe"]["grpc"]["port"] == health
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["PATHWAYS_TLS_SERVER_NAME"] == "pathways-controller.pathways.svc", name

@@ -73,7 +73,8 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
     ("{bad", "is not valid JSON"),
     ('["127.0.0.1:7070"]', "must hold a JSON object"),
     ('{"server": 7070}', "'server' must be a string"),
-    ('{"sever": "127.0.0.1:7070"}', "unknown key(s) 'sever' (known: server, token)"),
+    ('{"sever": "127.0.0.1:7070"}',
+     "unknown key(s) 'sever' (known: server, token, tls_ca, tls_cert, tls_key, tls_server_name)"),
 ])
 def test_an_invalid_config_file_is_an_error(pw_home: Path, content: str, message: str) -> None:
     (pw_home / "config.json").write_text(content)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tlscerts import make_ca, make_cert
 
 from server.ports import held_port
 
@@ -226,8 +227,14 @@ def jobs(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
     root = tmp_path_factory.mktemp("slurm-jobs")
     program = root / "fails.py"
     program.write_text(FAILS)
+    # the failing job runs with TLS: per-node certificates ("{node}" in the path) naming the address
+    # the launcher's servers use (the node's hostname), signed by a throwaway CA
+    certs = root / "certs"
+    ca = make_ca(certs)
+    make_cert(ca, certs, socket.gethostname(), [socket.gethostname()])
+    tls = {"PW_TLS_CERT": f"{certs}/{{node}}.pem", "PW_TLS_KEY": f"{certs}/{{node}}.key", "PW_TLS_CA": str(ca.cert)}
     made = {"ok": Job(root / "ok", sbatch(slurm, root / "ok", SEED))}
-    made["fail"] = Job(root / "fail", sbatch(slurm, root / "fail", program, PW_ISLANDS="main"))
+    made["fail"] = Job(root / "fail", sbatch(slurm, root / "fail", program, PW_ISLANDS="main", **tls))
     yield made
     for job in made.values():  # none left running, whichever test ran
         with contextlib.suppress(TimeoutError):
@@ -269,4 +276,9 @@ def test_program_exit_code_is_the_jobs(slurm: Slurm, jobs: dict[str, Job]) -> No
     assert not job_processes(job_dir)
     # PW_ISLANDS named the node's worker into island "main" (by default: the node's name)
     node = socket.gethostname()
-    assert f"worker {node} (island main," in (job_dir / f"worker-{node}.log").read_text(), out
+    worker = (job_dir / f"worker-{node}.log").read_text()
+    assert f"worker {node} (island main," in worker, out
+    # PW_TLS_*: the controller and the worker served TLS only, and the launcher's pwctl and the
+    # program's driver found the CA (the program ran)
+    assert re.search(r"serving at \S+ \(TLS\)", worker), worker[-2000:]
+    assert "(TLS)" in (job_dir / "server.log").read_text()

@@ -319,7 +319,8 @@ class Runtime:
             conn = self._workers.get(address)
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
-                                                             on_lost=self._uploads_lost, wanted=self._upload_wanted)
+                                                             on_lost=self._uploads_lost, wanted=self._upload_wanted,
+                                                             tls=self.client.tls)
             return conn
 
     def _upload_wanted(self, upload: Upload) -> bool:

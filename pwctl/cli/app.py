@@ -27,6 +27,9 @@ def _root(
     server: str | None = typer.Option(None, "--server", "-s", show_default=False,
                                       help="Controller address HOST:PORT for every command (as $PWCTL_SERVER; "
                                            "a subcommand's own --server wins)"),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", show_default=False,
+                                      help="CA bundle (PEM) to check a TLS controller's certificate with "
+                                           "(as $PWCTL_TLS_CA; default: config, the data directory's copy)"),
 ) -> None:
     """Pathways: run JAX programs on a shared cluster of accelerator islands.
 
@@ -37,6 +40,8 @@ def _root(
         os.environ["PWCTL_DEBUG"] = "1"
     if server:
         os.environ["PWCTL_SERVER"] = server  # the same place in the precedence as the flag
+    if tls_ca:
+        os.environ["PWCTL_TLS_CA"] = tls_ca  # likewise (pwctl/settings.py)
 
 
 for noun in (cluster, jobs, status, islands, devices, server, worker, slices):

@@ -10,7 +10,16 @@ import typer
 
 from .. import paths
 from ..errors import ConnectionFailed
-from .common import confirm_or_exit, hint
+from .common import (
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    TlsRequireOpt,
+    TlsServerNameOpt,
+    confirm_or_exit,
+    hint,
+    server_tls,
+)
 
 IslandsOpt = Annotated[int | None, typer.Option(
     "--islands", min=1, show_default=False, help="Islands, one worker each (default 2; 1 with --devices all)")]
@@ -29,10 +38,19 @@ def up(
     listen: ListenOpt = paths.DEFAULT_ADDRESS,
     db: DbOpt = None,
     no_token: NoTokenOpt = False,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    tls_require_client_cert: TlsRequireOpt = False,
 ) -> None:
     """Start a local cluster (controller + one worker per island) and wait until it is ready.
-    Run again, it starts only what is missing and says what runs."""
+    Run again, it starts only what is missing and says what runs.
+
+    With --tls-cert/--tls-key/--tls-ca every process serves TLS only (the certificate must name the
+    --listen address, e.g. IP:127.0.0.1) and clients here find the CA in the data directory."""
     count = _devices(devices)
+    tls = server_tls(tls_cert, tls_key, tls_ca, tls_server_name, tls_require_client_cert)
     if count is None and islands not in (None, 1):
         raise typer.BadParameter("--devices all gives every accelerator of this machine to one worker, so one "
                                  "island: leave --islands out (more islands: `pwctl worker start` on other hosts)",
@@ -42,18 +60,19 @@ def up(
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
-                      no_token=no_token)
+                      no_token=no_token, tls=tls)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
+    secure = " (TLS)" if result.tls else ""
     what = ", ".join(f"{i} ({sizes.get(i, '?')} device(s))" for i in result.islands)
     total = sum(v for v in sizes.values())
     if already:
         pids = ", ".join(f"{w} pid {p}" for w, p in sorted(result.worker_pids.items()))
-        sys.stdout.write(f"already up at {result.address}: {len(result.islands)} island(s): {what}, {total} device(s) "
-                         f"in all (workers {pids}); nothing started\n")
+        sys.stdout.write(f"already up at {result.address}{secure}: {len(result.islands)} island(s): {what}, "
+                         f"{total} device(s) in all (workers {pids}); nothing started\n")
     else:
-        sys.stdout.write(f"cluster up at {result.address}: {len(result.islands)} island(s): {what}, "
-                         f"{total} device(s) in all\n")
+        sys.stdout.write(f"cluster up at {result.address}{secure}: {len(result.islands)} island(s): "
+                         f"{what}, {total} device(s) in all\n")
     if result.foreign_controller is not None:
         hint(f"the controller (pid {result.foreign_controller}) was started by `pwctl server start`, not by `pwctl "
              "up`: `pwctl down` leaves it running (`pwctl server stop` stops it)")

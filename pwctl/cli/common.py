@@ -30,6 +30,32 @@ ServerOpt = Annotated[
                  show_default=False),
 ]
 
+# a server's TLS (pwctl/tls.py; README.md, "TLS"): `pwctl up`, `server start`, `worker start`
+TlsCertOpt = Annotated[str | None, typer.Option(
+    "--tls-cert", show_default=False, help="This host's certificate (PEM): serve TLS only, present it to peers "
+                                           "(default: $PATHWAYS_TLS_CERT; none: plaintext)")]
+TlsKeyOpt = Annotated[str | None, typer.Option("--tls-key", show_default=False,
+                                               help="Its private key (PEM; default: $PATHWAYS_TLS_KEY)")]
+TlsCaOpt = Annotated[str | None, typer.Option(
+    "--tls-ca", show_default=False, help="The CA bundle (PEM) that signs the cluster's certificates "
+                                         "(default: $PATHWAYS_TLS_CA)")]
+TlsServerNameOpt = Annotated[str | None, typer.Option(
+    "--tls-server-name", show_default=False,
+    help="Name to check in peers' certificates instead of the host dialled (certificates issued to one "
+         "cluster-wide name; default: $PATHWAYS_TLS_SERVER_NAME)")]
+TlsRequireOpt = Annotated[bool, typer.Option(
+    "--tls-require-client-cert", help="Mutual TLS: callers must present a certificate the CA signs "
+                                      "(default: $PATHWAYS_TLS_REQUIRE_CLIENT_CERT; the token still applies)")]
+
+
+def server_tls(cert: str | None, key: str | None, ca: str | None, server_name: str | None,
+               require_client_cert: bool) -> Any:
+    """A server's TlsConfig from its flags and $PATHWAYS_TLS_* (None: plaintext); a bad set is one
+    line and exit 2 (InvalidArgument), before anything starts."""
+    from ..tls import server_config
+
+    return server_config(cert, key, ca, server_name, require_client_cert)
+
 
 class Format(StrEnum):
     table = "table"

@@ -11,7 +11,21 @@ import typer
 from .. import __version__, paths, units
 from ..errors import InvalidArgument
 from ..version import compatible, mismatch
-from .common import Format, OutputOpt, ServerOpt, client, emit_item, hint, stdout
+from .common import (
+    Format,
+    OutputOpt,
+    ServerOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    TlsRequireOpt,
+    TlsServerNameOpt,
+    client,
+    emit_item,
+    hint,
+    server_tls,
+    stdout,
+)
 
 if TYPE_CHECKING:
     from schemas.views import ServerInfoView
@@ -85,10 +99,16 @@ def start(
     relay_min_hosts: RelayMinOpt = 32,
     relay_group: RelayGroupOpt = 64,
     group_wait: GroupWaitOpt = 60.0,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    tls_require_client_cert: TlsRequireOpt = False,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     from .. import local
 
+    tls = server_tls(tls_cert, tls_key, tls_ca, tls_server_name, tls_require_client_cert)
     if heartbeat_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
     if hang_timeout <= 0:
@@ -122,7 +142,7 @@ def start(
     if no_token:
         extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
-                                    heartbeat_timeout=heartbeat_timeout, extra_args=extra)
+                                    heartbeat_timeout=heartbeat_timeout, extra_args=extra, tls=tls)
     if handle.already_running:
         sys.stderr.write(f"already running (pid {handle.pid} at {handle.address})\n")
         return
@@ -130,6 +150,9 @@ def start(
     hint(f"log: {handle.log_path}; stop with `pwctl server stop`")
     if not no_token:
         hint(f"calls need the token in {paths.token_path()} (clients elsewhere: set PWCTL_TOKEN)")
+    if tls is not None:
+        hint(f"TLS only: clients elsewhere need the CA bundle {tls.ca} (PWCTL_TLS_CA)"
+             + (" and a certificate it signs (PWCTL_TLS_CERT, PWCTL_TLS_KEY)" if tls.require_client_cert else ""))
 
 
 @app.command("stop")

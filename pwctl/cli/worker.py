@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from .common import ServerOpt, hint
+from .common import (
+    ServerOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
+    TlsRequireOpt,
+    TlsServerNameOpt,
+    hint,
+    server_tls,
+)
 
 app = typer.Typer(help="Workers: one process per host, owning its devices.", no_args_is_help=True)
 
@@ -35,17 +44,26 @@ def start(
     foreground: ForegroundOpt = False,
     wait: WaitOpt = True,
     no_token: NoTokenOpt = False,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_server_name: TlsServerNameOpt = None,
+    tls_require_client_cert: TlsRequireOpt = False,
 ) -> None:
-    """Start a worker that registers with the controller and heartbeats (reconnecting on its own)."""
+    """Start a worker that registers with the controller and heartbeats (reconnecting on its own).
+
+    With --tls-cert/--tls-key/--tls-ca it serves TLS only and reaches the controller and the other
+    workers over TLS, presenting its certificate."""
     from .. import local, settings
 
+    tls = server_tls(tls_cert, tls_key, tls_ca, tls_server_name, tls_require_client_cert)
     address = settings.resolve(server).address
     worker_name = name or local.default_worker_name(island)
     pid = local.start_worker(address, island, devices, worker_name, listen, detach=not foreground,
-                             no_token=no_token)
+                             no_token=no_token, tls=tls)
     if wait:
         hint(f"waiting for worker {worker_name} to register with {address} ...")
-        local.wait_workers_ready(address, {worker_name: pid}, timeout=60.0)
+        local.wait_workers_ready(address, {worker_name: pid}, timeout=60.0, tls=tls)
     sys.stdout.write(f"worker {worker_name} started (pid {pid}) on island {island}\n")
     hint(f"log: {local.worker_log_path(worker_name)}; stop with `pwctl worker stop {worker_name}`")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import paths
 from ..errors import InvalidArgument, PathwaysError
+from ..tls import TlsConfig
 from .controller import _spawn_controller, _stop_controller_pid, _wait_controller, running_controller
 from .processes import (
     CONTROLLER_MODULE,
@@ -22,7 +23,10 @@ from .processes import (
     runs_module,
     terminate,
 )
+from .tlsfiles import publish as publish_tls
 from .workers import running_worker, start_worker, wait_workers_ready, worker_pid_path
+
+TLS_FIELDS = ("ca", "cert", "key", "server_name", "require_client_cert")  # what cluster.json keeps of TLS
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class UpResult:
     started_workers: list[str] = field(default_factory=list)
     token: str | None = None  # the cluster's own token (None: it requires none)
     foreign_controller: int | None = None  # the pid of a running controller `up` did not start: `down` leaves it
+    tls: TlsConfig | None = None  # the cluster's TLS (as given, or as cluster.json kept it); None: plaintext
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ def up(
     db: str | None = None,
     timeout: float = WORKER_READY_TIMEOUT_S,
     no_token: bool = False,
+    tls: TlsConfig | None = None,
 ) -> UpResult:
     """Starts (or completes) a local cluster: the controller and one worker per island.
 
@@ -74,7 +80,9 @@ def up(
     their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
     every accelerator of this machine. The cluster token is made first (in the data directory,
     0600) so that the controller and the workers starting beside it agree on it; `no_token`: the
-    controller and the workers it starts require none (a private machine).
+    controller and the workers it starts require none (a private machine). `tls`: the controller
+    and the workers serve TLS only, with these files (one certificate for this machine), and
+    clients here find the CA in the data directory (tlsfiles.py).
     """
     if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
         raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
@@ -84,6 +92,9 @@ def up(
     db = db or paths.default_db_url()
     state = _read_json(paths.cluster_state_path()) or {}
     running = running_controller()
+    if tls is None and running is not None and isinstance(state.get("tls"), dict):
+        # run again without the flags: workers it starts join the running cluster with its TLS
+        tls = TlsConfig(**{k: v for k, v in state["tls"].items() if k in TLS_FIELDS})
     proc: subprocess.Popen[bytes] | None = None
     log_offset = 0
     # the local cluster's own token: workers started here present it even where the caller's
@@ -92,11 +103,13 @@ def up(
     if running is not None:
         address = running.address
     else:
-        proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, ("--no-token",) if no_token else ())
+        publish_tls(tls)
+        flags = [*(("--no-token",) if no_token else ()), *(tls.args() if tls is not None else ())]
+        proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, flags)
         address = listen
     if proc is not None and paths.split_address(listen)[1] == 0:
         # the port is known only once the controller serves: workers must wait for it
-        address = _wait_controller(proc, log_offset, db).address
+        address = _wait_controller(proc, log_offset, db, tls=tls).address
 
     names = island_names(islands)
     worker_pids: dict[str, int] = {}
@@ -108,14 +121,14 @@ def up(
         name = f"local-{island}"
         pid = worker_pids.get(name) or running_worker(name)
         if pid is None:
-            pid = start_worker(address, island, devices, name, no_token=no_token, token=token)
+            pid = start_worker(address, island, devices, name, no_token=no_token, token=token, tls=tls)
             started.append(name)
         worker_pids[name] = pid
 
     controller_pid = state.get("controller_pid")
     if proc is not None:
         try:
-            address = _wait_controller(proc, log_offset, db).address
+            address = _wait_controller(proc, log_offset, db, tls=tls).address
         except PathwaysError:  # e.g. its port is taken: the workers started for it must not stay,
             # retrying that address (another process's) with nothing recorded for `down` to stop
             _stop_workers({n: worker_pids[n] for n in started})
@@ -126,14 +139,16 @@ def up(
         # one `up` never started (`pwctl server start` before the first `up`) is left alone by `down`
         controller_pid = running.pid if _cluster_controller(state) == running.pid else None
     new_state: dict[str, Any] = {"address": address, "worker_pids": worker_pids}
+    if tls is not None:
+        new_state["tls"] = {k: getattr(tls, k) for k in TLS_FIELDS}
     if controller_pid:
         new_state["controller_pid"] = controller_pid
     # written before waiting, so `down` can clean up even when a worker fails to come up
     _write_json(paths.cluster_state_path(), new_state)
-    wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout, token)
+    wait_workers_ready(address, {n: worker_pids[n] for n in (f"local-{i}" for i in names)}, timeout, token, tls)
     return UpResult(address=address, islands=names, devices=devices, controller_started=proc is not None,
                     worker_pids=worker_pids, started_workers=started, token=token,
-                    foreign_controller=None if controller_pid or running is None else running.pid)
+                    foreign_controller=None if controller_pid or running is None else running.pid, tls=tls)
 
 
 def recorded_address() -> str | None:

@@ -15,6 +15,7 @@ from typing import NoReturn
 from .. import paths
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
+from ..tls import TlsConfig
 from ..transport import NO_RETRY
 from ..version import check_jax
 from .processes import (
@@ -35,6 +36,7 @@ from .processes import (
     stop_children,
     terminate,
 )
+from .tlsfiles import publish as publish_tls
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,11 @@ def running_controller(timeout: float = 2.0) -> ControllerHandle | None:
         time.sleep(POLL_S)
 
 
-def _answers(address: str, timeout: float = 1.0) -> bool:
-    """True when a controller answers GetInfo at `address` (a rejection is an answer too)."""
+def _answers(address: str, timeout: float = 1.0, tls: TlsConfig | None = None) -> bool:
+    """True when a controller answers GetInfo at `address` (a rejection is an answer too); over
+    TLS with `tls`, else as `pwctl` finds its settings."""
     try:
-        with Client(server=address, timeout=timeout, retry=NO_RETRY) as c:
+        with Client(server=address, timeout=timeout, retry=NO_RETRY, tls=tls) as c:
             c.info(timeout=timeout)
         return True
     except ConnectionFailed:
@@ -113,7 +116,7 @@ def _spawn_controller(listen: str, db: str, dispatch: str, heartbeat_timeout: fl
 
 
 def _wait_controller(proc: subprocess.Popen[bytes], log_offset: int, db: str,
-                     timeout: float = CONTROLLER_START_TIMEOUT_S) -> ControllerHandle:
+                     timeout: float = CONTROLLER_START_TIMEOUT_S, tls: TlsConfig | None = None) -> ControllerHandle:
     """Waits until the controller we spawned wrote its pid file and answers."""
     log_path = paths.server_log_path()
     deadline = time.monotonic() + timeout
@@ -127,7 +130,7 @@ def _wait_controller(proc: subprocess.Popen[bytes], log_offset: int, db: str,
             info = _read_json(paths.server_pid_path())
             if info and info.get("pid") == proc.pid:
                 address = str(info.get("address", ""))
-        if address and _answers(address):
+        if address and _answers(address, tls=tls):
             return ControllerHandle(pid=proc.pid, address=address, db=db, log_path=log_path, started=True)
         if time.monotonic() > deadline:
             # not left running: before its pid file names it, `pwctl server stop` cannot find it
@@ -147,22 +150,26 @@ def start_controller(
     dispatch: str = "parallel",
     heartbeat_timeout: float = 5.0,
     extra_args: Sequence[str] = (),
+    tls: TlsConfig | None = None,
 ) -> ControllerHandle:
     """Starts the controller detached and waits until it answers.
 
     Returns the running controller's handle (with `started=False`) when the pid file names one
     that answers. `foreground=True` runs it in this process until it stops (see
-    `run_controller_foreground`) and returns only then.
+    `run_controller_foreground`) and returns only then. `tls`: it serves TLS only, and its CA
+    (and with mutual TLS its certificate) is left in the data directory for clients here.
     """
     _check_address(listen)
     db = db or paths.default_db_url()
     running = running_controller()
     if running is not None:
         return running
+    publish_tls(tls)
+    extra_args = [*extra_args, *(tls.args() if tls is not None else ())]
     if foreground:
         run_controller_foreground(listen, db, dispatch, heartbeat_timeout, extra_args)
     proc, offset = _spawn_controller(listen, db, dispatch, heartbeat_timeout, extra_args)
-    return _wait_controller(proc, offset, db)
+    return _wait_controller(proc, offset, db, tls=tls)
 
 
 def run_controller_foreground(

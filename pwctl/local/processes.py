@@ -133,8 +133,17 @@ def _log_size(path: Path) -> int:
         return 0
 
 
+def _server_env(env: dict[str, str] | None) -> dict[str, str]:
+    """`env` (default this process's) without the gRPC log level `pwctl` set for itself (cli/main.py)."""
+    env = dict(os.environ if env is None else env)
+    if env.pop("PWCTL_QUIETED_GRPC", None):
+        env.pop("GRPC_VERBOSITY", None)
+    return env
+
+
 def _spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Starts a detached process (own session, so Ctrl-C in this terminal leaves it alone)."""
+    env = _server_env(env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     paths.private_file(log_path)  # 0600 before the first line (pwctl/paths.py)
     with open(log_path, "ab") as log:
@@ -159,4 +168,4 @@ def _check_address(address: str) -> None:
 def _exec(args: list[str], env: dict[str, str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(args[0], args, env)
+    os.execve(args[0], args, _server_env(env))

@@ -13,6 +13,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from .. import paths, settings
 from ..client import Client
 from ..errors import ConnectionFailed, InvalidArgument, NotFound, PathwaysError, Rejected
+from ..tls import TlsConfig
 from ..transport import NO_RETRY
 from ..version import check_jax
 from .processes import (
@@ -50,9 +51,11 @@ def _check_name(name: str, what: str) -> None:
         raise InvalidArgument(f"invalid {what} {name!r}: use letters, digits, '-', '_' or '.'")
 
 
-def _worker_args(server: str, island: str, devices: str, name: str, listen: str, no_token: bool = False) -> list[str]:
+def _worker_args(server: str, island: str, devices: str, name: str, listen: str, no_token: bool = False,
+                 tls: TlsConfig | None = None) -> list[str]:
     return [sys.executable, "-m", WORKER_MODULE, "--server", server, "--island", island,
-            "--devices", devices, "--name", name, "--listen", listen, *(["--no-token"] if no_token else [])]
+            "--devices", devices, "--name", name, "--listen", listen, *(["--no-token"] if no_token else []),
+            *(tls.args() if tls is not None else [])]
 
 
 def _worker_env(server: str, token: str | None = None) -> dict[str, str]:
@@ -80,6 +83,7 @@ def start_worker(
     detach: bool = True,
     no_token: bool = False,
     token: str | None = None,
+    tls: TlsConfig | None = None,
 ) -> int:
     """Starts a worker process; returns its pid. It connects (and reconnects) on its own.
 
@@ -87,7 +91,8 @@ def start_worker(
     With `detach=False` this process becomes the worker (exec) and never returns.
     `no_token`: the worker checks no cluster token (a private machine); its callers still need
     the credentials the controller issues (server/worker/auth.py). `token`: the cluster token
-    the worker presents (default: as `pwctl` finds it, `$PWCTL_TOKEN` first).
+    the worker presents (default: as `pwctl` finds it, `$PWCTL_TOKEN` first). `tls`: it serves TLS
+    only and reaches the controller and its peers over TLS (pwctl/tls.py).
     """
     _check_address(server)
     _check_address(listen)
@@ -103,7 +108,7 @@ def start_worker(
             f"worker {name!r} is already running (pid {pid}); stop it with `pwctl worker stop {name}`"
         )
     check_jax("the worker")  # the process would refuse too, in its log: say it here, before spawning
-    args = _worker_args(server, island, devices, name, listen, no_token)
+    args = _worker_args(server, island, devices, name, listen, no_token, tls)
     env = _worker_env(server, token)
     if not detach:
         _exec(args, env)
@@ -130,9 +135,10 @@ def stop_worker(name: str, grace: float = STOP_GRACE_S) -> int:
 
 
 def wait_workers_ready(
-    address: str, workers: dict[str, int], timeout: float = WORKER_READY_TIMEOUT_S, token: str | None = None
+    address: str, workers: dict[str, int], timeout: float = WORKER_READY_TIMEOUT_S, token: str | None = None,
+    tls: TlsConfig | None = None,
 ) -> None:
-    """Polls the controller until every `name -> pid` is registered and ready.
+    """Polls the controller (over TLS with `tls`) until every `name -> pid` is registered and ready.
 
     The pid must match, so a host entry left over from an earlier process of the same name
     does not count. Raises when a worker process dies or the deadline passes.
@@ -148,7 +154,7 @@ def wait_workers_ready(
                     why = _log_tail(log_path) or "no log output"
                     raise PathwaysError(f"worker {name} (pid {pid}) exited: {why} (log: {log_path})")
             try:
-                client = client or Client(server=address, token=token, timeout=2.0, retry=NO_RETRY)
+                client = client or Client(server=address, token=token, timeout=2.0, retry=NO_RETRY, tls=tls)
                 for h in client.hosts():
                     if h.name in pending and h.pid == pending[h.name] and h.state == pb.HOST_STATE_READY:
                         del pending[h.name]

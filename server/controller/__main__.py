@@ -8,11 +8,12 @@ import logging
 import sys
 from pathlib import Path
 
-from pwctl.errors import FailedPrecondition
+from pwctl.errors import FailedPrecondition, InvalidArgument
 from pwctl.units import parse_duration, parse_size
 from pwctl.version import check_jax
 
 from .. import paths, stackdump
+from ..tlsflags import add_tls_flags, tls_from_flags
 from .app import DEFAULT_METRICS_LISTEN, configure_logging, serve
 from .core import ControllerConfig
 from .job_files import DEFAULT_LOG_MAX_MB
@@ -84,7 +85,14 @@ def main() -> None:
                         "one per group of hosts (server/controller/relays.py; default %(default)s; 0: never)")
     p.add_argument("--relay-group", type=int, default=DEFAULT_GROUP_SIZE,
                    help="hosts per relay group (default %(default)s)")
+    add_tls_flags(p)
     ns = p.parse_args()
+    try:
+        tls = tls_from_flags(ns)
+        if ns.health_listen:
+            paths.split_address(ns.health_listen)
+    except (InvalidArgument, ValueError) as e:
+        p.error(str(e))
     if ns.relay_min_hosts < 0 or ns.relay_group < 1:
         p.error("--relay-min-hosts must not be negative and --relay-group must be at least 1")
     if ns.no_token and ns.require_token:
@@ -143,6 +151,8 @@ def main() -> None:
         relay_min_hosts=ns.relay_min_hosts,
         relay_group=ns.relay_group,
         group_wait=ns.group_wait,
+        tls=tls,
+        health_listen=ns.health_listen,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc import aio
 
+from pwctl import tls
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 
 from .. import heap, paths
@@ -60,7 +61,7 @@ def proxy_backend(core: Controller) -> ControllerBackend:
 
     controls = Controls(release_buffers=release_buffers, release_owner=core.sessions.release_owner,
                         new_id_prefix=core.sessions.new_id_prefix, token=core.config.token,
-                        sessions=core.sessions)
+                        sessions=core.sessions, tls=core.config.tls)
     return ControllerBackend(core.slices, controls)
 
 
@@ -120,23 +121,23 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     server.add_generic_rpc_handlers([LazyProxyHandler(lambda: proxy_service(core, proxy_token))])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
-    try:
-        bound = server.add_insecure_port(config.listen)
-    except RuntimeError:  # grpcio raises instead of returning 0 when the port is taken
-        bound = 0
+    bound = tls.add_port(server, config.listen, config.tls)  # TLS only, where configured
     if bound == 0:
         raise SystemExit(f"cannot listen on {config.listen}: address in use or not available")
     core.address = f"{host}:{bound}"
     metrics = await start_metrics(core, config)  # before start(): an address that is taken ends it here
     await core.start()
     await server.start()
+    probes = await health.serve_plain(config.health_listen) if config.health_listen else None
     await health.serving()
     heap.settle()  # start-up objects (SQLAlchemy, protobuf, modules) stay out of later collections
     heap.reuse_large_buffers()  # the proxy's transfer messages: heap buffers, not fresh mappings
     if pid_file is not None:
         write_pid_file(pid_file, core.address, config.db_url)
-    log.info("controller listening on %s (database %s)", core.address, config.db_url)
-    print(f"controller listening on {core.address}", flush=True)
+    secure = " (TLS" + (", client certificates required)" if config.tls.require_client_cert else ")") \
+        if config.tls is not None else ""
+    log.info("controller listening on %s%s (database %s)", core.address, secure, config.db_url)
+    print(f"controller listening on {core.address}{secure}", flush=True)
     loop = asyncio.get_running_loop()
     def on_signal(sig: signal.Signals) -> None:
         log.info("shutdown requested by %s", sig.name)
@@ -153,6 +154,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         if metrics is not None:
             await metrics.stop()
         await server.stop(grace=1.0)
+        if probes is not None:
+            await probes.stop(grace=None)
         await core.stop()
         if pid_file is not None and pid_file.exists():
             try:

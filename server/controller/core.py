@@ -11,6 +11,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from pwctl.tls import TlsConfig
+
 from .. import paths
 from ..credentials import JOB_KEY_FILE, KEY_FILE, job_secret, load_or_create_key
 from ..db.engine import make_engine, session_factory
@@ -61,6 +63,8 @@ class ControllerConfig:
     relay_min_hosts: int = DEFAULT_MIN_HOSTS  # islands this large send through relays (relays.py); 0: never
     relay_group: int = DEFAULT_GROUP_SIZE  # hosts per relay
     group_wait: float = DEFAULT_GROUP_WAIT_S  # the longest a call on a slice spanning hosts waits for its group
+    health_listen: str = ""  # HOST:PORT answering the health service alone, plaintext (health.py); "": none
+    tls: TlsConfig | None = None  # serve TLS only, and reach workers over TLS (pwctl/tls.py); None: plaintext
 
 
 class Controller:
@@ -100,7 +104,7 @@ class Controller:
                                        job_key=job_key, max_per_caller=config.limits.max_sessions_per_caller)
         self.jobs = JobManager(self.db, write, spawn=self.spawn, scheduler=self.scheduler,
                                owned_slices=self.slices.list, release_owner=self.sessions.release_owner,
-                               address=lambda: self.address, token=config.token,
+                               address=lambda: self.address, token=config.token, tls=config.tls,
                                log_max_mb=config.job_log_max_mb,
                                job_secret=lambda job_id: job_secret(job_key, job_id))
         self.removal = Removal(self.cluster, *slice_queries(lambda: self.slices.rm.slices),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pwctl.tls import ENV_SERVER_NAME, TlsConfig
+
 from ..credentials import JOB_SECRET_ENV
 from . import jobsup
 
@@ -81,9 +83,11 @@ def driver_command(entrypoint: str, args: list[str]) -> list[str]:
 
 
 def driver_env(job_id: str, priority: int, weight: float, address: str, token: str | None,
-               data_dir: Path, job_secret: str = "") -> dict[str, str]:
+               data_dir: Path, job_secret: str = "", tls: TlsConfig | None = None) -> dict[str, str]:
     """The driver's environment: this one without PWCTL_*, plus where and as whom to connect
-    (the cluster token, and the job's secret that proves to the controller it is this job's driver)."""
+    (the cluster token, and the job's secret that proves to the controller it is this job's driver;
+    with TLS the CA that signs the controller's certificate, and where the controller requires
+    client certificates its own, as the driver runs beside it as the same user)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PWCTL_")}
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]", ""):
@@ -100,6 +104,12 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
         env["PWCTL_TOKEN"] = token
     if job_secret:
         env[JOB_SECRET_ENV] = job_secret
+    if tls is not None and tls.ca:
+        env["PWCTL_TLS_CA"] = os.path.abspath(tls.ca)
+        if tls.require_client_cert and tls.cert and tls.key:
+            env["PWCTL_TLS_CERT"], env["PWCTL_TLS_KEY"] = os.path.abspath(tls.cert), os.path.abspath(tls.key)
+        if tls.server_name:
+            env[ENV_SERVER_NAME] = tls.server_name
     # `import pwctl` works in the driver even when the project is not installed
     root = str(Path(__file__).resolve().parents[2])
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -79,6 +79,8 @@ from .job_stats import ProgramStats
 from .programs import ProgramRecord
 
 if TYPE_CHECKING:
+    from pwctl.tls import TlsConfig
+
     from ..scheduler import GangScheduler
     from .dispatch import RunState
 
@@ -144,7 +146,7 @@ class JobManager:
     Collaborators: the database (`db` to read at start, `write` for the one writer), `spawn`
     for background tasks, the scheduler (why a job's runs wait), `owned_slices` (an owner's
     slices), `release_owner` (frees what a job owned when it ends), `address` (the controller's
-    bound address, for drivers), the token drivers present and `job_secret`, a job's secret (its
+    bound address, for drivers), the token (and TLS settings) drivers present and `job_secret`, a job's secret (its
     driver proves with it that it is the job's, server/credentials.py). Listens to registrations
     (`program_registered`) and finished runs (`run_finished`).
     """
@@ -154,7 +156,7 @@ class JobManager:
                  scheduler: GangScheduler, owned_slices: Callable[[str], builtins.list[cpb.Slice]],
                  release_owner: Callable[[str], None], address: Callable[[], str],
                  token: str | None = None, log_max_mb: int = DEFAULT_LOG_MAX_MB,
-                 job_secret: Callable[[str], str] = lambda _job_id: "") -> None:
+                 job_secret: Callable[[str], str] = lambda _job_id: "", tls: TlsConfig | None = None) -> None:
         self._db = db
         self._writer = write
         self._spawn = spawn
@@ -163,6 +165,7 @@ class JobManager:
         self._release_owner = release_owner
         self._address = address
         self._token = token
+        self._tls = tls  # drivers trust the controller's CA (and, with mutual TLS, present its certificate)
         self._job_secret = job_secret
         self._log_max_bytes = log_max_mb * 2**20
         self.jobs: dict[str, JobRecord] = {}
@@ -336,7 +339,7 @@ class JobManager:
             sup = await start_supervisor(
                 job_dir, driver_command(rec.entrypoint, rec.args),
                 driver_env(rec.id, rec.priority, rec.weight, self._address(), self._token, paths.data_dir(),
-                           self._job_secret(rec.id)),
+                           self._job_secret(rec.id), self._tls),
                 self._log_max_bytes, KILL_AFTER_S)
         except (OSError, SupervisorError) as e:
             self._end(rec, cpb.JOB_STATE_FAILED, f"the driver could not start: {e}", None)

@@ -109,6 +109,7 @@ class Controls:
     new_id_prefix: Any  # () -> int: a buffer-id prefix no live client holds
     token: str | None  # the cluster token the workers may require
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
+    tls: Any = None  # the controller's TlsConfig (pwctl/tls.py): workers are reached over TLS; None: plaintext
 
 
 def backend_error(e: ControllerError) -> BackendError:
@@ -148,7 +149,7 @@ class SliceSession(Uploading):
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
-        self._workers = WorkerChannels()
+        self._workers = WorkerChannels(controls.tls)
         # a call to a worker ends once the controller declares its host lost (host_watch.py)
         self._watch = HostWatch(controls.sessions.dispatcher.host_by_address if controls.sessions is not None else None)
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []

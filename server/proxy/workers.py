@@ -8,6 +8,7 @@ from typing import Any
 
 from grpc import aio
 
+from pwctl import tls as tls_
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
@@ -18,9 +19,11 @@ PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 
 
 class WorkerChannels:
-    """Channels to workers by address, opened on first use and kept until `close`."""
+    """Channels to workers by address, opened on first use and kept until `close`; over TLS with
+    `tls` (the controller's own certificate is its client certificate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tls_.TlsConfig | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers
         self._putters: dict[str, Any] = {}  # address -> its PutBuffers taking serialized requests
@@ -28,7 +31,7 @@ class WorkerChannels:
     def stub(self, address: str) -> wgrpc.WorkerStub:
         conn = self._channels.get(address)
         if conn is None:
-            channel = aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = tls_.aio_channel(address, CHANNEL_OPTIONS, self._tls)
             conn = self._channels[address] = (channel, wgrpc.WorkerStub(channel))
         return conn[1]
 

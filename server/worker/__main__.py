@@ -12,6 +12,7 @@ import socket
 import sys
 
 from .. import stackdump
+from ..tlsflags import add_tls_flags, tls_from_flags
 
 COLLECTIVE_TIMEOUT_S = 5
 
@@ -43,9 +44,19 @@ def main() -> None:
                    help="require no cluster token of callers (a private machine); they still need the "
                         "credentials the controller issues, and the worker still presents a token it finds")
     p.add_argument("--log-level", default="INFO")
+    add_tls_flags(p)
     ns = p.parse_args()
     stackdump.install()
-    from pwctl.errors import FailedPrecondition
+    from pwctl.errors import FailedPrecondition, InvalidArgument
+
+    try:
+        tls = tls_from_flags(ns)
+        if ns.health_listen:
+            from .. import paths
+
+            paths.split_address(ns.health_listen)
+    except (InvalidArgument, ValueError) as e:
+        p.error(str(e))
     from pwctl.version import check_jax
 
     try:  # before jax is imported: a jax of another release may fail in ways that name nothing
@@ -88,6 +99,8 @@ def main() -> None:
             token=_token(),
             check_token=not ns.no_token,
             unload_after_s=ns.unload_after,
+            tls=tls,
+            health_listen=ns.health_listen,
         ),
         log_level=ns.log_level,
     )

@@ -18,6 +18,7 @@ import grpc
 import jax
 from grpc import aio
 
+from pwctl import tls
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -76,7 +77,7 @@ class WorkerProcess:
         self.devices = jax.devices()
         self.kind = "gpu" if self.devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
         self.store = BufferStore()
-        self.sender = TransferSender(token=config.token)
+        self.sender = TransferSender(token=config.token, tls=config.tls)
         self.auth = WorkerAuth()
         self._events = EventBuffer()
         self._wake: asyncio.Event | None = None
@@ -113,13 +114,14 @@ class WorkerProcess:
         servicer = WorkerServicer(self.store, self.executor, self.config.name, self.config.island, self.auth)
         self.servicer = servicer
         add_to_server(servicer, server)  # the generated registration, but malformed input is INVALID_ARGUMENT
-        self.forwarder = Forwarder(self.config.name, self._relayed, self._relay_failed, self.config.token)
+        self.forwarder = Forwarder(self.config.name, self._relayed, self._relay_failed, self.config.token,
+                                   self.config.tls)
         servicer.on_relayed = self._relayed
         servicer.relay_counts = lambda: (self.relayed_in, self.forwarder.forwarded if self.forwarder else 0,
                                          self.inbox.rejected)
         health = Health("pathways.v1.Worker")
         await health.attach(server)
-        port = server.add_insecure_port(self.config.listen)
+        port = tls.add_port(server, self.config.listen, self.config.tls)  # TLS only, where configured
         if port == 0:
             raise SystemExit(f"cannot listen on {self.config.listen}")
         self.address = f"{host}:{port}"
@@ -127,12 +129,15 @@ class WorkerProcess:
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
         # other hosts' transfers; the hello carries the peer credential (auth.py)
-        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok)
+        tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok,
+                          tls=self.config.tls)
         servicer.data_address = tcp.start()
+        probes = await health.serve_plain(self.config.health_listen) if self.config.health_listen else None
         await health.serving()
         heap.settle()  # JAX's and the server's objects stay out of later collections
-        log.info("worker %s (island %s, %d %s devices) serving at %s",
-                 self.config.name, self.config.island, len(self.devices), self.kind, self.address)
+        log.info("worker %s (island %s, %d %s devices) serving at %s%s",
+                 self.config.name, self.config.island, len(self.devices), self.kind, self.address,
+                 " (TLS)" if self.config.tls is not None else "")
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stopping.set)
         link = asyncio.create_task(self._controller_loop())
@@ -148,14 +153,17 @@ class WorkerProcess:
         tcp.close()
         self.forwarder.close()
         await server.stop(grace=0.5)
+        if probes is not None:
+            await probes.stop(grace=None)
 
     async def _controller_loop(self) -> None:
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None
         loop = asyncio.get_running_loop()
         retry = Reconnect(self.config.reconnect_max_s)
+        said = ""  # the last TLS failure logged: said once, not at every retry
         while not self.stopping.is_set():
             rejected = False
-            async with aio.insecure_channel(self.config.server, options=CHANNEL_OPTIONS) as channel:
+            async with tls.aio_channel(self.config.server, CHANNEL_OPTIONS, self.config.tls) as channel:
                 stub = cgrpc.ControllerStub(channel)
                 try:
                     self.inbox.reset()  # a new registration: its messages are numbered from 1
@@ -165,8 +173,16 @@ class WorkerProcess:
                         self._receive(msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() != grpc.StatusCode.UNAVAILABLE
+                    why = None
+                    if not rejected:  # a TLS failure is UNAVAILABLE too: say which (one probe, off the loop)
+                        why = await asyncio.to_thread(tls.diagnose, e.details() or "", self.config.server,
+                                                      "controller", self.config.tls)
                     if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                         log.error("the controller rejected this worker: %s", e.details())
+                    elif why is not None:
+                        if why != said:
+                            log.error("%s", why)
+                        said = why
                     elif rejected:
                         log.warning("controller stream ended: %s %s", e.code().name, e.details())
             await asyncio.sleep(retry.delay(loop.time(), rejected))

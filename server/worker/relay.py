@@ -50,8 +50,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from grpc import aio
-
+from pwctl import tls as tls_
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -164,7 +163,7 @@ class _Member:
         self.task = asyncio.create_task(self._run(forwarder))
 
     async def _run(self, fw: Forwarder) -> None:
-        channel = aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        channel = tls_.aio_channel(self.address, CHANNEL_OPTIONS, fw.tls)
         try:
             call = channel.stream_unary(RELAYED_METHOD, request_serializer=_identity,
                                         response_deserializer=wpb.RelayedResponse.FromString)(
@@ -191,7 +190,9 @@ class Forwarder:
     stream is dropped: the controller then sends that member its messages directly."""
 
     def __init__(self, own: str, deliver_local: Callable[[wpb.RelayedMessage], None],
-                 failed: Callable[[Sequence[str]], None], token: str | None = None) -> None:
+                 failed: Callable[[Sequence[str]], None], token: str | None = None,
+                 tls: tls_.TlsConfig | None = None) -> None:
+        self.tls = tls  # members' streams over TLS (pwctl/tls.py)
         self.own = own
         self.deliver_local = deliver_local
         self.failed = failed

@@ -13,8 +13,9 @@ dtype.itemsize * prod(shape) raw C-order bytes. A connection carries one peer's 
 
 The receiver listens on the worker's own host address, on a port of its own, which peers learn
 from the worker's `Stats` (`data_address`). A peer that presents a wrong token is dropped
-without a reply. Where a connection cannot be made or breaks, the sender falls back to the gRPC
-stream (transfer.py).
+without a reply. With TLS (the worker's `--tls-cert`, pwctl/tls.py) the connection is TLS from
+its first byte, checked as the gRPC links are: the hello and the arrays never cross in clear. Where a connection
+cannot be made or breaks, the sender falls back to the gRPC stream (transfer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -73,8 +75,9 @@ class TcpReceiver:
     from the connection's own thread, in the order the peer sent them."""
 
     def __init__(self, host: str, token: str | None, deliver: Deliver,
-                 check: Callable[[bytes], bool] | None = None) -> None:
+                 check: Callable[[bytes], bool] | None = None, tls: TlsConfig | None = None) -> None:
         self.host = host
+        self._tls = tls
         self._token = (token or "").encode()
         # what the hello must carry: `check(secret)` when given (the worker's peer credential,
         # server/worker/auth.py: a tenant's cluster token is not enough), else the token
@@ -111,16 +114,22 @@ class TcpReceiver:
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         name_native_thread()
-        with conn:
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                if not self._hello(conn):
-                    log.warning("TCP transfer connection from %s refused: wrong token", peer)
-                    return
-                while self._frame(conn, peer):
-                    pass
-            except (OSError, ValueError) as e:
-                log.warning("TCP transfer connection from %s ended: %s", peer, e)
+            if self._tls is not None:
+                conn.settimeout(CONNECT_TIMEOUT_S)  # the handshake
+                conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
+                conn.settimeout(None)
+            if not self._hello(conn):
+                log.warning("TCP transfer connection from %s refused: wrong token", peer)
+                return
+            while self._frame(conn, peer):
+                pass
+        except (OSError, ValueError) as e:  # ssl.SSLError too: a failed handshake, in one line
+            log.warning("TCP transfer connection from %s ended: %s", peer, e)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def _hello(self, conn: socket.socket) -> bool:
         head = _read(conn, HELLO.size)
@@ -167,11 +176,17 @@ class TcpReceiver:
 class TcpPeer:
     """The sending end of one connection; arrays go out in order, one at a time."""
 
-    def __init__(self, data_address: str, token: str | None) -> None:
+    def __init__(self, data_address: str, token: str | None, tls: TlsConfig | None = None) -> None:
         host, _, port = data_address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-        sock.settimeout(SEND_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            try:
+                sock = tls.wrap_client(sock, host)
+            except OSError:
+                sock.close()
+                raise
+        sock.settimeout(SEND_TIMEOUT_S)
         secret = (token or "").encode()
         sock.sendall(HELLO.pack(HELLO_MAGIC, len(secret)) + secret)
         self._sock = sock

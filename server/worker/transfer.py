@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pwctl import tls as tls_
+from pwctl.tls import TlsConfig
 from schemas.arrays import byte_view, c_order, dtype_name, from_bytes, from_parts, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -117,7 +119,8 @@ def _head(arr: np.ndarray) -> pb.ArrayProto:
 class TransferSender:
     """Sends buffers to peers from a small thread pool, over one stream per peer."""
 
-    def __init__(self, token: str | None = None, threads: int = 2) -> None:
+    def __init__(self, token: str | None = None, threads: int = 2, tls: TlsConfig | None = None) -> None:
+        self._tls = tls  # streams and TCP links over TLS, this worker's certificate presented (pwctl/tls.py)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pw-transfer",
                                         initializer=name_native_thread)
         self._peers: dict[str, _PeerStream] = {}
@@ -160,7 +163,7 @@ class TransferSender:
         with self._lock:
             peer = self._peers.get(address)
             if peer is None:
-                stub = wgrpc.WorkerStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+                stub = wgrpc.WorkerStub(tls_.channel(address, CHANNEL_OPTIONS, self._tls))
                 peer = self._peers[address] = _PeerStream(stub, self._metadata, address)
             return peer
 
@@ -181,7 +184,7 @@ class TransferSender:
                                                     timeout=TCP_SETUP_S)
             if not stats.data_address:
                 raise OSError("it has no TCP transfer port")
-            peer: TcpPeer | float = TcpPeer(stats.data_address, self._peer_secret)
+            peer: TcpPeer | float = TcpPeer(stats.data_address, self._peer_secret, self._tls)
         except (grpc.RpcError, OSError, ValueError) as e:
             log.info("no TCP link to %s (%s): the gRPC stream carries its transfers", address, e)
             peer = time.monotonic() + TCP_RETRY_S

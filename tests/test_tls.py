@@ -18,10 +18,14 @@ naming one cluster-wide name works by the server-name override, and says so with
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +92,21 @@ def server_flags(cert: Cert, ca: Cert) -> list[str]:
     return ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key), "--tls-ca", str(ca.cert)]
 
 
+def scrape_over_https(url: str, token: str, ca: Path) -> None:
+    """The Prometheus endpoint of a TLS controller is HTTPS with its certificate: a scrape
+    trusting the CA gets the metrics; plain HTTP, or a scrape trusting no CA, gets none."""
+    assert url.startswith("https://127.0.0.1:"), url
+    auth = {"Authorization": f"Bearer {token}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10,
+                                context=ssl.create_default_context(cafile=str(ca))) as resp:
+        assert resp.status == 200 and b"pathways_uptime_seconds" in resp.read()
+    with pytest.raises(urllib.error.URLError) as e:  # the system's CAs do not sign the cluster's certificate
+        urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(e.value)
+    with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
+        urllib.request.urlopen(urllib.request.Request(url.replace("https://", "http://"), headers=auth), timeout=10)
+
+
 def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, pw_home: Path, tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     # PATHWAYS_TRANSFER=tcp (inherited by the workers): islands a and b send by the TCP link, as between hosts
@@ -101,6 +120,8 @@ def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, p
         assert not (pw_home / "tls-client.pem").exists()  # no mutual TLS: no client certificate left
         islands = json.loads(run_pwctl("island", "list", "-o", "json", env=env).stdout)
         assert [i["name"] for i in islands["items"]] == ["a", "b"]
+        scrape_over_https(json.loads(run_pwctl("server", "info", "-o", "json", env=env).stdout)["item"]["metrics_url"],
+                          (pw_home / "token").read_text().strip(), certs.ca.cert)
 
         # a `pw` program: the client to the controller and the workers, worker to worker by the TCP link
         prog = tmp_path / "prog.py"

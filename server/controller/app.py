@@ -183,7 +183,7 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
     collector = ControllerCollector(core.cluster, core.observer, core.scheduler, core.jobs.jobs, core.hangs,
                                     core.slice_count, dispatch=core.dispatch, policy=config.policy,
                                     relays=core.relays)
-    metrics = MetricsServer(collector, token)
+    metrics = MetricsServer(collector, token, config.tls.ssl_server_context if config.tls is not None else None)
     try:
         bound = await metrics.start(host, port)
     except OSError as e:
@@ -192,7 +192,7 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
         log.warning("metrics: %s is taken (%s); serving them on a free port instead", listen, e.strerror or e)
         bound = await metrics.start(host, 0)
     shown = f"[{host.strip('[]')}]" if ":" in host else host
-    core.metrics_url = f"http://{shown}:{bound}/metrics"
+    core.metrics_url = f"{metrics.scheme}://{shown}:{bound}/metrics"
     log.info("metrics at %s%s", core.metrics_url, " (bearer token required)" if token else "")
     return metrics
 

@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -32,6 +32,8 @@ from .hangs import HangReporter
 from .observe import Observer
 
 if TYPE_CHECKING:
+    import ssl
+
     from .jobs import JobRecord
     from .relays import Relays
 
@@ -194,15 +196,25 @@ def _histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
 class MetricsServer:
     """`GET /metrics` (or `/`) over HTTP/1.0-style single requests; `token` set: Bearer required."""
 
-    def __init__(self, collector: Collector, token: str | None) -> None:
+    def __init__(self, collector: Collector, token: str | None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self.token = token
+        # HTTPS with the controller's certificate where it serves TLS (a failed handshake is
+        # logged at debug level only, by asyncio, and bounded like a request's read)
+        self.ssl_context = ssl_context
         self._server: asyncio.Server | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_context is not None else "http"
 
     async def start(self, host: str, port: int) -> int:
         """Listens; returns the bound port. Raises OSError when the address is not available."""
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_REQUEST_BYTES)
+        tls: dict[str, Any] = {}
+        if self.ssl_context is not None:
+            tls = {"ssl": self.ssl_context, "ssl_handshake_timeout": REQUEST_TIMEOUT_S}
+        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_REQUEST_BYTES, **tls)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:

@@ -301,8 +301,7 @@ def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> Non
     config = tls.TlsConfig(ca=str(certs.ca.cert))
     b = tlsbridge.Bridge("127.0.0.1", port, config)
     try:
-        host, _, bport = b.address.rpartition(":")
-        with socket.create_connection((host, int(bport)), timeout=30) as s:
+        with tlsbridge.connect_local(b.address, timeout=30) as s:
             s.sendall(payload)
             back = bytearray()
             while chunk := s.recv(1 << 20):
@@ -310,8 +309,7 @@ def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> Non
         assert bytes(back) == payload[::-1]
         assert got == ["h2"]
     finally:
-        b.proc.kill()
-        b.proc.wait()
+        b.close()
         listener.close()
 
     other = tls.TlsConfig(ca=str(certs.other.cert))

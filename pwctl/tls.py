@@ -237,18 +237,31 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         except (OSError, ssl.SSLError):
             return None
         with contextlib.closing(conn):
-            # a gRPC server answers the HTTP/2 preface with its settings; one that wants a client
-            # certificate closes the connection instead (TLS 1.3 checks it after the handshake)
-            try:
-                conn.settimeout(timeout)
-                conn.sendall(H2_PREFACE)
-                if not conn.recv(1):
-                    return "client-cert"
-            except ssl.SSLError:
-                return "client-cert"
-            except OSError:
-                pass
-    return "tls"
+            return "client-cert" if refuses_after_handshake(conn, timeout) else "tls"
+
+
+def refuses_after_handshake(conn: ssl.SSLSocket, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True when the server at the other end of `conn` (TLS, handshake done) closes it on the
+    HTTP/2 preface instead of answering with its settings: what a gRPC server that wants a client
+    certificate (or refuses the one it got) does, TLS 1.3 checking it after the handshake."""
+    import ssl
+
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(H2_PREFACE)
+        return not conn.recv(1)
+    except ssl.SSLError:
+        return True
+    except OSError:  # no answer in time, a reset: nothing known
+        return False
+
+
+def client_cert_refused(address: str, peer: str, tls: TlsConfig) -> str:
+    """What to say when the {peer} at `address` refused this TLS client for its certificate."""
+    if not tls.has_cert:
+        return (f"the {peer} at {address} requires a client certificate (mutual TLS): set PWCTL_TLS_CERT and "
+                "PWCTL_TLS_KEY to one the cluster's CA signs")
+    return f"the {peer} at {address} refused this client's certificate (not signed by its CA?)"
 
 
 def diagnose(details: str, address: str, peer: str, tls: TlsConfig | None) -> str | None:
@@ -266,7 +279,4 @@ def diagnose(details: str, address: str, peer: str, tls: TlsConfig | None) -> st
     if tls is None:
         return (f"the {peer} at {address} requires TLS with a client certificate: give the cluster's CA "
                 "(PWCTL_TLS_CA) and a certificate it signs (PWCTL_TLS_CERT, PWCTL_TLS_KEY)")
-    if not tls.has_cert:
-        return (f"the {peer} at {address} requires a client certificate (mutual TLS): set PWCTL_TLS_CERT and "
-                "PWCTL_TLS_KEY to one the cluster's CA signs")
-    return f"the {peer} at {address} refused this client's certificate (not signed by its CA?)"
+    return client_cert_refused(address, peer, tls)

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from .errors import ConnectionFailed
-from .tls import TlsConfig
+from .tls import TlsConfig, client_cert_refused, refuses_after_handshake
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +339,10 @@ class Bridge:
         self.proc.wait()
 
     def check(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
-        """One TLS handshake with the controller now, so that a wrong CA, name or a plaintext
-        controller is one clear error rather than the jaxlib client's retries until its timeout.
+        """One TLS handshake with the controller now (and the HTTP/2 preface, which a controller
+        that wants a client certificate answers by closing), so that a wrong CA, name, a plaintext
+        controller or a missing client certificate is one clear error rather than the jaxlib
+        client's retries until its timeout.
         A controller not listening yet passes (the client waits for it, within its timeout)."""
         try:
             sock = socket.create_connection((self.host, self.port), timeout=timeout)
@@ -348,8 +350,8 @@ class Bridge:
             return
         where = f"the server at {self.host}:{self.port}"
         try:
-            with client_context(self.tls).wrap_socket(sock, server_hostname=self.server_name):
-                return
+            with client_context(self.tls).wrap_socket(sock, server_hostname=self.server_name) as conn:
+                refused = refuses_after_handshake(conn, timeout)
         except ssl.SSLCertVerificationError as e:
             if "mismatch" in str(e.verify_message):
                 raise ConnectionFailed(
@@ -366,6 +368,8 @@ class Bridge:
             return
         finally:
             sock.close()
+        if refused:  # mutual TLS: no client certificate, or one the server does not take
+            raise ConnectionFailed(client_cert_refused(f"{self.host}:{self.port}", "server", self.tls))
 
 
 _bridges: dict[tuple[str, int], Bridge] = {}

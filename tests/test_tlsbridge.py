@@ -6,7 +6,8 @@ of the same user is refused (with mutual TLS the bridge presents the user's clie
 so any process that could connect would act as that user's client); (b) it ends with its parent
 however the parent ends (returns, SIGKILL, SIGKILL after forking a child that keeps the pipe
 open); (c) one that cannot start says why in one line, at once, rather than leaving the jaxlib
-client to retry a dead address; (d) hundreds of MiB go through both ways unchanged, and the
+client to retry a dead address, and so does a controller that wants a client certificate (mutual
+TLS) the bridge does not have or it refuses; (d) hundreds of MiB go through both ways unchanged, and the
 server's end reaches the client as its end of stream.
 """
 
@@ -37,6 +38,9 @@ class Certs:
     def __init__(self, folder: Path) -> None:
         self.ca = make_ca(folder)
         self.host: Cert = make_cert(self.ca, folder, "host", ["127.0.0.1"])
+        self.client = make_cert(self.ca, folder, "client", ["client.example"])
+        other = make_ca(folder, "other")
+        self.stranger = make_cert(other, folder / "other", "stranger", ["client.example"])  # another CA's
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +198,40 @@ def test_hundreds_of_mib_both_ways(certs: Certs, server: EchoServer) -> None:
         assert len(back) == len(payload) and back == payload[::-1]
     finally:
         b.close()
+
+
+def test_a_controller_wanting_a_client_certificate_is_one_line_at_start(certs: Certs) -> None:
+    """Mutual TLS: the handshake itself succeeds without a client certificate (TLS 1.3 checks it
+    after), so the bridge's check sends the HTTP/2 preface, which such a server answers by closing."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(certs.host.cert, certs.host.key)
+    ctx.load_verify_locations(certs.ca.cert)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(["h2"])
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:  # a gRPC server's answer to the preface: its settings; then until the end
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), ctx.wrap_socket(conn, server_side=True) as t:
+                t.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+                while t.recv(1 << 16):
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = listener.getsockname()[1]
+    try:
+        ca = str(certs.ca.cert)
+        with pytest.raises(ConnectionFailed, match=r"requires a client certificate \(mutual TLS\): set PWCTL_TLS_CERT"):
+            tlsbridge.bridge("127.0.0.1", port, tls.TlsConfig(ca=ca))
+        with pytest.raises(ConnectionFailed, match="refused this client's certificate"):
+            tlsbridge.bridge("127.0.0.1", port, tls.TlsConfig(ca=ca, cert=str(certs.stranger.cert),
+                                                              key=str(certs.stranger.key)))
+        b = tlsbridge.bridge("127.0.0.1", port, tls.TlsConfig(ca=ca, cert=str(certs.client.cert),
+                                                              key=str(certs.client.key)))
+        b.close()
+    finally:
+        listener.close()

@@ -1,4 +1,4 @@
-"""A loopback bridge that lets the jaxlib IFRT proxy client reach a TLS controller.
+"""A local bridge that lets the jaxlib IFRT proxy client reach a TLS controller.
 
 The jaxlib client (`JAX_PLATFORMS=proxy`) makes only plaintext or ALTS channels
 (xla/python/ifrt_proxy/common/grpc_credentials.cc): no TLS. When the controller serves TLS

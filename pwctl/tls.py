@@ -53,6 +53,27 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def _check_loadable(cert: str | None, key: str | None, ca: bytes | None) -> None:
+    """Raises InvalidArgument (one line) unless the certificate and key make a pair and the CA
+    bundle holds a certificate: gRPC would otherwise fail only when it serves or connects, a
+    server with 'cannot listen'."""
+    import ssl
+
+    if cert and key:
+        try:  # an encrypted key: refused (an empty password), not a prompt on the terminal
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise InvalidArgument(f"--tls-key: {key} is not the private key of --tls-cert {cert}") from None
+            raise InvalidArgument(f"--tls-cert/--tls-key: {cert} and {key} are not a certificate and its unencrypted "
+                                  f"private key ({e.reason or e.library or e})") from None
+    if ca:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=ca.decode(errors="replace"))
+        except (ssl.SSLError, ValueError) as e:
+            raise InvalidArgument(f"--tls-ca: no usable certificate in the CA bundle ({e})") from None
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """The PEM files of one side of a link. `ca`: the bundle that signs the peers' certificates;
@@ -72,6 +93,7 @@ class TlsConfig:
             path = getattr(self, name)
             if path:
                 self._pem[name] = _read(path, what)
+        _check_loadable(self.cert, self.key, self._pem.get("ca"))
 
     @property
     def has_cert(self) -> bool:

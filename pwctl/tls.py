@@ -221,18 +221,32 @@ def add_port(server: Any, listen: str, tls: TlsConfig | None) -> int:
 
 
 # ---------------------------------------------------------------- failures, said in one line
+def wrong_ca(where: str, tls: TlsConfig | None, why: str = "") -> str:
+    """The advice when `where` ("the server at H:P") presented a certificate the CA does not sign."""
+    ca = tls.ca if tls is not None and tls.ca else "the system's roots"
+    return (f"TLS: {where} presented a certificate the CA bundle ({ca}) does not sign{f' ({why})' if why else ''}: "
+            "give the cluster's CA (--tls-ca, PWCTL_TLS_CA)")
+
+
+def wrong_name(where: str, name: str) -> str:
+    """The advice when the certificate of `where` does not name `name`, the name checked."""
+    return (f"TLS: the certificate of {where} does not name {name}: issue it with that IP or DNS name as a "
+            "subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names")
+
+
+def not_tls(where: str) -> str:
+    return f"TLS: {where} does not speak TLS (started without --tls-cert?): connect without a CA bundle"
+
+
 def explain(details: str, address: str, peer: str, tls: TlsConfig | None) -> str | None:
     """What a failed connection's gRPC message says about TLS, as advice; None when nothing."""
     where = f"the {peer} at {address}"
     if "CERTIFICATE_VERIFY_FAILED" in details:
-        ca = tls.ca if tls is not None and tls.ca else "the system's roots"
-        return (f"TLS: {where} presented a certificate the CA bundle ({ca}) does not sign: give the cluster's CA "
-                "(--tls-ca, PWCTL_TLS_CA)")
+        return wrong_ca(where, tls)
     if "Hostname Verification" in details or "Peer name" in details:
-        return (f"TLS: the certificate of {where} does not name {address.rpartition(':')[0]}: issue it with that "
-                "IP or DNS name as a subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names")
+        return wrong_name(where, (tls.server_name if tls is not None else "") or address.rpartition(":")[0])
     if "WRONG_VERSION_NUMBER" in details or "PACKET_LENGTH_TOO_LONG" in details:
-        return f"TLS: {where} does not speak TLS (started without --tls-cert?): connect without a CA bundle"
+        return not_tls(where)
     if "Tls handshake failed" in details or "Handshake failed" in details or "SSL_ERROR" in details:
         return f"TLS handshake with {where} failed: {details.rpartition('SSL_ERROR_SSL: ')[2] or details}"
     return None

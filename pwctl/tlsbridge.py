@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 from .errors import ConnectionFailed
-from .tls import TlsConfig, client_cert_refused, refuses_after_handshake
+from .tls import TlsConfig, client_cert_refused, not_tls, refuses_after_handshake, wrong_ca, wrong_name
 
 log = logging.getLogger(__name__)
 
@@ -354,15 +354,11 @@ class Bridge:
                 refused = refuses_after_handshake(conn, timeout)
         except ssl.SSLCertVerificationError as e:
             if "mismatch" in str(e.verify_message):
-                raise ConnectionFailed(
-                    f"TLS: the certificate of {where} does not name {self.server_name}: issue it with that IP or DNS "
-                    "name as a subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names"
-                ) from None
-            raise ConnectionFailed(f"TLS: {where} presented a certificate the CA bundle ({self.tls.ca}) does not "
-                                   f"sign ({e.verify_message}): give the cluster's CA (PWCTL_TLS_CA)") from None
+                raise ConnectionFailed(wrong_name(where, self.server_name)) from None
+            raise ConnectionFailed(wrong_ca(where, self.tls, str(e.verify_message))) from None
         except ssl.SSLError as e:
             if "WRONG_VERSION_NUMBER" in str(e) or "record layer failure" in str(e):
-                raise ConnectionFailed(f"TLS: {where} does not speak TLS: connect without a CA bundle") from None
+                raise ConnectionFailed(not_tls(where)) from None
             raise ConnectionFailed(f"TLS handshake with {where} failed: {e}") from None
         except OSError:
             return

@@ -17,6 +17,8 @@ tree on both sides that measures what TLS costs; the `updown` mode times a `--mi
 (`jax.device_put`) and the download of its double (`np.asarray`), as bench/proxy.py's transfer rows.
 
     python -m bench.proxy_ab . . --tls B --modes pipelined,updown --pairs 6
+
+`--tls AB`: both sides with TLS (two trees' bridges compared).
 """
 
 from __future__ import annotations
@@ -202,15 +204,16 @@ def main() -> None:
     ap.add_argument("--ports", default="7391,7392")
     ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, updown")
     ap.add_argument("--mib", type=int, default=64, help="the updown mode's array (MiB)")
-    ap.add_argument("--tls", default="", choices=["", "A", "B"], help="this side's cluster serves TLS")
+    ap.add_argument("--tls", default="", choices=["", "A", "B", "AB"],
+                    help="this side's cluster serves TLS (AB: both: two trees' TLS bridges compared)")
     args = ap.parse_args()
     ports = [int(p) for p in args.ports.split(",")]
     modes = args.modes.split(",")
     calls = dict(zip(("opbyop", "pipelined"), (int(c) for c in args.calls.split(",")), strict=True))
     calls["updown"] = args.mib
     tmp = Path(tempfile.mkdtemp(prefix="proxy-ab-"))
-    sides = [Side("A", args.a.resolve(), ports[0], tmp / "a", tls=args.tls == "A"),
-             Side("B", args.b.resolve(), ports[1], tmp / "b", tls=args.tls == "B")]
+    sides = [Side("A", args.a.resolve(), ports[0], tmp / "a", tls="A" in args.tls),
+             Side("B", args.b.resolve(), ports[1], tmp / "b", tls="B" in args.tls)]
     down: dict[str, list[float]] = {"A": [], "B": []}  # updown: download MiB/s
     rates: dict[str, dict[str, list[float]]] = {m: {"A": [], "B": []} for m in modes}
     loads: list[float] = []

@@ -24,7 +24,7 @@ The controller speaks plaintext gRPC, which the client refuses unless
 
 A controller with TLS (found as `pwctl` finds its CA: `PWCTL_TLS_CA`, the config file, the data
 directory) is out of the jaxlib client's reach (plaintext or ALTS only): the client is pointed at a
-loopback bridge in this process instead, which carries its connection over TLS
+local bridge this process starts instead (serving this process alone), which carries its connection over TLS
 (pwctl/tlsbridge.py).
 """
 
@@ -149,7 +149,7 @@ def timer_slack(ns: int) -> Iterator[None]:
 
 
 def client_target(environ: Mapping[str, str] | None = None) -> str:
-    """Where the jaxlib client connects: `target()`, or with TLS the loopback bridge to it."""
+    """Where the jaxlib client connects: `target()`, or with TLS the local bridge to it."""
     address = target(environ)
     from pwctl import settings
 

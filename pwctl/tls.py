@@ -53,6 +53,27 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def _check_loadable(cert: str | None, key: str | None, ca: bytes | None) -> None:
+    """Raises InvalidArgument (one line) unless the certificate and key make a pair and the CA
+    bundle holds a certificate: gRPC would otherwise fail only when it serves or connects, a
+    server with 'cannot listen'."""
+    import ssl
+
+    if cert and key:
+        try:  # an encrypted key: refused (an empty password), not a prompt on the terminal
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise InvalidArgument(f"--tls-key: {key} is not the private key of --tls-cert {cert}") from None
+            raise InvalidArgument(f"--tls-cert/--tls-key: {cert} and {key} are not a certificate and its unencrypted "
+                                  f"private key ({e.reason or e.library or e})") from None
+    if ca:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=ca.decode(errors="replace"))
+        except (ssl.SSLError, ValueError) as e:
+            raise InvalidArgument(f"--tls-ca: no usable certificate in the CA bundle ({e})") from None
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """The PEM files of one side of a link. `ca`: the bundle that signs the peers' certificates;
@@ -72,6 +93,7 @@ class TlsConfig:
             path = getattr(self, name)
             if path:
                 self._pem[name] = _read(path, what)
+        _check_loadable(self.cert, self.key, self._pem.get("ca"))
 
     @property
     def has_cert(self) -> bool:
@@ -199,18 +221,32 @@ def add_port(server: Any, listen: str, tls: TlsConfig | None) -> int:
 
 
 # ---------------------------------------------------------------- failures, said in one line
+def wrong_ca(where: str, tls: TlsConfig | None, why: str = "") -> str:
+    """The advice when `where` ("the server at H:P") presented a certificate the CA does not sign."""
+    ca = tls.ca if tls is not None and tls.ca else "the system's roots"
+    return (f"TLS: {where} presented a certificate the CA bundle ({ca}) does not sign{f' ({why})' if why else ''}: "
+            "give the cluster's CA (--tls-ca, PWCTL_TLS_CA)")
+
+
+def wrong_name(where: str, name: str) -> str:
+    """The advice when the certificate of `where` does not name `name`, the name checked."""
+    return (f"TLS: the certificate of {where} does not name {name}: issue it with that IP or DNS name as a "
+            "subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names")
+
+
+def not_tls(where: str) -> str:
+    return f"TLS: {where} does not speak TLS (started without --tls-cert?): connect without a CA bundle"
+
+
 def explain(details: str, address: str, peer: str, tls: TlsConfig | None) -> str | None:
     """What a failed connection's gRPC message says about TLS, as advice; None when nothing."""
     where = f"the {peer} at {address}"
     if "CERTIFICATE_VERIFY_FAILED" in details:
-        ca = tls.ca if tls is not None and tls.ca else "the system's roots"
-        return (f"TLS: {where} presented a certificate the CA bundle ({ca}) does not sign: give the cluster's CA "
-                "(--tls-ca, PWCTL_TLS_CA)")
+        return wrong_ca(where, tls)
     if "Hostname Verification" in details or "Peer name" in details:
-        return (f"TLS: the certificate of {where} does not name {address.rpartition(':')[0]}: issue it with that "
-                "IP or DNS name as a subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names")
+        return wrong_name(where, (tls.server_name if tls is not None else "") or address.rpartition(":")[0])
     if "WRONG_VERSION_NUMBER" in details or "PACKET_LENGTH_TOO_LONG" in details:
-        return f"TLS: {where} does not speak TLS (started without --tls-cert?): connect without a CA bundle"
+        return not_tls(where)
     if "Tls handshake failed" in details or "Handshake failed" in details or "SSL_ERROR" in details:
         return f"TLS handshake with {where} failed: {details.rpartition('SSL_ERROR_SSL: ')[2] or details}"
     return None
@@ -237,18 +273,31 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         except (OSError, ssl.SSLError):
             return None
         with contextlib.closing(conn):
-            # a gRPC server answers the HTTP/2 preface with its settings; one that wants a client
-            # certificate closes the connection instead (TLS 1.3 checks it after the handshake)
-            try:
-                conn.settimeout(timeout)
-                conn.sendall(H2_PREFACE)
-                if not conn.recv(1):
-                    return "client-cert"
-            except ssl.SSLError:
-                return "client-cert"
-            except OSError:
-                pass
-    return "tls"
+            return "client-cert" if refuses_after_handshake(conn, timeout) else "tls"
+
+
+def refuses_after_handshake(conn: ssl.SSLSocket, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True when the server at the other end of `conn` (TLS, handshake done) closes it on the
+    HTTP/2 preface instead of answering with its settings: what a gRPC server that wants a client
+    certificate (or refuses the one it got) does, TLS 1.3 checking it after the handshake."""
+    import ssl
+
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(H2_PREFACE)
+        return not conn.recv(1)
+    except ssl.SSLError:
+        return True
+    except OSError:  # no answer in time, a reset: nothing known
+        return False
+
+
+def client_cert_refused(address: str, peer: str, tls: TlsConfig) -> str:
+    """What to say when the {peer} at `address` refused this TLS client for its certificate."""
+    if not tls.has_cert:
+        return (f"the {peer} at {address} requires a client certificate (mutual TLS): set PWCTL_TLS_CERT and "
+                "PWCTL_TLS_KEY to one the cluster's CA signs")
+    return f"the {peer} at {address} refused this client's certificate (not signed by its CA?)"
 
 
 def diagnose(details: str, address: str, peer: str, tls: TlsConfig | None) -> str | None:
@@ -266,7 +315,4 @@ def diagnose(details: str, address: str, peer: str, tls: TlsConfig | None) -> st
     if tls is None:
         return (f"the {peer} at {address} requires TLS with a client certificate: give the cluster's CA "
                 "(PWCTL_TLS_CA) and a certificate it signs (PWCTL_TLS_CERT, PWCTL_TLS_KEY)")
-    if not tls.has_cert:
-        return (f"the {peer} at {address} requires a client certificate (mutual TLS): set PWCTL_TLS_CERT and "
-                "PWCTL_TLS_KEY to one the cluster's CA signs")
-    return f"the {peer} at {address} refused this client's certificate (not signed by its CA?)"
+    return client_cert_refused(address, peer, tls)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pwctl.errors import InvalidArgument
+from pwctl.paths import split_address
 from pwctl.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_REQUIRE_CLIENT_CERT, ENV_SERVER_NAME, TlsConfig, server_config
 
 
@@ -25,6 +27,12 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
                         "cannot speak TLS (default: none)")
 
 
-def tls_from_flags(ns: argparse.Namespace) -> TlsConfig | None:
-    """The process's TLS (None: plaintext); raises pwctl.errors.InvalidArgument on a bad set."""
-    return server_config(ns.tls_cert, ns.tls_key, ns.tls_ca, ns.tls_server_name, ns.tls_require_client_cert)
+def tls_from_flags(p: argparse.ArgumentParser, ns: argparse.Namespace) -> TlsConfig | None:
+    """The process's TLS (None: plaintext) from the flags `add_tls_flags` added, `--health-listen`
+    checked too; a bad set ends the process as argparse does (one line, exit 2)."""
+    try:
+        if ns.health_listen:
+            split_address(ns.health_listen)
+        return server_config(ns.tls_cert, ns.tls_key, ns.tls_ca, ns.tls_server_name, ns.tls_require_client_cert)
+    except (InvalidArgument, ValueError) as e:
+        p.error(str(e))

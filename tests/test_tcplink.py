@@ -7,14 +7,19 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import wait_for
+from tlscerts import make_ca, make_cert
 
+from pwctl import tls
 from schemas.arrays import ALIGN
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
+from server.worker import tcplink
 from server.worker.tcplink import FRAME, FRAME_MAGIC, HELLO, HELLO_MAGIC, TcpPeer, TcpReceiver
 
 pytestmark = pytest.mark.timeout(30)
@@ -149,3 +154,63 @@ def test_a_sender_gone_in_the_middle_of_an_array_delivers_nothing_and_says_so(
     np.testing.assert_array_equal(got[0][1], x)
     ok.close()
     rx.close()
+
+
+def _receivers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "pw-tcp-recv"}
+
+
+@pytest.fixture(scope="module")
+def tls_config(tmp_path_factory: pytest.TempPathFactory) -> tls.TlsConfig:
+    folder: Path = tmp_path_factory.mktemp("tcplink-tls")
+    ca = make_ca(folder)
+    host = make_cert(ca, folder, "host", ["127.0.0.1"])
+    config = tls.server_config(str(host.cert), str(host.key), str(ca.cert), require_client_cert=True)
+    assert config is not None
+    return config
+
+
+def test_over_tls_arrays_arrive_whole_and_the_wrong_peers_get_clean_errors(
+        tls_config: tls.TlsConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Mutual TLS on the link: a 96 MiB array arrives whole (SSL sockets read and write in
+    records: every partial read and write is carried on); a plaintext peer and a peer that
+    connects and says nothing (before or after the handshake) are dropped, their threads gone
+    within the hello's timeout; a TLS peer to a plaintext receiver fails at once (transfer.py then
+    sends by gRPC), and that receiver says why."""
+    monkeypatch.setattr(tcplink, "CONNECT_TIMEOUT_S", 1.0)
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "s3cret", inbox.deliver, tls=tls_config)
+    host, _, port = rx.start().rpartition(":")
+    before = _receivers()
+    try:
+        peer = TcpPeer(rx.address, "s3cret", tls_config)
+        big = np.random.default_rng(0).integers(0, 1 << 30, size=(24 << 20,), dtype=np.int32).reshape(3, -1)
+        peer.send(_head(1, big), big)
+        [(h, arr)] = inbox.wait(1, timeout=60)
+        assert h.buffer_id == 1 and arr is not None and np.array_equal(arr, big)
+        peer.close()
+
+        plain = socket.create_connection((host, int(port)), timeout=5)
+        plain.sendall(HELLO.pack(HELLO_MAGIC, 6) + b"s3cret")
+        silent = socket.create_connection((host, int(port)), timeout=5)
+        handshaken = tls_config.wrap_client(socket.create_connection((host, int(port)), timeout=5), host)
+        ended = wait_for(lambda: (lambda e: e if len(e) == 3 else None)(
+            [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]), 10, "three connections dropped")
+        assert any("WRONG_VERSION_NUMBER" in e for e in ended) and sum("timed out" in e for e in ended) == 2, ended
+        wait_for(lambda: not _receivers() - before, 5, "the receiver's threads of those peers to end")
+        for s in (plain, silent, handshaken):
+            s.close()
+    finally:
+        rx.close()
+
+    plain_rx = TcpReceiver("127.0.0.1", "s3cret", inbox.deliver)
+    plain_rx.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            TcpPeer(plain_rx.address, "s3cret", tls_config)
+        assert time.monotonic() - started < 5
+        wait_for(lambda: any("speaks TLS and this worker does not" in r.getMessage() for r in caplog.records), 5,
+                 "the plaintext receiver to say why")
+    finally:
+        plain_rx.close()

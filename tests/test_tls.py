@@ -217,13 +217,22 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
 
 
 def test_bad_settings_are_one_line(certs: Certs, pw_home: Path, tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     for kwargs, needle in (({"cert": str(certs.host.cert)}, "go together"),
                            ({"cert": str(certs.host.cert), "key": str(certs.host.key)}, "needs --tls-ca"),
                            ({"require_client_cert": True}, "needs --tls-cert"),
                            ({"cert": str(tmp_path / "nope.pem"), "key": str(certs.host.key), "ca": str(certs.ca.cert)},
                             "cannot read"),
                            ({"cert": str(certs.host.key.with_suffix(".ext")), "key": str(certs.host.key),
-                             "ca": str(certs.ca.cert)}, "not a PEM file")):
+                             "ca": str(certs.ca.cert)}, "not a PEM file"),
+                           # files gRPC would take, and fail on only when serving ('cannot listen')
+                           ({"cert": str(certs.host.cert), "key": str(certs.client.key), "ca": str(certs.ca.cert)},
+                            "is not the private key of --tls-cert"),
+                           ({"cert": str(certs.host.cert), "key": str(certs.host.cert), "ca": str(certs.ca.cert)},
+                            "are not a certificate and its unencrypted private key"),
+                           ({"cert": str(certs.host.cert), "key": str(certs.host.key), "ca": str(garbage)},
+                            "--tls-ca: no usable certificate")):
         with pytest.raises(InvalidArgument, match=needle):
             tls.server_config(**kwargs)  # type: ignore[arg-type]
     assert tls.server_config() is None  # off unless configured
@@ -236,6 +245,14 @@ def test_bad_settings_are_one_line(certs: Certs, pw_home: Path, tmp_path: Path) 
     assert r.returncode == 2 and "go together" in r.stderr.splitlines()[-1], r.stderr
     r = run_pwctl("island", "list", env={**env, "PWCTL_TLS_CA": str(tmp_path / "nope.pem")})
     assert r.returncode == 2 and "cannot read" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    mismatched = Cert(certs.host.cert, certs.client.key)
+    r = subprocess.run([sys.executable, "-m", "server.controller", *server_flags(mismatched, certs.ca)],
+                       env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "is not the private key" in r.stderr.splitlines()[-1], r.stderr
+    r = run_pwctl("island", "list", env={**env, "PWCTL_TLS_CA": str(certs.ca.cert), "PWCTL_TLS_CERT":
+                                         str(certs.client.cert), "PWCTL_TLS_KEY": str(certs.host.key)})
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "PWCTL_TLS_KEY" in r.stderr and "is not the private key of PWCTL_TLS_CERT" in r.stderr, r.stderr
 
 
 def test_a_plaintext_start_removes_the_tls_files_clients_would_use(certs: Certs, pw_home: Path) -> None:
@@ -322,8 +339,7 @@ def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> Non
     config = tls.TlsConfig(ca=str(certs.ca.cert))
     b = tlsbridge.Bridge("127.0.0.1", port, config)
     try:
-        host, _, bport = b.address.rpartition(":")
-        with socket.create_connection((host, int(bport)), timeout=30) as s:
+        with tlsbridge.connect_local(b.address, timeout=30) as s:
             s.sendall(payload)
             back = bytearray()
             while chunk := s.recv(1 << 20):
@@ -331,8 +347,7 @@ def test_the_proxy_bridge_forwards_bytes_both_ways_over_tls(certs: Certs) -> Non
         assert bytes(back) == payload[::-1]
         assert got == ["h2"]
     finally:
-        b.proc.kill()
-        b.proc.wait()
+        b.close()
         listener.close()
 
     other = tls.TlsConfig(ca=str(certs.other.cert))

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from pwctl.errors import FailedPrecondition, InvalidArgument
+from pwctl.errors import FailedPrecondition
 from pwctl.units import parse_duration, parse_size
 from pwctl.version import check_jax
 
@@ -87,12 +87,7 @@ def main() -> None:
                    help="hosts per relay group (default %(default)s)")
     add_tls_flags(p)
     ns = p.parse_args()
-    try:
-        tls = tls_from_flags(ns)
-        if ns.health_listen:
-            paths.split_address(ns.health_listen)
-    except (InvalidArgument, ValueError) as e:
-        p.error(str(e))
+    tls = tls_from_flags(p, ns)
     if ns.relay_min_hosts < 0 or ns.relay_group < 1:
         p.error("--relay-min-hosts must not be negative and --relay-group must be at least 1")
     if ns.no_token and ns.require_token:

@@ -47,16 +47,9 @@ def main() -> None:
     add_tls_flags(p)
     ns = p.parse_args()
     stackdump.install()
-    from pwctl.errors import FailedPrecondition, InvalidArgument
+    from pwctl.errors import FailedPrecondition
 
-    try:
-        tls = tls_from_flags(ns)
-        if ns.health_listen:
-            from .. import paths
-
-            paths.split_address(ns.health_listen)
-    except (InvalidArgument, ValueError) as e:
-        p.error(str(e))
+    tls = tls_from_flags(p, ns)
     from pwctl.version import check_jax
 
     try:  # before jax is imported: a jax of another release may fail in ways that name nothing

@@ -45,6 +45,7 @@ __all__ = ["TcpPeer", "TcpReceiver"]
 HELLO = struct.Struct("!4sH")  # magic, token length; the token follows
 FRAME = struct.Struct("!4sI")  # magic, header length; the header and the payload follow
 HELLO_MAGIC = b"PWH1"
+TLS_HANDSHAKE = b"\x16"  # the first byte of a TLS ClientHello
 FRAME_MAGIC = b"PWF1"
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 1 << 36  # 64 GiB: a larger frame is malformed
@@ -116,13 +117,15 @@ class TcpReceiver:
         name_native_thread()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
+            # nothing does not hold this thread (a peer sends its hello at once); then no timeout
+            conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:
-                conn.settimeout(CONNECT_TIMEOUT_S)  # the handshake
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
-                conn.settimeout(None)
             if not self._hello(conn):
                 log.warning("TCP transfer connection from %s refused: wrong token", peer)
                 return
+            conn.settimeout(None)
             while self._frame(conn, peer):
                 pass
         except (OSError, ValueError) as e:  # ssl.SSLError too: a failed handshake, in one line
@@ -137,6 +140,8 @@ class TcpReceiver:
             return False
         magic, n = HELLO.unpack(head)
         if magic != HELLO_MAGIC:
+            if head[:1] == TLS_HANDSHAKE and self._tls is None:
+                raise ValueError("the peer speaks TLS and this worker does not (no --tls-cert)")
             return False
         token = _read(conn, n) if n else b""
         if token is None:

@@ -34,6 +34,7 @@ MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 # the connection of a client that pings faster, so the client stays just above that.
 KEEPALIVE_MS = 6 * 60 * 1000
 KEEPALIVE_TIMEOUT_MS = 20 * 1000
+MIN_CONNECT_TIMEOUT_MS = 20 * 1000  # gRPC's default (see CHANNEL_OPTIONS)
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -44,8 +45,14 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # a channel whose server went away tries again within 2 s (gRPC's default backoff grows to
     # 2 minutes): a `pw` session resumes soon after its controller restarted
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # gRPC's name for the least time a connection attempt is given (its handshake: TCP, TLS, the
+    # server's HTTP/2 settings), not a backoff. It was 200 ms with the two above: a controller
+    # busy or paused for longer (a loaded machine) failed the attempt, and every call waiting on
+    # it failed UNAVAILABLE, "cannot reach the server", from a controller that was up
+    # (tests/test_slow_server.py). A refused connection (a server not yet listening) still fails
+    # at once, so reconnecting stays as quick.
+    ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
 ]
 
 

@@ -28,13 +28,14 @@ POLL_S = 0.05
 
 class ChaosCluster:
     def __init__(self, islands: tuple[str, ...] = ("a", "b"), devices: int = 2, heartbeat_timeout: float = 2.0,
-                 home: Path | None = None) -> None:
+                 home: Path | None = None, controller_args: tuple[str, ...] = ()) -> None:
         self._tmp = None if home is not None else tempfile.TemporaryDirectory(prefix="pw-chaos-")
         self.home = home if home is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.address = f"127.0.0.1:{free_port()}"
         self.islands = islands
         self.devices = devices
         self.heartbeat_timeout = heartbeat_timeout
+        self.controller_args = list(controller_args)
         self.controller: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.starts = 0
@@ -59,7 +60,7 @@ class ChaosCluster:
         self.controller = self._spawn(
             [sys.executable, "-m", "server.controller", "--listen", self.address, "--db",
              f"sqlite:///{self.home / 'pw.db'}", "--heartbeat-timeout", f"{self.heartbeat_timeout:g}",
-             "--metrics-listen", "off", "--log-level", "INFO"], "controller")
+             "--metrics-listen", "off", "--log-level", "INFO", *self.controller_args], "controller")
 
     def start_worker(self, island: str) -> None:
         self.workers[island] = self._spawn(

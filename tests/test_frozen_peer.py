@@ -1,0 +1,115 @@
+"""A worker frozen (SIGSTOP) in the middle of a computation whose output goes to a worker of another
+island, past the heartbeat timeout: the controller declares its host lost and drops the run on the
+receiver; when the frozen worker continues (SIGCONT) it finishes the computation and sends the
+output on before it hears of anything, then registers again. That late copy must not stay on the
+receiver: no reader will come for it and no client owns it, so nothing would ever free it (the
+chaos run's freezes showed one such array left per freeze, after every session ended).
+
+Real processes: a controller (2 s heartbeat timeout), two workers, a `pw` program in its own
+process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster, wait_for
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=2)]
+
+PROGRAM = """\
+import json, sys
+import jax, jax.numpy as jnp
+import numpy as np
+import pwctl as pw
+
+vds = pw.make_virtual_device_set()
+a, b = vds.add_slice(devices=1, island="a"), vds.add_slice(devices=1, island="b")
+
+
+def slow(v):  # a second or two of matrix products on a
+    m = jnp.full((768, 768), 1.0, jnp.float32) * v[0]
+    m = jax.lax.fori_loop(0, int(sys.argv[1]), lambda i, m: jnp.tanh(m @ m * (1.0 / 768)), m)
+    return v + m[0, :4] * 0.0
+
+
+make = pw.pmap(slow, devices=a.devices)
+use = pw.pmap(lambda v: v * 2.0, devices=b.devices)
+
+
+@pw.program
+def pipe(x):
+    return use(make(x))
+
+
+x = np.ones((1, 4), np.float32)
+print(json.dumps({"warm": np.asarray(pipe(x)).tolist()}), flush=True)
+sys.stdin.readline()
+f = pipe(x)
+print(json.dumps({"sent": True}), flush=True)
+sys.stdin.readline()  # a was frozen mid-computation, declared lost, continued and registered again
+try:
+    out = {"error": "", "value": np.asarray(f.result(timeout=60)).tolist()}
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {e}"}
+del f
+out["again"] = np.asarray(pipe(x)).tolist()
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _line(proc: subprocess.Popen[str]) -> dict:
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
+    return json.loads(line)
+
+
+def buffers(cluster: LocalCluster, name: str) -> int:
+    with cluster.channel(cluster.hosts()[name].address) as ch:
+        return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
+
+
+def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster: LocalCluster,
+                                                                        tmp_path: Path) -> None:
+    script = tmp_path / "pipe.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, str(script), "100"], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    try:
+        assert _line(proc)["warm"] == [[2.0] * 4]
+        assert buffers(cluster, "w-b") == 0
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert _line(proc)["sent"]
+        time.sleep(0.3)  # a computes now (a second or more)
+        cluster.stop_worker("w-a")
+        try:
+            wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 20, "w-a declared lost")
+            time.sleep(1.0)  # the run dropped on w-b
+        finally:
+            cluster.cont_worker("w-a")
+        cluster.wait_ready(["w-a"], timeout=30)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = _line(proc)
+        assert "host w-a lost" in out["error"], out
+        assert out["again"] == [[2.0] * 4], out  # the thawed worker serves again
+        proc.stdin.write("end\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+        # the session ended: whatever it owned on w-b is gone, and nothing else may be left there
+        wait_for(lambda: buffers(cluster, "w-b") == 0, 10, "w-b to hold no buffer", interval=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

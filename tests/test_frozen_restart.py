@@ -1,0 +1,93 @@
+"""A collective waiting for its input from a frozen worker when the controller restarts: the worker
+of the collective registers with the new controller and must serve it. The collective's launch
+waits in the worker's launch thread (collectives launch in gang order); its input never comes (the
+sender is frozen, and the new controller knows nothing of the run, so no Drop ends the wait). The
+launch gives up once the worker registered again, rather than holding the launch thread, and with
+it every later run on that worker, for good (the chaos run's freezes found island a wedged after a
+worker frozen across a controller restart: each run on it failed only at the hang timeout).
+
+Real processes: a controller (60 s heartbeat timeout: the frozen worker is not declared lost, which
+would drop the run), two workers, a `pw` program in its own process, another for the later run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LocalCluster
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=2, heartbeat_timeout=60)]
+
+COMMON = """\
+import json, sys, time
+import jax
+import numpy as np
+import pwctl as pw
+
+vds = pw.make_virtual_device_set()
+a = vds.add_slice(devices=2, island="a")
+h = pw.pmap(lambda v: jax.lax.psum(v, "i"), devices=a.devices, axis_name="i")  # a collective on a
+"""
+
+ACROSS = COMMON + """\
+b = vds.add_slice(devices=2, island="b")
+g = pw.pmap(lambda v: v + 1.0, devices=b.devices)
+
+
+@pw.program
+def across(x):
+    return h(g(x))  # g's output goes from b to a, where the collective waits for it
+
+
+x = np.ones((2, 4), np.float32)
+print(json.dumps({"warm": np.asarray(across(x)).tolist()}), flush=True)
+sys.stdin.readline()  # b is frozen now
+f = across(x)
+print(json.dumps({"sent": True}), flush=True)
+sys.stdin.readline()
+"""
+
+LATER = COMMON + """\
+start = time.monotonic()
+value = np.asarray(h(np.arange(8, dtype=np.float32).reshape(2, 4)).result(timeout=float(sys.argv[1]))).tolist()
+print(json.dumps({"value": value, "s": time.monotonic() - start}), flush=True)
+"""
+
+
+def _line(proc: subprocess.Popen[str]) -> dict:
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
+    return json.loads(line)
+
+
+def test_a_collective_waiting_on_a_frozen_peer_lets_its_worker_go_after_a_controller_restart(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    (tmp_path / "across.py").write_text(ACROSS)
+    (tmp_path / "later.py").write_text(LATER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "across.py")], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    try:
+        assert _line(proc)["warm"] == [[4.0] * 4] * 2
+        cluster.stop_worker("w-b")
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert _line(proc)["sent"]
+            time.sleep(1.5)  # the collective's launch on w-a waits for g's output from w-b
+            cluster.restart_controller(kill=True)
+            cluster.wait_ready(["w-a"], timeout=30)  # w-a registered again (w-b is still frozen)
+            later = subprocess.run([sys.executable, str(tmp_path / "later.py"), "30"], env=cluster.env(),
+                                   capture_output=True, text=True, timeout=90)
+            assert later.returncode == 0, later.stderr[-3000:]
+            out = json.loads(later.stdout.strip().splitlines()[-1])
+            assert out["value"] == [[4.0, 6.0, 8.0, 10.0]] * 2, out
+        finally:
+            cluster.cont_worker("w-b")
+    finally:
+        proc.kill()
+        proc.wait()

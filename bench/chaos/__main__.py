@@ -82,6 +82,8 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         "every frozen process carried on (a lost worker rejoined in the same process)": fz.get("not_rejoined") == 0,
         "state consistent after every freeze (database agrees)": fz.get("inconsistent") == 0,
         "a freeze lost no host but the frozen one (a frozen controller none)": fz.get("others_lost") == 0,
+        "no buffer left on a worker once every session ended":
+            bool(k.get("buffers_left")) and not any(k["buffers_left"].values()),
         "database integrity ok": report["database_integrity"] == "ok",
     }
     report["worker_checks"] = {  # the worker's own hardening is tracked apart (server/worker)

@@ -16,12 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench.cluster import REPO, XLA_FLAGS, free_port
 from pwctl.client import Client
 from pwctl.errors import PathwaysError
 from pwctl.local import stop_children
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 POLL_S = 0.05
 
@@ -140,6 +144,16 @@ class ChaosCluster:
             return {"islands": sorted(i.name for i in c.islands()),
                     "hosts": sorted((h.name, h.island, h.devices) for h in c.hosts()),
                     "named_slices": sorted((s.name, s.spec.devices) for s in c.slices() if not s.owner)}
+
+    def worker_buffers(self) -> dict[str, int]:
+        """The buffers each worker holds (its `Stats`), by island."""
+        out = {}
+        for island in self.islands:
+            with grpc.insecure_channel(self.hosts()[f"chaos-{island}"].address) as ch:
+                stats = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10,
+                                                   metadata=(("authorization", f"Bearer {self.token}"),))
+            out[island] = int(stats.buffers)
+        return out
 
     def logs(self, prefix: str) -> list[Path]:
         return sorted(self.home.glob(f"{prefix}-*.log"))

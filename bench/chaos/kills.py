@@ -30,7 +30,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from bench.cluster import REPO
+from pwctl.errors import PathwaysError
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import ChaosCluster
@@ -93,6 +96,7 @@ class KillRun:
         self.stuck = 0
         self.settled: dict[str, bool] = {}
         self.jobs: dict[str, Any] = {}
+        self.buffers_left: dict[str, int] = {}
 
     # ---- the workload ----
     def _workload(self, kind: str) -> Workload:
@@ -205,6 +209,7 @@ class KillRun:
                     w.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
+        self.buffers_left = self._buffers_left()
         # every call and every fault beside the logs, for reading a run afterwards (--keep)
         with open(c.home / "calls.jsonl", "w") as out:
             for x in sorted(self._calls(), key=lambda x: x["start"]):
@@ -236,6 +241,20 @@ class KillRun:
                 served["job"] = any(x["ok"] and x["start"] >= last_kill for x in self._job_calls())
             time.sleep(0.05)
         return served
+
+    def _buffers_left(self) -> dict[str, int]:
+        """Every session ended (the workloads stopped, the job over): what each worker still
+        holds, once it had `RECOVERY_LIMIT_S` to let go (it must be nothing: a buffer nobody owns
+        stays for good)."""
+        deadline = time.time() + RECOVERY_LIMIT_S
+        while True:
+            try:
+                left = self.cluster.worker_buffers()
+            except (grpc.RpcError, PathwaysError) as e:
+                left = {"error": str(e)[:200]}  # type: ignore[dict-item]
+            if not any(left.values()) or time.time() > deadline:
+                return left
+            time.sleep(0.5)
 
     def _last_fault(self, default: float) -> float:
         """When the last fault ended its hold: a kill's moment, a freeze's SIGCONT."""
@@ -307,6 +326,7 @@ class KillRun:
             "workloads": kinds,
             "job": self.jobs,
             "freezes": self._freeze_summary(),
+            "buffers_left": self.buffers_left,
             "per_kill": kills,
         }
 

@@ -1,5 +1,11 @@
-"""A worker frozen (SIGSTOP) in the middle of a computation whose output goes to a worker of another
-island, past the heartbeat timeout: the controller declares its host lost and drops the run on the
+"""Workers frozen (SIGSTOP) past the heartbeat timeout, their hosts declared lost while their
+processes live on.
+
+A fetch from a frozen worker fails with a clear error soon after its host is declared lost, not
+once the worker continues (its connections stay open: only the controller's verdict tells).
+
+A worker frozen in the middle of a computation whose output goes to a worker of another
+island: the controller declares its host lost and drops the run on the
 receiver; when the frozen worker continues (SIGCONT) it finishes the computation and sends the
 output on before it hears of anything, then registers again. That late copy must not stay on the
 receiver: no reader will come for it and no client owns it, so nothing would ever free it (the
@@ -11,8 +17,10 @@ process."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,4 +120,53 @@ def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster:
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait()
+
+
+FETCH = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+
+on_a = pw.pmap(lambda v: v + 1.0, devices=pw.make_virtual_device_set().add_slice(devices=1, island="a").devices)
+r = on_a(np.ones((1, 4), np.float32)).block_until_ready()  # computed on w-a, not fetched yet
+time.sleep(1.0)  # w-a reported it: the run is over for the controller too (its host's loss fails it no more)
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()  # w-a is frozen, its host declared lost
+start = time.monotonic()
+try:
+    out = {"value": np.asarray(r).tolist()}
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {e}"}
+out["s"] = time.monotonic() - start
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_fetch_from_a_frozen_worker_fails_once_its_host_is_declared_lost(cluster: LocalCluster,
+                                                                           tmp_path: Path) -> None:
+    script = tmp_path / "fetch.py"
+    script.write_text(FETCH)
+    proc = subprocess.Popen([sys.executable, str(script)], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        assert json.loads(lines.get(timeout=60))["ready"]
+        cluster.stop_worker("w-a")
+        try:
+            wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 20, "w-a declared lost")
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            try:
+                out = json.loads(lines.get(timeout=25))  # before: it waited until w-a continued
+            except queue.Empty:
+                out = {"error": "no answer in 25 s while w-a was frozen"}
+        finally:
+            cluster.cont_worker("w-a")
+        assert "the worker at" in out["error"] and "does not answer: its host w-a was lost" in out["error"], out
+        assert out["s"] < 15, out  # the fetch's deadline (its wait + 5 s), then the controller's verdict
+    finally:
+        proc.kill()
         proc.wait()

@@ -4,6 +4,9 @@ processes live on.
 A fetch from a frozen worker fails with a clear error soon after its host is declared lost, not
 once the worker continues (its connections stay open: only the controller's verdict tells).
 
+A session that ends while a worker is frozen still frees its buffers there: the worker hears of
+it when it registers again (it comes back in the same process, its buffers with it).
+
 A worker frozen in the middle of a computation whose output goes to a worker of another
 island: the controller declares its host lost and drops the run on the
 receiver; when the frozen worker continues (SIGCONT) it finishes the computation and sends the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -169,4 +173,42 @@ def test_a_fetch_from_a_frozen_worker_fails_once_its_host_is_declared_lost(clust
         assert out["s"] < 15, out  # the fetch's deadline (its wait + 5 s), then the controller's verdict
     finally:
         proc.kill()
+        proc.wait()
+
+
+HOLD = """\
+import json, sys
+import numpy as np
+import pwctl as pw
+
+on_a = pw.pmap(lambda v: v + 1.0, devices=pw.make_virtual_device_set().add_slice(devices=1, island="a").devices)
+r = on_a(np.ones((1, 4), np.float32)).block_until_ready()  # kept: this session's buffer on w-a
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_session_that_ends_while_a_worker_is_frozen_frees_its_buffers_there(cluster: LocalCluster,
+                                                                              tmp_path: Path) -> None:
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD)
+    proc = subprocess.Popen([sys.executable, str(script)], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _line(proc)["ready"]
+        assert buffers(cluster, "w-a") >= 1
+        cluster.stop_worker("w-a")
+        try:
+            wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 20, "w-a declared lost")
+            proc.kill()  # the session ends while w-a is lost: the release of its buffers cannot reach it
+            proc.wait()
+            wait_for(lambda: re.search(r"controller\.sessions: session \S+ closed", cluster.controller_logs()), 20,
+                     "the controller to close the session")
+        finally:
+            cluster.cont_worker("w-a")
+        cluster.wait_ready(["w-a"], timeout=30)
+        wait_for(lambda: buffers(cluster, "w-a") == 0, 10, "w-a to free the ended session's buffers", interval=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()

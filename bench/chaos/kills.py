@@ -1,6 +1,7 @@
 """The kill part: workloads (workload.py: a program across islands, a collective, an unmodified
 JAX program through the IFRT proxy) and a job run while workers and the controller are killed
-with SIGKILL at random moments, then started again (same port, database and data directory).
+with SIGKILL at random moments, then started again (same port, database and data directory),
+and frozen with SIGSTOP among the kills (freezes.py, which measures its own).
 
 Per kill it measures, from the moment of the kill:
 - `error_s`: for the first call the kill failed (one ending with an error between the kill and
@@ -13,7 +14,9 @@ Per kill it measures, from the moment of the kill:
 Every result is checked against NumPy (`wrong` must stay 0). A workload that exits (its session
 ended, or a proxy program's call failed) is started again. The job (the `across` workload as a
 job's driver) runs through every kill; at the end it is told to stop and must have succeeded, its
-session having come back after each controller restart (`jobs`).
+session having come back after each controller restart (`jobs`). Once every session ended, each
+worker must hold no buffer (`buffers_left`). The calls and the faults are written beside the logs
+(calls.jsonl, faults.jsonl) for reading a run afterwards.
 """
 
 from __future__ import annotations

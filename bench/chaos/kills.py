@@ -340,8 +340,9 @@ class KillRun:
             "not_recovered": sum(1 for r in frozen if r["recovery_s"] is None),
             "inconsistent": sum(1 for r in frozen if not r["consistent"]),
             # a long freeze of a worker: declared lost while alive, then back in the same process
+            # (unless the controller restarted halfway: the new one waits for it to reconnect)
             "long_worker_not_lost": sum(1 for r in frozen if r["long"] and r["target"] != "controller"
-                                        and r["lost_s"] is None),
+                                        and r["during"] != "controller" and r["lost_s"] is None),
             "not_rejoined": sum(1 for r in frozen if not r["rejoined"]),
             "others_lost": sum(1 for r in frozen if r["others_lost"]),
         }

@@ -1,4 +1,6 @@
-"""A collective waiting for its input from a frozen worker when the controller restarts: the worker
+"""Workers that outlive a controller restart: what the new controller must let go of there.
+
+A collective waiting for its input from a frozen worker when the controller restarts: the worker
 of the collective registers with the new controller and must serve it. The collective's launch
 waits in the worker's launch thread (collectives launch in gang order); its input never comes (the
 sender is frozen, and the new controller knows nothing of the run, so no Drop ends the wait). The
@@ -6,8 +8,12 @@ launch gives up once the worker registered again, rather than holding the launch
 it every later run on that worker, for good (the chaos run's freezes found island a wedged after a
 worker frozen across a controller restart: each run on it failed only at the hang timeout).
 
+An unmodified JAX program's buffers (its IFRT proxy session does not survive the restart): the new
+controller released its slice but left its buffers on the workers for good (the chaos run: a proxy
+program's upload and output left on a worker after every session ended).
+
 Real processes: a controller (60 s heartbeat timeout: the frozen worker is not declared lost, which
-would drop the run), two workers, a `pw` program in its own process, another for the later run."""
+would drop the run), two workers, `pw` and JAX programs in their own processes."""
 
 from __future__ import annotations
 
@@ -18,7 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LocalCluster
+from conftest import LocalCluster, wait_for
+from proxy_env import proxy_env
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=2, heartbeat_timeout=60)]
 
@@ -91,3 +101,36 @@ def test_a_collective_waiting_on_a_frozen_peer_lets_its_worker_go_after_a_contro
     finally:
         proc.kill()
         proc.wait()
+
+
+HOLD = """
+import sys
+import numpy as np, jax
+x = jax.device_put(np.ones((4, 4), np.float32)) + 1.0
+x.block_until_ready()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def worker_buffers(cluster: LocalCluster) -> int:
+    total = 0
+    for host in cluster.hosts().values():
+        with cluster.channel(host.address) as ch:
+            total += wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
+    return total
+
+
+def test_a_proxy_programs_buffers_go_when_the_controller_restarts_without_its_session(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD], env=proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+        assert worker_buffers(cluster) >= 1
+        cluster.restart_controller(kill=True)  # the proxy session ends with it: it cannot resume
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    cluster.wait_ready(["w-a", "w-b"], timeout=30)
+    wait_for(lambda: worker_buffers(cluster) == 0, 20, "the proxy program's buffers to be freed", interval=0.5)

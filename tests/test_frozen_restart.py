@@ -8,6 +8,10 @@ launch gives up once the worker registered again, rather than holding the launch
 it every later run on that worker, for good (the chaos run's freezes found island a wedged after a
 worker frozen across a controller restart: each run on it failed only at the hang timeout).
 
+A worker started again before its old process's stream was seen to end (killed while the
+controller was frozen, both handled at once after): the old process must count as lost, or its
+clients go on calling it at its old address (its slices never changed for them).
+
 An unmodified JAX program's buffers (its IFRT proxy session does not survive the restart): the new
 controller released its slice but left its buffers on the workers for good (the chaos run: a proxy
 program's upload and output left on a worker after every session ended).
@@ -18,6 +22,8 @@ would drop the run), two workers, `pw` and JAX programs in their own processes."
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -134,3 +140,46 @@ def test_a_proxy_programs_buffers_go_when_the_controller_restarts_without_its_se
         proc.wait(timeout=30)
     cluster.wait_ready(["w-a", "w-b"], timeout=30)
     wait_for(lambda: worker_buffers(cluster) == 0, 20, "the proxy program's buffers to be freed", interval=0.5)
+
+
+CALLS = COMMON + """\
+x = np.ones((2, 4), np.float32)
+print(json.dumps({"warm": np.asarray(h(x)).tolist()}), flush=True)
+sys.stdin.readline()  # the controller was frozen while w-a was killed and started again
+start, errors = time.monotonic(), []
+while time.monotonic() - start < 30:
+    try:
+        value = np.asarray(h(x)).tolist()
+        break
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}"[:200])
+        time.sleep(0.1)
+print(json.dumps({"ok_s": time.monotonic() - start, "errors": errors[-3:], "n": len(errors)}), flush=True)
+"""
+
+
+def test_a_worker_started_again_before_its_old_stream_ended_is_called_at_its_new_address(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """The chaos run's case (w-a killed and started again while the controller was frozen, the new
+    registration handled first) made certain: the old process is frozen (its stream stays open)
+    while the new one registers, then killed."""
+    (tmp_path / "calls.py").write_text(CALLS)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "calls.py")], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    try:
+        assert _line(proc)["warm"] == [[2.0] * 4] * 2
+        old = cluster.workers.pop("w-a")
+        os.kill(old.proc.pid, signal.SIGSTOP)
+        try:
+            cluster.add_worker("a", 2, name="w-a")  # registers while the old process's stream is open
+        finally:
+            old.proc.kill()
+            old.proc.wait(timeout=10)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = _line(proc)
+        assert out["ok_s"] < 20, out  # before: "cannot reach the worker at OLD (host lost?)" for good
+    finally:
+        proc.kill()
+        proc.wait()

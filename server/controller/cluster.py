@@ -280,6 +280,11 @@ class Cluster:
         now = utcnow()
         created = self.islands.setdefault(msg.island, now)
         old = self.hosts.get(msg.name)
+        if old is not None and old.state == READY and (old.pid, old.address) != (msg.pid, msg.address):
+            # a new process before the old one's stream was seen to end (the controller was busy
+            # or frozen): the old one is lost first, so its runs fail and its slices come back
+            # on the new address, which clients hear of
+            self.mark_lost(msg.name, f"a new worker process (pid {msg.pid}) registered in its place")
         host_id = old.id if old is not None else next(self._host_ids)
         by_index = self._device_ids.setdefault(msg.name, {})
         for i in range(msg.device_count):

@@ -310,3 +310,21 @@ def test_a_buffer_never_made_fails_where_it_is_pending_and_goes_once_released() 
     assert live(s) == 0
     with pytest.raises(BufferFailed, match="does not exist"):  # an id never heard of stays unknown
         s.wait(999, timeout=0.1)
+
+
+def test_a_late_peer_copy_of_a_dropped_runs_intermediate_is_not_kept() -> None:
+    s = BufferStore()
+    s.add_consumers([7], owner="client:1")  # the reader of a run's intermediate, on this worker
+    s.fail(7, "run dropped: host h lost")  # the run was dropped: its reader failed, its input too
+    s.consumer_done(7)
+    s.unwanted([7])  # the Drop named it an intermediate (controller.proto Drop.unread_ids)
+    assert live(s) == 0
+    # the producer was frozen: it finishes the node and sends the output once it goes on
+    assert s.put(7, np.ones(4, np.float32), 16, from_peer=True)
+    assert live(s) == 0
+    # any other peer copy is held for its reader, as before (a reader's enqueue may come after it)
+    s.put(8, np.ones(4, np.float32), 16, from_peer=True)
+    assert live(s) == 1
+    s.add_consumers([8], owner="client:1")
+    s.consumer_done(8)
+    assert live(s) == 0

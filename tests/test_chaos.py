@@ -1,7 +1,8 @@
 """The short chaos and fuzz run (`python -m bench.chaos --quick`): 400 hostile requests to every
-controller and worker method, then 5 kills (one of them the controller) while a program across
-two islands, a collective, an unmodified JAX program through the proxy and a job run; every check
-of the report must hold, the controller's and the workers' (bench/chaos/__init__.py)."""
+controller and worker method, then 5 kills (one of them the controller) and a worker frozen past
+the heartbeat timeout (SIGSTOP, then SIGCONT: declared lost while alive, it must rejoin) while a
+program across two islands, a collective, an unmodified JAX program through the proxy and a job
+run; every check of the report must hold, the controller's and the workers' (bench/chaos/__init__.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_quick_chaos_run_keeps_the_controller_sound(tmp_path: Path) -> None:
     kills = report["kills"]
     assert kills["kills"] == 5 and kills["controller_kills"] == 1
     assert kills["calls_ok"] > 0 and kills["time_to_error_s"]["n"] >= 1
+    (frozen,) = kills["freezes"]["per_freeze"]
+    assert frozen["long"] and frozen["lost_s"] is not None and frozen["rejoined"], frozen
     # the mixed load: a collective and an unmodified JAX program through the proxy beside the
     # program across islands, each checked; and a job that lived through every kill
     assert set(kills["workloads"]) == {"across", "psum", "proxy"}

@@ -211,9 +211,10 @@ def test_a_failed_node_fails_the_run_and_drops_it_where_it_waits() -> None:
     p.outbox.take()
     p.report("a", 7, 0, ok=False, error="boom")
     reason = "node 0 (p/0 n0) failed: boom"
-    # (b's copy of n0's output, sent there for n1, is no longer held for it: Drop.routed_ids)
-    assert p.outbox.take() == [("b", cpb.ControllerToWorker(drop=cpb.Drop(run_ids=[7], reason=reason,
-                                                                          routed_ids=run.buffers[0])))]
+    # (b's copy of n0's output, sent there for n1, is no longer held for it: Drop.routed_ids;
+    # an intermediate, no client holds it: a copy that comes later is not kept, Drop.unread_ids)
+    assert p.outbox.take() == [("b", cpb.ControllerToWorker(drop=cpb.Drop(
+        run_ids=[7], reason=reason, routed_ids=run.buffers[0], unread_ids=run.buffers[0])))]
     assert events(s) == [cpb.SessionEvent(finished=cpb.RunFinished(run_id=7, ok=False, error=reason)),
                          cpb.SessionEvent(runs_done=cpb.RunsDone(count=1))]
     assert p.finished == [(7, False, reason)]

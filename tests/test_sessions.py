@@ -145,6 +145,7 @@ def test_closing_a_session_frees_what_its_client_owned() -> None:
     drop_b = cpb.ControllerToWorker()  # b's also frees the copy a sends there for its reader
     drop_b.CopyFrom(drop)
     drop_b.drop.routed_ids[:] = run_state.buffers[0]
+    drop_b.drop.unread_ids[:] = run_state.buffers[0]  # an intermediate: a later copy is not kept
     assert p.outbox.by_host() == {  # each worker's messages in order (workers in no particular one)
         "a": [drop, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[0]]))],
         "b": [drop_b, cpb.ControllerToWorker(enqueue=wpb.Enqueue(forget_segments=[ids[1]]))],

@@ -9,7 +9,14 @@ It starts a real local cluster (a controller and one worker per island, `cluster
 2. kills (`kills.py`, `workload.py`): while a program across both islands runs in a loop (each
    result checked), workers and the controller are killed with SIGKILL at random moments and
    started again; per kill the time to a clear error, the time until the cluster serves again,
-   calls still waiting `STUCK_S` after the kill, and the controller's state after its restarts.
+   calls still waiting `STUCK_S` after the kill, and the controller's state after its restarts;
+3. freezes (`freezes.py`), mixed with the kills: a worker or the controller stopped with SIGSTOP
+   for a while, short or well past the heartbeat timeout (a worker is then declared lost while
+   its process lives, and must rejoin), some with a kill halfway through, then let go with
+   SIGCONT; per freeze the time to the host's loss and to a clear error, the time until calls
+   succeed again, hosts lost besides, and the database agreeing with the controller.
+
+At the end, once every session ended, no buffer may be left on a worker.
 
 It prints one JSON document (and writes it with `--out`) with a `checks` object: every check
 that must hold, true or false; the exit code is 0 when all hold. Runs are seeded (`--seed`).

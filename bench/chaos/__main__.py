@@ -1,4 +1,4 @@
-"""`python -m bench.chaos [--seed N] [--requests N] [--kills N] [--quick] [--out FILE] [--keep]`"""
+"""`python -m bench.chaos [--seed N] [--requests N] [--kills N] [--freezes N] [--quick] [--out FILE] [--keep DIR]`"""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ from .cluster import ChaosCluster
 from .fuzz import Fuzzer
 from .kills import KillRun
 
-FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6}
-QUICK = {"requests": 600, "kills": 5, "controller_kills": 1}
+FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6, "freezes": 12, "controller_freezes": 4}
+QUICK = {"requests": 600, "kills": 5, "controller_kills": 1, "freezes": 1, "controller_freezes": 0}
 
 
 def rss_mib(pid: int) -> float:
     return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
 
 
-def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path | None = None) -> dict[str, Any]:
+def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path | None = None, freezes: int = 0,
+        controller_freezes: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     cluster = ChaosCluster(home=home)
     report: dict[str, Any] = {"seed": seed, "data_dir": str(cluster.home)}
@@ -50,7 +51,8 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
             cluster.kill(cluster.workers[island])
             cluster.start_worker(island)
         cluster.wait_ready()
-        report["kills"] = KillRun(cluster, rng, kills, controller_kills).run()
+        report["kills"] = KillRun(cluster, rng, kills, controller_kills, freezes=freezes,
+                                  controller_freezes=controller_freezes).run()
     finally:
         if cluster.controller is not None and cluster.controller.poll() is None:
             cluster.controller.terminate()
@@ -60,6 +62,7 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         report["worker_tracebacks"] = cluster.tracebacks("worker")
         cluster.close()  # keeps a --keep directory (only a temporary one is removed)
     k, f = report.get("kills", {}), report.get("fuzz", {})
+    fz = k.get("freezes", {})
     report["checks"] = {
         "controller_tracebacks == 0": report["controller_tracebacks"] == 0,
         "controller UNKNOWN statuses == 0": f.get("controller_unknown") == 0,
@@ -74,6 +77,13 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         f"calls waiting > {15:g} s after a kill == 0": k.get("stuck_calls") == 0,
         "every kill recovered": k.get("not_recovered") == 0,
         "state consistent after controller restarts": k.get("inconsistent_after_restart") == 0,
+        "every freeze recovered (calls succeed again after SIGCONT)": fz.get("not_recovered") == 0,
+        "a worker frozen past the heartbeat timeout was declared lost": fz.get("long_worker_not_lost") == 0,
+        "every frozen process carried on (a lost worker rejoined in the same process)": fz.get("not_rejoined") == 0,
+        "state consistent after every freeze (database agrees)": fz.get("inconsistent") == 0,
+        "a freeze lost no host but the frozen one (a frozen controller none)": fz.get("others_lost") == 0,
+        "no buffer left on a worker once every session ended":
+            bool(k.get("buffers_left")) and not any(k["buffers_left"].values()),
         "database integrity ok": report["database_integrity"] == "ok",
     }
     report["worker_checks"] = {  # the worker's own hardening is tracked apart (server/worker)
@@ -91,7 +101,12 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=None, help=f"kills (default {FULL['kills']})")
     p.add_argument("--controller-kills", type=int, default=None,
                    help=f"how many of the kills hit the controller (default {FULL['controller_kills']})")
-    p.add_argument("--quick", action="store_true", help="the short run the test suite does (600 requests, 5 kills)")
+    p.add_argument("--freezes", type=int, default=None,
+                   help=f"SIGSTOP/SIGCONT freezes among the kills (default {FULL['freezes']}; freezes.py)")
+    p.add_argument("--controller-freezes", type=int, default=None,
+                   help=f"how many of the freezes hit the controller (default {FULL['controller_freezes']})")
+    p.add_argument("--quick", action="store_true",
+                   help="the short run the test suite does (600 requests, 5 kills, 1 freeze)")
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--keep", default=None, help="keep the cluster's data directory (logs, database) here")
     ns = p.parse_args()
@@ -101,11 +116,13 @@ def main() -> None:
     requests = ns.requests if ns.requests is not None else base["requests"]
     kills = ns.kills if ns.kills is not None else base["kills"]
     ck = ns.controller_kills if ns.controller_kills is not None else min(base["controller_kills"], kills)
+    freezes = ns.freezes if ns.freezes is not None else base["freezes"]
+    cf = ns.controller_freezes if ns.controller_freezes is not None else min(base["controller_freezes"], freezes)
     home = Path(ns.keep) if ns.keep else None
     if home is not None:
         home.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    report = run(ns.seed, requests, kills, ck, home)
+    report = run(ns.seed, requests, kills, ck, home, freezes, cf)
     report["seconds"] = round(time.monotonic() - start, 1)
     text = json.dumps(report, indent=2)
     print(text)

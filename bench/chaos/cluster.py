@@ -16,25 +16,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench.cluster import REPO, XLA_FLAGS, free_port
 from pwctl.client import Client
 from pwctl.errors import PathwaysError
 from pwctl.local import stop_children
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import worker_pb2 as wpb
+from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 POLL_S = 0.05
 
 
 class ChaosCluster:
     def __init__(self, islands: tuple[str, ...] = ("a", "b"), devices: int = 2, heartbeat_timeout: float = 2.0,
-                 home: Path | None = None) -> None:
+                 home: Path | None = None, controller_args: tuple[str, ...] = ()) -> None:
         self._tmp = None if home is not None else tempfile.TemporaryDirectory(prefix="pw-chaos-")
         self.home = home if home is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.address = f"127.0.0.1:{free_port()}"
         self.islands = islands
         self.devices = devices
         self.heartbeat_timeout = heartbeat_timeout
+        self.controller_args = list(controller_args)
         self.controller: subprocess.Popen[bytes] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.starts = 0
@@ -59,7 +64,7 @@ class ChaosCluster:
         self.controller = self._spawn(
             [sys.executable, "-m", "server.controller", "--listen", self.address, "--db",
              f"sqlite:///{self.home / 'pw.db'}", "--heartbeat-timeout", f"{self.heartbeat_timeout:g}",
-             "--metrics-listen", "off", "--log-level", "INFO"], "controller")
+             "--metrics-listen", "off", "--log-level", "INFO", *self.controller_args], "controller")
 
     def start_worker(self, island: str) -> None:
         self.workers[island] = self._spawn(
@@ -139,6 +144,16 @@ class ChaosCluster:
             return {"islands": sorted(i.name for i in c.islands()),
                     "hosts": sorted((h.name, h.island, h.devices) for h in c.hosts()),
                     "named_slices": sorted((s.name, s.spec.devices) for s in c.slices() if not s.owner)}
+
+    def worker_buffers(self) -> dict[str, int]:
+        """The buffers each worker holds (its `Stats`), by island."""
+        out = {}
+        for island in self.islands:
+            with grpc.insecure_channel(self.hosts()[f"chaos-{island}"].address) as ch:
+                stats = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10,
+                                                   metadata=(("authorization", f"Bearer {self.token}"),))
+            out[island] = int(stats.buffers)
+        return out
 
     def logs(self, prefix: str) -> list[Path]:
         return sorted(self.home.glob(f"{prefix}-*.log"))

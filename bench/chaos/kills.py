@@ -1,6 +1,7 @@
 """The kill part: workloads (workload.py: a program across islands, a collective, an unmodified
 JAX program through the IFRT proxy) and a job run while workers and the controller are killed
-with SIGKILL at random moments, then started again (same port, database and data directory).
+with SIGKILL at random moments, then started again (same port, database and data directory),
+and frozen with SIGSTOP among the kills (freezes.py, which measures its own).
 
 Per kill it measures, from the moment of the kill:
 - `error_s`: for the first call the kill failed (one ending with an error between the kill and
@@ -13,7 +14,9 @@ Per kill it measures, from the moment of the kill:
 Every result is checked against NumPy (`wrong` must stay 0). A workload that exits (its session
 ended, or a proxy program's call failed) is started again. The job (the `across` workload as a
 job's driver) runs through every kill; at the end it is told to stop and must have succeeded, its
-session having come back after each controller restart (`jobs`).
+session having come back after each controller restart (`jobs`). Once every session ended, each
+worker must hold no buffer (`buffers_left`). The calls and the faults are written beside the logs
+(calls.jsonl, faults.jsonl) for reading a run afterwards.
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from bench.cluster import REPO
+from pwctl.errors import PathwaysError
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import ChaosCluster
+from .freezes import freeze, plan
 from .workload import KINDS
 
 STUCK_S = 15.0
@@ -73,7 +80,8 @@ class Workload:
 
 class KillRun:
     def __init__(self, cluster: ChaosCluster, rng: random.Random, kills: int, controller_kills: int,
-                 kinds: tuple[str, ...] = KINDS, job: bool = True) -> None:
+                 kinds: tuple[str, ...] = KINDS, job: bool = True, freezes: int = 0,
+                 controller_freezes: int = 0) -> None:
         self.cluster = cluster
         self.kinds = kinds
         self.job = job
@@ -83,12 +91,15 @@ class KillRun:
             self.rng.choice(cluster.islands) for _ in range(max(0, kills - controller_kills))]
         self.rng.shuffle(targets)
         self.targets = targets
+        # the freezes (freezes.py) go in among the kills
+        self.faults = plan(self.rng, targets, cluster.islands, freezes, controller_freezes, cluster.heartbeat_timeout)
         self.workloads: list[Workload] = []
         self.live: dict[str, Workload] = {}
         self.records: list[dict[str, Any]] = []
         self.stuck = 0
         self.settled: dict[str, bool] = {}
         self.jobs: dict[str, Any] = {}
+        self.buffers_left: dict[str, int] = {}
 
     # ---- the workload ----
     def _workload(self, kind: str) -> Workload:
@@ -126,7 +137,8 @@ class KillRun:
             c.kill(c.workers[target])
             time.sleep(self.rng.uniform(0.0, 1.0))  # down for a moment: calls meet the loss
             c.start_worker(target)
-        rec: dict[str, Any] = {"target": target if target == "controller" else f"worker {target}", "at": at,
+        rec: dict[str, Any] = {"fault": "kill", "target": target if target == "controller" else f"worker {target}",
+                               "at": at,
                                "ready_s": None, "error_s": None, "recovery_s": None, "stuck": False}
         c.wait_ready(RECOVERY_LIMIT_S)
         ready_at = time.time()
@@ -185,11 +197,12 @@ class KillRun:
                     raise RuntimeError(f"job {self.job_id} made no call in 90 s (see {c.home / 'jobs'})")
                 time.sleep(0.2)
         start = time.time()
-        for target in self.targets:
-            time.sleep(self.rng.uniform(0.3, 1.5))  # calls flow, then the kill comes at a random moment
+        for fault, target, seconds, during in self.faults:
+            time.sleep(self.rng.uniform(0.3, 1.5))  # calls flow, then the fault comes at a random moment
             for kind in self.kinds:
                 self._current(kind)
-            self.records.append(self._kill(target))
+            self.records.append(self._kill(target) if fault == "kill" else freeze(self, target, seconds, during,
+                                                                                   RECOVERY_LIMIT_S))
         self.settled = self._settle()
         self.jobs = self._end_job() if self.job else {}
         for w in self.workloads:
@@ -199,6 +212,14 @@ class KillRun:
                     w.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
+        self.buffers_left = self._buffers_left()
+        # every call and every fault beside the logs, for reading a run afterwards (--keep)
+        with open(c.home / "calls.jsonl", "w") as out:
+            for x in sorted(self._calls(), key=lambda x: x["start"]):
+                out.write(json.dumps(x) + "\n")
+        with open(c.home / "faults.jsonl", "w") as out:
+            for r in self.records:
+                out.write(json.dumps(r) + "\n")
         return self.summary(time.time() - start)
 
     def _settle(self) -> dict[str, bool]:
@@ -207,7 +228,7 @@ class KillRun:
         recovery limit passed (its calls may fail for a while longer than the workloads' while
         the killed host's island re-forms, and stopping it then would read as not recovered)."""
         since = time.time()
-        last_kill = max((r["at"] for r in self.records), default=since)
+        last_kill = self._last_fault(since)
         rec: dict[str, Any] = {}
         served = {kind: False for kind in self.kinds}
         if self.job:
@@ -223,6 +244,24 @@ class KillRun:
                 served["job"] = any(x["ok"] and x["start"] >= last_kill for x in self._job_calls())
             time.sleep(0.05)
         return served
+
+    def _buffers_left(self) -> dict[str, int]:
+        """Every session ended (the workloads stopped, the job over): what each worker still
+        holds, once it had `RECOVERY_LIMIT_S` to let go (it must be nothing: a buffer nobody owns
+        stays for good)."""
+        deadline = time.time() + RECOVERY_LIMIT_S
+        while True:
+            try:
+                left = self.cluster.worker_buffers()
+            except (grpc.RpcError, PathwaysError) as e:
+                left = {"error": str(e)[:200]}  # type: ignore[dict-item]
+            if not any(left.values()) or time.time() > deadline:
+                return left
+            time.sleep(0.5)
+
+    def _last_fault(self, default: float) -> float:
+        """When the last fault ended its hold: a kill's moment, a freeze's SIGCONT."""
+        return max((r.get("thaw_at", r["at"]) for r in self.records), default=default)
 
     def _job_calls(self) -> list[dict[str, Any]]:
         """The job's calls so far, from its output (JSON lines, workload.py)."""
@@ -250,7 +289,7 @@ class KillRun:
                 break
             time.sleep(0.2)
         calls = self._job_calls()
-        last_kill = max((r["at"] for r in self.records), default=0.0)
+        last_kill = self._last_fault(0.0)
         first_kill = min((r["at"] for r in self.records), default=0.0)
         return {
             "state": cpb.JobState.Name(job.state) if job else "unknown",
@@ -271,25 +310,54 @@ class KillRun:
                         "wrong_results": sum(1 for x in calls if x.get("kind") == kind and x.get("wrong")),
                         "programs_started": sum(1 for w in self.workloads if w.kind == kind),
                         "served_after_last_kill": self.settled.get(kind, False)} for kind in self.kinds}
-        errors = [r["error_s"] for r in self.records if r["error_s"] is not None]
-        recov = [r["recovery_s"] for r in self.records if r["recovery_s"] is not None]
+        kills = [r for r in self.records if r["fault"] == "kill"]
+        errors = [r["error_s"] for r in kills if r["error_s"] is not None]
+        recov = [r["recovery_s"] for r in kills if r["recovery_s"] is not None]
         return {
             "seconds": round(seconds, 1),
-            "kills": len(self.records),
-            "controller_kills": sum(1 for r in self.records if r["target"] == "controller"),
+            "kills": len(kills),
+            "controller_kills": sum(1 for r in kills if r["target"] == "controller"),
             "calls": len(calls),
             "calls_ok": sum(1 for x in calls if x["ok"]),
             "calls_failed": sum(1 for x in calls if not x["ok"]),
             "wrong_results": sum(1 for x in calls if x.get("wrong")),
             "stuck_calls": self.stuck,
-            "not_recovered": sum(1 for r in self.records if r["recovery_s"] is None),
-            "inconsistent_after_restart": sum(1 for r in self.records if r.get("consistent") is False),
+            "not_recovered": sum(1 for r in kills if r["recovery_s"] is None),
+            "inconsistent_after_restart": sum(1 for r in kills if r.get("consistent") is False),
             "time_to_error_s": _dist(errors),
             "recovery_s": _dist(recov),
             "workloads": kinds,
             "job": self.jobs,
-            "per_kill": self.records,
+            "freezes": self._freeze_summary(),
+            "buffers_left": self.buffers_left,
+            "per_kill": kills,
         }
+
+    def _freeze_summary(self) -> dict[str, Any]:
+        frozen = [r for r in self.records if r["fault"] == "freeze"]
+        out: dict[str, Any] = {
+            "freezes": len(frozen),
+            "not_recovered": sum(1 for r in frozen if r["recovery_s"] is None),
+            "inconsistent": sum(1 for r in frozen if not r["consistent"]),
+            # a long freeze of a worker: declared lost while alive, then back in the same process
+            # (unless the controller restarted halfway: the new one waits for it to reconnect)
+            "long_worker_not_lost": sum(1 for r in frozen if r["long"] and r["target"] != "controller"
+                                        and r["during"] != "controller" and r["lost_s"] is None),
+            "not_rejoined": sum(1 for r in frozen if not r["rejoined"]),
+            "others_lost": sum(1 for r in frozen if r["others_lost"]),
+        }
+        for name, pick in (("worker_not_long", lambda r: r["target"] != "controller" and not r["long"]),
+                           ("worker_long", lambda r: r["target"] != "controller" and r["long"]),
+                           ("controller_not_long", lambda r: r["target"] == "controller" and not r["long"]),
+                           ("controller_long", lambda r: r["target"] == "controller" and r["long"])):
+            some = [r for r in frozen if pick(r)]
+            out[name] = {"n": len(some), "frozen_s": _dist([r["seconds"] for r in some]),
+                         "lost_s": _dist([r["lost_s"] for r in some if r["lost_s"] is not None]),
+                         "time_to_error_s": _dist([r["error_s"] for r in some if r["error_s"] is not None]),
+                         "ready_s": _dist([r["ready_s"] for r in some if r["ready_s"] is not None]),
+                         "recovery_s": _dist([r["recovery_s"] for r in some if r["recovery_s"] is not None])}
+        out["per_freeze"] = frozen
+        return out
 
 
 def _dist(values: list[float]) -> dict[str, Any]:

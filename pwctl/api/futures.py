@@ -12,6 +12,9 @@ from ..errors import ProgramError
 from .runtime import Runtime
 
 FETCH_POLL_S = 1.0
+# a worker call that took this much longer than the wait it asked for was not answered (its
+# deadline is the wait plus 5 s: worker_client.py): the worker may be frozen (`_poll`)
+SILENT_S = 4.0
 
 
 class Future:
@@ -59,7 +62,7 @@ class Future:
                     self._value = value
                 return value is not None, error
 
-            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready")
+            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready", self.home)
         assert self._value is not None
         return self._value
 
@@ -88,7 +91,7 @@ class Future:
                     got.append(parts)
                 return parts is not None, error
 
-            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready")
+            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready", conn.address)
             for start, part in got[0]:
                 if start in seen:
                     continue
@@ -157,7 +160,7 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
             return unsure
         return conn.wait(ids, wait_s)
 
-    _poll(rt, {f.run_id for f in futures}, timeout, wait, "not computed")
+    _poll(rt, {f.run_id for f in futures}, timeout, wait, "not computed", home)
 
 
 def _check_uncertain(rt: Runtime, home: str, futures: list[Future], wait_s: float) -> tuple[bool, str] | None:
@@ -195,23 +198,30 @@ def settle(rt: Runtime, home: str, futures: list[Future], timeout: float | None)
     def attempt(wait_s: float) -> tuple[bool, str]:
         return _check_uncertain(rt, home, futures, wait_s) or (True, "")
 
-    _poll(rt, {f.run_id for f in futures}, timeout, attempt, "inputs of runs in flight at a restart not computed")
+    _poll(rt, {f.run_id for f in futures}, timeout, attempt, "inputs of runs in flight at a restart not computed",
+          home)
 
 
 def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callable[[float], tuple[bool, str]],
-          what: str) -> None:
+          what: str, home: str = "") -> None:
     """Calls `attempt(wait_s)` (a worker call that waits up to wait_s: (done, error)) until it is
-    done, checking between calls whether one of the runs failed (the controller says why)."""
+    done, checking between calls whether one of the runs failed (the controller says why), and,
+    when the worker at `home` did not answer a call, whether the controller declared its host
+    lost: a frozen host (stopped, swapped out, paused) keeps its connections, so the calls would
+    otherwise go on until it continues, however long after its loss."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
         if failed:
             raise ProgramError(failed)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))
+        started = time.monotonic()
         done, error = attempt(wait)
         if done:
             return
         if error:
             raise ProgramError(next((msg for msg in map(rt.run_failed, run_ids) if msg), "") or error)
+        if home and time.monotonic() - started >= wait + SILENT_S and (lost := rt.lost_host(home)):
+            raise ProgramError(f"the worker at {home} does not answer: its {lost} (the controller declared it)")
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"{what} after {timeout:g} s")

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any
 
+from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from ..client import Client
@@ -37,6 +38,8 @@ from .packing import Release
 from .registration import Registrations
 from .resume import RECONNECT_S, Resume
 from .sender import STOP, Sender
+
+LOST_CHECK_S = 5.0  # how long `lost_host` waits for the controller's answer
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +317,18 @@ class Runtime:
                 self._progress.wait(left)
 
     # ---- workers ----
+    def lost_host(self, address: str) -> str:
+        """Whether the controller declared the host of the worker at `address` lost: why ("host
+        NAME was lost"), or "" (not lost, or the controller did not answer within
+        LOST_CHECK_S). Asked when that worker stops answering (futures.py `_poll`): a frozen
+        host keeps its connections open, so only the controller's verdict ends the wait."""
+        try:
+            with Client(server=self.client.address, token=self.client.token, timeout=LOST_CHECK_S) as c:
+                lost = c.hosts(state=pb.HOST_STATE_LOST)
+        except PathwaysError:
+            return ""
+        return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
+
     def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:
             conn = self._workers.get(address)

@@ -77,6 +77,7 @@ MONITOR_S = 0.25  # how often silence is checked: a silent host is found within 
 LATE_TICK_S = 1.0  # a monitor tick this late means the loop was busy: nobody is marked lost
 RECONNECT_PER_HOST_S = 0.005  # added to the reconnection window per host the database knew
 HOSTS_PER_INTERVAL = 256  # the heartbeat interval doubles each time the hosts double beyond this
+MAX_MISSED = 4096  # owners' releases kept per host that is not ready (the oldest go first)
 MAX_SCALED_INTERVAL_S = 7.0  # ... up to this: with 2 beats per timeout, found lost within 14.25 s
 BEATS_PER_TIMEOUT = 2
 
@@ -161,6 +162,7 @@ class Cluster:
         self._host_ids = itertools.count(1)
         self._new_device_ids = itertools.count(1)
         self._reconnect_until: float | None = None  # set on the monitor's first tick
+        self._missed: dict[str, list[cpb.ControllerToWorker]] = {}  # host -> releases (`broadcast`)
         # Set when the controller shuts down: its worker streams then close because it goes away,
         # not because hosts died; marking them lost would remap slices and persist that.
         self.closing = False
@@ -278,6 +280,11 @@ class Cluster:
         now = utcnow()
         created = self.islands.setdefault(msg.island, now)
         old = self.hosts.get(msg.name)
+        if old is not None and old.state == READY and (old.pid, old.address) != (msg.pid, msg.address):
+            # a new process before the old one's stream was seen to end (the controller was busy
+            # or frozen): the old one is lost first, so its runs fail and its slices come back
+            # on the new address, which clients hear of
+            self.mark_lost(msg.name, f"a new worker process (pid {msg.pid}) registered in its place")
         host_id = old.id if old is not None else next(self._host_ids)
         by_index = self._device_ids.setdefault(msg.name, {})
         for i in range(msg.device_count):
@@ -323,6 +330,7 @@ class Cluster:
             info.link.close()
             info.link = None
         self._remove(info)
+        self._missed.pop(info.name, None)
         host_id = info.id
         self._write(lambda s: delete_host_rows(s, host_id))
 
@@ -469,10 +477,21 @@ class Cluster:
             info.link.send(msg)
 
     def broadcast(self, msg: cpb.ControllerToWorker) -> None:
-        """Queues `msg` on the stream of every ready host."""
+        """Queues `msg` on the stream of every ready host; an owner's release (its session or job
+        ended) is kept for the others until they register again (`missed`): a worker frozen past
+        its host's loss comes back with its buffers, which nothing else would ever free."""
+        keep = msg.WhichOneof("msg") == "release" and msg.release.owner
         for info in self.hosts.values():
             if info.state == READY and info.link is not None:
                 info.link.send(msg)
+            elif keep:
+                missed = self._missed.setdefault(info.name, [])
+                missed.append(msg)
+                del missed[:-MAX_MISSED]
+
+    def missed(self, name: str) -> list[cpb.ControllerToWorker]:
+        """The owners' releases host `name` missed while not ready (`broadcast`), now forgotten."""
+        return self._missed.pop(name, [])
 
     # ---- views ----
     def host_by_address(self, address: str) -> HostInfo | None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pwctl.tls import TlsConfig
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import paths
 from ..credentials import JOB_KEY_FILE, KEY_FILE, job_secret, load_or_create_key
@@ -140,8 +142,11 @@ class Controller:
 
     async def start(self) -> None:
         self.slices.load()  # before any host event: the cluster's listeners feed the resource manager
-        self.slices.release_clients(keep=self.sessions.load())  # the sessions that may resume keep theirs
+        gone = self.slices.release_clients(keep=self.sessions.load())  # the sessions that may resume keep theirs
         self.cluster.load()
+        for owner in gone:  # and their buffers, on the workers that outlived the previous controller: each
+            # hears of it as it registers again (Cluster.broadcast keeps it for the hosts not ready)
+            self.cluster.broadcast(cpb.ControllerToWorker(release=wpb.ReleaseBuffers(owner=owner)))
         self.jobs.load()  # after the slices: releases what jobs of a crashed controller owned
         self.spawn(self.cluster.monitor())
         self.spawn(self._ticker())

@@ -388,10 +388,10 @@ class Dispatcher:
         run = self.runs.get(a.run_id) or self._recent.get(a.run_id)
         peer_inputs = peer_inputs_by_host(run) if run is not None else {}
         for h in set(a.hosts) | set(skipped):
-            gathered, routed = peer_inputs.get(h, ((), ()))
+            gathered, routed, unread = peer_inputs.get(h, ((), (), ()))
             self._outbox.other(h, cpb.ControllerToWorker(
                 drop=cpb.Drop(run_ids=[a.run_id], reason=a.reason, skipped_seqs=skipped.get(h, []),
-                              gathered_ids=gathered, routed_ids=routed)))
+                              gathered_ids=gathered, routed_ids=routed, unread_ids=unread)))
 
     def release(self, address: str, ids: list[int]) -> None:
         host = self.host_by_address(address)

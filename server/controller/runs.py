@@ -105,20 +105,23 @@ def task_fields(run: RunState, d: DispatchedNode, seg: SegmentPlan, host: HostIn
     return fields
 
 
-def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int]]]:
+def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int], list[int]]]:
     """Per host, the ids of what other workers send there for the run's segments: (its gathered
-    values, segments.GATHERED inputs; the outputs routed to it from other hosts). A Drop of the
-    run names them (controller.proto Drop.gathered_ids, routed_ids): their readers may never come."""
-    out: dict[str, tuple[dict[int, None], dict[int, None]]] = {}
+    values, segments.GATHERED inputs; the outputs routed to it from other hosts; those of them
+    no client holds, the run's intermediates). A Drop of the run names them (controller.proto
+    Drop.gathered_ids, routed_ids, unread_ids): their readers may never come."""
+    out: dict[str, tuple[dict[int, None], dict[int, None], dict[int, None]]] = {}
     segments = run.plan.segments
     for seg in segments:
-        gathered, routed = out.setdefault(seg.host.name, ({}, {}))
+        gathered, routed, unread = out.setdefault(seg.host.name, ({}, {}, {}))
         for source, k in seg.inputs:
             if source == GATHERED:
                 gathered[run.gathered[k]] = None
             elif source >= 0 and segments[source].host.name != seg.host.name:
                 routed[run.buffers[source][k]] = None
-    return {h: (list(g), list(r)) for h, (g, r) in out.items() if g or r}
+                if not segments[source].visible[k]:
+                    unread[run.buffers[source][k]] = None
+    return {h: (list(g), list(r), list(u)) for h, (g, r, u) in out.items() if g or r}
 
 
 def segment_size(run: RunState | None, segment: int) -> int:

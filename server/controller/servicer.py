@@ -175,6 +175,8 @@ class ControllerServicer(cgrpc.ControllerServicer):
                 )
             )
         )
+        for missed in self.core.cluster.missed(reg.name):  # owners that ended while it was away
+            link.send(missed)
         reader = self.core.spawn(self._read_worker(reg.name, request_iterator, link))
         try:
             async for msg in link.messages():

@@ -227,16 +227,17 @@ class SliceService:
         """Delete every slice a client or job owned (it disconnected or finished)."""
         self._handle(rm.ReleaseOwner(owner))
 
-    def release_clients(self, keep: Iterable[str] = ()) -> int:
+    def release_clients(self, keep: Iterable[str] = ()) -> builtins.list[str]:
         """At start: the slices of clients whose sessions did not survive the restart go (those
-        of `keep`, sessions that may resume, stay). Job-owned slices are the job manager's to judge."""
+        of `keep`, sessions that may resume, stay); returns those clients (their buffers on the
+        workers go too: core.py). Job-owned slices are the job manager's to judge."""
         kept = set(keep)
         owners = sorted({s.owner for s in self.rm.slices.values() if s.owner.startswith("client:")} - kept)
         for owner in owners:
             self.release_owner(owner)
         if owners:
             log.info("released the slices of %d client(s) of the previous controller", len(owners))
-        return len(owners)
+        return owners
 
     async def written(self) -> None:
         """Returns once every change made so far is in the database (writes run in order);

@@ -22,6 +22,9 @@ from .shards import held_nbytes
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
 # not kept as a new buffer nobody will release; the oldest are forgotten first
 MAX_FREED_UPLOADS = 16384
+# intermediates of dropped runs that peers send here (`unwanted`), remembered so that a copy a
+# late sender sends still is not held for a reader that will never come; the oldest go first
+MAX_UNWANTED = 16384
 
 
 class BufferStore:
@@ -33,6 +36,7 @@ class BufferStore:
         # waits for launched buffers' computations to be over, per buffer (`when_computed`)
         self._computing: dict[int, list[Latch]] = {}
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
+        self._unwanted: OrderedDict[int, None] = OrderedDict()  # the last MAX_UNWANTED
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -108,6 +112,9 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if again and (e.state != PENDING if e is not None else buffer_id in self._freed_uploads):
                 return True
+            if e is None and from_peer and buffer_id in self._unwanted:
+                del self._unwanted[buffer_id]
+                return True  # an intermediate of a dropped run, sent late: nothing will read it
             if e is None:
                 e = self._entries[buffer_id] = Entry(owner=owner, hold=from_peer)
             elif same_owner and e.owner and e.owner != owner:
@@ -136,6 +143,18 @@ class BufferStore:
                 if e is not None and e.hold:
                     e.hold = False
                     self._maybe_free(buffer_id, e, gone)
+
+    def unwanted(self, buffer_ids: Sequence[int]) -> None:
+        """Intermediates of dropped runs that peers send here (controller.proto Drop.unread_ids):
+        their readers are gone and no other run reads them, so a copy that comes from now on is
+        not kept. A worker frozen past its host's loss sends the output of the node it was
+        computing once it goes on, before it hears that its runs were dropped; held for a reader
+        (`put` from_peer), that copy would stay for good (nothing else releases it)."""
+        with self._lock:
+            for buffer_id in buffer_ids:
+                self._unwanted[buffer_id] = None
+            while len(self._unwanted) > MAX_UNWANTED:
+                self._unwanted.popitem(last=False)
 
     def never_made(self, buffer_ids: Sequence[int], error: str) -> None:
         """Their producer's run failed before it started: each one pending here (a send to a

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 MAX_DROP_HINTS = 10_000  # dropped runs remembered for launches blocked on inputs; halved when full
 
 
+class OldEpoch(Exception):
+    """A launch waited for an input across a new registration (`Executor.reset`)."""
+
+
 class Executor(Completion):
     def __init__(
         self,
@@ -78,6 +82,11 @@ class Executor(Completion):
         self._completions: deque[Task] = deque()  # completer -> launch thread, lock-free
         self._launched: list[st.Task] = []  # launched, not told to the machine yet (launch thread)
         self._drop_hints: dict[int, str] = {}  # run -> reason, for launches blocked on inputs
+        # registrations (`reset`) and those the machine took in (the launch thread): while they
+        # differ, a launch blocked on an input is of the old epoch (one writer each)
+        self._resets = 0
+        self._resets_taken = 0
+        self._reset_reason = ""
         self._launching: Task | None = None  # the task the launch thread is launching
         self._inflight: dict[int, Task] = {}  # id -> launched task, until completed
         self._spans = DeviceSpans()  # when each completed task ran (completion thread)
@@ -114,8 +123,13 @@ class Executor(Completion):
 
     def reset(self, reason: str) -> None:
         """A new registration: sequence numbers restart, segment ids are the new controller's;
-        work of the old epoch fails."""
+        work of the old epoch fails. A launch blocked on an input meanwhile (a collective's, which
+        waits in the launch thread) gives up: the controller that would have dropped its run is
+        gone or forgot it (the worker was declared lost), and the machine hears of the Reset only
+        once that launch returns."""
         self._segments.clear()
+        self._reset_reason = reason
+        self._resets += 1
         self._feed(st.Reset(reason))
 
     def submit(self, enq: wpb.Enqueue) -> None:
@@ -240,6 +254,8 @@ class Executor(Completion):
                             task.communicates = c = self.runners.communicates(info) if c is None else c
                             if c and self._completions:  # its `after` then names only what still runs
                                 self._take_completions()
+                if isinstance(stimulus, st.Reset):
+                    self._resets_taken += 1  # the launches from here on are of the new epoch
                 self._carry_out(self.state.handle(stimulus))
             if self._ready_now:
                 self._complete_inline()
@@ -321,7 +337,8 @@ class Executor(Completion):
         return True
 
     def _inputs_of(self, run_id: int, input_ids: Sequence[int]) -> list[Any]:
-        """Input values, waiting for those still pending (re-checking for a drop)."""
+        """Input values, waiting for those still pending (re-checking for a drop, and for a new
+        registration: `OldEpoch`)."""
         while True:
             try:
                 return self.store.wait_all(input_ids, timeout=0.5)  # no wait when they are all ready
@@ -329,6 +346,8 @@ class Executor(Completion):
                 reason = self._drop_hints.get(run_id)
                 if reason is not None:
                     raise BufferFailed(reason) from None
+                if self._resets != self._resets_taken:
+                    raise OldEpoch(self._reset_reason) from None
 
     def _launch(self, task: Task) -> bool:
         info = task.info
@@ -346,6 +365,9 @@ class Executor(Completion):
             inputs = self._inputs_of(task.run_id, task.input_ids)
         except BufferFailed as e:
             self._fail(task, f"an input failed: {e}")
+            return False
+        except OldEpoch as e:  # unreported, as the Reset fails the old epoch's tasks not launched
+            self._fail(task, f"an input never came before the worker registered again ({e})", report=False)
             return False
         if info.runner is None and self._ready_now:  # building it may compile for seconds: report those first
             self._complete_inline()

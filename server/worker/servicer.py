@@ -87,7 +87,8 @@ class WorkerServicer(Waits, UploadHandlers):
         """The controller's Drop: the runs' tasks here fail, the buffers gathered here for them
         go with their parts (parts.py, Gathering.forget), and the copies other workers sent here
         for their readers are no longer held for them (BufferStore.unhold): whether or not a
-        reader came (sequential dispatch sends one only once its inputs' nodes finished). Buffers
+        reader came (sequential dispatch sends one only once its inputs' nodes finished), and a
+        copy of the runs' intermediates that comes later is not kept (BufferStore.unwanted). Buffers
         no run will make (`never_ids`) fail where they are pending (BufferStore.never_made)."""
         if drop.run_ids:
             self.executor.drop(list(drop.run_ids), drop.reason, list(drop.skipped_seqs))
@@ -97,6 +98,8 @@ class WorkerServicer(Waits, UploadHandlers):
             self.gathering.forget(list(drop.gathered_ids), drop.reason)
         if drop.routed_ids:
             self.store.unhold(list(drop.routed_ids))
+        if drop.unread_ids:  # intermediates: a copy a late sender sends still is not kept
+            self.store.unwanted(list(drop.unread_ids))
 
     # ---- waiting for buffers ----
     def _take_slot(self, caller: Caller, ids: int) -> str:

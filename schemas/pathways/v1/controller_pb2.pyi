@@ -936,6 +936,7 @@ class Drop(_message.Message):
     GATHERED_IDS_FIELD_NUMBER: _builtins.int
     ROUTED_IDS_FIELD_NUMBER: _builtins.int
     NEVER_IDS_FIELD_NUMBER: _builtins.int
+    UNREAD_IDS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     @_builtins.property
     def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -964,6 +965,13 @@ class Drop(_message.Message):
         `reason`, so its sends and waits end and it goes once released (run_ids may be empty).
         """
 
+    @_builtins.property
+    def unread_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Of `routed_ids`, the runs' intermediates (no client holds them, no other run reads them): a
+        copy that comes after this Drop is not kept. Its sender finished the node late: it was frozen
+        (SIGSTOP, a long pause) when its host was declared lost, and sent the output once it went on.
+        """
+
     def __init__(
         self,
         *,
@@ -973,10 +981,11 @@ class Drop(_message.Message):
         gathered_ids: _abc.Iterable[_builtins.int] | None = ...,
         routed_ids: _abc.Iterable[_builtins.int] | None = ...,
         never_ids: _abc.Iterable[_builtins.int] | None = ...,
+        unread_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gathered_ids", b"gathered_ids", "never_ids", b"never_ids", "reason", b"reason", "routed_ids", b"routed_ids", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gathered_ids", b"gathered_ids", "never_ids", b"never_ids", "reason", b"reason", "routed_ids", b"routed_ids", "run_ids", b"run_ids", "skipped_seqs", b"skipped_seqs", "unread_ids", b"unread_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,8 +36,7 @@ import itertools
 import logging
 import time
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
@@ -60,17 +59,15 @@ from .cluster_rows import (
     save_registration,
 )
 from .errors import AlreadyExists, Rejected
+from .host_info import RECONNECTING as RECONNECTING
+from .host_info import HostInfo as HostInfo
+from .host_info import HostListener, LostListener
+from .host_info import device_state as device_state
+from .host_info import host_state as host_state
 from .limits import DEFAULT_MAX_HOSTS
 from .links import WorkerLink
 
 log = logging.getLogger(__name__)
-
-# In memory only: a host the database knew as ready when this controller started, whose worker
-# has not registered with it yet (the database keeps "ready", so its slices keep their devices).
-RECONNECTING = "reconnecting"
-
-_HOST_STATES = {READY: pb.HOST_STATE_READY, RECONNECTING: pb.HOST_STATE_RECONNECTING}
-_DEVICE_STATES = {READY: pb.DEVICE_STATE_AVAILABLE, RECONNECTING: pb.DEVICE_STATE_RECONNECTING}
 
 PERSIST_SEEN_S = 30.0  # how stale the database's last-seen times may get (they are for display)
 MONITOR_S = 0.25  # how often silence is checked: a silent host is found within timeout + this
@@ -82,15 +79,6 @@ MAX_SCALED_INTERVAL_S = 7.0  # ... up to this: with 2 beats per timeout, found l
 BEATS_PER_TIMEOUT = 2
 
 
-def host_state(state: str) -> pb.HostState.ValueType:
-    return _HOST_STATES.get(state, pb.HOST_STATE_LOST)
-
-
-def device_state(state: str) -> pb.DeviceState.ValueType:
-    """A device's state, from its host's."""
-    return _DEVICE_STATES.get(state, pb.DEVICE_STATE_LOST)
-
-
 def beat_interval(base: float, hosts: int) -> float:
     """The heartbeat interval for a cluster of `hosts`: `base` up to `HOSTS_PER_INTERVAL` hosts,
     doubling with every doubling beyond, never past `MAX_SCALED_INTERVAL_S` (nor below `base`).
@@ -100,36 +88,6 @@ def beat_interval(base: float, hosts: int) -> float:
     while hosts > HOSTS_PER_INTERVAL * scale:
         scale *= 2
     return max(base, min(base * scale, MAX_SCALED_INTERVAL_S))
-
-
-@dataclass
-class HostInfo:
-    id: int
-    name: str
-    island: str
-    address: str
-    pid: int
-    kind: str
-    machine_id: str
-    device_ids: list[int]
-    state: str
-    # monotonic time of the last sign of life (for a reconnecting host: when it could be heard)
-    last_seen: float = field(default_factory=time.monotonic)
-    # wall time that `last_seen` stands for; the wall time of a ready host's last beat is derived
-    # from its `last_seen` (`Cluster.last_heartbeat`), so a heartbeat stamps one float
-    last_heartbeat: datetime = field(default_factory=utcnow)
-    link: WorkerLink | None = None
-    persisted_seen: float = 0.0  # `last_seen` as the database last heard of it
-    # SHA-256 of the credential that proves a re-registration is this host (hostcreds.py);
-    # None for a host recorded before credentials existed (the first to register adopts it)
-    credential_hash: str | None = None
-    # what the worker said it holds in its last heartbeat (buffers, gathering: the metrics);
-    # None until its first beat after this registration
-    held: cpb.Heartbeat | None = None
-
-
-HostListener = Callable[[HostInfo], None]
-LostListener = Callable[[HostInfo, str], None]
 
 
 class Cluster:

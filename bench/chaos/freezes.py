@@ -164,22 +164,7 @@ def freeze(run: KillRun, target: str, seconds: float, during: str, recovery_limi
     ready_at = time.time()
     rec["ready_s"] = round(ready_at - thaw_at, 3)
     rec["rejoined"] = proc.poll() is None and (target == "controller" or c.workers[target] is proc)
-    deadline = ready_at + recovery_limit_s
-    while time.time() < deadline:
-        if any(x["ok"] and x["start"] >= thaw_at for x in run._current().calls):
-            break
-        for kind in run.kinds:
-            run._check_stuck(run._current(kind), at, rec)
-        time.sleep(0.05)
-    calls = run._calls()
-    ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= thaw_at and x.get("kind") == "across"]
-    if ok_after:
-        rec["recovery_s"] = round(min(ok_after) - thaw_at, 3)
-    until = min(ok_after) if ok_after else deadline
-    failed = sorted((x for x in calls if not x["ok"] and at <= x["end"] <= until), key=lambda x: x["end"])
-    if failed:
-        rec["error_s"] = round(failed[0]["end"] - max(at, failed[0]["start"]), 3)
-        rec["error"] = failed[0].get("error", "")[:200]
+    run.await_recovery(rec, at, since=thaw_at, deadline=ready_at + recovery_limit_s, counted_from=thaw_at)
     # a frozen controller loses nobody, a frozen worker nobody but itself
     killed = f"chaos-{rec['during']}:"
     rec["others_lost"] = [x for x in losses(run, at, time.time()) if not x.startswith((f"{host}:", killed))]

@@ -145,24 +145,31 @@ class KillRun:
         rec["ready_s"] = round(ready_at - at, 3)
         if target == "controller":
             rec["consistent"] = c.snapshot() == self.baseline
-        deadline = ready_at + RECOVERY_LIMIT_S
+        self.await_recovery(rec, at, since=ready_at, deadline=ready_at + RECOVERY_LIMIT_S, counted_from=at)
+        return rec
+
+    def await_recovery(self, rec: dict[str, Any], at: float, since: float, deadline: float,
+                       counted_from: float) -> None:
+        """After a fault at `at`: waits (until `deadline`) for a call across islands started at
+        `since` or later to succeed, watching for stuck workloads meanwhile, then records in `rec`
+        how long until that call succeeded (`recovery_s`, from `counted_from`) and until the
+        first call the fault failed had its clear error (`error_s`, from the fault or the call's
+        start, whichever came last)."""
         while time.time() < deadline:
-            w = self._current()
-            if any(x["ok"] and x["start"] >= ready_at for x in w.calls):
+            if any(x["ok"] and x["start"] >= since for x in self._current().calls):
                 break
             for kind in self.kinds:
                 self._check_stuck(self._current(kind), at, rec)
             time.sleep(0.05)
         calls = self._calls()
-        ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= ready_at and x.get("kind") == "across"]
+        ok_after = [x["end"] for x in calls if x["ok"] and x["start"] >= since and x.get("kind") == "across"]
         if ok_after:
-            rec["recovery_s"] = round(min(ok_after) - at, 3)
+            rec["recovery_s"] = round(min(ok_after) - counted_from, 3)
         until = min(ok_after) if ok_after else deadline
         failed = sorted((x for x in calls if not x["ok"] and at <= x["end"] <= until), key=lambda x: x["end"])
-        if failed:  # the first call the kill failed: how long until its caller had a clear error
+        if failed:
             rec["error_s"] = round(failed[0]["end"] - max(at, failed[0]["start"]), 3)
             rec["error"] = failed[0].get("error", "")[:200]
-        return rec
 
     def _check_stuck(self, w: Workload, at: float, rec: dict[str, Any]) -> None:
         """A workload silent for STUCK_S after the kill holds a call that waits too long."""

@@ -18,6 +18,8 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer  # grpc_health.v1.health.aio, typed
 
+from pwctl import tls
+
 SERVICE_PREFIX = "/grpc.health.v1.Health/"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -48,11 +50,7 @@ class Health:
         (one line) when it cannot listen there."""
         server = aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
-        try:
-            port = server.add_insecure_port(listen)
-        except RuntimeError:
-            port = 0
-        if port == 0:
+        if tls.add_port(server, listen, None) == 0:  # plaintext: probes cannot speak TLS
             raise SystemExit(f"cannot serve health checks on {listen}: address in use or not available")
         await server.start()
         return server

@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -211,10 +211,9 @@ class MetricsServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listens; returns the bound port. Raises OSError when the address is not available."""
-        tls: dict[str, Any] = {}
-        if self.ssl_context is not None:
-            tls = {"ssl": self.ssl_context, "ssl_handshake_timeout": REQUEST_TIMEOUT_S}
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_REQUEST_BYTES, **tls)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, limit=MAX_REQUEST_BYTES, ssl=self.ssl_context,
+            ssl_handshake_timeout=REQUEST_TIMEOUT_S if self.ssl_context is not None else None)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:

@@ -27,6 +27,7 @@ def write_rows(s: Session, ops: list[RowOp]) -> None:
                 s.delete(row)
                 s.flush()  # a slice of the same name may come back in this transaction
             continue
+        created = row is None
         if row is None:
             req = sl.request
             row = SliceRow(
@@ -42,7 +43,8 @@ def write_rows(s: Session, ops: list[RowOp]) -> None:
             )
             s.add(row)
         row.status, row.reason, row.generation = sl.status.value, sl.reason, sl.generation
-        _note_name(s, sl.name)
+        if created:  # (after the row is complete: the counter's read flushes it)
+            _note_name(s, sl.name)
         by_index = {m.virtual_index: m for m in row.mapping}
         for i, dev in enumerate(sl.mapping):
             if i in by_index:

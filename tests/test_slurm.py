@@ -300,6 +300,7 @@ def test_program_exit_code_is_the_jobs(slurm: Slurm, jobs: dict[str, Job]) -> No
     node = socket.gethostname()
     worker = (job_dir / f"worker-{node}.log").read_text()
     assert f"worker {node} (island main," in worker, out
+    assert f"worker {node} stopped" in worker, worker[-2000:]  # SIGTERM (Slurm's), not srun's SIGKILL
     # PW_TLS_*: the controller and the worker served TLS only, and the launcher's pwctl and the
     # program's driver found the CA (the program ran)
     assert re.search(r"serving at \S+ \(TLS\)", worker), worker[-2000:]

@@ -55,6 +55,54 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.2):  # type:
         time.sleep(interval)
 
 
+def start_munged(root: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """munged (as the munge user) with its socket, pid, log and seed in `root`/munge; (its
+    process, its socket). Skips where there is no munge user; fails where munged exits."""
+    try:
+        munge_user = pwd.getpwnam("munge")
+    except KeyError:
+        pytest.skip("no munge user (the munge package creates it)")
+    munge_dir = root / "munge"
+    munge_dir.mkdir()
+    os.chown(munge_dir, munge_user.pw_uid, munge_user.pw_gid)
+    sock = munge_dir / "munge.socket"
+    # munged refuses to run as root with the packaged key ("Keyfile is insecure")
+    proc = subprocess.Popen(
+        ["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={sock}",
+         f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
+         f"--seed-file={munge_dir / 'munged.seed'}"],
+        stdout=subprocess.DEVNULL, stderr=open(root / "munged.err", "wb"))  # noqa: SIM115
+    wait_until(lambda: sock.exists() or proc.poll() is not None, 15, "munged's socket")
+    if proc.poll() is not None:
+        logs = [(root / f).read_text(errors="replace")[-3000:] for f in ("munged.err", "munge/munged.log")
+                if (root / f).exists()]
+        pytest.fail(f"munged exited: {' '.join(logs)}")
+    return proc, sock
+
+
+def stop_munged(root: Path, proc: subprocess.Popen[bytes]) -> None:
+    """munged (under runuser) does not stop with its parent: SIGTERM to its pid (from its pid file),
+    then its runuser is waited for."""
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int((root / "munge" / "munged.pid").read_text()), signal.SIGTERM)
+    stop(proc)
+    with contextlib.suppress(OSError, ValueError):  # make sure the daemon itself is gone
+        os.kill(int((root / "munge" / "munged.pid").read_text()), signal.SIGTERM)
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    """Waits for `p` to end (10 s), then SIGTERM, then SIGKILL."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(timeout=10)
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
 @dataclass
 class Slurm:
     root: Path
@@ -129,34 +177,19 @@ def slurm() -> Iterator[Slurm]:
                     "slurm-wlm and munge as root with apt-get)")
     if os.geteuid() != 0:
         pytest.skip("the test starts munged (as the munge user) and the Slurm daemons: needs root")
-    try:
-        munge_user = pwd.getpwnam("munge")
-    except KeyError:
-        pytest.skip("no munge user (the munge package creates it)")
     # not under pytest's base directory: that is 0700, and munged (another user) must reach its own
     root = Path(tempfile.mkdtemp(prefix="pw-slurm-"))
     root.chmod(0o755)
-    munge_dir = root / "munge"
-    munge_dir.mkdir()
-    os.chown(munge_dir, munge_user.pw_uid, munge_user.pw_gid)
     for d in ("state", "spool"):
         (root / d).mkdir()
-    sock = munge_dir / "munge.socket"
-    (root / "slurm.conf").write_text(slurm_conf(root, sock))
     env = {k: v for k, v in os.environ.items() if k not in ("PWCTL_SERVER", "PWCTL_TOKEN")}
     env["SLURM_CONF"] = str(root / "slurm.conf")
     procs: list[subprocess.Popen[bytes]] = []
     s = Slurm(root, env, procs)
     try:
-        # munged refuses to run as root with the packaged key ("Keyfile is insecure")
-        procs.append(subprocess.Popen(
-            ["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={sock}",
-             f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
-             f"--seed-file={munge_dir / 'munged.seed'}"],
-            stdout=subprocess.DEVNULL, stderr=open(root / "munged.err", "wb")))  # noqa: SIM115
-        wait_until(lambda: sock.exists() or procs[0].poll() is not None, 15, "munged's socket")
-        if procs[0].poll() is not None:
-            pytest.fail(f"munged exited: {s.log('munged.err')} {s.log('munge/munged.log')}")
+        munged, sock = start_munged(root)
+        procs.append(munged)
+        (root / "slurm.conf").write_text(slurm_conf(root, sock))
         for daemon in ("slurmctld", "slurmd"):
             procs.append(subprocess.Popen([daemon, "-D"], env=env, stdout=subprocess.DEVNULL,
                                           stderr=open(root / f"{daemon}.err", "wb")))  # noqa: SIM115
@@ -174,21 +207,10 @@ def slurm() -> Iterator[Slurm]:
         with contextlib.suppress(Exception):
             s.run("scontrol", "shutdown", timeout=20)
         for k, p in reversed(list(enumerate(procs))):
-            if k == 0:  # munged (under runuser) does not stop by itself: ask it, then wait
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int((munge_dir / "munged.pid").read_text()), signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=10)
-        # munged runs under runuser: make sure the daemon itself is gone
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int((munge_dir / "munged.pid").read_text()), signal.SIGTERM)
+            if k == 0:
+                stop_munged(root, p)
+            else:
+                stop(p)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -278,6 +300,7 @@ def test_program_exit_code_is_the_jobs(slurm: Slurm, jobs: dict[str, Job]) -> No
     node = socket.gethostname()
     worker = (job_dir / f"worker-{node}.log").read_text()
     assert f"worker {node} (island main," in worker, out
+    assert f"worker {node} stopped" in worker, worker[-2000:]  # SIGTERM (Slurm's), not srun's SIGKILL
     # PW_TLS_*: the controller and the worker served TLS only, and the launcher's pwctl and the
     # program's driver found the CA (the program ran)
     assert re.search(r"serving at \S+ \(TLS\)", worker), worker[-2000:]

@@ -155,6 +155,7 @@ class WorkerProcess:
         await server.stop(grace=0.5)
         if probes is not None:
             await probes.stop(grace=None)
+        log.info("worker %s stopped", self.config.name)
 
     async def _controller_loop(self) -> None:
         metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else None

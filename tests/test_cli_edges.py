@@ -9,9 +9,12 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from conftest import REPO, LocalCluster, base_env, connected_to, popen_interruptible, wait_for
 from together import together
 
@@ -183,3 +186,24 @@ def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) ->
         env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60) for flag, value in cases))
     for (flag, _), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for name, sub in getattr(group, "commands", {}).items():
+        if getattr(sub, "commands", None):
+            yield from _commands(sub, (*path, name))
+        else:
+            yield (*path, name), sub
+
+
+@pytest.mark.timeout(30)
+def test_no_command_gives_one_option_name_two_meanings() -> None:
+    """`host list` and `device list` once gave `-s` to --state and to --server: `-s ready` dialled
+    a server named 'ready', and the help listed both."""
+    from pwctl.cli.app import app
+
+    commands = list(_commands(typer.main.get_command(app)))
+    assert len(commands) > 20, [p for p, _ in commands]
+    for path, command in commands:
+        names = [n for p in command.params for n in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))]
+        assert len(names) == len(set(names)), (" ".join(path), sorted({n for n in names if names.count(n) > 1}))

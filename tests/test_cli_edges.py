@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import typer
 from conftest import REPO, LocalCluster, base_env, connected_to, popen_interruptible, wait_for
@@ -207,3 +209,29 @@ def test_no_command_gives_one_option_name_two_meanings() -> None:
     for path, command in commands:
         names = [n for p in command.params for n in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))]
         assert len(names) == len(set(names)), (" ".join(path), sorted({n for n in names if names.count(n) > 1}))
+
+
+@pytest.mark.timeout(90)
+def test_server_start_passes_the_session_and_job_log_limits(pw_home: Path) -> None:
+    """--session-grace, --job-log-max-mb, --max-sessions and --max-sessions-per-caller were only
+    `python -m server.controller`'s flags, which the README names beside `pwctl server start`."""
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen", "127.0.0.1:0",
+                               "--metrics-listen", "off", *args], env=base_env(pw_home), cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+    bad = start("--max-sessions-per-caller", "0")
+    assert bad.returncode == 2 and "--max-sessions-per-caller" in bad.stderr, bad.stderr
+    assert not (pw_home / "server.pid").exists()
+    limits = ("--session-grace", "7", "--job-log-max-mb", "3", "--max-sessions", "5", "--max-sessions-per-caller", "2")
+    r = start(*limits)
+    try:
+        assert r.returncode == 0, r.stderr
+        pid = json.loads((pw_home / "server.pid").read_text())["pid"]
+        cmdline = psutil.Process(pid).cmdline()
+        for flag, value in zip(limits[::2], limits[1::2], strict=True):
+            assert cmdline[cmdline.index(flag) + 1] == value, cmdline
+    finally:
+        stop = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "stop"], env=base_env(pw_home),
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr

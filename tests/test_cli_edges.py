@@ -235,3 +235,17 @@ def test_server_start_passes_the_session_and_job_log_limits(pw_home: Path) -> No
         stop = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "stop"], env=base_env(pw_home),
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stderr
+
+
+def test_trace_by_a_prefix_names_the_whole_job_id(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    r = c.pwctl("submit", str(REPO / "examples" / "seed_program.py"), "-d")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    assert c.pwctl("wait", job).returncode == 0
+    out = tmp_path / "trace.json"
+    r = c.pwctl("trace", job[:8], "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    # it said "node runs of job job-0f" (the prefix given) rather than the job
+    assert f"wrote {out}: 3 node runs of job {job} on " in r.stderr, r.stderr
+    assert json.loads(out.read_text())["otherData"]["node_runs"] == 3

@@ -261,3 +261,28 @@ def test_pwctl_finds_the_data_directorys_controller_while_it_runs(pw_home: Path,
     assert settings.resolve().address == "127.0.0.1:7070"  # a controller that is gone: the default
     pid_file.write_text("{")
     assert settings.resolve().address == "127.0.0.1:7070"
+
+
+@pytest.mark.timeout(120)
+def test_down_says_which_workers_it_left_running(pw_home: Path) -> None:
+    """`down` stops only what `up` started: a worker `pwctl worker start` added to the cluster goes
+    on (retrying a controller that is gone), and down now says so, with how to stop it."""
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home)  # no PWCTL_SERVER: `worker start` finds the cluster of this data directory
+    try:
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        r = run_pwctl("worker", "start", "--island", "c", "--devices", "1", "--name", "extra", env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        extra = json.loads((pw_home / "workers" / "extra.pid").read_text())
+        assert extra["server"] == address
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    try:
+        assert (f"left worker(s) extra (pid {extra['pid']}) running: `pwctl up` did not start them "
+                "(`pwctl worker stop NAME` stops one)") in down.stderr, down.stderr
+        assert "local-a" not in down.stderr and local.is_alive(extra["pid"])
+    finally:
+        stop = run_pwctl("worker", "stop", "extra", env=env, timeout=60)
+    assert stop.returncode == 0 and not local.is_alive(extra["pid"]), stop.stderr

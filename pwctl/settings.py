@@ -1,4 +1,6 @@
-"""Where pwctl talks, in order: the --server flag, $PWCTL_SERVER, the config file, the local default.
+"""Where pwctl talks, in order: the --server flag, $PWCTL_SERVER, the config file, the controller
+this data directory runs (the address `pwctl up`/`server start` gave it, e.g. `--listen
+127.0.0.1:7391`), the local default (127.0.0.1:7070).
 
 The token likewise: --token, $PWCTL_TOKEN, the config file, the server's token file.
 The config file is `$PATHWAYS_HOME/config.json` (or the user's data dir), e.g.
@@ -66,9 +68,26 @@ def _config() -> dict[str, str]:
     return dict(data)
 
 
+def local_controller() -> str | None:
+    """The address of the controller this data directory's pid file names, while that process
+    lives (one `pwctl up` or `pwctl server start` started here, on any --listen); a wildcard
+    host (0.0.0.0, ::) is dialled at 127.0.0.1. None: no such controller."""
+    try:
+        info = json.loads(paths.server_pid_path().read_text())
+        pid, address = int(info["pid"]), str(info["address"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]', '') else host}:{port}"
+
+
 def resolve(server: str | None = None, token: str | None = None) -> Target:
     cfg = _config()
-    address = server or os.environ.get("PWCTL_SERVER") or cfg.get("server") or paths.DEFAULT_ADDRESS
+    address = (server or os.environ.get("PWCTL_SERVER") or cfg.get("server") or local_controller()
+               or paths.DEFAULT_ADDRESS)
     tok = token or os.environ.get("PWCTL_TOKEN") or cfg.get("token")
     return Target(address=address, token=tok or paths.read_token(), tls=resolve_tls(cfg))
 

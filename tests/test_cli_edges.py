@@ -4,14 +4,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
+import typer
 from conftest import REPO, LocalCluster, base_env, connected_to, popen_interruptible, wait_for
 from together import together
 
@@ -183,3 +188,64 @@ def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) ->
         env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60) for flag, value in cases))
     for (flag, _), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for name, sub in getattr(group, "commands", {}).items():
+        if getattr(sub, "commands", None):
+            yield from _commands(sub, (*path, name))
+        else:
+            yield (*path, name), sub
+
+
+@pytest.mark.timeout(30)
+def test_no_command_gives_one_option_name_two_meanings() -> None:
+    """`host list` and `device list` once gave `-s` to --state and to --server: `-s ready` dialled
+    a server named 'ready', and the help listed both."""
+    from pwctl.cli.app import app
+
+    commands = list(_commands(typer.main.get_command(app)))
+    assert len(commands) > 20, [p for p, _ in commands]
+    for path, command in commands:
+        names = [n for p in command.params for n in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))]
+        assert len(names) == len(set(names)), (" ".join(path), sorted({n for n in names if names.count(n) > 1}))
+
+
+@pytest.mark.timeout(90)
+def test_server_start_passes_the_session_and_job_log_limits(pw_home: Path) -> None:
+    """--session-grace, --job-log-max-mb, --max-sessions and --max-sessions-per-caller were only
+    `python -m server.controller`'s flags, which the README names beside `pwctl server start`."""
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen", "127.0.0.1:0",
+                               "--metrics-listen", "off", *args], env=base_env(pw_home), cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+    bad = start("--max-sessions-per-caller", "0")
+    assert bad.returncode == 2 and "--max-sessions-per-caller" in bad.stderr, bad.stderr
+    assert not (pw_home / "server.pid").exists()
+    limits = ("--session-grace", "7", "--job-log-max-mb", "3", "--max-sessions", "5", "--max-sessions-per-caller", "2")
+    r = start(*limits)
+    try:
+        assert r.returncode == 0, r.stderr
+        pid = json.loads((pw_home / "server.pid").read_text())["pid"]
+        cmdline = psutil.Process(pid).cmdline()
+        for flag, value in zip(limits[::2], limits[1::2], strict=True):
+            assert cmdline[cmdline.index(flag) + 1] == value, cmdline
+    finally:
+        stop = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "stop"], env=base_env(pw_home),
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stderr
+
+
+def test_trace_by_a_prefix_names_the_whole_job_id(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    c = module_cluster
+    r = c.pwctl("submit", str(REPO / "examples" / "seed_program.py"), "-d")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    assert c.pwctl("wait", job).returncode == 0
+    out = tmp_path / "trace.json"
+    r = c.pwctl("trace", job[:8], "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    # it said "node runs of job job-0f" (the prefix given) rather than the job
+    assert f"wrote {out}: 3 node runs of job {job} on " in r.stderr, r.stderr
+    assert json.loads(out.read_text())["otherData"]["node_runs"] == 3

@@ -6,6 +6,7 @@ version)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,10 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         assert r.returncode == 0, r.stderr
         islands = json.loads(run_pwctl("island", "list", "-o", "json", env=env).stdout)["items"]
         assert [i["name"] for i in islands] == ["a"] and islands[0]["devices"] >= 1  # one worker, every device
+        # no --server, $PWCTL_SERVER or config: pwctl talks to the controller this data directory
+        # runs, on the port `up --listen` gave it (it dialled 127.0.0.1:7070, "cannot reach")
+        found = run_pwctl("island", "list", "-o", "name", env=base_env(pw_home))
+        assert found.returncode == 0 and found.stdout.split() == ["a"], found.stderr
         assert r.stdout.startswith(f"cluster up at {address}: 1 island(s): a ({islands[0]['devices']} device(s))")
 
         # twice: says what runs, starts nothing, exits 0
@@ -238,3 +243,46 @@ def test_up_whose_controller_cannot_start_leaves_no_worker_behind(pw_home: Path)
         assert "cannot listen on" in r.stderr, r.stderr
         assert _workers_of(pw_home) == []
         assert not (pw_home / "cluster.json").exists()
+
+
+@pytest.mark.timeout(30)
+def test_pwctl_finds_the_data_directorys_controller_while_it_runs(pw_home: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from pwctl import settings
+
+    monkeypatch.delenv("PWCTL_SERVER", raising=False)
+    pid_file = pw_home / "server.pid"
+    pid_file.write_text(json.dumps({"pid": os.getpid(), "address": "0.0.0.0:7391"}))
+    assert settings.resolve().address == "127.0.0.1:7391"  # a wildcard listen address is dialled at loopback
+    assert settings.resolve("10.0.0.5:7070").address == "10.0.0.5:7070"  # a flag wins
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=30)
+    pid_file.write_text(json.dumps({"pid": int(gone.stdout), "address": "127.0.0.1:7391"}))
+    assert settings.resolve().address == "127.0.0.1:7070"  # a controller that is gone: the default
+    pid_file.write_text("{")
+    assert settings.resolve().address == "127.0.0.1:7070"
+
+
+@pytest.mark.timeout(120)
+def test_down_says_which_workers_it_left_running(pw_home: Path) -> None:
+    """`down` stops only what `up` started: a worker `pwctl worker start` added to the cluster goes
+    on (retrying a controller that is gone), and down now says so, with how to stop it."""
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home)  # no PWCTL_SERVER: `worker start` finds the cluster of this data directory
+    try:
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        r = run_pwctl("worker", "start", "--island", "c", "--devices", "1", "--name", "extra", env=env, timeout=90)
+        assert r.returncode == 0, r.stderr
+        extra = json.loads((pw_home / "workers" / "extra.pid").read_text())
+        assert extra["server"] == address
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr
+    try:
+        assert (f"left worker(s) extra (pid {extra['pid']}) running: `pwctl up` did not start them "
+                "(`pwctl worker stop NAME` stops one)") in down.stderr, down.stderr
+        assert "local-a" not in down.stderr and local.is_alive(extra["pid"])
+    finally:
+        stop = run_pwctl("worker", "stop", "extra", env=env, timeout=60)
+    assert stop.returncode == 0 and not local.is_alive(extra["pid"]), stop.stderr

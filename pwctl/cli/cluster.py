@@ -127,6 +127,9 @@ def down(
     if result.left_controller is not None:
         hint(f"left the controller (pid {result.left_controller}) running: `pwctl up` did not start it "
              "(`pwctl server stop` stops it)")
+    if result.left_workers:
+        names = ", ".join(f"{name} (pid {pid})" for name, pid in result.left_workers.items())
+        hint(f"left worker(s) {names} running: `pwctl up` did not start them (`pwctl worker stop NAME` stops one)")
 
 
 def _cancel_running_jobs(address: str, yes: bool) -> None:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 ServerOpt = Annotated[
     str | None,
-    typer.Option("--server", "-s", help="Controller address HOST:PORT (default: $PWCTL_SERVER, config, 127.0.0.1:7070)",
-                 show_default=False),
+    typer.Option("--server", "-s", help="Controller address HOST:PORT (default: $PWCTL_SERVER, config, the data "
+                 "directory's running controller, 127.0.0.1:7070)", show_default=False),
 ]
 
 # a server's TLS (pwctl/tls.py; README.md, "TLS"): `pwctl up`, `server start`, `worker start`

@@ -29,9 +29,9 @@ class DeviceState(StrEnum):
     reconnecting = "reconnecting"
 
 
-HostStateOpt = Annotated[HostState | None, typer.Option("--state", "-s", help="Only hosts in this state",
+HostStateOpt = Annotated[HostState | None, typer.Option("--state", help="Only hosts in this state",
                                                         case_sensitive=False, show_default=False)]
-DeviceStateOpt = Annotated[DeviceState | None, typer.Option("--state", "-s", help="Only devices in this state",
+DeviceStateOpt = Annotated[DeviceState | None, typer.Option("--state", help="Only devices in this state",
                                                             case_sensitive=False, show_default=False)]
 
 

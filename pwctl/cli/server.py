@@ -80,6 +80,17 @@ GroupWaitOpt = Annotated[float, typer.Option("--group-wait",
                                                   "group to form (at start, after a host joined or was lost) "
                                                   "before it fails naming why")]
 
+GraceOpt = Annotated[float, typer.Option("--session-grace", min=0,
+                                         help="After a restart, seconds the `pw` sessions of the previous "
+                                              "controller may resume: their slices and buffers are kept that long")]
+JobLogOpt = Annotated[int, typer.Option("--job-log-max-mb", min=1,
+                                        help="Output kept per job (MiB): its log rotates at half of that, older "
+                                             "output is dropped")]
+MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", min=1, help="Client sessions open at once")]
+MaxPerCallerOpt = Annotated[int, typer.Option("--max-sessions-per-caller", min=1,
+                                              help="Client sessions one caller (a machine's address, or a job's "
+                                                   "driver) may hold open at once")]
+
 
 @app.command("start")
 def start(
@@ -99,6 +110,10 @@ def start(
     relay_min_hosts: RelayMinOpt = 32,
     relay_group: RelayGroupOpt = 64,
     group_wait: GroupWaitOpt = 60.0,
+    session_grace: GraceOpt = 60.0,
+    job_log_max_mb: JobLogOpt = 16,
+    max_sessions: MaxSessionsOpt = 1024,
+    max_sessions_per_caller: MaxPerCallerOpt = 256,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -138,7 +153,9 @@ def start(
     extra = ["--policy", policy.value, "--hang-timeout", f"{hang_timeout:g}", "--window", str(window),
              "--metrics-listen", metrics_listen, "--trace-retention", trace_retention, "--lost-host-ttl", lost_host_ttl,
              "--relay-min-hosts", str(relay_min_hosts), "--relay-group", str(relay_group),
-             "--group-wait", f"{group_wait:g}"]
+             "--group-wait", f"{group_wait:g}", "--session-grace", f"{session_grace:g}",
+             "--job-log-max-mb", str(job_log_max_mb), "--max-sessions", str(max_sessions),
+             "--max-sessions-per-caller", str(max_sessions_per_caller)]
     if no_token:
         extra.append("--no-token")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,

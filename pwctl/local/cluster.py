@@ -48,6 +48,7 @@ class DownResult:
     stopped_workers: dict[str, int]
     controller_pid: int | None
     left_controller: int | None = None  # a controller of this data directory `up` did not start, left running
+    left_workers: dict[str, int] = field(default_factory=dict)  # `worker start` ones of this cluster, left running
 
 
 def island_names(n: int) -> list[str]:
@@ -225,5 +226,21 @@ def down(grace: float = STOP_GRACE_S) -> DownResult | None:
         left_controller = _controller_at(str(state.get("address", "")))
     stop_island_services()
     path.unlink(missing_ok=True)
-    return DownResult(address=str(state.get("address", "")), stopped_workers=ours,
-                      controller_pid=stopped_controller, left_controller=left_controller)
+    address = str(state.get("address", ""))
+    return DownResult(address=address, stopped_workers=ours, controller_pid=stopped_controller,
+                      left_controller=left_controller, left_workers=_other_workers(address, set(ours)))
+
+
+def _other_workers(address: str, stopped: set[str]) -> dict[str, int]:
+    """Workers `pwctl worker start` started from this data directory for the cluster at `address`
+    under other names than `up`'s, still running: `down` leaves them, and says so."""
+    left: dict[str, int] = {}
+    for pid_file in sorted((paths.data_dir() / "workers").glob("*.pid")):
+        info = _read_json(pid_file) or {}
+        name = str(info.get("name", pid_file.stem))
+        if name in stopped or str(info.get("server", "")) != address:
+            continue
+        pid = running_worker(name)
+        if pid is not None:
+            left[name] = pid
+    return left

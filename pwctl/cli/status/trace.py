@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -45,6 +46,9 @@ def trace(
                 resp, what = c.trace_window(program=target, since_unix_ns=since_ns, last=last or 0), "program"
             except NotFound:
                 resp, what = _no_runs_kept(c, target), "job"
+        if what == "job":  # the hint names the job, not the prefix it was given by
+            with contextlib.suppress(NotFound):
+                target = c.get_job(target).id
     text = resp.chrome_trace_json
     doc = json.loads(text)
     other = doc.get("otherData", {})

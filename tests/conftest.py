@@ -135,8 +135,24 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+# The files that take longest (a run's `--durations=0`, summed per file), first: scripts/test.sh gives
+# pytest-xdist whole files in collection order, and a long file started last keeps one worker busy
+# while the other has nothing left to do.
+LONGEST_FILES = ("test_multihost.py", "test_restart_sessions.py", "test_scheduling.py",
+                 "test_slices_integration.py", "test_jobs.py", "test_trust_worker.py", "test_proxy_sharded.py",
+                 "test_operator_edges.py", "test_programs.py", "test_hosts.py", "test_relays.py",
+                 "test_status.py", "test_job_supervisor.py", "test_tls.py", "test_frozen_peer.py",
+                 "test_chaos.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order is kept
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    compile_checkout(REPO)  # the processes the suite starts read it (tests/precompile.py)
+    if not hasattr(session.config, "workerinput"):  # once, before pytest-xdist starts its workers
+        compile_checkout(REPO)  # the processes the suite starts read it (tests/precompile.py)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,7 @@ output on before it hears of anything, then registers again. That late copy must
 receiver: no reader will come for it and no client owns it, so nothing would ever free it (the
 chaos run's freezes showed one such array left per freeze, after every session ended).
 
-Real processes: a controller (2 s heartbeat timeout), two workers, a `pw` program in its own
+Real processes: a controller (4 s heartbeat timeout), two workers, a `pw` program in its own
 process."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=2)]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=4)]
 
 PROGRAM = """\
 import json, sys

@@ -133,7 +133,7 @@ except Exception as e:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=2.0)
+@pytest.mark.cluster(islands=1, devices=2, heartbeat_timeout=4.0)
 @pytest.mark.parametrize("wait", ["download", "block"])
 def test_a_run_that_fails_on_the_cluster_fails_promptly(cluster: LocalCluster, tmp_path: Path, wait: str) -> None:
     """The worker freezes (SIGSTOP) while the program waits for a run (downloading its result,

@@ -634,6 +634,26 @@ def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_it
     assert box.msgs["g1"][1] is g and materialized(g).enqueue.tasks[0].segment_id == 11
 
 
+def test_a_release_keeps_its_owner_on_the_wire_and_one_of_no_ids_is_not_sent() -> None:
+    """Releases name their owner (a tombstone left for a buffer not there yet is the owner's, and
+    goes with it: server/worker/buffers.py): they join the host's Enqueue or release only when it
+    is the same owner's. A release of no ids is no message: naming an owner and no ids, the worker
+    would free everything the owner has."""
+    box = Outbox()
+    box.enqueue("h").tasks.add(run_id=1, seq=1)
+    box.release("h", [1, 2], "client:a")
+    box.release("h", [3], "client:a")
+    box.release("h", [4], "client:b")
+    box.release("h", [5], "client:b")
+    box.release("h", [], "client:c")
+    assert box.msgs["h"] == [
+        cpb.ControllerToWorker(enqueue=wpb.Enqueue(tasks=[wpb.Task(run_id=1, seq=1)], release_ids=[1, 2, 3],
+                                                   release_owner="client:a")),
+        cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4, 5], owner="client:b"))]
+    box.release("g", [], "client:c")
+    assert "g" not in box.msgs
+
+
 def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body() -> None:
     """The dispatcher with relays (server/controller/relays.py) over a gang of three hosts in one
     relay group: after the first run (which carries the definitions, each member's own message),

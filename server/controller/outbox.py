@@ -89,14 +89,26 @@ class Outbox:
         q.append(g)
         return g
 
-    def release(self, host: str, ids: list[int]) -> None:
+    def release(self, host: str, ids: list[int], owner: str = "") -> None:
+        """`owner`'s buffers `ids` released on `host`: into the host's last message when that is
+        an Enqueue (applied after its nodes) or a release of the same owner's, else a new one
+        (none for no ids: a release naming an owner and no ids releases all the owner's)."""
+        if not ids:
+            return
         q = self.msgs.get(host)
         if q and type(q[-1]) is GangEnqueue:
             q[-1] = q[-1].message()
-        if q and q[-1].WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
-            q[-1].enqueue.release_ids.extend(ids)  # type: ignore[union-attr]  # applied after that message's nodes
-        else:
-            self._last(host, "release").release.buffer_ids.extend(ids)
+        last = q[-1] if q else None
+        if last is not None and last.WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
+            enq = last.enqueue  # type: ignore[union-attr]
+            if not enq.release_ids or enq.release_owner == owner:
+                enq.release_owner = owner
+                enq.release_ids.extend(ids)  # applied after that message's nodes
+                return
+        elif last is not None and last.WhichOneof("msg") == "release" and last.release.owner == owner:  # type: ignore[union-attr]
+            last.release.buffer_ids.extend(ids)  # type: ignore[union-attr]
+            return
+        self.other(host, cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=ids, owner=owner)))
 
     def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
         self.msgs.setdefault(host, []).append(msg)

@@ -364,7 +364,7 @@ class SessionManager:
             for b in mine:
                 session.never_computed.pop(b, None)
         for where, ids in session.hold_release(address, mine):
-            self.dispatcher.release(where, ids)
+            self.dispatcher.release(where, ids, session.owner)
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not

@@ -176,6 +176,78 @@ def test_a_fetch_from_a_frozen_worker_fails_once_its_host_is_declared_lost(clust
         proc.wait()
 
 
+WAITING = """\
+import json, sys, threading, time
+import jax, jax.numpy as jnp
+import numpy as np
+import pwctl as pw
+
+a = pw.make_virtual_device_set().add_slice(devices=1, island="a")
+
+
+def slow(v, n):  # n rounds of matrix products on a (n an input: one compilation for every n)
+    m = jnp.full((768, 768), 1.0, jnp.float32) * v[0]
+    m = jax.lax.fori_loop(0, n[0], lambda i, m: jnp.tanh(m @ m * (1.0 / 768)), m)
+    return v + m[0, :4] * 0.0
+
+
+f = pw.pmap(slow, devices=a.devices)
+x = np.ones((1, 4), np.float32)
+np.asarray(f(x, np.ones((1, 1), np.int32)))  # compiled and warm
+out = {}
+
+
+def call(kind, fut):
+    try:
+        fut.result(timeout=120) if kind == "result" else fut.block_until_ready(timeout=120)
+        out[kind] = {"error": ""}
+    except Exception as e:
+        out[kind] = {"error": f"{type(e).__name__}: {e}"}
+    out[kind]["t"] = time.time()
+
+
+many = np.full((1, 1), 100000, np.int32)  # minutes: still computing when w-a is frozen
+threads = [threading.Thread(target=call, args=(k, f(x, many))) for k in ("result", "ready")]
+for t in threads:
+    t.start()
+time.sleep(1.5)  # both calls wait at w-a now
+print(json.dumps({"waiting": True}), flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_call_waiting_at_a_worker_fails_when_its_host_is_declared_lost(cluster: LocalCluster,
+                                                                         tmp_path: Path) -> None:
+    """A fetch (`result`) and a wait (`block_until_ready`) already waiting at a worker when it
+    freezes end once the controller declares its host lost (the controller tells the session),
+    naming the host; before, each went on to its call's deadline (its wait + 5 s) and then asked
+    the controller: 5 s or more after the freeze, whatever the heartbeat timeout."""
+    script = tmp_path / "waiting.py"
+    script.write_text(WAITING)
+    proc = subprocess.Popen([sys.executable, str(script)], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        assert json.loads(lines.get(timeout=90))["waiting"]
+        frozen = time.time()
+        cluster.stop_worker("w-a")
+        try:
+            out = json.loads(lines.get(timeout=30))
+        finally:
+            cluster.cont_worker("w-a")
+        for kind in ("result", "ready"):
+            assert "w-a" in out[kind]["error"], out
+            # heartbeat timeout (2 s) + its check + the event: well before the old 5 s or more
+            assert out[kind]["t"] - frozen < cluster.heartbeat_timeout + 2.5, out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 HOLD = """\
 import json, sys
 import numpy as np

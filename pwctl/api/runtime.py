@@ -224,6 +224,8 @@ class Runtime:
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
                         vs._update(ev.slice_changed.slice)
+                elif kind == "host_lost":
+                    self._host_lost(ev.host_lost)
                 elif kind == "going_away":
                     going_away = ev.going_away
                 elif kind == "error":
@@ -328,6 +330,15 @@ class Runtime:
         except PathwaysError:
             return ""
         return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
+
+    def _host_lost(self, lost: cpb.HostLost) -> None:
+        """The controller declared a host lost: the calls waiting at its worker end now, naming
+        it (futures.py `_poll` raises their error), not at their deadline."""
+        with self._workers_lock:
+            conn = self._workers.get(lost.address)
+        if conn is not None:
+            conn.abandon(f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
+                         "(the controller declared it)")
 
     def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:

@@ -41,6 +41,7 @@ from .programs import ProgramRecord, ProgramRegistry, check_devices, program_id_
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
 if TYPE_CHECKING:
+    from .host_info import HostInfo
     from .slices import Placement
 
 log = logging.getLogger(__name__)
@@ -433,6 +434,13 @@ class SessionManager:
             self.slices.release_owner(owner)
         except ControllerError as e:
             log.warning("releasing the slices of %s: %s", owner, e)
+
+    def host_lost(self, info: HostInfo, reason: str) -> None:
+        """(the cluster's listener) Tells every session that a host was lost: a call its client
+        waits on at that host's worker ends now (a frozen host keeps its connections open)."""
+        ev = cpb.SessionEvent(host_lost=cpb.HostLost(name=info.name, address=info.address, reason=reason))
+        for s in self.sessions.values():
+            s.send(ev)
 
     # ---- slice service listener ----
     def slice_changed(self, info: cpb.Slice) -> None:

@@ -19,6 +19,7 @@ from server.controller.links import WorkerLink
 from server.controller.outbox import Outbox, materialized
 from server.controller.programs import ProgramRecord, ProgramRegistry, check_devices
 from server.controller.relays import Relays
+from server.controller.release_acks import ReleaseAcks
 from server.controller.segments import Gang
 from server.controller.slices import Placement
 from server.scheduler import CancelRun, GangScheduler, Policy
@@ -652,6 +653,47 @@ def test_a_release_keeps_its_owner_on_the_wire_and_one_of_no_ids_is_not_sent() -
         cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4, 5], owner="client:b"))]
     box.release("g", [], "client:c")
     assert "g" not in box.msgs
+
+
+def test_a_session_hears_its_releases_arrived_once_every_worker_they_went_to_handled_them() -> None:
+    """release_acks.py: a release counts as arrived once each worker given releases in its flush
+    acknowledged the messages up to that flush (or its stream ended), in the session's order."""
+    hosts = {n: host(n, [0]) for n in ("h1", "h2")}
+    for h in hosts.values():
+        h.link = WorkerLink(h.name)
+        h.link.send(cpb.ControllerToWorker())
+    acks = ReleaseAcks(hosts)
+    session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
+                            sequential=False, ack_releases=True)
+    session.hold_release("h1:1", [1])
+    session.hold_release("h2:1", [2])
+    assert session.releases_out == 2
+    acks.released(session)
+    for h in hosts.values():
+        h.link.send(cpb.ControllerToWorker())  # the flush's messages: seq 2 on each
+    acks.flushed(["h1", "h2"])
+    session.hold_release("h1:1", [3])
+    acks.released(session)
+    hosts["h1"].link.send(cpb.ControllerToWorker())  # seq 3 on h1
+    acks.flushed(["h1"])
+    acks.check()
+    assert session.queue.empty()  # nothing acknowledged yet
+    hosts["h1"].link.ack(3)
+    acks.check()
+    assert session.queue.empty()  # h2 has not handled the first flush's release
+    hosts["h2"].link.close()  # its stream ended: nothing more will come of it
+    acks.check()
+    assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=3)
+    session.hold_release("h1:1", [4])
+    acks.released(session)
+    box = Outbox()
+    box.release("h1", [4], session.owner)
+    box.release("h2", [], session.owner)  # no ids: no message, no host to wait for
+    assert box.released_to == {"h1"}
+    acks.flushed([])  # its host is not there: it goes nowhere, and is over
+    acks.check()
+    assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=4)
+    acks.forget(session)
 
 
 def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body() -> None:

@@ -116,6 +116,7 @@ class Runtime:
             priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
             weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
+            ack_releases=True,  # releases not acknowledged are sent again on resuming (sender.py)
         )
         sender = self._sender
         # the session's current stream (let go of by close)
@@ -139,6 +140,7 @@ class Runtime:
     def _welcomed(self, welcome: cpb.Welcome) -> None:
         self.client_id = welcome.client_id
         self._resume_token = welcome.resume_token
+        self._sender.set_acks(welcome.acks_releases)
 
     # ---- ids ----
     def new_id(self) -> int:
@@ -224,6 +226,8 @@ class Runtime:
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
                         vs._update(ev.slice_changed.slice)
+                elif kind == "releases_done":
+                    self._sender.releases_arrived(ev.releases_done)
                 elif kind == "host_lost":
                     self._host_lost(ev.host_lost)
                 elif kind == "going_away":
@@ -263,6 +267,7 @@ class Runtime:
         hello = cpb.Hello()
         hello.CopyFrom(self._hello)
         hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
+        self._sender.releases_again()  # once the session is resumed (sender.py)
         first = [cpb.ClientMessage(hello=hello), *self.registrations.again()]
         return self.client.session(self._sender.requests(gen, first, ready, done)), ready
 

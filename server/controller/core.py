@@ -154,6 +154,7 @@ class Controller:
         self.spawn(self.observer.persist())
         self.spawn(self._reap_island_services())
         self.spawn(self.sessions.expire_resumable())
+        self.spawn(self.dispatcher.release_acks.run())
         self.spawn(self.removal.run())
 
     async def stop(self) -> None:

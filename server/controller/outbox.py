@@ -61,6 +61,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self.msgs: dict[str, list[Message]] = {}
+        self.released_to: set[str] = set()  # hosts given releases (release_acks.py)
 
     def _last(self, host: str, kind: str) -> cpb.ControllerToWorker:
         q = self.msgs.setdefault(host, [])
@@ -95,6 +96,7 @@ class Outbox:
         (none for no ids: a release naming an owner and no ids releases all the owner's)."""
         if not ids:
             return
+        self.released_to.add(host)
         q = self.msgs.get(host)
         if q and type(q[-1]) is GangEnqueue:
             q[-1] = q[-1].message()

@@ -214,6 +214,7 @@ class SessionManager:
             priority=hello.priority,
             weight=hello.weight if hello.weight > 0 else 1.0,
             sequential=dispatch == "sequential",
+            ack_releases=hello.ack_releases,
         )
         self.sessions[session.client_id] = session
         resumed = bool(hello.resume_client_id)
@@ -222,7 +223,7 @@ class SessionManager:
         yield cpb.SessionEvent(welcome=cpb.Welcome(
             client_id=session.client_id, id_prefix=session.id_prefix,
             worker_credential=self.credential(session.owner, session.id_prefix),
-            resume_token=token, resumed=resumed))
+            resume_token=token, resumed=resumed, acks_releases=hello.ack_releases))
         gave_up: dict[str, tuple[int, str]] = {}
         for msg in rest:
             await self._take(session, msg, gave_up)
@@ -366,6 +367,7 @@ class SessionManager:
                 session.never_computed.pop(b, None)
         for where, ids in session.hold_release(address, mine):
             self.dispatcher.release(where, ids, session.owner)
+            self.dispatcher.release_acks.released(session)
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not
@@ -417,6 +419,7 @@ class SessionManager:
         if self.sessions.pop(session.client_id, None) is None:
             return
         self.dispatcher.client_gone(session.client_id)
+        self.dispatcher.release_acks.forget(session)
         if self.going_away:  # the session resumes at the next controller
             log.info("session %s left for the next controller", session.client_id)
             return

@@ -127,6 +127,46 @@ def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster:
         proc.wait()
 
 
+def test_a_copy_sent_to_a_frozen_receiver_does_not_stay_there_once_it_registers_again(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """The receiver frozen instead: w-a sends its output to w-b while w-b is frozen; w-b's host
+    is declared lost (the run dropped; w-b, with no stream, never hears the Drop), continues and
+    registers again. The copy, which reaches it only then, must not stay held there for a reader
+    that never comes (suspected, not seen: this passed before and after the leak fixes of
+    tests/test_release_leaks.py, with w-a computing 0.5, 1.5 and 3 s)."""
+    script = tmp_path / "pipe.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, str(script), "30"], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    try:
+        assert _line(proc)["warm"] == [[2.0] * 4]
+        cluster.stop_worker("w-b")
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert _line(proc)["sent"]
+            wait_for(lambda: cluster.hosts()["w-b"].state == pb.HOST_STATE_LOST, 20, "w-b declared lost")
+            time.sleep(1.0)  # the run dropped on w-a
+        finally:
+            cluster.cont_worker("w-b")
+        cluster.wait_ready(["w-b"], timeout=30)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = _line(proc)
+        assert "w-b" in out["error"], out
+        assert out["again"] == [[2.0] * 4], out
+        proc.stdin.write("end\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+        for name in ("w-a", "w-b"):
+            wait_for(lambda name=name: buffers(cluster, name) == 0, 10, f"{name} to hold no buffer", interval=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 FETCH = """\
 import json, sys, time
 import numpy as np

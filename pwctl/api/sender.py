@@ -52,7 +52,7 @@ class Sender:
         self.handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
         # release messages handed to the current stream and not yet known to have arrived (with
         # their number on it), kept while the controller acknowledges them (`acks_releases`)
-        self.unacked: deque[tuple[int, str, list[int]]] = deque(maxlen=MAX_UNACKED_RELEASES)
+        self.unacked: deque[tuple[int, wpb.ReleaseBuffers]] = deque(maxlen=MAX_UNACKED_RELEASES)
         self.releases_sent = 0  # release messages handed to the current stream
         self.acks_releases = False  # the current stream's controller says which arrived
         self.ready = threading.Event()  # the current stream's Welcome came: its sender goes on
@@ -98,7 +98,8 @@ class Sender:
                 if batch:
                     runs = [(m.run.run_id, tuple(m.run.output_ids)) for m in batch
                             if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
-                    msg = pack(batch)
+                    releases: list[wpb.ReleaseBuffers] = []
+                    msg = pack(batch, releases)
                     with self.lock:  # handed (and remembered as such) only while the stream is current
                         if gen != self.gen:
                             self.carry.extend(batch)
@@ -106,8 +107,10 @@ class Sender:
                         if runs:
                             self.handed.extend(runs)
                             self.handed_total += len(runs)
-                        if self.acks_releases:
-                            self._remember_releases(msg)
+                        if releases and self.acks_releases:  # numbered as the controller counts them
+                            for r in releases:
+                                self.releases_sent += 1
+                                self.unacked.append((self.releases_sent, r))
                     yield msg
                 if stop:
                     return
@@ -127,14 +130,6 @@ class Sender:
         if isinstance(item, cpb.ClientMessage | Release):
             batch.append(item)
         return True
-
-    def _remember_releases(self, msg: cpb.ClientMessage) -> None:
-        """Numbers the release messages of `msg` (as the controller counts them) and keeps them
-        until acknowledged (call with the lock held)."""
-        for m in (msg.batch.messages if msg.HasField("batch") else (msg,)):
-            if m.HasField("release"):
-                self.releases_sent += 1
-                self.unacked.append((self.releases_sent, m.release.address, list(m.release.buffer_ids)))
 
     def releases_arrived(self, count: int) -> None:
         """The controller says the current stream's first `count` release messages reached their
@@ -159,8 +154,7 @@ class Sender:
         numbered as that stream's. One whose buffer is gone already leaves a tombstone of the
         session's on its worker, which goes when the session ends (server/worker/buffers.py)."""
         with self.lock:
-            again = [cpb.ClientMessage(release=wpb.ReleaseBuffers(buffer_ids=ids, address=address))
-                     for _, address, ids in self.unacked]
+            again = [cpb.ClientMessage(release=r) for _, r in self.unacked]
             self.unacked.clear()
             self.releases_sent = 0
             self.carry.extendleft(reversed(again))

@@ -13,13 +13,16 @@ any, from `Cluster.missed`).
 
 Per session: `releases_out` counts its release messages that passed its barrier (in the order
 it sent them: the barrier keeps their order); each flush that sent some records that count with
-the (link, last seq) of every host it sent releases to; a check every ACK_CHECK_S tells the
-session the highest count whose links all acknowledged.
+the last seq of every host's link it sent releases to (the flushes of one MARK_S share one
+record: a loop of calls flushes once or twice a call, and a record each cost the controller
+~10 us a call); a check every ACK_CHECK_S tells the session the highest count whose links all
+acknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -32,13 +35,22 @@ if TYPE_CHECKING:
     from .links import WorkerLink
 
 ACK_CHECK_S = 0.2  # how often the sessions hear which of their releases arrived
+MARK_S = 0.05  # the flushes within this long of a session's last record join it
+
+
+class _Mark:
+    """Releases up to `count` of a session arrived once each link in `seqs` handled its seq."""
+
+    __slots__ = ("count", "seqs", "since")
+
+    def __init__(self, count: int, seqs: dict[WorkerLink, int], since: float) -> None:
+        self.count, self.seqs, self.since = count, seqs, since
 
 
 class ReleaseAcks:
     def __init__(self, hosts: Mapping[str, HostInfo]) -> None:
         self._hosts = hosts
-        # per session: (releases_out after a flush, the links and seqs they must acknowledge)
-        self._marks: dict[ClientSession, deque[tuple[int, list[tuple[WorkerLink, int]]]]] = {}
+        self._marks: dict[ClientSession, deque[_Mark]] = {}  # per session, oldest first
         self.releasing: set[ClientSession] = set()  # sessions with releases in the current flush
 
     def released(self, session: ClientSession) -> None:
@@ -49,20 +61,28 @@ class ReleaseAcks:
     def flushed(self, hosts: Iterable[str]) -> None:
         """(the dispatcher, once a flush sent its messages) The releases of that flush went to `hosts`."""
         releasing, self.releasing = self.releasing, set()
-        marks = []
+        seqs = {}
         for name in hosts:
             info = self._hosts.get(name)
             if info is not None and info.link is not None:
-                marks.append((info.link, info.link.next_seq - 1))
+                seqs[info.link] = info.link.next_seq - 1
+        now = time.monotonic()
         for session in releasing:
-            self._marks.setdefault(session, deque()).append((session.releases_out, marks))
+            marks = self._marks.get(session)
+            if marks is None:
+                marks = self._marks[session] = deque()
+            elif marks and now - marks[-1].since < MARK_S:  # joins the last (later seqs cover earlier)
+                marks[-1].count = session.releases_out
+                marks[-1].seqs.update(seqs)
+                continue
+            marks.append(_Mark(session.releases_out, dict(seqs), now))
 
     def check(self) -> None:
         """Tells each session how many of its releases arrived, where that changed."""
         for session, marks in list(self._marks.items()):
             done = session.releases_acked
-            while marks and all(link.closed or link.acked >= seq for link, seq in marks[0][1]):
-                done = marks.popleft()[0]
+            while marks and all(link.closed or link.acked >= seq for link, seq in marks[0].seqs.items()):
+                done = marks.popleft().count
             if not marks:
                 del self._marks[session]
             if done != session.releases_acked:

@@ -656,43 +656,42 @@ def test_a_release_keeps_its_owner_on_the_wire_and_one_of_no_ids_is_not_sent() -
 
 
 def test_a_session_hears_its_releases_arrived_once_every_worker_they_went_to_handled_them() -> None:
-    """release_acks.py: a release counts as arrived once each worker given releases in its flush
-    acknowledged the messages up to that flush (or its stream ended), in the session's order."""
+    """release_acks.py: the releases a session made before a check count as arrived once each
+    worker they went to acknowledged the messages sent to it up to that check (or its stream
+    ended), in the session's order; one for a worker that is not there goes nowhere and is over."""
     hosts = {n: host(n, [0]) for n in ("h1", "h2")}
     for h in hosts.values():
         h.link = WorkerLink(h.name)
         h.link.send(cpb.ControllerToWorker())
-    acks = ReleaseAcks(hosts)
+    by_address = {h.address: h for h in hosts.values()}
+    acks = ReleaseAcks(by_address.get)
     session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
                             sequential=False, ack_releases=True)
-    session.hold_release("h1:1", [1])
-    session.hold_release("h2:1", [2])
+    for address, _ids in session.hold_release("h1:1", [1]) + session.hold_release("h2:1", [2]):
+        acks.released(session, address)
     assert session.releases_out == 2
-    acks.released(session)
     for h in hosts.values():
         h.link.send(cpb.ControllerToWorker())  # the flush's messages: seq 2 on each
-    acks.flushed(["h1", "h2"])
-    session.hold_release("h1:1", [3])
-    acks.released(session)
+    acks.check()
+    for address, _ids in session.hold_release("h1:1", [3]):
+        acks.released(session, address)
     hosts["h1"].link.send(cpb.ControllerToWorker())  # seq 3 on h1
-    acks.flushed(["h1"])
     acks.check()
     assert session.queue.empty()  # nothing acknowledged yet
     hosts["h1"].link.ack(3)
     acks.check()
-    assert session.queue.empty()  # h2 has not handled the first flush's release
+    assert session.queue.empty()  # h2 has not handled the first check's release
     hosts["h2"].link.close()  # its stream ended: nothing more will come of it
     acks.check()
     assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=3)
-    session.hold_release("h1:1", [4])
-    acks.released(session)
-    box = Outbox()
-    box.release("h1", [4], session.owner)
-    box.release("h2", [], session.owner)  # no ids: no message, no host to wait for
-    assert box.released_to == {"h1"}
-    acks.flushed([])  # its host is not there: it goes nowhere, and is over
+    for address, _ids in session.hold_release("nowhere:1", [4]):
+        acks.released(session, address)
     acks.check()
     assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=4)
+    acks.released(ClientSession(client_id="c2", id_prefix=2, name="t", job_id="", priority=0, weight=1.0,
+                                sequential=False), "h1:1")  # it did not ask: nothing recorded
+    acks.check()
+    assert session.queue.empty()
     acks.forget(session)
 
 

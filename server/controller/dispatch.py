@@ -93,7 +93,7 @@ class Dispatcher:
         # to be failed (`_fail_readers`): session -> buffer id -> why it will never be computed
         self._unmade: dict[ClientSession, dict[int, str]] = {}
         self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
-        self.release_acks = ReleaseAcks(hosts)  # which releases reached their workers (release_acks.py)
+        self.release_acks = ReleaseAcks(host_by_address)  # which releases reached their workers (release_acks.py)
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
@@ -347,7 +347,7 @@ class Dispatcher:
         owner = run.session.owner
         for address, ids in run.session.run_closed(a.run_id):
             self.release(address, ids, owner)
-            self.release_acks.released(run.session)
+            self.release_acks.released(run.session, address)
         self._progressed.add(run.session)
         for address, ids in run.held_ids.items():
             self.release(address, ids, owner)
@@ -442,8 +442,6 @@ class Dispatcher:
             for name, msgs in outbox.msgs.items():
                 for m in msgs:
                     send(name, materialized(m))
-        if self.release_acks.releasing:
-            self.release_acks.flushed(outbox.released_to)
         if self.probe is not None:
             self.probe.flushed()
 

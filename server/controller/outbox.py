@@ -61,7 +61,6 @@ class Outbox:
 
     def __init__(self) -> None:
         self.msgs: dict[str, list[Message]] = {}
-        self.released_to: set[str] = set()  # hosts given releases (release_acks.py)
 
     def _last(self, host: str, kind: str) -> cpb.ControllerToWorker:
         q = self.msgs.setdefault(host, [])
@@ -96,20 +95,19 @@ class Outbox:
         (none for no ids: a release naming an owner and no ids releases all the owner's)."""
         if not ids:
             return
-        self.released_to.add(host)
         q = self.msgs.get(host)
-        if q and type(q[-1]) is GangEnqueue:
-            q[-1] = q[-1].message()
-        last = q[-1] if q else None
-        if last is not None and last.WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
-            enq = last.enqueue  # type: ignore[union-attr]
-            if not enq.release_ids or enq.release_owner == owner:
-                enq.release_owner = owner
-                enq.release_ids.extend(ids)  # applied after that message's nodes
+        if q:
+            if type(q[-1]) is GangEnqueue:
+                q[-1] = q[-1].message()
+            last: cpb.ControllerToWorker = q[-1]  # type: ignore[assignment]  # a message now
+            kind = last.WhichOneof("msg")
+            if kind == "enqueue" and (not last.enqueue.release_ids or last.enqueue.release_owner == owner):
+                last.enqueue.release_owner = owner
+                last.enqueue.release_ids.extend(ids)  # applied after that message's nodes
                 return
-        elif last is not None and last.WhichOneof("msg") == "release" and last.release.owner == owner:  # type: ignore[union-attr]
-            last.release.buffer_ids.extend(ids)  # type: ignore[union-attr]
-            return
+            if kind == "release" and last.release.owner == owner:
+                last.release.buffer_ids.extend(ids)
+                return
         self.other(host, cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=ids, owner=owner)))
 
     def other(self, host: str, msg: cpb.ControllerToWorker) -> None:

@@ -367,7 +367,7 @@ class SessionManager:
                 session.never_computed.pop(b, None)
         for where, ids in session.hold_release(address, mine):
             self.dispatcher.release(where, ids, session.owner)
-            self.dispatcher.release_acks.released(session)
+            self.dispatcher.release_acks.released(session, where)
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not

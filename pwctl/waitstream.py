@@ -134,6 +134,13 @@ class WaitStream:
                 self._overdue = due[0]
                 due[0].cancel()
 
+    def abandon(self) -> None:
+        """Ends the wait on the stream now, if one is under way (its worker's host was lost: the
+        caller reports that); the stream is opened again on a later wait."""
+        due = self._due
+        if due is not None:
+            due[0].cancel()
+
     def close(self) -> None:
         """Ends the stream and the watchdog; a wait under way ends (its caller makes the unary
         call, on a channel closed by then)."""

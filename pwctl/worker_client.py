@@ -132,6 +132,11 @@ class WorkerClient:
         self._closed = False
         self._closing = threading.Event()  # set by close: a pause before a stream opens again ends
         self._readers: list[threading.Thread] = []  # the streams' acknowledgement readers (`join`)
+        # fetches and unary waits in flight, which `abandon` cancels; `_abandoned` counts its calls
+        # (a call that ends cancelled after one since it started reports `_abandoned_why`)
+        self._calls: set[Any] = set()
+        self._abandoned = 0
+        self._abandoned_why = ""
 
     def put(self, buffer_id: int, arr: np.ndarray, run_id: int = 0) -> None:
         """Queues an upload; returns at once (the consuming node waits for it). `run_id`: the run
@@ -253,9 +258,10 @@ class WorkerClient:
         head: pb.ArrayProto | None = None
         parts: list[bytes] = []
         deadline = timeout_s + 5.0 + nbytes / 50e6
+        mark = self._abandoned
         try:
-            for chunk in self._transport.server_stream(
-                    self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s), timeout=deadline):
+            for chunk in self._streamed(self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
+                                      deadline):
                 if chunk.error:
                     if "not ready after" in chunk.error:
                         return None, ""
@@ -266,7 +272,7 @@ class WorkerClient:
         except ConnectionFailed as e:
             return None, _lost(e)
         if head is None:
-            return None, f"empty reply from {self.address}"
+            return None, self._why_abandoned(mark) or f"empty reply from {self.address}"
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
@@ -278,8 +284,9 @@ class WorkerClient:
         data: dict[int, list[bytes]] = {}
         deadline = timeout_s + 5.0 + nbytes / 50e6
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s, parts=True)
+        mark = self._abandoned
         try:
-            for chunk in self._transport.server_stream(self._stub.Fetch, request, timeout=deadline):
+            for chunk in self._streamed(self._stub.Fetch, request, deadline):
                 if chunk.error:
                     if "not ready after" in chunk.error:
                         return None, ""
@@ -290,7 +297,7 @@ class WorkerClient:
         except ConnectionFailed as e:
             return None, _lost(e)
         if not heads:
-            return None, f"empty reply from {self.address}"
+            return None, self._why_abandoned(mark) or f"empty reply from {self.address}"
         parts = []
         for k, head in sorted(heads.items()):
             arr = from_bytes(head.array.dtype, list(head.array.shape), b"".join(data[k])).copy()
@@ -305,19 +312,71 @@ class WorkerClient:
         Asked on the `Waits` stream when it can be (pwctl/waitstream.py), else a unary `Wait`:
         the same answers either way."""
         request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
+        mark = self._abandoned
         reply = self.waits.ask(request, timeout_s + 5.0)
         if reply is None:
+            if why := self._why_abandoned(mark):
+                return False, why
             request.seq = 0
             try:
-                reply = self._transport.unary(self._stub.Wait, request, timeout=timeout_s + 5.0)
+                reply = self._unary_wait(request, timeout_s + 5.0)
             except ConnectionFailed as e:
-                return False, _lost(e)
+                return False, self._why_abandoned(mark) or _lost(e)
         elif reply.code:  # refused, as the unary call would have been with this status
             error = from_status(status_code(reply.code), reply.error, self.address, "worker")
             if isinstance(error, ConnectionFailed):
-                return False, _lost(error)
+                return False, self._why_abandoned(mark) or _lost(error)
             raise error
         return reply.ready, reply.error
+
+    # ---- calls a host's loss ends ----
+    def abandon(self, why: str) -> None:
+        """The worker's host was declared lost (`why`): the fetches and waits in flight end now,
+        reporting `why`, rather than at their deadline (a frozen host keeps its connections
+        open). Calls made later are made as usual."""
+        with self._lock:
+            self._abandoned += 1
+            self._abandoned_why = why
+            calls = list(self._calls)
+        self.waits.abandon()
+        for call in calls:
+            call.cancel()
+
+    def _why_abandoned(self, mark: int) -> str:
+        """Why a call that started when `abandon` had been called `mark` times ended: "" unless
+        abandoned since."""
+        return self._abandoned_why if self._abandoned != mark else ""
+
+    def _streamed(self, rpc: Callable[..., Any], request: Any, deadline: float) -> Iterator[Any]:
+        """A server-streamed call's messages (`Transport.server_stream`), `abandon` able to end it."""
+        call = rpc(request, timeout=deadline, metadata=self._transport.metadata)
+        with self._lock:
+            self._calls.add(call)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise self._transport.error(e) from None
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    def _unary_wait(self, request: wpb.WaitRequest, deadline: float) -> wpb.WaitReply:
+        """A unary `Wait` (`Transport.unary`, not retried), `abandon` able to end it."""
+        call = self._stub.Wait.future(request, timeout=deadline, metadata=self._transport.metadata)
+        with self._lock:
+            self._calls.add(call)
+        try:
+            reply: wpb.WaitReply = call.result()
+            return reply
+        except grpc.FutureCancelledError:
+            raise ConnectionFailed(f"the wait at {self.address} was cancelled") from None
+        except grpc.RpcError as e:
+            raise self._transport.error(e) from None
+        finally:
+            with self._lock:
+                self._calls.discard(call)
 
     def close(self) -> None:
         """Ends the uploads (the stream is cancelled with the channel) and the channel; returns at

@@ -40,6 +40,28 @@ def test_a_release_before_the_upload_leaves_a_tombstone_that_drops_the_late_uplo
     assert live(s) == 0 and s.stats()[1] == 0
 
 
+def test_tombstones_go_with_their_owner_and_beyond_a_bound_the_oldest_go() -> None:
+    """A release of a buffer whose producer never comes (its run never reached this worker, the
+    controller died) left a tombstone for the worker's life: now it is its owner's, and goes when
+    the owner's buffers do; ownerless ones (or an owner that never ends) are bounded."""
+    from server.worker import buffers
+
+    s = BufferStore()
+    s.release([7, 8], owner="client:1")
+    s.release([9], owner="client:2")
+    assert s.tombstones() == 3 and live(s) == 0
+    s.release_owner("client:1")
+    assert s.tombstones() == 1  # client:2's stays until client:2 ends
+    s.put(9, np.zeros(3), 24, owner="client:2", client_ref=True)  # and still drops its late upload
+    assert s.tombstones() == 0 and live(s) == 0
+    s.release(range(100, 100 + buffers.MAX_TOMBSTONES + 50))  # no owner (an older controller)
+    assert s.tombstones() == buffers.MAX_TOMBSTONES
+    s.put(100 + buffers.MAX_TOMBSTONES + 49, np.zeros(1), 8, owner="client:3", client_ref=True)
+    assert live(s) == 0  # the newest still drop a late upload
+    s.put(100, np.zeros(1), 8, owner="client:3", client_ref=True)
+    assert live(s) == 1  # the oldest was forgotten: kept, as an upload nobody released
+
+
 def test_waiters_wake_when_a_declared_buffer_settles_and_failures_reach_them() -> None:
     s = BufferStore()
     got: list[object] = []

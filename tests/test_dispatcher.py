@@ -19,6 +19,7 @@ from server.controller.links import WorkerLink
 from server.controller.outbox import Outbox, materialized
 from server.controller.programs import ProgramRecord, ProgramRegistry, check_devices
 from server.controller.relays import Relays
+from server.controller.release_acks import ReleaseAcks
 from server.controller.segments import Gang
 from server.controller.slices import Placement
 from server.scheduler import CancelRun, GangScheduler, Policy
@@ -632,6 +633,66 @@ def test_a_gang_member_s_enqueue_stays_one_message_in_order_when_more_goes_to_it
     g.append((template, 0, 2, 11))
     assert box.msgs["g1"][0] == cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4]))
     assert box.msgs["g1"][1] is g and materialized(g).enqueue.tasks[0].segment_id == 11
+
+
+def test_a_release_keeps_its_owner_on_the_wire_and_one_of_no_ids_is_not_sent() -> None:
+    """Releases name their owner (a tombstone left for a buffer not there yet is the owner's, and
+    goes with it: server/worker/buffers.py): they join the host's Enqueue or release only when it
+    is the same owner's. A release of no ids is no message: naming an owner and no ids, the worker
+    would free everything the owner has."""
+    box = Outbox()
+    box.enqueue("h").tasks.add(run_id=1, seq=1)
+    box.release("h", [1, 2], "client:a")
+    box.release("h", [3], "client:a")
+    box.release("h", [4], "client:b")
+    box.release("h", [5], "client:b")
+    box.release("h", [], "client:c")
+    assert box.msgs["h"] == [
+        cpb.ControllerToWorker(enqueue=wpb.Enqueue(tasks=[wpb.Task(run_id=1, seq=1)], release_ids=[1, 2, 3],
+                                                   release_owner="client:a")),
+        cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[4, 5], owner="client:b"))]
+    box.release("g", [], "client:c")
+    assert "g" not in box.msgs
+
+
+def test_a_session_hears_its_releases_arrived_once_every_worker_they_went_to_handled_them() -> None:
+    """release_acks.py: the releases a session made before a check count as arrived once each
+    worker they went to acknowledged the messages sent to it up to that check (or its stream
+    ended), in the session's order; one for a worker that is not there goes nowhere and is over."""
+    hosts = {n: host(n, [0]) for n in ("h1", "h2")}
+    for h in hosts.values():
+        h.link = WorkerLink(h.name)
+        h.link.send(cpb.ControllerToWorker())
+    by_address = {h.address: h for h in hosts.values()}
+    acks = ReleaseAcks(by_address.get)
+    session = ClientSession(client_id="c1", id_prefix=1, name="t", job_id="", priority=0, weight=1.0,
+                            sequential=False, ack_releases=True)
+    for address, _ids in session.hold_release("h1:1", [1]) + session.hold_release("h2:1", [2]):
+        acks.released(session, address)
+    assert session.releases_out == 2
+    for h in hosts.values():
+        h.link.send(cpb.ControllerToWorker())  # the flush's messages: seq 2 on each
+    acks.check()
+    for address, _ids in session.hold_release("h1:1", [3]):
+        acks.released(session, address)
+    hosts["h1"].link.send(cpb.ControllerToWorker())  # seq 3 on h1
+    acks.check()
+    assert session.queue.empty()  # nothing acknowledged yet
+    hosts["h1"].link.ack(3)
+    acks.check()
+    assert session.queue.empty()  # h2 has not handled the first check's release
+    hosts["h2"].link.close()  # its stream ended: nothing more will come of it
+    acks.check()
+    assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=3)
+    for address, _ids in session.hold_release("nowhere:1", [4]):
+        acks.released(session, address)
+    acks.check()
+    assert session.queue.get_nowait() == cpb.SessionEvent(releases_done=4)
+    acks.released(ClientSession(client_id="c2", id_prefix=2, name="t", job_id="", priority=0, weight=1.0,
+                                sequential=False), "h1:1")  # it did not ask: nothing recorded
+    acks.check()
+    assert session.queue.empty()
+    acks.forget(session)
 
 
 def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body() -> None:

@@ -127,6 +127,46 @@ def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster:
         proc.wait()
 
 
+def test_a_copy_sent_to_a_frozen_receiver_does_not_stay_there_once_it_registers_again(
+        cluster: LocalCluster, tmp_path: Path) -> None:
+    """The receiver frozen instead: w-a sends its output to w-b while w-b is frozen; w-b's host
+    is declared lost (the run dropped; w-b, with no stream, never hears the Drop), continues and
+    registers again. The copy, which reaches it only then, must not stay held there for a reader
+    that never comes (suspected, not seen: this passed before and after the leak fixes of
+    tests/test_release_leaks.py, with w-a computing 0.5, 1.5 and 3 s)."""
+    script = tmp_path / "pipe.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, str(script), "30"], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    try:
+        assert _line(proc)["warm"] == [[2.0] * 4]
+        cluster.stop_worker("w-b")
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert _line(proc)["sent"]
+            wait_for(lambda: cluster.hosts()["w-b"].state == pb.HOST_STATE_LOST, 20, "w-b declared lost")
+            time.sleep(1.0)  # the run dropped on w-a
+        finally:
+            cluster.cont_worker("w-b")
+        cluster.wait_ready(["w-b"], timeout=30)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out = _line(proc)
+        assert "w-b" in out["error"], out
+        assert out["again"] == [[2.0] * 4], out
+        proc.stdin.write("end\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+        for name in ("w-a", "w-b"):
+            wait_for(lambda name=name: buffers(cluster, name) == 0, 10, f"{name} to hold no buffer", interval=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 FETCH = """\
 import json, sys, time
 import numpy as np
@@ -171,6 +211,78 @@ def test_a_fetch_from_a_frozen_worker_fails_once_its_host_is_declared_lost(clust
             cluster.cont_worker("w-a")
         assert "the worker at" in out["error"] and "does not answer: its host w-a was lost" in out["error"], out
         assert out["s"] < 15, out  # the fetch's deadline (its wait + 5 s), then the controller's verdict
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+WAITING = """\
+import json, sys, threading, time
+import jax, jax.numpy as jnp
+import numpy as np
+import pwctl as pw
+
+a = pw.make_virtual_device_set().add_slice(devices=1, island="a")
+
+
+def slow(v, n):  # n rounds of matrix products on a (n an input: one compilation for every n)
+    m = jnp.full((768, 768), 1.0, jnp.float32) * v[0]
+    m = jax.lax.fori_loop(0, n[0], lambda i, m: jnp.tanh(m @ m * (1.0 / 768)), m)
+    return v + m[0, :4] * 0.0
+
+
+f = pw.pmap(slow, devices=a.devices)
+x = np.ones((1, 4), np.float32)
+np.asarray(f(x, np.ones((1, 1), np.int32)))  # compiled and warm
+out = {}
+
+
+def call(kind, fut):
+    try:
+        fut.result(timeout=120) if kind == "result" else fut.block_until_ready(timeout=120)
+        out[kind] = {"error": ""}
+    except Exception as e:
+        out[kind] = {"error": f"{type(e).__name__}: {e}"}
+    out[kind]["t"] = time.time()
+
+
+many = np.full((1, 1), 100000, np.int32)  # minutes: still computing when w-a is frozen
+threads = [threading.Thread(target=call, args=(k, f(x, many))) for k in ("result", "ready")]
+for t in threads:
+    t.start()
+time.sleep(1.5)  # both calls wait at w-a now
+print(json.dumps({"waiting": True}), flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_call_waiting_at_a_worker_fails_when_its_host_is_declared_lost(cluster: LocalCluster,
+                                                                         tmp_path: Path) -> None:
+    """A fetch (`result`) and a wait (`block_until_ready`) already waiting at a worker when it
+    freezes end once the controller declares its host lost (the controller tells the session),
+    naming the host; before, each went on to its call's deadline (its wait + 5 s) and then asked
+    the controller: 5 s or more after the freeze, whatever the heartbeat timeout."""
+    script = tmp_path / "waiting.py"
+    script.write_text(WAITING)
+    proc = subprocess.Popen([sys.executable, str(script)], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        assert json.loads(lines.get(timeout=90))["waiting"]
+        frozen = time.time()
+        cluster.stop_worker("w-a")
+        try:
+            out = json.loads(lines.get(timeout=30))
+        finally:
+            cluster.cont_worker("w-a")
+        for kind in ("result", "ready"):
+            assert "w-a" in out[kind]["error"], out
+            # heartbeat timeout (2 s) + its check + the event: well before the old 5 s or more
+            assert out[kind]["t"] - frozen < cluster.heartbeat_timeout + 2.5, out
     finally:
         proc.kill()
         proc.wait()

@@ -56,8 +56,9 @@ def release(*ids: int, address: str = "b:1") -> cpb.ClientMessage:
     return cpb.ClientMessage(release=wpb.ReleaseBuffers(address=address, buffer_ids=list(ids)))
 
 
-def release_msg(*ids: int) -> cpb.ControllerToWorker:
-    return cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=list(ids)))
+def release_msg(*ids: int, owner: str = "client:c1") -> cpb.ControllerToWorker:
+    """A release as the worker gets it: naming its session's owner (a tombstone it leaves is the owner's)."""
+    return cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=list(ids), owner=owner))
 
 
 def test_registration_asks_for_missing_functions_then_registers() -> None:

@@ -567,7 +567,8 @@ def test_the_controller_refuses_runs_and_drops_releases_naming_another_sessions_
         assert evs[0] == cpb.SessionEvent(finished=cpb.RunFinished(
             run_id=7, ok=False, error=f"no buffer {foreign:#x} in this session"))
     p.send(s, release(foreign, 300))
-    assert p.outbox.take() == [("b", cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=[300])))]
+    mine = wpb.ReleaseBuffers(buffer_ids=[300], owner=s.owner)
+    assert p.outbox.take() == [("b", cpb.ControllerToWorker(release=mine))]
 
 
 def test_prefixes_are_random_distinct_and_keep_ids_signed_64_bit() -> None:

@@ -145,14 +145,15 @@ class ChaosCluster:
                     "hosts": sorted((h.name, h.island, h.devices) for h in c.hosts()),
                     "named_slices": sorted((s.name, s.spec.devices) for s in c.slices() if not s.owner)}
 
-    def worker_buffers(self) -> dict[str, int]:
-        """The buffers each worker holds (its `Stats`), by island."""
+    def worker_buffers(self, what: str = "buffers") -> dict[str, int]:
+        """The buffers each worker holds (its `Stats`; `what`: "tombstones" for its releases of
+        buffers that never came), by island."""
         out = {}
         for island in self.islands:
             with grpc.insecure_channel(self.hosts()[f"chaos-{island}"].address) as ch:
                 stats = wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10,
                                                    metadata=(("authorization", f"Bearer {self.token}"),))
-            out[island] = int(stats.buffers)
+            out[island] = int(getattr(stats, what))
         return out
 
     def logs(self, prefix: str) -> list[Path]:

@@ -100,6 +100,7 @@ class KillRun:
         self.settled: dict[str, bool] = {}
         self.jobs: dict[str, Any] = {}
         self.buffers_left: dict[str, int] = {}
+        self.tombstones_left: dict[str, int] = {}
 
     # ---- the workload ----
     def _workload(self, kind: str) -> Workload:
@@ -220,6 +221,10 @@ class KillRun:
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
         self.buffers_left = self._buffers_left()
+        try:  # the ended sessions' tombstones went with them: those left are ownerless (bounded)
+            self.tombstones_left = self.cluster.worker_buffers("tombstones")
+        except (grpc.RpcError, PathwaysError) as e:
+            self.tombstones_left = {"error": str(e)[:200]}  # type: ignore[dict-item]
         # every call and every fault beside the logs, for reading a run afterwards (--keep)
         with open(c.home / "calls.jsonl", "w") as out:
             for x in sorted(self._calls(), key=lambda x: x["start"]):
@@ -337,6 +342,7 @@ class KillRun:
             "job": self.jobs,
             "freezes": self._freeze_summary(),
             "buffers_left": self.buffers_left,
+            "tombstones_left": self.tombstones_left,
             "per_kill": kills,
         }
 

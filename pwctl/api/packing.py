@@ -17,9 +17,12 @@ class Release(NamedTuple):
     address: str
 
 
-def pack(batch: list[cpb.ClientMessage | Release]) -> cpb.ClientMessage:
+def pack(batch: list[cpb.ClientMessage | Release],
+         releases: list[wpb.ReleaseBuffers] | None = None) -> cpb.ClientMessage:
     """One message for a batch; adjacent releases of one worker's buffers become one release
-    (a training step drops every parameter future of the step before: one message, not 85)."""
+    (a training step drops every parameter future of the step before: one message, not 85).
+    `releases`, when given, gets the message's release messages, in order (sender.py keeps them
+    until the controller says they arrived)."""
     msgs: list[cpb.ClientMessage] = []
     i = 0
     while i < len(batch):
@@ -38,6 +41,8 @@ def pack(batch: list[cpb.ClientMessage | Release]) -> cpb.ClientMessage:
             i += 1
         msgs.append(cpb.ClientMessage(release=wpb.ReleaseBuffers(buffer_ids=ids, address=item.address)))
     if len(msgs) == 1:
+        if releases is not None and msgs[0].HasField("release"):
+            releases.append(msgs[0].release)
         return msgs[0]
     merged: list[cpb.ClientMessage] = []
     for msg in msgs:
@@ -47,6 +52,8 @@ def pack(batch: list[cpb.ClientMessage | Release]) -> cpb.ClientMessage:
             prev.release.buffer_ids.extend(msg.release.buffer_ids)
         else:
             merged.append(msg)
+    if releases is not None:
+        releases.extend(m.release for m in merged if m.HasField("release"))
     if len(merged) == 1:
         return merged[0]
     return cpb.ClientMessage(batch=cpb.ClientBatch(messages=merged))

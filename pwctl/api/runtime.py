@@ -116,6 +116,7 @@ class Runtime:
             priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
             weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
+            ack_releases=True,  # releases not acknowledged are sent again on resuming (sender.py)
         )
         sender = self._sender
         # the session's current stream (let go of by close)
@@ -139,6 +140,7 @@ class Runtime:
     def _welcomed(self, welcome: cpb.Welcome) -> None:
         self.client_id = welcome.client_id
         self._resume_token = welcome.resume_token
+        self._sender.set_acks(welcome.acks_releases)
 
     # ---- ids ----
     def new_id(self) -> int:
@@ -224,6 +226,10 @@ class Runtime:
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
                         vs._update(ev.slice_changed.slice)
+                elif kind == "releases_done":
+                    self._sender.releases_arrived(ev.releases_done)
+                elif kind == "host_lost":
+                    self._host_lost(ev.host_lost)
                 elif kind == "going_away":
                     going_away = ev.going_away
                 elif kind == "error":
@@ -261,6 +267,7 @@ class Runtime:
         hello = cpb.Hello()
         hello.CopyFrom(self._hello)
         hello.resume_client_id, hello.resume_token = self.client_id, self._resume_token
+        self._sender.releases_again()  # once the session is resumed (sender.py)
         first = [cpb.ClientMessage(hello=hello), *self.registrations.again()]
         return self.client.session(self._sender.requests(gen, first, ready, done)), ready
 
@@ -328,6 +335,15 @@ class Runtime:
         except PathwaysError:
             return ""
         return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
+
+    def _host_lost(self, lost: cpb.HostLost) -> None:
+        """The controller declared a host lost: the calls waiting at its worker end now, naming
+        it (futures.py `_poll` raises their error), not at their deadline."""
+        with self._workers_lock:
+            conn = self._workers.get(lost.address)
+        if conn is not None:
+            conn.abandon(f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
+                         "(the controller declared it)")
 
     def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:

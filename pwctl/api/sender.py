@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .packing import Release, pack
 
@@ -25,6 +26,10 @@ MAX_BATCH = 4096
 # Run ids remembered as handed to the current stream, for `uncertain` after a reconnect; older runs
 # are over in practice (a client keeps at most MAX_IN_FLIGHT in flight).
 MAX_HANDED = 65536
+# Release messages remembered until the controller says they reached their workers, to send again
+# on the next stream should this one break first (controller.proto Hello.ack_releases); beyond
+# this many (a controller that stopped acknowledging), the oldest are forgotten.
+MAX_UNACKED_RELEASES = 65536
 STOP = object()  # queued by close: the sender sends what came before, then ends its stream
 WAKE = object()  # wakes a stream's sender that the stream outlived (it then hands its item on)
 
@@ -45,6 +50,11 @@ class Sender:
         # runs handed to the current stream, with their outputs
         self.handed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=MAX_HANDED)
         self.handed_total = 0  # runs handed to any stream (the base of a new stream's RunsDone)
+        # release messages handed to the current stream and not yet known to have arrived (with
+        # their number on it), kept while the controller acknowledges them (`acks_releases`)
+        self.unacked: deque[tuple[int, wpb.ReleaseBuffers]] = deque(maxlen=MAX_UNACKED_RELEASES)
+        self.releases_sent = 0  # release messages handed to the current stream
+        self.acks_releases = False  # the current stream's controller says which arrived
         self.ready = threading.Event()  # the current stream's Welcome came: its sender goes on
         self.done = threading.Event()  # the current stream's sender ended
 
@@ -88,6 +98,8 @@ class Sender:
                 if batch:
                     runs = [(m.run.run_id, tuple(m.run.output_ids)) for m in batch
                             if isinstance(m, cpb.ClientMessage) and m.HasField("run")]
+                    releases: list[wpb.ReleaseBuffers] = []
+                    msg = pack(batch, releases)
                     with self.lock:  # handed (and remembered as such) only while the stream is current
                         if gen != self.gen:
                             self.carry.extend(batch)
@@ -95,7 +107,11 @@ class Sender:
                         if runs:
                             self.handed.extend(runs)
                             self.handed_total += len(runs)
-                    yield pack(batch)
+                        if releases and self.acks_releases:  # numbered as the controller counts them
+                            for r in releases:
+                                self.releases_sent += 1
+                                self.unacked.append((self.releases_sent, r))
+                    yield msg
                 if stop:
                     return
         finally:
@@ -114,6 +130,34 @@ class Sender:
         if isinstance(item, cpb.ClientMessage | Release):
             batch.append(item)
         return True
+
+    def releases_arrived(self, count: int) -> None:
+        """The controller says the current stream's first `count` release messages reached their
+        workers (SessionEvent.releases_done): they are forgotten."""
+        with self.lock:
+            while self.unacked and self.unacked[0][0] <= count:
+                self.unacked.popleft()
+
+    def set_acks(self, acks: bool) -> None:
+        """Whether the current stream's controller acknowledges releases (Welcome.acks_releases):
+        if not, none is kept (nothing would ever forget them)."""
+        with self.lock:
+            self.acks_releases = acks
+            if not acks:
+                self.unacked.clear()
+
+    def releases_again(self) -> None:
+        """For a new stream: the release messages handed to the streams before whose arrival was
+        not acknowledged (the controller that died may have held them, or not sent them yet) are
+        sent again, first thing once it is ready (after the Welcome, and the wait for the
+        session's hosts to register again: a release for a host not back yet would be dropped),
+        numbered as that stream's. One whose buffer is gone already leaves a tombstone of the
+        session's on its worker, which goes when the session ends (server/worker/buffers.py)."""
+        with self.lock:
+            again = [cpb.ClientMessage(release=r) for _, r in self.unacked]
+            self.unacked.clear()
+            self.releases_sent = 0
+            self.carry.extendleft(reversed(again))
 
     def next_stream(self) -> tuple[int, threading.Event, threading.Event]:
         """Ends the current stream's sender (it hands on what it took) and opens a generation:

@@ -54,6 +54,11 @@ class ClientSession:
     never_computed: OrderedDict[int, str] = field(default_factory=OrderedDict)
     # programs whose registration was refused (program id -> why), the last MAX_REFUSED_PROGRAMS
     refused_programs: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    # release acknowledgements (release_acks.py): asked for (Hello.ack_releases), the release
+    # messages that passed the barrier, and how many of those the client was told arrived
+    ack_releases: bool = False
+    releases_out: int = 0
+    releases_acked: int = 0
     # runs someone in the controller waits for (`when_over`): run id -> the future their end sets
     _over_waiters: dict[int, asyncio.Future[None]] = field(default_factory=dict)
 
@@ -163,4 +168,5 @@ class ClientSession:
         while self.held_releases and self.held_releases[0][0] <= low:
             _, address, ids = self.held_releases.popleft()
             out.append((address, ids))
+            self.releases_out += 1
         return out

@@ -119,8 +119,9 @@ class Controller:
         # the slices first: the dispatcher's placements and the clients' notices read them
         # the relays first: a lost relay's hosts get their messages again before anything new
         self.cluster.on_host_up += [self.relays.host_up, self.slices.host_up, self.dispatcher.host_up]
+        # the sessions after the dispatcher: a client hears of the runs the loss failed first
         self.cluster.on_host_lost += [self.relays.host_lost, self.slices.host_lost, self.dispatcher.host_lost,
-                                      self.observer.host_lost]
+                                      self.observer.host_lost, self.sessions.host_lost]
         # islands spanning hosts: after the slices and the dispatcher (a lost host's runs fail first)
         self.groups = IslandGroups(self.cluster.hosts, self.cluster.hosts_of, self.cluster.send,
                                    coordinator_host(config.listen))
@@ -153,6 +154,7 @@ class Controller:
         self.spawn(self.observer.persist())
         self.spawn(self._reap_island_services())
         self.spawn(self.sessions.expire_resumable())
+        self.spawn(self.dispatcher.release_acks.run())
         self.spawn(self.removal.run())
 
     async def stop(self) -> None:

@@ -49,6 +49,7 @@ from .errors import ControllerError, GroupForming
 from .outbox import GangEnqueue, Outbox, WorkerOutbox, add_member, materialized
 from .plans import Placements, Plan, check_spread_inputs, input_hosts, placed_plan, placement_key
 from .programs import ProgramRecord, ProgramRegistry
+from .release_acks import ReleaseAcks
 from .runs import RunState, never_reading, peer_inputs_by_host, task_fields, unmade_inputs_elsewhere
 from .segments import PROGRAM_INPUT, same_machine
 
@@ -92,6 +93,7 @@ class Dispatcher:
         # to be failed (`_fail_readers`): session -> buffer id -> why it will never be computed
         self._unmade: dict[ClientSession, dict[int, str]] = {}
         self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
+        self.release_acks = ReleaseAcks(host_by_address)  # which releases reached their workers (release_acks.py)
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
@@ -342,11 +344,13 @@ class Dispatcher:
                 run.session.never_made(outputs, why)  # those submitted later: refused (`submit`)
                 if len(run.session.open_runs) > 1:  # those submitted already: `_fail_readers`
                     self._unmade.setdefault(run.session, {}).update(dict.fromkeys(outputs, why))
+        owner = run.session.owner
         for address, ids in run.session.run_closed(a.run_id):
-            self.release(address, ids)
+            self.release(address, ids, owner)
+            self.release_acks.released(run.session, address)
         self._progressed.add(run.session)
         for address, ids in run.held_ids.items():
-            self.release(address, ids)
+            self.release(address, ids, owner)
         for cb in self.run_listeners:
             cb(run, a.ok, a.error)
         if self.probe is not None:
@@ -393,10 +397,11 @@ class Dispatcher:
                 drop=cpb.Drop(run_ids=[a.run_id], reason=a.reason, skipped_seqs=skipped.get(h, []),
                               gathered_ids=gathered, routed_ids=routed, unread_ids=unread)))
 
-    def release(self, address: str, ids: list[int]) -> None:
+    def release(self, address: str, ids: list[int], owner: str = "") -> None:
+        """`owner`'s buffers `ids` released on the worker at `address` (at the next flush)."""
         host = self.host_by_address(address)
         if host is not None:
-            self._outbox.release(host.name, ids)
+            self._outbox.release(host.name, ids, owner)
 
     def move(self, buffer_id: int, owner: str, source: str, targets: Sequence[str], keep_source: bool) -> bool:
         """Has the worker at address `source` send `owner`'s buffer to each worker of `targets`,
@@ -414,8 +419,12 @@ class Dispatcher:
         for dest in dests:
             assert dest is not None
             out.sends.add(buffer_id=buffer_id, address=dest.address, same_host=same_machine(src, dest))
-        if not keep_source:
-            out.release_ids.append(buffer_id)  # applied after the sends took their reference
+        if not keep_source:  # applied after the sends took their reference
+            if out.release_ids and out.release_owner != owner:
+                self._outbox.release(src.name, [buffer_id], owner)
+            else:
+                out.release_owner = owner
+                out.release_ids.append(buffer_id)
         return True
 
     def flush(self) -> None:

@@ -89,14 +89,26 @@ class Outbox:
         q.append(g)
         return g
 
-    def release(self, host: str, ids: list[int]) -> None:
+    def release(self, host: str, ids: list[int], owner: str = "") -> None:
+        """`owner`'s buffers `ids` released on `host`: into the host's last message when that is
+        an Enqueue (applied after its nodes) or a release of the same owner's, else a new one
+        (none for no ids: a release naming an owner and no ids releases all the owner's)."""
+        if not ids:
+            return
         q = self.msgs.get(host)
-        if q and type(q[-1]) is GangEnqueue:
-            q[-1] = q[-1].message()
-        if q and q[-1].WhichOneof("msg") == "enqueue":  # type: ignore[union-attr]
-            q[-1].enqueue.release_ids.extend(ids)  # type: ignore[union-attr]  # applied after that message's nodes
-        else:
-            self._last(host, "release").release.buffer_ids.extend(ids)
+        if q:
+            if type(q[-1]) is GangEnqueue:
+                q[-1] = q[-1].message()
+            last: cpb.ControllerToWorker = q[-1]  # type: ignore[assignment]  # a message now
+            kind = last.WhichOneof("msg")
+            if kind == "enqueue" and (not last.enqueue.release_ids or last.enqueue.release_owner == owner):
+                last.enqueue.release_owner = owner
+                last.enqueue.release_ids.extend(ids)  # applied after that message's nodes
+                return
+            if kind == "release" and last.release.owner == owner:
+                last.release.buffer_ids.extend(ids)
+                return
+        self.other(host, cpb.ControllerToWorker(release=wpb.ReleaseBuffers(buffer_ids=ids, owner=owner)))
 
     def other(self, host: str, msg: cpb.ControllerToWorker) -> None:
         self.msgs.setdefault(host, []).append(msg)

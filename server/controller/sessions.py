@@ -41,6 +41,7 @@ from .programs import ProgramRecord, ProgramRegistry, check_devices, program_id_
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
 if TYPE_CHECKING:
+    from .host_info import HostInfo
     from .slices import Placement
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ class SessionManager:
             priority=hello.priority,
             weight=hello.weight if hello.weight > 0 else 1.0,
             sequential=dispatch == "sequential",
+            ack_releases=hello.ack_releases,
         )
         self.sessions[session.client_id] = session
         resumed = bool(hello.resume_client_id)
@@ -221,7 +223,7 @@ class SessionManager:
         yield cpb.SessionEvent(welcome=cpb.Welcome(
             client_id=session.client_id, id_prefix=session.id_prefix,
             worker_credential=self.credential(session.owner, session.id_prefix),
-            resume_token=token, resumed=resumed))
+            resume_token=token, resumed=resumed, acks_releases=hello.ack_releases))
         gave_up: dict[str, tuple[int, str]] = {}
         for msg in rest:
             await self._take(session, msg, gave_up)
@@ -364,7 +366,8 @@ class SessionManager:
             for b in mine:
                 session.never_computed.pop(b, None)
         for where, ids in session.hold_release(address, mine):
-            self.dispatcher.release(where, ids)
+            self.dispatcher.release(where, ids, session.owner)
+            self.dispatcher.release_acks.released(session, where)
 
     def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not
@@ -416,6 +419,7 @@ class SessionManager:
         if self.sessions.pop(session.client_id, None) is None:
             return
         self.dispatcher.client_gone(session.client_id)
+        self.dispatcher.release_acks.forget(session)
         if self.going_away:  # the session resumes at the next controller
             log.info("session %s left for the next controller", session.client_id)
             return
@@ -433,6 +437,13 @@ class SessionManager:
             self.slices.release_owner(owner)
         except ControllerError as e:
             log.warning("releasing the slices of %s: %s", owner, e)
+
+    def host_lost(self, info: HostInfo, reason: str) -> None:
+        """(the cluster's listener) Tells every session that a host was lost: a call its client
+        waits on at that host's worker ends now (a frozen host keeps its connections open)."""
+        ev = cpb.SessionEvent(host_lost=cpb.HostLost(name=info.name, address=info.address, reason=reason))
+        for s in self.sessions.values():
+            s.send(ev)
 
     # ---- slice service listener ----
     def slice_changed(self, info: cpb.Slice) -> None:

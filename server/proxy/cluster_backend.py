@@ -178,7 +178,7 @@ class SliceSession(Uploading):
                                             f"controller (a bug): {e}")
                     manager.dispatcher.runs.pop(sub.run.run_id, None)
                     for where, ids in self._client.run_closed(sub.run.run_id):
-                        manager.dispatcher.release(where, ids)
+                        manager.dispatcher.release(where, ids, self._owner)
             manager.dispatcher.flush()
 
     def _worker(self, address: str) -> tuple[str, wgrpc.WorkerStub]:

@@ -34,6 +34,12 @@ class Entry:
     callbacks: list[Callable[[], None]] = field(default_factory=list)
     launched: bool = False  # a launch's output: the executor says when its computation is over
 
+    @property
+    def tombstone(self) -> bool:
+        """Released before it existed, and nothing waits for it or reads it."""
+        return (self.released and self.state == PENDING and not self.callbacks and not self.client_ref
+                and self.consumers == 0 and not self.hold)
+
 
 class Latch:
     """What a thread blocked in `wait_all` waits on: set when the last of its buffers settles, so

@@ -25,6 +25,9 @@ MAX_FREED_UPLOADS = 16384
 # intermediates of dropped runs that peers send here (`unwanted`), remembered so that a copy a
 # late sender sends still is not held for a reader that will never come; the oldest go first
 MAX_UNWANTED = 16384
+# releases of buffers that did not exist yet (tombstones), kept so that a late upload or copy is
+# dropped; beyond this many the oldest are forgotten (its producer, if it ever comes, is kept)
+MAX_TOMBSTONES = 16384
 
 
 class BufferStore:
@@ -37,6 +40,7 @@ class BufferStore:
         self._computing: dict[int, list[Latch]] = {}
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
         self._unwanted: OrderedDict[int, None] = OrderedDict()  # the last MAX_UNWANTED
+        self._tombstones: OrderedDict[int, None] = OrderedDict()  # their ids, the last MAX_TOMBSTONES
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -438,28 +442,47 @@ class BufferStore:
         cb()
 
     # ---- releasing ----
-    def release(self, buffer_ids: Sequence[int]) -> None:
-        """The client dropped these buffers (some maybe before they exist: tombstones)."""
+    def release(self, buffer_ids: Sequence[int], owner: str = "") -> None:
+        """The client dropped these buffers (some maybe before they exist: tombstones, which are
+        `owner`'s: they go with its other buffers, `release_owner`; the oldest go beyond
+        MAX_TOMBSTONES, whoever their owner, as nothing else would end one whose producer never
+        comes: a run dropped before it reached this worker, a controller that died)."""
         gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    self._entries[buffer_id] = Entry(released=True)
+                    self._entries[buffer_id] = Entry(released=True, owner=owner)
+                    self._tombstones[buffer_id] = None
                     continue
                 e.released, e.client_ref = True, False
                 self._maybe_free(buffer_id, e, gone)
+            while len(self._tombstones) > MAX_TOMBSTONES:  # the oldest go (some became live since)
+                buffer_id, _ = self._tombstones.popitem(last=False)
+                e = self._entries.get(buffer_id)
+                if e is not None and e.tombstone:
+                    del self._entries[buffer_id]
 
     def release_owner(self, owner: str) -> int:
-        """Drops every client reference held by `owner` (a client or job went away)."""
+        """Drops every client reference held by `owner` (a client or job went away), and its
+        tombstones: nothing of its can come that a client of it would read."""
         gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             ids = [i for i, e in self._entries.items() if e.owner == owner]
             for i in ids:
                 e = self._entries[i]
                 e.released, e.client_ref = True, False
+                if e.tombstone:
+                    del self._entries[i]
+                    self._tombstones.pop(i, None)
+                    continue
                 self._maybe_free(i, e, gone)
             return len(ids)
+
+    def tombstones(self) -> int:
+        """How many tombstones the store keeps (tests, the worker's stats)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.released and e.state == PENDING)
 
     def _maybe_free(self, buffer_id: int, e: Entry, gone: list[Entry]) -> None:
         """Forgets the buffer when nobody needs it any more. Its entry goes to `gone`, which the
@@ -474,6 +497,8 @@ class BufferStore:
             return  # tombstone: keep until the upload arrives, then drop it
         del self._entries[buffer_id]
         gone.append(e)
+        if self._tombstones:
+            self._tombstones.pop(buffer_id, None)
         if e.uploaded:
             freed = self._freed_uploads
             freed[buffer_id] = None

@@ -317,10 +317,10 @@ class WorkerProcess:
         if kind == "enqueue":
             self.executor.submit(msg.enqueue)
             if msg.enqueue.release_ids:
-                self.store.release(msg.enqueue.release_ids)
+                self.store.release(msg.enqueue.release_ids, msg.enqueue.release_owner)
         elif kind == "release":
             if msg.release.buffer_ids:
-                self.store.release(msg.release.buffer_ids)
+                self.store.release(msg.release.buffer_ids, msg.release.owner)
             elif msg.release.owner:
                 self.store.release_owner(msg.release.owner)
         elif kind == "drop":

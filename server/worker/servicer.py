@@ -420,5 +420,6 @@ class WorkerServicer(Waits, UploadHandlers):
             relayed_rejected=rejected,
             gathering=gathering,
             gathering_bytes=gathering_bytes,
+            tombstones=self.store.tombstones(),
         )
 

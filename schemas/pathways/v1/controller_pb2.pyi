@@ -1542,6 +1542,7 @@ class Hello(_message.Message):
     RESUME_CLIENT_ID_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     JOB_SECRET_FIELD_NUMBER: _builtins.int
+    ACK_RELEASES_FIELD_NUMBER: _builtins.int
     client_name: _builtins.str
     job_id: _builtins.str
     """set when running as a managed job driver"""
@@ -1560,6 +1561,12 @@ class Hello(_message.Message):
     starts). A Hello naming a job without its secret is refused PERMISSION_DENIED: only the job's
     driver acts as the job.
     """
+    ack_releases: _builtins.bool
+    """The client keeps the releases it sends until the controller says they reached their
+    workers (SessionEvent.releases_done) and sends those it has not heard of again when it
+    resumes the session: a release the controller held (behind earlier runs) or had not sent
+    yet when it died is not lost (the buffer would stay on its worker until the session ends).
+    """
     def __init__(
         self,
         *,
@@ -1571,10 +1578,11 @@ class Hello(_message.Message):
         resume_client_id: _builtins.str = ...,
         resume_token: _builtins.str = ...,
         job_secret: _builtins.str = ...,
+        ack_releases: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "job_secret", b"job_secret", "priority", b"priority", "resume_client_id", b"resume_client_id", "resume_token", b"resume_token", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_releases", b"ack_releases", "client_name", b"client_name", "dispatch", b"dispatch", "job_id", b"job_id", "job_secret", b"job_secret", "priority", b"priority", "resume_client_id", b"resume_client_id", "resume_token", b"resume_token", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1680,6 +1688,7 @@ class Welcome(_message.Message):
     WORKER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    ACKS_RELEASES_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     id_prefix: _builtins.int
     """client buffer/run ids are (id_prefix << 40) | counter"""
@@ -1691,6 +1700,8 @@ class Welcome(_message.Message):
     """proves the session is this client's when it resumes (Hello)"""
     resumed: _builtins.bool
     """the Hello resumed an earlier session"""
+    acks_releases: _builtins.bool
+    """it answers Hello.ack_releases (SessionEvent.releases_done)"""
     def __init__(
         self,
         *,
@@ -1699,10 +1710,11 @@ class Welcome(_message.Message):
         worker_credential: _builtins.str = ...,
         resume_token: _builtins.str = ...,
         resumed: _builtins.bool = ...,
+        acks_releases: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_id", b"client_id", "id_prefix", b"id_prefix", "resume_token", b"resume_token", "resumed", b"resumed", "worker_credential", b"worker_credential"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks_releases", b"acks_releases", "client_id", b"client_id", "id_prefix", b"id_prefix", "resume_token", b"resume_token", "resumed", b"resumed", "worker_credential", b"worker_credential"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1795,11 +1807,18 @@ class SessionEvent(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     RUNS_DONE_FIELD_NUMBER: _builtins.int
     GOING_AWAY_FIELD_NUMBER: _builtins.int
+    RELEASES_DONE_FIELD_NUMBER: _builtins.int
+    HOST_LOST_FIELD_NUMBER: _builtins.int
     error: _builtins.str
     """session-level error, the stream ends after it"""
     going_away: _builtins.str
     """the controller is stopping (why): the stream ends, and the session may resume at the
     next controller (Hello.resume_*)
+    """
+    releases_done: _builtins.int
+    """With Hello.ack_releases: how many of the release messages of this stream (ClientMessage
+    release, counted in the order sent, batches' included) reached their workers (each worker
+    said it handled them), or found none to go to; sent when it changed.
     """
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
@@ -1811,6 +1830,13 @@ class SessionEvent(_message.Message):
     def slice_changed(self) -> Global___SliceChanged: ...
     @_builtins.property
     def runs_done(self) -> Global___RunsDone: ...
+    @_builtins.property
+    def host_lost(self) -> Global___HostLost:
+        """A host was declared lost (its heartbeats stopped, its connection closed): a call the client
+        waits on at a worker there fails now rather than at its deadline (a frozen host keeps its
+        connections open). Sent to every session.
+        """
+
     def __init__(
         self,
         *,
@@ -1821,16 +1847,44 @@ class SessionEvent(_message.Message):
         error: _builtins.str = ...,
         runs_done: Global___RunsDone | None = ...,
         going_away: _builtins.str = ...,
+        releases_done: _builtins.int = ...,
+        host_lost: Global___HostLost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "host_lost", b"host_lost", "msg", b"msg", "registered", b"registered", "releases_done", b"releases_done", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "msg", b"msg", "registered", b"registered", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished", b"finished", "going_away", b"going_away", "host_lost", b"host_lost", "msg", b"msg", "registered", b"registered", "releases_done", b"releases_done", "runs_done", b"runs_done", "slice_changed", b"slice_changed", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error", "runs_done", "going_away"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "registered", "finished", "slice_changed", "error", "runs_done", "going_away", "releases_done", "host_lost"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
+
+@_typing.final
+class HostLost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    address: _builtins.str
+    """its worker's address (what the client's futures name)"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        address: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostLost: _TypeAlias = HostLost  # noqa: Y015
 
 @_typing.final
 class RunsDone(_message.Message):

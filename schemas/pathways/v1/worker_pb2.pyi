@@ -517,6 +517,7 @@ class WorkerStats(_message.Message):
     RELAYED_REJECTED_FIELD_NUMBER: _builtins.int
     GATHERING_FIELD_NUMBER: _builtins.int
     GATHERING_BYTES_FIELD_NUMBER: _builtins.int
+    TOMBSTONES_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     island: _builtins.str
     buffers: _builtins.int
@@ -541,6 +542,10 @@ class WorkerStats(_message.Message):
     (server/worker/parts.py), and the bytes they hold: each dropped when it cannot become whole.
     """
     gathering_bytes: _builtins.int
+    tombstones: _builtins.int
+    """Releases of buffers that did not exist yet, kept so that a late upload or copy is dropped
+    (server/worker/buffers.py): they go with their owner, the oldest beyond a bound.
+    """
     @_builtins.property
     def executed_order(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """recent "run_id:segment@seq", oldest first"""
@@ -562,10 +567,11 @@ class WorkerStats(_message.Message):
         relayed_rejected: _builtins.int = ...,
         gathering: _builtins.int = ...,
         gathering_bytes: _builtins.int = ...,
+        tombstones: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "gathering", b"gathering", "gathering_bytes", b"gathering_bytes", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "relayed_rejected", b"relayed_rejected", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer_bytes", b"buffer_bytes", "buffers", b"buffers", "data_address", b"data_address", "executables", b"executables", "executed_order", b"executed_order", "gathering", b"gathering", "gathering_bytes", b"gathering_bytes", "host", b"host", "island", b"island", "nodes_executed", b"nodes_executed", "relayed_in", b"relayed_in", "relayed_out", b"relayed_out", "relayed_rejected", b"relayed_rejected", "segments", b"segments", "tombstones", b"tombstones"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1003,9 +1009,15 @@ class Enqueue(_message.Message):
     SENDS_FIELD_NUMBER: _builtins.int
     KEEPS_FIELD_NUMBER: _builtins.int
     RELEASE_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_OWNER_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
     FORGET_SEGMENTS_FIELD_NUMBER: _builtins.int
+    release_owner: _builtins.str
+    """Whose buffers release_ids are (a client's or job's owner): a release of a buffer that does
+    not exist yet leaves a tombstone (so that a late upload or copy is dropped), which goes
+    when that owner's buffers do (ReleaseBuffers.owner with no ids). "" from an older controller.
+    """
     @_builtins.property
     def functions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FunctionBlob]:
         """bytes this worker has not seen yet"""
@@ -1039,13 +1051,14 @@ class Enqueue(_message.Message):
         sends: _abc.Iterable[Global___BufferSend] | None = ...,
         keeps: _abc.Iterable[Global___BufferKeep] | None = ...,
         release_ids: _abc.Iterable[_builtins.int] | None = ...,
+        release_owner: _builtins.str = ...,
         segments: _abc.Iterable[Global___SegmentDef] | None = ...,
         tasks: _abc.Iterable[Global___Task] | None = ...,
         forget_segments: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_segments", b"forget_segments", "functions", b"functions", "keeps", b"keeps", "release_ids", b"release_ids", "segments", b"segments", "sends", b"sends", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forget_segments", b"forget_segments", "functions", b"functions", "keeps", b"keeps", "release_ids", b"release_ids", "release_owner", b"release_owner", "segments", b"segments", "sends", b"sends", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1059,7 +1072,9 @@ class ReleaseBuffers(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
-    """when set and buffer_ids empty: release everything of this owner"""
+    """When set and buffer_ids empty: release everything of this owner, its tombstones too. With
+    buffer_ids: whose they are (a tombstone left for one that does not exist yet is the owner's).
+    """
     address: _builtins.str
     """client -> controller only: the worker holding the buffers"""
     @_builtins.property

@@ -314,7 +314,9 @@ class Bridge:
             os.close(child_end)
             listener.close()
         self._keep = keep  # never written; closed when this process ends
+        self._closed = False
         self._wait_ready(timeout)
+        threading.Thread(target=self._watch, name="pw-tlsbridge-watch", daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> None:
         """Waits for the child's first line; kills it and raises unless it says it forwards."""
@@ -330,8 +332,24 @@ class Bridge:
             else f"no answer in {timeout:g} s"
         raise ConnectionFailed(f"the TLS bridge to {self.host}:{self.port} did not start: {why}")
 
+    def _watch(self) -> None:
+        """Says so, one line, when the child ends while this process goes on (killed, crashed):
+        the jaxlib client's calls then fail with only "Connection to IFRT proxy server was
+        terminated", as at a controller's restart. It is not started again: the jaxlib client
+        cannot resume a session, so the program's JAX calls fail from then on either way."""
+        status = self.proc.wait()  # waitpid without the GIL
+        if not self._closed:
+            how = f"exit status {status}"
+            if status < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-status).name}"
+            log.error("the TLS bridge to %s:%d (pid %d, pwctl/tlsbridge.py) ended (%s): this process's JAX "
+                      "session with the cluster is over, its calls fail from now on", self.host, self.port,
+                      self.proc.pid, how)
+
     def close(self) -> None:
         """Ends the child now (it would end with this process anyway)."""
+        self._closed = True
         with contextlib.suppress(OSError):
             os.close(self._keep)
         if self.proc.poll() is None:

@@ -19,5 +19,7 @@ It starts a real local cluster (a controller and one worker per island, `cluster
 At the end, once every session ended, no buffer may be left on a worker.
 
 It prints one JSON document (and writes it with `--out`) with a `checks` object: every check
-that must hold, true or false; the exit code is 0 when all hold. Runs are seeded (`--seed`).
+that must hold, true or false; the exit code is 0 when all hold. Runs are seeded (`--seed`): each
+phase draws from its own stream, so a seed names the same fault schedule (which process, when,
+how long) every time, printed as the report's `schedule` (`schedule.py`).
 """

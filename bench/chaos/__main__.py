@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import signal
 import sys
 import time
@@ -16,6 +15,7 @@ import psutil
 from .cluster import ChaosCluster
 from .fuzz import Fuzzer
 from .kills import KillRun
+from .schedule import describe, phase_rng, schedule
 
 FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6, "freezes": 12, "controller_freezes": 4}
 QUICK = {"requests": 600, "kills": 5, "controller_kills": 1, "freezes": 1, "controller_freezes": 0}
@@ -27,9 +27,11 @@ def rss_mib(pid: int) -> float:
 
 def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path | None = None, freezes: int = 0,
         controller_freezes: int = 0) -> dict[str, Any]:
-    rng = random.Random(seed)
     cluster = ChaosCluster(home=home)
-    report: dict[str, Any] = {"seed": seed, "data_dir": str(cluster.home)}
+    # each phase draws from its own stream (schedule.py): the seed names the same faults every time
+    faults = schedule(seed, cluster.islands, kills, controller_kills, freezes, controller_freezes,
+                      cluster.heartbeat_timeout)
+    report: dict[str, Any] = {"seed": seed, "data_dir": str(cluster.home), "schedule": describe(faults)}
     try:
         cluster.start()
         assert cluster.controller is not None
@@ -37,7 +39,7 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         before = cluster.snapshot()
         hosts = [f"chaos-{i}" for i in cluster.islands]
         addresses = [h.address for h in cluster.hosts().values()]
-        fuzzer = Fuzzer(rng, cluster.address, addresses, hosts, cluster.token)
+        fuzzer = Fuzzer(phase_rng(seed, "fuzz"), cluster.address, addresses, hosts, cluster.token)
         try:
             report["fuzz"] = fuzzer.run(requests)
         finally:
@@ -51,8 +53,7 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
             cluster.kill(cluster.workers[island])
             cluster.start_worker(island)
         cluster.wait_ready()
-        report["kills"] = KillRun(cluster, rng, kills, controller_kills, freezes=freezes,
-                                  controller_freezes=controller_freezes).run()
+        report["kills"] = KillRun(cluster, faults).run()
     finally:
         if cluster.controller is not None and cluster.controller.poll() is None:
             cluster.controller.terminate()

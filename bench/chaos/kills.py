@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import signal
 import statistics
 import subprocess
@@ -40,7 +39,8 @@ from pwctl.errors import PathwaysError
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import ChaosCluster
-from .freezes import freeze, plan
+from .freezes import freeze
+from .schedule import Step
 from .workload import KINDS
 
 STUCK_S = 15.0
@@ -79,20 +79,13 @@ class Workload:
 
 
 class KillRun:
-    def __init__(self, cluster: ChaosCluster, rng: random.Random, kills: int, controller_kills: int,
-                 kinds: tuple[str, ...] = KINDS, job: bool = True, freezes: int = 0,
-                 controller_freezes: int = 0) -> None:
+    def __init__(self, cluster: ChaosCluster, faults: list[Step], kinds: tuple[str, ...] = KINDS,
+                 job: bool = True) -> None:
         self.cluster = cluster
         self.kinds = kinds
         self.job = job
         self.job_id = ""
-        self.rng = rng
-        targets = ["controller"] * controller_kills + [
-            self.rng.choice(cluster.islands) for _ in range(max(0, kills - controller_kills))]
-        self.rng.shuffle(targets)
-        self.targets = targets
-        # the freezes (freezes.py) go in among the kills
-        self.faults = plan(self.rng, targets, cluster.islands, freezes, controller_freezes, cluster.heartbeat_timeout)
+        self.faults = faults  # the kills and the freezes among them, in order (schedule.py)
         self.workloads: list[Workload] = []
         self.live: dict[str, Workload] = {}
         self.records: list[dict[str, Any]] = []
@@ -128,7 +121,7 @@ class KillRun:
         return [c for w in self.workloads for c in w.calls]
 
     # ---- one kill ----
-    def _kill(self, target: str) -> dict[str, Any]:
+    def _kill(self, target: str, down_s: float) -> dict[str, Any]:
         c = self.cluster
         at = time.time()
         if target == "controller":
@@ -136,7 +129,7 @@ class KillRun:
             c.start_controller()
         else:
             c.kill(c.workers[target])
-            time.sleep(self.rng.uniform(0.0, 1.0))  # down for a moment: calls meet the loss
+            time.sleep(down_s)  # down for a moment: calls meet the loss
             c.start_worker(target)
         rec: dict[str, Any] = {"fault": "kill", "target": target if target == "controller" else f"worker {target}",
                                "at": at,
@@ -205,12 +198,12 @@ class KillRun:
                     raise RuntimeError(f"job {self.job_id} made no call in 90 s (see {c.home / 'jobs'})")
                 time.sleep(0.2)
         start = time.time()
-        for fault, target, seconds, during in self.faults:
-            time.sleep(self.rng.uniform(0.3, 1.5))  # calls flow, then the fault comes at a random moment
+        for step in self.faults:
+            time.sleep(step.pause_s)  # calls flow, then the fault comes at a random moment
             for kind in self.kinds:
                 self._current(kind)
-            self.records.append(self._kill(target) if fault == "kill" else freeze(self, target, seconds, during,
-                                                                                   RECOVERY_LIMIT_S))
+            self.records.append(self._kill(step.target, step.down_s) if step.fault == "kill"
+                                else freeze(self, step.target, step.seconds, step.during, RECOVERY_LIMIT_S))
         self.settled = self._settle()
         self.jobs = self._end_job() if self.job else {}
         for w in self.workloads:

@@ -208,7 +208,11 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
     done, checking between calls whether one of the runs failed (the controller says why), and,
     when the worker at `home` did not answer a call, whether the controller declared its host
     lost: a frozen host (stopped, swapped out, paused) keeps its connections, so the calls would
-    otherwise go on until it continues, however long after its loss."""
+    otherwise go on until it continues, however long after its loss. A worker whose host the
+    controller declared lost (`rt.lost_workers`, told by the session) fails the call at once while
+    it stays lost, rather than after a call's deadline."""
+    if home in rt.lost_workers and (lost := rt.still_lost(home)):
+        raise ProgramError(lost)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")

@@ -102,6 +102,10 @@ class Runtime:
         self._session_error = ""
         self._workers: dict[str, WorkerClient] = {}
         self._workers_lock = threading.Lock()
+        # worker address -> why (HostLost): its host was declared lost, and not known ready again
+        # since; a call to it asks the controller first (`still_lost`) rather than wait for a frozen
+        # worker's silence. Addresses only leave it (at most one per host ever lost).
+        self.lost_workers: dict[str, str] = {}
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
         self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
                                       RECONNECT_S, float, "seconds (0: never reconnect)")
@@ -336,14 +340,28 @@ class Runtime:
             return ""
         return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
 
+    def still_lost(self, address: str) -> str:
+        """For a worker in `lost_workers`: why, while the controller still has its host lost (a
+        call to it fails at once: futures.py `_poll`); "" once it is ready again (registered
+        again, or the controller did not answer: the call is made as usual), and it leaves
+        `lost_workers`."""
+        lost = self.lost_host(address)
+        if lost:
+            return f"the worker at {address} does not answer: its {lost} (the controller declared it)"
+        self.lost_workers.pop(address, None)
+        return ""
+
     def _host_lost(self, lost: cpb.HostLost) -> None:
         """The controller declared a host lost: the calls waiting at its worker end now, naming
-        it (futures.py `_poll` raises their error), not at their deadline."""
+        it (futures.py `_poll` raises their error), not at their deadline; later calls to it fail
+        at once while it stays lost (`lost_workers`)."""
+        why = (f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
+               "(the controller declared it)")
+        self.lost_workers[lost.address] = why
         with self._workers_lock:
             conn = self._workers.get(lost.address)
         if conn is not None:
-            conn.abandon(f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
-                         "(the controller declared it)")
+            conn.abandon(why)
 
     def worker(self, address: str) -> WorkerClient:
         with self._workers_lock:

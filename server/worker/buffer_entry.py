@@ -1,9 +1,10 @@
-"""What the worker's buffer store (buffers.py) keeps per buffer, and what its waiters wait on."""
+"""What the worker's buffer store (buffers.py) keeps per buffer, what its waiters wait on, and the
+book of who waits on which buffer."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,3 +60,37 @@ class Latch:
             self.event.set()
             if self.callback is not None:
                 self.callback()
+
+
+class Waiting:
+    """Latches waiting on buffers, by buffer id: a latch counts down once for each id it waits on
+    when that id is `settle`d. The store calls it with its lock held."""
+
+    __slots__ = ("by_id",)
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, list[Latch]] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __contains__(self, buffer_id: object) -> bool:
+        return buffer_id in self.by_id
+
+    def add(self, buffer_ids: Iterable[int], latch: Latch) -> None:
+        for b in buffer_ids:
+            self.by_id.setdefault(b, []).append(latch)
+
+    def remove(self, buffer_ids: Iterable[int], latch: Latch) -> None:
+        """Forgets `latch` on these ids (its wait ended or gave up); an id nobody waits on goes."""
+        for b in buffer_ids:
+            waiting = self.by_id.get(b)
+            if waiting is not None and latch in waiting:
+                waiting.remove(latch)
+                if not waiting:
+                    del self.by_id[b]
+
+    def settle(self, buffer_id: int) -> None:
+        """Counts down the latches waiting on this buffer, which just settled."""
+        for latch in self.by_id.pop(buffer_id, ()):
+            latch.settled()

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch
+from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Waiting
 from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
@@ -35,9 +35,9 @@ class BufferStore:
         self._lock = threading.Lock()
         self._entries: dict[int, Entry] = {}
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
-        self._waiters: dict[int, list[Latch]] = {}
+        self._waiters = Waiting()
         # waits for launched buffers' computations to be over, per buffer (`when_computed`)
-        self._computing: dict[int, list[Latch]] = {}
+        self._computing = Waiting()
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
         self._unwanted: OrderedDict[int, None] = OrderedDict()  # the last MAX_UNWANTED
         self._tombstones: OrderedDict[int, None] = OrderedDict()  # their ids, the last MAX_TOMBSTONES
@@ -131,7 +131,7 @@ class BufferStore:
             e.uploaded = same_owner
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
             callbacks, e.callbacks = e.callbacks, []
-            self._wake(buffer_id)
+            self._waiters.settle(buffer_id)
             self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
@@ -188,7 +188,7 @@ class BufferStore:
         entry freed if nothing holds it; the callbacks to call once the lock is released."""
         e.state, e.error, e.value = FAILED, error, None
         callbacks, e.callbacks = e.callbacks, []
-        self._wake(buffer_id)
+        self._waiters.settle(buffer_id)
         self._maybe_free(buffer_id, e, [])  # its value is gone already: nothing to deallocate
         return callbacks
 
@@ -247,8 +247,8 @@ class BufferStore:
                 if e.callbacks:
                     callbacks.extend(e.callbacks)
                     e.callbacks = []
-                if self._waiters:
-                    self._wake(buffer_id)
+                if self._waiters.by_id:
+                    self._waiters.settle(buffer_id)
                 self._maybe_free(buffer_id, e, gone)
             for buffer_id in input_ids:
                 e = self._entries.get(buffer_id)
@@ -286,17 +286,11 @@ class BufferStore:
             if not pending:
                 return self._values(buffer_ids)
             latch = Latch(len(pending))
-            for b in pending:
-                self._waiters.setdefault(b, []).append(latch)
+            self._waiters.add(pending, latch)
         latch.event.wait(timeout)
         with self._lock:
             if latch.left > 0:
-                for b in pending:
-                    waiting = self._waiters.get(b)
-                    if waiting is not None and latch in waiting:
-                        waiting.remove(latch)
-                        if not waiting:
-                            del self._waiters[b]
+                self._waiters.remove(pending, latch)
             late = next((b for b in pending if not self._settled(b, must_exist)), None)
             if late is not None:
                 raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
@@ -315,19 +309,13 @@ class BufferStore:
             if not pending:
                 return None
             latch = Latch(len(pending), callback)
-            for b in pending:
-                self._waiters.setdefault(b, []).append(latch)
+            self._waiters.add(pending, latch)
             return latch
 
     def unwatch(self, buffer_ids: Sequence[int], latch: Latch) -> None:
         with self._lock:
             latch.callback = None
-            for b in dict.fromkeys(buffer_ids):
-                waiting = self._waiters.get(b)
-                if waiting is not None and latch in waiting:
-                    waiting.remove(latch)
-                    if not waiting:
-                        del self._waiters[b]
+            self._waiters.remove(dict.fromkeys(buffer_ids), latch)
 
     # ---- computed: launched is not computed ----
     def when_computed(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> Latch | bool:
@@ -352,28 +340,21 @@ class BufferStore:
             if not computing:
                 return True
             latch = Latch(len(computing), callback)
-            for b in computing:
-                self._computing.setdefault(b, []).append(latch)
+            self._computing.add(computing, latch)
             return latch
 
     def computed(self, buffer_ids: Iterable[int]) -> None:
         """(the executor, once these launched buffers' computations are over, failed or not)"""
-        if not self._computing:  # nobody waits (the hot path: no lock)
+        if not self._computing.by_id:  # nobody waits (the hot path: no lock)
             return
         with self._lock:
             for b in buffer_ids:
-                for latch in self._computing.pop(b, ()):
-                    latch.settled()
+                self._computing.settle(b)
 
     def forget_computed(self, buffer_ids: Sequence[int], latch: Latch) -> None:
         with self._lock:
             latch.callback = None
-            for b in dict.fromkeys(buffer_ids):
-                waiting = self._computing.get(b)
-                if waiting is not None and latch in waiting:
-                    waiting.remove(latch)
-                    if not waiting:
-                        del self._computing[b]
+            self._computing.remove(dict.fromkeys(buffer_ids), latch)
 
     def owner_of(self, buffer_id: int) -> str | None:
         """The owner recorded for a buffer ("" when none was), None when the store has no entry."""
@@ -420,11 +401,6 @@ class BufferStore:
             assert e.state == READY, "read only once every buffer settled, under the same lock"
             out.append(e.value)
         return out
-
-    def _wake(self, buffer_id: int) -> None:
-        """Counts down the waits on this buffer, which just settled (call with the lock held)."""
-        for latch in self._waiters.pop(buffer_id, ()):
-            latch.settled()
 
     def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
         e = self._entries.get(buffer_id)

@@ -62,6 +62,24 @@ def test_tombstones_go_with_their_owner_and_beyond_a_bound_the_oldest_go() -> No
     assert live(s) == 1  # the oldest was forgotten: kept, as an upload nobody released
 
 
+def test_what_arrives_for_an_owner_that_ended_is_not_kept() -> None:
+    """A client released a buffer before its upload arrived (a tombstone), then its session
+    ended: the tombstone went with the owner, so the upload arriving after that, or a peer's
+    copy for that owner, or a late enqueue of its, must not be kept for a client that is gone."""
+    s = BufferStore()
+    s.release([7], owner="client:1")
+    s.release_owner("client:1")
+    s.put(7, np.zeros(3), 24, owner="client:1", client_ref=True, same_owner=True)  # the late upload
+    s.put(8, np.zeros(3), 24, owner="client:1", from_peer=True)  # a peer's copy, held for no reader
+    s.keep(9, "client:1")
+    s.put(9, np.zeros(3), 24, owner="client:1", from_peer=True)
+    s.expect([10], "client:1", visible=[True])  # a late enqueue: its output goes once produced
+    s.put(10, np.zeros(3), 24, owner="client:1")
+    assert live(s) == 0 and s.tombstones() == 0
+    s.put(11, np.zeros(3), 24, owner="client:2", client_ref=True, same_owner=True)
+    assert live(s) == 1  # another owner's upload is kept as ever
+
+
 def test_waiters_wake_when_a_declared_buffer_settles_and_failures_reach_them() -> None:
     s = BufferStore()
     got: list[object] = []

@@ -28,6 +28,10 @@ MAX_UNWANTED = 16384
 # releases of buffers that did not exist yet (tombstones), kept so that a late upload or copy is
 # dropped; beyond this many the oldest are forgotten (its producer, if it ever comes, is kept)
 MAX_TOMBSTONES = 16384
+# owners (clients, jobs) whose end this worker heard (`release_owner`), remembered so that what
+# of theirs arrives later (an upload or a peer's copy in flight, a late enqueue) is not kept for
+# a client that is gone: nothing would ever release it. The oldest are forgotten first.
+MAX_ENDED_OWNERS = 4096
 
 
 class BufferStore:
@@ -41,6 +45,7 @@ class BufferStore:
         self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
         self._unwanted: OrderedDict[int, None] = OrderedDict()  # the last MAX_UNWANTED
         self._tombstones: OrderedDict[int, None] = OrderedDict()  # their ids, the last MAX_TOMBSTONES
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the last MAX_ENDED_OWNERS
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -58,7 +63,7 @@ class BufferStore:
             for i, buffer_id in enumerate(buffer_ids):
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = Entry(owner=owner)
+                    e = self._new(buffer_id, owner)
                 if i < len(visible) and visible[i] and not e.released:
                     e.client_ref = True
                 e.owner = e.owner or owner
@@ -70,7 +75,7 @@ class BufferStore:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = Entry(owner=owner)
+                    e = self._new(buffer_id, owner)
                 e.consumers += 1
                 e.hold = False
                 e.unread = False
@@ -96,7 +101,7 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is None:
-                e = self._entries[buffer_id] = Entry(owner=owner)
+                e = self._new(buffer_id, owner)
             e.owner = e.owner or owner
             e.hold, e.unread = False, False  # arrived already (held for a reader): the client's now
             if not e.released:
@@ -120,7 +125,7 @@ class BufferStore:
                 del self._unwanted[buffer_id]
                 return True  # an intermediate of a dropped run, sent late: nothing will read it
             if e is None:
-                e = self._entries[buffer_id] = Entry(owner=owner, hold=from_peer)
+                e = self._new(buffer_id, owner, hold=from_peer)
             elif same_owner and e.owner and e.owner != owner:
                 return False
             e.owner = e.owner or owner
@@ -205,7 +210,7 @@ class BufferStore:
             if e is None:
                 if not held and buffer_id not in self._waiters:
                     return
-                e = self._entries[buffer_id] = Entry(owner=owner)
+                e = self._new(buffer_id, owner)
             elif e.state != PENDING or (e.owner and e.owner != owner):
                 return
             e.owner = e.owner or owner
@@ -439,11 +444,25 @@ class BufferStore:
                 if e is not None and e.tombstone:
                     del self._entries[buffer_id]
 
+    def _new(self, buffer_id: int, owner: str, hold: bool = False) -> Entry:
+        """A new entry (call with the lock held). One of an owner that ended here is released
+        from the start and never held: it goes once produced and read (`_maybe_free`)."""
+        if owner and owner in self._ended:
+            e = self._entries[buffer_id] = Entry(owner=owner, released=True)
+        else:
+            e = self._entries[buffer_id] = Entry(owner=owner, hold=hold)
+        return e
+
     def release_owner(self, owner: str) -> int:
         """Drops every client reference held by `owner` (a client or job went away), and its
-        tombstones: nothing of its can come that a client of it would read."""
+        tombstones: nothing of its can come that a client of it would read. What of its arrives
+        later is not kept either (`_new`)."""
         gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
+            if owner:
+                self._ended[owner] = None
+                if len(self._ended) > MAX_ENDED_OWNERS:
+                    self._ended.popitem(last=False)
             ids = [i for i, e in self._entries.items() if e.owner == owner]
             for i in ids:
                 e = self._entries[i]

@@ -103,14 +103,16 @@ def stop(p: subprocess.Popen[bytes]) -> None:
             p.wait(timeout=10)
 
 
-@dataclass
-class Slurm:
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")  # a job's end states
+
+
+class SlurmClient:
+    """What the tests ask a Slurm (`run` says where its client commands run; logs under `root`)."""
+
     root: Path
-    env: dict[str, str]
-    procs: list[subprocess.Popen[bytes]]
 
     def run(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
+        raise NotImplementedError
 
     def log(self, name: str) -> str:
         with contextlib.suppress(OSError):
@@ -124,14 +126,23 @@ class Slurm:
     def wait_job(self, job_id: str) -> dict[str, str]:
         def ended() -> dict[str, str] | None:
             info = self.job(job_id)
-            return info if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                                     "NODE_FAIL", "OUT_OF_MEMORY") else None
+            return info if info.get("JobState") in ENDED else None
 
         try:
             return wait_until(ended, JOB_TIMEOUT_S, f"job {job_id}", interval=0.5)
         except TimeoutError:
             self.run("scancel", job_id)
             raise
+
+
+@dataclass
+class Slurm(SlurmClient):
+    root: Path
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]]
+
+    def run(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
 
 
 def slurm_conf(root: Path, munge_socket: Path) -> str:

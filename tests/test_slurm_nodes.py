@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import REPO, XLA_FLAGS, Host, _pids_in_netns, hosts  # noqa: F401  (the fixture)
-from test_slurm import JOB_TIMEOUT_S, SBATCH, TOOLS, job_processes, start_munged, stop, stop_munged, wait_until
+from test_slurm import SBATCH, TOOLS, SlurmClient, job_processes, start_munged, stop, stop_munged, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +44,6 @@ SLURMD_PORT = 6818
 # hierarchy "systemd" on a tmpfs, which is all slurmd looks for.
 CGROUP_SETUP = ["sh", "-c", "mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd "
                 "&& mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd"]
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 PROGRAM = """
 import jax
@@ -100,7 +99,7 @@ def conf(root: Path, hs: Sequence[Host], munge_socket: Path) -> str:
 
 
 @dataclass
-class Nodes:
+class Nodes(SlurmClient):
     """A Slurm over `hosts`; its clients run on host 0."""
 
     root: Path
@@ -111,15 +110,6 @@ class Nodes:
     def run(self, *args: str, timeout: float = 30.0, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.hosts[0].argv(args), env=dict(self.env, **env), capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
-
-    def log(self, name: str) -> str:
-        with contextlib.suppress(OSError):
-            return (self.root / name).read_text(errors="replace")[-3000:]
-        return ""
-
-    def job(self, job_id: str) -> dict[str, str]:
-        r = self.run("scontrol", "-o", "show", "job", job_id)
-        return dict(re.findall(r"(\w+)=(\S*)", r.stdout)) if r.returncode == 0 else {}
 
     def leftovers(self) -> list[str]:
         """What runs on the hosts besides their holders and the Slurm daemons: "host: pid command"."""
@@ -134,17 +124,6 @@ class Nodes:
                         if not (ppid in self.daemons and cmd.endswith("slurmscriptd")):  # slurmctld's helper
                             found.append(f"{h.hostname}: {pid} (parent {ppid}) {cmd}")
         return found
-
-    def wait_job(self, job_id: str) -> dict[str, str]:
-        def ended() -> dict[str, str] | None:
-            info = self.job(job_id)
-            return info if info.get("JobState") in ENDED else None
-
-        try:
-            return wait_until(ended, JOB_TIMEOUT_S, f"job {job_id}", interval=0.5)
-        except TimeoutError:
-            self.run("scancel", job_id)
-            raise
 
 
 @pytest.fixture

@@ -60,10 +60,11 @@ class BufferStore:
     def expect(self, buffer_ids: Sequence[int], owner: str, visible: Sequence[bool] = ()) -> None:
         """An enqueued node will produce these buffers; `visible[i]` keeps buffer i for the client."""
         with self._lock:
+            ended = owner in self._ended  # once a task, not per buffer (`_new`)
             for i, buffer_id in enumerate(buffer_ids):
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._new(buffer_id, owner)
+                    e = self._entries[buffer_id] = Entry(owner=owner, released=True) if ended else Entry(owner=owner)
                 if i < len(visible) and visible[i] and not e.released:
                     e.client_ref = True
                 e.owner = e.owner or owner
@@ -72,10 +73,11 @@ class BufferStore:
     def add_consumers(self, buffer_ids: Sequence[int], owner: str = "") -> None:
         """An enqueued reader (a node, or a send to another worker) will read each of these once."""
         with self._lock:
+            ended = owner in self._ended  # once a task, not per buffer (`_new`)
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    e = self._new(buffer_id, owner)
+                    e = self._entries[buffer_id] = Entry(owner=owner, released=True) if ended else Entry(owner=owner)
                 e.consumers += 1
                 e.hold = False
                 e.unread = False

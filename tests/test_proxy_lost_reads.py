@@ -22,47 +22,52 @@ HEARTBEAT_TIMEOUT_S = 4.0  # the controller declares a frozen worker's host lost
 
 FROZEN = PRELUDE + """
 import sys, threading, time
+lock = threading.Lock()
+def say(*parts, flush=True):  # one line whole: print writes the text and its newline apart, and threads interleave
+    with lock:
+        sys.stdout.write(" ".join(map(str, parts)) + chr(10))
+        sys.stdout.flush()
 x = jax.device_put(np.arange(8.0, dtype=np.float32), devs[2])  # on the second worker
 # runs sent before the program blocked on anything: their outputs' readiness is the worker's Wait
 y = jax.jit(lambda v: v * 3)(x)
 z = jax.jit(lambda v: v + 1)(y)
 z.block_until_ready()  # y is computed too
-print("ready", flush=True)
+say("ready", flush=True)
 sys.stdin.readline()
 def said(what, e):
     return " ".join([what, "error", type(e).__name__, str(e).replace(chr(10), " ")[:400]])
 def block():
     try:
         y.block_until_ready()
-        print("block ok", flush=True)
+        say("block ok", flush=True)
     except Exception as e:
-        print(said("block", e), flush=True)
+        say(said("block", e), flush=True)
 def compile():  # a program over the frozen worker's two devices: compiled there now (compiling.py)
     try:
         arg = jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(back, P("s")))
         jax.jit(lambda v: (v * 5).sum()).lower(arg).compile()
-        print("compile ok", flush=True)
+        say("compile ok", flush=True)
     except Exception as e:
-        print(said("compile", e), flush=True)
+        say(said("compile", e), flush=True)
 waiting = [threading.Thread(target=block), threading.Thread(target=compile)]
 for t in waiting:
     t.start()
 try:
-    print("download", np.asarray(y).tolist(), flush=True)
+    say("download", np.asarray(y).tolist(), flush=True)
 except Exception as e:
-    print(said("download", e), flush=True)
+    say(said("download", e), flush=True)
 for t in waiting:
     t.join()
 start = time.monotonic()
 try:
-    print("again", np.asarray(x).tolist(), flush=True)  # an upload: no run of the lost host fails it
+    say("again", np.asarray(x).tolist(), flush=True)  # an upload: no run of the lost host fails it
 except Exception as e:
-    print(said("again", e), f"{time.monotonic() - start:.1f}", flush=True)
+    say(said("again", e), f"{time.monotonic() - start:.1f}", flush=True)
 try:
     w = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(line, P("d")))
-    print("after", np.asarray(w).tolist(), flush=True)
+    say("after", np.asarray(w).tolist(), flush=True)
 except Exception as e:
-    print(said("after", e), flush=True)
+    say(said("after", e), flush=True)
 """
 
 

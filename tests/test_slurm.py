@@ -145,6 +145,20 @@ class Slurm(SlurmClient):
         return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
 
 
+# slurm.conf lines both Slurm tests use: no cgroups, accounting or MPI; nodes back in service by themselves
+PLUGINS_CONF = (
+    "ProctrackType=proctrack/pgid",  # with linuxproc a job's background process outlives the job
+    "TaskPlugin=task/none",
+    "JobAcctGatherType=jobacct_gather/none",
+    "AccountingStorageType=accounting_storage/none",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_Core",
+    "MpiDefault=none",
+    "ReturnToService=2",
+    "MinJobAge=600",  # the ended job stays visible to `scontrol show job`
+)
+
+
 def slurm_conf(root: Path, munge_socket: Path) -> str:
     host = socket.gethostname()
     cpus = os.cpu_count() or 1
@@ -165,15 +179,7 @@ def slurm_conf(root: Path, munge_socket: Path) -> str:
         f"SlurmdPidFile={root / 'slurmd.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}",
         f"SlurmdLogFile={root / 'slurmd.log'}",
-        "ProctrackType=proctrack/pgid",  # with linuxproc a job's background process outlives the job
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "MpiDefault=none",
-        "ReturnToService=2",
-        "MinJobAge=600",  # the ended job stays visible to `scontrol show job`
+        *PLUGINS_CONF,
         f"NodeName={host} CPUs={cpus} RealMemory={mem_mib // 2} State=UNKNOWN",
         f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP",
         "",

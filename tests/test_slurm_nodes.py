@@ -32,7 +32,17 @@ from typing import Any
 import numpy as np
 import pytest
 from hosts import REPO, XLA_FLAGS, Host, _pids_in_netns, hosts  # noqa: F401  (the fixture)
-from test_slurm import SBATCH, TOOLS, SlurmClient, job_processes, start_munged, stop, stop_munged, wait_until
+from test_slurm import (
+    PLUGINS_CONF,
+    SBATCH,
+    TOOLS,
+    SlurmClient,
+    job_processes,
+    start_munged,
+    stop,
+    stop_munged,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,15 +91,7 @@ def conf(root: Path, hs: Sequence[Host], munge_socket: Path) -> str:
         f"SlurmdPidFile={root / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}",
         f"SlurmdLogFile={root / 'slurmd-%n.log'}",
-        "ProctrackType=proctrack/pgid",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "MpiDefault=none",
-        "ReturnToService=2",
-        "MinJobAge=600",
+        *PLUGINS_CONF,
     ]
     lines += [f"NodeName={h.hostname} NodeAddr={h.ip} CPUs={cpus} RealMemory={mem_mib // (2 * len(hs))} "
               "State=UNKNOWN" for h in hs]

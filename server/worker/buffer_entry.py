@@ -1,12 +1,15 @@
 """What the worker's buffer store (buffers.py) keeps per buffer, what its waiters wait on, and the
-book of who waits on which buffer."""
+book of who waits on which buffer, and the store's bounded memories of what is gone (`Recent`)."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+K = TypeVar("K")
 
 PENDING = "pending"
 READY = "ready"
@@ -94,3 +97,22 @@ class Waiting:
         """Counts down the latches waiting on this buffer, which just settled."""
         for latch in self.by_id.pop(buffer_id, ()):
             latch.settled()
+
+
+class Recent(OrderedDict[K, None]):
+    """The last `limit` keys added (in the order first added): what the store remembers of
+    buffers or owners that are gone, so that something of theirs arriving late is not kept; the
+    oldest are forgotten first."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def add(self, key: K) -> list[K]:
+        """Remembers `key` (as the newest); the keys forgotten to stay within the limit."""
+        self[key] = None  # one remembered already keeps its place
+        forgotten = []
+        while len(self) > self.limit:
+            forgotten.append(self.popitem(last=False)[0])
+        return forgotten
+

@@ -12,11 +12,10 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Waiting
+from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Recent, Waiting
 from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
@@ -42,10 +41,10 @@ class BufferStore:
         self._waiters = Waiting()
         # waits for launched buffers' computations to be over, per buffer (`when_computed`)
         self._computing = Waiting()
-        self._freed_uploads: OrderedDict[int, None] = OrderedDict()  # the last MAX_FREED_UPLOADS
-        self._unwanted: OrderedDict[int, None] = OrderedDict()  # the last MAX_UNWANTED
-        self._tombstones: OrderedDict[int, None] = OrderedDict()  # their ids, the last MAX_TOMBSTONES
-        self._ended: OrderedDict[str, None] = OrderedDict()  # the last MAX_ENDED_OWNERS
+        self._freed_uploads: Recent[int] = Recent(MAX_FREED_UPLOADS)
+        self._unwanted: Recent[int] = Recent(MAX_UNWANTED)
+        self._tombstones: Recent[int] = Recent(MAX_TOMBSTONES)  # their ids
+        self._ended: Recent[str] = Recent(MAX_ENDED_OWNERS)
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -163,9 +162,7 @@ class BufferStore:
         (`put` from_peer), that copy would stay for good (nothing else releases it)."""
         with self._lock:
             for buffer_id in buffer_ids:
-                self._unwanted[buffer_id] = None
-            while len(self._unwanted) > MAX_UNWANTED:
-                self._unwanted.popitem(last=False)
+                self._unwanted.add(buffer_id)
 
     def never_made(self, buffer_ids: Sequence[int], error: str) -> None:
         """Their producer's run failed before it started: each one pending here (a send to a
@@ -436,15 +433,13 @@ class BufferStore:
                 e = self._entries.get(buffer_id)
                 if e is None:
                     self._entries[buffer_id] = Entry(released=True, owner=owner)
-                    self._tombstones[buffer_id] = None
+                    for old in self._tombstones.add(buffer_id):  # the oldest go (some became live since)
+                        forgotten = self._entries.get(old)
+                        if forgotten is not None and forgotten.tombstone:
+                            del self._entries[old]
                     continue
                 e.released, e.client_ref = True, False
                 self._maybe_free(buffer_id, e, gone)
-            while len(self._tombstones) > MAX_TOMBSTONES:  # the oldest go (some became live since)
-                buffer_id, _ = self._tombstones.popitem(last=False)
-                e = self._entries.get(buffer_id)
-                if e is not None and e.tombstone:
-                    del self._entries[buffer_id]
 
     def _new(self, buffer_id: int, owner: str, hold: bool = False) -> Entry:
         """A new entry (call with the lock held). One of an owner that ended here is released
@@ -462,9 +457,7 @@ class BufferStore:
         gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
             if owner:
-                self._ended[owner] = None
-                if len(self._ended) > MAX_ENDED_OWNERS:
-                    self._ended.popitem(last=False)
+                self._ended.add(owner)
             ids = [i for i, e in self._entries.items() if e.owner == owner]
             for i in ids:
                 e = self._entries[i]
@@ -497,10 +490,7 @@ class BufferStore:
         if self._tombstones:
             self._tombstones.pop(buffer_id, None)
         if e.uploaded:
-            freed = self._freed_uploads
-            freed[buffer_id] = None
-            if len(freed) > MAX_FREED_UPLOADS:
-                freed.popitem(last=False)
+            self._freed_uploads.add(buffer_id)
 
     # ---- stats ----
     def stats(self) -> tuple[int, int]:

@@ -139,9 +139,14 @@ def section(screen: list[str], header: str) -> list[str]:
 
 
 def shows_work(job: str) -> Callable[[list[str]], bool]:
+    """The screen shows the busy job, and the whole frame is drawn. tmux parses what a program
+    writes a few KiB at a time and answers `capture-pane` in between, so a capture can hold the
+    top of a frame still being drawn over the bottom of the previous one (blank under the first
+    frame): the check waits for the last sections the tests read, which are drawn last."""
     def ok(screen: list[str]) -> bool:
         text = "\n".join(screen)
-        return "computations/s" in text and "busy_step/" in text and job in text and "HOST" in text
+        drawn = all(any(line.startswith(h) for line in screen) for h in ("ISLAND ", "HOST ", "JOB ", "SLICE "))
+        return drawn and "computations/s" in text and "busy_step/" in text and job in text
     return ok
 
 
@@ -219,8 +224,11 @@ def test_watch_shows_the_stuck_gang_and_its_host(busy: tuple[LocalCluster, str],
     cluster.stop_worker("w-b")
     try:
         # the stall threshold is a quarter of the 40 s hang timeout, at most 5 s
-        screen = t.wait_screen(lambda s: any(line.startswith("STUCK") for line in s), 25,
-                               "the stuck gang on the screen")
+        def stuck_drawn(s: list[str]) -> bool:  # the STUCK line and the one below it (a torn frame: shows_work)
+            at = next((i for i, line in enumerate(s) if line.startswith("STUCK")), None)
+            return at is not None and at + 1 < len(s) and "has not" in s[at + 1]
+
+        screen = t.wait_screen(stuck_drawn, 25, "the stuck gang on the screen")
         stuck = next(i for i, line in enumerate(screen) if line.startswith("STUCK"))
         assert stuck <= 3, screen  # right below the cluster line (two lines at 80 columns, a blank one)
         line = screen[stuck]

@@ -584,6 +584,33 @@ def test_screen_of_a_big_cluster_fits_and_summarises(width: int, height: int) ->
         assert "WAITING " in text and "SLICE " in text  # there is room for the queues' longest waits
 
 
+@pytest.mark.timeout(30)
+def test_watch_writes_each_frame_as_one_synchronized_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A terminal that supports synchronized output (DEC mode 2026) never shows a half-drawn frame:
+    every frame `--watch` draws lies between a begin and an end of it, and nothing is drawn outside."""
+    import io
+
+    from rich.console import Console
+
+    from pwctl.cli import common, status
+
+    out = io.StringIO()
+    console = Console(file=out, width=160, height=45, force_terminal=True, color_system="standard")
+    monkeypatch.setattr(common, "stdout", lambda: console)
+    views = [synthetic_status() for _ in range(3)]
+    status._live(iter(views), "10.0.0.5:7070")
+    raw = out.getvalue()
+    frames = raw.split(status.BEGIN_SYNC)
+    # Live's set-up before the first frame (the alternate screen), then one per update; each
+    # part holds exactly one end, and what follows the end is at most Live's tear-down
+    assert len(frames) == 1 + len(views), len(frames)
+    assert status.END_SYNC not in frames[0]
+    for part in frames[1:]:
+        inside, end, after = part.partition(status.END_SYNC)
+        assert end and "16 islands" in inside and "computations/s" in inside
+        assert "islands" not in after
+
+
 def test_screen_layout_gives_every_section_a_share_first() -> None:
     from pwctl.cli.status.layout import Section, allocate
 

@@ -9,6 +9,7 @@ line per update. On a large cluster the screen summarises ("... and 1,930 more h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from ..common import ServerOpt, client, hint, stdout
 from .trace import parse_since, trace
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from schemas.views import ClusterStatusView
 
     from .screen import bar, render
@@ -132,9 +135,36 @@ def _live(updates: Iterator[ClusterStatusView], address: str) -> None:
         width, height = console.size
         return render(view, width, height - 1, address)
 
-    with Live(draw(first), console=console, auto_refresh=False, screen=True, transient=False) as live:  # type: ignore[arg-type]
+    live = Live(draw(first), console=console, auto_refresh=False, screen=True, transient=False)  # type: ignore[arg-type]
+    with synchronized(console):
+        live.start(refresh=True)
+    try:
         for view in updates:
-            live.update(draw(view), refresh=True)  # type: ignore[arg-type]
+            frame = draw(view)
+            with synchronized(console):
+                live.update(frame, refresh=True)  # type: ignore[arg-type]
+    finally:
+        live.stop()
+
+
+# DEC private mode 2026, "synchronized output": a terminal that knows it shows what comes between
+# the two as one frame (no half-drawn screen while a frame is written); one that does not ignores
+# an unknown private mode.
+BEGIN_SYNC, END_SYNC = "\x1b[?2026h", "\x1b[?2026l"
+
+
+@contextlib.contextmanager
+def synchronized(console: Console) -> Iterator[None]:
+    """Writes one frame as one update on terminals that support synchronized output."""
+    if not console.is_terminal:
+        yield
+        return
+    console.file.write(BEGIN_SYNC)
+    try:
+        yield  # Rich writes the frame to console.file when its print returns
+    finally:
+        console.file.write(END_SYNC)
+        console.file.flush()
 
 
 def register(root: typer.Typer) -> None:

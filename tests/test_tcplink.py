@@ -4,7 +4,10 @@ wrong token or a malformed frame is dropped without anything delivered."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -256,3 +259,13 @@ def test_a_sender_silent_in_the_middle_of_an_array_is_dropped_but_an_idle_one_st
         raw.close()
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("value", ["abc", "0.5", "nan"])
+def test_a_bad_dead_peer_setting_is_refused_in_one_line(value: str) -> None:
+    r = subprocess.run([sys.executable, "-c", "import server.worker.tcplink"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "PATHWAYS_TCP_DEAD_PEER_S": value},
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"ValueError: PATHWAYS_TCP_DEAD_PEER_S={value!r}: want a number of seconds, at least 1"), r.stderr

@@ -142,7 +142,7 @@ def _next_prefix(conn: socket.socket) -> bytes | None:
     return bytes(buf)
 
 
-def guard(sock: socket.socket) -> None:
+def _guard(sock: socket.socket) -> None:
     """Keepalive and TCP_USER_TIMEOUT on a connection (either end): a peer whose host vanished
     is found within DEAD_PEER_S (module docstring). Options this platform lacks are left out."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -211,7 +211,7 @@ class TcpReceiver:
         framing = False  # past the hello: timeouts are the progress timeout's
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            guard(conn)
+            _guard(conn)
             # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
             # nothing does not hold this thread (a peer sends its hello at once); then the
             # progress timeout, which lets the connection idle between frames
@@ -292,7 +292,7 @@ class TcpPeer:
         host, _, port = data_address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        guard(sock)
+        _guard(sock)
         if tls is not None:
             try:
                 sock = tls.wrap_client(sock, host)

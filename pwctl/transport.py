@@ -36,11 +36,19 @@ KEEPALIVE_MS = 6 * 60 * 1000
 KEEPALIVE_TIMEOUT_MS = 20 * 1000
 MIN_CONNECT_TIMEOUT_MS = 20 * 1000  # gRPC's default (see CHANNEL_OPTIONS)
 
+# Setting keepalive also makes gRPC set TCP_USER_TIMEOUT to the keepalive timeout on the channel's
+# sockets (a client's carry none otherwise: docs/facts.md, "Peers that vanish"): bytes a vanished
+# server never acknowledges fail the call within 20 s instead of the kernel's ~15 minutes. The
+# workers' own channels use these too (server/worker/transfer.py, relay.py).
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+]
+
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    *KEEPALIVE_OPTIONS,
     ("grpc.enable_retries", 0),  # retries are ours (RetryPolicy), for idempotent reads only
     # a channel whose server went away tries again within 2 s (gRPC's default backoff grows to
     # 2 minutes): a `pw` session resumes soon after its controller restarted

@@ -4,7 +4,10 @@ wrong token or a malformed frame is dropped without anything delivered."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -214,3 +217,55 @@ def test_over_tls_arrays_arrive_whole_and_the_wrong_peers_get_clean_errors(
                  "the plaintext receiver to say why")
     finally:
         plain_rx.close()
+
+
+@pytest.mark.parametrize("use_tls", [False, True], ids=["plain", "tls"])
+def test_a_sender_silent_in_the_middle_of_an_array_is_dropped_but_an_idle_one_stays(
+        use_tls: bool, tls_config: tls.TlsConfig, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The progress timeout (DEAD_PEER_S, 1 s here): a sender that stops in the middle of an
+    array while its host lives on (a frozen process: its kernel answers the keepalive) is
+    dropped, its thread ends, nothing is delivered; a sender idle between frames for three times
+    as long keeps its connection and then delivers. Plain (SO_RCVTIMEO) and TLS (socket timeout)."""
+    monkeypatch.setattr(tcplink, "DEAD_PEER_S", 1.0)
+    config = tls_config if use_tls else None
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right", inbox.deliver, tls=config)
+    host, _, port = rx.start().rpartition(":")
+    before = _receivers()
+    try:
+        idle = TcpPeer(rx.address, "right", config)
+        x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+        h = _head(0x52, x).SerializeToString()
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        if config is not None:
+            raw = config.wrap_client(raw, host)
+        with caplog.at_level("WARNING", logger="server.worker.tcplink"):
+            raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
+            raw.sendall(x.view(np.uint8)[: x.nbytes // 2].tobytes())
+            started = time.monotonic()
+            said = wait_for(lambda: [r.getMessage() for r in caplog.records if "0x52" in r.getMessage()], 10,
+                            "the silent sender dropped")
+            took = time.monotonic() - started
+        assert "lost in the middle of buffer 0x52 (4194304 bytes): no bytes for 1 s" in said[0], said
+        assert 0.5 < took < 5, took
+        wait_for(lambda: len(_receivers() - before) == 1, 5, "the silent sender's thread to end")
+        time.sleep(max(0.0, idle.opened + 3.0 - time.monotonic()))  # idle for three times the timeout
+        idle.send(_head(7, x), x)
+        got = inbox.wait(1)
+        assert [h.buffer_id for h, _ in got] == [7]
+        np.testing.assert_array_equal(got[0][1], x)
+        idle.close()
+        raw.close()
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize("value", ["abc", "0.5", "nan"])
+def test_a_bad_dead_peer_setting_is_refused_in_one_line(value: str) -> None:
+    r = subprocess.run([sys.executable, "-c", "import server.worker.tcplink"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "PATHWAYS_TCP_DEAD_PEER_S": value},
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"ValueError: PATHWAYS_TCP_DEAD_PEER_S={value!r}: want a number of seconds, at least 1"), r.stderr

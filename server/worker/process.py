@@ -41,7 +41,7 @@ from .relay import Forwarder, Inbox, relayed_message
 from .reporting import EventBuffer
 from .servicer import WorkerServicer
 from .tcplink import TcpReceiver
-from .transfer import CHANNEL_OPTIONS, TransferSender
+from .transfer import CHANNEL_OPTIONS, CLIENT_OPTIONS, TransferSender
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +164,15 @@ class WorkerProcess:
         said = ""  # the last TLS failure logged: said once, not at every retry
         while not self.stopping.is_set():
             rejected = False
-            async with tls.aio_channel(self.config.server, CHANNEL_OPTIONS, self.config.tls) as channel:
+            up = False  # the controller answered on this stream
+            async with tls.aio_channel(self.config.server, CLIENT_OPTIONS, self.config.tls) as channel:
                 stub = cgrpc.ControllerStub(channel)
                 try:
                     self.inbox.reset()  # a new registration: its messages are numbered from 1
                     call = stub.WorkerConnect(self._upstream(), metadata=metadata)
                     async for msg in call:
                         retry.connected()
+                        up = True
                         self._receive(msg)
                 except aio.AioRpcError as e:
                     rejected = e.code() != grpc.StatusCode.UNAVAILABLE
@@ -184,7 +186,7 @@ class WorkerProcess:
                         if why != said:
                             log.error("%s", why)
                         said = why
-                    elif rejected:
+                    elif rejected or up:  # up: a controller gone (its host too: keepalive, ~20 s)
                         log.warning("controller stream ended: %s %s", e.code().name, e.details())
             await asyncio.sleep(retry.delay(loop.time(), rejected))
 

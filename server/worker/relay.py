@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from pwctl import tls as tls_
+from pwctl.transport import KEEPALIVE_OPTIONS
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -73,7 +74,8 @@ RELAYED_METHOD = "/pathways.v1.Worker/Relayed"
 REJECTED_LOG_EVERY_S = 10.0  # one warning about rejected relayed messages per this long
 GAP_S = 5.0  # a message missing this long while later ones wait: asked for directly
 # one connection per member, as separate hosts have (no sharing of one subchannel by address)
-CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+# keepalive: a member whose host vanished fails its stream within ~20 s (pwctl/transport.py)
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), *KEEPALIVE_OPTIONS]
 
 
 class Inbox:

@@ -16,14 +16,37 @@ from the worker's `Stats` (`data_address`). A peer that presents a wrong token i
 without a reply. With TLS (the worker's `--tls-cert`, pwctl/tls.py) the connection is TLS from
 its first byte, checked as the gRPC links are: the hello and the arrays never cross in clear. Where a connection
 cannot be made or breaks, the sender falls back to the gRPC stream (transfer.py).
+
+A peer whose host vanishes (power lost, a network cut: no FIN, no RST reaches this end) is found
+within DEAD_PEER_S on both ends, set up once per connection, nothing per frame:
+- TCP keepalive (probes after DEAD_PEER_S/2 of silence, every DEAD_PEER_S/6) with TCP_USER_TIMEOUT
+  DEAD_PEER_S: the kernel resets a connection whose peer stopped answering, idle or not. Between
+  two live hosts the probes are answered, so a connection may stay idle between transfers for as
+  long as it likes. On the sending end TCP_USER_TIMEOUT also fails a `sendall` whose bytes stay
+  unacknowledged (or whose receiver stopped reading, a zero window) for DEAD_PEER_S, instead of
+  SEND_TIMEOUT_S or the kernel's ~15 minutes of retransmissions; the sender then falls back.
+- A progress timeout on the receiver: no byte for DEAD_PEER_S in the middle of a frame drops the
+  frame and the connection (the reader's run fails as when a sender dies), which also covers a
+  sender process frozen on a live host (its kernel answers the keepalive). Plain connections use
+  the kernel's SO_RCVTIMEO (a Python socket timeout would poll before every recv: 40 recv calls
+  per 64 MiB instead of 21, ~10% slower on loopback); TLS ones the socket timeout, as the ssl
+  module retries a read that SO_RCVTIMEO interrupted. Before a frame's first byte the timeout only
+  wakes the thread, which waits on.
+DEAD_PEER_S is 30 s: a live sender writes a frame straight from memory and never pauses for
+seconds, and the controller finds a silent host within its heartbeat timeout (5 s by default,
+at most ~15 s in a large cluster), so by then
+the reader's run has failed anyway; 30 s bounds how long a thread and a frame's buffer outlive it.
+PATHWAYS_TCP_DEAD_PEER_S (seconds, >= 1) sets it (the tests use a few seconds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import math
+import os
 import socket
 import struct
 import threading
@@ -52,6 +75,21 @@ MAX_PAYLOAD = 1 << 36  # 64 GiB: a larger frame is malformed
 CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 120.0
 
+
+def _dead_peer_s() -> float:
+    raw = os.environ.get("PATHWAYS_TCP_DEAD_PEER_S", "30")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:  # NaN too
+        raise ValueError(f"PATHWAYS_TCP_DEAD_PEER_S={raw!r}: want a number of seconds, at least 1")
+    return value
+
+
+DEAD_PEER_S = _dead_peer_s()  # a peer silent this long is gone (module docstring)
+KEEPCNT = 3  # probes unanswered, where TCP_USER_TIMEOUT is not there to decide
+
 Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read
 
 
@@ -69,6 +107,61 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
 def _read(conn: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     return bytes(buf) if _recv_exact(conn, memoryview(buf)) else None
+
+
+def _stalled(e: OSError) -> bool:
+    """The progress timeout (no byte for DEAD_PEER_S: SO_RCVTIMEO's EAGAIN, or the socket timeout
+    of a TLS connection), not the kernel's ETIMEDOUT of a peer that stopped answering."""
+    return isinstance(e, BlockingIOError) or (isinstance(e, TimeoutError) and e.errno != errno.ETIMEDOUT)
+
+
+def _why(e: OSError) -> str:
+    if _stalled(e):
+        return f"no bytes for {DEAD_PEER_S:g} s"
+    if e.errno == errno.ETIMEDOUT:
+        return f"the peer stopped answering for {DEAD_PEER_S:g} s"
+    return str(e)
+
+
+def _next_prefix(conn: socket.socket) -> bytes | None:
+    """The next frame's prefix, however long the peer stays idle before it (a connection waits
+    between transfers; keepalive ends it if the peer's host vanishes); None when the peer closed."""
+    buf = bytearray(FRAME.size)
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        try:
+            n = conn.recv_into(view[got:])
+        except OSError as e:
+            if got == 0 and _stalled(e):
+                continue
+            raise
+        if n == 0:
+            return None
+        got += n
+    return bytes(buf)
+
+
+def _guard(sock: socket.socket) -> None:
+    """Keepalive and TCP_USER_TIMEOUT on a connection (either end): a peer whose host vanished
+    is found within DEAD_PEER_S (module docstring). Options this platform lacks are left out."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", DEAD_PEER_S / 2), ("TCP_KEEPINTVL", DEAD_PEER_S / 6),
+                        ("TCP_KEEPCNT", KEEPCNT), ("TCP_USER_TIMEOUT", DEAD_PEER_S * 1000)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(value)))
+
+
+def _progress_timeout(conn: socket.socket, tls: bool) -> None:
+    """No byte for DEAD_PEER_S fails a read: the kernel's SO_RCVTIMEO on a plain connection
+    (nothing per read), the socket timeout on a TLS one (module docstring)."""
+    if tls:
+        conn.settimeout(DEAD_PEER_S)
+        return
+    conn.settimeout(None)
+    sec = int(DEAD_PEER_S)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((DEAD_PEER_S - sec) * 1e6)))
 
 
 class TcpReceiver:
@@ -115,20 +208,26 @@ class TcpReceiver:
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         name_native_thread()
+        framing = False  # past the hello: timeouts are the progress timeout's
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _guard(conn)
             # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
-            # nothing does not hold this thread (a peer sends its hello at once); then no timeout
+            # nothing does not hold this thread (a peer sends its hello at once); then the
+            # progress timeout, which lets the connection idle between frames
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
             if not self._hello(conn):
                 log.warning("TCP transfer connection from %s refused: wrong token", peer)
                 return
-            conn.settimeout(None)
+            _progress_timeout(conn, self._tls is not None)
+            framing = True
             while self._frame(conn, peer):
                 pass
-        except (OSError, ValueError) as e:  # ssl.SSLError too: a failed handshake, in one line
+        except OSError as e:  # ssl.SSLError too: a failed handshake, in one line
+            log.warning("TCP transfer connection from %s ended: %s", peer, _why(e) if framing else e)
+        except ValueError as e:
             log.warning("TCP transfer connection from %s ended: %s", peer, e)
         finally:
             with contextlib.suppress(OSError):
@@ -150,7 +249,7 @@ class TcpReceiver:
 
     def _frame(self, conn: socket.socket, peer: object) -> bool:
         """Reads one frame and delivers it; False when the peer closed the connection."""
-        prefix = _read(conn, FRAME.size)
+        prefix = _next_prefix(conn)
         if prefix is None:
             return False
         magic, n = FRAME.unpack(prefix)
@@ -168,7 +267,15 @@ class TcpReceiver:
         if any(d < 0 for d in shape) or dtype.itemsize * math.prod(shape) > MAX_PAYLOAD:
             raise ValueError(f"malformed array {header.array.dtype}{list(shape)}")
         arr = aligned_empty(shape, dtype)  # XLA on CPU then takes it without a copy (schemas/arrays.py)
-        if arr.nbytes and not _recv_exact(conn, byte_view(arr)):
+        try:
+            whole = _recv_exact(conn, byte_view(arr)) if arr.nbytes else True
+        except OSError as e:
+            # a sender gone silent (its host vanished, or it froze) or a broken connection: as
+            # below. Said here, in a string: a log record holding `e` would keep `arr` alive
+            log.warning("TCP transfer connection from %s lost in the middle of buffer %#x (%d bytes): %s", peer,
+                        header.buffer_id, arr.nbytes, _why(e))
+            return False
+        if not whole:
             # the sender died or closed mid-array: nothing is delivered; the reader's run fails
             # when the controller learns the sender is gone
             log.warning("TCP transfer connection from %s closed in the middle of buffer %#x (%d bytes)", peer,
@@ -185,6 +292,7 @@ class TcpPeer:
         host, _, port = data_address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _guard(sock)
         if tls is not None:
             try:
                 sock = tls.wrap_client(sock, host)

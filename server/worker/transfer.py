@@ -18,6 +18,7 @@ import numpy as np
 
 from pwctl import tls as tls_
 from pwctl.tls import TlsConfig
+from pwctl.transport import KEEPALIVE_OPTIONS
 from schemas.arrays import byte_view, c_order, dtype_name, from_bytes, from_parts, resolve_dtype, to_numpy
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -44,10 +45,13 @@ DATA_CHUNK = 1024 * 1024
 # every buffer afresh (~21k minor faults per 64 MiB, none at 1 MiB) (bench/FINDINGS.md, "Multi-host")
 TRANSFER_CHUNK = 1024 * 1024
 SHM_MIN_BYTES = 1024 * 1024  # a full ring sends smaller arrays inline: a segment costs more than copying them
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [  # the worker's server's, and with keepalive its channels'
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+# the worker's channels (to the controller, to peers): keepalive, hence TCP_USER_TIMEOUT 20 s, so a
+# stream to a host that vanished fails within ~20 s of its first unanswered bytes (pwctl/transport.py)
+CLIENT_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
 def chunks(buffer_id: int, arr: np.ndarray, part_start: tuple[int, ...] = (),
@@ -163,7 +167,7 @@ class TransferSender:
         with self._lock:
             peer = self._peers.get(address)
             if peer is None:
-                stub = wgrpc.WorkerStub(tls_.channel(address, CHANNEL_OPTIONS, self._tls))
+                stub = wgrpc.WorkerStub(tls_.channel(address, CLIENT_OPTIONS, self._tls))
                 peer = self._peers[address] = _PeerStream(stub, self._metadata, address)
             return peer
 

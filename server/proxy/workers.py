@@ -9,12 +9,16 @@ from typing import Any
 from grpc import aio
 
 from pwctl import tls as tls_
+from pwctl.transport import KEEPALIVE_OPTIONS
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from . import fetching
 
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+# keepalive: a call to a worker whose host vanished (no FIN, no RST) fails within its 20 s timeout
+# instead of the kernel's ~15 minutes of retransmissions (docs/facts.md, "Peers that vanish")
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20),
+                   *KEEPALIVE_OPTIONS]
 PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 
 

@@ -4,6 +4,7 @@ answers left serialized: fetching.py)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from grpc import aio
@@ -12,7 +13,9 @@ from pwctl import tls as tls_
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import bulklink
 from . import fetching
+from .bulk import BulkLinks
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
@@ -20,10 +23,17 @@ PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 
 class WorkerChannels:
     """Channels to workers by address, opened on first use and kept until `close`; over TLS with
-    `tls` (the controller's own certificate is its client certificate)."""
+    `tls` (the controller's own certificate is its client certificate). With the session's
+    `credential` (and `metadata`, the calls' token), `bulk`: its TCP connections for bulk bytes
+    (bulk.py), unless $PATHWAYS_PROXY_BULK is 0."""
 
-    def __init__(self, tls: tls_.TlsConfig | None = None) -> None:
+    def __init__(self, tls: tls_.TlsConfig | None = None, credential: str = "", token: str = "",
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._tls = tls
+        self._metadata = metadata
+        self.bulk: BulkLinks | None = None
+        if credential and os.environ.get("PATHWAYS_PROXY_BULK", "1") != "0":
+            self.bulk = BulkLinks(bulklink.hello_secret(token, credential), tls, self._data_address)
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers
         self._putters: dict[str, Any] = {}  # address -> its PutBuffers taking serialized requests
@@ -52,7 +62,14 @@ class WorkerChannels:
             call = self._fetchers[address] = fetching.fetch_method(self._channels[address][0])
         return call
 
+    async def _data_address(self, address: str) -> str:
+        """The worker's transfer port, which its `Stats` names."""
+        stats = await self.stub(address).Stats(wpb.WorkerStatsRequest(), metadata=self._metadata, timeout=10)
+        return str(stats.data_address)
+
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         channels = [channel for channel, _ in self._channels.values()]
         self._channels.clear()
         self._fetchers.clear()

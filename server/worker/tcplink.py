@@ -16,6 +16,10 @@ from the worker's `Stats` (`data_address`). A peer that presents a wrong token i
 without a reply. With TLS (the worker's `--tls-cert`, pwctl/tls.py) the connection is TLS from
 its first byte, checked as the gRPC links are: the hello and the arrays never cross in clear. Where a connection
 cannot be made or breaks, the sender falls back to the gRPC stream (transfer.py).
+
+The same port takes the controller's connections for a proxy session's bulk bytes: their hello
+has its own magic (server/bulklink.py) and is handed, connection and secret, to `session`
+(server/worker/bulk_service.py), which checks the session credential and serves it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..bulklink import SESSION_MAGIC
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 120.0
 
 Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read
+# a proxy session's connection (its hello's secret, the peer's address): served on its thread
+SessionServe = Callable[[socket.socket, bytes, object], None]
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -76,8 +83,10 @@ class TcpReceiver:
     from the connection's own thread, in the order the peer sent them."""
 
     def __init__(self, host: str, token: str | None, deliver: Deliver,
-                 check: Callable[[bytes], bool] | None = None, tls: TlsConfig | None = None) -> None:
+                 check: Callable[[bytes], bool] | None = None, tls: TlsConfig | None = None,
+                 session: SessionServe | None = None) -> None:
         self.host = host
+        self._session = session
         self._tls = tls
         self._token = (token or "").encode()
         # what the hello must carry: `check(secret)` when given (the worker's peer credential,
@@ -122,7 +131,13 @@ class TcpReceiver:
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
-            if not self._hello(conn):
+            secret = self._hello(conn)
+            if isinstance(secret, bytes):  # a proxy session's bulk connection (server/bulklink.py)
+                conn.settimeout(None)
+                assert self._session is not None
+                self._session(conn, secret, peer)
+                return
+            if not secret:
                 log.warning("TCP transfer connection from %s refused: wrong token", peer)
                 return
             conn.settimeout(None)
@@ -134,11 +149,15 @@ class TcpReceiver:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _hello(self, conn: socket.socket) -> bool:
+    def _hello(self, conn: socket.socket) -> bool | bytes:
+        """Whether a peer's hello is right; a proxy session's hello: its secret (bytes)."""
         head = _read(conn, HELLO.size)
         if head is None:
             return False
         magic, n = HELLO.unpack(head)
+        if magic == SESSION_MAGIC and self._session is not None:
+            secret = _read(conn, n) if n else b""
+            return secret or False
         if magic != HELLO_MAGIC:
             if head[:1] == TLS_HANDSHAKE and self._tls is None:
                 raise ValueError("the peer speaks TLS and this worker does not (no --tls-cert)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -69,6 +70,15 @@ class Link:
                 self.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+    def idle_and_open(self) -> bool:
+        """Whether an idle connection is still open: nothing to read on it (an end or a reset
+        would be), checked without waiting."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable and not self.closed
 
     def ask(self, request: bytes) -> tuple[int, int, str] | None:
         """Sends a request and reads the reply: (code, length, message); None: the connection closed."""
@@ -120,19 +130,31 @@ class BulkLinks:
         """A connection to the worker at `address` for one request (`give` it back), or None:
         the request goes by gRPC."""
         idle = self._idle.get(address)
-        if idle:
-            return idle.pop()
+        while idle:
+            link = idle.pop()
+            if link.idle_and_open():
+                return link
+            self.drop(address, link)  # the worker closed it (it restarted, or went away)
         port = self._ports.get(address)
         if self._closed or (isinstance(port, float) and time.monotonic() < port) \
                 or self._open.get(address, 0) >= MAX_LINKS:
             return None
         self._open[address] = self._open.get(address, 0) + 1
+        loop = asyncio.get_running_loop()
         try:
+            known = isinstance(port, str)
             if not isinstance(port, str):
                 port = self._ports[address] = await self._data_address(address)
-            if not port:
-                raise OSError("it has no TCP transfer port")
-            link = await asyncio.get_running_loop().run_in_executor(POOL, _connect, port, self._secret, self._tls)
+            try:
+                if not port:
+                    raise OSError("it has no TCP transfer port")
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret, self._tls)
+            except OSError:
+                if not known:
+                    raise
+                # the port it had: a worker restarted at this address has another
+                port = self._ports[address] = await self._data_address(address)
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret, self._tls)
         except (OSError, ValueError, grpc.RpcError) as e:
             self._open[address] -= 1
             log.info("proxy: no bulk connection to worker %s (%s): gRPC carries its transfers", address, e)

@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import logging
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -72,6 +73,8 @@ class BulkSessions:
             log.warning("bulk connection from %s refused: wrong token or session credential", peer)
             return
         conn.sendall(bulklink.reply(0))  # accepted: the controller sends its requests
+        log.info("bulk connection from %s for %s%s", peer, caller.owner,
+                 " (TLS)" if isinstance(conn, ssl.SSLSocket) else "")
         while True:
             got = bulklink.read_request(conn)
             if got is None:

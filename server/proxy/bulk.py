@@ -47,6 +47,9 @@ MAX_LINKS = 8  # connections per session and worker; a request beyond them goes 
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
 POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initializer=name_native_thread)
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
+# a download's messages read per thread hop (each hop costs both threads a wake-up): the
+# controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
+READ_AHEAD = 4
 
 
 class Link:
@@ -89,6 +92,16 @@ class Link:
         """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
         bulklink.send_parts(self.sock, parts)
         return bulklink.read_reply(self.sock)
+
+    def read(self, sizes: Sequence[int]) -> list[bytes]:
+        """Messages of these sizes, in order; fewer when the connection closed."""
+        out: list[bytes] = []
+        for size in sizes:
+            data = bulklink.recv_bytes(self.sock, size)
+            if data is None:
+                break
+            out.append(data)
+        return out
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
         bulklink.send_parts(self.sock, parts)
@@ -219,12 +232,15 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
                 raise BackendError("FAILED_PRECONDITION", message)
             raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
         got = 0
-        for _, size in bulklink.message_sizes(nbytes):
-            data = await loop.run_in_executor(POOL, bulklink.recv_bytes, link.sock, size)
-            if data is None:
-                raise broken(guard, DOWNLOADING, address, f"after {got} of {nbytes} bytes")
-            got += size
-            yield data
+        sizes = [size for _, size in bulklink.message_sizes(nbytes)]
+        for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
+            want = sizes[start : start + READ_AHEAD]
+            batch = await loop.run_in_executor(POOL, link.read, want)
+            for data in batch:
+                got += len(data)
+                yield data
+            if len(batch) < len(want):
+                raise broken(guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
         ok = True
     except (OSError, ValueError) as e:
         raise broken(guard, DOWNLOADING, address, str(e)) from None
@@ -272,6 +288,11 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
 CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
 
 
+def _seen(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 class BulkStaging(Staging):
     """A staged upload (staging.py) on a connection: its header goes with the first bytes, each
     chunk as it comes, its spec at `finish`. Where the session has no connection to the worker,
@@ -287,6 +308,8 @@ class BulkStaging(Staging):
         self._link: Link | None = None
         self._inner: Staging | None = None
         self._started = False
+        self._sending: asyncio.Future[None] | None = None
+        self._head = b""
 
     async def _start(self) -> None:
         self._started = True
@@ -302,7 +325,7 @@ class BulkStaging(Staging):
             self._drop()
             return
         header = wire.put_buffer_request(self.buffer_id, self._owner, "", (), [], 0, self.nbytes)
-        await self._io(link.send, [bulklink.request(bulklink.PUT, header)])
+        self._head = bulklink.request(bulklink.PUT, header)  # sent with the first bytes
 
     def _drop(self) -> None:
         self._close()
@@ -312,8 +335,11 @@ class BulkStaging(Staging):
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on a pool thread; the connection's failure is the staging's (it is closed)."""
+        return await self._wait(asyncio.get_running_loop().run_in_executor(POOL, fn, *args))
+
+    async def _wait(self, done: asyncio.Future[Any]) -> Any:
         try:
-            return await asyncio.get_running_loop().run_in_executor(POOL, fn, *args)
+            return await done
         except (OSError, ValueError) as e:
             error = broken(self._guard, UPLOADING, self.address, str(e))
             self._drop()
@@ -333,17 +359,35 @@ class BulkStaging(Staging):
             return
         if self._failed is not None or self._link is None:
             return
-        view = memoryview(chunk).cast("B")
         try:
-            await self._io(self._link.send, [view])
+            await self._sent()
         except BackendError as e:
             self._failed = e
             return
+        if self._link is None:
+            return
+        # sent while the client's next chunk comes: one send under way at a time
+        view = memoryview(chunk).cast("B")
+        parts: list[bytes | memoryview] = [self._head, view]
+        self._head = b""
+        self._sending = asyncio.get_running_loop().run_in_executor(POOL, self._link.send, parts)
+        self._sending.add_done_callback(_seen)  # a send failed after a discard is nobody's error
         self.sent += len(view)
+
+    async def _sent(self) -> None:
+        """Waits for the send under way, whose failure is the staging's (BackendError)."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            await self._wait(sending)
 
     async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
         if self._inner is not None:
             return await self._inner.finish(dtype, shape)
+        if self._failed is None:
+            try:
+                await self._sent()
+            except BackendError as e:
+                self._failed = e
         if self._failed is not None:
             raise self._failed
         link = self._link

@@ -1,10 +1,12 @@
-"""The proxy's bulk bytes between the controller and a worker on plain TCP (or TLS) connections.
+"""The proxy's bulk bytes between the controller and a worker on plain TCP connections.
 
 A proxy upload's or download's bytes between the controller and a worker went over Python gRPC,
 whose receive copies every byte three times (bench/FINDINGS.md, 2026-11-25 22:45): per 64 MiB
 ~50-80 ms of the receiver's CPU where a socket's `recv_into` costs ~10-15. These connections
-carry them as the workers' peer links do (server/worker/tcplink.py, whose port and TLS they
-share): one kernel copy each way.
+carry them as the workers' peer links do (server/worker/tcplink.py, whose port they share):
+one kernel copy each way. The controller uses them on clusters without TLS only
+(server/proxy/bulk.py says why); the helpers here also work on a TLS socket, which is what a
+worker with TLS hands over.
 
 A connection serves one proxy session: its hello (tcplink's, with `SESSION_MAGIC`) carries the
 cluster token and the session credential the controller issued (server/credentials.py), which

@@ -40,7 +40,7 @@ def links(cluster: LocalCluster, credential: str, data_address: str) -> bulk.Bul
     async def port(address: str) -> str:
         return data_address
 
-    return bulk.BulkLinks(bulklink.hello_secret(cluster.token or "", credential), None, port)
+    return bulk.BulkLinks(bulklink.hello_secret(cluster.token or "", credential), port)
 
 
 async def download(ls: bulk.BulkLinks, address: str, buffer_id: int, **span: Any) -> list[bytes]:

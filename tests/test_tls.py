@@ -61,7 +61,7 @@ print(json.dumps({"exact": bool(np.array_equal(np.asarray(plus(twice(x))), x * 2
 JAX_PROGRAM = """
 import jax, numpy as np
 x = jax.device_put(np.arange(3, dtype=np.float32))
-big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB up and back: the proxy's bulk connections (server/proxy/bulk.py)
+big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB up and back (streamed: a staged upload, a download)
 print(np.asarray(jax.jit(lambda v: v + 1)(x)).tolist(), np.array_equal(np.asarray(jax.jit(lambda v: v * 2)(
     jax.device_put(big))), big * 2))
 """
@@ -209,8 +209,8 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
                                     env=proxy_env(c, tmp_path, **{**client, **extra}))
                      for extra in ({}, {"PWCTL_TLS_CA": str(certs.other.cert)}))
         assert ok.returncode == 0 and ok.stdout.split() == ["[1.0,", "2.0,", "3.0]", "True"], ok.stderr[-3000:]
-        assert any(re.search(r"bulk connection from .+ for \S+ \(TLS\)", w.log.read_text())
-                   for w in c.workers.values()), "the 12 MiB did not go on the workers' TLS bulk connections"
+        # on gRPC: a cluster with TLS keeps the proxy's bulk bytes there (server/proxy/bulk.py)
+        assert not any("bulk connection from" in w.log.read_text() for w in c.workers.values())
         assert wrong.returncode != 0 and "does not sign" in wrong.stderr.strip().splitlines()[-1], wrong.stderr[-3000:]
         # a worker trusting another CA: refused by its own check of the controller, says so, never registers
         w = c.add_worker("c", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})

@@ -3,12 +3,17 @@
 Downloads' `FetchData` messages and uploads of `BULK_MIN_BYTES` or more go on connections to
 the worker's transfer port (its `Stats` names it) instead of Python gRPC, whose receive copies
 each byte three times: a fetched message is read straight into the `bytes` that goes on to the
-client (`recv` with MSG_WAITALL; through a buffer under TLS), an upload's host bytes leave
+client (`recv` with MSG_WAITALL), an upload's host bytes leave
 straight from the client's chunks (`sendmsg` of views). The connections are blocking sockets
 used from `POOL`'s threads, one request at a time each; a session keeps up to `MAX_LINKS` per
 worker, idle ones for its next request, and closes them with its channels.
 
-Where no connection can be made (no port, refused, TLS disagrees, the worker not registered
+Not where the cluster has TLS: there the proxy's bulk bytes stay on gRPC. Over Python's `ssl`
+(records of 16 KiB, each a call; a copy out of the read buffer) the A/B of 64 MiB transfers
+showed no gain (bench/FINDINGS.md, 2026-11-27 06:15): the worker's CPU fell by a fifth, the
+controller's rose a little, uploads read 0.70-0.90x.
+
+Where no connection can be made (no port, refused, the worker not registered
 yet) the request goes by gRPC as before, and the worker is not tried again for `RETRY_S`. A
 connection that breaks mid-request fails that request (UNAVAILABLE naming the worker, or the
 lost host: the call's guard shuts the socket down once the host is lost, host_watch.py) and is
@@ -30,7 +35,6 @@ from typing import Any
 
 import grpc
 
-from pwctl.tls import TlsConfig
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import bulklink, wire
@@ -107,13 +111,11 @@ class Link:
         bulklink.send_parts(self.sock, parts)
 
 
-def _connect(data_address: str, secret: bytes, tls: TlsConfig | None) -> Link:
+def _connect(data_address: str, secret: bytes) -> Link:
     host, _, port = data_address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            sock = tls.wrap_client(sock, host)
         sock.sendall(HELLO.pack(bulklink.SESSION_MAGIC, len(secret)) + secret)
         answer = bulklink.read_reply(sock)  # the worker's acceptance (or it closes the connection)
         if answer is None or answer[0]:
@@ -129,10 +131,8 @@ class BulkLinks:
     """A session's connections to its workers' transfer ports. `data_address(address)`: the
     worker's transfer port, as its `Stats` names it ("" where it has none)."""
 
-    def __init__(self, secret: bytes, tls: TlsConfig | None,
-                 data_address: Callable[[str], Awaitable[str]]) -> None:
+    def __init__(self, secret: bytes, data_address: Callable[[str], Awaitable[str]]) -> None:
         self._secret = secret
-        self._tls = tls
         self._data_address = data_address
         self._ports: dict[str, str | float] = {}  # worker -> its transfer port, or when to try again
         self._idle: dict[str, list[Link]] = {}
@@ -161,13 +161,13 @@ class BulkLinks:
             try:
                 if not port:
                     raise OSError("it has no TCP transfer port")
-                link = await loop.run_in_executor(POOL, _connect, port, self._secret, self._tls)
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret)
             except OSError:
                 if not known:
                     raise
                 # the port it had: a worker restarted at this address has another
                 port = self._ports[address] = await self._data_address(address)
-                link = await loop.run_in_executor(POOL, _connect, port, self._secret, self._tls)
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret)
         except (OSError, ValueError, grpc.RpcError) as e:
             self._open[address] -= 1
             log.info("proxy: no bulk connection to worker %s (%s): gRPC carries its transfers", address, e)

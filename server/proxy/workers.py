@@ -4,7 +4,6 @@ answers left serialized: fetching.py)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from grpc import aio
@@ -25,15 +24,15 @@ class WorkerChannels:
     """Channels to workers by address, opened on first use and kept until `close`; over TLS with
     `tls` (the controller's own certificate is its client certificate). With the session's
     `credential` (and `metadata`, the calls' token), `bulk`: its TCP connections for bulk bytes
-    (bulk.py), unless $PATHWAYS_PROXY_BULK is 0."""
+    (bulk.py), on a cluster without TLS."""
 
     def __init__(self, tls: tls_.TlsConfig | None = None, credential: str = "", token: str = "",
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._tls = tls
         self._metadata = metadata
         self.bulk: BulkLinks | None = None
-        if credential and os.environ.get("PATHWAYS_PROXY_BULK", "1") != "0":
-            self.bulk = BulkLinks(bulklink.hello_secret(token, credential), tls, self._data_address)
+        if credential and tls is None:
+            self.bulk = BulkLinks(bulklink.hello_secret(token, credential), self._data_address)
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers
         self._putters: dict[str, Any] = {}  # address -> its PutBuffers taking serialized requests

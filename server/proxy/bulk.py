@@ -62,6 +62,7 @@ class Link:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.closed = False
+        self.counted = True  # in its BulkLinks' count of open connections, until dropped
 
     def cancel(self) -> None:
         """Ends the connection, waking a thread blocked on it (a guard's, once the host is lost)."""
@@ -81,11 +82,11 @@ class Link:
     def idle_and_open(self) -> bool:
         """Whether an idle connection is still open: nothing to read on it (an end or a reset
         would be), checked without waiting."""
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+        if self.closed:
             return False
-        return not readable and not self.closed
+        poll = select.poll()  # not select(): a controller may hold more than 1,024 descriptors
+        poll.register(self.sock, select.POLLIN)
+        return not poll.poll(0)
 
     def ask(self, request: bytes) -> tuple[int, int, str] | None:
         """Sends a request and reads the reply: (code, length, message); None: the connection closed."""
@@ -168,8 +169,10 @@ class BulkLinks:
                 # the port it had: a worker restarted at this address has another
                 port = self._ports[address] = await self._data_address(address)
                 link = await loop.run_in_executor(POOL, _connect, port, self._secret)
-        except (OSError, ValueError, grpc.RpcError) as e:
+        except BaseException as e:
             self._open[address] -= 1
+            if not isinstance(e, (OSError, ValueError, grpc.RpcError)):
+                raise  # cancelled
             log.info("proxy: no bulk connection to worker %s (%s): gRPC carries its transfers", address, e)
             self._ports[address] = time.monotonic() + RETRY_S
             return None
@@ -188,7 +191,9 @@ class BulkLinks:
     def drop(self, address: str, link: Link) -> None:
         """A connection closed (broken, or left mid-request)."""
         link.close()
-        self._open[address] = self._open.get(address, 1) - 1
+        if link.counted:
+            link.counted = False
+            self._open[address] = self._open.get(address, 1) - 1
 
     def close(self) -> None:
         self._closed = True

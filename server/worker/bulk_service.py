@@ -21,7 +21,7 @@ import hmac
 import logging
 import socket
 import ssl
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,15 +34,13 @@ from ..credentials import Caller, check_session
 from ..threadnames import name_native_thread
 from .buffers import BufferFailed
 from .parts import part_sources, uploaded_part
+from .servicer import WorkerServicer
+from .servicer import _bounded as bounded_wait
 from .uploads import check_spec
-
-if TYPE_CHECKING:
-    from .servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
 DRAIN_BYTES = 1 << 20
-MAX_WAIT_S = 60.0  # as servicer.MAX_WAIT_S
 
 
 def _code(status: grpc.StatusCode) -> int:
@@ -115,7 +113,7 @@ class BulkSessions:
         refused = s._refusal(caller, [bid], request.timeout_s)
         if refused is not None:
             return _code(refused[0]), refused[1]
-        timeout = request.timeout_s if 0 < request.timeout_s < MAX_WAIT_S else MAX_WAIT_S
+        timeout = bounded_wait(request.timeout_s)
         slot = s._take_slot(caller, 1)
         if slot:
             return _code(grpc.StatusCode.RESOURCE_EXHAUSTED), slot

@@ -61,7 +61,9 @@ print(json.dumps({"exact": bool(np.array_equal(np.asarray(plus(twice(x))), x * 2
 JAX_PROGRAM = """
 import jax, numpy as np
 x = jax.device_put(np.arange(3, dtype=np.float32))
-print(np.asarray(jax.jit(lambda v: v + 1)(x)).tolist())
+big = np.arange(3 << 20, dtype=np.float32)  # 12 MiB up and back (streamed: a staged upload, a download)
+print(np.asarray(jax.jit(lambda v: v + 1)(x)).tolist(), np.array_equal(np.asarray(jax.jit(lambda v: v * 2)(
+    jax.device_put(big))), big * 2))
 """
 
 
@@ -142,7 +144,7 @@ def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, p
         jax_prog = tmp_path / "unmodified.py"
         jax_prog.write_text(JAX_PROGRAM)
         job = run_pwctl("submit", str(jax_prog), "--proxy", "--devices", "1", env=env, timeout=120)
-        assert job.returncode == 0 and "[1.0, 2.0, 3.0]" in job.stdout, job.stdout + job.stderr
+        assert job.returncode == 0 and "[1.0, 2.0, 3.0] True" in job.stdout, job.stdout + job.stderr
 
         token = (pw_home / "token").read_text().strip()
         elsewhere = tmp_path / "elsewhere"  # a client with no data directory of the cluster's
@@ -206,7 +208,9 @@ def test_mutual_tls_refuses_a_client_without_certificate(certs: Certs, tmp_path:
         ok, wrong = (subprocess.run([sys.executable, "-c", JAX_PROGRAM], capture_output=True, text=True, timeout=120,
                                     env=proxy_env(c, tmp_path, **{**client, **extra}))
                      for extra in ({}, {"PWCTL_TLS_CA": str(certs.other.cert)}))
-        assert ok.returncode == 0 and ok.stdout.split() == ["[1.0,", "2.0,", "3.0]"], ok.stderr[-3000:]
+        assert ok.returncode == 0 and ok.stdout.split() == ["[1.0,", "2.0,", "3.0]", "True"], ok.stderr[-3000:]
+        # on gRPC: a cluster with TLS keeps the proxy's bulk bytes there (server/proxy/bulk.py)
+        assert not any("bulk connection from" in w.log.read_text() for w in c.workers.values())
         assert wrong.returncode != 0 and "does not sign" in wrong.stderr.strip().splitlines()[-1], wrong.stderr[-3000:]
         # a worker trusting another CA: refused by its own check of the controller, says so, never registers
         w = c.add_worker("c", 1, wait=False, env={"PATHWAYS_TLS_CA": str(certs.other.cert)})

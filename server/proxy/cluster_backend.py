@@ -54,7 +54,7 @@ from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
-from . import fetching
+from . import bulk, fetching
 from .backend import ArraySpec, BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from .compiling import compile_on_worker
 from .compose import gather_function
@@ -149,13 +149,15 @@ class SliceSession(Uploading):
         self._failures = RunFailures(self._client.queue)
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
-        self._workers = WorkerChannels(controls.tls)
         # a call to a worker ends once the controller declares its host lost (host_watch.py)
         self._watch = HostWatch(controls.sessions.dispatcher.host_by_address if controls.sessions is not None else None)
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
+        credential = ""
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)
-            metadata.append((SESSION_HEADER, controls.sessions.credential(owner, prefix)))
+            credential = controls.sessions.credential(owner, prefix)
+            metadata.append((SESSION_HEADER, credential))
         self._metadata = tuple(metadata)
+        self._workers = WorkerChannels(controls.tls, credential, controls.token or "", self._metadata)
         self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
         self._submits: list[Any] = []  # the runs held by the cork, for one scheduler pass (`_flush`)
         # a blocking client: it waited on the workers since its last execute, so it will likely
@@ -405,8 +407,8 @@ class SliceSession(Uploading):
         address = self._address_of(buffer_id)
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
                                    data_messages=True)
-        return fetching.data_messages(self._workers.fetch_raw(address), request, self._metadata, address,
-                                      self._watch)
+        return bulk.data_messages(self._workers.bulk, request, address, self._watch, lambda: fetching.data_messages(
+            self._workers.fetch_raw(address), request, self._metadata, address, self._watch))
 
     async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         """Returns once the buffers are computed (BackendError if one failed). An output of a

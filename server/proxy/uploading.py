@@ -27,6 +27,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
 from ..controller.errors import ControllerError
+from . import bulk
 from .backend import ArraySpec, BackendError
 from .corking import FlushCork
 from .handles import HostData, Staged
@@ -215,6 +216,13 @@ class Uploading:
         """Uploads `arrays` to worker `address` under `ids`; `part_of`: each is a part of a
         global array (`put_spread`)."""
         self._worker(address)
+        links = self._workers.bulk
+        if links is not None and all(len(d) for _, _, d in arrays) \
+                and sum(len(d) for _, _, d in arrays) >= bulk.BULK_MIN_BYTES:
+            link = await links.take(address)
+            if link is not None:  # on the worker's transfer port (bulk.py); else by gRPC
+                await bulk.put_arrays(links, link, address, self._watch, self._owner, ids, arrays, part_of)
+                return
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
@@ -241,11 +249,23 @@ class Uploading:
         (`Staging.failed`: the client's HostBufferStore must not, see `Staging.write`)."""
         try:
             address = self._holders().first.address
-            call = self._workers.put_raw(address)(metadata=self._metadata)
-            guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
         except BackendError as e:
             return Staging.failed(self, e, nbytes)
-        return Staging(self, call, address, next(self._ids), self._owner, nbytes, guard)
+        buffer_id = next(self._ids)
+
+        def by_grpc() -> Staging:
+            try:
+                call = self._workers.put_raw(address)(metadata=self._metadata)
+                guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
+            except BackendError as e:
+                return Staging.failed(self, e, nbytes)
+            return Staging(self, call, address, buffer_id, self._owner, nbytes, guard)
+
+        links = self._workers.bulk
+        if links is None:
+            return by_grpc()
+        # on the worker's transfer port where the session has a connection to it (bulk.py)
+        return bulk.BulkStaging(self, links, self._watch, address, buffer_id, self._owner, nbytes, by_grpc)
 
     def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
         """A staged upload, stored on the slice's first worker before the client said which

@@ -13,7 +13,9 @@ from pwctl.transport import KEEPALIVE_OPTIONS
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import bulklink
 from . import fetching
+from .bulk import BulkLinks
 
 # keepalive: a call to a worker whose host vanished (no FIN, no RST) fails within its 20 s timeout
 # instead of the kernel's ~15 minutes of retransmissions (docs/facts.md, "Peers that vanish")
@@ -24,10 +26,17 @@ PUT_METHOD = "/pathways.v1.Worker/PutBuffers"
 
 class WorkerChannels:
     """Channels to workers by address, opened on first use and kept until `close`; over TLS with
-    `tls` (the controller's own certificate is its client certificate)."""
+    `tls` (the controller's own certificate is its client certificate). With the session's
+    `credential` (and `metadata`, the calls' token), `bulk`: its TCP connections for bulk bytes
+    (bulk.py), on a cluster without TLS."""
 
-    def __init__(self, tls: tls_.TlsConfig | None = None) -> None:
+    def __init__(self, tls: tls_.TlsConfig | None = None, credential: str = "", token: str = "",
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._tls = tls
+        self._metadata = metadata
+        self.bulk: BulkLinks | None = None
+        if credential and tls is None:
+            self.bulk = BulkLinks(bulklink.hello_secret(token, credential), self._data_address)
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers
         self._putters: dict[str, Any] = {}  # address -> its PutBuffers taking serialized requests
@@ -56,7 +65,14 @@ class WorkerChannels:
             call = self._fetchers[address] = fetching.fetch_method(self._channels[address][0])
         return call
 
+    async def _data_address(self, address: str) -> str:
+        """The worker's transfer port, which its `Stats` names."""
+        stats = await self.stub(address).Stats(wpb.WorkerStatsRequest(), metadata=self._metadata, timeout=10)
+        return str(stats.data_address)
+
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         channels = [channel for channel, _ in self._channels.values()]
         self._channels.clear()
         self._fetchers.clear()

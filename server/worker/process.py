@@ -30,6 +30,7 @@ from ..relaysig import link_key
 from . import memory
 from .auth import WorkerAuth
 from .buffers import BufferStore
+from .bulk_service import BulkSessions
 from .config import WorkerConfig
 from .executable import unload_unused
 from .executor import Executor
@@ -129,8 +130,10 @@ class WorkerProcess:
         local = LocalReceiver(self.address, servicer.deliver_local)  # same-host peers' transfers
         local.start()
         # other hosts' transfers; the hello carries the peer credential (auth.py)
+        # and the controller's bulk bytes of proxy sessions (bulk_service.py): the session credential
+        bulk = BulkSessions(servicer, asyncio.get_running_loop(), self.config.token)
         tcp = TcpReceiver(host, self.config.token, servicer.deliver_peer, check=self.auth.peer_secret_ok,
-                          tls=self.config.tls)
+                          tls=self.config.tls, session=bulk.serve)
         servicer.data_address = tcp.start()
         probes = await health.serve_plain(self.config.health_listen) if self.config.health_listen else None
         await health.serving()

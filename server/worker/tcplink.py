@@ -37,6 +37,10 @@ seconds, and the controller finds a silent host within its heartbeat timeout (5 
 at most ~15 s in a large cluster), so by then
 the reader's run has failed anyway; 30 s bounds how long a thread and a frame's buffer outlive it.
 PATHWAYS_TCP_DEAD_PEER_S (seconds, >= 1) sets it (the tests use a few seconds).
+
+The same port takes the controller's connections for a proxy session's bulk bytes: their hello
+has its own magic (server/bulklink.py) and is handed, connection and secret, to `session`
+(server/worker/bulk_service.py), which checks the session credential and serves it.
 """
 
 from __future__ import annotations
@@ -59,11 +63,12 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
+from ..bulklink import SESSION_MAGIC
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TcpPeer", "TcpReceiver"]
+__all__ = ["TcpPeer", "TcpReceiver", "guard"]
 
 HELLO = struct.Struct("!4sH")  # magic, token length; the token follows
 FRAME = struct.Struct("!4sI")  # magic, header length; the header and the payload follow
@@ -91,6 +96,8 @@ DEAD_PEER_S = _dead_peer_s()  # a peer silent this long is gone (module docstrin
 KEEPCNT = 3  # probes unanswered, where TCP_USER_TIMEOUT is not there to decide
 
 Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read
+# a proxy session's connection (its hello's secret, the peer's address): served on its thread
+SessionServe = Callable[[socket.socket, bytes, object], None]
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -142,7 +149,7 @@ def _next_prefix(conn: socket.socket) -> bytes | None:
     return bytes(buf)
 
 
-def _guard(sock: socket.socket) -> None:
+def guard(sock: socket.socket) -> None:
     """Keepalive and TCP_USER_TIMEOUT on a connection (either end): a peer whose host vanished
     is found within DEAD_PEER_S (module docstring). Options this platform lacks are left out."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -169,8 +176,10 @@ class TcpReceiver:
     from the connection's own thread, in the order the peer sent them."""
 
     def __init__(self, host: str, token: str | None, deliver: Deliver,
-                 check: Callable[[bytes], bool] | None = None, tls: TlsConfig | None = None) -> None:
+                 check: Callable[[bytes], bool] | None = None, tls: TlsConfig | None = None,
+                 session: SessionServe | None = None) -> None:
         self.host = host
+        self._session = session
         self._tls = tls
         self._token = (token or "").encode()
         # what the hello must carry: `check(secret)` when given (the worker's peer credential,
@@ -211,14 +220,20 @@ class TcpReceiver:
         framing = False  # past the hello: timeouts are the progress timeout's
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _guard(conn)
+            guard(conn)
             # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
             # nothing does not hold this thread (a peer sends its hello at once); then the
             # progress timeout, which lets the connection idle between frames
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
-            if not self._hello(conn):
+            secret = self._hello(conn)
+            if isinstance(secret, bytes):  # a proxy session's bulk connection (server/bulklink.py)
+                conn.settimeout(None)
+                assert self._session is not None
+                self._session(conn, secret, peer)
+                return
+            if not secret:
                 log.warning("TCP transfer connection from %s refused: wrong token", peer)
                 return
             _progress_timeout(conn, self._tls is not None)
@@ -233,11 +248,15 @@ class TcpReceiver:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _hello(self, conn: socket.socket) -> bool:
+    def _hello(self, conn: socket.socket) -> bool | bytes:
+        """Whether a peer's hello is right; a proxy session's hello: its secret (bytes)."""
         head = _read(conn, HELLO.size)
         if head is None:
             return False
         magic, n = HELLO.unpack(head)
+        if magic == SESSION_MAGIC and self._session is not None:
+            secret = _read(conn, n) if n else b""
+            return secret or False
         if magic != HELLO_MAGIC:
             if head[:1] == TLS_HANDSHAKE and self._tls is None:
                 raise ValueError("the peer speaks TLS and this worker does not (no --tls-cert)")
@@ -292,7 +311,7 @@ class TcpPeer:
         host, _, port = data_address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _guard(sock)
+        guard(sock)
         if tls is not None:
             try:
                 sock = tls.wrap_client(sock, host)

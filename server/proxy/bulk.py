@@ -1,0 +1,421 @@
+"""A proxy session's bulk bytes to and from its workers on TCP connections (server/bulklink.py).
+
+Downloads' `FetchData` messages and uploads of `BULK_MIN_BYTES` or more go on connections to
+the worker's transfer port (its `Stats` names it) instead of Python gRPC, whose receive copies
+each byte three times: a fetched message is read straight into the `bytes` that goes on to the
+client (`recv` with MSG_WAITALL), an upload's host bytes leave
+straight from the client's chunks (`sendmsg` of views). The connections are blocking sockets
+used from `POOL`'s threads, one request at a time each; a session keeps up to `MAX_LINKS` per
+worker, idle ones for its next request, and closes them with its channels.
+
+Not where the cluster has TLS: there the proxy's bulk bytes stay on gRPC. Over Python's `ssl`
+(records of 16 KiB, each a call; a copy out of the read buffer) the A/B of 64 MiB transfers
+showed no gain (bench/FINDINGS.md, 2026-11-27 06:15): the worker's CPU fell by a fifth, the
+controller's rose a little, uploads read 0.70-0.90x.
+
+Where no connection can be made (no port, refused, the worker not registered
+yet) the request goes by gRPC as before, and the worker is not tried again for `RETRY_S`. A
+connection that breaks mid-request fails that request (UNAVAILABLE naming the worker, or the
+lost host: the call's guard shuts the socket down once the host is lost, host_watch.py) and is
+closed: the worker drops an upload cut off. Flow control is TCP's: a download's next message is
+read only when the consumer asks, so a slow client holds the worker back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import select
+import socket
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .. import bulklink, wire
+from ..threadnames import name_native_thread
+from ..worker.tcplink import CONNECT_TIMEOUT_S, HELLO, guard
+from .backend import BackendError
+from .host_watch import Guard, HostWatch
+from .staging import Owner, Staging
+
+log = logging.getLogger(__name__)
+
+BULK_MIN_BYTES = 4 << 20  # smaller transfers stay on gRPC (one round trip less to set up)
+MAX_LINKS = 8  # connections per session and worker; a request beyond them goes by gRPC
+RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
+POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initializer=name_native_thread)
+UPLOADING, DOWNLOADING = "uploading to", "downloading from"
+# a download's messages read per thread hop (each hop costs both threads a wake-up): the
+# controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
+READ_AHEAD = 4
+
+
+class Link:
+    """One connection to a worker's transfer port (blocking: used from `POOL`'s threads)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.closed = False
+        self.counted = True  # in its BulkLinks' count of open connections, until dropped
+
+    def cancel(self) -> None:
+        """Ends the connection, waking a thread blocked on it (a guard's, once the host is lost)."""
+        self.close()
+
+    def done(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    def idle_and_open(self) -> bool:
+        """Whether an idle connection is still open: nothing to read on it (an end or a reset
+        would be), checked without waiting."""
+        if self.closed:
+            return False
+        poll = select.poll()  # not select(): a controller may hold more than 1,024 descriptors
+        poll.register(self.sock, select.POLLIN)
+        return not poll.poll(0)
+
+    def ask(self, request: bytes) -> tuple[int, int, str] | None:
+        """Sends a request and reads the reply: (code, length, message); None: the connection closed."""
+        self.sock.sendall(request)
+        return bulklink.read_reply(self.sock)
+
+    def put(self, parts: Sequence[bytes | memoryview]) -> tuple[int, int, str] | None:
+        """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
+        bulklink.send_parts(self.sock, parts)
+        return bulklink.read_reply(self.sock)
+
+    def read(self, sizes: Sequence[int]) -> list[bytes]:
+        """Messages of these sizes, in order; fewer when the connection closed."""
+        out: list[bytes] = []
+        for size in sizes:
+            data = bulklink.recv_bytes(self.sock, size)
+            if data is None:
+                break
+            out.append(data)
+        return out
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        bulklink.send_parts(self.sock, parts)
+
+
+def _connect(data_address: str, secret: bytes) -> Link:
+    host, _, port = data_address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        guard(sock)  # a worker whose host vanished fails the request within tcplink.DEAD_PEER_S
+        sock.sendall(HELLO.pack(bulklink.SESSION_MAGIC, len(secret)) + secret)
+        answer = bulklink.read_reply(sock)  # the worker's acceptance (or it closes the connection)
+        if answer is None or answer[0]:
+            raise OSError("the worker refused the session's connection")
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return Link(sock)
+
+
+class BulkLinks:
+    """A session's connections to its workers' transfer ports. `data_address(address)`: the
+    worker's transfer port, as its `Stats` names it ("" where it has none)."""
+
+    def __init__(self, secret: bytes, data_address: Callable[[str], Awaitable[str]]) -> None:
+        self._secret = secret
+        self._data_address = data_address
+        self._ports: dict[str, str | float] = {}  # worker -> its transfer port, or when to try again
+        self._idle: dict[str, list[Link]] = {}
+        self._open: dict[str, int] = {}  # worker -> its connections (idle or in use)
+        self._closed = False
+
+    async def take(self, address: str) -> Link | None:
+        """A connection to the worker at `address` for one request (`give` it back), or None:
+        the request goes by gRPC."""
+        idle = self._idle.get(address)
+        while idle:
+            link = idle.pop()
+            if link.idle_and_open():
+                return link
+            self.drop(address, link)  # the worker closed it (it restarted, or went away)
+        port = self._ports.get(address)
+        if self._closed or (isinstance(port, float) and time.monotonic() < port) \
+                or self._open.get(address, 0) >= MAX_LINKS:
+            return None
+        self._open[address] = self._open.get(address, 0) + 1
+        loop = asyncio.get_running_loop()
+        try:
+            known = isinstance(port, str)
+            if not isinstance(port, str):
+                port = self._ports[address] = await self._data_address(address)
+            try:
+                if not port:
+                    raise OSError("it has no TCP transfer port")
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret)
+            except OSError:
+                if not known:
+                    raise
+                # the port it had: a worker restarted at this address has another
+                port = self._ports[address] = await self._data_address(address)
+                link = await loop.run_in_executor(POOL, _connect, port, self._secret)
+        except BaseException as e:
+            self._open[address] -= 1
+            if not isinstance(e, (OSError, ValueError, grpc.RpcError)):
+                raise  # cancelled
+            log.info("proxy: no bulk connection to worker %s (%s): gRPC carries its transfers", address, e)
+            self._ports[address] = time.monotonic() + RETRY_S
+            return None
+        if self._closed:
+            self.drop(address, link)
+            return None
+        return link
+
+    def give(self, address: str, link: Link) -> None:
+        """A connection back after a request that ended well."""
+        if self._closed or link.closed:
+            self.drop(address, link)
+        else:
+            self._idle.setdefault(address, []).append(link)
+
+    def drop(self, address: str, link: Link) -> None:
+        """A connection closed (broken, or left mid-request)."""
+        link.close()
+        if link.counted:
+            link.counted = False
+            self._open[address] = self._open.get(address, 1) - 1
+
+    def close(self) -> None:
+        self._closed = True
+        for address, links in self._idle.items():
+            for link in links:
+                self.drop(address, link)
+        self._idle.clear()
+
+
+def broken(guard: Guard | None, doing: str, address: str, what: str) -> BackendError:
+    """The error of a request whose connection broke: the lost host's, else UNAVAILABLE."""
+    lost = guard.error() if guard is not None else None
+    return lost or BackendError("UNAVAILABLE", f"{doing} worker {address} failed: the connection broke ({what})")
+
+
+async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, address: str, watch: HostWatch | None,
+                        fallback: Callable[[], AsyncGenerator[bytes, None]]) -> AsyncGenerator[bytes, None]:
+    """fetching.data_messages on a connection (`fallback()`'s, by gRPC, where there is none):
+    the serialized `FetchData` messages of the fetch, each read when the consumer asks; the
+    worker's FAILED_PRECONDITION keeps its code and cause, its other refusals are UNAVAILABLE
+    naming the worker."""
+    link = await links.take(address) if links is not None else None
+    if link is None or links is None:
+        async with contextlib.aclosing(fallback()) as by_grpc:
+            async for raw in by_grpc:
+                yield raw
+        return
+    loop = asyncio.get_running_loop()
+    ok = False
+    guard: Guard | None = None
+    try:
+        guard = watch.guard(address, link, DOWNLOADING) if watch is not None else None
+        answer = await loop.run_in_executor(POOL, link.ask, bulklink.request(bulklink.FETCH,
+                                                                              request.SerializeToString()))
+        if answer is None:
+            raise broken(guard, DOWNLOADING, address, "before its answer")
+        code, nbytes, message = answer
+        if code:
+            ok = True
+            if code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+                raise BackendError("FAILED_PRECONDITION", message)
+            raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
+        got = 0
+        sizes = [size for _, size in bulklink.message_sizes(nbytes)]
+        for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
+            want = sizes[start : start + READ_AHEAD]
+            batch = await loop.run_in_executor(POOL, link.read, want)
+            for data in batch:
+                got += len(data)
+                yield data
+            if len(batch) < len(want):
+                raise broken(guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+        ok = True
+    except (OSError, ValueError) as e:
+        raise broken(guard, DOWNLOADING, address, str(e)) from None
+    finally:
+        if guard is not None:
+            guard.stop()
+        if ok:
+            links.give(address, link)
+        else:
+            links.drop(address, link)
+
+
+async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatch | None, owner: str,
+                     ids: Sequence[int], arrays: Sequence[tuple[str, tuple[int, ...], Any]], part_of: bytes) -> None:
+    """uploading.py `_upload_to` on `link`: each array (dtype, shape, HostData) under its id; as
+    `PutBuffers`, one refused does not stop the others, and the first refusal is raised at the
+    end (UNAVAILABLE naming the worker and its reason)."""
+    loop = asyncio.get_running_loop()
+    ok = False
+    guard: Guard | None = None
+    first: str | None = None
+    try:
+        guard = watch.guard(address, link, UPLOADING) if watch is not None else None
+        for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
+            header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
+            answer = await loop.run_in_executor(POOL, link.put, [bulklink.request(bulklink.PUT, header), *data.parts])
+            if answer is None:
+                raise broken(guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
+            if answer[0] and first is None:
+                first = answer[2]
+        ok = True
+    except (OSError, ValueError) as e:
+        raise broken(guard, UPLOADING, address, str(e)) from None
+    finally:
+        if guard is not None:
+            guard.stop()
+        if ok:
+            links.give(address, link)
+        else:
+            links.drop(address, link)
+    if first is not None:
+        raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {first}")
+
+
+CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
+
+
+def _seen(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
+class BulkStaging(Staging):
+    """A staged upload (staging.py) on a connection: its header goes with the first bytes, each
+    chunk as it comes, its spec at `finish`. Where the session has no connection to the worker,
+    `fallback()` makes the gRPC staging, which then does it all. Discarding it closes the
+    connection before the spec: the worker keeps nothing."""
+
+    def __init__(self, session: Owner, links: BulkLinks, watch: HostWatch, address: str, buffer_id: int,
+                 owner: str, nbytes: int, fallback: Callable[[], Staging]) -> None:
+        super().__init__(session, None, address, buffer_id, owner, nbytes)
+        self._links = links
+        self._watch = watch
+        self._fallback = fallback
+        self._link: Link | None = None
+        self._inner: Staging | None = None
+        self._started = False
+        self._sending: asyncio.Future[None] | None = None
+        self._head = b""
+
+    async def _start(self) -> None:
+        self._started = True
+        link = await self._links.take(self.address)
+        if link is None:
+            self._inner = self._fallback()
+            return
+        self._link = link
+        try:
+            self._guard = self._watch.guard(self.address, link, UPLOADING)
+        except BackendError as e:  # the host was lost already
+            self._failed = e
+            self._drop()
+            return
+        header = wire.put_buffer_request(self.buffer_id, self._owner, "", (), [], 0, self.nbytes)
+        self._head = bulklink.request(bulklink.PUT, header)  # sent with the first bytes
+
+    def _drop(self) -> None:
+        self._close()
+        if self._link is not None:
+            self._links.drop(self.address, self._link)
+            self._link = None
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on a pool thread; the connection's failure is the staging's (it is closed)."""
+        return await self._wait(asyncio.get_running_loop().run_in_executor(POOL, fn, *args))
+
+    async def _wait(self, done: asyncio.Future[Any]) -> Any:
+        try:
+            return await done
+        except (OSError, ValueError) as e:
+            error = broken(self._guard, UPLOADING, self.address, str(e))
+            self._drop()
+            raise error from None
+        except asyncio.CancelledError:
+            self._drop()
+            raise
+
+    async def write(self, chunk: bytes | memoryview) -> None:
+        if not self._started:
+            try:
+                await self._start()
+            except BackendError as e:
+                self._failed = e
+        if self._inner is not None:
+            await self._inner.write(chunk)
+            return
+        if self._failed is not None or self._link is None:
+            return
+        try:
+            await self._sent()
+        except BackendError as e:
+            self._failed = e
+            return
+        if self._link is None:
+            return
+        # sent while the client's next chunk comes: one send under way at a time
+        view = memoryview(chunk).cast("B")
+        parts: list[bytes | memoryview] = [self._head, view]
+        self._head = b""
+        self._sending = asyncio.get_running_loop().run_in_executor(POOL, self._link.send, parts)
+        self._sending.add_done_callback(_seen)  # a send failed after a discard is nobody's error
+        self.sent += len(view)
+
+    async def _sent(self) -> None:
+        """Waits for the send under way, whose failure is the staging's (BackendError)."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            await self._wait(sending)
+
+    async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
+        if self._inner is not None:
+            return await self._inner.finish(dtype, shape)
+        if self._failed is None:
+            try:
+                await self._sent()
+            except BackendError as e:
+                self._failed = e
+        if self._failed is not None:
+            raise self._failed
+        link = self._link
+        assert link is not None and self.sent == self.nbytes and not self._closed
+        spec = wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.nbytes, self.nbytes)
+        answer = await self._io(link.ask, bulklink.request(bulklink.SPEC, spec))
+        if answer is None:
+            error = broken(self._guard, UPLOADING, self.address, "before its answer")
+            self._drop()
+            raise error
+        self._close()
+        self._link = None
+        self._links.give(self.address, link)
+        code, _, message = answer
+        if code:
+            name = CODE_NAMES.get(code, "UNKNOWN")
+            raise BackendError(name, f"uploading to worker {self.address}: {message}")
+        self._session.adopt(self.buffer_id, self.address)
+        return self.buffer_id
+
+    def discard(self) -> None:
+        if self._inner is not None:
+            self._inner.discard()
+        elif not self._closed:
+            self._drop()

@@ -1,0 +1,242 @@
+"""A proxy session's bulk bytes from and to the controller on a TCP connection (server/bulklink.py).
+
+The worker's transfer port (tcplink.py) hands over a connection whose hello is a session's;
+it is served on its own thread, one request at a time. The checks are the gRPC handlers'
+(servicer.py `Fetch`, upload_service.py `PutBuffers`): the hello's cluster token and session
+credential (auth.py), then per request the caller's ids and owner, its bounds on waits, the
+upload's spec; they and the buffer store run on the worker's event loop, the bytes move on the
+connection's thread: a fetch's straight from the array's memory (`sendmsg` of views), an
+upload's straight into its preallocated, aligned array (`recv_into`).
+
+An upload cut off (the connection closed before its last byte, or before a staged upload's
+spec) is dropped as a cancelled `PutBuffers` is: its buffer fails for what already waits on it,
+else nothing is kept. A refused upload's remaining bytes are read and dropped, so the
+connection stays usable and the controller reads the refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import ssl
+from typing import Any
+
+import grpc
+import numpy as np
+
+from schemas.arrays import aligned_empty, byte_view, to_numpy
+from schemas.pathways.v1 import worker_pb2 as wpb
+
+from .. import bulklink, wire
+from ..credentials import Caller, check_session
+from ..threadnames import name_native_thread
+from .buffers import BufferFailed
+from .parts import part_sources, uploaded_part
+from .servicer import WorkerServicer
+from .servicer import _bounded as bounded_wait
+from .uploads import check_spec
+
+log = logging.getLogger(__name__)
+
+DRAIN_BYTES = 1 << 20
+
+
+def _code(status: grpc.StatusCode) -> int:
+    return int(status.value[0])
+
+
+class BulkSessions:
+    """Serves proxy sessions' bulk connections for `servicer` (its store and checks), whose event
+    loop is `loop`; `token`: the cluster token the hello must carry (None: none)."""
+
+    def __init__(self, servicer: WorkerServicer, loop: asyncio.AbstractEventLoop, token: str | None) -> None:
+        self._servicer = servicer
+        self._loop = loop
+        self._token = token or ""
+
+    def _caller(self, secret: bytes) -> Caller | None:
+        token, credential = bulklink.split_secret(secret)
+        key = self._servicer.auth.key
+        if key is None or not credential or not hmac.compare_digest(token.encode(), self._token.encode()):
+            return None
+        return check_session(key, credential)
+
+    def serve(self, conn: socket.socket, secret: bytes, peer: object) -> None:
+        """Serves one connection until it closes (on its own thread, tcplink.py)."""
+        name_native_thread()
+        caller = self._caller(secret)
+        if caller is None:
+            log.warning("bulk connection from %s refused: wrong token or session credential", peer)
+            return
+        conn.sendall(bulklink.reply(0))  # accepted: the controller sends its requests
+        log.info("bulk connection from %s for %s%s", peer, caller.owner,
+                 " (TLS)" if isinstance(conn, ssl.SSLSocket) else "")
+        while True:
+            got = bulklink.read_request(conn)
+            if got is None:
+                return
+            kind, header = got
+            if kind == bulklink.FETCH:
+                self._fetch(conn, caller, header)
+            elif kind == bulklink.PUT:
+                if not self._put(conn, caller, header):
+                    return
+            else:
+                raise ValueError("an upload's spec without its upload")
+
+    def _on_loop(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    # ---- fetch ----
+    def _fetch(self, conn: socket.socket, caller: Caller, header: bytes) -> None:
+        request = wpb.FetchRequest.FromString(header)
+        got = self._on_loop(self._fetched(caller, request))
+        if isinstance(got, tuple):
+            conn.sendall(bulklink.reply(got[0], message=got[1]))
+            return
+        assert isinstance(got, memoryview)
+        parts: list[bytes | memoryview] = [bulklink.reply(0, len(got))]
+        for off in range(0, len(got), bulklink.DATA_MESSAGE):
+            piece = got[off : off + bulklink.DATA_MESSAGE]
+            parts += [wire.len_field(1, len(piece)), piece]
+        bulklink.send_parts(conn, parts)
+
+    async def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
+        """The bytes a fetch asks for (a view of the array), or its refusal (code, message): the
+        checks and the wait of servicer.py `Fetch`."""
+        s = self._servicer
+        bid = request.buffer_id
+        if request.parts or not request.data_messages:
+            return _code(grpc.StatusCode.INVALID_ARGUMENT), "a bulk fetch is of data messages, not by parts"
+        refused = s._refusal(caller, [bid], request.timeout_s)
+        if refused is not None:
+            return _code(refused[0]), refused[1]
+        timeout = bounded_wait(request.timeout_s)
+        slot = s._take_slot(caller, 1)
+        if slot:
+            return _code(grpc.StatusCode.RESOURCE_EXHAUSTED), slot
+        try:
+            ready = await s._settled([bid], timeout)
+        finally:
+            s._give_slot(caller, 1)
+        if s._foreign(caller, bid):
+            return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {bid:#x} on this worker"
+        error = f"buffer {bid} is not ready after {timeout:g} s"
+        arr: np.ndarray | None = None
+        try:
+            if ready:
+                value = s.store.wait(bid, 0.0, False)
+                arr = await asyncio.get_running_loop().run_in_executor(s._pool, to_numpy, value)
+        except (BufferFailed, TimeoutError) as e:
+            error = str(e)
+        except Exception as e:  # the computation behind the array failed
+            group = s.executor.runners.group
+            error = f"{type(e).__name__}: {e}"
+            error = group.explain(error) if group.active else error
+        if arr is None:
+            return _code(grpc.StatusCode.FAILED_PRECONDITION), error
+        data = byte_view(arr)
+        end = request.offset + request.length if request.length else len(data)
+        if end > len(data) or request.offset > end:
+            return (_code(grpc.StatusCode.OUT_OF_RANGE),
+                    f"bytes {request.offset}-{end} of buffer {bid:#x}, which has {len(data)}")
+        return data[request.offset : end]
+
+    # ---- put ----
+    def _put(self, conn: socket.socket, caller: Caller, header: bytes) -> bool:
+        """One upload; False when the connection closed in its middle (it was cut off)."""
+        try:
+            req = wire.put_buffer(header)
+        except wire.WireError as e:
+            raise ValueError(f"undecodable upload header: {e}") from None
+        total, bid = req.total_bytes, req.buffer_id
+        if req.offset or len(req.array.data) or total <= 0:
+            raise ValueError("a bulk upload's header carries its size, not its bytes")
+        if not caller.owns_id(bid):
+            log.warning("upload of buffer %#x by %s refused: not its id", bid, caller.owner)
+            return self._refused(conn, total, _code(grpc.StatusCode.PERMISSION_DENIED),
+                                 f"buffer id {bid:#x} is not one of this session's ids")
+        spec: tuple[np.dtype, int] | None = None
+        try:
+            spec = check_spec(req.array.dtype, req.array.shape) if req.array.dtype else None
+            if spec is not None and spec[1] != total:
+                raise ValueError(f"{total} bytes announced for {req.array.dtype}{list(req.array.shape)}, "
+                                 f"expected {spec[1]}")
+            out = aligned_empty((total,), np.uint8)  # XLA on CPU adopts it without a copy (schemas/arrays.py)
+        except (ValueError, MemoryError) as e:
+            return self._refused(conn, total, *self._refuse(req, caller, e, held=spec is not None))
+        if not bulklink.recv_exact(conn, byte_view(out)):
+            self._cut(caller, bid, f"the upload of buffer {bid:#x} was cut off before its last byte")
+            return False
+        if spec is None:  # a staged upload: its spec follows
+            got = bulklink.read_request(conn)
+            if got is None:  # the controller dropped it unused (staging.py `discard`)
+                self._cut(caller, bid, f"the upload of buffer {bid:#x} ended without its dtype and shape")
+                return False
+            kind, raw = got
+            if kind != bulklink.SPEC:
+                raise ValueError("an upload's bytes without its spec")
+            try:
+                last = wire.put_buffer(raw)
+                spec = check_spec(last.array.dtype, last.array.shape)
+                if spec[1] != total:
+                    raise ValueError(f"a {last.array.dtype}{list(last.array.shape)} array ({spec[1]} bytes) "
+                                     f"from {total} bytes")
+            except (ValueError, wire.WireError) as e:
+                code, message = self._refuse(req, caller, ValueError(str(e)), held=False)
+                conn.sendall(bulklink.reply(code, message=message))
+                return True
+            arr = out.view(spec[0]).reshape(tuple(last.array.shape))
+        else:
+            arr = out.view(spec[0]).reshape(tuple(req.array.shape))
+        stored: tuple[int, str] = self._on_loop(self._store(caller, req, arr))  # type: ignore[assignment]
+        conn.sendall(bulklink.reply(stored[0], message=stored[1]))
+        return True
+
+    def _refused(self, conn: socket.socket, total: int, code: int, message: str) -> bool:
+        """Reads and drops a refused upload's bytes, then answers the refusal."""
+        scratch = memoryview(bytearray(min(total, DRAIN_BYTES)))
+        left = total
+        while left:
+            n = min(left, len(scratch))
+            if not bulklink.recv_exact(conn, scratch[:n]):
+                return False
+            left -= n
+        conn.sendall(bulklink.reply(code, message=message))
+        return True
+
+    def _refuse(self, req: wire.PutBuffer, caller: Caller, e: ValueError | MemoryError,
+                held: bool) -> tuple[int, str]:
+        """upload_service.py `_refuse`, on the loop: the buffer fails with the reason."""
+        async def refuse() -> tuple[int, str]:
+            status, message = self._servicer._refuse(req, caller, e, held=held)
+            return _code(status), message
+
+        return self._on_loop(refuse())  # type: ignore[return-value]
+
+    def _cut(self, caller: Caller, bid: int, why: str) -> None:
+        """An upload cut off: as a cancelled `PutBuffers`'s (upload_service.py `_uploads`)."""
+        store = self._servicer.store
+        self._loop.call_soon_threadsafe(lambda: store.refuse(bid, caller.owner, why, held=False))
+
+    async def _store(self, caller: Caller, req: wire.PutBuffer, arr: np.ndarray) -> tuple[int, str]:
+        """Stores an uploaded array as `PutBuffers` does (a part of a global array: parts.py)."""
+        s = self._servicer
+        s.upload_messages += 1
+        value: Any = arr
+        nbytes = arr.nbytes
+        if req.part_of:
+            try:
+                sources = part_sources(req.part_of)
+                flat = await s._sources(sources, caller, arr.dtype) if sources else arr.reshape(-1)
+                value = uploaded_part(flat, req.part_of, s.executor.runners.group, s.executor.runners.devices)
+                nbytes = flat.nbytes
+            except ValueError as e:
+                status, message = s._refuse(req, caller, e, held=True)
+                return _code(status), message
+        if not s.store.put(req.buffer_id, value, nbytes, owner=caller.owner, client_ref=True, same_owner=True,
+                           again=req.again):
+            return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {req.buffer_id:#x} on this worker"
+        return 0, ""

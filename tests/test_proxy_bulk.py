@@ -1,0 +1,148 @@
+"""The proxy's bulk bytes on the worker's TCP transfer port (server/bulklink.py, server/proxy/bulk.py,
+server/worker/bulk_service.py), against a real worker: a connection serves the session its
+credential names and nobody else, its bytes are the gRPC path's, a refused or cut-off upload
+leaves nothing, and where no connection can be made the controller's side says so (gRPC then
+carries the transfer). The proxy's own tests (test_proxy_download, test_proxy_stream, ...) run
+their uploads and downloads of 4 MiB or more on it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from schemas.pathways.v1 import worker_pb2 as wpb
+from server import bulklink, wire
+from server.proxy import bulk
+from server.proxy.backend import BackendError
+from server.proxy.handles import HostData
+from server.worker.tcplink import HELLO
+from tests.conftest import LocalCluster, wait_for
+from tests.test_trust_worker import fetch, meta, open_session, upload, worker_channels, worker_log
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
+
+
+@pytest.fixture
+def the_worker(module_cluster: LocalCluster) -> Iterator[Any]:
+    """The module's worker: its address, channel, stub, and a channel to the controller."""
+    with worker_channels(module_cluster) as w:
+        yield w
+
+
+def links(cluster: LocalCluster, credential: str, data_address: str) -> bulk.BulkLinks:
+    async def port(address: str) -> str:
+        return data_address
+
+    return bulk.BulkLinks(bulklink.hello_secret(cluster.token or "", credential), port)
+
+
+async def download(ls: bulk.BulkLinks, address: str, buffer_id: int, **span: Any) -> list[bytes]:
+    request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=5, data_messages=True, **span)
+
+    async def no_grpc() -> Any:
+        raise AssertionError("the bulk connection was not made")
+        yield b""
+
+    return [m async for m in bulk.data_messages(ls, request, address, None, no_grpc)]
+
+
+async def put(ls: bulk.BulkLinks, address: str, owner: str, buffer_id: int, arr: np.ndarray) -> None:
+    link = await ls.take(address)
+    assert link is not None, "the bulk connection was not made"
+    await bulk.put_arrays(ls, link, address, None, owner, [buffer_id], [(arr.dtype.name, arr.shape,
+                                                                          HostData([arr.tobytes()]))], b"")
+
+
+def test_a_bulk_connection_serves_its_session_only(module_cluster: LocalCluster, the_worker: Any) -> None:
+    cluster = module_cluster
+    address, wch, stub, cch = the_worker
+    a, b = open_session(cluster, cch), open_session(cluster, cch)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+    theirs = np.arange(5, dtype=np.float32)
+    upload(stub, meta(cluster, b), b.id(1), theirs)
+    big = np.random.default_rng(0).standard_normal((3 << 20) // 8 * 3, dtype=np.float64)  # 9 MiB
+
+    async def run() -> None:
+        forged = a.credential[: a.credential.rindex("|") + 1] + "0" * 64
+        refused = links(cluster, forged, data_address)
+        assert await refused.take(address) is None  # the worker hung up: the controller uses gRPC
+        assert await refused.take(address) is None  # and does not try again at once
+        ls = links(cluster, a.credential, data_address)
+        await put(ls, address, a.owner, a.id(1), big)
+        messages = await download(ls, address, a.id(1))
+        assert [wire.data_length(m) for m in messages][:2] == [bulklink.DATA_MESSAGE] * 2
+        assert all(wpb.FetchData.FromString(m).SerializeToString() == m for m in messages[:3])
+        assert b"".join(bytes(wire.data_field(m)) for m in messages) == big.tobytes()
+        part = await download(ls, address, a.id(1), offset=1000, length=(3 << 20) + 5)
+        raw_fetch = wch.unary_stream("/pathways.v1.Worker/Fetch", request_serializer=wpb.FetchRequest.SerializeToString,
+                                     response_deserializer=None)
+        by_grpc = raw_fetch(wpb.FetchRequest(buffer_id=a.id(1), timeout_s=5, data_messages=True, offset=1000,
+                                             length=(3 << 20) + 5), metadata=meta(cluster, a), timeout=20)
+        assert part == list(by_grpc)  # the gRPC path's messages, byte for byte
+        with pytest.raises(BackendError, match=f"no buffer {b.id(1):#x}"):  # another session's buffer
+            await download(ls, address, b.id(1))
+        with pytest.raises(BackendError, match="not one of this session's ids"):
+            await put(ls, address, a.owner, b.id(1), big)
+        with pytest.raises(BackendError, match="not ready after"):
+            await download(ls, address, a.id(9), length=4)  # never uploaded: not ready within its wait
+        again = await download(ls, address, a.id(1), length=8)  # the connection served on after refusals
+        assert bytes(wire.data_field(again[0])) == big.tobytes()[:8]
+        ls.close()
+
+    asyncio.run(run())
+    np.testing.assert_array_equal(fetch(stub, meta(cluster, b), b.id(1)), theirs)  # untouched
+    assert "bulk connection from" in worker_log(cluster)  # the forged one, refused in one line
+    assert "Traceback" not in worker_log(cluster)
+    a.close()
+    b.close()
+
+
+def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: LocalCluster, the_worker: Any) -> None:
+    """A connection closed mid-upload (the controller's staging discarded, or the controller gone)
+    is a cancelled `PutBuffers`: a reader already waiting fails with why, at once, and nothing is
+    kept; the id stays free."""
+    cluster = module_cluster
+    _, _, stub, cch = the_worker
+    a = open_session(cluster, cch)
+    md = meta(cluster, a)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=md, timeout=10).data_address
+    before = stub.Stats(wpb.WorkerStatsRequest(), metadata=md, timeout=10).buffers
+    host, _, port = data_address.rpartition(":")
+    secret = bulklink.hello_secret(cluster.token or "", a.credential)
+    for n, (dtype, shape, why) in enumerate((("float32", (2 << 20,), "cut off before its last byte"),
+                                             ("", (), "cut off before its last byte"))):
+        buffer_id = a.id(7 + n)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(lambda b=buffer_id: list(stub.Fetch(wpb.FetchRequest(buffer_id=b, timeout_s=30),
+                                                                      metadata=md, timeout=40)))
+            time.sleep(0.5)  # the reader waits for the buffer
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(HELLO.pack(bulklink.SESSION_MAGIC, len(secret)) + secret)
+                assert bulklink.read_reply(sock) == (0, 0, "")
+                header = wire.put_buffer_request(buffer_id, a.owner, dtype, shape, [], 0, 8 << 20)
+                sock.sendall(bulklink.request(bulklink.PUT, header) + bytes(1 << 20))  # 1 of its 8 MiB
+            started = time.monotonic()
+            chunks = waiting.result(timeout=20)
+        assert time.monotonic() - started < 10 and why in chunks[0].error, chunks[0].error
+    staged = wire.put_buffer_request(a.id(9), a.owner, "", (), [], 0, 1 << 20)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # all its bytes, no spec: dropped
+        sock.sendall(HELLO.pack(bulklink.SESSION_MAGIC, len(secret)) + secret)
+        assert bulklink.read_reply(sock) == (0, 0, "")
+        sock.sendall(bulklink.request(bulklink.PUT, staged) + bytes(1 << 20))
+    time.sleep(0.5)
+    assert stub.Stats(wpb.WorkerStatsRequest(), metadata=md, timeout=10).buffers == before + 2  # the two failed
+    a.release(cluster.hosts()["w-a"].address, a.id(7), a.id(8))
+    wait_for(lambda: stub.Stats(wpb.WorkerStatsRequest(), metadata=md, timeout=10).buffers == before, 10,
+             "the failed uploads released")
+    mine = np.arange(3.0)
+    upload(stub, md, a.id(9), mine)  # the dropped staged upload's id is free
+    np.testing.assert_array_equal(fetch(stub, md, a.id(9)), mine)
+    assert "Traceback" not in worker_log(cluster)
+    a.close()

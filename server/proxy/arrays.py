@@ -424,7 +424,8 @@ async def destruct_array(session: Session, req: Message, resp: Message, proto: A
 
 
 async def delete_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    await release(session, req.delete_array_request.array_handle)
+    for handle in req.delete_array_request.array_handle:  # repeated, as DestructArray's
+        await release(session, handle)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     done.set_result(None)
     future_handle = session.handles.new_handle()

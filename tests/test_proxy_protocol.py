@@ -107,6 +107,9 @@ def test_host_buffers_wait_for_late_stores_and_are_bounded() -> None:
         buffers.store(5, b"123456")
         with pytest.raises(HandleError, match="at most 10 bytes"):
             buffers.store(6, b"12345")
+        with pytest.raises(HandleError, match="host buffer of -1 bytes: a size is 0 or more") as e:
+            buffers.reserve(-1)  # a HostBufferStore announcing -1 bytes (the proxy fuzz): not "exhausted"
+        assert e.value.code == "INVALID_ARGUMENT"
         quick = HostBuffers(wait_s=0.05)
         with pytest.raises(HandleError, match=r"did not arrive within 0\.05 s"):
             await quick.take(1)
@@ -604,7 +607,7 @@ def test_requests_the_proxy_fuzz_broke_get_their_own_answer(caplog: pytest.LogCa
                 wrong = await ask(4, lambda r: setattr(r.check_future_request, "future_handle", 77))
                 status = wrong.response_metadata.status
                 assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                assert status.message == "handle 77 is not a Future"
+                assert status.message == "handle 77 is not a future"
                 assert session.handles.peek(77) is not None  # a wrong CheckFuture takes nothing
                 await call.done_writing()
         finally:

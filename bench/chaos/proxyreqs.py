@@ -105,14 +105,20 @@ class Crafter:
             return own.fresh()
         return self.rng.choice([*_UINT64, self.rng.getrandbits(64), 1 << 62, (1 << 62) + 1])
 
-    def aim(self, msg: Message, own: Handles, others: list[Handles], depth: int = 0) -> None:
-        """Every handle field in `msg` (nested ones too) names a handle drawn by `handle`."""
+    def aim(self, msg: Message, own: Handles, others: list[Handles], devices: list[int] | None = None,
+            depth: int = 0) -> None:
+        """Every handle field in `msg` (nested ones too) names a handle drawn by `handle`. With
+        `devices` (a plausible request, to reach past the first checks), shardings are one of
+        them, dtypes real, shapes small and device ids theirs."""
         for f in msg.DESCRIPTOR.fields:
             if f.type == FieldDescriptor.TYPE_MESSAGE:
-                if depth < 3 and not (f.message_type.GetOptions().map_entry):
-                    for sub in (getattr(msg, f.name) if f.is_repeated else
-                                [getattr(msg, f.name)] if msg.HasField(f.name) else []):
-                        self.aim(sub, own, others, depth + 1)
+                if depth >= 3 or f.message_type.GetOptions().map_entry:
+                    continue
+                for sub in (getattr(msg, f.name) if f.is_repeated else
+                            [getattr(msg, f.name)] if msg.HasField(f.name) else []):
+                    if devices and self._plausible(sub, devices):
+                        continue
+                    self.aim(sub, own, others, devices, depth + 1)
             elif "handle" in f.name and f.type in _HANDLE_TYPES:
                 if f.is_repeated:
                     field = getattr(msg, f.name)
@@ -120,6 +126,25 @@ class Crafter:
                     field.extend(self.handle(own, others) for _ in range(self.rng.choice([0, 1, 1, 2, 3])))
                 elif self.rng.random() < 0.9:
                     setattr(msg, f.name, self.handle(own, others))
+            elif devices and f.name in ("device_ids", "devices") and f.is_repeated:
+                field = getattr(msg, f.name)
+                del field[:]
+                field.extend(self.rng.choice(devices) for _ in range(self.rng.choice([1, 1, 2])))
+
+    def _plausible(self, m: Message, devices: list[int]) -> bool:
+        """Makes a sharding, dtype or shape message a plausible one (True), else leaves it (False)."""
+        name = m.DESCRIPTOR.full_name
+        if name == "xla.ifrt.ShardingProto":
+            m.Clear()
+            sh.to_proto(sh.Sharding((self.rng.choice(devices),)), m, self.p)
+        elif name == "xla.ifrt.DTypeProto":
+            m.kind = self.rng.choice(self._dtype_numbers)
+        elif name == "xla.ifrt.ShapeProto":
+            m.Clear()
+            m.dims.extend(self.rng.choice([(4,), (1,), (2, 2), ()]))
+        else:
+            return False
+        return True
 
     # ---- requests ----
     def request(self, kind: str, op_id: int, own: Handles, others: list[Handles], devices: list[int]) -> bytes:
@@ -127,7 +152,7 @@ class Crafter:
         sub = getattr(req, kind)
         sub.CopyFrom(self.gen.hostile(type(sub), depth=1))
         sub.SetInParent()
-        self.aim(sub, own, others)
+        self.aim(sub, own, others, devices if self.rng.random() < 0.6 else None)
         if kind == "compile_request" and self.rng.random() < 0.7:
             self._compile(sub)
         elif kind == "make_array_from_host_buffer_request" and self.rng.random() < 0.5:

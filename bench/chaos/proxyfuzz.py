@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from server import wire
 from server.proxy import protocol as proto_mod
 from server.proxy.service import DEVICES_KEY, SLICE_KEY, TOKEN_KEY
 
@@ -232,10 +233,10 @@ class ProxyFuzzer:
         resp = await self.ask(s, f"{name}/{kind}", req.SerializeToString(), req.request_metadata.op_id, 60)
         return resp if resp is not None and not resp.response_metadata.status.code else None
 
-    async def compute(self, s: Stream, own: Handles, name: str, x: bytes) -> bytes | None:
+    async def compute(self, s: Stream, own: Handles, name: str, x: bytes, read: bool = True) -> bytes | None:
         """Real work, as the jaxlib client does it: `x` (float32[4]) stored, made an array,
-        doubled by a compiled program, copied to a host buffer and read back (None if a step
-        failed). The handles it made stay, for later requests to name."""
+        doubled by a compiled program, and with `read` copied to a host buffer and read back
+        (None if a step failed, or not `read`). The handles it made stay, for later requests."""
         host, array, result, back = (own.fresh() for _ in range(4))
         if await self.store(s.sid, host, x, len(x), record=f"{name}/HostBufferStore") != "OK":
             return None
@@ -254,6 +255,8 @@ class ProxyFuzzer:
 
         self.learn(own, await self.real(s, name, "loaded_executable_execute_request", execute))
         own.learn(result)
+        if not read:
+            return None
         copied = await self.real(s, name, "copy_to_host_buffer_request",
                                  lambda r: r.MergeFrom(type(r)(array_handle=result, host_buffer_handle=back)))
         if copied is None:
@@ -336,16 +339,21 @@ class ProxyFuzzer:
     async def never_reads(self) -> tuple[Stream, Any, asyncio.Future[None]]:
         """A session whose answers are never read (it writes until the service stops reading),
         and a lookup of a staged buffer that is never read."""
-        s = Stream(self._channel, self.header(1), self.p, read=False)  # nobody reads its answers
+        # its own connection, whose window does not grow (no BDP probes): its answers fill it at once
+        self._silent_channel = aio.insecure_channel(self.address, options=[("grpc.http2.bdp_probe", 0)])
+        s = Stream(self._silent_channel, self.header(1), self.p, read=False)  # nobody reads its answers
         await s.call.write(self.init_request())
+        req = self.p.IfrtRequest()
+        req.request_metadata.op_id = 2
+        req.get_default_layout_request.dims.extend(range(1000))  # answered at once, ~5 KB
+        # and 8 KB of an unknown field, which the service parses past: the window its requests
+        # wait in fills after fewer of them (what counts is the answers the service holds)
+        raw = req.SerializeToString() + b"\xc2\x3e" + wire.uvarint(8 << 10) + bytes(8 << 10)
 
         async def write() -> None:
             try:
                 while True:
-                    req = self.p.IfrtRequest()
-                    req.request_metadata.op_id = 2 + self.unread_written
-                    req.get_default_layout_request.dims.extend(range(64))
-                    await s.call.write(req.SerializeToString())
+                    await s.call.write(raw)
                     self.unread_written += 1
             except (aio.AioRpcError, asyncio.InvalidStateError):
                 self.unread_ended = True  # the service ended it: it must not
@@ -389,7 +397,7 @@ class ProxyFuzzer:
                     sent += 1
                     continue
                 self._sids.append(s.sid)
-                await self.compute(s, own, "setup", bytes(16))
+                await self.compute(s, own, "setup", bytes(16), read=self.rng.random() < 0.3)
             n = min(self.rng.randint(1, BATCH), share - sent)
             sent += n
             pending = []
@@ -428,7 +436,7 @@ class ProxyFuzzer:
         if self.rng.random() < 0.5:
             try:
                 await asyncio.wait_for(s.call.done_writing(), 1)
-                await asyncio.wait_for(asyncio.shield(s.reader), 2)
+                await asyncio.wait_for(asyncio.shield(s.reader), 0.5)
             except (TimeoutError, aio.AioRpcError, asyncio.InvalidStateError):
                 pass
         s.close()
@@ -460,6 +468,7 @@ class ProxyFuzzer:
                       "ended_early": self.unread_ended}
             writer.cancel()
             silent.close()
+            await self._silent_channel.close()
             if lookup is not None:
                 lookup.cancel()
             for s in self._held:

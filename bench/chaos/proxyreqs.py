@@ -161,7 +161,7 @@ class Crafter:
             req.request_metadata.Clear()
         req.request_metadata.op_id = op_id
         data = req.SerializeToString()
-        self.flipped = self.rng.random() < 0.04
+        self.flipped = self.rng.random() < 0.03
         if self.flipped:  # flipped bytes: it may or may not decode (the session may end)
             b = bytearray(data)
             for _ in range(self.rng.randint(1, 3)):

@@ -22,7 +22,7 @@ from .schedule import describe, phase_rng, schedule
 FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6, "freezes": 12, "controller_freezes": 4,
         "proxy_requests": 3000}
 QUICK = {"requests": 600, "kills": 5, "controller_kills": 1, "freezes": 1, "controller_freezes": 0,
-         "proxy_requests": 150}
+         "proxy_requests": 100}
 
 
 def rss_mib(pid: int) -> float:

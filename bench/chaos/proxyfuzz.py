@@ -304,7 +304,7 @@ class ProxyFuzzer:
     async def host_rpc(self, own: Handles, sid: int) -> None:
         """One HostBufferStore, Lookup, Delete or GetVersion, hostile."""
         rng = self.rng
-        sid = rng.choice([sid, sid, sid, rng.getrandbits(64), 0, *(t for t in self._sids if t != sid)])
+        sid = rng.choice([sid, sid, sid, rng.getrandbits(64), 0, *(t for t in self._sids[-4:] if t != sid)])
         handle = self.crafter.handle(own, [t for t in self.tenants if t is not own])
         what = rng.choice(["store", "store", "lookup", "delete", "version"])
         if what == "store":

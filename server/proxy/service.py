@@ -35,7 +35,7 @@ import grpc
 from grpc import aio
 
 from .. import wire
-from . import arrays, downloads, executables, reshard
+from . import arrays, downloads, executables, reshard, shardings
 from . import protocol as proto_mod
 from .answers import AnswerWriter, Encoder
 from .backend import BackendError, ClusterBackend, SessionBackend
@@ -471,9 +471,8 @@ class ProxyService:
             m.debug_string = m.to_string = f"MEMORY_SPACE_{dev.id}"
 
     async def _default_layout(self, session: Session, req: Message, resp: Message) -> None:
-        resp.get_default_layout_response.serialized_pjrt_layout = default_layout(
-            len(req.get_default_layout_request.dims)
-        )
+        dims = shardings.shape_of(req.get_default_layout_request.dims, "a layout")
+        resp.get_default_layout_response.serialized_pjrt_layout = default_layout(len(dims))
 
     async def _check_future(self, session: Session, req: Message, resp: Message) -> None:
         handle = req.check_future_request.future_handle

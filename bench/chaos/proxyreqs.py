@@ -157,6 +157,8 @@ class Crafter:
             self._compile(sub)
         elif kind == "make_array_from_host_buffer_request" and self.rng.random() < 0.5:
             self._make_array(sub, own, devices)
+        elif kind == "get_default_layout_request" and self.rng.random() < 0.2:
+            sub.dims.extend(range(self.rng.choice([5000, 100_000])))  # past MAX_RANK: work one request asks
         if self.rng.random() < 0.5:  # the rest of the metadata stays hostile
             req.request_metadata.Clear()
         req.request_metadata.op_id = op_id

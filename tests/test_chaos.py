@@ -1,8 +1,10 @@
 """The short chaos and fuzz run (`python -m bench.chaos --quick`): 400 hostile requests to every
-controller and worker method, then 5 kills (one of them the controller) and a worker frozen past
-the heartbeat timeout (SIGSTOP, then SIGCONT: declared lost while alive, it must rejoin) while a
-program across two islands, a collective, an unmodified JAX program through the proxy and a job
-run; every check of the report must hold, the controller's and the workers' (bench/chaos/__init__.py)."""
+controller and worker method, 100 to the IFRT proxy service (every request kind, the host buffer
+RPCs, refused sessions, a client that never reads) beside the workloads, then 5 kills (one of them
+the controller) and a worker frozen past the heartbeat timeout (SIGSTOP, then SIGCONT: declared lost
+while alive, it must rejoin) while a program across two islands, a collective, an unmodified JAX
+program through the proxy and a job run; every check of the report must hold, the controller's and
+the workers' (bench/chaos/__init__.py)."""
 
 from __future__ import annotations
 
@@ -39,3 +41,10 @@ def test_quick_chaos_run_keeps_the_controller_sound(tmp_path: Path) -> None:
     assert kills["job"]["state"] == "JOB_STATE_SUCCEEDED" and kills["job"]["calls_ok"] > 0, kills["job"]
     assert report["fuzz"]["requests"] == 400
     assert set(report["fuzz"]["methods"]) >= {"Controller/WorkerConnect", "Controller/Session", "Worker/Fetch"}
+    # the proxy fuzz reached the handlers: most request kinds, the host buffer RPCs, every refusal
+    proxy = report["proxy_fuzz"]
+    kinds = {k for k in proxy["kinds"] if k.startswith("IfrtSession/") and k.endswith("_request")}
+    assert proxy["requests"] == 100 and len(kinds) >= 20, sorted(proxy["kinds"])
+    assert {"HostBufferStore", "HostBufferLookup", "HostBufferDelete", "setup/compile_request",
+            "IfrtSession/refused:devices", "IfrtSession/refused:wrong_token"} <= set(proxy["kinds"])
+    assert proxy["kinds"]["setup/loaded_executable_execute_request"].get("OK"), proxy["kinds"]

@@ -165,6 +165,41 @@ def test_the_writer_keeps_order_and_holds_the_reader_back_when_full() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_the_writer_is_full_at_its_bytes_too() -> None:
+    """Found by the chaos run's proxy fuzz: a client that never read, sending GetDefaultLayouts of
+    100,000 dimensions (0.6 MB answers), made the controller hold 4,096 answers (0.5 GB after 20 s,
+    growing); a few large answers now fill the writer as many small ones do."""
+    async def main() -> None:
+        gate = asyncio.Event()
+        written: list[int] = []
+
+        async def write(raw: bytes) -> None:
+            await gate.wait()
+            written.append(len(raw))
+
+        out = AnswerWriter(write, max_queued=4096, max_bytes=3 << 20)
+        writer = asyncio.create_task(out.run())
+        for _ in range(2):
+            out.put(b"x" * (1 << 20))
+        assert not out.full
+        out.put(b"x" * (1 << 20))
+        assert out.full  # 3 answers, at the bytes' bound
+        room = asyncio.create_task(out.room())
+        await asyncio.sleep(0.01)
+        assert not room.done()
+        gate.set()
+        await asyncio.wait_for(room, 5)
+        out.close()
+        await asyncio.wait_for(writer, 5)
+        assert written == [1 << 20] * 3 and not out.full
+        big = AnswerWriter(write, max_bytes=10)
+        big.put(b"y" * 100)  # an answer larger than the bound still goes: alone it fills the writer
+        assert big.full
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
 def test_the_runner_answers_in_place_and_keeps_first_steps_in_order() -> None:
     async def main() -> None:
         out = AnswerWriter(lambda raw: asyncio.sleep(0))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -26,6 +28,7 @@ from server.proxy import protocol as proto_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
 from server.proxy.service import TOKEN_KEY, ProxyService, default_layout
+from server.proxy.shardings import MAX_RANK
 
 REPO = Path(__file__).resolve().parent.parent
 P = proto_mod.protocol()
@@ -105,6 +108,9 @@ def test_host_buffers_wait_for_late_stores_and_are_bounded() -> None:
         buffers.store(5, b"123456")
         with pytest.raises(HandleError, match="at most 10 bytes"):
             buffers.store(6, b"12345")
+        with pytest.raises(HandleError, match="host buffer of -1 bytes: a size is 0 or more") as e:
+            buffers.reserve(-1)  # a HostBufferStore announcing -1 bytes (the proxy fuzz): not "exhausted"
+        assert e.value.code == "INVALID_ARGUMENT"
         quick = HostBuffers(wait_s=0.05)
         with pytest.raises(HandleError, match=r"did not arrive within 0\.05 s"):
             await quick.take(1)
@@ -491,6 +497,158 @@ def test_a_jaxlib_without_the_protocol_is_refused_with_why() -> None:
                     assert e.value.details() == ("this controller cannot serve IFRT proxy clients: the installed "
                                                  f"jaxlib embeds no {proto_mod.SERVICE_FILE}: it has no IFRT proxy "
                                                  "client")
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+async def _session(ch: aio.Channel, **init: Any) -> tuple[Any, int]:
+    """A raw IfrtSession stream (bytes in and out) and its Init's answer (None: refused)."""
+    meta = P.GrpcIfrtSessionMetadata()
+    meta.version.protocol_version = proto_mod.MAX_PROTOCOL_VERSION
+    for key, value in init.items():
+        attr = meta.initialization_data.attributes[key]
+        if isinstance(value, bytes):
+            attr.string_value = value
+        else:
+            attr.int64_value = value
+    call = ch.stream_stream(f"/{proto_mod.SERVICE_NAME}/IfrtSession")(
+        metadata=[(proto_mod.SESSION_METADATA_HEADER, meta.SerializeToString())])
+    init_req = P.IfrtRequest()
+    init_req.request_metadata.op_id = 1
+    init_req.init_request.SetInParent()
+    await call.write(init_req.SerializeToString())
+    return call, P.IfrtResponse.FromString(await call.read())
+
+
+@pytest.mark.timeout(60)
+def test_a_lookup_never_read_then_dropped_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the chaos run's proxy fuzz (bench/chaos/proxyfuzz.py): a client that stops
+    reading a HostBufferLookup, then hangs up, failed the service's pending write before gRPC
+    marked the call cancelled, and gRPC logged that as an ERROR with a traceback."""
+    async def main() -> None:
+        service = ProxyService(Cluster())
+        server, port = await serve(service)
+        base = f"/{proto_mod.SERVICE_NAME}/"
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call, resp = await _session(ch)
+                sid = resp.init_response.session_id
+                data = b"z" * (6 << 20)
+                meta = P.GrpcHostBufferStoreMetadata(session_id=sid, handle=9, buffer_size=len(data))
+                chunks = [P.GrpcHostBufferStoreRequest(data=data[i : i + (1 << 20)]).SerializeToString()
+                          for i in range(0, len(data), 1 << 20)]
+                await ch.stream_unary(base + "HostBufferStore")(
+                    iter(chunks), metadata=[(proto_mod.HOST_BUFFER_METADATA_HEADER, meta.SerializeToString())])
+                request = P.GrpcHostBufferLookupRequest(session_id=sid, handle=9).SerializeToString()
+                for _ in range(20):
+                    lookup = ch.unary_stream(base + "HostBufferLookup")(request)
+                    await lookup.read()  # the first chunk; the rest waits for the client's window
+                    await asyncio.sleep(0.02)
+                    lookup.cancel()
+                await asyncio.sleep(0.2)
+                # the session still serves: the whole buffer reads back
+                got = b"".join([P.GrpcHostBufferLookupResponse.FromString(m).data
+                                async for m in ch.unary_stream(base + "HostBufferLookup")(request)])
+                assert got == data
+                call.cancel()
+        finally:
+            await server.stop(None)
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records
+                                                                          if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.timeout(60)
+def test_requests_the_proxy_fuzz_broke_get_their_own_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the chaos run's proxy fuzz (bench/chaos/proxyfuzz.py), each once a traceback in
+    the controller's log: a device count out of int32's range (ValueError building the slice
+    spec: the stream ended UNKNOWN), a slice name that is not UTF-8 (UnicodeDecodeError), every
+    DeleteArray (its `array_handle` is repeated: "unhashable type", INTERNAL), and a CheckFuture
+    of a handle that is no future (an array: "can't be used in 'await' expression")."""
+    async def main() -> None:
+        cluster = Cluster()
+        service = ProxyService(cluster)
+        server, port = await serve(service)
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                for init, message in (
+                    *(({"pathways.devices": n}, f"pathways.devices={n}: expected a positive number of devices")
+                      for n in (2**63 - 1, 0, -1)),
+                    ({"pathways.slice": b"\xff\xfe"}, "pathways.slice must be a slice name in UTF-8"),
+                ):
+                    call, resp = await _session(ch, **init)
+                    status = resp.response_metadata.status
+                    assert (status.code, status.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message)
+                    call.cancel()
+                assert cluster.opened == []  # refused before any slice was asked for
+
+                call, resp = await _session(ch, **{"pathways.devices": 2})
+                assert cluster.opened == [(None, 2)]
+
+                async def ask(op_id: int, fill: Any) -> Any:
+                    req = P.IfrtRequest()
+                    req.request_metadata.op_id = op_id
+                    fill(req)
+                    await call.write(req.SerializeToString())
+                    answer = P.IfrtResponse.FromString(await call.read())
+                    assert answer.response_metadata.op_id == op_id
+                    return answer
+
+                deleted = await ask(2, lambda r: r.delete_array_request.array_handle.extend([5, 6]))
+                assert deleted.response_metadata.status.code == 0, deleted.response_metadata.status.message
+                future = deleted.delete_array_response.deletion_future_handle
+                done = await ask(3, lambda r: setattr(r.check_future_request, "future_handle", future))
+                assert done.response_metadata.status.code == 0
+                (session,) = service.sessions.values()
+                session.handles.put(77, object())  # what an array's handle holds, for this test
+                wrong = await ask(4, lambda r: setattr(r.check_future_request, "future_handle", 77))
+                status = wrong.response_metadata.status
+                assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert status.message == "handle 77 is not a future"
+                assert session.handles.peek(77) is not None  # a wrong CheckFuture takes nothing
+                await call.done_writing()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], "a request logged an error"
+
+
+@pytest.mark.timeout(60)
+def test_a_shape_of_too_many_dimensions_is_refused_before_any_work() -> None:
+    """Found by the proxy fuzz's bounds: a GetDefaultLayout of 20 million dimensions (74 MiB)
+    held every other session's answers 8 s while its 161 MiB answer was built; a shape past
+    MAX_RANK dimensions is INVALID_ARGUMENT, in a layout or an array's shape alike."""
+    async def main() -> None:
+        service = ProxyService(Cluster())
+        server, port = await serve(service)
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call, _ = await _session(ch)
+                for op_id, fill, what in (
+                    (2, lambda r: r.get_default_layout_request.dims.extend(range(MAX_RANK + 1)), "a layout"),
+                    (3, lambda r: r.make_array_from_host_buffer_request.MergeFrom(P.MakeArrayFromHostBufferRequest(
+                        dtype={"kind": "KIND_F32"}, shape={"dims": [1] * (MAX_RANK + 1)})), "a shape"),
+                ):
+                    req = P.IfrtRequest()
+                    req.request_metadata.op_id = op_id
+                    fill(req)
+                    await call.write(req.SerializeToString())
+                    status = P.IfrtResponse.FromString(await call.read()).response_metadata.status
+                    assert (status.code, status.message) == (
+                        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        f"{what} of {MAX_RANK + 1} dimensions: at most {MAX_RANK}")
+                layout = P.IfrtRequest()
+                layout.request_metadata.op_id = 4
+                layout.get_default_layout_request.dims.extend(range(MAX_RANK))  # at the bound: answered
+                await call.write(layout.SerializeToString())
+                resp = P.IfrtResponse.FromString(await call.read())
+                assert resp.get_default_layout_response.serialized_pjrt_layout.startswith(b"{4095,4094,")
+                await call.done_writing()
         finally:
             await server.stop(None)
 

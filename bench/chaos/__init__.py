@@ -10,6 +10,14 @@ It starts a real local cluster (a controller and one worker per island, `cluster
    result checked), workers and the controller are killed with SIGKILL at random moments and
    started again; per kill the time to a clear error, the time until the cluster serves again,
    calls still waiting `STUCK_S` after the kill, and the controller's state after its restarts;
+   Before the first kill, beside those workloads, the proxy fuzz (`proxyfuzz.py`, `proxyreqs.py`):
+   a hostile tenant of the IFRT proxy service (what `JAX_PLATFORMS=proxy` programs speak) opens
+   sessions refused at their start and sessions that do real work, then sends hostile requests of
+   every kind built from the protocol's own descriptors (handles of its own, of its other
+   sessions and random ones, Compiles of real and broken StableHLO, sizes that disagree with the
+   bytes), undecodable bytes, the host buffer RPCs with random sessions, handles and sizes, and
+   clients that never read; no answer may be UNKNOWN or "(a bug)", no workload call may fail or be
+   wrong meanwhile, and a fresh proxy session must compute right afterwards;
 3. freezes (`freezes.py`), mixed with the kills: a worker or the controller stopped with SIGSTOP
    for a while, short or well past the heartbeat timeout (a worker is then declared lost while
    its process lives, and must rejoin), some with a kill halfway through, then let go with

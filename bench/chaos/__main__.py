@@ -1,4 +1,5 @@
-"""`python -m bench.chaos [--seed N] [--requests N] [--kills N] [--freezes N] [--quick] [--out FILE] [--keep DIR]`"""
+"""`python -m bench.chaos [--seed N] [--requests N] [--proxy-requests N] [--kills N] [--freezes N] [--quick]
+[--out FILE] [--keep DIR]`"""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import psutil
 from .cluster import ChaosCluster
 from .fuzz import Fuzzer
 from .kills import KillRun
+from .proxyfuzz import ProxyFuzzer
 from .schedule import describe, phase_rng, schedule
 
-FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6, "freezes": 12, "controller_freezes": 4}
-QUICK = {"requests": 600, "kills": 5, "controller_kills": 1, "freezes": 1, "controller_freezes": 0}
+FULL = {"requests": 12_000, "kills": 50, "controller_kills": 6, "freezes": 12, "controller_freezes": 4,
+        "proxy_requests": 3000}
+QUICK = {"requests": 600, "kills": 5, "controller_kills": 1, "freezes": 1, "controller_freezes": 0,
+         "proxy_requests": 100}
 
 
 def rss_mib(pid: int) -> float:
@@ -26,7 +30,7 @@ def rss_mib(pid: int) -> float:
 
 
 def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path | None = None, freezes: int = 0,
-        controller_freezes: int = 0) -> dict[str, Any]:
+        controller_freezes: int = 0, proxy_requests: int = 0) -> dict[str, Any]:
     cluster = ChaosCluster(home=home)
     # each phase draws from its own stream (schedule.py): the seed names the same faults every time
     faults = schedule(seed, cluster.islands, kills, controller_kills, freezes, controller_freezes,
@@ -53,7 +57,11 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
             cluster.kill(cluster.workers[island])
             cluster.start_worker(island)
         cluster.wait_ready()
-        report["kills"] = KillRun(cluster, faults).run()
+        # the proxy fuzz runs beside the workloads, before the first fault (proxyfuzz.py)
+        proxy = ProxyFuzzer(phase_rng(seed, "proxyfuzz"), cluster.address, cluster.token, "chaos-named")
+        kill_run = KillRun(cluster, faults, beside=(lambda: proxy.run(proxy_requests)) if proxy_requests else None)
+        report["kills"] = kill_run.run()
+        report["proxy_fuzz"] = kill_run.beside_report
     finally:
         if cluster.controller is not None and cluster.controller.poll() is None:
             cluster.controller.terminate()
@@ -62,13 +70,24 @@ def run(seed: int, requests: int, kills: int, controller_kills: int, home: Path 
         report["controller_tracebacks"] = cluster.tracebacks("controller")
         report["worker_tracebacks"] = cluster.tracebacks("worker")
         cluster.close()  # keeps a --keep directory (only a temporary one is removed)
-    k, f = report.get("kills", {}), report.get("fuzz", {})
+    k, f, pf = report.get("kills", {}), report.get("fuzz", {}), report.get("proxy_fuzz", {})
+    beside = pf.get("workloads_beside", {})
     fz = k.get("freezes", {})
     report["checks"] = {
         "controller_tracebacks == 0": report["controller_tracebacks"] == 0,
         "controller UNKNOWN statuses == 0": f.get("controller_unknown") == 0,
         "controller up after fuzz": bool(f.get("controller_up")),
         "islands, hosts, named slices unchanged by fuzz": bool(f.get("state_unchanged")),
+        "proxy fuzz: no UNKNOWN status, no answer saying '(a bug)'":
+            not proxy_requests or (pf.get("unknown") == 0 and pf.get("bug_answers") == 0),
+        "proxy fuzz: no workload call failed or was wrong beside it, each served after it":
+            not proxy_requests or (bool(beside) and all(not w["failed"] and not w["wrong_results"]
+                                                        and w["served_after"] for w in beside.values())),
+        "proxy fuzz: a fresh proxy session computes right after it":
+            not proxy_requests or bool(pf.get("fresh_session_ok")),
+        "proxy fuzz: a client that never reads is held back, its session kept":
+            not proxy_requests or (pf.get("never_reads", {}).get("writes_held_back") is True
+                                   and pf["never_reads"]["ended_early"] is False),
         "wrong results == 0": k.get("wrong_results") == 0 and k.get("job", {}).get("wrong_results", 0) == 0,
         "every workload (across, psum, proxy) served again after the last kill":
             bool(k.get("workloads")) and all(w["served_after_last_kill"] for w in k["workloads"].values()),
@@ -106,8 +125,12 @@ def main() -> None:
                    help=f"SIGSTOP/SIGCONT freezes among the kills (default {FULL['freezes']}; freezes.py)")
     p.add_argument("--controller-freezes", type=int, default=None,
                    help=f"how many of the freezes hit the controller (default {FULL['controller_freezes']})")
+    p.add_argument("--proxy-requests", type=int, default=None,
+                   help=f"hostile IFRT proxy requests beside the workloads (default {FULL['proxy_requests']}; "
+                   "proxyfuzz.py; 0: none)")
     p.add_argument("--quick", action="store_true",
-                   help="the short run the test suite does (600 requests, 5 kills, 1 freeze)")
+                   help=f"the short run the test suite does (600 requests, {QUICK['proxy_requests']} proxy requests, "
+                   "5 kills, 1 freeze)")
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--keep", default=None, help="keep the cluster's data directory (logs, database) here")
     ns = p.parse_args()
@@ -119,11 +142,12 @@ def main() -> None:
     ck = ns.controller_kills if ns.controller_kills is not None else min(base["controller_kills"], kills)
     freezes = ns.freezes if ns.freezes is not None else base["freezes"]
     cf = ns.controller_freezes if ns.controller_freezes is not None else min(base["controller_freezes"], freezes)
+    proxy_requests = ns.proxy_requests if ns.proxy_requests is not None else base["proxy_requests"]
     home = Path(ns.keep) if ns.keep else None
     if home is not None:
         home.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    report = run(ns.seed, requests, kills, ck, home, freezes, cf)
+    report = run(ns.seed, requests, kills, ck, home, freezes, cf, proxy_requests)
     report["seconds"] = round(time.monotonic() - start, 1)
     text = json.dumps(report, indent=2)
     print(text)

@@ -15,7 +15,9 @@ Every result is checked against NumPy (`wrong` must stay 0). A workload that exi
 ended, or a proxy program's call failed) is started again. The job (the `across` workload as a
 job's driver) runs through every kill; at the end it is told to stop and must have succeeded, its
 session having come back after each controller restart (`jobs`). Once every session ended, each
-worker must hold no buffer (`buffers_left`). The calls and the faults are written beside the logs
+worker must hold no buffer (`buffers_left`). A phase given as `beside` (the proxy fuzz) runs
+once every workload serves, before the first fault; their calls meanwhile are its report's
+`workloads_beside`. The calls and the faults are written beside the logs
 (calls.jsonl, faults.jsonl) for reading a run afterwards.
 """
 
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +83,10 @@ class Workload:
 
 class KillRun:
     def __init__(self, cluster: ChaosCluster, faults: list[Step], kinds: tuple[str, ...] = KINDS,
-                 job: bool = True) -> None:
+                 job: bool = True, beside: Callable[[], dict[str, Any]] | None = None) -> None:
         self.cluster = cluster
+        self.beside = beside  # a phase run beside the workloads before the first fault (the proxy fuzz)
+        self.beside_report: dict[str, Any] = {}
         self.kinds = kinds
         self.job = job
         self.job_id = ""
@@ -197,6 +202,8 @@ class KillRun:
                 if time.time() > deadline:
                     raise RuntimeError(f"job {self.job_id} made no call in 90 s (see {c.home / 'jobs'})")
                 time.sleep(0.2)
+        if self.beside is not None:
+            self.beside_report = self._run_beside(self.beside)
         start = time.time()
         for step in self.faults:
             time.sleep(step.pause_s)  # calls flow, then the fault comes at a random moment
@@ -226,6 +233,28 @@ class KillRun:
             for r in self.records:
                 out.write(json.dumps(r) + "\n")
         return self.summary(time.time() - start)
+
+    def _run_beside(self, phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Runs `phase` while the workloads run; its report, with how their calls went meanwhile
+        (`workloads_beside`: none may fail or be wrong) and whether each kind served a call
+        started after it (within `RECOVERY_LIMIT_S`)."""
+        since = time.time()
+        report = phase()
+        until = time.time()
+        served = {kind: False for kind in self.kinds}
+        while time.time() < until + RECOVERY_LIMIT_S and not all(served.values()):
+            for kind in self.kinds:
+                served[kind] = served[kind] or any(x["ok"] and x["start"] >= until for x in self._current(kind).calls)
+            time.sleep(0.05)
+        during = [x for x in self._calls() if x["end"] >= since and x["start"] <= until]
+        report["workloads_beside"] = {
+            kind: {"calls": sum(1 for x in during if x["kind"] == kind),
+                   "failed": sum(1 for x in during if x["kind"] == kind and not x["ok"]),
+                   "wrong_results": sum(1 for x in during if x["kind"] == kind and x.get("wrong")),
+                   "served_after": served[kind],
+                   "errors": sorted({x.get("error", "")[:200] for x in during if x["kind"] == kind and not x["ok"]})}
+            for kind in self.kinds}
+        return report
 
     def _settle(self) -> dict[str, bool]:
         """After the last kill: whether each kind served a call again (checking none is stuck),

@@ -3,8 +3,9 @@ ones made as bytes without building a message.
 
 `AnswerWriter` owns the stream's writes (grpc.aio allows one write in flight per call): the
 session's reader hands it each answer (`put`) and goes on reading; the writer task writes them
-one after another. A reader that finds `MAX_QUEUED` answers unwritten waits until the writer has
-caught up (`room`), so a client that never reads holds only its own session's answers.
+one after another. A reader that finds `MAX_QUEUED` answers, or `MAX_QUEUED_BYTES` bytes of them,
+unwritten waits until the writer has caught up (`room`), so a client that never reads holds only
+its own session's answers, and a bounded amount of them.
 
 Pre-serialized answers (`Encoder`): an `IfrtResponse` is its `response_metadata` (the op id)
 followed by the one response field of its kind; serialized messages concatenate into their
@@ -27,25 +28,33 @@ from google.protobuf import descriptor
 from .. import wire
 
 MAX_QUEUED = 4096  # answers of one session written at most behind the reader
+MAX_QUEUED_BYTES = 64 << 20  # and at most this many bytes of them (an answer can be as large as its request)
 
 
 class AnswerWriter:
-    """Writes a session's answers with `write` (the call's `context.write`), in `put` order."""
+    """Writes a session's answers with `write` (the call's `context.write`), in `put` order.
+    Full at `max_queued` answers or `max_bytes` bytes unwritten: a client that never reads, sending
+    requests whose answers are large (a GetDefaultLayout of 100,000 dimensions answers 0.6 MB),
+    made the controller hold up to 4,096 of them (the proxy fuzz: 0.5 GB in 20 s, still growing)."""
 
-    def __init__(self, write: Callable[[bytes], Awaitable[None]], max_queued: int = MAX_QUEUED) -> None:
+    def __init__(self, write: Callable[[bytes], Awaitable[None]], max_queued: int = MAX_QUEUED,
+                 max_bytes: int = MAX_QUEUED_BYTES) -> None:
         self._write = write
         self._queue: collections.deque[bytes] = collections.deque()
         self._max = max_queued
+        self._max_bytes = max_bytes
+        self._bytes = 0  # of the queued answers
         self._wake: asyncio.Future[None] | None = None  # the idle writer waits on it
         self._space: asyncio.Future[None] | None = None  # a reader waits on it for room
         self._closed = False
 
     @property
     def full(self) -> bool:
-        return len(self._queue) >= self._max
+        return len(self._queue) >= self._max or self._bytes >= self._max_bytes
 
     def put(self, answer: bytes) -> None:
         self._queue.append(answer)
+        self._bytes += len(answer)
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -56,7 +65,7 @@ class AnswerWriter:
             self._wake.set_result(None)
 
     async def room(self) -> None:
-        """Returns once fewer than `max_queued` answers wait to be written."""
+        """Returns once fewer than `max_queued` answers (and `max_bytes` bytes) wait to be written."""
         while self.full:
             if self._space is None or self._space.done():
                 self._space = asyncio.get_running_loop().create_future()
@@ -67,8 +76,10 @@ class AnswerWriter:
         queue = self._queue
         while True:
             while queue:
-                await self._write(queue.popleft())
-                if self._space is not None and not self._space.done() and len(queue) < self._max:
+                answer = queue.popleft()
+                await self._write(answer)
+                self._bytes -= len(answer)
+                if self._space is not None and not self._space.done() and not self.full:
                     self._space.set_result(None)
             if self._closed:
                 return

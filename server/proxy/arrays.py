@@ -283,7 +283,7 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
     handle = r.array_handle or session.handles.new_handle()
     session.handles.reserve(handle)  # before any await: later requests may use it (handles.py)
     dtype = numpy_dtype(r.dtype)
-    shape = tuple(int(d) for d in r.shape.dims)
+    shape = sh.shape_of(r.shape.dims)
     sharding = parse_sharding(session, r.sharding, proto)
     held = await session.buffers.take_any(r.host_buffer_handle)  # may still be arriving (req. 5)
     strides = list(r.byte_strides.strides) if r.HasField("byte_strides") else []
@@ -325,7 +325,7 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
         session.handles.reserve(h)
     for h, spec in zip(handles, r.specs, strict=True):
         dtype = numpy_dtype(spec.array_spec.dtype)
-        shape = tuple(int(d) for d in spec.array_spec.shape.dims)
+        shape = sh.shape_of(spec.array_spec.shape.dims)
         sharding = parse_sharding(session, spec.array_spec.sharding, proto)
         domains = sharding.domains(shape)
         if len(spec.addressable_shard_indices) != len(spec.host_buffers):
@@ -333,7 +333,7 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
         shards: list[ShardBuffer] = []
         try:
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
-                hb_shape = tuple(int(d) for d in hb.shape.dims)
+                hb_shape = sh.shape_of(hb.shape.dims)
                 if numpy_dtype(hb.dtype) != dtype:
                     raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
                 held = await session.buffers.take_any(hb.host_buffer_handle)  # staged ones are on a worker
@@ -424,7 +424,8 @@ async def destruct_array(session: Session, req: Message, resp: Message, proto: A
 
 
 async def delete_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    await release(session, req.delete_array_request.array_handle)
+    for handle in req.delete_array_request.array_handle:  # repeated, as DestructArray's
+        await release(session, handle)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     done.set_result(None)
     future_handle = session.handles.new_handle()

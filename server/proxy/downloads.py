@@ -297,4 +297,41 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     resp.copy_to_host_buffer_response.SetInParent()
 
 
+async def _send(context: Any, message: bytes | memoryview) -> None:
+    """Writes one message of a lookup, waiting for the client's flow-control window. A write that
+    fails is a client gone (it hung up, or its connection broke): gRPC can fail the write before
+    it marks the call cancelled, and then logs the failure as an error with a traceback (a
+    client that never read its lookup, then hung up, did so: the chaos run's proxy fuzz), so it
+    ends the handler as the cancellation it is."""
+    try:
+        await context.write(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # grpc's ExecuteBatchError (private) and kin: the call is over
+        raise asyncio.CancelledError from None
+
+
+async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> None:
+    """A HostBufferLookup's messages: bytes kept here in `chunk`s (serialized here, one copy of
+    each), or a download's messages read from a worker and each sent on, unparsed, before the
+    next is read, so the controller holds a few however slowly the client reads (BackendError
+    when the workers fail it). A client that goes away cancels the handler, which closes the
+    download's `messages` and with it the worker's fetch."""
+    if isinstance(data, Streamed):
+        sent = 0
+        async with contextlib.aclosing(data.messages()) as messages:
+            async for message in messages:
+                sent += wire.data_length(message)
+                await _send(context, message)
+        if sent != data.nbytes:
+            raise BackendError("INTERNAL", f"host buffer {handle}: the workers sent {sent} bytes of {data.nbytes}")
+        return
+    if not data.nbytes:
+        await _send(context, b"")
+    for part in data.parts:
+        view = memoryview(part).cast("B")
+        for offset in range(0, len(view), chunk):
+            await _send(context, wire.data_message(view[offset : offset + chunk]))
+
+
 HANDLERS = {"copy_to_host_buffer_request": copy_to_host_buffer}

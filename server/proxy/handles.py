@@ -27,6 +27,8 @@ from typing import Any, Protocol
 from .. import wire
 
 SERVER_HANDLE_BASE = 1 << 62
+# what a handle of each kind is, in an error's words (not the class's name)
+_NOUNS = {"ArrayRecord": "an array", "LoadedExecutable": "a loaded executable", "Future": "a future"}
 
 
 class HandleError(Exception):
@@ -126,7 +128,7 @@ class HandleTable:
         if isinstance(value, Pending):
             raise HandleError("FAILED_PRECONDITION", f"handle {handle} is not ready")
         if kind is not None and not isinstance(value, kind):
-            raise HandleError("INVALID_ARGUMENT", f"handle {handle} is not a {kind.__name__}")
+            raise HandleError("INVALID_ARGUMENT", f"handle {handle} is not {_NOUNS.get(kind.__name__, kind.__name__)}")
         return value
 
     def pop(self, handle: int) -> Any:
@@ -263,7 +265,9 @@ class HostBuffers:
 
     def reserve(self, size: int) -> None:
         """Checks a store of `size` bytes fits before its bytes are read."""
-        if size < 0 or self._held + size > self._limit:
+        if size < 0:
+            raise HandleError("INVALID_ARGUMENT", f"host buffer of {size} bytes: a size is 0 or more")
+        if self._held + size > self._limit:
             raise HandleError(
                 "RESOURCE_EXHAUSTED",
                 f"host buffer of {size} bytes: the session holds {self._held} of at most {self._limit} bytes",

@@ -55,7 +55,7 @@ async def assemble(session: Session, req: Message, resp: Message, proto: Any) ->
     shards = [await session.handles.resolve(h, ArrayRecord) for h in r.single_device_array_handles]
     if not shards:
         raise HandleError("INVALID_ARGUMENT", "an array assembled from no shards")
-    shape = tuple(int(d) for d in r.shape.dims)
+    shape = sh.shape_of(r.shape.dims)
     dtype = numpy_dtype(r.dtype) if r.HasField("dtype") else shards[0].dtype
     sharding = parse_sharding(session, r.sharding, proto)
     if len(shards) != len(sharding.devices):
@@ -115,7 +115,7 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
     specs = []
     for spec in plan.output_specs:
         sharding = parse_sharding(session, spec.sharding, proto)
-        specs.append((numpy_dtype(spec.dtype), tuple(int(d) for d in spec.shape.dims), sharding))
+        specs.append((numpy_dtype(spec.dtype), sh.shape_of(spec.shape.dims), sharding))
     parts: list[dict[int, tuple[Part, Index | None]]] = [{} for _ in specs]
     for m in plan.mappings:
         if not (0 <= m.in_array < len(inputs) and 0 <= m.out_array < len(specs)):

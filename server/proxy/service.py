@@ -35,11 +35,11 @@ import grpc
 from grpc import aio
 
 from .. import wire
-from . import arrays, downloads, executables, reshard
+from . import arrays, downloads, executables, reshard, shardings
 from . import protocol as proto_mod
 from .answers import AnswerWriter, Encoder
 from .backend import BackendError, ClusterBackend, SessionBackend
-from .handles import HandleError, HandleTable, HostBuffers, HostData, Streamed
+from .handles import HandleError, HandleTable, HostBuffers, HostData
 from .running import Runner
 from .staging import Staging
 
@@ -107,6 +107,21 @@ def _handles(req: Message, fields: Mapping[str, Sequence[str]], kind: str | None
         value = getattr(sub, name, 0)
         out.extend([value] if isinstance(value, int) else value)
     return out
+
+
+def _slice_request(init: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The slice name and device count a session's initialization data asks for: a UTF-8 name
+    and a positive count, as the plugin sends them (else RequestError)."""
+    name, devices = init.get(SLICE_KEY), init.get(DEVICES_KEY)
+    try:
+        text = name.decode() if isinstance(name, bytes) else None
+    except UnicodeDecodeError:
+        text = None
+    if name is not None and text is None:
+        raise RequestError("INVALID_ARGUMENT", f"{SLICE_KEY} must be a slice name in UTF-8")
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or not 0 < devices < 2**31):
+        raise RequestError("INVALID_ARGUMENT", f"{DEVICES_KEY}={devices!r}: expected a positive number of devices")
+    return text or None, devices
 
 
 Admit = Callable[[str], AbstractContextManager[None]]  # the caller's peer -> its place (BackendError: none left)
@@ -239,42 +254,17 @@ class ProxyService:
                 staging.discard()
         return EMPTY
 
-    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> None:
         session = await self._session_of(request.session_id, context)
         try:
             data = await session.buffers.lookup_bytes(request.handle)
         except (HandleError, BackendError) as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
-        if isinstance(data, Streamed):  # from the workers, as the client reads (downloads.py)
-            async for message in self._streamed(session, request.handle, data, context):
-                yield message
-            return
-        if not data.nbytes:
-            yield EMPTY
-        for part in data.parts:  # serialized here: one copy of each chunk (wire.py)
-            view = memoryview(part).cast("B")
-            for offset in range(0, len(view), LOOKUP_CHUNK):
-                yield wire.data_message(view[offset : offset + LOOKUP_CHUNK])
-
-    async def _streamed(self, session: Session, handle: int, data: Streamed,
-                        context: aio.ServicerContext) -> AsyncIterator[bytes]:
-        """A download's lookup: each message read from a worker is sent on, as it came (the
-        worker's `FetchData` is a lookup message on the wire: downloads.py), before the next is
-        read, and gRPC's write waits for the client's flow-control window, so the controller
-        holds a few messages however slowly the client reads. A client that goes away cancels
-        this handler, which closes `messages` and with it the worker's fetch."""
-        sent = 0
-        try:
-            async with contextlib.aclosing(data.messages()) as messages:
-                async for message in messages:
-                    sent += wire.data_length(message)
-                    yield message
+        try:  # the bytes kept here, or a download from the workers as the client reads (downloads.py)
+            await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
         except BackendError as e:
-            log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, handle, e)
+            log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, request.handle, e)
             await context.abort(grpc.StatusCode[e.code], str(e))
-        if sent != data.nbytes:
-            await context.abort(grpc.StatusCode.INTERNAL, f"host buffer {handle}: the workers sent {sent} bytes of "
-                                f"{data.nbytes}")
 
     async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
         session = await self._session_of(request.session_id, context)
@@ -314,16 +304,12 @@ class ProxyService:
         if len(self._sessions) >= self._max_sessions:
             raise RequestError("RESOURCE_EXHAUSTED", f"{len(self._sessions)} IFRT proxy sessions are open, the "
                                "controller's limit (--max-sessions): retry when one ends")
-        slice_name = init.get(SLICE_KEY)
-        devices = init.get(DEVICES_KEY)
+        slice_name, devices = _slice_request(init)
         place = contextlib.ExitStack()
         try:
             if self._admit is not None:
                 place.enter_context(self._admit(context.peer()))
-            backend = await self._cluster.open_session(
-                slice_name.decode() if isinstance(slice_name, bytes) else None,
-                devices if isinstance(devices, int) and not isinstance(devices, bool) else None,
-            )
+            backend = await self._cluster.open_session(slice_name, devices)
         except BackendError as e:
             place.close()
             raise RequestError(e.code, str(e)) from None
@@ -485,13 +471,13 @@ class ProxyService:
             m.debug_string = m.to_string = f"MEMORY_SPACE_{dev.id}"
 
     async def _default_layout(self, session: Session, req: Message, resp: Message) -> None:
-        resp.get_default_layout_response.serialized_pjrt_layout = default_layout(
-            len(req.get_default_layout_request.dims)
-        )
+        dims = shardings.shape_of(req.get_default_layout_request.dims, "a layout")
+        resp.get_default_layout_response.serialized_pjrt_layout = default_layout(len(dims))
 
     async def _check_future(self, session: Session, req: Message, resp: Message) -> None:
         handle = req.check_future_request.future_handle
-        future = session.handles.get(handle)  # raises the op's own error, or NOT_FOUND
+        # the op's own error, NOT_FOUND, or INVALID_ARGUMENT for a handle that is no future (an array)
+        future = session.handles.get(handle, asyncio.Future)
         session.handles.pop(handle)
         await future
         resp.check_future_response.SetInParent()

@@ -20,9 +20,20 @@ from .handles import HandleError
 Message = Any
 Index = tuple[slice, ...]
 
+# The dimensions a shape may have: far above any array's (NumPy allows 64), and a bound on the work
+# one request asks of the event loop (a GetDefaultLayout of 20 million dimensions, 74 MiB, held
+# every other session's answers 8 s: the proxy fuzz)
+MAX_RANK = 4096
 SINGLE_DEVICE = "xla::ifrt::SingleDeviceSharding"
 HLO = "xla::ifrt::HloSharding"
 CONCRETE_EVEN = "xla::ifrt::ConcreteEvenSharding"
+
+
+def shape_of(dims: Any, what: str = "a shape") -> tuple[int, ...]:
+    """A ShapeProto's dims as a tuple; INVALID_ARGUMENT past `MAX_RANK` dimensions."""
+    if len(dims) > MAX_RANK:
+        raise HandleError("INVALID_ARGUMENT", f"{what} of {len(dims)} dimensions: at most {MAX_RANK}")
+    return tuple(int(d) for d in dims)
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,7 @@ def parse(sharding: Message, proto: Any, known: set[int]) -> Sharding:
             even = proto.cls("xla.ifrt.ConcreteEvenShardingProto").FromString(serialized.data)
             devices = tuple(int(d) for d in even.devices.device_ids)
             out = Sharding(devices, None, None if even.is_fully_replicated or len(devices) == 1 else
-                           _even_domains(tuple(even.shape.dims), tuple(even.shard_shape.dims), len(devices)))
+                           _even_domains(shape_of(even.shape.dims), shape_of(even.shard_shape.dims), len(devices)))
         else:
             raise HandleError("UNIMPLEMENTED", f"sharding {kind or '(none)'} is not supported by the Pathways IFRT "
                               "proxy server (single-device and HLO shardings are)")

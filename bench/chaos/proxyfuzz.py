@@ -49,6 +49,7 @@ DEADLINE_S = 0.4  # an answer not there by then counts as NO_ANSWER
 SESSIONS = 3  # valid sessions fuzzed side by side
 BATCH = 6  # at most this many requests written before their answers are awaited
 MIB = 1 << 20
+HOST_RPCS = ("store", "lookup", "delete", "version")  # the host-buffer RPCs and GetVersion
 CODES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
@@ -140,6 +141,7 @@ class ProxyFuzzer:
         self.sessions_opened = 0
         self.unread_written = 0  # requests the never-reading session wrote
         self.unread_ended = False  # whether its stream ended before the run did
+        self._host_rpcs = 0  # host_rpc calls made
 
     # ---- records ----
     def record(self, name: str, code: str, message: str = "") -> None:
@@ -306,7 +308,10 @@ class ProxyFuzzer:
         rng = self.rng
         sid = rng.choice([sid, sid, sid, rng.getrandbits(64), 0, *(t for t in self._sids[-4:] if t != sid)])
         handle = self.crafter.handle(own, [t for t in self.tenants if t is not own])
-        what = rng.choice(["store", "store", "lookup", "delete", "version"])
+        # each kind once first, so that a short run (the quick one: ~15 of these) covers all four
+        what = HOST_RPCS[self._host_rpcs] if self._host_rpcs < len(HOST_RPCS) else rng.choice(
+            ["store", "store", "lookup", "delete", "version"])
+        self._host_rpcs += 1
         if what == "store":
             size = rng.choice([0, 1, 16, 4096, 5 * MIB])
             announced = rng.choice([size, size, size + 1, max(size - 1, 0), -1, 2**63 - 1, 9 << 30, 0])

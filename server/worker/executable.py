@@ -153,6 +153,12 @@ def _held_whole(x: jax.Array) -> np.ndarray | None:
     return None
 
 
+def _host_spec(aval: jax.ShapeDtypeStruct) -> np.ndarray:
+    """A host array of `aval`'s shape and dtype that holds no memory (one element, broadcast),
+    to lower a program as it is called with uploads."""
+    return np.broadcast_to(np.zeros((), aval.dtype), aval.shape)
+
+
 def _only_device(sharding: Sharding) -> jax.Device | None:
     """The device of a sharding that places the whole array on one device (unpinned memory),
     else None."""
@@ -248,10 +254,16 @@ class Executable(Runnable):
                 NamedSharding(self.mesh, PartitionSpec()) if o is None else o for o in outs
             )
         else:
-            # collectives appear only after SPMD partitioning: read them from the compiled HLO
+            # collectives appear only after SPMD partitioning: read them from the compiled HLO.
+            # jit keeps one compiled program per pattern of host (numpy) and jax.Array inputs, and
+            # this one serves the calls of the pattern it was lowered for: that of a first call,
+            # whose inputs are uploads (host arrays, passed as they are) wherever `__call__` would
+            # pass them so. Lowered for jax.Arrays instead, a training step compiled three times
+            # (this, its first call, then the later calls' mix of outputs and a fresh batch),
+            # the two unused programs held until unloaded (bench/FINDINGS.md, 2026-11-27 06:20).
             specs = [
-                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(self.in_avals, self.in_shardings, strict=True)
+                _host_spec(a) if addressable else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s, addressable in zip(self.in_avals, self.in_shardings, self._addressable, strict=True)
             ]
             compiled = self._jitted.lower(*specs).compile()
             self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))

@@ -146,8 +146,8 @@ WORKER = textwrap.dedent(
     out["reloaded"] = all(ex.loaded for ex in live)
     out["unused_now"] = unload_unused(3600.0)
     # Backend compilations of a multi-device function: its construction compiles it (for its
-    # output shardings), a first call with uploads (host arrays) runs that same program, a call
-    # with jax.Arrays compiles the program for that pattern of inputs.
+    # output shardings); the first call, with uploads (host arrays), runs that program, and so do
+    # calls with jax.Arrays; host arrays again: jit compiles its program for them.
     from jax._src.dispatch import BACKEND_COMPILE_EVENT
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -161,6 +161,9 @@ WORKER = textwrap.dedent(
     counts.append(len(compiles))
     fresh([jax.device_put(x, s) for x, s in zip(host, fresh.in_shardings)])
     counts.append(len(compiles))
+    out["host_again"] = [to_numpy(r).tolist() for r in fresh(host)]
+    counts.append(len(compiles))
+    out["host_first"] = out["sumsq"]["outputs"]
     out["compiles"] = counts
     print(json.dumps(out))
     """
@@ -285,8 +288,9 @@ def test_unload_and_recompile_on_worker(worker_run):
 def test_a_first_call_with_uploads_runs_the_program_compiled_with_the_function(worker_run):
     _fns, res = worker_run
     # construction 1; the first call, with host arrays as uploads arrive, compiles nothing more
-    # (it compiled once more when construction lowered for jax.Arrays); jax.Arrays: one more
-    assert res["compiles"] == [1, 1, 2]
+    # (it compiled once more when it went through jit); jax.Arrays nothing; host arrays again 1
+    assert res["compiles"] == [1, 1, 1, 2]
+    assert res["host_again"] == res["host_first"]
 
 
 def test_exported_metadata():

@@ -57,6 +57,7 @@ class Runnable:
     out_shardings: tuple[Sharding, ...]
     has_collectives: bool
     _jitted: Any
+    _first: Any = None  # the program compiled at construction, for the first call (Executable)
 
     def _init_call_path(self) -> None:
         self._shapes = [a.shape for a in self.in_avals]
@@ -79,6 +80,7 @@ class Runnable:
         """Drops the compiled program (often MiBs, tens of MiBs for a long fused segment); the
         next call compiles it again, so this only trades memory for a later compilation."""
         self.loaded = False
+        self._first = None
         self._jitted.clear_cache()
 
     @property
@@ -141,6 +143,13 @@ class Runnable:
                     continue  # jit places a host array onto its input sharding in C++ (a third of device_put's cost)
                 placed[i] = self._place(i, x)
                 ok[i] = getattr(placed[i], "sharding", None)
+        first = self._first
+        if first is not None:
+            self._first = None
+            try:
+                return list(first(*placed))
+            except ValueError:  # an input `Compiled` refuses (its checks are stricter than jit's)
+                pass
         return list(self._jitted(*placed))
 
 
@@ -151,12 +160,6 @@ def _held_whole(x: jax.Array) -> np.ndarray | None:
         if all(s.start in (None, 0) and s.stop in (None, n) for s, n in zip(shard.index, x.shape, strict=True)):
             return np.asarray(shard.data)
     return None
-
-
-def _host_spec(aval: jax.ShapeDtypeStruct) -> np.ndarray:
-    """A host array of `aval`'s shape and dtype that holds no memory (one element, broadcast),
-    to lower a program as it is called with uploads."""
-    return np.broadcast_to(np.zeros((), aval.dtype), aval.shape)
 
 
 def _only_device(sharding: Sharding) -> jax.Device | None:
@@ -254,18 +257,18 @@ class Executable(Runnable):
                 NamedSharding(self.mesh, PartitionSpec()) if o is None else o for o in outs
             )
         else:
-            # collectives appear only after SPMD partitioning: read them from the compiled HLO.
-            # jit keeps one compiled program per pattern of host (numpy) and jax.Array inputs, and
-            # this one serves the calls of the pattern it was lowered for: that of a first call,
-            # whose inputs are uploads (host arrays, passed as they are) wherever `__call__` would
-            # pass them so. Lowered for jax.Arrays instead, a training step compiled three times
-            # (this, its first call, then the later calls' mix of outputs and a fresh batch),
-            # the two unused programs held until unloaded (bench/FINDINGS.md, 2026-11-27 06:20).
+            # collectives appear only after SPMD partitioning: read them from the compiled HLO
             specs = [
-                _host_spec(a) if addressable else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s, addressable in zip(self.in_avals, self.in_shardings, self._addressable, strict=True)
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(self.in_avals, self.in_shardings, strict=True)
             ]
             compiled = self._jitted.lower(*specs).compile()
+            # jit keeps one compiled program per pattern of host (numpy) and jax.Array inputs;
+            # this one serves its calls with jax.Arrays only, and a first call's inputs are often
+            # uploads (host arrays, passed as they are): the first call runs it (`Compiled` takes
+            # either kind) rather than compiling once more for its pattern (bench/FINDINGS.md,
+            # 2026-11-27 07:00: a training step compiled three times, now twice)
+            self._first = compiled
             self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
             self.has_collectives = bool(_HLO_COLLECTIVE_RE.search(compiled.as_text() or ""))
 

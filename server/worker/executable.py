@@ -267,7 +267,7 @@ class Executable(Runnable):
             # this one serves its calls with jax.Arrays only, and a first call's inputs are often
             # uploads (host arrays, passed as they are): the first call runs it (`Compiled` takes
             # either kind) rather than compiling once more for its pattern (bench/FINDINGS.md,
-            # 2026-11-27 07:00: a training step compiled three times, now twice)
+            # 2026-11-27 05:49: a training step compiled three times, now twice)
             self._first = compiled
             self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
             self.has_collectives = bool(_HLO_COLLECTIVE_RE.search(compiled.as_text() or ""))

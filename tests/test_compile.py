@@ -145,6 +145,26 @@ WORKER = textwrap.dedent(
     out["same_after_unload"] = all(again[k] == out[k]["outputs"] for k in spec)
     out["reloaded"] = all(ex.loaded for ex in live)
     out["unused_now"] = unload_unused(3600.0)
+    # Backend compilations of a multi-device function: its construction compiles it (for its
+    # output shardings); the first call, with uploads (host arrays), runs that program, and so do
+    # calls with jax.Arrays; host arrays again: jit compiles its program for them.
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_kw: compiles.append(1) if event == BACKEND_COMPILE_EVENT else None)
+    case = spec["sumsq"]
+    fresh = ExecutableCache().get_or_compile(case["id"], open(case["file"], "rb").read(),
+                                             [devs[i] for i in case["devices"]])
+    counts = [len(compiles)]
+    host = [from_bytes(dt, shape, bytes.fromhex(h)) for dt, shape, h in case["inputs"]]
+    fresh(host)
+    counts.append(len(compiles))
+    fresh([jax.device_put(x, s) for x, s in zip(host, fresh.in_shardings)])
+    counts.append(len(compiles))
+    out["host_again"] = [to_numpy(r).tolist() for r in fresh(host)]
+    counts.append(len(compiles))
+    out["host_first"] = out["sumsq"]["outputs"]
+    out["compiles"] = counts
     print(json.dumps(out))
     """
 )
@@ -263,6 +283,14 @@ def test_unload_and_recompile_on_worker(worker_run):
     assert res["unloaded"] >= res["cache_len"]
     assert res["all_unloaded"] and res["reloaded"] and res["same_after_unload"]
     assert res["unused_now"] == 0  # all of them ran within the hour
+
+
+def test_a_first_call_with_uploads_runs_the_program_compiled_with_the_function(worker_run):
+    _fns, res = worker_run
+    # construction 1; the first call, with host arrays as uploads arrive, compiles nothing more
+    # (it compiled once more when it went through jit); jax.Arrays nothing; host arrays again 1
+    assert res["compiles"] == [1, 1, 1, 2]
+    assert res["host_again"] == res["host_first"]
 
 
 def test_exported_metadata():

@@ -57,6 +57,7 @@ class Runnable:
     out_shardings: tuple[Sharding, ...]
     has_collectives: bool
     _jitted: Any
+    _first: Any = None  # the program compiled at construction, for the first call (Executable)
 
     def _init_call_path(self) -> None:
         self._shapes = [a.shape for a in self.in_avals]
@@ -79,6 +80,7 @@ class Runnable:
         """Drops the compiled program (often MiBs, tens of MiBs for a long fused segment); the
         next call compiles it again, so this only trades memory for a later compilation."""
         self.loaded = False
+        self._first = None
         self._jitted.clear_cache()
 
     @property
@@ -141,6 +143,13 @@ class Runnable:
                     continue  # jit places a host array onto its input sharding in C++ (a third of device_put's cost)
                 placed[i] = self._place(i, x)
                 ok[i] = getattr(placed[i], "sharding", None)
+        first = self._first
+        if first is not None:
+            self._first = None
+            try:
+                return list(first(*placed))
+            except ValueError:  # an input `Compiled` refuses (its checks are stricter than jit's)
+                pass
         return list(self._jitted(*placed))
 
 
@@ -254,6 +263,12 @@ class Executable(Runnable):
                 for a, s in zip(self.in_avals, self.in_shardings, strict=True)
             ]
             compiled = self._jitted.lower(*specs).compile()
+            # jit keeps one compiled program per pattern of host (numpy) and jax.Array inputs;
+            # this one serves its calls with jax.Arrays only, and a first call's inputs are often
+            # uploads (host arrays, passed as they are): the first call runs it (`Compiled` takes
+            # either kind) rather than compiling once more for its pattern (bench/FINDINGS.md,
+            # 2026-11-27 05:49: a training step compiled three times, now twice)
+            self._first = compiled
             self.out_shardings = tuple(jax.tree.leaves(compiled.output_shardings))
             self.has_collectives = bool(_HLO_COLLECTIVE_RE.search(compiled.as_text() or ""))
 

@@ -142,7 +142,7 @@ LONGEST_FILES = ("test_multihost.py", "test_restart_sessions.py", "test_scheduli
                  "test_slices_integration.py", "test_jobs.py", "test_trust_worker.py", "test_proxy_sharded.py",
                  "test_operator_edges.py", "test_programs.py", "test_hosts.py", "test_relays.py",
                  "test_status.py", "test_job_supervisor.py", "test_tls.py", "test_frozen_peer.py",
-                 "test_chaos.py")
+                 "test_chaos.py", "test_grpc_dead_peer.py", "test_tcp_dead_peer.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -29,7 +29,7 @@ import logging
 import select
 import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -210,6 +210,33 @@ def broken(guard: Guard | None, doing: str, address: str, what: str) -> BackendE
     return lost or BackendError("UNAVAILABLE", f"{doing} worker {address} failed: the connection broke ({what})")
 
 
+class _Lease:
+    """A connection lent to one request, watched by `guard` (its host lost: the connection is shut
+    down); given back to the pool if `keep` is set once the request ends, else closed."""
+
+    def __init__(self) -> None:
+        self.guard: Guard | None = None
+        self.keep = False  # set where the connection is left between two requests
+
+
+@contextlib.contextmanager
+def _lent(links: BulkLinks, address: str, link: Link, watch: HostWatch | None, doing: str) -> Iterator[_Lease]:
+    """The request's use of `link`: a socket error is its UNAVAILABLE (or its lost host's error)."""
+    lease = _Lease()
+    try:
+        lease.guard = watch.guard(address, link, doing) if watch is not None else None
+        yield lease
+    except (OSError, ValueError) as e:
+        raise broken(lease.guard, doing, address, str(e)) from None
+    finally:
+        if lease.guard is not None:
+            lease.guard.stop()
+        if lease.keep:
+            links.give(address, link)
+        else:
+            links.drop(address, link)
+
+
 async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, address: str, watch: HostWatch | None,
                         fallback: Callable[[], AsyncGenerator[bytes, None]]) -> AsyncGenerator[bytes, None]:
     """fetching.data_messages on a connection (`fallback()`'s, by gRPC, where there is none):
@@ -223,17 +250,14 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
                 yield raw
         return
     loop = asyncio.get_running_loop()
-    ok = False
-    guard: Guard | None = None
-    try:
-        guard = watch.guard(address, link, DOWNLOADING) if watch is not None else None
+    with _lent(links, address, link, watch, DOWNLOADING) as lease:
         answer = await loop.run_in_executor(POOL, link.ask, bulklink.request(bulklink.FETCH,
                                                                               request.SerializeToString()))
         if answer is None:
-            raise broken(guard, DOWNLOADING, address, "before its answer")
+            raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer
         if code:
-            ok = True
+            lease.keep = True
             if code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
                 raise BackendError("FAILED_PRECONDITION", message)
             raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
@@ -246,17 +270,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
                 got += len(data)
                 yield data
             if len(batch) < len(want):
-                raise broken(guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
-        ok = True
-    except (OSError, ValueError) as e:
-        raise broken(guard, DOWNLOADING, address, str(e)) from None
-    finally:
-        if guard is not None:
-            guard.stop()
-        if ok:
-            links.give(address, link)
-        else:
-            links.drop(address, link)
+                raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+        lease.keep = True
 
 
 async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatch | None, owner: str,
@@ -265,28 +280,16 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
     `PutBuffers`, one refused does not stop the others, and the first refusal is raised at the
     end (UNAVAILABLE naming the worker and its reason)."""
     loop = asyncio.get_running_loop()
-    ok = False
-    guard: Guard | None = None
     first: str | None = None
-    try:
-        guard = watch.guard(address, link, UPLOADING) if watch is not None else None
+    with _lent(links, address, link, watch, UPLOADING) as lease:
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
             answer = await loop.run_in_executor(POOL, link.put, [bulklink.request(bulklink.PUT, header), *data.parts])
             if answer is None:
-                raise broken(guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
+                raise broken(lease.guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
             if answer[0] and first is None:
                 first = answer[2]
-        ok = True
-    except (OSError, ValueError) as e:
-        raise broken(guard, UPLOADING, address, str(e)) from None
-    finally:
-        if guard is not None:
-            guard.stop()
-        if ok:
-            links.give(address, link)
-        else:
-            links.drop(address, link)
+        lease.keep = True
     if first is not None:
         raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {first}")
 

@@ -63,7 +63,7 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..bulklink import SESSION_MAGIC
+from ..bulklink import SESSION_MAGIC, recv_exact
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -100,20 +100,9 @@ Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it 
 SessionServe = Callable[[socket.socket, bytes, object], None]
 
 
-def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    """Fills `view` from the connection; False when the peer closed it first."""
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
 def _read(conn: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
-    return bytes(buf) if _recv_exact(conn, memoryview(buf)) else None
+    return bytes(buf) if recv_exact(conn, memoryview(buf)) else None
 
 
 def _stalled(e: OSError) -> bool:
@@ -287,7 +276,7 @@ class TcpReceiver:
             raise ValueError(f"malformed array {header.array.dtype}{list(shape)}")
         arr = aligned_empty(shape, dtype)  # XLA on CPU then takes it without a copy (schemas/arrays.py)
         try:
-            whole = _recv_exact(conn, byte_view(arr)) if arr.nbytes else True
+            whole = recv_exact(conn, byte_view(arr)) if arr.nbytes else True
         except OSError as e:
             # a sender gone silent (its host vanished, or it froze) or a broken connection: as
             # below. Said here, in a string: a log record holding `e` would keep `arr` alive

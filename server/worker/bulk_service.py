@@ -21,7 +21,6 @@ import hmac
 import logging
 import socket
 import ssl
-from typing import Any
 
 import grpc
 import numpy as np
@@ -32,9 +31,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from .. import bulklink, wire
 from ..credentials import Caller, check_session
 from ..threadnames import name_native_thread
-from .buffers import BufferFailed
-from .parts import part_sources, uploaded_part
-from .servicer import WorkerServicer
+from .servicer import WorkerServicer, fetched_range
 from .servicer import _bounded as bounded_wait
 from .uploads import check_spec
 
@@ -129,20 +126,12 @@ class BulkSessions:
             if ready:
                 value = s.store.wait(bid, 0.0, False)
                 arr = await asyncio.get_running_loop().run_in_executor(s._pool, to_numpy, value)
-        except (BufferFailed, TimeoutError) as e:
-            error = str(e)
-        except Exception as e:  # the computation behind the array failed
-            group = s.executor.runners.group
-            error = f"{type(e).__name__}: {e}"
-            error = group.explain(error) if group.active else error
+        except Exception as e:
+            error = s._fetch_failure(e)
         if arr is None:
             return _code(grpc.StatusCode.FAILED_PRECONDITION), error
-        data = byte_view(arr)
-        end = request.offset + request.length if request.length else len(data)
-        if end > len(data) or request.offset > end:
-            return (_code(grpc.StatusCode.OUT_OF_RANGE),
-                    f"bytes {request.offset}-{end} of buffer {bid:#x}, which has {len(data)}")
-        return data[request.offset : end]
+        data = fetched_range(byte_view(arr), request)
+        return (_code(grpc.StatusCode.OUT_OF_RANGE), data) if isinstance(data, str) else data
 
     # ---- put ----
     def _put(self, conn: socket.socket, caller: Caller, header: bytes) -> bool:
@@ -225,17 +214,11 @@ class BulkSessions:
         """Stores an uploaded array as `PutBuffers` does (a part of a global array: parts.py)."""
         s = self._servicer
         s.upload_messages += 1
-        value: Any = arr
-        nbytes = arr.nbytes
-        if req.part_of:
-            try:
-                sources = part_sources(req.part_of)
-                flat = await s._sources(sources, caller, arr.dtype) if sources else arr.reshape(-1)
-                value = uploaded_part(flat, req.part_of, s.executor.runners.group, s.executor.runners.devices)
-                nbytes = flat.nbytes
-            except ValueError as e:
-                status, message = s._refuse(req, caller, e, held=True)
-                return _code(status), message
+        try:
+            value, nbytes = await s._upload_value(arr, req.part_of, caller)
+        except ValueError as e:
+            status, message = s._refuse(req, caller, e, held=True)
+            return _code(status), message
         if not s.store.put(req.buffer_id, value, nbytes, owner=caller.owner, client_ref=True, same_owner=True,
                            again=req.again):
             return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {req.buffer_id:#x} on this worker"

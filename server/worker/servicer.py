@@ -39,6 +39,17 @@ MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
 
 
+def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | str:
+    """The bytes of a buffer a fetch's `offset` and `length` name (worker.proto; none: all of
+    them), or why they are out of range."""
+    if not (request.offset or request.length):
+        return data
+    end = request.offset + request.length if request.length else len(data)
+    if end > len(data) or request.offset > end:
+        return f"bytes {request.offset}-{end} of buffer {request.buffer_id:#x}, which has {len(data)}"
+    return data[request.offset : end]
+
+
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
     """A wait's refusal (WaitReply.code): the unary Wait ends with it as its status."""
     return wpb.WaitReply(code=code.value[0], error=message)
@@ -196,24 +207,17 @@ class WorkerServicer(Waits, UploadHandlers):
                         yield chunk
                     return
                 arr = await loop.run_in_executor(self._pool, to_numpy, value)
-        except (BufferFailed, TimeoutError) as e:
-            error = str(e)
-        except Exception as e:  # the computation behind the array failed
-            group = self.executor.runners.group  # a collective's failure names the peer it lost
-            error = f"{type(e).__name__}: {e}"
-            error = group.explain(error) if group.active else error
+        except Exception as e:
+            error = self._fetch_failure(e)
         if arr is None:  # a data-message fetch fails with its status: it has no message for it
             if request.data_messages:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
             yield wpb.FetchChunk(error=error, last=True)
             return
-        data = byte_view(arr)
-        if request.offset or request.length:  # a byte range of it (worker.proto)
-            end = request.offset + request.length if request.length else len(data)
-            if end > len(data) or request.offset > end:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}-{end} of buffer {bid:#x}, "
-                                    f"which has {len(data)}")
-            data = data[request.offset : end]
+        data = fetched_range(byte_view(arr), request)
+        if isinstance(data, str):
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, data)
+            return  # (abort raises)
         if request.data_messages:  # FetchData, forwarded as they are to a proxy client
             for off in range(0, max(len(data), 1), DATA_CHUNK):
                 yield wire.data_message(data[off : off + DATA_CHUNK])
@@ -225,6 +229,15 @@ class WorkerServicer(Waits, UploadHandlers):
             first = off == 0
             yield wire.fetch_chunk_message(data[off : off + CHUNK], dtype if first else "", shape if first else (),
                                            off + CHUNK >= len(data))
+
+    def _fetch_failure(self, e: Exception) -> str:
+        """What a fetch says of a buffer whose value it could not have: the store's reason, or the
+        failure of the computation behind it (a collective's names the peer it lost)."""
+        if isinstance(e, (BufferFailed, TimeoutError)):
+            return str(e)
+        group = self.executor.runners.group
+        error = f"{type(e).__name__}: {e}"
+        return group.explain(error) if group.active else error
 
     async def Wait(self, request: wpb.WaitRequest, context: aio.ServicerContext) -> wpb.WaitReply:
         caller = await self.auth.session(context, "wait")

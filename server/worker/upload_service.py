@@ -120,18 +120,12 @@ class UploadHandlers(wgrpc.WorkerServicer):
                         up.refused = up.refused or self._refuse(req, caller, e, held=True)
                         yield
                         continue
-                value: np.ndarray | jax.Array = arr
-                nbytes = arr.nbytes
-                if part_of:  # this worker's part of an array sharded over several members (parts.py)
-                    try:
-                        sources = part_sources(part_of)
-                        flat = await self._sources(sources, caller, arr.dtype) if sources else arr.reshape(-1)
-                        value = uploaded_part(flat, part_of, self.executor.runners.group, self.executor.runners.devices)
-                        nbytes = flat.nbytes
-                    except ValueError as e:
-                        up.refused = up.refused or self._refuse(req, caller, e, held=True)
-                        yield
-                        continue
+                try:
+                    value, nbytes = await self._upload_value(arr, part_of, caller)
+                except ValueError as e:
+                    up.refused = up.refused or self._refuse(req, caller, e, held=True)
+                    yield
+                    continue
                 if not self.store.put(req.buffer_id, value, nbytes, owner=caller.owner, client_ref=True,
                                       same_owner=True, again=req.again):
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {req.buffer_id:#x} on this worker")
@@ -142,6 +136,16 @@ class UploadHandlers(wgrpc.WorkerServicer):
             if pieces is not None and not resent_if_cut:  # cut off (ended, failed or cancelled) mid-array
                 self.store.refuse(pieces.buffer_id, caller.owner, f"the upload of buffer {pieces.buffer_id:#x} "
                                   f"ended after {pieces.filled} of its {len(pieces.out)} bytes", held=False)
+
+    async def _upload_value(self, arr: np.ndarray, part_of: bytes, caller: Caller
+                            ) -> tuple[np.ndarray | jax.Array, int]:
+        """What an uploaded array is stored as, and its bytes: itself, or with `part_of` this
+        worker's part of an array sharded over several members (parts.py); ValueError: refused."""
+        if not part_of:
+            return arr, arr.nbytes
+        sources = part_sources(part_of)
+        flat = await self._sources(sources, caller, arr.dtype) if sources else arr.reshape(-1)
+        return uploaded_part(flat, part_of, self.executor.runners.group, self.executor.runners.devices), flat.nbytes
 
     async def _sources(self, ids: list[int], caller: Caller, dtype: np.dtype) -> np.ndarray:
         """The buffers an uploaded part is made of (the caller's, here or arriving), joined."""

@@ -429,11 +429,16 @@ class Executor(Completion):
         return out
 
     def _fail(self, task: Task, error: str, report: bool = True) -> None:
+        """Fails the task with `error`, led by the task's label unless it names a node already.
+        Its outputs here fail with its run's own error as it is when that is the error (the
+        controller's Drop): a client waiting on one reads the words the controller fails the run
+        with, whichever of the two answers first."""
         message = error if error.startswith(task.label) or names_a_node(task, error) else f"{task.label}: {error}"
         with self._failed_lock:
             self._failed += 1
+        stored = error if self._drop_hints.get(task.run_id) == error else message
         for out in task.output_ids:
-            self.store.fail(out, message)
+            self.store.fail(out, stored)
         for inp in task.input_ids:
             self.store.consumer_done(inp)
         routes = task.info.routes if task.info is not None else []

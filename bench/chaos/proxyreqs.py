@@ -18,13 +18,14 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from server.proxy import protocol as proto_mod
 from server.proxy import shardings as sh
-from server.proxy.handles import MAX_HANDLES
+from server.proxy.handles import MAX_HANDLES, HandleTable
 
 from .messages import _UINT64, Generator
 
 Message = Any  # the protocol's classes are built at run time: no static type
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 _HANDLE_TYPES = (FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64)
+_SESSION_HANDLES = HandleTable().limit
 _DTYPES = ("KIND_F32", "KIND_S32", "KIND_U8", "KIND_BF16", "KIND_PRED", "KIND_C128", "KIND_F64")
 
 
@@ -180,8 +181,9 @@ class Crafter:
 
     def oversize(self, sub: Message, own: Handles) -> str | None:
         """Makes one repeated field of `sub` (or of a message in it) longer than any cap: a handle
-        list past MAX_HANDLES, any other list by thousands (devices, shard indices, strides,
-        intervals, specs, mappings). Returns the field's name (None: the request has none)."""
+        list past MAX_HANDLES (or the session's handle limit), any other list by thousands (devices,
+        shard indices, strides, intervals, specs, mappings). Returns the field's name (None: the
+        request has none)."""
         fields: list[tuple[Message, Any]] = []
 
         def walk(m: Message, depth: int) -> None:
@@ -201,7 +203,8 @@ class Crafter:
                 field.add()
         elif "handle" in f.name and f.type in _HANDLE_TYPES:
             start = own.fresh()
-            field.extend(range(start, start + self.rng.choice([MAX_HANDLES + 1, 100_000])))
+            # past MAX_HANDLES, and now and then past a session's handle limit (DestructArray's cap)
+            field.extend(range(start, start + self.rng.choice([MAX_HANDLES + 1, 100_000, _SESSION_HANDLES + 1])))
         elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
             field.extend([b"" if f.type == FieldDescriptor.TYPE_BYTES else ""] * 5000)
         elif f.type in (FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM):

@@ -94,6 +94,7 @@ class Crafter:
         kind_enum = p.cls("xla.ifrt.DTypeProto").DESCRIPTOR.fields_by_name["kind"].enum_type
         self._dtype_numbers = [kind_enum.values_by_name[k].number for k in _DTYPES]
         self.flipped = False  # whether the last request's bytes were flipped
+        self.oversized = 0  # requests with a list made past the caps (`oversize`)
 
     # ---- handles ----
     def handle(self, own: Handles, others: list[Handles]) -> int:
@@ -164,8 +165,8 @@ class Crafter:
             self._make_array(sub, own, devices)
         elif kind == "get_default_layout_request" and self.rng.random() < 0.2:
             sub.dims.extend(range(self.rng.choice([5000, 100_000])))  # past MAX_RANK: work one request asks
-        if self.rng.random() < 0.08:
-            self.oversize(sub, own)
+        if self.rng.random() < 0.08 and self.oversize(sub, own) is not None:
+            self.oversized += 1
         if self.rng.random() < 0.5:  # the rest of the metadata stays hostile
             req.request_metadata.Clear()
         req.request_metadata.op_id = op_id

@@ -23,7 +23,7 @@ from test_proxy_stream import Raw, raw_session
 
 from bench.chaos.proxyreqs import fill_compile, fill_make_array
 from server.proxy import shardings as sh
-from server.proxy.handles import MAX_HANDLES, SERVER_HANDLE_BASE, HandleTable
+from server.proxy.handles import MAX_HANDLES, SERVER_HANDLE_BASE, HandleError, HandleTable
 from server.proxy.shardings import MAX_RANK
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.cluster(islands=1, devices=1)]
@@ -223,3 +223,24 @@ def test_a_client_handle_in_the_servers_range_is_refused_and_the_servers_own_sti
             assert await s.read_back(6, 3) == struct.pack("<4f", 2, 4, 6, 8)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_the_handle_table_takes_no_client_handle_of_the_servers_range_nor_marks_one() -> None:
+    """HandleTable alone: `reserve` (a client's handle) refuses the server's range, `reserve_new`
+    makes the server's own; a failed op marks a server-range handle only where it reserved it, and
+    adds no failed handle past the table's limit."""
+    table = HandleTable(limit=4)
+    with pytest.raises(HandleError) as e:
+        table.reserve(SERVER_HANDLE_BASE)
+    assert (e.value.code, str(e.value)) == ("INVALID_ARGUMENT", f"handle {SERVER_HANDLE_BASE} is in the server's "
+                                            "range (2**62 and above): a client picks handles below it")
+    table.fail([SERVER_HANDLE_BASE, SERVER_HANDLE_BASE + 1], "INVALID_ARGUMENT", "refused")  # not reserved: unmarked
+    assert table.peek(SERVER_HANDLE_BASE) is None and table.peek(SERVER_HANDLE_BASE + 1) is None
+    made = table.reserve_new()
+    assert made == SERVER_HANDLE_BASE  # the server's first handle is still its own
+    table.fail([made, 7, 8, 9, 10], "INTERNAL", "the op failed")  # its own reserved one is marked
+    with pytest.raises(HandleError) as e:
+        table.get(made)
+    assert str(e.value) == "the op failed"
+    assert len(table) == 4 and table.peek(10) is None  # 7, 8, 9 marked; 10 past the limit

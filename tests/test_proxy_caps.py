@@ -2,7 +2,7 @@
 handler iterates is bounded before its entries are looked at (handle lists by
 `handles.MAX_HANDLES`, or by the session's handle limit for DestructArray and DeleteArray; device
 lists and shard lists by the session's devices or the array's shards; shapes and strides by
-`shardings.MAX_RANK`; a remap's intervals by the shards they index), and answered with one
+`shardings.MAX_RANK`; a remap's intervals by the output array's shards), and answered with one
 INVALID_ARGUMENT naming the field and its cap; and a client may not take a handle in the range the
 server makes its own in (>= 2**62), which made the server's next handles fail "already in use".
 The session stays usable after each refusal. Requests are sent by hand (test_proxy_stream.Raw),
@@ -155,12 +155,13 @@ def test_oversized_lists_are_refused_naming_the_field_and_its_cap(cluster: Local
             for fill, message in refused:
                 resp = await asyncio.wait_for(s.ask(fill), 30)
                 assert status(resp) == (INVALID, message)
-            # a remap's intervals are counted, not made: 2**40 shards of a 1-shard array
+            # a remap's intervals are counted, not made: 2**40 shards into a 1-shard array
             for interval, message in (
-                ({"from_end": [1 << 40]}, "remap_arrays_request.plan.mappings: intervals of more than 1 shards, "
-                 "the array's"),
+                ({"from_end": [1 << 40]}, "remap_arrays_request.plan.mappings: intervals naming more than 1 "
+                 "shards (the output array's)"),
                 ({"to_start": [0] * 5000, "to_end": [1] * 5000, "to_step": [1] * 5000},
-                 "remap_arrays_request.plan.mappings intervals: 5000 entries, at most 1 (the array's shards)"),
+                 "remap_arrays_request.plan.mappings intervals: 5000 entries, at most 1 (the output array's "
+                 "shards)"),
                 ({"from_end": []}, "a remap mapping with 1 interval starts, 0 ends and 1 steps"),
             ):
                 resp = await asyncio.wait_for(s.ask(lambda r, i=interval: remap_plan(r.remap_arrays_request, 11,

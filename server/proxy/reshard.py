@@ -103,20 +103,21 @@ def _devices(session: Session) -> int:
 
 
 def _intervals(start: Any, end: Any, step: Any, shards: int) -> list[int]:
-    """The shard indices a mapping's intervals name, in order: at most `shards` (the array's),
+    """The shard indices a mapping's intervals name, in order: at most `shards` (the output
+    array's: a mapping's from and to lists are as long, and each output shard is filled once),
     counted before any is made (an interval of 2**62 shards is one compare, not a list)."""
     if not len(start) == len(end) == len(step):
         raise HandleError("INVALID_ARGUMENT", f"a remap mapping with {len(start)} interval starts, {len(end)} ends "
                           f"and {len(step)} steps")
-    bounded(start, "remap_arrays_request.plan.mappings intervals", shards, " (the array's shards)")
+    bounded(start, "remap_arrays_request.plan.mappings intervals", shards, " (the output array's shards)")
     out: list[int] = []
     for a, b, c in zip(start, end, step, strict=True):
         if c <= 0:
             raise HandleError("INVALID_ARGUMENT", f"a remap interval with step {c}")
         span = range(a, b, c)
         if len(out) + len(span) > shards:
-            raise HandleError("INVALID_ARGUMENT", f"remap_arrays_request.plan.mappings: intervals of more than "
-                              f"{shards} shards, the array's")
+            raise HandleError("INVALID_ARGUMENT", f"remap_arrays_request.plan.mappings: intervals naming more than "
+                              f"{shards} shards (the output array's)")
         out.extend(span)
     return out
 
@@ -149,8 +150,9 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
         if not (0 <= m.in_array < len(inputs) and 0 <= m.out_array < len(specs)):
             raise HandleError("INVALID_ARGUMENT", f"a remap mapping {m.in_array} -> {m.out_array} out of range")
         src = inputs[m.in_array]
-        froms = _intervals(m.from_start, m.from_end, m.from_step, len(src.parts))
-        tos = _intervals(m.to_start, m.to_end, m.to_step, len(specs[m.out_array][2].devices))
+        shards = len(specs[m.out_array][2].devices)
+        froms = _intervals(m.from_start, m.from_end, m.from_step, shards)
+        tos = _intervals(m.to_start, m.to_end, m.to_step, shards)
         if len(froms) != len(tos):
             raise HandleError("INVALID_ARGUMENT", "a remap mapping with intervals of different lengths")
         dtype, shape, _ = specs[m.out_array]

@@ -96,16 +96,19 @@ def test_oversized_lists_are_refused_naming_the_field_and_its_cap(cluster: Local
     over = MAX_HANDLES + 1
     many = list(range(1 << 20, (1 << 20) + over))  # handles nobody holds: looked at one by one, each would fail
 
-    def shards_spec(r: Any) -> None:
+    def shards_spec(r: Any, hosts: tuple[int, ...] = (900, 901), strides: int = 0) -> None:
+        """A spec of a float32[4] array on one device, its shard 0 in each host buffer of `hosts`
+        (never stored: they would be waited for), each with `strides` byte strides."""
         spec = r.make_arrays_from_host_buffer_shards_request.specs.add()
         spec.array_spec.dtype.kind = P.cls("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")
         spec.array_spec.shape.dims.append(4)
         sh.to_proto(sh.Sharding((0,)), spec.array_spec.sharding, P)
-        for host in (900, 901):  # two buffers (never stored: they would be waited for) for one shard
+        for host in hosts:
             spec.addressable_shard_indices.add().indices.append(0)
             b = spec.host_buffers.add(host_buffer_handle=host)
             b.dtype.kind = spec.array_spec.dtype.kind
             b.shape.dims.append(4)
+            b.byte_strides.strides.extend([4] * strides)
 
     refused: list[tuple[Callable[[Any], None], str]] = [
         (lambda r: r.loaded_executable_execute_request.args_handles.extend(many),
@@ -132,6 +135,7 @@ def test_oversized_lists_are_refused_naming_the_field_and_its_cap(cluster: Local
          f"make_arrays_from_host_buffer_shards_request.specs: {over} entries, at most {MAX_HANDLES}"),
         (shards_spec, "make_arrays_from_host_buffer_shards_request.specs.host_buffers: 2 entries, at most 1 (the "
          "array's shards)"),
+        (lambda r: shards_spec(r, (900,), 5000), f"byte strides of 5000 dimensions: at most {MAX_RANK}"),
         (lambda r: r.destruct_array_request.array_handle.extend(range(1, SESSION_LIMIT + 2)),
          f"destruct_array_request.array_handle: {SESSION_LIMIT + 1} entries, at most {SESSION_LIMIT} (a session's "
          "handles)"),

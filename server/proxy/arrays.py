@@ -343,6 +343,7 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
         try:
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
                 hb_shape = sh.shape_of(hb.shape.dims)
+                sh.shape_of(hb.byte_strides.strides, "byte strides")  # bounded before a list of them is made
                 if numpy_dtype(hb.dtype) != dtype:
                     raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
                 held = await session.buffers.take_any(hb.host_buffer_handle)  # staged ones are on a worker

@@ -18,6 +18,7 @@ garbage writes a bounded log.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -31,6 +32,20 @@ from grpc import aio
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0  # at most one warning per method per this many seconds (the rest are counted)
+
+
+async def write_or_cancel(context: Any, message: Any) -> None:
+    """Writes one message of a server stream with `context.write`. A write that fails is a caller
+    gone (it hung up, was killed, or its connection broke): gRPC can fail the write before it marks
+    the call closed by the client, and then logs the failure (ExecuteBatchError, private to grpc)
+    as an error with a traceback, as it did for a message of an async generator handler, which
+    gRPC writes itself; so the write ends the handler as the cancellation it is (logged at debug)."""
+    try:
+        await context.write(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # ExecuteBatchError and kin: the call is over
+        raise asyncio.CancelledError from None
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class ProxyFuzzer:
         self.kinds = request_kinds(self.p)
         self.codes: dict[str, Counter[str]] = {}
         self.bugs: list[str] = []
+        self.capped = 0  # answers refusing a list past a cap ("N entries, at most M")
         self.messages: dict[str, str] = {}  # the first message of each kind's each error code
         self.op = 1 << 20
         self.tenants: list[Handles] = []
@@ -148,6 +149,8 @@ class ProxyFuzzer:
         self.codes.setdefault(name, Counter())[code] += 1
         if code not in ("OK", "NO_ANSWER"):
             self.messages.setdefault(f"{name} {code}", message[:160])
+        if "entries, at most" in message:
+            self.capped += 1
         if code == "UNKNOWN" or "(a bug)" in message:
             self.bugs.append(f"{name}: {code} {message[:300]}")
 
@@ -485,6 +488,7 @@ class ProxyFuzzer:
                 "unknown": sum(c.get("UNKNOWN", 0) for c in self.codes.values()),
                 "bug_answers": len(self.bugs), "bugs": self.bugs[:10],
                 "no_answer": sum(c.get("NO_ANSWER", 0) for c in self.codes.values()),
+                "oversized": {"sent": self.crafter.oversized, "refused_at_caps": self.capped},
                 "never_reads": unread, "fresh_session_ok": fresh,
                 "kinds": {n: dict(c) for n, c in sorted(self.codes.items())},
                 "messages": dict(sorted(self.messages.items()))}

@@ -3,7 +3,10 @@ installed jaxlib's, server/proxy/protocol.py) with messages.py's Generator, then
 fields name handles the tenant's session holds, handles of its other sessions, fresh ones and
 random 64-bit numbers; a Compile carries a real StableHLO program, one with flipped bytes, or
 garbage; a MakeArray names bytes the session stored whose size disagrees with its dtype and shape
-(or agrees), and extreme shapes and dtypes the Generator draws.
+(or agrees), and extreme shapes and dtypes the Generator draws. Now and then one repeated field
+(a handle, device, shard or stride list, a list of specs or mappings) is made far longer than the
+server's caps (handles.MAX_HANDLES, the session's devices, shardings.MAX_RANK): each must be
+refused before its entries are looked at.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from server.proxy import protocol as proto_mod
 from server.proxy import shardings as sh
+from server.proxy.handles import MAX_HANDLES, HandleTable
 
 from .messages import _UINT64, Generator
 
 Message = Any  # the protocol's classes are built at run time: no static type
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 _HANDLE_TYPES = (FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64)
+_SESSION_HANDLES = HandleTable().limit
 _DTYPES = ("KIND_F32", "KIND_S32", "KIND_U8", "KIND_BF16", "KIND_PRED", "KIND_C128", "KIND_F64")
 
 
@@ -89,6 +94,7 @@ class Crafter:
         kind_enum = p.cls("xla.ifrt.DTypeProto").DESCRIPTOR.fields_by_name["kind"].enum_type
         self._dtype_numbers = [kind_enum.values_by_name[k].number for k in _DTYPES]
         self.flipped = False  # whether the last request's bytes were flipped
+        self.oversized = 0  # requests with a list made past the caps (`oversize`)
 
     # ---- handles ----
     def handle(self, own: Handles, others: list[Handles]) -> int:
@@ -159,6 +165,8 @@ class Crafter:
             self._make_array(sub, own, devices)
         elif kind == "get_default_layout_request" and self.rng.random() < 0.2:
             sub.dims.extend(range(self.rng.choice([5000, 100_000])))  # past MAX_RANK: work one request asks
+        if self.rng.random() < 0.08 and self.oversize(sub, own) is not None:
+            self.oversized += 1
         if self.rng.random() < 0.5:  # the rest of the metadata stays hostile
             req.request_metadata.Clear()
         req.request_metadata.op_id = op_id
@@ -171,6 +179,40 @@ class Crafter:
                 b[i] ^= 1 << self.rng.randrange(8)
             data = bytes(b)
         return data
+
+    def oversize(self, sub: Message, own: Handles) -> str | None:
+        """Makes one repeated field of `sub` (or of a message in it) longer than any cap: a handle
+        list past MAX_HANDLES (or the session's handle limit), any other list by thousands (devices,
+        shard indices, strides, intervals, specs, mappings). Returns the field's name (None: the
+        request has none)."""
+        fields: list[tuple[Message, Any]] = []
+
+        def walk(m: Message, depth: int) -> None:
+            for f in m.DESCRIPTOR.fields:
+                if f.is_repeated and not (f.message_type and f.message_type.GetOptions().map_entry):
+                    fields.append((m, f))
+                elif f.type == FieldDescriptor.TYPE_MESSAGE and depth < 3 and not f.is_repeated:
+                    walk(getattr(m, f.name), depth + 1)
+
+        walk(sub, 0)
+        if not fields:
+            return None
+        m, f = self.rng.choice(fields)
+        field = getattr(m, f.name)
+        if f.type == FieldDescriptor.TYPE_MESSAGE:
+            for _ in range(self.rng.choice([5000, MAX_HANDLES + 1])):
+                field.add()
+        elif "handle" in f.name and f.type in _HANDLE_TYPES:
+            start = own.fresh()
+            # past MAX_HANDLES, and now and then past a session's handle limit (DestructArray's cap)
+            field.extend(range(start, start + self.rng.choice([MAX_HANDLES + 1, 100_000, _SESSION_HANDLES + 1])))
+        elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+            field.extend([b"" if f.type == FieldDescriptor.TYPE_BYTES else ""] * 5000)
+        elif f.type in (FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM):
+            return None
+        else:
+            field.extend([self.rng.choice([0, 1])] * self.rng.choice([5000, 100_000]))
+        return f.name
 
     def _compile(self, r: Message) -> None:
         module = stablehlo_module()

@@ -27,7 +27,7 @@ from schemas.arrays import resolve_dtype
 from . import shardings as sh
 from .backend import ArraySpec
 from .compose import Piece, piece_function
-from .handles import HandleError, HostData, Staged
+from .handles import MAX_HANDLES, HandleError, HostData, Staged, bounded
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def c_strides(dtype: str, shape: tuple[int, ...]) -> list[int]:
 def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
     if not strides.strides:
         return
-    if list(strides.strides) != c_strides(dtype, shape):
+    if list(sh.shape_of(strides.strides, "byte strides")) != c_strides(dtype, shape):
         raise HandleError("UNIMPLEMENTED", f"byte strides {list(strides.strides)} (only C order is supported)")
 
 
@@ -222,7 +222,7 @@ def strided(raw: bytes, dtype: str, shape: tuple[int, ...], strides: Message | N
     if strides is None or not strides.strides:
         _check_size(raw, dtype, shape)
         return np.frombuffer(raw, np_dtype).reshape(shape)
-    st = tuple(int(x) for x in strides.strides)
+    st = sh.shape_of(strides.strides, "byte strides")
     if len(st) != len(shape) or any(x < 0 for x in st):
         raise HandleError("INVALID_ARGUMENT", f"byte strides {list(st)} for a {len(shape)}-d array")
     span = 0 if 0 in shape else sum((d - 1) * x for d, x in zip(shape, st, strict=True)) + np_dtype.itemsize
@@ -280,13 +280,12 @@ async def _read_back(staged: Staged) -> HostData:
 
 async def make_array_from_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.make_array_from_host_buffer_request
-    handle = r.array_handle or session.handles.new_handle()
-    session.handles.reserve(handle)  # before any await: later requests may use it (handles.py)
+    handle = session.handles.reserve_or_new(r.array_handle)  # before any await: later requests may use it
     dtype = numpy_dtype(r.dtype)
     shape = sh.shape_of(r.shape.dims)
     sharding = parse_sharding(session, r.sharding, proto)
+    strides = list(sh.shape_of(r.byte_strides.strides, "byte strides")) if r.HasField("byte_strides") else []
     held = await session.buffers.take_any(r.host_buffer_handle)  # may still be arriving (req. 5)
-    strides = list(r.byte_strides.strides) if r.HasField("byte_strides") else []
     nbytes = math.prod(shape) * resolve_dtype(dtype).itemsize
     if not isinstance(held, HostData):  # staged on the worker (staging.py)
         if strides and strides != c_strides(dtype, shape):
@@ -318,11 +317,16 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
 
 async def make_arrays_from_host_buffer_shards(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.make_arrays_from_host_buffer_shards_request
-    handles = list(r.array_handles) or [session.handles.new_handle() for _ in r.specs]
-    if len(handles) != len(r.specs):
-        raise HandleError("INVALID_ARGUMENT", f"{len(r.specs)} arrays, {len(handles)} handles")
-    for h in handles:
-        session.handles.reserve(h)
+    what = "make_arrays_from_host_buffer_shards_request"
+    bounded(r.specs, f"{what}.specs", MAX_HANDLES)
+    if r.array_handles:
+        if len(r.array_handles) != len(r.specs):
+            raise HandleError("INVALID_ARGUMENT", f"{len(r.specs)} arrays, {len(r.array_handles)} handles")
+        handles = list(r.array_handles)
+        for h in handles:
+            session.handles.reserve(h)
+    else:
+        handles = [session.handles.reserve_new() for _ in r.specs]
     for h, spec in zip(handles, r.specs, strict=True):
         dtype = numpy_dtype(spec.array_spec.dtype)
         shape = sh.shape_of(spec.array_spec.shape.dims)
@@ -330,10 +334,16 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
         domains = sharding.domains(shape)
         if len(spec.addressable_shard_indices) != len(spec.host_buffers):
             raise HandleError("INVALID_ARGUMENT", "as many shard index lists as host buffers are needed")
+        # no more shards than the array has (each is looked at: the work stays the array's)
+        bounded(spec.host_buffers, f"{what}.specs.host_buffers", len(domains), " (the array's shards)")
+        for indices in spec.addressable_shard_indices:
+            bounded(indices.indices, f"{what}.specs.addressable_shard_indices.indices", len(domains),
+                    " (the array's shards)")
         shards: list[ShardBuffer] = []
         try:
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
                 hb_shape = sh.shape_of(hb.shape.dims)
+                sh.shape_of(hb.byte_strides.strides, "byte strides")  # bounded before a list of them is made
                 if numpy_dtype(hb.dtype) != dtype:
                     raise HandleError("INVALID_ARGUMENT", "a shard's dtype differs from its array's")
                 held = await session.buffers.take_any(hb.host_buffer_handle)  # staged ones are on a worker
@@ -418,13 +428,17 @@ async def release(session: Session, handle: int) -> None:
 
 
 async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> bytes:
-    for handle in req.destruct_array_request.array_handle:  # repeated since protocol version 22
+    handles = req.destruct_array_request.array_handle  # repeated since protocol version 22
+    bounded(handles, "destruct_array_request.array_handle", session.handles.limit, " (a session's handles)")
+    for handle in handles:
         await release(session, handle)
     return session.encoder.empty("destruct_array_response")  # always empty: made once
 
 
 async def delete_array(session: Session, req: Message, resp: Message, proto: Any) -> None:
-    for handle in req.delete_array_request.array_handle:  # repeated, as DestructArray's
+    handles = req.delete_array_request.array_handle  # repeated, as DestructArray's
+    bounded(handles, "delete_array_request.array_handle", session.handles.limit, " (a session's handles)")
+    for handle in handles:
         await release(session, handle)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     done.set_result(None)

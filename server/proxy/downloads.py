@@ -40,6 +40,7 @@ import numpy as np
 from schemas.arrays import resolve_dtype
 
 from .. import wire
+from ..rpcguard import write_or_cancel
 from .arrays import ArrayRecord, Buf, check_c_order, drop_buffers, full, join, joined_bytes, unref
 from .backend import BackendError
 from .compose import gather_function
@@ -298,17 +299,10 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
 
 
 async def _send(context: Any, message: bytes | memoryview) -> None:
-    """Writes one message of a lookup, waiting for the client's flow-control window. A write that
-    fails is a client gone (it hung up, or its connection broke): gRPC can fail the write before
-    it marks the call cancelled, and then logs the failure as an error with a traceback (a
-    client that never read its lookup, then hung up, did so: the chaos run's proxy fuzz), so it
-    ends the handler as the cancellation it is."""
-    try:
-        await context.write(message)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # grpc's ExecuteBatchError (private) and kin: the call is over
-        raise asyncio.CancelledError from None
+    """Writes one message of a lookup, waiting for the client's flow-control window; a client gone
+    ends the handler as a cancellation, with no traceback in the log (rpcguard.write_or_cancel: a
+    client that never read its lookup, then hung up, had one logged: the chaos run's proxy fuzz)."""
+    await write_or_cancel(context, message)
 
 
 async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> None:

@@ -22,7 +22,7 @@ from . import shardings as sh
 from .answers import message_field
 from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref, whole
 from .backend import ArraySpec, CompiledInfo
-from .handles import HandleError, Pending
+from .handles import HandleError, Pending, bounded
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -102,9 +102,12 @@ def compile_options(data: bytes, proto: Any) -> Message:
     return out
 
 
-def device_ids(options: Message) -> tuple[int, ...]:
-    """The devices of the compile's device assignment, partition by partition."""
+def device_ids(options: Message, most: int) -> tuple[int, ...]:
+    """The devices of the compile's device assignment, partition by partition (at most `most`,
+    the session's device count)."""
     assignment = options.executable_build_options.device_assignment
+    bounded(assignment.computation_devices, "compile options' device_assignment.computation_devices", most,
+            " (the session's devices)")
     if assignment.replica_count > 1:
         raise HandleError("UNIMPLEMENTED", f"programs over {assignment.replica_count} replicas (pmap): "
                           "not supported by the Pathways IFRT proxy server yet")
@@ -127,8 +130,9 @@ async def compile_program(session: Session, req: Message, resp: Message, proto: 
     if r.host_callbacks:
         raise HandleError("UNIMPLEMENTED", "host callbacks (jax.debug.print, pure_callback) cannot run through the "
                           "IFRT proxy")
-    devices = device_ids(compile_options(r.compile_options.data, proto)) or (session.backend.slice.devices[0].id,)
     known = {d.id for d in session.backend.slice.devices}
+    devices = device_ids(compile_options(r.compile_options.data, proto), len(known)) or (
+        session.backend.slice.devices[0].id,)
     if not set(devices) <= known:
         raise HandleError("INVALID_ARGUMENT", f"devices {sorted(set(devices) - known)} are not the session's")
     compiled = await session.backend.compile(r.program.data, devices)
@@ -223,13 +227,20 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
     r = req.loaded_executable_execute_request
     exe = session.handles.get(r.loaded_executable_handle, LoadedExecutable)
     compiled = exe.compiled
-    results = list(r.result_array_handle) or [session.handles.new_handle() for _ in compiled.outputs]
-    if len(results) != len(compiled.outputs):
-        raise HandleError("INVALID_ARGUMENT", f"{compiled.name} has {len(compiled.outputs)} outputs, "
-                          f"the request names {len(results)} result handles")
-    for h in results:  # before any await: later requests may read them
-        session.handles.reserve(h)
+    given = r.result_array_handle
+    if given:
+        if len(given) != len(compiled.outputs):  # (before a long list is copied)
+            raise HandleError("INVALID_ARGUMENT", f"{compiled.name} has {len(compiled.outputs)} outputs, "
+                              f"the request names {len(given)} result handles")
+        results = list(given)
+        for h in results:  # before any await: later requests may read them
+            session.handles.reserve(h)  # (the client's: below the server's range, one compare)
+    else:
+        results = [session.handles.reserve_new() for _ in compiled.outputs]
     handles = list(r.args_handles)
+    if len(handles) != len(compiled.inputs):  # before any is looked at
+        raise HandleError("INVALID_ARGUMENT", f"{compiled.name} takes {len(compiled.inputs)} arguments, "
+                          f"got {len(handles)}")
     pins = Pins(session, len(handles))
     try:
         pins.start(handles)

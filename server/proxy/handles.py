@@ -1,7 +1,9 @@
 """The client-chosen handles of one proxy session, and host buffers awaiting their arrays.
 
 Handles are small integers the client picks (ids within its session only); handles the server
-makes (the first Execute's outputs) start at `SERVER_HANDLE_BASE` so they never collide.
+makes (the first Execute's outputs, futures, executables) start at `SERVER_HANDLE_BASE` so they
+never collide: a client-chosen handle in that range is refused where it is taken (`reserve`), or
+it would later make one of the server's own fail as "already in use".
 A failed operation marks its result handles with its error (requirement 7 in docs/facts.md):
 a later use of such a handle fails with the original message, not with "unknown handle".
 
@@ -20,13 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import wire
 
 SERVER_HANDLE_BASE = 1 << 62
+# The handles one request may name in a list it reads or makes (an Execute's arguments, a
+# CheckValueReady's values, a CopyArrays' arrays, ...): far above what one jax call names, and a
+# bound on the work one request asks of the session's event loop (each is claimed, resolved and
+# answered one by one). DestructArray and DeleteArray lists are bounded by the session's handle
+# limit instead: the jaxlib client batches whatever it released in 50 us, with no size bound.
+MAX_HANDLES = 1 << 16
 # what a handle of each kind is, in an error's words (not the class's name)
 _NOUNS = {"ArrayRecord": "an array", "LoadedExecutable": "a loaded executable", "Future": "a future"}
 
@@ -37,6 +45,13 @@ class HandleError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def bounded(values: Sized, what: str, cap: int, why: str = "") -> None:
+    """INVALID_ARGUMENT naming the request's field `what` when it holds more than `cap` entries
+    (checked before any entry is looked at: the work a request asks stays bounded)."""
+    if len(values) > cap:
+        raise HandleError("INVALID_ARGUMENT", f"{what}: {len(values)} entries, at most {cap}{why}")
 
 
 @dataclass
@@ -79,6 +94,10 @@ class HandleTable:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def limit(self) -> int:
+        return self._limit
+
     def new_handle(self) -> int:
         return next(self._next)
 
@@ -90,8 +109,25 @@ class HandleTable:
         self._items[handle] = value
 
     def reserve(self, handle: int) -> None:
-        """Claims `handle` for an op that will `settle` it (or whose failure will `fail` it)."""
+        """Claims the client-chosen `handle` for an op that will `settle` it (or whose failure will
+        `fail` it); one in the server's range is INVALID_ARGUMENT (one compare: the per-call path)."""
+        if handle >= SERVER_HANDLE_BASE:
+            raise HandleError("INVALID_ARGUMENT", f"handle {handle} is in the server's range (2**62 and above): "
+                              "a client picks handles below it")
         self.put(handle, Pending())
+
+    def reserve_new(self) -> int:
+        """A handle the server makes, claimed as `reserve` claims a client's."""
+        handle = next(self._next)
+        self.put(handle, Pending())
+        return handle
+
+    def reserve_or_new(self, handle: int) -> int:
+        """`handle` reserved, or a new one where the client named none (0)."""
+        if not handle:
+            return self.reserve_new()
+        self.reserve(handle)
+        return handle
 
     def settle(self, handle: int, value: Any) -> None:
         pending = self._items.get(handle)
@@ -107,10 +143,16 @@ class HandleTable:
         return self.get(handle, kind)
 
     def fail(self, handles: int | list[int], code: str, message: str) -> None:
-        """Marks `handles` as the results of a failed op (over whatever they held)."""
+        """Marks `handles` as the results of a failed op (over whatever they held). A handle in
+        the server's range is marked only where the op reserved it (a client's there was refused,
+        and marking it would make the server's own fail later), and a handle the table does not
+        hold only while it has room (a failed request adds no more than a made one could)."""
         for h in [handles] if isinstance(handles, int) else handles:
             if h:
                 pending = self._items.get(h)
+                if not isinstance(pending, Pending) and (
+                        h >= SERVER_HANDLE_BASE or (pending is None and len(self._items) >= self._limit)):
+                    continue
                 self._items[h] = Failed(code, message)
                 if isinstance(pending, Pending):
                     pending.finish()

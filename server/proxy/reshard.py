@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
 from .arrays import ArrayRecord, Part, full, new_record, numpy_dtype, parse_sharding
-from .handles import HandleError
+from .handles import MAX_HANDLES, HandleError, bounded
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -24,8 +24,7 @@ Message = Any
 
 async def fully_replicated_shard(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.fully_replicated_shard_request
-    handle = r.result_handle or session.handles.new_handle()
-    session.handles.reserve(handle)
+    handle = session.handles.reserve_or_new(r.result_handle)
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     if rec.domains[0] != full(rec.shape):
         raise HandleError("INVALID_ARGUMENT", "FullyReplicatedShard of an array that is not fully replicated")
@@ -36,11 +35,14 @@ async def fully_replicated_shard(session: Session, req: Message, resp: Message, 
 
 async def disassemble(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.disassemble_into_single_device_arrays_request
+    # an array has a shard per device at most
+    bounded(r.result_handles, "disassemble_into_single_device_arrays_request.result_handles", _devices(session),
+            " (the session's devices)")
     for h in r.result_handles:  # before any await: later requests may use them
         session.handles.reserve(h)
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     n = len(rec.parts)
-    results = list(r.result_handles) or [session.handles.new_handle() for _ in range(n)]
+    results = list(r.result_handles) or [session.handles.reserve_new() for _ in range(n)]
     if len(results) != n:
         raise HandleError("INVALID_ARGUMENT", f"an array of {n} shards, {len(results)} result handles")
     for h, part, dom, dev in zip(results, rec.parts, rec.domains, rec.sharding.devices, strict=True):
@@ -50,8 +52,9 @@ async def disassemble(session: Session, req: Message, resp: Message, proto: Any)
 
 async def assemble(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.assemble_array_from_single_device_arrays_request
-    handle = r.result_handle or session.handles.new_handle()
-    session.handles.reserve(handle)
+    handle = session.handles.reserve_or_new(r.result_handle)
+    bounded(r.single_device_array_handles, "assemble_array_from_single_device_arrays_request."
+            "single_device_array_handles", _devices(session), " (the session's devices)")
     shards = [await session.handles.resolve(h, ArrayRecord) for h in r.single_device_array_handles]
     if not shards:
         raise HandleError("INVALID_ARGUMENT", "an array assembled from no shards")
@@ -73,11 +76,16 @@ async def assemble(session: Session, req: Message, resp: Message, proto: Any) ->
 
 async def copy_arrays(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.copy_arrays_request
-    results = list(r.result_handles) or [session.handles.new_handle() for _ in r.array_handles]
-    if len(results) != len(r.array_handles):
-        raise HandleError("INVALID_ARGUMENT", f"{len(r.array_handles)} arrays, {len(results)} result handles")
-    for h in results:
-        session.handles.reserve(h)
+    if r.result_handles:
+        if len(r.result_handles) != len(r.array_handles):  # (before a long list is copied)
+            raise HandleError("INVALID_ARGUMENT", f"{len(r.array_handles)} arrays, {len(r.result_handles)} result "
+                              "handles")
+        results = list(r.result_handles)
+        for h in results:
+            session.handles.reserve(h)
+    else:
+        results = [session.handles.reserve_new() for _ in r.array_handles]
+    bounded(r.device_ids, "copy_arrays_request.device_ids", _devices(session), " (the session's devices)")
     devices = tuple(int(d) for d in r.device_ids)
     known = {d.id for d in session.backend.slice.devices}
     if not set(devices) <= known:
@@ -90,12 +98,27 @@ async def copy_arrays(session: Session, req: Message, resp: Message, proto: Any)
     resp.copy_arrays_response.array_handles.extend(results)
 
 
-def _intervals(start: Any, end: Any, step: Any) -> list[int]:
+def _devices(session: Session) -> int:
+    return len(session.backend.slice.devices)
+
+
+def _intervals(start: Any, end: Any, step: Any, shards: int) -> list[int]:
+    """The shard indices a mapping's intervals name, in order: at most `shards` (the output
+    array's: a mapping's from and to lists are as long, and each output shard is filled once),
+    counted before any is made (an interval of 2**62 shards is one compare, not a list)."""
+    if not len(start) == len(end) == len(step):
+        raise HandleError("INVALID_ARGUMENT", f"a remap mapping with {len(start)} interval starts, {len(end)} ends "
+                          f"and {len(step)} steps")
+    bounded(start, "remap_arrays_request.plan.mappings intervals", shards, " (the output array's shards)")
     out: list[int] = []
     for a, b, c in zip(start, end, step, strict=True):
         if c <= 0:
             raise HandleError("INVALID_ARGUMENT", f"a remap interval with step {c}")
-        out.extend(range(a, b, c))
+        span = range(a, b, c)
+        if len(out) + len(span) > shards:
+            raise HandleError("INVALID_ARGUMENT", f"remap_arrays_request.plan.mappings: intervals naming more than "
+                              f"{shards} shards (the output array's)")
+        out.extend(span)
     return out
 
 
@@ -104,11 +127,17 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
     are the inputs' parts)."""
     r = req.remap_arrays_request
     plan = r.plan
-    results = list(r.result_handles) or [session.handles.new_handle() for _ in plan.output_specs]
-    if len(results) != len(plan.output_specs):
-        raise HandleError("INVALID_ARGUMENT", f"{len(plan.output_specs)} outputs, {len(results)} result handles")
-    for h in results:
-        session.handles.reserve(h)
+    bounded(plan.output_specs, "remap_arrays_request.plan.output_specs", MAX_HANDLES)
+    bounded(plan.mappings, "remap_arrays_request.plan.mappings", MAX_HANDLES)
+    if r.result_handles:
+        if len(r.result_handles) != len(plan.output_specs):
+            raise HandleError("INVALID_ARGUMENT", f"{len(plan.output_specs)} outputs, {len(r.result_handles)} result "
+                              "handles")
+        results = list(r.result_handles)
+        for h in results:
+            session.handles.reserve(h)
+    else:
+        results = [session.handles.reserve_new() for _ in plan.output_specs]
     inputs = [await session.handles.resolve(h, ArrayRecord) for h in r.array_handles]
     if len(inputs) != len(plan.input_specs):
         raise HandleError("INVALID_ARGUMENT", f"a plan for {len(plan.input_specs)} arrays applied to {len(inputs)}")
@@ -121,8 +150,9 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
         if not (0 <= m.in_array < len(inputs) and 0 <= m.out_array < len(specs)):
             raise HandleError("INVALID_ARGUMENT", f"a remap mapping {m.in_array} -> {m.out_array} out of range")
         src = inputs[m.in_array]
-        froms = _intervals(m.from_start, m.from_end, m.from_step)
-        tos = _intervals(m.to_start, m.to_end, m.to_step)
+        shards = len(specs[m.out_array][2].devices)
+        froms = _intervals(m.from_start, m.from_end, m.from_step, shards)
+        tos = _intervals(m.to_start, m.to_end, m.to_step, shards)
         if len(froms) != len(tos):
             raise HandleError("INVALID_ARGUMENT", "a remap mapping with intervals of different lengths")
         dtype, shape, _ = specs[m.out_array]

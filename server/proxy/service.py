@@ -39,7 +39,7 @@ from . import arrays, downloads, executables, reshard, shardings
 from . import protocol as proto_mod
 from .answers import AnswerWriter, Encoder
 from .backend import BackendError, ClusterBackend, SessionBackend
-from .handles import HandleError, HandleTable, HostBuffers, HostData
+from .handles import MAX_HANDLES, HandleError, HandleTable, HostBuffers, HostData
 from .running import Runner
 from .staging import Staging
 
@@ -99,13 +99,19 @@ def _attributes(attr_map: Message) -> dict[str, Any]:
 
 
 def _handles(req: Message, fields: Mapping[str, Sequence[str]], kind: str | None = None) -> list[int]:
-    """The handles in the request's `fields[kind]` (arrays.USED_HANDLES, RESULT_HANDLES)."""
+    """The handles in the request's `fields[kind]` (arrays.USED_HANDLES, RESULT_HANDLES);
+    RequestError for a list of more than `MAX_HANDLES`, before any is looked at."""
     kind = kind if kind is not None else req.WhichOneof("request") or ""
     sub = getattr(req, kind, None)
     out: list[int] = []
     for name in fields.get(kind, ()):
         value = getattr(sub, name, 0)
-        out.extend([value] if isinstance(value, int) else value)
+        if isinstance(value, int):
+            out.append(value)
+            continue
+        if len(value) > MAX_HANDLES:
+            raise RequestError("INVALID_ARGUMENT", f"{kind}.{name}: {len(value)} entries, at most {MAX_HANDLES}")
+        out.extend(value)
     return out
 
 
@@ -361,9 +367,13 @@ class ProxyService:
                     undecodable = True
                     break
                 kind = req.WhichOneof("request") or ""
-                used = _handles(req, arrays.USED_HANDLES, kind)
-                session.handles.claim(used)  # here, in request order: see handles.py
-                runner.start(self._answer(session, req, kind), used, kind in INLINE)
+                try:
+                    used = _handles(req, arrays.USED_HANDLES, kind)
+                except RequestError as e:  # a list too long to look at: refused as it is read
+                    out.put(self._error(req.request_metadata.op_id, e.code, str(e)))
+                else:
+                    session.handles.claim(used)  # here, in request order: see handles.py
+                    runner.start(self._answer(session, req, kind), used, kind in INLINE)
                 if len(runner.pending) >= MAX_PENDING:
                     await asyncio.wait(runner.pending, return_when=asyncio.FIRST_COMPLETED)
                 if out.full:
@@ -424,7 +434,11 @@ class ProxyService:
     def _failed(self, session: Session, req: Message, kind: str, code: str, message: str) -> bytes:
         """The error answer to a request that failed; its result handles are marked failed too
         (requirement 7 in docs/facts.md: later uses report this error)."""
-        session.handles.fail(_handles(req, arrays.RESULT_HANDLES, kind), code, message)
+        try:
+            results = _handles(req, arrays.RESULT_HANDLES, kind)
+        except RequestError:  # too many to mark: the error says so
+            results = []
+        session.handles.fail(results, code, message)
         return self._error(req.request_metadata.op_id, code, message)
 
     def _error(self, op_id: int, code: str, message: str) -> bytes:

@@ -12,6 +12,7 @@ JAX uses to place shards, so nothing is guessed.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,12 +116,19 @@ def parse(sharding: Message, proto: Any, known: set[int]) -> Sharding:
                                 .device_id),))
         elif kind == HLO:
             hlo = proto.cls("xla.ifrt.HloShardingProto").FromString(serialized.data)
+            _few_devices(hlo.devices.device_ids, kind, known)
             devices = tuple(int(d) for d in hlo.devices.device_ids)
             op = hlo.xla_op_sharding
+            # a tile per device at most (XLA would build every tile the assignment names)
+            if len(op.tile_assignment_dimensions) > MAX_RANK + 1 or math.prod(op.tile_assignment_dimensions) > max(
+                    len(devices), 1) or len(op.tile_assignment_devices) > len(devices):
+                raise HandleError("INVALID_ARGUMENT", f"{kind}: a tile assignment of more tiles than its "
+                                  f"{len(devices)} devices")
             replicated = op.type in (0, 1) and not op.tile_assignment_dimensions  # REPLICATED, MAXIMAL
             out = Sharding(devices, None if replicated or len(devices) == 1 else bytes(op.SerializeToString()))
         elif kind == CONCRETE_EVEN:
             even = proto.cls("xla.ifrt.ConcreteEvenShardingProto").FromString(serialized.data)
+            _few_devices(even.devices.device_ids, kind, known)
             devices = tuple(int(d) for d in even.devices.device_ids)
             out = Sharding(devices, None, None if even.is_fully_replicated or len(devices) == 1 else
                            _even_domains(shape_of(even.shape.dims), shape_of(even.shard_shape.dims), len(devices)))
@@ -136,6 +144,14 @@ def parse(sharding: Message, proto: Any, known: set[int]) -> Sharding:
     if not set(out.devices) <= known:
         raise HandleError("INVALID_ARGUMENT", f"devices {sorted(set(out.devices) - known)} are not the session's")
     return out
+
+
+def _few_devices(ids: Any, kind: str, known: set[int]) -> None:
+    """A sharding names each of the session's devices once at most: longer lists are refused
+    before they are read."""
+    if len(ids) > len(known):
+        raise HandleError("INVALID_ARGUMENT", f"{kind}.devices.device_ids: {len(ids)} entries, at most "
+                          f"{len(known)} (the session's devices)")
 
 
 def _even_domains(shape: tuple[int, ...], shard: tuple[int, ...], n: int) -> tuple[Index, ...]:

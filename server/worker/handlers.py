@@ -6,6 +6,7 @@ traceback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from grpc import aio
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
-from ..rpcguard import Malformed, WarningLimiter, decoder
+from ..rpcguard import Malformed, WarningLimiter, decoder, write_or_cancel
 from .servicer import WorkerServicer
 
 
@@ -90,12 +91,16 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
         return handler
 
     def server_stream(method: str, fn: Any) -> Any:
-        async def handler(request: Any, context: aio.ServicerContext) -> Any:
+        """A response stream written here (`context.write`), not by gRPC from a generator: a write
+        to a caller that is gone (killed mid-fetch) ends the handler as a cancellation, where gRPC
+        logged its failed write with a traceback (rpcguard.write_or_cancel)."""
+        async def handler(request: Any, context: aio.ServicerContext) -> None:
             if isinstance(request, Malformed):
                 await authenticate(method, context)
                 await _refuse(context, method, request)
-            async for item in fn(request, context):
-                yield item
+            async with contextlib.aclosing(fn(request, context)) as items:
+                async for item in items:
+                    await write_or_cancel(context, item)
         return handler
 
     async def checked(method: str, requests: AsyncIterator[Any], context: aio.ServicerContext) -> AsyncIterator[Any]:

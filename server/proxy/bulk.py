@@ -8,6 +8,12 @@ straight from the client's chunks (`sendmsg` of views). The connections are bloc
 used from `POOL`'s threads, one request at a time each; a session keeps up to `MAX_LINKS` per
 worker, idle ones for its next request, and closes them with its channels.
 
+`POOL` is shared by every session, so a thread is taken only to move bytes: a request's header
+goes from the event loop (the socket's buffer is empty between requests), and the worker's
+answer, which may come only once a buffer is computed (a fetch waits for it, an uploaded part
+for its sources), is awaited on the event loop (`Link.readable`); the thread then reads the
+reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread.
+
 Not where the cluster has TLS: there the proxy's bulk bytes stay on gRPC. Over Python's `ssl`
 (records of 16 KiB, each a call; a copy out of the read buffer) the A/B of 64 MiB transfers
 showed no gain (bench/FINDINGS.md, 2026-11-27 06:15): the worker's CPU fell by a fifth, the
@@ -49,7 +55,8 @@ log = logging.getLogger(__name__)
 BULK_MIN_BYTES = 4 << 20  # smaller transfers stay on gRPC (one round trip less to set up)
 MAX_LINKS = 8  # connections per session and worker; a request beyond them goes by gRPC
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
-POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initializer=name_native_thread)
+POOL_THREADS = 64  # every session's: a thread is taken only to move bytes (`Link.readable`)
+POOL = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pw-bulk", initializer=name_native_thread)
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
 # a download's messages read per thread hop (each hop costs both threads a wake-up): the
 # controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
@@ -63,6 +70,7 @@ class Link:
         self.sock = sock
         self.closed = False
         self.counted = True  # in its BulkLinks' count of open connections, until dropped
+        self._waiting: tuple[asyncio.AbstractEventLoop, int, asyncio.Future[None]] | None = None  # `readable`
 
     def cancel(self) -> None:
         """Ends the connection, waking a thread blocked on it (a guard's, once the host is lost)."""
@@ -74,6 +82,7 @@ class Link:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._unwatch()  # before its descriptor goes: the waiter wakes, and then finds it closed
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
@@ -88,15 +97,49 @@ class Link:
         poll.register(self.sock, select.POLLIN)
         return not poll.poll(0)
 
-    def ask(self, request: bytes) -> tuple[int, int, str] | None:
-        """Sends a request and reads the reply: (code, length, message); None: the connection closed."""
-        self.sock.sendall(request)
+    async def request(self, request: bytes) -> None:
+        """Sends a request's header from the event loop where the socket takes it whole at once
+        (its buffer is empty between requests), else the rest from a `POOL` thread."""
+        try:
+            sent = self.sock.send(request, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(request):
+            await asyncio.get_running_loop().run_in_executor(POOL, self.send, [memoryview(request)[sent:]])
+
+    async def readable(self) -> None:
+        """Returns once the worker's answer can be read (or the connection's end, or its error),
+        waiting on the event loop, not on a thread; at once once the connection is closed."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        woken: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, woken)
+        self._waiting = (loop, fd, woken)
+        try:
+            await woken
+        finally:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        """Ends a `readable` wait (on the loop's thread: the guard's `cancel`, or the wait's end)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            loop, fd, woken = waiting
+            loop.remove_reader(fd)
+            _wake(woken)
+
+    def reply(self) -> tuple[int, int, str] | None:
+        """The worker's reply: (code, length, message); None: the connection closed."""
         return bulklink.read_reply(self.sock)
 
-    def put(self, parts: Sequence[bytes | memoryview]) -> tuple[int, int, str] | None:
-        """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
-        bulklink.send_parts(self.sock, parts)
-        return bulklink.read_reply(self.sock)
+    def fetched(self, ahead: int) -> tuple[tuple[int, int, str] | None, list[bytes]]:
+        """A fetch's reply (`reply`) and, where it is the bytes, its first `ahead` messages."""
+        answer = bulklink.read_reply(self.sock)
+        if answer is None or answer[0]:
+            return answer, []
+        return answer, self.read([size for _, size in bulklink.message_sizes(answer[1])][:ahead])
 
     def read(self, sizes: Sequence[int]) -> list[bytes]:
         """Messages of these sizes, in order; fewer when the connection closed."""
@@ -110,6 +153,11 @@ class Link:
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
         bulklink.send_parts(self.sock, parts)
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def _connect(data_address: str, secret: bytes) -> Link:
@@ -251,8 +299,9 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
         return
     loop = asyncio.get_running_loop()
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
-        answer = await loop.run_in_executor(POOL, link.ask, bulklink.request(bulklink.FETCH,
-                                                                              request.SerializeToString()))
+        await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
+        await link.readable()  # the worker answers once the buffer is computed: no thread held meanwhile
+        answer, batch = await loop.run_in_executor(POOL, link.fetched, READ_AHEAD)
         if answer is None:
             raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer
@@ -265,7 +314,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
         sizes = [size for _, size in bulklink.message_sizes(nbytes)]
         for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
             want = sizes[start : start + READ_AHEAD]
-            batch = await loop.run_in_executor(POOL, link.read, want)
+            if start:
+                batch = await loop.run_in_executor(POOL, link.read, want)
             for data in batch:
                 got += len(data)
                 yield data
@@ -284,7 +334,9 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
     with _lent(links, address, link, watch, UPLOADING) as lease:
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
-            answer = await loop.run_in_executor(POOL, link.put, [bulklink.request(bulklink.PUT, header), *data.parts])
+            await loop.run_in_executor(POOL, link.send, [bulklink.request(bulklink.PUT, header), *data.parts])
+            await link.readable()  # a part of a global array may wait for its sources: no thread held meanwhile
+            answer = await loop.run_in_executor(POOL, link.reply)
             if answer is None:
                 raise broken(lease.guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
             if answer[0] and first is None:
@@ -342,11 +394,18 @@ class BulkStaging(Staging):
             self._links.drop(self.address, self._link)
             self._link = None
 
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on a pool thread; the connection's failure is the staging's (it is closed)."""
-        return await self._wait(asyncio.get_running_loop().run_in_executor(POOL, fn, *args))
+    async def _ask(self, link: Link, request: bytes) -> tuple[int, int, str] | None:
+        """Sends `request` and reads the worker's reply (awaited on the loop, read on a pool
+        thread); the connection's failure is the staging's (it is closed)."""
+        async def ask() -> tuple[int, int, str] | None:
+            await link.request(request)
+            await link.readable()
+            return await asyncio.get_running_loop().run_in_executor(POOL, link.reply)
 
-    async def _wait(self, done: asyncio.Future[Any]) -> Any:
+        answer: tuple[int, int, str] | None = await self._wait(ask())
+        return answer
+
+    async def _wait(self, done: Awaitable[Any]) -> Any:
         try:
             return await done
         except (OSError, ValueError) as e:
@@ -402,7 +461,7 @@ class BulkStaging(Staging):
         link = self._link
         assert link is not None and self.sent == self.nbytes and not self._closed
         spec = wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.nbytes, self.nbytes)
-        answer = await self._io(link.ask, bulklink.request(bulklink.SPEC, spec))
+        answer = await self._ask(link, bulklink.request(bulklink.SPEC, spec))
         if answer is None:
             error = broken(self._guard, UPLOADING, self.address, "before its answer")
             self._drop()

@@ -14,7 +14,8 @@ answer, which may come only once a buffer is computed (a fetch waits for it, an 
 for its sources), is awaited on the event loop (`Link.readable`); the thread then reads the
 reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread.
 
-Not where the cluster has TLS: there the proxy's bulk bytes stay on gRPC. Over Python's `ssl`
+Not where the cluster has TLS (nor with the controller's --no-bulk-links): there they stay on
+gRPC (transfer_counts.py counts which path each took). Over Python's `ssl`
 (records of 16 KiB, each a call; a copy out of the read buffer) the A/B of 64 MiB transfers
 showed no gain (bench/FINDINGS.md, 2026-11-27 06:15): the worker's CPU fell by a fifth, the
 controller's rose a little, uploads read 0.70-0.90x.
@@ -49,6 +50,7 @@ from ..worker.tcplink import CONNECT_TIMEOUT_S, HELLO, guard
 from .backend import BackendError
 from .host_watch import Guard, HostWatch
 from .staging import Owner, Staging
+from .transfer_counts import TransferCounts
 
 log = logging.getLogger(__name__)
 
@@ -286,17 +288,24 @@ def _lent(links: BulkLinks, address: str, link: Link, watch: HostWatch | None, d
 
 
 async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, address: str, watch: HostWatch | None,
-                        fallback: Callable[[], AsyncGenerator[bytes, None]]) -> AsyncGenerator[bytes, None]:
+                        fallback: Callable[[], AsyncGenerator[bytes, None]],
+                        counts: TransferCounts | None = None) -> AsyncGenerator[bytes, None]:
     """fetching.data_messages on a connection (`fallback()`'s, by gRPC, where there is none):
     the serialized `FetchData` messages of the fetch, each read when the consumer asks; the
     worker's FAILED_PRECONDITION keeps its code and cause, its other refusals are UNAVAILABLE
-    naming the worker."""
+    naming the worker. `counts`: the download counted on its path."""
     link = await links.take(address) if links is not None else None
     if link is None or links is None:
+        if counts is not None:
+            counts.started("download", "grpc")
         async with contextlib.aclosing(fallback()) as by_grpc:
             async for raw in by_grpc:
+                if counts is not None:
+                    counts.moved("download", "grpc", wire.data_length(raw))
                 yield raw
         return
+    if counts is not None:
+        counts.started("download", "tcp")
     loop = asyncio.get_running_loop()
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
         await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
@@ -310,6 +319,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
             if code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
                 raise BackendError("FAILED_PRECONDITION", message)
             raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
+        if counts is not None:
+            counts.moved("download", "tcp", nbytes)
         got = 0
         sizes = [size for _, size in bulklink.message_sizes(nbytes)]
         for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
@@ -361,8 +372,10 @@ class BulkStaging(Staging):
     connection before the spec: the worker keeps nothing."""
 
     def __init__(self, session: Owner, links: BulkLinks, watch: HostWatch, address: str, buffer_id: int,
-                 owner: str, nbytes: int, fallback: Callable[[], Staging]) -> None:
+                 owner: str, nbytes: int, fallback: Callable[[], Staging],
+                 counts: TransferCounts | None = None) -> None:
         super().__init__(session, None, address, buffer_id, owner, nbytes)
+        self._counts = counts  # the upload counted on its connection (the fallback counts its own)
         self._links = links
         self._watch = watch
         self._fallback = fallback
@@ -379,6 +392,8 @@ class BulkStaging(Staging):
             self._inner = self._fallback()
             return
         self._link = link
+        if self._counts is not None:
+            self._counts.started("upload", "tcp", self.nbytes)
         try:
             self._guard = self._watch.guard(self.address, link, UPLOADING)
         except BackendError as e:  # the host was lost already

@@ -132,9 +132,13 @@ class Link:
             loop.remove_reader(fd)
             _wake(woken)
 
-    def reply(self) -> tuple[int, int, str] | None:
-        """The worker's reply: (code, length, message); None: the connection closed."""
-        return bulklink.read_reply(self.sock)
+    async def reply(self) -> tuple[int, int, str] | None:
+        """The worker's reply, awaited on the loop (`readable`), read there once it is all here,
+        else on a `POOL` thread: (code, length, message); None: the connection closed."""
+        await self.readable()
+        if bulklink.reply_here(self.sock):
+            return bulklink.read_reply(self.sock)
+        return await asyncio.get_running_loop().run_in_executor(POOL, bulklink.read_reply, self.sock)
 
     def fetched(self, ahead: int) -> tuple[tuple[int, int, str] | None, list[bytes]]:
         """A fetch's reply (`reply`) and, where it is the bytes, its first `ahead` messages."""
@@ -346,8 +350,7 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
             await loop.run_in_executor(POOL, link.send, [bulklink.request(bulklink.PUT, header), *data.parts])
-            await link.readable()  # a part of a global array may wait for its sources: no thread held meanwhile
-            answer = await loop.run_in_executor(POOL, link.reply)
+            answer = await link.reply()  # a part of a global array may wait for its sources: no thread held
             if answer is None:
                 raise broken(lease.guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
             if answer[0] and first is None:
@@ -414,8 +417,7 @@ class BulkStaging(Staging):
         thread); the connection's failure is the staging's (it is closed)."""
         async def ask() -> tuple[int, int, str] | None:
             await link.request(request)
-            await link.readable()
-            return await asyncio.get_running_loop().run_in_executor(POOL, link.reply)
+            return await link.reply()
 
         answer: tuple[int, int, str] | None = await self._wait(ask())
         return answer

@@ -29,6 +29,7 @@ from .. import wire
 from ..controller.errors import ControllerError
 from . import bulk
 from .backend import ArraySpec, BackendError
+from .bulk_staging import BulkStaging
 from .corking import FlushCork
 from .handles import HostData, Staged
 from .holdings import Holdings
@@ -270,9 +271,9 @@ class Uploading:
         links = self._workers.bulk
         if links is None:
             return by_grpc()
-        # on the worker's transfer port where the session has a connection to it (bulk.py)
-        return bulk.BulkStaging(self, links, self._watch, address, buffer_id, self._owner, nbytes, by_grpc,
-                                self._workers.counts)
+        # on the worker's transfer port where the session has a connection to it (bulk_staging.py)
+        return BulkStaging(self, links, self._watch, address, buffer_id, self._owner, nbytes, by_grpc,
+                           self._workers.counts)
 
     def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
         """A staged upload, stored on the slice's first worker before the client said which

@@ -13,7 +13,8 @@ worker, idle ones for its next request, and closes them with its channels. A sta
 goes from the event loop (the socket's buffer is empty between requests), and the worker's
 answer, which may come only once a buffer is computed (a fetch waits for it, an uploaded part
 for its sources), is awaited on the event loop (`Link.readable`); the thread then reads the
-reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread.
+reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread. (A
+whole array's upload waits for nothing: the thread that sent its bytes reads its reply.)
 
 Not where the cluster has TLS (nor with the controller's --no-bulk-links): there they stay on
 gRPC (transfer_counts.py counts which path each took). Over Python's `ssl`
@@ -139,6 +140,11 @@ class Link:
         if bulklink.reply_here(self.sock):
             return bulklink.read_reply(self.sock)
         return await asyncio.get_running_loop().run_in_executor(POOL, bulklink.read_reply, self.sock)
+
+    def put(self, parts: Sequence[bytes | memoryview]) -> tuple[int, int, str] | None:
+        """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
+        bulklink.send_parts(self.sock, parts)
+        return bulklink.read_reply(self.sock)
 
     def fetched(self, ahead: int) -> tuple[tuple[int, int, str] | None, list[bytes]]:
         """A fetch's reply (`reply`) and, where it is the bytes, its first `ahead` messages."""
@@ -349,8 +355,12 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
     with _lent(links, address, link, watch, UPLOADING) as lease:
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
-            await loop.run_in_executor(POOL, link.send, [bulklink.request(bulklink.PUT, header), *data.parts])
-            answer = await link.reply()  # a part of a global array may wait for its sources: no thread held
+            parts = [bulklink.request(bulklink.PUT, header), *data.parts]
+            if part_of:  # a part of a global array may wait for its sources: awaited on the loop
+                await loop.run_in_executor(POOL, link.send, parts)
+                answer = await link.reply()
+            else:  # stored at once, waiting for nothing: the reply read by the thread that sent the bytes
+                answer = await loop.run_in_executor(POOL, link.put, parts)
             if answer is None:
                 raise broken(lease.guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
             if answer[0] and first is None:

@@ -141,6 +141,11 @@ class Link:
             return bulklink.read_reply(self.sock)
         return await asyncio.get_running_loop().run_in_executor(POOL, bulklink.read_reply, self.sock)
 
+    def ask(self, request: bytes) -> tuple[int, int, str] | None:
+        """Sends a request and reads the reply, where the worker answers without waiting for a buffer."""
+        self.sock.sendall(request)
+        return bulklink.read_reply(self.sock)
+
     def put(self, parts: Sequence[bytes | memoryview]) -> tuple[int, int, str] | None:
         """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
         bulklink.send_parts(self.sock, parts)

@@ -4,7 +4,7 @@ buffer's bytes go on to the worker's transfer port as the client sends them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -68,17 +68,11 @@ class BulkStaging(Staging):
             self._links.drop(self.address, self._link)
             self._link = None
 
-    async def _ask(self, link: Link, request: bytes) -> tuple[int, int, str] | None:
-        """Sends `request` and reads the worker's reply (awaited on the loop, read on a pool
-        thread); the connection's failure is the staging's (it is closed)."""
-        async def ask() -> tuple[int, int, str] | None:
-            await link.request(request)
-            return await link.reply()
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on a pool thread; the connection's failure is the staging's (it is closed)."""
+        return await self._wait(asyncio.get_running_loop().run_in_executor(POOL, fn, *args))
 
-        answer: tuple[int, int, str] | None = await self._wait(ask())
-        return answer
-
-    async def _wait(self, done: Awaitable[Any]) -> Any:
+    async def _wait(self, done: asyncio.Future[Any]) -> Any:
         try:
             return await done
         except (OSError, ValueError) as e:
@@ -134,7 +128,8 @@ class BulkStaging(Staging):
         link = self._link
         assert link is not None and self.sent == self.nbytes and not self._closed
         spec = wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.nbytes, self.nbytes)
-        answer = await self._ask(link, bulklink.request(bulklink.SPEC, spec))
+        # the spec's reply: the worker stores the array at once, waiting for no buffer
+        answer = await self._io(link.ask, bulklink.request(bulklink.SPEC, spec))
         if answer is None:
             error = broken(self._guard, UPLOADING, self.address, "before its answer")
             self._drop()

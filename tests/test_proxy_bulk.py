@@ -207,3 +207,57 @@ def test_downloads_waiting_for_their_buffers_hold_no_thread(module_cluster: Loca
     assert "Traceback" not in worker_log(cluster)
     for s in [*waiting, b]:
         s.close()
+
+
+def test_uploaded_parts_waiting_for_their_sources_hold_no_thread(module_cluster: LocalCluster,
+                                                                  the_worker: Any) -> None:
+    """A part of a global array uploaded on a bulk connection (`part_of` naming its sources)
+    waits on the worker until its sources are there: more such uploads than the controller has
+    bulk threads hold none of them, another session's download goes through meanwhile, and each
+    part is answered once its source came (here refused, naming why: this worker is in no island
+    group, which it checks once it has the sources)."""
+    cluster = module_cluster
+    address, _, stub, cch = the_worker
+    waiting = [open_session(cluster, cch) for _ in range(bulk.POOL_THREADS // bulk.MAX_LINKS + 1)]
+    b = open_session(cluster, cch)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, b), timeout=10).data_address
+    big = np.random.default_rng(2).standard_normal((5 << 20) // 8)
+    parts = [(s, s.id(200 + k), s.id(300 + k)) for s in waiting for k in range(bulk.MAX_LINKS)]
+
+    async def run() -> None:
+        theirs = links(cluster, b.credential, data_address)
+        await put(theirs, address, b.owner, b.id(1), big)
+        sets = [links(cluster, s.credential, data_address) for s in waiting]
+
+        async def part(ls: bulk.BulkLinks, s: Any, buffer_id: int, source: int) -> str:
+            part_of = wpb.PartOf(global_shape=[8], op_sharding=b"\x08\x03", devices=[0, 65536], group_generation=3,
+                                 sources=[source]).SerializeToString()
+            link = await ls.take(address)
+            assert link is not None, "the bulk connection was not made"
+            with pytest.raises(BackendError) as refused:
+                await bulk.put_arrays(ls, link, address, None, s.owner, [buffer_id],
+                                      [("float32", (1,), HostData([bytes(4)]))], part_of)
+            return str(refused.value)
+
+        pending = [asyncio.ensure_future(part(sets[i // bulk.MAX_LINKS], s, bid, src))
+                   for i, (s, bid, src) in enumerate(parts)]
+        await asyncio.sleep(1.5)  # each sent; its worker waits for the source
+        assert not any(p.done() for p in pending), [p.exception() for p in pending if p.done()][:1]
+        try:
+            messages = await asyncio.wait_for(download(theirs, address, b.id(1)), 15)
+        except TimeoutError:
+            raise AssertionError(f"another session's download waited behind {len(pending)} uploaded parts "
+                                 "waiting for their sources") from None
+        assert b"".join(bytes(wire.data_field(m)) for m in messages) == big.tobytes()
+        assert not any(p.done() for p in pending)
+        for s, _, src in parts:  # the sources come: each part is answered
+            await asyncio.to_thread(upload, stub, meta(cluster, s), src, np.arange(4, dtype=np.float32))
+        answers = await asyncio.wait_for(asyncio.gather(*pending), 30)
+        assert all("generation 3" in a for a in answers), answers[0]
+        for ls in [*sets, theirs]:
+            ls.close()
+
+    asyncio.run(run())
+    assert "Traceback" not in worker_log(cluster)
+    for s in [*waiting, b]:
+        s.close()

@@ -129,6 +129,23 @@ def reply(code: int, length: int = 0, message: str = "") -> bytes:
     return REPLY.pack(REPLY_MAGIC, code, len(text) if code else length) + text
 
 
+def reply_here(sock: socket.socket) -> bool:
+    """Whether the whole reply (or the connection's end) is here, so that `read_reply` returns
+    without waiting (peeked at; a reply is one send: a success's is its 16 bytes); False on TLS."""
+    if isinstance(sock, ssl.SSLSocket):
+        return False
+    try:
+        head = sock.recv(REPLY.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    if len(head) < REPLY.size:
+        return not head
+    magic, code, n = REPLY.unpack(head)
+    if not code or magic != REPLY_MAGIC or n > MAX_ERROR:
+        return True  # all of it (a success), or malformed: read_reply raises at once
+    return len(sock.recv(REPLY.size + n, socket.MSG_PEEK | socket.MSG_DONTWAIT)) == REPLY.size + n
+
+
 def read_reply(sock: socket.socket) -> tuple[int, int, str] | None:
     """(code, length, error message) of the worker's reply; None when the connection closed first;
     ValueError when malformed."""

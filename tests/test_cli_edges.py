@@ -214,7 +214,8 @@ def test_no_command_gives_one_option_name_two_meanings() -> None:
 @pytest.mark.timeout(90)
 def test_server_start_passes_the_session_and_job_log_limits(pw_home: Path) -> None:
     """--session-grace, --job-log-max-mb, --max-sessions and --max-sessions-per-caller were only
-    `python -m server.controller`'s flags, which the README names beside `pwctl server start`."""
+    `python -m server.controller`'s flags, which the README names beside `pwctl server start`;
+    so is --no-bulk-links."""
     def start(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pwctl.cli.main", "server", "start", "--listen", "127.0.0.1:0",
                                "--metrics-listen", "off", *args], env=base_env(pw_home), cwd=REPO,
@@ -224,11 +225,12 @@ def test_server_start_passes_the_session_and_job_log_limits(pw_home: Path) -> No
     assert bad.returncode == 2 and "--max-sessions-per-caller" in bad.stderr, bad.stderr
     assert not (pw_home / "server.pid").exists()
     limits = ("--session-grace", "7", "--job-log-max-mb", "3", "--max-sessions", "5", "--max-sessions-per-caller", "2")
-    r = start(*limits)
+    r = start(*limits, "--no-bulk-links")
     try:
         assert r.returncode == 0, r.stderr
         pid = json.loads((pw_home / "server.pid").read_text())["pid"]
         cmdline = psutil.Process(pid).cmdline()
+        assert "--no-bulk-links" in cmdline, cmdline
         for flag, value in zip(limits[::2], limits[1::2], strict=True):
             assert cmdline[cmdline.index(flag) + 1] == value, cmdline
     finally:

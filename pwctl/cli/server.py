@@ -86,6 +86,10 @@ GraceOpt = Annotated[float, typer.Option("--session-grace", min=0,
 JobLogOpt = Annotated[int, typer.Option("--job-log-max-mb", min=1,
                                         help="Output kept per job (MiB): its log rotates at half of that, older "
                                              "output is dropped")]
+NoBulkLinksOpt = Annotated[bool, typer.Option("--no-bulk-links",
+                                             help="The IFRT proxy's uploads and downloads of 4 MiB or more go "
+                                                  "by gRPC, not on the workers' TCP transfer ports (with TLS "
+                                                  "they always do)")]
 MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", min=1, help="Client sessions open at once")]
 MaxPerCallerOpt = Annotated[int, typer.Option("--max-sessions-per-caller", min=1,
                                               help="Client sessions one caller (a machine's address, or a job's "
@@ -114,6 +118,7 @@ def start(
     job_log_max_mb: JobLogOpt = 16,
     max_sessions: MaxSessionsOpt = 1024,
     max_sessions_per_caller: MaxPerCallerOpt = 256,
+    no_bulk_links: NoBulkLinksOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -158,6 +163,8 @@ def start(
              "--max-sessions-per-caller", str(max_sessions_per_caller)]
     if no_token:
         extra.append("--no-token")
+    if no_bulk_links:
+        extra.append("--no-bulk-links")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
                                     heartbeat_timeout=heartbeat_timeout, extra_args=extra, tls=tls)
     if handle.already_running:

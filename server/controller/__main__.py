@@ -85,6 +85,11 @@ def main() -> None:
                         "one per group of hosts (server/controller/relays.py; default %(default)s; 0: never)")
     p.add_argument("--relay-group", type=int, default=DEFAULT_GROUP_SIZE,
                    help="hosts per relay group (default %(default)s)")
+    p.add_argument("--no-bulk-links", action="store_true",
+                   help="the IFRT proxy's uploads and downloads of 4 MiB or more between the controller and the "
+                        "workers go by gRPC, not on the workers' TCP transfer ports (where a firewall lets only "
+                        "the workers' gRPC ports through; with TLS they always go by gRPC; "
+                        "pathways_proxy_bulk_transfers_total counts which path each took)")
     add_tls_flags(p)
     ns = p.parse_args()
     tls = tls_from_flags(p, ns)
@@ -148,6 +153,7 @@ def main() -> None:
         group_wait=ns.group_wait,
         tls=tls,
         health_listen=ns.health_listen,
+        bulk_links=not ns.no_bulk_links,
     )
     asyncio.run(serve(config, Path(ns.pid_file) if ns.pid_file else None))
 

@@ -61,7 +61,8 @@ def proxy_backend(core: Controller) -> ControllerBackend:
 
     controls = Controls(release_buffers=release_buffers, release_owner=core.sessions.release_owner,
                         new_id_prefix=core.sessions.new_id_prefix, token=core.config.token,
-                        sessions=core.sessions, tls=core.config.tls)
+                        sessions=core.sessions, tls=core.config.tls, bulk_links=core.config.bulk_links,
+                        transfers=core.proxy_transfers)
     return ControllerBackend(core.slices, controls)
 
 
@@ -182,7 +183,7 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
         token = config.token = config.token or load_or_create_token()
     collector = ControllerCollector(core.cluster, core.observer, core.scheduler, core.jobs.jobs, core.hangs,
                                     core.slice_count, dispatch=core.dispatch, policy=config.policy,
-                                    relays=core.relays)
+                                    relays=core.relays, transfers=core.proxy_transfers)
     metrics = MetricsServer(collector, token, config.tls.ssl_server_context if config.tls is not None else None)
     try:
         bound = await metrics.start(host, port)

@@ -19,6 +19,7 @@ from .. import paths
 from ..credentials import JOB_KEY_FILE, KEY_FILE, job_secret, load_or_create_key
 from ..db.engine import make_engine, session_factory
 from ..db.writer import DbWriter
+from ..proxy.transfer_counts import TransferCounts
 from ..scheduler import GangScheduler, Policy
 from ..timeutil import now_iso
 from .cluster import Cluster
@@ -67,6 +68,7 @@ class ControllerConfig:
     group_wait: float = DEFAULT_GROUP_WAIT_S  # the longest a call on a slice spanning hosts waits for its group
     health_listen: str = ""  # HOST:PORT answering the health service alone, plaintext (health.py); "": none
     tls: TlsConfig | None = None  # serve TLS only, and reach workers over TLS (pwctl/tls.py); None: plaintext
+    bulk_links: bool = True  # the proxy's bulk bytes on workers' TCP ports where no TLS; off (--no-bulk-links): gRPC
 
 
 class Controller:
@@ -76,6 +78,7 @@ class Controller:
         self.config = config
         self.address = config.listen
         self.metrics_url = ""  # set by the app once the metrics endpoint listens
+        self.proxy_transfers = TransferCounts()  # the proxy sessions' bulk transfers, for the metrics
         self.db_url = config.db_url
         self.dispatch = config.dispatch
         self.engine = make_engine(config.db_url)

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .. import __version__
+from ..proxy.transfer_counts import TransferCounts
 from ..scheduler import GangScheduler
 from ..scheduler.stats import Histogram
 from .cluster import LOST, READY, RECONNECTING, Cluster
@@ -54,7 +55,8 @@ class ControllerCollector(Collector):
 
     def __init__(self, cluster: Cluster, observer: Observer, scheduler: GangScheduler,
                  jobs: Mapping[str, JobRecord], hangs: HangReporter, slice_count: Callable[[], int], *,
-                 dispatch: str, policy: str, relays: Relays | None = None) -> None:
+                 dispatch: str, policy: str, relays: Relays | None = None,
+                 transfers: TransferCounts | None = None) -> None:
         self.cluster = cluster
         self.observer = observer
         self.scheduler = scheduler
@@ -62,6 +64,7 @@ class ControllerCollector(Collector):
         self.hangs = hangs
         self.slice_count = slice_count
         self.relays = relays
+        self.transfers = transfers
         self.dispatch = dispatch
         self.policy = policy
         self.started = time.monotonic()
@@ -182,10 +185,26 @@ class ControllerCollector(Collector):
             yield CounterMetricFamily("pathways_relay_rejected", "Relayed messages their hosts dropped: the "
                                       "signature did not match (forged or altered on the way)",
                                       value=self.relays.rejected)
+        if self.transfers is not None:
+            yield from _transfers(self.transfers)
         yield _histogram("pathways_run_latency_seconds", "A run's time from its arrival (submit) at the "
                          "controller to its end", stats.run_latency)
         yield _histogram("pathways_admission_wait_seconds", "A run's time from its arrival to its admission "
                          "(its gang's seqs given)", stats.admission_wait)
+
+
+def _transfers(counts: TransferCounts) -> Iterator[Metric]:
+    transfers = CounterMetricFamily("pathways_proxy_bulk_transfers", "IFRT proxy uploads and downloads of 4 MiB or "
+                                    "more between the controller and a worker, by direction and path (tcp: the "
+                                    "worker's transfer port; grpc: the fallback, and the only path with TLS or "
+                                    "--no-bulk-links)", labels=["direction", "path"])
+    moved = CounterMetricFamily("pathways_proxy_bulk_bytes", "The bytes of those transfers, by direction and path",
+                                labels=["direction", "path"])
+    for key, n in counts.transfers.items():
+        transfers.add_metric(list(key), n)
+        moved.add_metric(list(key), counts.bytes[key])
+    yield transfers
+    yield moved
 
 
 def _histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:

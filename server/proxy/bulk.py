@@ -6,9 +6,18 @@ each byte three times: a fetched message is read straight into the `bytes` that 
 client (`recv` with MSG_WAITALL), an upload's host bytes leave
 straight from the client's chunks (`sendmsg` of views). The connections are blocking sockets
 used from `POOL`'s threads, one request at a time each; a session keeps up to `MAX_LINKS` per
-worker, idle ones for its next request, and closes them with its channels.
+worker, idle ones for its next request, and closes them with its channels. A staged upload
+(the client's host buffer sent on as it comes) is bulk_staging.py's.
 
-Not where the cluster has TLS: there the proxy's bulk bytes stay on gRPC. Over Python's `ssl`
+`POOL` is shared by every session, so a thread is taken only to move bytes: a request's header
+goes from the event loop (the socket's buffer is empty between requests), and the worker's
+answer, which may come only once a buffer is computed (a fetch waits for it, an uploaded part
+for its sources), is awaited on the event loop (`Link.readable`); the thread then reads the
+reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread. (A
+whole array's upload waits for nothing: the thread that sent its bytes reads its reply.)
+
+Not where the cluster has TLS (nor with the controller's --no-bulk-links): there they stay on
+gRPC (transfer_counts.py counts which path each took). Over Python's `ssl`
 (records of 16 KiB, each a call; a copy out of the read buffer) the A/B of 64 MiB transfers
 showed no gain (bench/FINDINGS.md, 2026-11-27 06:15): the worker's CPU fell by a fifth, the
 controller's rose a little, uploads read 0.70-0.90x.
@@ -42,14 +51,15 @@ from ..threadnames import name_native_thread
 from ..worker.tcplink import CONNECT_TIMEOUT_S, HELLO, guard
 from .backend import BackendError
 from .host_watch import Guard, HostWatch
-from .staging import Owner, Staging
+from .transfer_counts import TransferCounts
 
 log = logging.getLogger(__name__)
 
 BULK_MIN_BYTES = 4 << 20  # smaller transfers stay on gRPC (one round trip less to set up)
 MAX_LINKS = 8  # connections per session and worker; a request beyond them goes by gRPC
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
-POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initializer=name_native_thread)
+POOL_THREADS = 64  # every session's: a thread is taken only to move bytes (`Link.readable`)
+POOL = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pw-bulk", initializer=name_native_thread)
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
 # a download's messages read per thread hop (each hop costs both threads a wake-up): the
 # controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
@@ -63,6 +73,7 @@ class Link:
         self.sock = sock
         self.closed = False
         self.counted = True  # in its BulkLinks' count of open connections, until dropped
+        self._waiting: tuple[asyncio.AbstractEventLoop, int, asyncio.Future[None]] | None = None  # `readable`
 
     def cancel(self) -> None:
         """Ends the connection, waking a thread blocked on it (a guard's, once the host is lost)."""
@@ -74,6 +85,7 @@ class Link:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._unwatch()  # before its descriptor goes: the waiter wakes, and then finds it closed
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
@@ -88,8 +100,49 @@ class Link:
         poll.register(self.sock, select.POLLIN)
         return not poll.poll(0)
 
+    async def request(self, request: bytes) -> None:
+        """Sends a request's header from the event loop where the socket takes it whole at once
+        (its buffer is empty between requests), else the rest from a `POOL` thread."""
+        try:
+            sent = self.sock.send(request, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(request):
+            await asyncio.get_running_loop().run_in_executor(POOL, self.send, [memoryview(request)[sent:]])
+
+    async def readable(self) -> None:
+        """Returns once the worker's answer can be read (or the connection's end, or its error),
+        waiting on the event loop, not on a thread; at once once the connection is closed."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        woken: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, woken)
+        self._waiting = (loop, fd, woken)
+        try:
+            await woken
+        finally:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        """Ends a `readable` wait (on the loop's thread: the guard's `cancel`, or the wait's end)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            loop, fd, woken = waiting
+            loop.remove_reader(fd)
+            _wake(woken)
+
+    async def reply(self) -> tuple[int, int, str] | None:
+        """The worker's reply, awaited on the loop (`readable`), read there once it is all here,
+        else on a `POOL` thread: (code, length, message); None: the connection closed."""
+        await self.readable()
+        if bulklink.reply_here(self.sock):
+            return bulklink.read_reply(self.sock)
+        return await asyncio.get_running_loop().run_in_executor(POOL, bulklink.read_reply, self.sock)
+
     def ask(self, request: bytes) -> tuple[int, int, str] | None:
-        """Sends a request and reads the reply: (code, length, message); None: the connection closed."""
+        """Sends a request and reads the reply, where the worker answers without waiting for a buffer."""
         self.sock.sendall(request)
         return bulklink.read_reply(self.sock)
 
@@ -97,6 +150,13 @@ class Link:
         """Sends an upload's header request and bytes (`parts`) and reads the worker's reply."""
         bulklink.send_parts(self.sock, parts)
         return bulklink.read_reply(self.sock)
+
+    def fetched(self, ahead: int) -> tuple[tuple[int, int, str] | None, list[bytes]]:
+        """A fetch's reply (`reply`) and, where it is the bytes, its first `ahead` messages."""
+        answer = bulklink.read_reply(self.sock)
+        if answer is None or answer[0]:
+            return answer, []
+        return answer, self.read([size for _, size in bulklink.message_sizes(answer[1])][:ahead])
 
     def read(self, sizes: Sequence[int]) -> list[bytes]:
         """Messages of these sizes, in order; fewer when the connection closed."""
@@ -110,6 +170,11 @@ class Link:
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
         bulklink.send_parts(self.sock, parts)
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 def _connect(data_address: str, secret: bytes) -> Link:
@@ -238,21 +303,29 @@ def _lent(links: BulkLinks, address: str, link: Link, watch: HostWatch | None, d
 
 
 async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, address: str, watch: HostWatch | None,
-                        fallback: Callable[[], AsyncGenerator[bytes, None]]) -> AsyncGenerator[bytes, None]:
+                        fallback: Callable[[], AsyncGenerator[bytes, None]],
+                        counts: TransferCounts | None = None) -> AsyncGenerator[bytes, None]:
     """fetching.data_messages on a connection (`fallback()`'s, by gRPC, where there is none):
     the serialized `FetchData` messages of the fetch, each read when the consumer asks; the
     worker's FAILED_PRECONDITION keeps its code and cause, its other refusals are UNAVAILABLE
-    naming the worker."""
+    naming the worker. `counts`: the download counted on its path."""
     link = await links.take(address) if links is not None else None
     if link is None or links is None:
+        if counts is not None:
+            counts.started("download", "grpc")
         async with contextlib.aclosing(fallback()) as by_grpc:
             async for raw in by_grpc:
+                if counts is not None:
+                    counts.moved("download", "grpc", wire.data_length(raw))
                 yield raw
         return
+    if counts is not None:
+        counts.started("download", "tcp")
     loop = asyncio.get_running_loop()
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
-        answer = await loop.run_in_executor(POOL, link.ask, bulklink.request(bulklink.FETCH,
-                                                                              request.SerializeToString()))
+        await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
+        await link.readable()  # the worker answers once the buffer is computed: no thread held meanwhile
+        answer, batch = await loop.run_in_executor(POOL, link.fetched, READ_AHEAD)
         if answer is None:
             raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer
@@ -261,11 +334,14 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
             if code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
                 raise BackendError("FAILED_PRECONDITION", message)
             raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
+        if counts is not None:
+            counts.moved("download", "tcp", nbytes)
         got = 0
         sizes = [size for _, size in bulklink.message_sizes(nbytes)]
         for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
             want = sizes[start : start + READ_AHEAD]
-            batch = await loop.run_in_executor(POOL, link.read, want)
+            if start:
+                batch = await loop.run_in_executor(POOL, link.read, want)
             for data in batch:
                 got += len(data)
                 yield data
@@ -284,7 +360,12 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
     with _lent(links, address, link, watch, UPLOADING) as lease:
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
-            answer = await loop.run_in_executor(POOL, link.put, [bulklink.request(bulklink.PUT, header), *data.parts])
+            parts = [bulklink.request(bulklink.PUT, header), *data.parts]
+            if part_of:  # a part of a global array may wait for its sources: awaited on the loop
+                await loop.run_in_executor(POOL, link.send, parts)
+                answer = await link.reply()
+            else:  # stored at once, waiting for nothing: the reply read by the thread that sent the bytes
+                answer = await loop.run_in_executor(POOL, link.put, parts)
             if answer is None:
                 raise broken(lease.guard, UPLOADING, address, f"in buffer {buffer_id:#x}")
             if answer[0] and first is None:
@@ -292,133 +373,3 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
         lease.keep = True
     if first is not None:
         raise BackendError("UNAVAILABLE", f"uploading to worker {address} failed: {first}")
-
-
-CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
-
-
-def _seen(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()
-
-
-class BulkStaging(Staging):
-    """A staged upload (staging.py) on a connection: its header goes with the first bytes, each
-    chunk as it comes, its spec at `finish`. Where the session has no connection to the worker,
-    `fallback()` makes the gRPC staging, which then does it all. Discarding it closes the
-    connection before the spec: the worker keeps nothing."""
-
-    def __init__(self, session: Owner, links: BulkLinks, watch: HostWatch, address: str, buffer_id: int,
-                 owner: str, nbytes: int, fallback: Callable[[], Staging]) -> None:
-        super().__init__(session, None, address, buffer_id, owner, nbytes)
-        self._links = links
-        self._watch = watch
-        self._fallback = fallback
-        self._link: Link | None = None
-        self._inner: Staging | None = None
-        self._started = False
-        self._sending: asyncio.Future[None] | None = None
-        self._head = b""
-
-    async def _start(self) -> None:
-        self._started = True
-        link = await self._links.take(self.address)
-        if link is None:
-            self._inner = self._fallback()
-            return
-        self._link = link
-        try:
-            self._guard = self._watch.guard(self.address, link, UPLOADING)
-        except BackendError as e:  # the host was lost already
-            self._failed = e
-            self._drop()
-            return
-        header = wire.put_buffer_request(self.buffer_id, self._owner, "", (), [], 0, self.nbytes)
-        self._head = bulklink.request(bulklink.PUT, header)  # sent with the first bytes
-
-    def _drop(self) -> None:
-        self._close()
-        if self._link is not None:
-            self._links.drop(self.address, self._link)
-            self._link = None
-
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on a pool thread; the connection's failure is the staging's (it is closed)."""
-        return await self._wait(asyncio.get_running_loop().run_in_executor(POOL, fn, *args))
-
-    async def _wait(self, done: asyncio.Future[Any]) -> Any:
-        try:
-            return await done
-        except (OSError, ValueError) as e:
-            error = broken(self._guard, UPLOADING, self.address, str(e))
-            self._drop()
-            raise error from None
-        except asyncio.CancelledError:
-            self._drop()
-            raise
-
-    async def write(self, chunk: bytes | memoryview) -> None:
-        if not self._started:
-            try:
-                await self._start()
-            except BackendError as e:
-                self._failed = e
-        if self._inner is not None:
-            await self._inner.write(chunk)
-            return
-        if self._failed is not None or self._link is None:
-            return
-        try:
-            await self._sent()
-        except BackendError as e:
-            self._failed = e
-            return
-        if self._link is None:
-            return
-        # sent while the client's next chunk comes: one send under way at a time
-        view = memoryview(chunk).cast("B")
-        parts: list[bytes | memoryview] = [self._head, view]
-        self._head = b""
-        self._sending = asyncio.get_running_loop().run_in_executor(POOL, self._link.send, parts)
-        self._sending.add_done_callback(_seen)  # a send failed after a discard is nobody's error
-        self.sent += len(view)
-
-    async def _sent(self) -> None:
-        """Waits for the send under way, whose failure is the staging's (BackendError)."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            await self._wait(sending)
-
-    async def finish(self, dtype: str, shape: tuple[int, ...]) -> int:
-        if self._inner is not None:
-            return await self._inner.finish(dtype, shape)
-        if self._failed is None:
-            try:
-                await self._sent()
-            except BackendError as e:
-                self._failed = e
-        if self._failed is not None:
-            raise self._failed
-        link = self._link
-        assert link is not None and self.sent == self.nbytes and not self._closed
-        spec = wire.put_buffer_request(self.buffer_id, self._owner, dtype, shape, [], self.nbytes, self.nbytes)
-        answer = await self._io(link.ask, bulklink.request(bulklink.SPEC, spec))
-        if answer is None:
-            error = broken(self._guard, UPLOADING, self.address, "before its answer")
-            self._drop()
-            raise error
-        self._close()
-        self._link = None
-        self._links.give(self.address, link)
-        code, _, message = answer
-        if code:
-            name = CODE_NAMES.get(code, "UNKNOWN")
-            raise BackendError(name, f"uploading to worker {self.address}: {message}")
-        self._session.adopt(self.buffer_id, self.address)
-        return self.buffer_id
-
-    def discard(self) -> None:
-        if self._inner is not None:
-            self._inner.discard()
-        elif not self._closed:
-            self._drop()

@@ -110,6 +110,8 @@ class Controls:
     token: str | None  # the cluster token the workers may require
     sessions: Any = None  # the SessionManager (server/controller/sessions.py): registrations, runs
     tls: Any = None  # the controller's TlsConfig (pwctl/tls.py): workers are reached over TLS; None: plaintext
+    bulk_links: bool = True  # bulk bytes on the workers' TCP transfer ports where no TLS (bulk.py); off: gRPC
+    transfers: Any = None  # the controller's TransferCounts (transfer_counts.py): the metrics' bulk transfers
 
 
 def backend_error(e: ControllerError) -> BackendError:
@@ -157,7 +159,8 @@ class SliceSession(Uploading):
             credential = controls.sessions.credential(owner, prefix)
             metadata.append((SESSION_HEADER, credential))
         self._metadata = tuple(metadata)
-        self._workers = WorkerChannels(controls.tls, credential, controls.token or "", self._metadata)
+        self._workers = WorkerChannels(controls.tls, credential, controls.token or "", self._metadata,
+                                       controls.bulk_links, controls.transfers)
         self._cork = FlushCork(self._flush, asyncio.get_running_loop().call_soon)
         self._submits: list[Any] = []  # the runs held by the cork, for one scheduler pass (`_flush`)
         # a blocking client: it waited on the workers since its last execute, so it will likely
@@ -408,7 +411,7 @@ class SliceSession(Uploading):
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
                                    data_messages=True)
         return bulk.data_messages(self._workers.bulk, request, address, self._watch, lambda: fetching.data_messages(
-            self._workers.fetch_raw(address), request, self._metadata, address, self._watch))
+            self._workers.fetch_raw(address), request, self._metadata, address, self._watch), self._workers.counts)
 
     async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         """Returns once the buffers are computed (BackendError if one failed). An output of a

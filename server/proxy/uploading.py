@@ -29,6 +29,7 @@ from .. import wire
 from ..controller.errors import ControllerError
 from . import bulk
 from .backend import ArraySpec, BackendError
+from .bulk_staging import BulkStaging
 from .corking import FlushCork
 from .handles import HostData, Staged
 from .holdings import Holdings
@@ -216,13 +217,17 @@ class Uploading:
         """Uploads `arrays` to worker `address` under `ids`; `part_of`: each is a part of a
         global array (`put_spread`)."""
         self._worker(address)
-        links = self._workers.bulk
-        if links is not None and all(len(d) for _, _, d in arrays) \
-                and sum(len(d) for _, _, d in arrays) >= bulk.BULK_MIN_BYTES:
+        links, counts = self._workers.bulk, self._workers.counts
+        nbytes = sum(len(d) for _, _, d in arrays)
+        if links is not None and all(len(d) for _, _, d in arrays) and nbytes >= bulk.BULK_MIN_BYTES:
             link = await links.take(address)
             if link is not None:  # on the worker's transfer port (bulk.py); else by gRPC
+                if counts is not None:
+                    counts.started("upload", "tcp", nbytes)
                 await bulk.put_arrays(links, link, address, self._watch, self._owner, ids, arrays, part_of)
                 return
+        if counts is not None and nbytes >= bulk.BULK_MIN_BYTES:
+            counts.started("upload", "grpc", nbytes)
 
         def requests() -> Any:
             for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
@@ -254,6 +259,8 @@ class Uploading:
         buffer_id = next(self._ids)
 
         def by_grpc() -> Staging:
+            if self._workers.counts is not None and nbytes >= bulk.BULK_MIN_BYTES:
+                self._workers.counts.started("upload", "grpc", nbytes)
             try:
                 call = self._workers.put_raw(address)(metadata=self._metadata)
                 guard = self._watch.guard(address, call, "uploading to")  # for the staging's whole life
@@ -264,8 +271,9 @@ class Uploading:
         links = self._workers.bulk
         if links is None:
             return by_grpc()
-        # on the worker's transfer port where the session has a connection to it (bulk.py)
-        return bulk.BulkStaging(self, links, self._watch, address, buffer_id, self._owner, nbytes, by_grpc)
+        # on the worker's transfer port where the session has a connection to it (bulk_staging.py)
+        return BulkStaging(self, links, self._watch, address, buffer_id, self._owner, nbytes, by_grpc,
+                           self._workers.counts)
 
     def settle_staged(self, buffer_id: int, devices: Sequence[int], replicated: bool) -> None:
         """A staged upload, stored on the slice's first worker before the client said which

@@ -16,6 +16,7 @@ from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from .. import bulklink
 from . import fetching
 from .bulk import BulkLinks
+from .transfer_counts import TransferCounts
 
 # keepalive: a call to a worker whose host vanished (no FIN, no RST) fails within its 20 s timeout
 # instead of the kernel's ~15 minutes of retransmissions (docs/facts.md, "Peers that vanish")
@@ -28,14 +29,17 @@ class WorkerChannels:
     """Channels to workers by address, opened on first use and kept until `close`; over TLS with
     `tls` (the controller's own certificate is its client certificate). With the session's
     `credential` (and `metadata`, the calls' token), `bulk`: its TCP connections for bulk bytes
-    (bulk.py), on a cluster without TLS."""
+    (bulk.py), on a cluster without TLS unless `bulk_links` is off (the controller's
+    --no-bulk-links). `counts`: where the session's bulk transfers are counted, by path."""
 
     def __init__(self, tls: tls_.TlsConfig | None = None, credential: str = "", token: str = "",
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (), bulk_links: bool = True,
+                 counts: TransferCounts | None = None) -> None:
         self._tls = tls
         self._metadata = metadata
+        self.counts = counts
         self.bulk: BulkLinks | None = None
-        if credential and tls is None:
+        if credential and tls is None and bulk_links:
             self.bulk = BulkLinks(bulklink.hello_secret(token, credential), self._data_address)
         self._channels: dict[str, tuple[aio.Channel, wgrpc.WorkerStub]] = {}
         self._fetchers: dict[str, Any] = {}  # address -> its Fetch with undecoded answers

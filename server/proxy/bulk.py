@@ -51,8 +51,10 @@ MAX_LINKS = 8  # connections per session and worker; a request beyond them goes 
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
 POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initializer=name_native_thread)
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
-# a download's messages read per thread hop (each hop costs both threads a wake-up): the
-# controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
+# a download's messages read per thread hop (each hop costs both threads a wake-up); the next
+# hop's read runs while the loop sends these on, so the controller holds at most twice this while
+# its client is slow (8 MiB of 1 MiB messages). The first hop reads one message: the client's
+# first bytes leave as soon as they came.
 READ_AHEAD = 4
 
 
@@ -263,14 +265,21 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
             raise BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {message}")
         got = 0
         sizes = [size for _, size in bulklink.message_sizes(nbytes)]
-        for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
-            want = sizes[start : start + READ_AHEAD]
-            batch = await loop.run_in_executor(POOL, link.read, want)
-            for data in batch:
-                got += len(data)
-                yield data
-            if len(batch) < len(want):
-                raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+        hops = [sizes[:1]] + [sizes[k : k + READ_AHEAD] for k in range(1, len(sizes), READ_AHEAD)]
+        reading = loop.run_in_executor(POOL, link.read, hops[0])
+        try:
+            for k, want in enumerate(hops):
+                batch = await reading
+                if len(batch) == len(want) and k + 1 < len(hops):  # the next hop is read meanwhile
+                    reading = loop.run_in_executor(POOL, link.read, hops[k + 1])
+                for data in batch:
+                    got += len(data)
+                    yield data
+                if len(batch) < len(want):
+                    raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+        finally:
+            if not reading.done():  # the consumer went away mid-download: the connection is closed
+                reading.add_done_callback(_seen)  # under the read, which then fails unseen
         lease.keep = True
 
 

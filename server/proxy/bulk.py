@@ -53,9 +53,9 @@ POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pw-bulk", initiali
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
 # a download's messages read per thread hop (each hop costs both threads a wake-up); the next
 # hop's read runs while the loop sends these on, so the controller holds at most twice this while
-# its client is slow (8 MiB of 1 MiB messages). The first hop reads one message: the client's
+# its client is slow (8 MiB of 2 MiB messages). The first hop reads one message: the client's
 # first bytes leave as soon as they came.
-READ_AHEAD = 4
+READ_AHEAD = 2
 
 
 class Link:

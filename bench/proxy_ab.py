@@ -259,8 +259,9 @@ def main() -> None:
                         cpu[mode][s.label].setdefault(role, []).append(us)
                     load = os.getloadavg()[0]
                     loads.append(load)
+                    extra = {"down_mib_s": round(out["down_mib_s"], 1)} if "down_mib_s" in out else {}
                     print(json.dumps({"pair": i, "mode": mode, "side": s.label, "per_s": round(out["per_s"], 1),
-                                      "cpu_us_per_call": out["cpu_us_per_call"], "load1": load,
+                                      **extra, "cpu_us_per_call": out["cpu_us_per_call"], "load1": load,
                                       "t": time.strftime("%H:%M:%S")}),
                           flush=True)
     finally:
@@ -276,10 +277,12 @@ def main() -> None:
                           "A": [round(v) for v in a], "B": [round(v) for v in b]}), flush=True)
         if mode == "updown":  # per_s above: upload MiB/s
             da, db = down["A"], down["B"]
+            down_ratios = [y / x for x, y in zip(da, db, strict=False) if x > 0]
             print(json.dumps({"mode": "updown (download MiB/s)", "A_median": round(statistics.median(da), 1),
                               "B_median": round(statistics.median(db), 1),
-                              "B_over_A_pair_median": round(statistics.median(
-                                  [y / x for x, y in zip(da, db, strict=False) if x > 0]), 4)}), flush=True)
+                              "B_over_A_pair_median": round(statistics.median(down_ratios), 4),
+                              "B_faster_pairs": sum(r > 1 for r in down_ratios), "pairs": len(down_ratios),
+                              "A": [round(v) for v in da], "B": [round(v) for v in db]}), flush=True)
         print(json.dumps({"mode": mode, "cpu_us_per_call_medians": {
             side: {r: statistics.median(v) for r, v in cpu[mode][side].items()} for side in ("A", "B")}}), flush=True)
     print(json.dumps({"load1_min": min(loads), "load1_max": max(loads),

@@ -277,9 +277,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
                     yield data
                 if len(batch) < len(want):
                     raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
-        finally:
-            if not reading.done():  # the consumer went away mid-download: the connection is closed
-                reading.add_done_callback(_seen)  # under the read, which then fails unseen
+        finally:  # a consumer gone mid-download: the connection is closed under the read ahead,
+            reading.add_done_callback(_seen)  # whose failure nobody awaits
         lease.keep = True
 
 

@@ -23,7 +23,7 @@ tree on both sides that measures what TLS costs; the `updown` mode times a `--mi
 The `transformer` mode times the proxy suite's training step (bench/jaxrun.py `Trainer`, the
 default bench/model.py config; made at the mode's first window, untimed): a window is a warm-up
 step and then `--steps` steps back to back, waiting for the last loss; its rate is tokens/s and
-its CPU figures are per step.
+its CPU figures are the window's CPU over `--steps` (the warm-up step's included: 1/steps high).
 
     python -m bench.proxy_ab /tmp/base /tmp/new --modes transformer --pairs 6
 """

@@ -19,6 +19,13 @@ tree on both sides that measures what TLS costs; the `updown` mode times a `--mi
     python -m bench.proxy_ab . . --tls B --modes pipelined,updown --pairs 6
 
 `--tls AB`: both sides with TLS (two trees' bridges compared).
+
+The `transformer` mode times the proxy suite's training step (bench/jaxrun.py `Trainer`, the
+default bench/model.py config; made at the mode's first window, untimed): a window is a warm-up
+step and then `--steps` steps back to back, waiting for the last loss; its rate is tokens/s and
+its CPU figures are the window's CPU over `--steps` (the warm-up step's included: 1/steps high).
+
+    python -m bench.proxy_ab /tmp/base /tmp/new --modes transformer --pairs 6
 """
 
 from __future__ import annotations
@@ -42,13 +49,25 @@ SLICE = "ab"
 CLIENT = """
 import json, sys, time
 import jax, numpy as np
+from bench import model  # the transformer mode's (bench/jaxrun.py sets its config before any backend starts)
+from bench.jaxrun import Trainer
 step = jax.jit(lambda x: x + 1.0)
 double = jax.jit(lambda v: v * 2.0)
 x0 = jax.device_put(np.zeros((1,), np.float32), jax.devices()[0])
 step(x0).block_until_ready()
 print(json.dumps({"ready": True, "backend": str(jax.devices()[0].client.platform_version)}), flush=True)
+trainer, first = None, 0
 for line in sys.stdin:
     mode, n = line.split()
+    if mode == "transformer":  # n training steps (bench/jaxrun.py Trainer), after an untimed one
+        if trainer is None:
+            trainer = Trainer(model.Config().to_dict())
+            trainer.run(0).block_until_ready()
+            first = 1
+        rate = trainer.window(first, int(n))
+        first += int(n) + 1
+        print(json.dumps({"per_s": rate, "calls": int(n), "value": float(n)}), flush=True)
+        continue
     if mode == "updown":  # n MiB up, and its double down
         host = np.arange(int(n) * 2**18, dtype=np.float32) + np.float32(len(line))
         t0 = time.perf_counter()
@@ -202,7 +221,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--calls", default="1500,6000", help="calls per window, op-by-op and pipelined")
     ap.add_argument("--ports", default="7391,7392")
-    ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, updown")
+    ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, updown, transformer")
+    ap.add_argument("--steps", type=int, default=8, help="the transformer mode's timed steps per window")
     ap.add_argument("--mib", type=int, default=64, help="the updown mode's array (MiB)")
     ap.add_argument("--tls", default="", choices=["", "A", "B", "AB"],
                     help="this side's cluster serves TLS (AB: both: two trees' TLS bridges compared)")
@@ -211,6 +231,7 @@ def main() -> None:
     modes = args.modes.split(",")
     calls = dict(zip(("opbyop", "pipelined"), (int(c) for c in args.calls.split(",")), strict=True))
     calls["updown"] = args.mib
+    calls["transformer"] = args.steps
     tmp = Path(tempfile.mkdtemp(prefix="proxy-ab-"))
     sides = [Side("A", args.a.resolve(), ports[0], tmp / "a", tls="A" in args.tls),
              Side("B", args.b.resolve(), ports[1], tmp / "b", tls="B" in args.tls)]
@@ -238,8 +259,9 @@ def main() -> None:
                         cpu[mode][s.label].setdefault(role, []).append(us)
                     load = os.getloadavg()[0]
                     loads.append(load)
+                    extra = {"down_mib_s": round(out["down_mib_s"], 1)} if "down_mib_s" in out else {}
                     print(json.dumps({"pair": i, "mode": mode, "side": s.label, "per_s": round(out["per_s"], 1),
-                                      "cpu_us_per_call": out["cpu_us_per_call"], "load1": load,
+                                      **extra, "cpu_us_per_call": out["cpu_us_per_call"], "load1": load,
                                       "t": time.strftime("%H:%M:%S")}),
                           flush=True)
     finally:
@@ -255,10 +277,12 @@ def main() -> None:
                           "A": [round(v) for v in a], "B": [round(v) for v in b]}), flush=True)
         if mode == "updown":  # per_s above: upload MiB/s
             da, db = down["A"], down["B"]
+            down_ratios = [y / x for x, y in zip(da, db, strict=False) if x > 0]
             print(json.dumps({"mode": "updown (download MiB/s)", "A_median": round(statistics.median(da), 1),
                               "B_median": round(statistics.median(db), 1),
-                              "B_over_A_pair_median": round(statistics.median(
-                                  [y / x for x, y in zip(da, db, strict=False) if x > 0]), 4)}), flush=True)
+                              "B_over_A_pair_median": round(statistics.median(down_ratios), 4),
+                              "B_faster_pairs": sum(r > 1 for r in down_ratios), "pairs": len(down_ratios),
+                              "A": [round(v) for v in da], "B": [round(v) for v in db]}), flush=True)
         print(json.dumps({"mode": mode, "cpu_us_per_call_medians": {
             side: {r: statistics.median(v) for r, v in cpu[mode][side].items()} for side in ("A", "B")}}), flush=True)
     print(json.dumps({"load1_min": min(loads), "load1_max": max(loads),

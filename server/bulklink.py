@@ -38,7 +38,7 @@ FETCH, PUT, SPEC = b"PWGF", b"PWGP", b"PWGS"
 REPLY_MAGIC = b"PWGR"
 MAX_HEADER = 1 << 20  # a request's header (a `PartOf` names every device of the slice)
 MAX_ERROR = 64 * 1024
-DATA_MESSAGE = 1 << 20  # bytes of array data per fetched message (server/worker/transfer.py DATA_CHUNK)
+DATA_MESSAGE = 2 << 20  # bytes of array data per fetched message (server/worker/transfer.py DATA_CHUNK)
 
 
 def hello_secret(token: str, credential: str) -> bytes:

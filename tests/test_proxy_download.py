@@ -25,6 +25,7 @@ from test_proxy_stream import BASE, MIB, Raw, Sampler, controller_growth, raw_se
 from server.proxy.arrays import Buf, Part, new_record
 from server.proxy.downloads import byte_range, plan
 from server.proxy.shardings import Index, Sharding
+from server.worker.transfer import DATA_CHUNK
 
 # the cluster of the tests without their own (`module_cluster`: one island of 4 devices, for the
 # sharded downloads; the raw sessions take a fresh slice of one); those that measure the
@@ -87,7 +88,7 @@ def test_a_slow_or_vanishing_reader_holds_nothing_in_the_controller(cluster: Loc
             await _copy_to_host(s, 20, host_handle)
             call = await _lookup_call(s, host_handle)
             first = [(await call.read()).data for _ in range(2)]
-            assert b"".join(first) == data[: 2 * MIB]
+            assert b"".join(first) == data[: 2 * DATA_CHUNK]
             await asyncio.sleep(2.0)  # the worker would have sent all 256 MiB by now, unchecked
         grown = sampler.grown
         print(f"controller RSS growth behind a stalled reader: {grown / MIB:.0f} MiB")
@@ -193,7 +194,7 @@ def test_a_lookup_of_an_unknown_or_deleted_download_is_refused(module_cluster: L
 def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(module_cluster: LocalCluster) -> None:
     cluster = module_cluster  # left as found: its sessions end, their buffers freed
     """The worker's messages go to the client as they came (FetchRequest.data_messages): each
-    one is a GrpcHostBufferLookupResponse and nothing more, of at most 1 MiB, and together they
+    one is a GrpcHostBufferLookupResponse and nothing more, of at most DATA_CHUNK, and together they
     are the array's bytes in order; another session, or a made-up session id, reads nothing."""
     size = 6 * MIB + 12  # streamed (>= 4 MiB); not a multiple of the message size
     data = np.random.default_rng(2).bytes(size)
@@ -211,7 +212,7 @@ def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(modu
             messages = [m async for m in raw(P.GrpcHostBufferLookupRequest(session_id=s.sid, handle=30))]
             parsed = [P.GrpcHostBufferLookupResponse.FromString(m) for m in messages]
             assert all(p.SerializeToString() == m for p, m in zip(parsed, messages, strict=True))
-            assert [len(p.data) for p in parsed] == [MIB] * 6 + [12]
+            assert [len(p.data) for p in parsed] == [DATA_CHUNK] * (size // DATA_CHUNK) + [12]
             assert b"".join(p.data for p in parsed) == data
             await s.delete(30)
             assert await s.read_back(20, 31) == data  # once more, whole, through the session

@@ -61,9 +61,11 @@ RETRY_S = 30.0  # a worker whose connection could not be made is tried again aft
 POOL_THREADS = 64  # every session's: a thread is taken only to move bytes (`Link.readable`)
 POOL = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pw-bulk", initializer=name_native_thread)
 UPLOADING, DOWNLOADING = "uploading to", "downloading from"
-# a download's messages read per thread hop (each hop costs both threads a wake-up): the
-# controller holds at most these while its client is slow (4 MiB of 1 MiB messages)
-READ_AHEAD = 4
+# a download's messages read per thread hop (each hop costs both threads a wake-up); the next
+# hop's read runs while the loop sends these on, so the controller holds at most twice this while
+# its client is slow (8 MiB of 2 MiB messages). The first hop reads one message: the client's
+# first bytes leave as soon as they came.
+READ_AHEAD = 2
 
 
 class Link:
@@ -170,6 +172,12 @@ class Link:
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
         bulklink.send_parts(self.sock, parts)
+
+
+def seen(done: asyncio.Future[Any]) -> None:
+    """A done callback for a future whose failure nobody awaits: it is retrieved (not logged)."""
+    if not done.cancelled():
+        done.exception()
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
@@ -325,7 +333,7 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
         await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
         await link.readable()  # the worker answers once the buffer is computed: no thread held meanwhile
-        answer, batch = await loop.run_in_executor(POOL, link.fetched, READ_AHEAD)
+        answer, batch = await loop.run_in_executor(POOL, link.fetched, 1)  # and its first message
         if answer is None:
             raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer
@@ -338,15 +346,30 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
             counts.moved("download", "tcp", nbytes)
         got = 0
         sizes = [size for _, size in bulklink.message_sizes(nbytes)]
-        for start in range(0, len(sizes), READ_AHEAD):  # a few messages per thread hop
-            want = sizes[start : start + READ_AHEAD]
-            if start:
-                batch = await loop.run_in_executor(POOL, link.read, want)
+        # the first message came with the answer; each later hop's read runs while the loop sends
+        # the last one on
+        hops = [sizes[k : k + READ_AHEAD] for k in range(1, len(sizes), READ_AHEAD)]
+        reading = (loop.run_in_executor(POOL, link.read, hops[0])
+                   if hops and len(batch) == len(sizes[:1]) else None)
+        try:
             for data in batch:
                 got += len(data)
                 yield data
-            if len(batch) < len(want):
+            if len(batch) < len(sizes[:1]):
                 raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+            for k, want in enumerate(hops):
+                assert reading is not None
+                batch = await reading
+                if len(batch) == len(want) and k + 1 < len(hops):
+                    reading = loop.run_in_executor(POOL, link.read, hops[k + 1])
+                for data in batch:
+                    got += len(data)
+                    yield data
+                if len(batch) < len(want):
+                    raise broken(lease.guard, DOWNLOADING, address, f"after {got} of {sum(sizes)} bytes")
+        finally:  # a consumer gone mid-download: the connection is closed under the read ahead,
+            if reading is not None:  # whose failure nobody awaits
+                reading.add_done_callback(seen)
         lease.keep = True
 
 

@@ -11,17 +11,12 @@ import grpc
 
 from .. import bulklink, wire
 from .backend import BackendError
-from .bulk import POOL, UPLOADING, BulkLinks, Link, broken
+from .bulk import POOL, UPLOADING, BulkLinks, Link, broken, seen
 from .host_watch import HostWatch
 from .staging import Owner, Staging
 from .transfer_counts import TransferCounts
 
 CODE_NAMES = {s.value[0]: s.name for s in grpc.StatusCode}
-
-
-def _seen(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()
 
 
 class BulkStaging(Staging):
@@ -106,7 +101,7 @@ class BulkStaging(Staging):
         parts: list[bytes | memoryview] = [self._head, view]
         self._head = b""
         self._sending = asyncio.get_running_loop().run_in_executor(POOL, self._link.send, parts)
-        self._sending.add_done_callback(_seen)  # a send failed after a discard is nobody's error
+        self._sending.add_done_callback(seen)  # a send failed after a discard is nobody's error
         self.sent += len(view)
 
     async def _sent(self) -> None:

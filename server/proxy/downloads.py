@@ -8,7 +8,7 @@ holds those buffers (a DestructArray right after does not free them); the lookup
 from their workers' `Fetch` a message at a time and sends each on before reading the next
 (service.py), so the controller holds a few messages at once and reads no faster than the client
 takes them. The worker makes those messages wire-identical to the lookup's
-(`FetchRequest.data_messages`: `{bytes data = 1}`, 1 MiB each), so they go on unparsed and
+(`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so they go on unparsed and
 uncopied: the controller checks each one's header (`wire.data_length`) and counts its bytes.
 Deleting the host buffer, or the session's end, lets the buffers go.
 

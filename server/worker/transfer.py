@@ -36,10 +36,11 @@ log = logging.getLogger(__name__)
 
 CHUNK = 4 * 1024 * 1024  # a fetch's messages (servicer.py)
 # a data-message fetch's (FetchRequest.data_messages), which the controller forwards unchanged as a
-# proxy download's lookup messages (the size the jaxlib client's own uploads use): a download's
-# first bytes reached the controller 3-6 ms after its lookup began, against 13-24 ms in 4 MiB
-# messages (bench/FINDINGS.md, 2026-11-25 22:45)
-DATA_CHUNK = 1024 * 1024
+# proxy download's lookup messages: a download's first bytes reached the controller 3-6 ms after
+# its lookup began in 1 MiB messages, against 13-24 ms in 4 MiB ones (bench/FINDINGS.md,
+# 2026-11-25 22:45); 2 MiB ones cost the controller ~7 ms less per 64 MiB than 1 MiB (half the
+# messages, each a gRPC write), the jaxlib client no more (2026-11-27 08:56)
+DATA_CHUNK = 2 * 1024 * 1024
 # a peer transfer's messages: 64 MiB between two hosts (network namespaces) by the stream alone went
 # 1.2-2.5x faster in 1 MiB chunks than in 4 MiB ones (six runs); making 4 MiB messages page-faults
 # every buffer afresh (~21k minor faults per 64 MiB, none at 1 MiB) (bench/FINDINGS.md, "Multi-host")

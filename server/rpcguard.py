@@ -19,6 +19,7 @@ garbage writes a bounded log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -193,7 +194,11 @@ class GuardInterceptor(aio.ServerInterceptor):
         return wrapped
 
     def _stream(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
-        async def wrapped(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        """A response stream written here (`write_or_cancel`), not by gRPC from a generator: a
+        caller killed mid-stream ends the handler as a cancellation, with no traceback in the log;
+        the handler's generator is closed at once (its `finally` runs before the call ends)."""
+
+        async def wrapped(request: Any, context: aio.ServicerContext) -> None:
             if streaming_in:
                 request = self._requests(request, context, method)
             elif isinstance(request, Malformed):
@@ -201,8 +206,9 @@ class GuardInterceptor(aio.ServerInterceptor):
             try:
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
+                    async with contextlib.aclosing(result) as items:
+                        async for item in items:
+                            await write_or_cancel(context, item)
                 elif inspect.isawaitable(result):
                     await result  # a handler that writes with context.write()
             except aio.AbortError:

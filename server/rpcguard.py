@@ -10,7 +10,9 @@ inside grpc, which answered UNKNOWN and logged a full traceback for every such r
 - an exception the `classify` function recognises (the controller's `ControllerError`s, a
   broken invariant) becomes its status code and one-line message, in every kind of handler,
   streaming ones included (they had no mapping at all: an unknown job's `logs -f` was UNKNOWN);
-- anything else is a bug: it propagates, and grpc logs its traceback (tracebacks are for bugs).
+- anything else is a bug: it propagates, and grpc logs its traceback (tracebacks are for bugs);
+- a response stream is written by the wrapper (`write_or_cancel`), not by grpc from the handler's
+  generator: a caller killed mid-stream ends the handler as a cancellation, no traceback.
 
 Warnings about malformed requests are rate-limited (`LOG_EVERY_S` per method), so a flood of
 garbage writes a bounded log.

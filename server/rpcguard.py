@@ -10,7 +10,9 @@ inside grpc, which answered UNKNOWN and logged a full traceback for every such r
 - an exception the `classify` function recognises (the controller's `ControllerError`s, a
   broken invariant) becomes its status code and one-line message, in every kind of handler,
   streaming ones included (they had no mapping at all: an unknown job's `logs -f` was UNKNOWN);
-- anything else is a bug: it propagates, and grpc logs its traceback (tracebacks are for bugs).
+- anything else is a bug: it propagates, and grpc logs its traceback (tracebacks are for bugs);
+- a response stream is written by the wrapper (`write_or_cancel`), not by grpc from the handler's
+  generator: a caller killed mid-stream ends the handler as a cancellation, no traceback.
 
 Warnings about malformed requests are rate-limited (`LOG_EVERY_S` per method), so a flood of
 garbage writes a bounded log.
@@ -19,6 +21,7 @@ garbage writes a bounded log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -193,7 +196,11 @@ class GuardInterceptor(aio.ServerInterceptor):
         return wrapped
 
     def _stream(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
-        async def wrapped(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        """A response stream written here (`write_or_cancel`), not by gRPC from a generator: a
+        caller killed mid-stream ends the handler as a cancellation, with no traceback in the log;
+        the handler's generator is closed at once (its `finally` runs before the call ends)."""
+
+        async def wrapped(request: Any, context: aio.ServicerContext) -> None:
             if streaming_in:
                 request = self._requests(request, context, method)
             elif isinstance(request, Malformed):
@@ -201,8 +208,9 @@ class GuardInterceptor(aio.ServerInterceptor):
             try:
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
+                    async with contextlib.aclosing(result) as items:
+                        async for item in items:
+                            await write_or_cancel(context, item)
                 elif inspect.isawaitable(result):
                     await result  # a handler that writes with context.write()
             except aio.AbortError:

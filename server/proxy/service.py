@@ -35,6 +35,7 @@ import grpc
 from grpc import aio
 
 from .. import wire
+from ..rpcguard import write_or_cancel
 from . import arrays, downloads, executables, reshard, shardings
 from . import protocol as proto_mod
 from .answers import AnswerWriter, Encoder
@@ -347,7 +348,7 @@ class ProxyService:
                 req = self._parse(raw)
                 if req is None:
                     break
-                await context.write(self._error(req.request_metadata.op_id, e.code, str(e)))
+                await write_or_cancel(context, self._error(req.request_metadata.op_id, e.code, str(e)))
             return
         out = AnswerWriter(context.write, MAX_PENDING)
         runner = Runner(out, session.handles.unclaim)

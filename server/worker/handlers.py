@@ -63,8 +63,9 @@ class _OneAtATime:
         return getattr(self._context, name)
 
     async def write(self, message: Any) -> None:
+        """A failed write (the caller is gone) raises CancelledError (rpcguard.write_or_cancel)."""
         async with self._lock:
-            await self._context.write(message)
+            await write_or_cancel(self._context, message)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         async with self._lock:

@@ -69,7 +69,10 @@ def test_compile_options_name_the_devices() -> None:
         if not size:
             break
     data = b"\x0a" + bytes(varint) + inner  # XlaCompileOptions: the CompileOptionsProto is field 1
-    assert device_ids(compile_options(data, P)) == (2, 3)
+    assert device_ids(compile_options(data, P), 4) == (2, 3)
+    with pytest.raises(HandleError) as many:  # more devices than the session has
+        device_ids(compile_options(data, P), 1)
+    assert many.value.code == "INVALID_ARGUMENT" and "at most 1" in str(many.value), str(many.value)
     with pytest.raises(HandleError) as e:
         compile_options(b"\x0a\x05ab", P)
     assert e.value.code == "INVALID_ARGUMENT"

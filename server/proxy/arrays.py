@@ -319,14 +319,9 @@ async def make_arrays_from_host_buffer_shards(session: Session, req: Message, re
     r = req.make_arrays_from_host_buffer_shards_request
     what = "make_arrays_from_host_buffer_shards_request"
     bounded(r.specs, f"{what}.specs", MAX_HANDLES)
-    if r.array_handles:
-        if len(r.array_handles) != len(r.specs):
-            raise HandleError("INVALID_ARGUMENT", f"{len(r.specs)} arrays, {len(r.array_handles)} handles")
-        handles = list(r.array_handles)
-        for h in handles:
-            session.handles.reserve(h)
-    else:
-        handles = [session.handles.reserve_new() for _ in r.specs]
+    handles = session.handles.reserve_all(r.array_handles, len(r.specs))
+    if handles is None:
+        raise HandleError("INVALID_ARGUMENT", f"{len(r.specs)} arrays, {len(r.array_handles)} handles")
     for h, spec in zip(handles, r.specs, strict=True):
         dtype = numpy_dtype(spec.array_spec.dtype)
         shape = sh.shape_of(spec.array_spec.shape.dims)

@@ -227,16 +227,10 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
     r = req.loaded_executable_execute_request
     exe = session.handles.get(r.loaded_executable_handle, LoadedExecutable)
     compiled = exe.compiled
-    given = r.result_array_handle
-    if given:
-        if len(given) != len(compiled.outputs):  # (before a long list is copied)
-            raise HandleError("INVALID_ARGUMENT", f"{compiled.name} has {len(compiled.outputs)} outputs, "
-                              f"the request names {len(given)} result handles")
-        results = list(given)
-        for h in results:  # before any await: later requests may read them
-            session.handles.reserve(h)  # (the client's: below the server's range, one compare)
-    else:
-        results = [session.handles.reserve_new() for _ in compiled.outputs]
+    results = session.handles.reserve_all(r.result_array_handle, len(compiled.outputs))
+    if results is None:
+        raise HandleError("INVALID_ARGUMENT", f"{compiled.name} has {len(compiled.outputs)} outputs, "
+                          f"the request names {len(r.result_array_handle)} result handles")
     handles = list(r.args_handles)
     if len(handles) != len(compiled.inputs):  # before any is looked at
         raise HandleError("INVALID_ARGUMENT", f"{compiled.name} takes {len(compiled.inputs)} arguments, "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncGenerator, Sized
+from collections.abc import AsyncGenerator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,6 +121,19 @@ class HandleTable:
         handle = next(self._next)
         self.put(handle, Pending())
         return handle
+
+    def reserve_all(self, given: Sequence[int], count: int) -> list[int] | None:
+        """An op's `count` result handles, reserved (before any await: later requests may use
+        them): the client's `given`, or new ones of the server's where it names none; None when
+        it names another number (counted before the list is copied: the caller says why)."""
+        if not given:
+            return [self.reserve_new() for _ in range(count)]
+        if len(given) != count:
+            return None
+        handles = list(given)
+        for h in handles:
+            self.reserve(h)
+        return handles
 
     def reserve_or_new(self, handle: int) -> int:
         """`handle` reserved, or a new one where the client named none (0)."""

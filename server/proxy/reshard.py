@@ -76,7 +76,9 @@ async def assemble(session: Session, req: Message, resp: Message, proto: Any) ->
 
 async def copy_arrays(session: Session, req: Message, resp: Message, proto: Any) -> None:
     r = req.copy_arrays_request
-    results = _results(session, r.result_handles, len(r.array_handles), "arrays")
+    results = session.handles.reserve_all(r.result_handles, len(r.array_handles))
+    if results is None:
+        raise HandleError("INVALID_ARGUMENT", f"{len(r.array_handles)} arrays, {len(r.result_handles)} result handles")
     bounded(r.device_ids, "copy_arrays_request.device_ids", _devices(session), " (the session's devices)")
     devices = tuple(int(d) for d in r.device_ids)
     known = {d.id for d in session.backend.slice.devices}
@@ -88,19 +90,6 @@ async def copy_arrays(session: Session, req: Message, resp: Message, proto: Any)
         # a program reading it places it on its own devices (server/worker/executable.py)
         session.handles.settle(h, new_record(rec.dtype, rec.shape, rec.sharding.with_devices(devices), list(rec.parts)))
     resp.copy_arrays_response.array_handles.extend(results)
-
-
-def _results(session: Session, given: Any, count: int, what: str) -> list[int]:
-    """The op's result handles, reserved: the client's (`given`, one per result: checked before
-    a long list is copied) or, where it names none, new ones of the server's."""
-    if not given:
-        return [session.handles.reserve_new() for _ in range(count)]
-    if len(given) != count:
-        raise HandleError("INVALID_ARGUMENT", f"{count} {what}, {len(given)} result handles")
-    results = list(given)
-    for h in results:
-        session.handles.reserve(h)
-    return results
 
 
 def _devices(session: Session) -> int:
@@ -134,7 +123,10 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
     plan = r.plan
     bounded(plan.output_specs, "remap_arrays_request.plan.output_specs", MAX_HANDLES)
     bounded(plan.mappings, "remap_arrays_request.plan.mappings", MAX_HANDLES)
-    results = _results(session, r.result_handles, len(plan.output_specs), "outputs")
+    results = session.handles.reserve_all(r.result_handles, len(plan.output_specs))
+    if results is None:
+        raise HandleError("INVALID_ARGUMENT", f"{len(plan.output_specs)} outputs, {len(r.result_handles)} result "
+                          "handles")
     inputs = [await session.handles.resolve(h, ArrayRecord) for h in r.array_handles]
     if len(inputs) != len(plan.input_specs):
         raise HandleError("INVALID_ARGUMENT", f"a plan for {len(plan.input_specs)} arrays applied to {len(inputs)}")

@@ -25,7 +25,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,14 @@ async def write_or_cancel(context: Any, message: Any) -> None:
         raise
     except Exception:  # ExecuteBatchError and kin: the call is over
         raise asyncio.CancelledError from None
+
+
+async def write_stream(context: Any, items: AsyncGenerator[Any, None]) -> None:
+    """Writes a handler's response generator with `write_or_cancel` (not gRPC from the generator),
+    closing it at once when the stream ends either way (its `finally` runs before the call ends)."""
+    async with contextlib.aclosing(items) as messages:
+        async for message in messages:
+            await write_or_cancel(context, message)
 
 
 @dataclass(frozen=True)
@@ -208,9 +216,7 @@ class GuardInterceptor(aio.ServerInterceptor):
             try:
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
-                    async with contextlib.aclosing(result) as items:
-                        async for item in items:
-                            await write_or_cancel(context, item)
+                    await write_stream(context, result)
                 elif inspect.isawaitable(result):
                     await result  # a handler that writes with context.write()
             except aio.AbortError:

@@ -298,34 +298,29 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     resp.copy_to_host_buffer_response.SetInParent()
 
 
-async def _send(context: Any, message: bytes | memoryview) -> None:
-    """Writes one message of a lookup, waiting for the client's flow-control window; a client gone
-    ends the handler as a cancellation, with no traceback in the log (rpcguard.write_or_cancel: a
-    client that never read its lookup, then hung up, had one logged: the chaos run's proxy fuzz)."""
-    await write_or_cancel(context, message)
-
-
 async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> None:
     """A HostBufferLookup's messages: bytes kept here in `chunk`s (serialized here, one copy of
     each), or a download's messages read from a worker and each sent on, unparsed, before the
     next is read, so the controller holds a few however slowly the client reads (BackendError
-    when the workers fail it). A client that goes away cancels the handler, which closes the
-    download's `messages` and with it the worker's fetch."""
+    when the workers fail it). Each write waits for the client's flow-control window; a client
+    that goes away cancels the handler (rpcguard.write_or_cancel: no traceback logged, as one was
+    for a client that never read its lookup, then hung up: the chaos run's proxy fuzz), which
+    closes the download's `messages` and with it the worker's fetch."""
     if isinstance(data, Streamed):
         sent = 0
         async with contextlib.aclosing(data.messages()) as messages:
             async for message in messages:
                 sent += wire.data_length(message)
-                await _send(context, message)
+                await write_or_cancel(context, message)
         if sent != data.nbytes:
             raise BackendError("INTERNAL", f"host buffer {handle}: the workers sent {sent} bytes of {data.nbytes}")
         return
     if not data.nbytes:
-        await _send(context, b"")
+        await write_or_cancel(context, b"")
     for part in data.parts:
         view = memoryview(part).cast("B")
         for offset in range(0, len(view), chunk):
-            await _send(context, wire.data_message(view[offset : offset + chunk]))
+            await write_or_cancel(context, wire.data_message(view[offset : offset + chunk]))
 
 
 HANDLERS = {"copy_to_host_buffer_request": copy_to_host_buffer}

@@ -6,7 +6,6 @@ traceback."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ from grpc import aio
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import wire
-from ..rpcguard import Malformed, WarningLimiter, decoder, write_or_cancel
+from ..rpcguard import Malformed, WarningLimiter, decoder, write_or_cancel, write_stream
 from .servicer import WorkerServicer
 
 
@@ -99,9 +98,7 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             if isinstance(request, Malformed):
                 await authenticate(method, context)
                 await _refuse(context, method, request)
-            async with contextlib.aclosing(fn(request, context)) as items:
-                async for item in items:
-                    await write_or_cancel(context, item)
+            await write_stream(context, fn(request, context))
         return handler
 
     async def checked(method: str, requests: AsyncIterator[Any], context: aio.ServicerContext) -> AsyncIterator[Any]:

@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,7 @@ class WorkerClient:
             elif not self._reopening and not self._closed:
                 self._open()
 
-    def released(self, buffer_ids: Iterable[int]) -> None:
+    def released(self, buffer_ids: list[int]) -> None:
         """The client's releases of these buffers reached this worker (the controller said so,
         controller.proto `releases_done`): an upload among them not acknowledged yet is marked
         (`Upload.released`) for `wanted`, asked before it is sent again. A release goes on to
@@ -168,6 +168,11 @@ class WorkerClient:
             for upload in self._unacked:
                 if upload.buffer_id in ids:
                     upload.released = True
+
+    def uploading(self) -> bool:
+        """Whether some upload is not acknowledged yet; read without the lock (a hint: an upload
+        put after it answered has no release out yet, so `released` has nothing for it)."""
+        return bool(self._unacked)
 
     def unacknowledged(self) -> int:
         """Uploads not acknowledged by the worker yet (tests)."""

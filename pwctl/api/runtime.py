@@ -390,11 +390,17 @@ class Runtime:
     def _releases_arrived(self, releases: list[wpb.ReleaseBuffers]) -> None:
         """The controller says these release messages reached their workers: the uploads among
         them that a worker did not acknowledge are marked (`_upload_wanted`)."""
+        with self._workers_lock:
+            uploading = {address: conn for address, conn in self._workers.items() if conn.uploading()}
+        if not uploading:  # every upload acknowledged: the usual case, nothing to look at
+            return
+        ids: dict[WorkerClient, list[int]] = {}  # one call per worker, however many messages
         for release in releases:
-            with self._workers_lock:
-                conn = self._workers.get(release.address)
-            if conn is not None and release.buffer_ids:
-                conn.released(release.buffer_ids)
+            conn = uploading.get(release.address)
+            if conn is not None:
+                ids.setdefault(conn, []).extend(release.buffer_ids)
+        for conn, buffer_ids in ids.items():
+            conn.released(buffer_ids)
 
     def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
         """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,

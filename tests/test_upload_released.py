@@ -118,6 +118,64 @@ def test_a_succeeded_runs_upload_is_not_sent_again_to_the_restarted_worker(clust
     assert "Traceback" not in worker.log.read_text(errors="replace")
 
 
+GIVEN_UP = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+from pwctl.worker_client import WorkerClient
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
+rt = Runtime.get()
+wc = rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost,
+                                           wanted=rt._upload_wanted)
+assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]
+print("ready", flush=True)
+sys.stdin.readline()  # the relay holds the worker's replies
+f = inc(np.ones((1, 2)))
+start = time.monotonic()
+while (rt.in_flight() or rt._sender.unacked) and time.monotonic() - start < 30:
+    time.sleep(0.05)
+print(json.dumps({"in_flight": rt.in_flight(), "releases": len(rt._sender.unacked),
+                  "unacknowledged": wc.unacknowledged()}), flush=True)
+sys.stdin.readline()  # the relay refuses connections now: nothing gets through to the worker from here
+start = time.monotonic()
+while wc.unacknowledged() and time.monotonic() - start < 30:
+    time.sleep(0.05)
+time.sleep(0.5)
+print(json.dumps({"unacknowledged": wc.unacknowledged(), "error": rt.run_failed(f.run_id)}), flush=True)
+"""
+
+
+def test_a_succeeded_runs_upload_that_cannot_be_sent_again_does_not_fail_its_run(module_cluster: LocalCluster) -> None:
+    """The same upload, acknowledgement held, run over and release in; then the worker cannot be
+    reached from the client any more. The upload was sent again for seconds, then given up, and
+    its run, which had succeeded, was failed in the client ("input buffer ... was lost") and
+    cancelled on the controller. Now it is dropped at once and the run stays succeeded."""
+    relay = Relay(module_cluster.hosts()["w-a"].address)
+    proc = subprocess.Popen([sys.executable, "-c", GIVEN_UP, relay.address], env=module_cluster.env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        relay.hold_replies()
+        for expected in ({"in_flight": 0, "releases": 0, "unacknowledged": 1}, {"unacknowledged": 0, "error": ""}):
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else ""
+            assert json.loads(line) == expected
+            relay.refuse()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.close()
+
+
 def test_only_the_uploads_whose_release_arrived_are_dropped_the_others_are_sent_again(
         module_cluster: LocalCluster) -> None:
     """Of two uploads a broken link did not deliver, the one marked released is dropped and the

@@ -55,6 +55,9 @@ class Upload:
     messages: list[wpb.PutBufferRequest]
     run_id: int = 0
     sent: bool = False  # handed to a stream (a later one sends it `again`, worker.proto)
+    # the client's release of it reached the worker (`WorkerClient.released`): its run is over,
+    # unless the release passed a controller that did not know the run (`wanted` decides)
+    released: bool = False
 
 
 def upload_messages(buffer_id: int, arr: np.ndarray, piece_bytes: int = PIECE_BYTES) -> list[wpb.PutBufferRequest]:
@@ -107,9 +110,10 @@ class WorkerClient:
     stream opened at once; while none gets through the new stream is tried again after short
     pauses (`RESEND_PAUSES_S`), and then they are given up: `on_lost(uploads, error)` (the
     runtime fails the runs that read them). An upload the worker refused is not sent again, nor
-    is one that `wanted(upload)` says nobody needs any more (the runtime: its run failed); that
-    one is dropped. Sent again to a worker that restarted meanwhile, it would be stored and kept
-    until the session's buffers go, as nothing would ever read or release it."""
+    is one that `wanted(upload)` says nobody needs any more (the runtime: its run failed, or its
+    release reached the worker, `released`, so its run is over); that one is dropped. Sent again
+    to a worker that restarted meanwhile, it would be stored and kept until the session's
+    buffers go, as nothing would ever read or release it."""
 
     def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None,
                  wanted: Wanted | None = None, tls: TlsConfig | None = None) -> None:
@@ -149,6 +153,26 @@ class WorkerClient:
                 self._stream.queue.put(upload)
             elif not self._reopening and not self._closed:
                 self._open()
+
+    def released(self, buffer_ids: list[int]) -> None:
+        """The client's releases of these buffers reached this worker (the controller said so,
+        controller.proto `releases_done`): an upload among them not acknowledged yet is marked
+        (`Upload.released`) for `wanted`, asked before it is sent again. A release goes on to
+        the worker only once every run the client sent before it is over, its upload's reader
+        among them; a worker restarted at this address since would store the copy and, its
+        release gone to the worker before, keep it until the session ends."""
+        with self._lock:
+            if not self._unacked:
+                return
+            ids = set(buffer_ids)
+            for upload in self._unacked:
+                if upload.buffer_id in ids:
+                    upload.released = True
+
+    def uploading(self) -> bool:
+        """Whether some upload is not acknowledged yet; read without the lock (a hint: an upload
+        put after it answered has no release out yet, so `released` has nothing for it)."""
+        return bool(self._unacked)
 
     def unacknowledged(self) -> int:
         """Uploads not acknowledged by the worker yet (tests)."""

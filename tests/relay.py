@@ -3,8 +3,10 @@ network drop between a client and a worker, which killing either process cannot 
 
 `Relay(target)` listens on 127.0.0.1 and copies bytes both ways between each accepted connection
 and `target`. `hold()` stops copying (bytes wait in the sockets' buffers, as on a stalled link),
-`cut()` resets every connection open now (both ends see the connection break), `refuse()` also
-stops accepting new ones, `release()` goes back to copying."""
+`hold_replies()` stops only the target's side (what the client sends still gets through: a worker
+that takes uploads whose acknowledgements are lost), `cut()` resets every connection open now (both
+ends see the connection break), `refuse()` also stops accepting new ones, `release()` goes back to
+copying."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class Relay:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._running = threading.Event()
         self._running.set()
+        self._replies = threading.Event()  # the target's bytes are copied back (unless `hold_replies`)
+        self._replies.set()
         self._refusing = False
         self._closed = False
         self.accepted = 0
@@ -54,10 +58,13 @@ class Relay:
         try:
             while not self._closed:
                 self._running.wait()
-                ready, _, _ = select.select([a, b], [], [], 0.05)
+                sources = [a, b] if self._replies.is_set() else [a]  # b: the target
+                ready, _, _ = select.select(sources, [], [], 0.05)
                 if not self._running.is_set():
                     continue  # held: what came stays unread
                 for s in ready:
+                    if s is b and not self._replies.is_set():
+                        continue
                     data = s.recv(1 << 16)
                     if not data:
                         return
@@ -71,8 +78,13 @@ class Relay:
     def hold(self) -> None:
         self._running.clear()
 
+    def hold_replies(self) -> None:
+        """The target's bytes stay unread from now on (until `release`); the client's still go."""
+        self._replies.clear()
+
     def release(self) -> None:
         self._refusing = False
+        self._replies.set()
         self._running.set()
 
     def cut(self) -> None:

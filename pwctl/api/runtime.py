@@ -28,6 +28,7 @@ from typing import Any
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
@@ -231,7 +232,7 @@ class Runtime:
                     if vs is not None:
                         vs._update(ev.slice_changed.slice)
                 elif kind == "releases_done":
-                    self._sender.releases_arrived(ev.releases_done)
+                    self._releases_arrived(self._sender.releases_arrived(ev.releases_done))
                 elif kind == "host_lost":
                     self._host_lost(ev.host_lost)
                 elif kind == "going_away":
@@ -375,8 +376,31 @@ class Runtime:
     def _upload_wanted(self, upload: Upload) -> bool:
         """Whether an upload a worker did not acknowledge is still worth sending again
         (worker_client.py): not once its run failed (the controller failed it, say for the loss
-        of the worker's host, or another of its inputs was lost), as nothing reads it then."""
-        return not (upload.run_id and upload.run_id in self._failed_runs)
+        of the worker's host, or another of its inputs was lost), as nothing reads it then; nor
+        once its release reached the worker (`released`): the controller sent it on only once
+        the run was over (its reader; `execute` releases each upload right after its run). Sent
+        again, a worker restarted at that address since would keep it until the session ends.
+        Unless the run was in flight at a controller restart (uncertain, resume.py): the release
+        sent again then passed a new controller that never knew the run, which a worker may
+        still hold, waiting for this input."""
+        if upload.run_id and upload.run_id in self._failed_runs:
+            return False
+        return not (upload.released and not self.resume.is_uncertain(upload.run_id))
+
+    def _releases_arrived(self, releases: list[wpb.ReleaseBuffers]) -> None:
+        """The controller says these release messages reached their workers: the uploads among
+        them that a worker did not acknowledge are marked (`_upload_wanted`)."""
+        with self._workers_lock:
+            uploading = {address: conn for address, conn in self._workers.items() if conn.uploading()}
+        if not uploading:  # every upload acknowledged: the usual case, nothing to look at
+            return
+        ids: dict[WorkerClient, list[int]] = {}  # one call per worker, however many messages
+        for release in releases:
+            conn = uploading.get(release.address)
+            if conn is not None:
+                ids.setdefault(conn, []).extend(release.buffer_ids)
+        for conn, buffer_ids in ids.items():
+            conn.released(buffer_ids)
 
     def _uploads_lost(self, uploads: list[Upload], error: str) -> None:
         """Uploads a worker will not get (worker_client.py): the runs reading them fail at once,

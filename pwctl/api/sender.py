@@ -131,12 +131,14 @@ class Sender:
             batch.append(item)
         return True
 
-    def releases_arrived(self, count: int) -> None:
+    def releases_arrived(self, count: int) -> list[wpb.ReleaseBuffers]:
         """The controller says the current stream's first `count` release messages reached their
-        workers (SessionEvent.releases_done): they are forgotten."""
+        workers (SessionEvent.releases_done): they are forgotten, and returned."""
+        arrived = []
         with self.lock:
             while self.unacked and self.unacked[0][0] <= count:
-                self.unacked.popleft()
+                arrived.append(self.unacked.popleft()[1])
+        return arrived
 
     def set_acks(self, acks: bool) -> None:
         """Whether the current stream's controller acknowledges releases (Welcome.acks_releases):

@@ -11,10 +11,13 @@ client reaches the handler (the path `rpcguard.write_or_cancel` ends as a cancel
 `Watch` writes only when the status changes, so its handler is waiting, not writing, at the kill:
 that case checks the cancellation of a waiting handler (grpc_health's own code) stays quiet.
 Without rpcguard.write_or_cancel, WorkerConnect's case logs gRPC's ExecuteBatchError traceback;
-IfrtSession's caught a session whose close was cut short (its test)."""
+IfrtSession's caught a session whose close was cut short (its test). Last, the one such record
+no handler can prevent, a final status sent after the caller died, is one INFO line
+(rpcguard.FinalStatusFilter, docs/architecture.md "Callers that die mid-call")."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -30,6 +33,7 @@ from test_trust_worker import meta, open_session, worker_log
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from server import rpcguard
 from tests.conftest import REPO, LocalCluster, wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
@@ -182,3 +186,48 @@ def test_a_proxy_client_killed_mid_session_leaves_no_traceback(cluster: LocalClu
              "every killed proxy session to close in full")
     still_serves(cluster)
     no_tracebacks(cluster)
+
+
+def _grpc_logs(caplog: pytest.LogCaptureFixture, ops: tuple[object, ...] | None,
+               start_error: int = 0) -> logging.LogRecord:
+    """What grpc.aio's `_handle_exceptions` logs for a failed batch of `ops` (its own call, on its
+    own logger, with a real ExecuteBatchError worded as core's callback words it), as captured."""
+    from grpc._cython import cygrpc
+
+    text = f"Failed grpc_call_start_batch: {start_error}" if ops is None else f'Failed "execute_batch": {ops}'
+    try:
+        raise cygrpc.ExecuteBatchError(text)
+    except cygrpc.ExecuteBatchError:
+        method = "/pathways.v1.Controller/StreamLogs"  # formatted before logging, as gRPC does
+        logging.getLogger(rpcguard.GRPC_LOGGER).exception(
+            f"ExecuteBatchError raised in core by servicer method [{method}]")
+    return caplog.records[-1]
+
+
+def test_a_final_status_the_caller_did_not_live_to_see_is_one_line_and_nothing_else_is(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from grpc._cython import cygrpc
+
+    status = cygrpc.SendStatusFromServerOperation((), cygrpc.StatusCode.ok, "", 0)
+    message = cygrpc.SendMessageOperation(b"x", 0)
+    metadata = cygrpc.SendInitialMetadataOperation((), 0)
+    rpcguard.quiet_final_status()
+    rpcguard.quiet_final_status()  # once per process, however often called
+    logger = logging.getLogger(rpcguard.GRPC_LOGGER)
+    try:
+        assert sum(isinstance(f, rpcguard.FinalStatusFilter) for f in logger.filters) == 1
+        with caplog.at_level(logging.INFO, rpcguard.GRPC_LOGGER):
+            # a stream's final status; a unary call's answer with its status (and metadata)
+            for ops in ((status,), (message, status), (metadata, message, status)):
+                r = _grpc_logs(caplog, ops)
+                assert (r.levelno, r.exc_info) == (logging.INFO, None)
+                assert r.getMessage() == ("/pathways.v1.Controller/StreamLogs: final status not sent, "
+                                          "the call ended first (its caller gone)")
+            # a message write (the handler's to end) and a batch core refused (a bug) stay errors
+            for ops, start_error in (((message,), 0), (None, 8)):
+                r = _grpc_logs(caplog, ops, start_error)
+                assert r.levelno == logging.ERROR and r.exc_info is not None
+                assert r.getMessage().startswith("ExecuteBatchError raised in core by servicer method")
+    finally:
+        for f in [f for f in logger.filters if isinstance(f, rpcguard.FinalStatusFilter)]:
+            logger.removeFilter(f)

@@ -59,6 +59,40 @@ async def write_stream(context: Any, items: AsyncGenerator[Any, None]) -> None:
             await write_or_cancel(context, message)
 
 
+GRPC_LOGGER = "grpc._cython.cygrpc"  # grpc.aio's server, which logs a handler's failures
+_BATCH_LOGGED = "ExecuteBatchError raised in core by servicer method ["
+
+
+class FinalStatusFilter(logging.Filter):
+    """Makes one line of the one gRPC error no handler can prevent: the call's final status, which
+    grpc.aio sends after the handler returns, failing because the call ended first (its caller
+    killed, or gone by its deadline, as the handler finished). grpc.aio logs that with a traceback
+    of its own code unless it has already seen the caller's cancellation, a race. Exactly that
+    record is rewritten, at INFO: `_BATCH_LOGGED` for an ExecuteBatchError core raised for a batch
+    that carried the final status ('Failed "execute_batch": (...SendStatusFromServerOperation...)';
+    core fails a batch it had started only when the call is over). Failed message writes are the
+    handlers' to end (`write_or_cancel`) and stay errors, as does a batch core refused to start
+    ('Failed grpc_call_start_batch', a misuse: a bug); see docs/architecture.md, "Callers that die"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (isinstance(record.msg, str) and record.msg.startswith(_BATCH_LOGGED)
+                and type(exc).__name__ == "ExecuteBatchError" and str(exc).startswith('Failed "execute_batch"')
+                and "SendStatusFromServerOperation" in str(exc)):
+            method = record.msg[len(_BATCH_LOGGED):].rstrip("]")
+            record.msg, record.args = "%s: final status not sent, the call ended first (its caller gone)", (method,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_final_status() -> None:
+    """Installs `FinalStatusFilter` on gRPC's server logger (once per process)."""
+    logger = logging.getLogger(GRPC_LOGGER)
+    if not any(isinstance(f, FinalStatusFilter) for f in logger.filters):
+        logger.addFilter(FinalStatusFilter())
+
+
 @dataclass(frozen=True)
 class Malformed:
     """A request whose bytes did not decode as the method's message."""

@@ -23,7 +23,7 @@ from ..auth import TokenInterceptor, load_or_create_token
 from ..db.engine import SchemaUpgradeFailed, upgrade_schema
 from ..health import Health
 from ..proxy.routing import LazyProxyHandler, guards_itself, is_proxy_method
-from ..rpcguard import GuardInterceptor
+from ..rpcguard import GuardInterceptor, quiet_final_status
 from .callers import caller_of
 from .core import Controller, ControllerConfig
 from .errors import Rejected, classify
@@ -201,6 +201,7 @@ async def start_metrics(core: Controller, config: ControllerConfig) -> MetricsSe
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpc").setLevel(logging.WARNING)
+    quiet_final_status()  # one line, not gRPC's traceback (rpcguard.FinalStatusFilter)
 
 
 __all__ = ["GRPC_OPTIONS", "grpc", "serve"]

@@ -355,9 +355,10 @@ class ProxyService:
         reader = asyncio.current_task()
         writer = asyncio.create_task(out.run())
 
-        def writer_done(task: asyncio.Task[None]) -> None:
-            if reader is not None and not task.cancelled() and task.exception() is not None:
-                reader.cancel()  # the stream is broken: nothing more can be answered
+        ending = False  # the stream is over and the session closing: a cancel would cut `_close` short
+        def writer_done(task: asyncio.Task[None]) -> None:  # the stream is broken: nothing more is answered
+            if not task.cancelled() and task.exception() is not None and not ending and reader is not None:
+                reader.cancel()
 
         writer.add_done_callback(writer_done)
         undecodable = False
@@ -387,6 +388,7 @@ class ProxyService:
                 log.info("proxy: session %x: undecodable request; the session ends", session.id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
         finally:
+            ending = True  # writer_done may be scheduled already (a failed write as the caller was killed)
             writer.remove_done_callback(writer_done)
             writer.cancel()
             runner.cancel()

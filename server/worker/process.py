@@ -27,6 +27,7 @@ from .. import heap, host_credential, paths
 from ..auth import TokenInterceptor
 from ..health import Health
 from ..relaysig import link_key
+from ..rpcguard import quiet_final_status
 from . import memory
 from .auth import WorkerAuth
 from .buffers import BufferStore
@@ -374,4 +375,5 @@ class WorkerProcess:
 
 def run_worker(config: WorkerConfig, log_level: str = "INFO") -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_final_status()  # one line, not gRPC's traceback (rpcguard.FinalStatusFilter)
     asyncio.run(WorkerProcess(config).serve())

@@ -178,15 +178,15 @@ class GuardInterceptor(aio.ServerInterceptor):
         if self._skip is not None and self._skip(method):
             return handler
         decode = _safe(handler.request_deserializer, method)
-        ser = handler.response_serializer
+        ser, wrap = handler.response_serializer, self._wrap
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method, False), decode, ser)
+            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, method, False, False), decode, ser)
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, method, True), decode, ser)
+            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, method, True, False), decode, ser)
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream, method, False), decode, ser)
+            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, method, False, True), decode, ser)
         assert handler.stream_stream is not None
-        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream, method, True), decode, ser)
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, method, True, True), decode, ser)
 
     # ---- pieces ----
     async def _reject(self, context: aio.ServicerContext, method: str, bad: Malformed) -> None:
@@ -219,7 +219,14 @@ class GuardInterceptor(aio.ServerInterceptor):
 
         return gen()
 
-    def _unary(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
+    def _wrap(self, behavior: Callable[..., Any], method: str, streaming_in: bool,
+              streaming_out: bool) -> Callable[..., Any]:
+        """`behavior` guarded: a malformed request refused (a request stream's ends at it), a
+        recognised exception answered with its status (`_map`). A response stream is written here
+        (`write_or_cancel`), not by gRPC from a generator: a caller killed mid-stream ends the
+        handler as a cancellation, with no traceback in the log; the handler's generator is
+        closed at once (its `finally` runs before the call ends)."""
+
         async def wrapped(request: Any, context: aio.ServicerContext) -> Any:
             if streaming_in:
                 request = self._requests(request, context, method)
@@ -227,32 +234,12 @@ class GuardInterceptor(aio.ServerInterceptor):
                 await self._reject(context, method, request)
             try:
                 result = behavior(request, context)
-                if inspect.isawaitable(result):
-                    result = await result
-                return result
-            except aio.AbortError:
-                raise
-            except Exception as e:
-                await self._map(context, method, e)
-
-        return wrapped
-
-    def _stream(self, behavior: Callable[..., Any], method: str, streaming_in: bool) -> Callable[..., Any]:
-        """A response stream written here (`write_or_cancel`), not by gRPC from a generator: a
-        caller killed mid-stream ends the handler as a cancellation, with no traceback in the log;
-        the handler's generator is closed at once (its `finally` runs before the call ends)."""
-
-        async def wrapped(request: Any, context: aio.ServicerContext) -> None:
-            if streaming_in:
-                request = self._requests(request, context, method)
-            elif isinstance(request, Malformed):
-                await self._reject(context, method, request)
-            try:
-                result = behavior(request, context)
-                if hasattr(result, "__aiter__"):
+                if streaming_out and hasattr(result, "__aiter__"):
                     await write_stream(context, result)
-                elif inspect.isawaitable(result):
-                    await result  # a handler that writes with context.write()
+                    return None
+                if inspect.isawaitable(result):
+                    result = await result  # a stream's handler that writes with context.write()
+                return None if streaming_out else result
             except aio.AbortError:
                 raise
             except Exception as e:

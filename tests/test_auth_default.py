@@ -12,10 +12,8 @@ from __future__ import annotations
 import stat
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import grpc
 import pytest
 from conftest import REPO, LocalCluster, base_env, run_pwctl, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_trust_controller import HeldStream
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
@@ -44,25 +43,12 @@ def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class RawSession:
+class RawSession(HeldStream):
     """A Session stream driven by hand: the Hello, then open until closed."""
 
     def __init__(self, channel: grpc.Channel, hello: cpb.Hello, token: str | None) -> None:
-        self._stop = threading.Event()
-        self.call = cgrpc.ControllerStub(channel).Session(self._upstream(hello), metadata=bearer(token),
-                                                          timeout=60)
-
-    def _upstream(self, hello: cpb.Hello) -> Iterator[cpb.ClientMessage]:
-        yield cpb.ClientMessage(hello=hello)
-        self._stop.wait(60)
-
-    def first(self) -> cpb.SessionEvent:
-        """The controller's first answer (raises grpc.RpcError when it refused the session)."""
-        return next(iter(self.call))
-
-    def close(self) -> None:
-        self._stop.set()
-        self.call.cancel()
+        super().__init__(cgrpc.ControllerStub(channel).Session, cpb.ClientMessage(hello=hello), 60,
+                         metadata=bearer(token))
 
 
 def refused(channel: grpc.Channel, hello: cpb.Hello, token: str | None) -> grpc.RpcError:

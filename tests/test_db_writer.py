@@ -12,6 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.controller.cluster import Cluster
+from server.controller.slices import SliceService
 from server.db.engine import make_engine, session_factory
 from server.db.models import Base, IslandRow
 from server.db.writer import DbWriter, WriterClosed
@@ -59,6 +61,18 @@ def busy(w: DbWriter, gate: threading.Event) -> None:
 
     w.submit(hold)
     assert running.wait(10)
+
+
+def controller_parts(db: sessionmaker[Session], w: DbWriter) -> tuple[Cluster, SliceService]:
+    """A controller's host registry (Cluster) and slice service on `db`, writing through `w`,
+    the service told of hosts coming and going, both loaded from the database."""
+    cluster = Cluster(db, w.submit, 1.0, 5.0)
+    slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
+    cluster.on_host_up.append(slices.host_up)
+    cluster.on_host_lost.append(slices.host_lost)
+    slices.load()
+    cluster.load()
+    return cluster, slices
 
 
 def test_submit_returns_at_once_and_jobs_commit_in_order_in_one_transaction(db: sessionmaker[Session]) -> None:
@@ -123,20 +137,11 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
     """The cluster and the slice service write through one writer; a fresh pair loading the
     database afterwards (a restarted controller) finds exactly the state they had."""
     from schemas.pathways.v1 import controller_pb2 as cpb
-    from server.controller.cluster import RECONNECTING, Cluster
+    from server.controller.cluster import RECONNECTING
     from server.controller.links import WorkerLink
-    from server.controller.slices import SliceService
-
-    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
-        cluster = Cluster(db, w.submit, 1.0, 5.0)
-        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
-        cluster.on_host_up.append(slices.host_up)
-        slices.load()
-        cluster.load()
-        return cluster, slices
 
     w = DbWriter(db)
-    cluster, slices = parts(w)
+    cluster, slices = controller_parts(db, w)
     for name in ("w1", "w2"):
         reg = cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
                                  device_count=2, machine_id="m")
@@ -150,7 +155,7 @@ def test_slice_changes_through_the_writer_survive_a_reload_as_they_were_made(
     assert w.close(10)
 
     w2 = DbWriter(db)
-    cluster2, slices2 = parts(w2)
+    cluster2, slices2 = controller_parts(db, w2)
     assert {n: (h.id, h.device_ids, h.state) for n, h in cluster2.hosts.items()} == {
         "w1": (1, [1, 2], RECONNECTING), "w2": (2, [3, 4], RECONNECTING)}
     after = {s.name: (list(s.devices), s.owner) for s in slices2.list()}
@@ -168,16 +173,10 @@ def test_automatic_slice_names_never_come_back_after_a_restart(db: sessionmaker[
     deleted "slice-3" cannot reach a new slice of a later controller. A chosen name like
     "slice-<57 digits>" is past any counter and does not break the write."""
     from schemas.pathways.v1 import controller_pb2 as cpb
-    from server.controller.cluster import Cluster
     from server.controller.links import WorkerLink
-    from server.controller.slices import SliceService
 
     def parts(w: DbWriter) -> SliceService:
-        cluster = Cluster(db, w.submit, 1.0, 5.0)
-        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
-        cluster.on_host_up.append(slices.host_up)
-        slices.load()
-        cluster.load()
+        cluster, slices = controller_parts(db, w)
         cluster.register(cpb.RegisterWorker(name="w1", island="i", address="w1:1", pid=1, device_kind="cpu",
                                             device_count=4, machine_id="m"), WorkerLink("w1"))
         return slices
@@ -211,21 +210,10 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
     releasing session's close is cancelled while it awaits the write (its client went away), as
     in the chaos run; the write must still land before the name comes back."""
     from schemas.pathways.v1 import controller_pb2 as cpb
-    from server.controller.cluster import Cluster
     from server.controller.links import WorkerLink
-    from server.controller.slices import SliceService
-
-    def parts(w: DbWriter) -> tuple[Cluster, SliceService]:
-        cluster = Cluster(db, w.submit, 1.0, 5.0)
-        slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
-        cluster.on_host_up.append(slices.host_up)
-        cluster.on_host_lost.append(slices.host_lost)
-        slices.load()
-        cluster.load()
-        return cluster, slices
 
     w = DbWriter(db)
-    cluster, slices = parts(w)
+    cluster, slices = controller_parts(db, w)
     for name in ("w1", "w2"):
         cluster.register(cpb.RegisterWorker(name=name, island="i", address=f"{name}:1", pid=1, device_kind="cpu",
                                             device_count=1, machine_id="m"), WorkerLink(name))
@@ -253,7 +241,7 @@ def test_a_slice_name_used_again_after_a_remapped_slice_was_released_reloads_cle
     assert w.close(10)
 
     w2 = DbWriter(db)
-    _, slices2 = parts(w2)
+    _, slices2 = controller_parts(db, w2)
     reloaded = slices2.rm.slices[first.name]
     assert (reloaded.owner, reloaded.generation, reloaded.history) == ("client:q", 0, ())
     assert w2.close(10)

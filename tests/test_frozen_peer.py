@@ -30,10 +30,9 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
+from test_release_leaks import buffers
 
 from schemas.pathways.v1 import common_pb2 as pb
-from schemas.pathways.v1 import worker_pb2 as wpb
-from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=4)]
 
@@ -83,11 +82,6 @@ def _line(proc: subprocess.Popen[str]) -> dict:
     line = proc.stdout.readline() if proc.stdout else ""
     assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
     return json.loads(line)
-
-
-def buffers(cluster: LocalCluster, name: str) -> int:
-    with cluster.channel(cluster.hosts()[name].address) as ch:
-        return wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
 
 
 def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster: LocalCluster,

@@ -32,9 +32,7 @@ from pathlib import Path
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import proxy_env
-
-from schemas.pathways.v1 import worker_pb2 as wpb
-from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
+from test_proxy_cluster import worker_buffers
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=2, heartbeat_timeout=60)]
 
@@ -117,14 +115,6 @@ x.block_until_ready()
 print("holding", flush=True)
 sys.stdin.readline()
 """
-
-
-def worker_buffers(cluster: LocalCluster) -> int:
-    total = 0
-    for host in cluster.hosts().values():
-        with cluster.channel(host.address) as ch:
-            total += wgrpc.WorkerStub(ch).Stats(wpb.WorkerStatsRequest(), timeout=10).buffers
-    return total
 
 
 def test_a_proxy_programs_buffers_go_when_the_controller_restarts_without_its_session(

@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,8 @@ from hosts import (
     _pids_in_netns,
     hosts,  # noqa: F401  (the fixture)
     read_until,
-    start_controller,
 )
-from together import together
+from test_multihost import Cluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -121,29 +119,14 @@ else:
 """
 
 
-class Cluster:
-    def __init__(self, hs: list[Host]) -> None:
-        self.hosts = hs
-        self.address, self.token = start_controller(hs[0], HEARTBEAT_TIMEOUT_S)
-        starts = [partial(self.start_worker, i) for i in range(1, len(hs))]
-        together(*starts, at_once=len(starts))  # all at once
-
-    def start_worker(self, i: int) -> None:
-        h = self.hosts[i]
-        r = h.pwctl("worker", "start", "--island", f"h{i}", "--devices", "2", "--name", f"w{i}",
-                    "--listen", f"{h.ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
-        assert r.returncode == 0, f"worker start on {h.hostname}: {r.stdout}{r.stderr}"
-
-    def env(self) -> dict[str, str]:
-        return {"PWCTL_SERVER": self.address, "PWCTL_TOKEN": self.token}
-
-    def worker_log(self, i: int) -> str:
-        return (self.hosts[i].home / "logs" / f"worker-w{i}.log").read_text(errors="replace")
+def _cluster(hs: list[Host]) -> Cluster:
+    """A controller on host 0, and a worker w<i> on each other host i, its own island h<i>."""
+    return Cluster(hs, tuple(f"h{i}" for i in range(1, len(hs))), heartbeat_timeout=HEARTBEAT_TIMEOUT_S)
 
 
 def test_program_across_hosts_uses_the_network(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
-    cl = Cluster(hs)
+    cl = _cluster(hs)
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
     x = np.arange(2 * 4096, dtype=np.float32).reshape(2, 4096) / 7.0
@@ -200,7 +183,7 @@ def kill_mid_run(proc: Any, host: Any, worker: str, survivor_line: str, lines: l
 
 def test_killed_host_fails_its_program_and_the_other_host_works(hosts: Any, tmp_path: Path) -> None:  # noqa: F811
     hs = hosts(3)
-    cl = Cluster(hs)
+    cl = _cluster(hs)
     prog = tmp_path / "prog.py"
     prog.write_text(PROGRAM)
     x = np.arange(2 * 256, dtype=np.float32).reshape(2, 256)
@@ -222,7 +205,7 @@ def test_a_transfer_whose_sender_dies_fails_cleanly(hosts: Any, tmp_path: Path) 
     under way fails within 15 s with a one-line error, and host 2's worker (the receiver, perhaps
     with half an array read) keeps serving its island."""
     hs = hosts(3)
-    cl = Cluster(hs)
+    cl = _cluster(hs)
     prog = tmp_path / "big.py"
     prog.write_text(BIG)
     proc = hs[0].popen([sys.executable, str(prog), "loop"], **cl.env())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -148,6 +148,46 @@ def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: Loca
     a.close()
 
 
+def waiting_beside(cluster: LocalCluster, the_worker: Any,
+                   waiter: Callable[[bulk.BulkLinks, Any, int], Awaitable[Any]],
+                   meanwhile: Callable[[bulk.BulkLinks, Any, int], Awaitable[None]],
+                   comes: Callable[[Any, Any, Any, int], None], first: Callable[[bulk.BulkLinks, Any],
+                                                                      Awaitable[None]] | None = None) -> list[Any]:
+    """`waiter(links, session, k)` for k < MAX_LINKS on each of more sessions than the controller
+    has bulk threads' worth (`bulk.POOL`), each on its own connection, all waiting on the worker;
+    while they wait, another session b's `meanwhile(links, b, waiters)` (`first(links, b)` before
+    they start); then `comes(stub, session, k, n)` (on a thread) gives the n-th what it waits
+    for: their answers, in order."""
+    _, _, stub, cch = the_worker
+    waiting = [open_session(cluster, cch) for _ in range(bulk.POOL_THREADS // bulk.MAX_LINKS + 1)]
+    b = open_session(cluster, cch)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, b), timeout=10).data_address
+    slots = [(i, s, k) for i, s in enumerate(waiting) for k in range(bulk.MAX_LINKS)]
+
+    async def run() -> list[Any]:
+        theirs = links(cluster, b.credential, data_address)
+        if first is not None:
+            await first(theirs, b)
+        sets = [links(cluster, s.credential, data_address) for s in waiting]
+        pending = [asyncio.ensure_future(waiter(sets[i], s, k)) for i, s, k in slots]
+        await asyncio.sleep(1.5)  # each asked its worker, which waits
+        assert not any(p.done() for p in pending), [p.exception() for p in pending if p.done()][:1]
+        await meanwhile(theirs, b, len(pending))
+        assert not any(p.done() for p in pending)  # still waiting
+        for n, (_, s, k) in enumerate(slots):
+            await asyncio.to_thread(comes, stub, s, k, n)
+        answers = await asyncio.wait_for(asyncio.gather(*pending), 30)
+        for ls in [*sets, theirs]:
+            ls.close()
+        return answers
+
+    answers = asyncio.run(run())
+    assert "Traceback" not in worker_log(cluster)
+    for s in [*waiting, b]:
+        s.close()
+    return answers
+
+
 def test_downloads_waiting_for_their_buffers_hold_no_thread(module_cluster: LocalCluster, the_worker: Any) -> None:
     """The controller's bulk threads (`bulk.POOL`) are shared by every session: more downloads
     than it has threads, each on its own connection (several sessions' worth), wait for buffers
@@ -156,57 +196,40 @@ def test_downloads_waiting_for_their_buffers_hold_no_thread(module_cluster: Loca
     waited for theirs to time out), and the waiting ones then get their bytes once their buffers
     come."""
     cluster = module_cluster
-    address, _, stub, cch = the_worker
-    n_sessions = bulk.POOL_THREADS // bulk.MAX_LINKS + 1  # 9 sessions of 8 downloads: 72 waiting
-    waiting = [open_session(cluster, cch) for _ in range(n_sessions)]
-    b = open_session(cluster, cch)
-    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, b), timeout=10).data_address
+    address = the_worker[0]
     big = np.random.default_rng(1).standard_normal((9 << 20) // 8)  # 9 MiB
-    ids = [(s, s.id(100 + k)) for s in waiting for k in range(bulk.MAX_LINKS)]
 
     def value(n: int) -> np.ndarray:
         return np.full(1024, n, dtype=np.int32)
 
-    async def run() -> None:
-        sets = [links(cluster, s.credential, data_address) for s in waiting]
+    async def later(ls: bulk.BulkLinks, s: Any, k: int) -> bytes:
+        request = wpb.FetchRequest(buffer_id=s.id(100 + k), timeout_s=45, data_messages=True)
 
-        async def later(ls: bulk.BulkLinks, buffer_id: int) -> bytes:
-            request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=45, data_messages=True)
+        async def no_grpc() -> Any:
+            raise AssertionError("the bulk connection was not made")
+            yield b""
 
-            async def no_grpc() -> Any:
-                raise AssertionError("the bulk connection was not made")
-                yield b""
+        messages = [m async for m in bulk.data_messages(ls, request, address, None, no_grpc)]
+        return b"".join(bytes(wire.data_field(m)) for m in messages)
 
-            messages = [m async for m in bulk.data_messages(ls, request, address, None, no_grpc)]
-            return b"".join(bytes(wire.data_field(m)) for m in messages)
-
-        pending = [asyncio.ensure_future(later(sets[i // bulk.MAX_LINKS], bid)) for i, (_, bid) in enumerate(ids)]
-        await asyncio.sleep(1.5)  # each asked its worker, which waits for the buffer
-        assert not any(p.done() for p in pending), [p.exception() for p in pending if p.done()][:1]
-        theirs = links(cluster, b.credential, data_address)
+    async def meanwhile(theirs: bulk.BulkLinks, b: Any, pending: int) -> None:
         started = time.monotonic()
         try:
             await asyncio.wait_for(put(theirs, address, b.owner, b.id(1), big), 15)
             messages = await asyncio.wait_for(download(theirs, address, b.id(1)), 15)
         except TimeoutError:
             raise AssertionError(f"another session's transfer waited {time.monotonic() - started:.0f} s behind "
-                                 f"{len(pending)} downloads of buffers not ready") from None
+                                 f"{pending} downloads of buffers not ready") from None
         took = time.monotonic() - started
-        print(f"another session's 9 MiB upload and download beside {len(pending)} waiting downloads: {took:.2f} s")
+        print(f"another session's 9 MiB upload and download beside {pending} waiting downloads: {took:.2f} s")
         assert b"".join(bytes(wire.data_field(m)) for m in messages) == big.tobytes()
         assert took < 10
-        assert not any(p.done() for p in pending)  # still waiting for their buffers
-        for n, (s, bid) in enumerate(ids):  # their buffers come: each waiting download gets its own
-            await asyncio.to_thread(upload, stub, meta(cluster, s), bid, value(n))
-        got = await asyncio.wait_for(asyncio.gather(*pending), 30)
-        assert got == [value(n).tobytes() for n in range(len(ids))]
-        for ls in [*sets, theirs]:
-            ls.close()
 
-    asyncio.run(run())
-    assert "Traceback" not in worker_log(cluster)
-    for s in [*waiting, b]:
-        s.close()
+    def comes(stub: Any, s: Any, k: int, n: int) -> None:  # their buffers: each waiting download gets its own
+        upload(stub, meta(cluster, s), s.id(100 + k), value(n))
+
+    got = waiting_beside(cluster, the_worker, later, meanwhile, comes)
+    assert got == [value(n).tobytes() for n in range(len(got))]
 
 
 def test_uploaded_parts_waiting_for_their_sources_hold_no_thread(module_cluster: LocalCluster,
@@ -217,47 +240,32 @@ def test_uploaded_parts_waiting_for_their_sources_hold_no_thread(module_cluster:
     part is answered once its source came (here refused, naming why: this worker is in no island
     group, which it checks once it has the sources)."""
     cluster = module_cluster
-    address, _, stub, cch = the_worker
-    waiting = [open_session(cluster, cch) for _ in range(bulk.POOL_THREADS // bulk.MAX_LINKS + 1)]
-    b = open_session(cluster, cch)
-    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, b), timeout=10).data_address
+    address = the_worker[0]
     big = np.random.default_rng(2).standard_normal((5 << 20) // 8)
-    parts = [(s, s.id(200 + k), s.id(300 + k)) for s in waiting for k in range(bulk.MAX_LINKS)]
 
-    async def run() -> None:
-        theirs = links(cluster, b.credential, data_address)
+    async def first(theirs: bulk.BulkLinks, b: Any) -> None:
         await put(theirs, address, b.owner, b.id(1), big)
-        sets = [links(cluster, s.credential, data_address) for s in waiting]
 
-        async def part(ls: bulk.BulkLinks, s: Any, buffer_id: int, source: int) -> str:
-            part_of = wpb.PartOf(global_shape=[8], op_sharding=b"\x08\x03", devices=[0, 65536], group_generation=3,
-                                 sources=[source]).SerializeToString()
-            link = await ls.take(address)
-            assert link is not None, "the bulk connection was not made"
-            with pytest.raises(BackendError) as refused:
-                await bulk.put_arrays(ls, link, address, None, s.owner, [buffer_id],
-                                      [("float32", (1,), HostData([bytes(4)]))], part_of)
-            return str(refused.value)
+    async def part(ls: bulk.BulkLinks, s: Any, k: int) -> str:
+        part_of = wpb.PartOf(global_shape=[8], op_sharding=b"\x08\x03", devices=[0, 65536], group_generation=3,
+                             sources=[s.id(300 + k)]).SerializeToString()
+        link = await ls.take(address)
+        assert link is not None, "the bulk connection was not made"
+        with pytest.raises(BackendError) as refused:
+            await bulk.put_arrays(ls, link, address, None, s.owner, [s.id(200 + k)],
+                                  [("float32", (1,), HostData([bytes(4)]))], part_of)
+        return str(refused.value)
 
-        pending = [asyncio.ensure_future(part(sets[i // bulk.MAX_LINKS], s, bid, src))
-                   for i, (s, bid, src) in enumerate(parts)]
-        await asyncio.sleep(1.5)  # each sent; its worker waits for the source
-        assert not any(p.done() for p in pending), [p.exception() for p in pending if p.done()][:1]
+    async def meanwhile(theirs: bulk.BulkLinks, b: Any, pending: int) -> None:
         try:
             messages = await asyncio.wait_for(download(theirs, address, b.id(1)), 15)
         except TimeoutError:
-            raise AssertionError(f"another session's download waited behind {len(pending)} uploaded parts "
+            raise AssertionError(f"another session's download waited behind {pending} uploaded parts "
                                  "waiting for their sources") from None
         assert b"".join(bytes(wire.data_field(m)) for m in messages) == big.tobytes()
-        assert not any(p.done() for p in pending)
-        for s, _, src in parts:  # the sources come: each part is answered
-            await asyncio.to_thread(upload, stub, meta(cluster, s), src, np.arange(4, dtype=np.float32))
-        answers = await asyncio.wait_for(asyncio.gather(*pending), 30)
-        assert all("generation 3" in a for a in answers), answers[0]
-        for ls in [*sets, theirs]:
-            ls.close()
 
-    asyncio.run(run())
-    assert "Traceback" not in worker_log(cluster)
-    for s in [*waiting, b]:
-        s.close()
+    def comes(stub: Any, s: Any, k: int, n: int) -> None:  # the sources: each part is answered
+        upload(stub, meta(cluster, s), s.id(300 + k), np.arange(4, dtype=np.float32))
+
+    answers = waiting_beside(cluster, the_worker, part, meanwhile, comes, first)
+    assert all("generation 3" in a for a in answers), answers[0]

@@ -341,6 +341,41 @@ def _no_repeats(stats: wpb.WorkerStats) -> None:
     assert not twice, f"{stats.host} ran tasks twice: {twice}"
 
 
+class Pipeline:
+    """PIPELINE's client on `cluster`, its runs counted in `tmp_path`/count; back once its first
+    run is done. `finish(at_least)` stops it and checks what it says; `close()` kills it if it runs."""
+
+    def __init__(self, cluster: LocalCluster, tmp_path: Path) -> None:
+        self._work = tmp_path
+        self.client = subprocess.Popen([sys.executable, "-c", PIPELINE, str(tmp_path)], env=cluster.env(),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: self.runs() > 0 or self.client.poll() is not None, 120, "the program's first run")
+            assert self.client.poll() is None, self.client.communicate()[1][-3000:]
+        except BaseException:
+            self.close()
+            raise
+
+    def runs(self) -> int:
+        count = self._work / "count"
+        return int(count.read_text() or 0) if count.exists() else 0
+
+    def finish(self, at_least: int) -> None:
+        """Stops the loop: it ends well, every run was exact and no call failed, at least
+        `at_least` ran, and its slices were on w-a, w-a2 and w-a3."""
+        (self._work / "stop").write_text("stop")
+        out, err = self.client.communicate(timeout=60)
+        assert self.client.returncode == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["errors"] == [] and got["wrong"] == 0 and got["ok"] >= at_least, got
+        assert got["hosts"] == ["w-a", "w-a2", "w-a3"], got
+
+    def close(self) -> None:
+        if self.client.poll() is None:
+            self.client.kill()
+            self.client.communicate()
+
+
 @pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=15.0, controller_args=RELAYS_FROM_2)
 def test_a_gang_program_through_a_relay_gives_the_exact_results(cluster: LocalCluster, tmp_path: Path) -> None:
     """Three one-device workers of island a, one group (relay w-a, the first by name): every run
@@ -402,29 +437,17 @@ def test_a_relay_killed_mid_run_loses_and_duplicates_nothing(cluster: LocalClust
     go through it. It is killed while runs flow; the controller sends what it had not delivered
     directly, and every run before and after gives the exact result, each task run once."""
     _add_workers(cluster, "w-a2", "w-a3")
-    client = subprocess.Popen([sys.executable, "-c", PIPELINE, str(tmp_path)], env=cluster.env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pipeline = Pipeline(cluster, tmp_path)
     try:
-        count = tmp_path / "count"
-        wait_for(lambda: (count.exists() and int(count.read_text() or 0) > 0) or client.poll() is not None, 120,
-                 "the program's first run")
-        assert client.poll() is None, client.communicate()[1][-3000:]
         cluster.add_worker("a", 1, name="r-0")
         wait_for(lambda: _stats(cluster, "r-0").relayed_out >= 20, 60, "runs relayed through r-0")
-        before = int(count.read_text() or 0)
+        before = pipeline.runs()
         cluster.kill_worker("r-0")
-        wait_for(lambda: int(count.read_text() or 0) >= before + 20 or client.poll() is not None, 60,
+        wait_for(lambda: pipeline.runs() >= before + 20 or pipeline.client.poll() is not None, 60,
                  "runs after the relay's death")
-        (tmp_path / "stop").write_text("stop")
-        out, err = client.communicate(timeout=60)
+        pipeline.finish(before + 20)
     finally:
-        if client.poll() is None:
-            client.kill()
-            client.communicate()
-    assert client.returncode == 0, err[-3000:]
-    got = json.loads(out.strip().splitlines()[-1])
-    assert got["errors"] == [] and got["wrong"] == 0 and got["ok"] >= before + 20, got
-    assert got["hosts"] == ["w-a", "w-a2", "w-a3"], got
+        pipeline.close()
     for name in ("w-a", "w-a2", "w-a3"):
         st = _stats(cluster, name)
         assert st.relayed_in > 0, st

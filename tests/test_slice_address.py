@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from test_db_writer import controller_parts
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from server.controller import groups as gm
@@ -34,12 +35,7 @@ def parts(tmp_path: Path) -> Iterator[tuple[Cluster, SliceService]]:
     Base.metadata.create_all(engine)
     db = session_factory(engine)
     w = DbWriter(db)
-    cluster = Cluster(db, w.submit, 1.0, 5.0)
-    slices = SliceService(db, w.submit, cluster.hosts, lambda name: None)
-    cluster.on_host_up.append(slices.host_up)
-    cluster.on_host_lost.append(slices.host_lost)
-    slices.load()
-    cluster.load()
+    cluster, slices = controller_parts(db, w)
     yield cluster, slices
     assert w.close(10)
 

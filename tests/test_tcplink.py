@@ -49,6 +49,22 @@ def _head(bid: int, arr: np.ndarray, **kw: object) -> wpb.TransferChunk:
                              **kw)  # type: ignore[arg-type]
 
 
+def _half_an_array(raw: socket.socket, bid: int, x: np.ndarray) -> None:
+    """A hello with the token "right", then a frame of `x` as buffer `bid` that stops after half of its bytes."""
+    h = _head(bid, x).SerializeToString()
+    raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
+    raw.sendall(x.view(np.uint8)[: x.nbytes // 2].tobytes())
+
+
+def _only_the_whole_one_arrives(peer: TcpPeer, inbox: Inbox, x: np.ndarray) -> None:
+    """`peer` sends `x` as buffer 7: it is delivered, the array cut off before it never was."""
+    peer.send(_head(7, x), x)
+    got = inbox.wait(1)
+    assert [h.buffer_id for h, _ in got] == [7]
+    np.testing.assert_array_equal(got[0][1], x)
+    peer.close()
+
+
 def test_arrays_parts_and_failures_arrive_in_order() -> None:
     inbox = Inbox()
     rx = TcpReceiver("127.0.0.1", "s3cret", inbox.deliver)
@@ -141,21 +157,14 @@ def test_a_sender_gone_in_the_middle_of_an_array_delivers_nothing_and_says_so(
     address = rx.start()
     host, port = address.rsplit(":", 1)
     x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
-    h = _head(0x51, x).SerializeToString()
     with caplog.at_level("WARNING", logger="server.worker.tcplink"):
         with socket.create_connection((host, int(port))) as raw:
-            raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
-            raw.sendall(x.view(np.uint8)[: x.nbytes // 2].tobytes())
+            _half_an_array(raw, 0x51, x)
         deadline = time.monotonic() + 10
         while "closed in the middle of buffer 0x51" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
     assert "closed in the middle of buffer 0x51 (4194304 bytes)" in caplog.text, caplog.text
-    ok = TcpPeer(address, "right")
-    ok.send(_head(7, x), x)
-    got = inbox.wait(1)
-    assert [h.buffer_id for h, _ in got] == [7]  # the half array never arrived
-    np.testing.assert_array_equal(got[0][1], x)
-    ok.close()
+    _only_the_whole_one_arrives(TcpPeer(address, "right"), inbox, x)
     rx.close()
 
 
@@ -236,13 +245,11 @@ def test_a_sender_silent_in_the_middle_of_an_array_is_dropped_but_an_idle_one_st
     try:
         idle = TcpPeer(rx.address, "right", config)
         x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
-        h = _head(0x52, x).SerializeToString()
         raw = socket.create_connection((host, int(port)), timeout=5)
         if config is not None:
             raw = config.wrap_client(raw, host)
         with caplog.at_level("WARNING", logger="server.worker.tcplink"):
-            raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right" + FRAME.pack(FRAME_MAGIC, len(h)) + h)
-            raw.sendall(x.view(np.uint8)[: x.nbytes // 2].tobytes())
+            _half_an_array(raw, 0x52, x)
             started = time.monotonic()
             said = wait_for(lambda: [r.getMessage() for r in caplog.records if "0x52" in r.getMessage()], 10,
                             "the silent sender dropped")
@@ -251,11 +258,7 @@ def test_a_sender_silent_in_the_middle_of_an_array_is_dropped_but_an_idle_one_st
         assert 0.5 < took < 5, took
         wait_for(lambda: len(_receivers() - before) == 1, 5, "the silent sender's thread to end")
         time.sleep(max(0.0, idle.opened + 3.0 - time.monotonic()))  # idle for three times the timeout
-        idle.send(_head(7, x), x)
-        got = inbox.wait(1)
-        assert [h.buffer_id for h, _ in got] == [7]
-        np.testing.assert_array_equal(got[0][1], x)
-        idle.close()
+        _only_the_whole_one_arrives(idle, inbox, x)
         raw.close()
     finally:
         rx.close()

@@ -8,13 +8,12 @@ import json
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import REPO, LocalCluster, wait_for
+from test_status import FakeCluster, FakeHost, fake_run
 from together import pwctls
 
 from pwctl.units import parse_size
@@ -24,27 +23,6 @@ from server.controller.observe import Observer
 from server.controller.trace_store import TraceStore
 
 S = 1_000_000_000
-
-
-@dataclass
-class FakeHost:
-    name: str
-    island: str
-    device_ids: list[int]
-    state: str = "ready"
-
-
-@dataclass
-class FakeCluster:
-    hosts: dict[str, FakeHost] = field(default_factory=lambda: {"h0": FakeHost("h0", "a", [10, 11])})
-    islands: dict[str, Any] = field(default_factory=dict)
-
-
-def fake_run(run_id: int, program: str, job: str) -> Any:
-    session = SimpleNamespace(client_id="c-1", job_id=job, owner=f"job:{job}")
-    segment = SimpleNamespace(spec=SimpleNamespace(label=f"{program}/0 f"), size=1)
-    return SimpleNamespace(run_id=run_id, session=session, plan=SimpleNamespace(segments=[segment]),
-                           program=SimpleNamespace(name=program, program_id=f"id-{program}"))
 
 
 class Feeder:
@@ -61,14 +39,15 @@ class Feeder:
             self.run_id += 1
             ev = cpb.NodeEvent(run_id=self.run_id, segment=0, seq=self.run_id, start_ns=self.t,
                                end_ns=self.t + S // 1000, ok=True, local_devices=[0])
-            self.obs.on_node_event("h0", ev, fake_run(self.run_id, program, job))
+            self.obs.on_node_event("h0", ev, fake_run(self.run_id, program, f"id-{program}", job, nodes=1))
             self.t += S // 1000
             ends.append(self.t)
         return ends
 
 
 def observer(directory: Path, ring: int = 50, retention: int = 2**30) -> Observer:
-    return Observer(FakeCluster(), ring_size=ring, store=TraceStore(directory, retention))  # type: ignore[arg-type]
+    cluster = FakeCluster({"h0": FakeHost("h0", "a", [10, 11])})
+    return Observer(cluster, ring_size=ring, store=TraceStore(directory, retention))  # type: ignore[arg-type]
 
 
 def test_a_jobs_trace_outlasts_the_ring_and_is_windowed(tmp_path: Path) -> None:

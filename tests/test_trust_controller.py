@@ -11,7 +11,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +27,36 @@ from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
 pytestmark = pytest.mark.timeout(120)
 
 
-class RawWorker:
-    """A WorkerConnect stream driven by hand: sends `reg`, then stays open until closed."""
+class HeldStream:
+    """A bidirectional call driven by hand: `message` sent, then the request side held open (for
+    `timeout` s at most) until `close`."""
 
-    def __init__(self, address: str, reg: cpb.RegisterWorker, token: str | None = None) -> None:
-        self.channel = token_channel(address, token)
+    def __init__(self, method: Callable[..., Any], message: Any, timeout: float, **kwargs: Any) -> None:
         self._stop = threading.Event()
-        self._reg = reg
-        self.call = cgrpc.ControllerStub(self.channel).WorkerConnect(self._upstream(), timeout=30)
+        self.call = method(self._upstream(message, timeout), timeout=timeout, **kwargs)
 
-    def _upstream(self) -> Iterator[cpb.WorkerToController]:
-        yield cpb.WorkerToController(register=self._reg)
-        self._stop.wait(30)
+    def _upstream(self, message: Any, timeout: float) -> Iterator[Any]:
+        yield message
+        self._stop.wait(timeout)
 
-    def first(self) -> cpb.ControllerToWorker:
+    def first(self) -> Any:
         """The controller's first answer (raises grpc.RpcError when it refused)."""
         return next(iter(self.call))
 
     def close(self) -> None:
         self._stop.set()
         self.call.cancel()
+
+
+class RawWorker(HeldStream):
+    """A WorkerConnect stream driven by hand: sends `reg`, then stays open until closed."""
+
+    def __init__(self, address: str, reg: cpb.RegisterWorker, token: str | None = None) -> None:
+        self.channel = token_channel(address, token)
+        super().__init__(cgrpc.ControllerStub(self.channel).WorkerConnect, cpb.WorkerToController(register=reg), 30)
+
+    def close(self) -> None:
+        super().close()
         self.channel.close()
 
 

@@ -10,8 +10,8 @@ host (host_watch.py), rather than waiting for a worker that stopped answering.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -31,48 +31,53 @@ def fetch_method(channel: Any) -> Any:
 
 
 DOING = "downloading from"
+T = TypeVar("T")
 
 
-async def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
-                 watch: HostWatch | None = None) -> AsyncGenerator[memoryview, None]:
+def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
+           watch: HostWatch | None = None) -> AsyncGenerator[memoryview, None]:
     """The array bytes of each `FetchChunk` (views of what gRPC received); a chunk's error is
     FAILED_PRECONDITION. `watch`: the call ends once its worker's host is lost."""
-    call = fetch(request, metadata=metadata)
-    guard = watch.guard(address, call, DOING) if watch is not None else None
-    try:
-        async for raw in call:
-            try:
-                data, error = wire.fetch_chunk(raw)
-            except wire.WireError as e:
-                raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
-            if error:
-                raise BackendError("FAILED_PRECONDITION", error)
-            yield data
-    except (grpc.RpcError, asyncio.CancelledError) as e:
-        failure = _failure(e, guard, address, keep_failed=False)
-        if failure is e:
-            raise
-        raise failure from None
-    finally:
-        _end(call, guard)
+
+    def data(raw: bytes) -> memoryview:
+        try:
+            data, error = wire.fetch_chunk(raw)
+        except wire.WireError as e:
+            raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
+        if error:
+            raise BackendError("FAILED_PRECONDITION", error)
+        return data
+
+    return _answers(fetch, request, metadata, address, watch, data, keep_failed=False)
 
 
-async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
-                        watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
+def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
+                  watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
     """The serialized `FetchData` messages of a fetch with `data_messages`, as they came (each
     one's header checked: `{bytes data = 1}` and nothing else, else INTERNAL); the call's
     FAILED_PRECONDITION (the buffer failed) keeps its code and cause. `watch`: as `chunks`."""
+
+    def checked(raw: bytes) -> bytes:
+        try:
+            wire.data_length(raw)
+        except wire.WireError as e:
+            raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
+        return raw
+
+    return _answers(fetch, request, metadata, address, watch, checked, keep_failed=True)
+
+
+async def _answers(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str, watch: HostWatch | None,
+                   each: Callable[[bytes], T], keep_failed: bool) -> AsyncGenerator[T, None]:
+    """`each` of the call's serialized answers (it raises BackendError on a bad one); the call's
+    failure as `_failure` says; the call cancelled when the generator ends or is closed."""
     call = fetch(request, metadata=metadata)
     guard = watch.guard(address, call, DOING) if watch is not None else None
     try:
         async for raw in call:
-            try:
-                wire.data_length(raw)
-            except wire.WireError as e:
-                raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
-            yield raw
+            yield each(raw)
     except (grpc.RpcError, asyncio.CancelledError) as e:
-        failure = _failure(e, guard, address, keep_failed=True)
+        failure = _failure(e, guard, address, keep_failed)
         if failure is e:
             raise
         raise failure from None

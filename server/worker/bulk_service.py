@@ -25,14 +25,13 @@ import ssl
 import grpc
 import numpy as np
 
-from schemas.arrays import aligned_empty, byte_view, to_numpy
+from schemas.arrays import aligned_empty, byte_view
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import bulklink, wire
 from ..credentials import Caller, check_session
 from ..threadnames import name_native_thread
 from .servicer import WorkerServicer, fetched_range
-from .servicer import _bounded as bounded_wait
 from .uploads import check_spec
 
 log = logging.getLogger(__name__)
@@ -102,35 +101,20 @@ class BulkSessions:
 
     async def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
         """The bytes a fetch asks for (a view of the array), or its refusal (code, message): the
-        checks and the wait of servicer.py `Fetch`."""
+        checks and the wait of servicer.py `Fetch` (`fetch_array`)."""
         s = self._servicer
-        bid = request.buffer_id
         if request.parts or not request.data_messages:
             return _code(grpc.StatusCode.INVALID_ARGUMENT), "a bulk fetch is of data messages, not by parts"
-        refused = s._refusal(caller, [bid], request.timeout_s)
+        refused = s._refusal(caller, [request.buffer_id], request.timeout_s)
         if refused is not None:
             return _code(refused[0]), refused[1]
-        timeout = bounded_wait(request.timeout_s)
-        slot = s._take_slot(caller, 1)
-        if slot:
-            return _code(grpc.StatusCode.RESOURCE_EXHAUSTED), slot
-        try:
-            ready = await s._settled([bid], timeout)
-        finally:
-            s._give_slot(caller, 1)
-        if s._foreign(caller, bid):
-            return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {bid:#x} on this worker"
-        error = f"buffer {bid} is not ready after {timeout:g} s"
-        arr: np.ndarray | None = None
-        try:
-            if ready:
-                value = s.store.wait(bid, 0.0, False)
-                arr = await asyncio.get_running_loop().run_in_executor(s._pool, to_numpy, value)
-        except Exception as e:
-            error = s._fetch_failure(e)
-        if arr is None:
-            return _code(grpc.StatusCode.FAILED_PRECONDITION), error
-        data = fetched_range(byte_view(arr), request)
+        got = await s.fetch_array(caller, request.buffer_id, request.timeout_s)
+        if isinstance(got, tuple):
+            return _code(got[0]), got[1]
+        if isinstance(got, str):
+            return _code(grpc.StatusCode.FAILED_PRECONDITION), got
+        assert isinstance(got, np.ndarray)
+        data = fetched_range(byte_view(got), request)
         return (_code(grpc.StatusCode.OUT_OF_RANGE), data) if isinstance(data, str) else data
 
     # ---- put ----

@@ -121,43 +121,23 @@ def add_to_server(servicer: WorkerServicer, server: aio.Server) -> None:
             await fn(checked(method, requests, one), one)
         return handler
 
-    handlers = {
-        "PutBuffers": grpc.stream_unary_rpc_method_handler(
-            client_stream("PutBuffers", servicer.PutBuffers),
-            request_deserializer=_put_request,
-            response_serializer=wpb.PutBuffersResponse.SerializeToString),
-        "Uploads": grpc.stream_stream_rpc_method_handler(
-            bidi_stream("Uploads", servicer.Uploads),
-            request_deserializer=_put_request,
-            response_serializer=wpb.UploadAck.SerializeToString),
-        "Fetch": grpc.unary_stream_rpc_method_handler(
-            server_stream("Fetch", servicer.Fetch),
-            request_deserializer=_tolerant(wpb.FetchRequest),
-            response_serializer=_serialized),
-        "Wait": grpc.unary_unary_rpc_method_handler(
-            unary("Wait", servicer.Wait),
-            request_deserializer=_tolerant(wpb.WaitRequest),
-            response_serializer=wpb.WaitReply.SerializeToString),
-        "Waits": grpc.stream_stream_rpc_method_handler(
-            bidi_stream("Waits", servicer.Waits),
-            request_deserializer=_tolerant(wpb.WaitRequest),
-            response_serializer=wpb.WaitReply.SerializeToString),
-        "Transfer": grpc.stream_unary_rpc_method_handler(
-            client_stream("Transfer", servicer.Transfer),
-            request_deserializer=_tolerant(wpb.TransferChunk),
-            response_serializer=wpb.TransferResponse.SerializeToString),
-        "Relayed": grpc.stream_unary_rpc_method_handler(
-            client_stream("Relayed", servicer.Relayed),
-            request_deserializer=_tolerant(wpb.RelayedMessage),
-            response_serializer=wpb.RelayedResponse.SerializeToString),
-        "Compile": grpc.unary_unary_rpc_method_handler(
-            unary("Compile", servicer.Compile),
-            request_deserializer=_tolerant(wpb.CompileRequest),
-            response_serializer=wpb.CompileReply.SerializeToString),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            unary("Stats", servicer.Stats),
-            request_deserializer=_tolerant(wpb.WorkerStatsRequest),
-            response_serializer=wpb.WorkerStats.SerializeToString),
-    }
+    kinds: dict[Callable[[str, Any], Any], Any] = {  # how a method is served: its kind of gRPC handler
+        unary: grpc.unary_unary_rpc_method_handler, client_stream: grpc.stream_unary_rpc_method_handler,
+        server_stream: grpc.unary_stream_rpc_method_handler, bidi_stream: grpc.stream_stream_rpc_method_handler}
+    table: list[tuple[str, Callable[[str, Any], Any], Callable[[bytes], Any], Callable[[Any], bytes]]] = [
+        # the method, how it is served, its requests' parser, its responses' serializer
+        ("PutBuffers", client_stream, _put_request, wpb.PutBuffersResponse.SerializeToString),
+        ("Uploads", bidi_stream, _put_request, wpb.UploadAck.SerializeToString),
+        ("Fetch", server_stream, _tolerant(wpb.FetchRequest), _serialized),
+        ("Wait", unary, _tolerant(wpb.WaitRequest), wpb.WaitReply.SerializeToString),
+        ("Waits", bidi_stream, _tolerant(wpb.WaitRequest), wpb.WaitReply.SerializeToString),
+        ("Transfer", client_stream, _tolerant(wpb.TransferChunk), wpb.TransferResponse.SerializeToString),
+        ("Relayed", client_stream, _tolerant(wpb.RelayedMessage), wpb.RelayedResponse.SerializeToString),
+        ("Compile", unary, _tolerant(wpb.CompileRequest), wpb.CompileReply.SerializeToString),
+        ("Stats", unary, _tolerant(wpb.WorkerStatsRequest), wpb.WorkerStats.SerializeToString),
+    ]
+    handlers = {method: kinds[serve](serve(method, getattr(servicer, method)), request_deserializer=parse,
+                                     response_serializer=serialize)
+                for method, serve, parse, serialize in table}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pathways.v1.Worker", handlers),))
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -48,6 +48,14 @@ def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | s
     if end > len(data) or request.offset > end:
         return f"bytes {request.offset}-{end} of buffer {request.buffer_id:#x}, which has {len(data)}"
     return data[request.offset : end]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalParts:
+    """A multi-host slice's array as this worker's distinct shards (parts.py `local_parts`)."""
+
+    parts: list[tuple[tuple[int, ...], np.ndarray]]
+    global_shape: tuple[int, ...]
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
@@ -133,17 +141,6 @@ class WorkerServicer(Waits, UploadHandlers):
         else:
             del self._waits[caller.owner]
 
-    @contextlib.asynccontextmanager
-    async def _wait_slot(self, caller: Caller, ids: int, context: aio.ServicerContext) -> AsyncIterator[None]:
-        """`_take_slot` for the length of a call, which ends RESOURCE_EXHAUSTED when refused."""
-        refused = self._take_slot(caller, ids)
-        if refused:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-        try:
-            yield
-        finally:
-            self._give_slot(caller, ids)
-
     async def _settled(self, buffer_ids: list[int], timeout: float, must_exist: bool = False) -> bool:
         """Whether every buffer settled within `timeout` (unknown ones are waited for: a fetch
         may overtake the enqueue that declares its buffer). Cancelling the call ends the wait."""
@@ -186,34 +183,23 @@ class WorkerServicer(Waits, UploadHandlers):
         self, request: wpb.FetchRequest, context: aio.ServicerContext
     ) -> AsyncIterator[wpb.FetchChunk | bytes]:
         caller = await self.auth.session(context, "fetch")
-        bid = request.buffer_id
-        await self._check_request(context, caller, [bid], request.timeout_s)
+        await self._check_request(context, caller, [request.buffer_id], request.timeout_s)
         if request.parts and (request.offset or request.length or request.data_messages):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a byte range or data messages of a fetch by parts")
-        timeout = _bounded(request.timeout_s)
-        async with self._wait_slot(caller, 1, context):
-            ready = await self._settled([bid], timeout)
-        if self._foreign(caller, bid):  # it appeared under another owner, or was released meanwhile
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker")
-        loop = asyncio.get_running_loop()
-        arr: np.ndarray | None = None
-        error = f"buffer {bid} is not ready after {timeout:g} s"
-        try:
-            if ready:
-                value = self.store.wait(bid, 0.0, False)
-                if request.parts and is_partial(value):  # a multi-host slice's array: this worker's shards
-                    for chunk in part_chunks(await loop.run_in_executor(self._pool, local_parts, value),
-                                             tuple(value.shape), CHUNK):
-                        yield chunk
-                    return
-                arr = await loop.run_in_executor(self._pool, to_numpy, value)
-        except Exception as e:
-            error = self._fetch_failure(e)
-        if arr is None:  # a data-message fetch fails with its status: it has no message for it
-            if request.data_messages:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
-            yield wpb.FetchChunk(error=error, last=True)
+        got = await self.fetch_array(caller, request.buffer_id, request.timeout_s, request.parts)
+        if isinstance(got, tuple):
+            await context.abort(*got)
+            return  # (abort raises)
+        if isinstance(got, LocalParts):  # a multi-host slice's array: this worker's shards
+            for chunk in part_chunks(got.parts, got.global_shape, CHUNK):
+                yield chunk
             return
+        if isinstance(got, str):  # a data-message fetch fails with its status: it has no message for it
+            if request.data_messages:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, got)
+            yield wpb.FetchChunk(error=got, last=True)
+            return
+        arr = got
         data = fetched_range(byte_view(arr), request)
         if isinstance(data, str):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, data)
@@ -229,6 +215,35 @@ class WorkerServicer(Waits, UploadHandlers):
             first = off == 0
             yield wire.fetch_chunk_message(data[off : off + CHUNK], dtype if first else "", shape if first else (),
                                            off + CHUNK >= len(data))
+
+    async def fetch_array(self, caller: Caller, bid: int, timeout_s: float,
+                          parts: bool = False) -> tuple[grpc.StatusCode, str] | np.ndarray | LocalParts | str:
+        """A fetch of buffer `bid` whose request passed its checks (`_refusal`), for `Fetch` and a
+        proxy session's bulk connection (bulk_service.py): waits, holding one of the caller's wait
+        slots, up to `timeout_s` (bounded) for the buffer to settle. Its array; with `parts`, a
+        multi-host slice's array as this worker's parts; a str: why it has no value (it failed,
+        or is not ready in time); a refusal (status, message): no wait slot free, or the buffer
+        turned out another's or released meanwhile."""
+        timeout = _bounded(timeout_s)
+        busy = self._take_slot(caller, 1)
+        if busy:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, busy
+        try:
+            ready = await self._settled([bid], timeout)
+        finally:
+            self._give_slot(caller, 1)
+        if self._foreign(caller, bid):  # it appeared under another owner, or was released meanwhile
+            return grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker"
+        if not ready:
+            return f"buffer {bid} is not ready after {timeout:g} s"
+        loop = asyncio.get_running_loop()
+        try:
+            value = self.store.wait(bid, 0.0, False)
+            if parts and is_partial(value):
+                return LocalParts(await loop.run_in_executor(self._pool, local_parts, value), tuple(value.shape))
+            return await loop.run_in_executor(self._pool, to_numpy, value)
+        except Exception as e:
+            return self._fetch_failure(e)
 
     def _fetch_failure(self, e: Exception) -> str:
         """What a fetch says of a buffer whose value it could not have: the store's reason, or the

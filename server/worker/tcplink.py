@@ -63,7 +63,7 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..bulklink import SESSION_MAGIC, recv_exact
+from ..bulklink import SESSION_MAGIC, recv_bytes, recv_exact
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,6 @@ KEEPCNT = 3  # probes unanswered, where TCP_USER_TIMEOUT is not there to decide
 Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read
 # a proxy session's connection (its hello's secret, the peer's address): served on its thread
 SessionServe = Callable[[socket.socket, bytes, object], None]
-
-
-def _read(conn: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if recv_exact(conn, memoryview(buf)) else None
 
 
 def _stalled(e: OSError) -> bool:
@@ -239,18 +234,18 @@ class TcpReceiver:
 
     def _hello(self, conn: socket.socket) -> bool | bytes:
         """Whether a peer's hello is right; a proxy session's hello: its secret (bytes)."""
-        head = _read(conn, HELLO.size)
+        head = recv_bytes(conn, HELLO.size)
         if head is None:
             return False
         magic, n = HELLO.unpack(head)
         if magic == SESSION_MAGIC and self._session is not None:
-            secret = _read(conn, n) if n else b""
+            secret = recv_bytes(conn, n)
             return secret or False
         if magic != HELLO_MAGIC:
             if head[:1] == TLS_HANDSHAKE and self._tls is None:
                 raise ValueError("the peer speaks TLS and this worker does not (no --tls-cert)")
             return False
-        token = _read(conn, n) if n else b""
+        token = recv_bytes(conn, n)
         if token is None:
             return False
         return self._check(token) if self._check is not None else hmac.compare_digest(token, self._token)
@@ -263,7 +258,7 @@ class TcpReceiver:
         magic, n = FRAME.unpack(prefix)
         if magic != FRAME_MAGIC or n > MAX_HEADER:
             raise ValueError("malformed frame")
-        raw = _read(conn, n)
+        raw = recv_bytes(conn, n)
         if raw is None:
             return False
         header = wpb.TransferChunk.FromString(raw)

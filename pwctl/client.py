@@ -31,13 +31,15 @@ class Client:
     Every call goes through one `Transport` (typed errors, retries of idempotent reads)."""
 
     def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0,
-                 retry: RetryPolicy = DEFAULT_RETRY, tls: TlsConfig | None = None) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, tls: TlsConfig | None = None,
+                 own_connection: bool = False) -> None:
         target = settings.resolve(server, token)
         self.address = target.address
         self.token = target.token
         self.tls = tls or target.tls  # TLS as `settings` finds it, unless given (pwctl/tls.py)
         self.timeout = timeout
-        self._transport = Transport(self.address, target.token, timeout=timeout, retry=retry, tls=self.tls)
+        self._transport = Transport(self.address, target.token, timeout=timeout, retry=retry, tls=self.tls,
+                                    own_connection=own_connection)
         self._stub = cgrpc.ControllerStub(self._transport.channel)
 
     @property

@@ -87,10 +87,13 @@ DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-def channel(address: str, tls: tls_.TlsConfig | None = None) -> grpc.Channel:
+def channel(address: str, tls: tls_.TlsConfig | None = None, own_connection: bool = False) -> grpc.Channel:
     """A channel to `address` with the client's options (the only place channels are made):
-    TLS with `tls` (pwctl/tls.py), plaintext without."""
-    return tls_.channel(address, CHANNEL_OPTIONS, tls)
+    TLS with `tls` (pwctl/tls.py), plaintext without. gRPC shares one connection among a
+    process's channels to an address; with `own_connection`, this one opens its own (its calls
+    do not queue behind what another channel's streams left unread)."""
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection else CHANNEL_OPTIONS
+    return tls_.channel(address, options, tls)
 
 
 class BidiStream(Generic[R]):
@@ -117,7 +120,7 @@ class Transport:
 
     def __init__(self, address: str, token: str | None = None, *, peer: str = "server", timeout: float = 30.0,
                  retry: RetryPolicy = DEFAULT_RETRY, metadata: tuple[tuple[str, str], ...] = (),
-                 tls: tls_.TlsConfig | None = None) -> None:
+                 tls: tls_.TlsConfig | None = None, own_connection: bool = False) -> None:
         self.address = address
         self.tls = tls
         self.peer = peer
@@ -126,7 +129,7 @@ class Transport:
         # the bearer token, and what else every call carries (a worker's session credential)
         self.metadata: tuple[tuple[str, str], ...] = (
             ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata))
-        self.channel = channel(address, tls)
+        self.channel = channel(address, tls, own_connection)
 
     def close(self) -> None:
         self.channel.close()

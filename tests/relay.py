@@ -4,9 +4,10 @@ network drop between a client and a worker, which killing either process cannot 
 `Relay(target)` listens on 127.0.0.1 and copies bytes both ways between each accepted connection
 and `target`. `hold()` stops copying (bytes wait in the sockets' buffers, as on a stalled link),
 `hold_replies()` stops only the target's side (what the client sends still gets through: a worker
-that takes uploads whose acknowledgements are lost), `cut()` resets every connection open now (both
-ends see the connection break), `refuse()` also stops accepting new ones, `release()` goes back to
-copying."""
+that takes uploads whose acknowledgements are lost), `hold_open_replies()` the same for the
+connections open now only (a session's events held while new connections work), `cut()` resets
+every connection open now (both ends see the connection break), `refuse()` also stops accepting
+new ones, `release()` goes back to copying."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Relay:
         self._running.set()
         self._replies = threading.Event()  # the target's bytes are copied back (unless `hold_replies`)
         self._replies.set()
+        self._held: set[socket.socket] = set()  # targets' sides held by `hold_open_replies`
         self._refusing = False
         self._closed = False
         self.accepted = 0
@@ -58,12 +60,13 @@ class Relay:
         try:
             while not self._closed:
                 self._running.wait()
-                sources = [a, b] if self._replies.is_set() else [a]  # b: the target
+                replies = self._replies.is_set() and b not in self._held
+                sources = [a, b] if replies else [a]  # b: the target
                 ready, _, _ = select.select(sources, [], [], 0.05)
                 if not self._running.is_set():
                     continue  # held: what came stays unread
                 for s in ready:
-                    if s is b and not self._replies.is_set():
+                    if s is b and not (self._replies.is_set() and b not in self._held):
                         continue
                     data = s.recv(1 << 16)
                     if not data:
@@ -82,7 +85,13 @@ class Relay:
         """The target's bytes stay unread from now on (until `release`); the client's still go."""
         self._replies.clear()
 
+    def hold_open_replies(self) -> None:
+        """As `hold_replies`, for the connections open now only: later ones copy both ways."""
+        with self._lock:
+            self._held = {up for _, up in self._pairs}
+
     def release(self) -> None:
+        self._held = set()
         self._refusing = False
         self._replies.set()
         self._running.set()

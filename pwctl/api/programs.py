@@ -183,6 +183,8 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     if rt.registrations.refused:  # refused when the session resumed: registered again first
         rt.registrations.ensure(reg.program_id)
     rt.wait_for_room()
+    if rt.on_lost_worker:  # a slice's host was lost: has it moved since? (not on the usual path)
+        rt.catch_up({s for s in reg.input_slice if s is not None} | set(reg.output_slice))
     values: list[Any] = list(flat_args) + [None] * (reg.num_inputs - len(flat_args))
     for i, v in reg.captured:
         values[i] = v

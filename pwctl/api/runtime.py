@@ -105,8 +105,12 @@ class Runtime:
         self._workers_lock = threading.Lock()
         # worker address -> why (HostLost): its host was declared lost, and not known ready again
         # since; a call to it asks the controller first (`still_lost`) rather than wait for a frozen
-        # worker's silence. Addresses only leave it (at most one per host ever lost).
+        # worker's silence. An address leaves it once its host is known ready again (`still_lost`, or
+        # a slice placed there: `_slice_changed`).
         self.lost_workers: dict[str, str] = {}
+        # whether a slice's worker is one of `lost_workers` (as this runtime last heard): a call
+        # then reads its slices again first (`catch_up`); kept by the reader, on its events
+        self.on_lost_worker = False
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
         self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
                                       RECONNECT_S, float, "seconds (0: never reconnect)")
@@ -230,7 +234,7 @@ class Runtime:
                 elif kind == "slice_changed":
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
-                        vs._update(ev.slice_changed.slice)
+                        self._slice_changed(vs, ev.slice_changed.slice)
                 elif kind == "releases_done":
                     self._releases_arrived(self._sender.releases_arrived(ev.releases_done))
                 elif kind == "host_lost":
@@ -352,6 +356,44 @@ class Runtime:
         self.lost_workers.pop(address, None)
         return ""
 
+    def catch_up(self, names: set[str]) -> None:
+        """Before a call on slices `names` while a host is in `lost_workers`: a slice whose worker
+        is a lost one is read again from the controller, as it may have moved on (its host back at
+        a new address, or remapped) before the session's reader took the `SliceChanged` (a call
+        uploading to, and waiting at, the old address failed: 'input 0 is held by the worker at
+        OLD, which is not ready'). Read within LOST_CHECK_S on a connection of its own (not behind
+        the session's events, unread); should the controller not answer, the call goes on as it
+        would have. A slice still on the lost host keeps its address: the controller refuses the
+        run, naming why."""
+        for name in names:
+            vs = self.slices.get(name)
+            if vs is None or not any(a in self.lost_workers for a in (vs.address, *vs.peers)):
+                continue
+            try:
+                with Client(server=self.client.address, token=self.client.token, timeout=LOST_CHECK_S,
+                            tls=self.client.tls, own_connection=True) as c:
+                    info = c.get_slice(name)
+            except PathwaysError:
+                continue
+            if info.devices:
+                self._slice_changed(vs, info)
+        self._check_lost_slices()
+
+    def _slice_changed(self, vs: Any, info: cpb.Slice) -> None:
+        """Slice `vs` is now as `info` says (its event, or read again by `catch_up`). Placed (not
+        degraded), it is on ready hosts: none of its workers is lost any more (a host back at
+        its old address leaves `lost_workers`, else each call would read the slice again)."""
+        vs._update(info)
+        if info.state != cpb.SLICE_STATE_DEGRADED:
+            for address in (vs.address, *vs.peers):
+                self.lost_workers.pop(address, None)
+        self._check_lost_slices()
+
+    def _check_lost_slices(self) -> None:
+        """Sets `on_lost_worker` (on a host's loss, on a slice's change: not on the usual path)."""
+        self.on_lost_worker = any(a in self.lost_workers for vs in list(self.slices.values())
+                                  for a in (vs.address, *vs.peers))
+
     def _host_lost(self, lost: cpb.HostLost) -> None:
         """The controller declared a host lost: the calls waiting at its worker end now, naming
         it (futures.py `_poll` raises their error), not at their deadline; later calls to it fail
@@ -359,6 +401,7 @@ class Runtime:
         why = (f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
                "(the controller declared it)")
         self.lost_workers[lost.address] = why
+        self._check_lost_slices()
         with self._workers_lock:
             conn = self._workers.get(lost.address)
         if conn is not None:

@@ -14,11 +14,15 @@ With TLS (pwctl/tls.py) the server's port speaks TLS only, which Kubernetes' `gr
 
 from __future__ import annotations
 
+from typing import Any
+
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer  # grpc_health.v1.health.aio, typed
 
 from pwctl import tls
+
+from .rpcguard import write_or_cancel
 
 SERVICE_PREFIX = "/grpc.health.v1.Health/"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -32,12 +36,34 @@ def is_health_method(method: str) -> bool:
     return method.startswith(SERVICE_PREFIX)
 
 
+class _GuardedWrites:
+    """A call's context whose `write` is `write_or_cancel`: the rest is the context's own."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    async def write(self, message: Any) -> None:
+        await write_or_cancel(self._context, message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class _Servicer(HealthServicer):
+    """grpc_health's servicer, its Watch writing through `write_or_cancel`: a watcher killed as the
+    status changes ends the stream as a cancellation, not with gRPC's traceback. Watch writes with
+    `context.write` itself, which no interceptor (rpcguard.GuardInterceptor) can guard."""
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        await super().Watch(request, _GuardedWrites(context))
+
+
 class Health:
     """The health servicer of one gRPC server, with the two transitions a server makes."""
 
     def __init__(self, service: str) -> None:
         self.services = ("", service)
-        self._servicer = HealthServicer()
+        self._servicer = _Servicer()
 
     async def attach(self, server: aio.Server) -> None:
         """Registers the service on `server`, NOT_SERVING until `serving()`."""

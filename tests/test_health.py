@@ -76,3 +76,34 @@ def test_health_not_serving_on_shutdown(cluster: LocalCluster) -> None:
         seen, ended = watch_until_end(wk_watch)
         assert seen == [NOT_SERVING], f"worker watch after SIGTERM: {seen}"
         assert ended in (None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class _GoneCaller:
+    """A Watch call's context whose caller is gone: its first write fails the way gRPC's does
+    when the peer was killed as the status changed (gRPC's ExecuteBatchError is private)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    async def write(self, message: health_pb2.HealthCheckResponse) -> None:
+        self.writes += 1
+        raise RuntimeError('Failed "execute_batch": the call is over')
+
+
+def test_watch_write_to_a_gone_caller_is_a_cancellation() -> None:
+    """A Watch whose write fails ends as a cancellation (no traceback logged by gRPC), not with
+    the write's error, on the worker's health service too, which no guard interceptor wraps."""
+    import asyncio
+
+    from server.health import Health
+
+    async def main() -> None:
+        health = Health("pathways.v1.Worker")
+        await health.serving()
+        gone = _GoneCaller()
+        with pytest.raises(asyncio.CancelledError):
+            await health._servicer.Watch(health_pb2.HealthCheckRequest(), gone)
+        assert gone.writes == 1
+        assert health._servicer._watcher_count_by_service == {}  # the watcher left its count
+
+    asyncio.run(main())

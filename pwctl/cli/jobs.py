@@ -392,12 +392,14 @@ def describe(job_id: JobIdArg, server: ServerOpt = None, output: OutputOpt = For
         emit_item(output, "Job", view, render)
 
 
+for _cmd, _fn in (("logs", logs), ("cancel", cancel), ("wait", wait)):
+    app.command(_cmd, help=f"Same as `pwctl {_cmd}`.")(_fn)
+
+
 def register(root: typer.Typer) -> None:
     root.command("submit")(submit)
     root.command("logs")(logs)
     root.command("cancel")(cancel)
     root.command("wait")(wait)
-    for cmd, fn in (("logs", logs), ("cancel", cancel), ("wait", wait)):
-        app.command(cmd, help=f"Same as `pwctl {cmd}`.")(fn)
     root.add_typer(app, name="jobs")
     root.add_typer(app, name="job", hidden=True)

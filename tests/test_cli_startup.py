@@ -68,6 +68,15 @@ def test_a_command_loads_what_it_uses_when_it_runs() -> None:
     assert "grpc" in found and "pwctl.client" in found, found
 
 
+@pytest.mark.parametrize("argv", [["slice", "list"], ["slice", "describe", "s"], ["island", "list", "-o", "json"],
+                                  ["device", "list"], ["host", "list"], ["jobs", "list"], ["jobs", "describe", "j"],
+                                  ["server", "info"]])
+def test_a_listing_loads_its_views_once_the_controller_answered(argv: list[str]) -> None:
+    # no controller at port 1: the call fails (exit 1) without loading pydantic for the views
+    found = loaded(RUN.format(argv=[*argv, "--server", "127.0.0.1:1"]))
+    assert "pwctl.client" in found and not [m for m in found if m.startswith(("pydantic", "schemas.views"))], found
+
+
 MODULES = """
 import json, sys
 from pwctl.cli.main import main

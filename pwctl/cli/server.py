@@ -191,10 +191,11 @@ def stop() -> None:
 @app.command("info")
 def info(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Version, address, database, uptime, and what the controller holds."""
-    from schemas.views import ServerInfoView
-
     with client(server, timeout=10.0, check_version=False) as c:  # it shows the version: no check
-        view = ServerInfoView.of(c.info())
+        found = c.info()
+    from schemas.views import ServerInfoView  # pydantic: once the controller answered
+
+    view = ServerInfoView.of(found)
     emit_item(output, "ServerInfo", view, _render)
     if not compatible(__version__, view.version):
         hint(f"warning: {mismatch(view.version, view.address)}")

@@ -21,9 +21,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, get_args, get_origin
 
+import typer
 from typer.core import TyperGroup
 
+# The Typer releases whose internals this module was checked against (tests/test_cli_startup.py
+# compares its converters with Typer's): any other keeps Typer's own converters, and those tests
+# fail there until this module is checked against it and the release added.
+CHECKED_TYPER = ("0.29",)
+
 try:
+    if ".".join(typer.__version__.split(".")[:2]) not in CHECKED_TYPER:
+        raise ImportError(typer.__version__)
     from typer import _coercion
     from typer._param_types import coerce_cli_choice
 

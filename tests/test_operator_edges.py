@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import REPO, base_env, free_port, log_tail, run_pwctl, wait_for
 from together import together
@@ -286,3 +287,27 @@ def test_down_says_which_workers_it_left_running(pw_home: Path) -> None:
     finally:
         stop = run_pwctl("worker", "stop", "extra", env=env, timeout=60)
     assert stop.returncode == 0 and not local.is_alive(extra["pid"]), stop.stderr
+
+
+@pytest.mark.timeout(120)
+def test_up_passes_no_bulk_links_to_the_controller_it_starts(pw_home: Path) -> None:
+    """`pwctl up --no-bulk-links` starts the controller with --no-bulk-links, as `pwctl server start`
+    does (test_cli_edges.py; what the flag does: test_proxy_bulk_paths.py); run again, it says
+    what runs and leaves the controller as it is."""
+    address = f"127.0.0.1:{free_port()}"
+    env = base_env(pw_home, PWCTL_SERVER=address)
+
+    def controller_args() -> list[str]:
+        return list(psutil.Process(json.loads((pw_home / "server.pid").read_text())["pid"]).cmdline())
+
+    try:
+        r = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, "--no-bulk-links", env=env,
+                      timeout=90)
+        assert r.returncode == 0, r.stderr
+        assert "--no-bulk-links" in controller_args()
+        again = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert again.returncode == 0 and again.stdout.startswith("already up"), again.stdout + again.stderr
+        assert "--no-bulk-links" in controller_args()
+    finally:
+        down = run_pwctl("down", "-y", env=env, timeout=60)
+    assert down.returncode == 0, down.stderr

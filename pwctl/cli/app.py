@@ -1,27 +1,46 @@
 """The pwctl CLI: registers one sub-app per noun and maps errors to exit codes (`run`; the entry
-point, main.py, imports this module)."""
+point, main.py, imports this module).
+
+`app` is the whole CLI. `run` builds only the module of the command a command line names (Typer
+builds every command it is given from its signature, ~50 ms for all of them, and each module's
+import costs its share): `pwctl slice list` reads pwctl/cli/slices.py alone. A command line that
+names no command of `COMMANDS` (`pwctl --help`, a typo, completion) gets the whole CLI, so the
+root's help, suggestions and errors are as they were.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
-from . import cluster, devices, islands, jobs, server, slices, status, worker
+from .fastparams import FastGroup
 
-app = typer.Typer(
-    name="pwctl",
-    no_args_is_help=True,
-    add_completion=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+# The top-level commands each module under pwctl/cli registers (`register(root)`); the modules'
+# order is the help's. tests/test_cli_startup.py checks this against what they register.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "cluster": ("up", "down"),
+    "jobs": ("submit", "logs", "cancel", "wait", "jobs", "job"),
+    "status": ("status", "trace"),
+    "islands": ("island",),
+    "devices": ("device", "host"),
+    "server": ("server",),
+    "worker": ("worker",),
+    "slices": ("slice",),
+}
+_MODULE_OF = {command: module for module, commands in COMMANDS.items() for command in commands}
+_ROOT_VALUED = ("--server", "-s", "--tls-ca")  # _root's options that take a value
+
+if TYPE_CHECKING:
+    app: typer.Typer
 
 
-@app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
     server: str | None = typer.Option(None, "--server", "-s", show_default=False,
@@ -44,14 +63,54 @@ def _root(
         os.environ["PWCTL_TLS_CA"] = tls_ca  # likewise (pwctl/settings.py)
 
 
-for noun in (cluster, jobs, status, islands, devices, server, worker, slices):
-    noun.register(app)  # one module per noun; the order is the help's
+def make_app(modules: list[str]) -> typer.Typer:
+    """The CLI with the commands of `modules` (names of COMMANDS)."""
+    cli = typer.Typer(
+        name="pwctl",
+        cls=FastGroup,  # reads the command line without pydantic (fastparams.py)
+        no_args_is_help=True,
+        add_completion=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+    cli.callback()(_root)
+    for name in modules:
+        module: ModuleType = importlib.import_module(f"{__package__}.{name}")
+        module.register(cli)
+    return cli
+
+
+def modules_for(args: list[str]) -> list[str]:
+    """The modules a command line needs: the one whose command it names (after the root's own
+    options), or all of them."""
+    if any(k.startswith("_") and k.endswith("_COMPLETE") for k in os.environ):  # shell completion
+        return list(COMMANDS)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in _ROOT_VALUED:
+            i += 2
+        elif a == "--debug" or a.startswith(("--server=", "--tls-ca=")) or (a.startswith("-s") and len(a) > 2):
+            i += 1
+        else:
+            return [_MODULE_OF[a]] if a in _MODULE_OF else list(COMMANDS)
+    return list(COMMANDS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole CLI, built on first use (tests, documentation)
+        globals()["app"] = make_app(list(COMMANDS))
+        return globals()["app"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(argv: list[str] | None = None) -> None:
-    debug = "--debug" in (argv if argv is not None else sys.argv) or bool(os.environ.get("PWCTL_DEBUG"))
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args or bool(os.environ.get("PWCTL_DEBUG"))
+    modules = modules_for(args)
+    cli = globals()["app"] if len(modules) == len(COMMANDS) and "app" in globals() else make_app(modules)
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = cli(args=argv, standalone_mode=False)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

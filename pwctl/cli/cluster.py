@@ -11,6 +11,7 @@ import typer
 from .. import paths
 from ..errors import ConnectionFailed
 from .common import (
+    NoBulkLinksOpt,
     TlsCaOpt,
     TlsCertOpt,
     TlsKeyOpt,
@@ -38,6 +39,7 @@ def up(
     listen: ListenOpt = paths.DEFAULT_ADDRESS,
     db: DbOpt = None,
     no_token: NoTokenOpt = False,
+    no_bulk_links: NoBulkLinksOpt = False,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -45,7 +47,8 @@ def up(
     tls_require_client_cert: TlsRequireOpt = False,
 ) -> None:
     """Start a local cluster (controller + one worker per island) and wait until it is ready.
-    Run again, it starts only what is missing and says what runs.
+    Run again, it starts only what is missing and says what runs (--db, --no-token and
+    --no-bulk-links reach only the processes it starts).
 
     With --tls-cert/--tls-key/--tls-ca every process serves TLS only (the certificate must name the
     --listen address, e.g. IP:127.0.0.1) and clients here find the CA in the data directory."""
@@ -60,7 +63,7 @@ def up(
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
-                      no_token=no_token, tls=tls)
+                      no_token=no_token, bulk_links=not no_bulk_links, tls=tls)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
     secure = " (TLS)" if result.tls else ""

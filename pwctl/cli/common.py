@@ -47,6 +47,12 @@ TlsRequireOpt = Annotated[bool, typer.Option(
     "--tls-require-client-cert", help="Mutual TLS: callers must present a certificate the CA signs "
                                       "(default: $PATHWAYS_TLS_REQUIRE_CLIENT_CERT; the token still applies)")]
 
+# the controller's (`pwctl server start`, `pwctl up`)
+NoBulkLinksOpt = Annotated[bool, typer.Option("--no-bulk-links",
+                                             help="The IFRT proxy's uploads and downloads of 4 MiB or more go "
+                                                  "by gRPC, not on the workers' TCP transfer ports (with TLS "
+                                                  "they always do)")]
+
 
 def server_tls(cert: str | None, key: str | None, ca: str | None, server_name: str | None,
                require_client_cert: bool) -> Any:

@@ -45,11 +45,12 @@ def list_(island: IslandOpt = "", state: DeviceStateOpt = None, limit: LimitOpt 
           output: OutputOpt = Format.table) -> None:
     """List devices: island, host, id, kind, state, last heartbeat."""
     from schemas.pathways.v1 import common_pb2 as pb
-    from schemas.views import DeviceView
 
     code = pb.DeviceState.Value(f"DEVICE_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
         found, total = c.devices_page(island, code, limit)
+    from schemas.views import DeviceView  # pydantic: once the controller answered
+
     items = [DeviceView.of(d) for d in found]
     emit_list(output, "DeviceList", items, ["island", "host", "device", "kind", "state", "slices", "heartbeat"],
               lambda d: [d.island, d.host, str(d.id), d.kind, d.state, str(d.slices), age(d.last_heartbeat)],
@@ -63,11 +64,12 @@ def hosts_list(island: IslandOpt = "", state: HostStateOpt = None, limit: LimitO
                output: OutputOpt = Format.table) -> None:
     """List hosts (workers): island, address, state, devices, last heartbeat."""
     from schemas.pathways.v1 import common_pb2 as pb
-    from schemas.views import HostView
 
     code = pb.HostState.Value(f"HOST_STATE_{state.value.upper()}") if state else 0
     with client(server) as c:
         found, total = c.hosts_page(island, code, limit)
+    from schemas.views import HostView  # pydantic: once the controller answered
+
     items = [HostView.of(h) for h in found]
     emit_list(output, "HostList", items, ["host", "island", "address", "state", "devices", "heartbeat"],
               lambda h: [h.name, h.island, h.address, h.state, f"{h.devices} {h.device_kind}",

@@ -14,10 +14,11 @@ app = typer.Typer(help="Islands: devices joined by a fast interconnect.", no_arg
 @app.command("list")
 def list_(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """List islands with their hosts and devices."""
-    from schemas.views import IslandView
-
     with client(server) as c:
-        items = [IslandView.of(i) for i in c.islands()]
+        found = c.islands()
+    from schemas.views import IslandView  # pydantic: once the controller answered
+
+    items = [IslandView.of(i) for i in found]
     emit_list(output, "IslandList", items, ["island", "hosts", "devices", "available"],
               lambda i: [i.name, str(i.hosts), str(i.devices), str(i.available_devices)],
               ["group", "created"], lambda i: [i.group or "-", i.created_at])

@@ -347,10 +347,11 @@ def list_(
     output: OutputOpt = Format.table,
 ) -> None:
     """List jobs: state, exit code, age, duration, reason."""
-    from schemas.views import JobView
-
     with client(server) as c:
-        items = [JobView.of(j) for j in c.jobs(state=state, all=all_)]
+        found = c.jobs(state=state, all=all_)
+    from schemas.views import JobView  # pydantic: once the controller answered
+
+    items = [JobView.of(j) for j in found]
     emit_list(output, "JobList", items, ["id", "name", "state", "exit", "submitted", "duration", "reason"],
               lambda v: [v.id, v.name, v.state, _exit(v), age(v.submitted_at), _duration(v),
                          v.reason or v.pending_reason or "-"],
@@ -382,14 +383,19 @@ def render(v: JobView) -> None:
 @app.command("describe")
 def describe(job_id: JobIdArg, server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Show a job: state, times, exit code, slices, programs, runs, why it waits."""
-    from schemas.views import JobView
-
     with client(server) as c:
-        view = JobView.of(c.get_job(job_id))
+        found = c.get_job(job_id)
+    from schemas.views import JobView  # pydantic: once the controller answered
+
+    view = JobView.of(found)
     if output == Format.name:
         sys.stdout.write(view.id + "\n")
     else:
         emit_item(output, "Job", view, render)
+
+
+for _cmd, _fn in (("logs", logs), ("cancel", cancel), ("wait", wait)):
+    app.command(_cmd, help=f"Same as `pwctl {_cmd}`.")(_fn)
 
 
 def register(root: typer.Typer) -> None:
@@ -397,7 +403,5 @@ def register(root: typer.Typer) -> None:
     root.command("logs")(logs)
     root.command("cancel")(cancel)
     root.command("wait")(wait)
-    for cmd, fn in (("logs", logs), ("cancel", cancel), ("wait", wait)):
-        app.command(cmd, help=f"Same as `pwctl {cmd}`.")(fn)
     root.add_typer(app, name="jobs")
     root.add_typer(app, name="job", hidden=True)

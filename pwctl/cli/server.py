@@ -13,6 +13,7 @@ from ..errors import InvalidArgument
 from ..version import compatible, mismatch
 from .common import (
     Format,
+    NoBulkLinksOpt,
     OutputOpt,
     ServerOpt,
     TlsCaOpt,
@@ -86,10 +87,6 @@ GraceOpt = Annotated[float, typer.Option("--session-grace", min=0,
 JobLogOpt = Annotated[int, typer.Option("--job-log-max-mb", min=1,
                                         help="Output kept per job (MiB): its log rotates at half of that, older "
                                              "output is dropped")]
-NoBulkLinksOpt = Annotated[bool, typer.Option("--no-bulk-links",
-                                             help="The IFRT proxy's uploads and downloads of 4 MiB or more go "
-                                                  "by gRPC, not on the workers' TCP transfer ports (with TLS "
-                                                  "they always do)")]
 MaxSessionsOpt = Annotated[int, typer.Option("--max-sessions", min=1, help="Client sessions open at once")]
 MaxPerCallerOpt = Annotated[int, typer.Option("--max-sessions-per-caller", min=1,
                                               help="Client sessions one caller (a machine's address, or a job's "
@@ -194,10 +191,11 @@ def stop() -> None:
 @app.command("info")
 def info(server: ServerOpt = None, output: OutputOpt = Format.table) -> None:
     """Version, address, database, uptime, and what the controller holds."""
-    from schemas.views import ServerInfoView
-
     with client(server, timeout=10.0, check_version=False) as c:  # it shows the version: no check
-        view = ServerInfoView.of(c.info())
+        found = c.info()
+    from schemas.views import ServerInfoView  # pydantic: once the controller answered
+
+    view = ServerInfoView.of(found)
     emit_item(output, "ServerInfo", view, _render)
     if not compatible(__version__, view.version):
         hint(f"warning: {mismatch(view.version, view.address)}")

@@ -98,7 +98,6 @@ def create(
 ) -> None:
     """Allocate a slice, all or nothing, and print its virtual -> physical device mapping."""
     from schemas.pathways.v1 import controller_pb2 as cpb
-    from schemas.views import SliceView
 
     shape = parse_mesh(mesh) if mesh else []
     if devices is None:
@@ -109,6 +108,8 @@ def create(
                          exclusive=exclusive, host_axis=host_axis)
     with client(server) as c:
         resp = c.create_slice(spec, dry_run=dry_run)
+    from schemas.views import SliceView  # pydantic: once the controller answered
+
     view = SliceView.of(resp.slice)
     emit_item(output, "Slice", view, render)
     if resp.explanation:
@@ -124,10 +125,11 @@ def list_(
     output: OutputOpt = Format.table,
 ) -> None:
     """List slices: state, size, mesh, island, owner, age."""
-    from schemas.views import SliceView
-
     with client(server) as c:
-        items = [SliceView.of(s) for s in c.slices(owner)]
+        found = c.slices(owner)
+    from schemas.views import SliceView  # pydantic: once the controller answered
+
+    items = [SliceView.of(s) for s in found]
     emit_list(output, "SliceList", items, ["name", "state", "devices", "mesh", "island", "owner", "age"],
               lambda v: [v.name, v.state, f"{v.spec.devices}{' excl' if v.spec.exclusive else ''}", _mesh(v),
                          ",".join(sorted({d.island for d in v.devices})) or "-", v.owner or "-",
@@ -143,10 +145,11 @@ def describe(
     output: OutputOpt = Format.table,
 ) -> None:
     """Show a slice: request, state, mapping, and every remap with its old and new devices."""
-    from schemas.views import SliceView
-
     with client(server) as c:
-        view = SliceView.of(c.get_slice(name))
+        found = c.get_slice(name)
+    from schemas.views import SliceView  # pydantic: once the controller answered
+
+    view = SliceView.of(found)
     emit_item(output, "Slice", view, render)
 
 

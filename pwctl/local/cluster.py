@@ -73,6 +73,7 @@ def up(
     timeout: float = WORKER_READY_TIMEOUT_S,
     no_token: bool = False,
     tls: TlsConfig | None = None,
+    bulk_links: bool = True,
 ) -> UpResult:
     """Starts (or completes) a local cluster: the controller and one worker per island.
 
@@ -81,7 +82,8 @@ def up(
     their own); returns when every worker is ready. Idempotent. `devices` "all": one worker with
     every accelerator of this machine. The cluster token is made first (in the data directory,
     0600) so that the controller and the workers starting beside it agree on it; `no_token`: the
-    controller and the workers it starts require none (a private machine). `tls`: the controller
+    controller and the workers it starts require none (a private machine). `bulk_links` False: the
+    controller it starts sends the IFRT proxy's bulk bytes by gRPC (--no-bulk-links). `tls`: the controller
     and the workers serve TLS only, with these files (one certificate for this machine), and
     clients here find the CA in the data directory (tlsfiles.py).
     """
@@ -105,7 +107,8 @@ def up(
         address = running.address
     else:
         publish_tls(tls)
-        flags = [*(("--no-token",) if no_token else ()), *(tls.args() if tls is not None else ())]
+        flags = [*(("--no-token",) if no_token else ()), *(() if bulk_links else ("--no-bulk-links",)),
+                 *(tls.args() if tls is not None else ())]
         proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, flags)
         address = listen
     if proc is not None and paths.split_address(listen)[1] == 0:

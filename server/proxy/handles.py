@@ -207,6 +207,23 @@ class HandleTable:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
+    def pop_free(self, handles: Sequence[int]) -> tuple[list[Any], list[int]]:
+        """Removes those of `handles` that `pop_resolved` would remove without waiting (their op
+        finished and no request read before uses them): what they held (unknown and failed ones
+        left out), and the others, in order, for `pop_resolved`. One pass, no await: a
+        DestructArray's whole list at the cost of one handle's."""
+        items, claims = self._items, self._claims
+        values, busy = [], []
+        for h in handles:
+            value = items.get(h)
+            if isinstance(value, Pending) or claims.get(h):
+                busy.append(h)
+            elif value is not None:
+                del items[h]
+                if not isinstance(value, Failed):
+                    values.append(value)
+        return values, busy
+
     async def pop_resolved(self, handle: int) -> Any:
         """Removes a handle once its op finished and the requests read before that use it are done;
         returns what it held (None if unknown or failed)."""

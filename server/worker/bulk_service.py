@@ -4,9 +4,11 @@ The worker's transfer port (tcplink.py) hands over a connection whose hello is a
 it is served on its own thread, one request at a time. The checks are the gRPC handlers'
 (servicer.py `Fetch`, upload_service.py `PutBuffers`): the hello's cluster token and session
 credential (auth.py), then per request the caller's ids and owner, its bounds on waits, the
-upload's spec; they and the buffer store run on the worker's event loop, the bytes move on the
-connection's thread: a fetch's straight from the array's memory (`sendmsg` of views), an
-upload's straight into its preallocated, aligned array (`recv_into`).
+upload's spec. An upload's checks and store run on the worker's event loop; a fetch's checks and
+its read of a buffer already settled run on the connection's thread (the store's lock), only its
+wait for one not settled on the loop. The bytes move on the connection's thread: a fetch's
+straight from the array's memory (`sendmsg` of views), an upload's straight into its
+preallocated, aligned array (`recv_into`).
 
 An upload cut off (the connection closed before its last byte, or before a staged upload's
 spec) is dropped as a cancelled `PutBuffers` is: its buffer fails for what already waits on it,
@@ -89,20 +91,24 @@ class BulkSessions:
     # ---- fetch ----
     def _fetch(self, conn: socket.socket, caller: Caller, header: bytes) -> None:
         request = wpb.FetchRequest.FromString(header)
-        got = self._on_loop(self._fetched(caller, request))
+        got = self._fetched(caller, request)
         if isinstance(got, tuple):
             conn.sendall(bulklink.reply(got[0], message=got[1]))
             return
-        assert isinstance(got, memoryview)
         parts: list[bytes | memoryview] = [bulklink.reply(0, len(got))]
         for off in range(0, len(got), bulklink.DATA_MESSAGE):
             piece = got[off : off + bulklink.DATA_MESSAGE]
             parts += [wire.len_field(1, len(piece)), piece]
         bulklink.send_parts(conn, parts)
 
-    async def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
+    def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
         """The bytes a fetch asks for (a view of the array), or its refusal (code, message): the
-        checks and the wait of servicer.py `Fetch`."""
+        checks and the wait of servicer.py `Fetch`. On the connection's thread: the checks read
+        the store under its lock, and a buffer settled already (a proxy download asks only once
+        it is) is read here, with no hop to the event loop and its executor and back; only a wait
+        for one not settled is the loop's (the owner's wait slots are counted there). The view
+        may wait for the buffer's computation: this connection's thread only, as the executor's
+        did."""
         s = self._servicer
         bid = request.buffer_id
         if request.parts or not request.data_messages:
@@ -111,6 +117,24 @@ class BulkSessions:
         if refused is not None:
             return _code(refused[0]), refused[1]
         timeout = bounded_wait(request.timeout_s)
+        if not s.store.settled(bid):
+            waited: tuple[int, str] | None = self._on_loop(self._settle(caller, bid, timeout))  # type: ignore[assignment]
+            if waited is not None:
+                return waited
+        elif s._foreign(caller, bid):
+            return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {bid:#x} on this worker"
+        try:
+            arr = to_numpy(s.store.wait(bid, 0.0))  # settled: one gone since fails as gone
+        except Exception as e:
+            failure: str = self._on_loop(self._failure(e))  # type: ignore[assignment]
+            return _code(grpc.StatusCode.FAILED_PRECONDITION), failure
+        data = fetched_range(byte_view(arr), request)
+        return (_code(grpc.StatusCode.OUT_OF_RANGE), data) if isinstance(data, str) else data
+
+    async def _settle(self, caller: Caller, bid: int, timeout: float) -> tuple[int, str] | None:
+        """Waits on the loop until the buffer settles, on one of the owner's wait slots; why the
+        fetch is refused (no slot, not the caller's, not ready after `timeout`), or None."""
+        s = self._servicer
         slot = s._take_slot(caller, 1)
         if slot:
             return _code(grpc.StatusCode.RESOURCE_EXHAUSTED), slot
@@ -120,18 +144,12 @@ class BulkSessions:
             s._give_slot(caller, 1)
         if s._foreign(caller, bid):
             return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {bid:#x} on this worker"
-        error = f"buffer {bid} is not ready after {timeout:g} s"
-        arr: np.ndarray | None = None
-        try:
-            if ready:
-                value = s.store.wait(bid, 0.0, False)
-                arr = await asyncio.get_running_loop().run_in_executor(s._pool, to_numpy, value)
-        except Exception as e:
-            error = s._fetch_failure(e)
-        if arr is None:
-            return _code(grpc.StatusCode.FAILED_PRECONDITION), error
-        data = fetched_range(byte_view(arr), request)
-        return (_code(grpc.StatusCode.OUT_OF_RANGE), data) if isinstance(data, str) else data
+        if not ready:
+            return _code(grpc.StatusCode.FAILED_PRECONDITION), f"buffer {bid} is not ready after {timeout:g} s"
+        return None
+
+    async def _failure(self, e: Exception) -> str:
+        return self._servicer._fetch_failure(e)  # on the loop: it may read the collective group's state
 
     # ---- put ----
     def _put(self, conn: socket.socket, caller: Caller, header: bytes) -> bool:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
+INLINE_FETCH_BYTES = 1 << 20  # a computed array at most this large is read for a Fetch on the event loop
 
 
 def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | str:
@@ -48,6 +49,23 @@ def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | s
     if end > len(data) or request.offset > end:
         return f"bytes {request.offset}-{end} of buffer {request.buffer_id:#x}, which has {len(data)}"
     return data[request.offset : end]
+
+
+def _at_hand(value: object) -> bool:
+    """Whether `to_numpy(value)` returns at once: a host array, or a computed array of at most
+    INLINE_FETCH_BYTES (a device's copy to the host costs the loop less than a pool thread's
+    round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md 2026-11-27 12:00)."""
+    if isinstance(value, np.ndarray):
+        return True
+    try:
+        return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
+                    and getattr(value, "is_ready", _false)())
+    except Exception:  # a deleted array: the pool thread's read reports it
+        return False
+
+
+def _false() -> bool:
+    return False
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
@@ -206,7 +224,7 @@ class WorkerServicer(Waits, UploadHandlers):
                                              tuple(value.shape), CHUNK):
                         yield chunk
                     return
-                arr = await loop.run_in_executor(self._pool, to_numpy, value)
+                arr = to_numpy(value) if _at_hand(value) else await loop.run_in_executor(self._pool, to_numpy, value)
         except Exception as e:
             error = self._fetch_failure(e)
         if arr is None:  # a data-message fetch fails with its status: it has no message for it

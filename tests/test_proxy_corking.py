@@ -304,8 +304,9 @@ def test_held_runs_the_scheduler_fails_on_fail_their_outputs() -> None:
 def test_a_destruct_of_a_step_s_arrays_leaves_in_one_release_and_waits_for_their_readers() -> None:
     """A DestructArray's list (a training step drops ~80 arrays at once: more than MAX_HELD, so
     freed one by one they left in two messages) frees its arrays' buffers in one release to their
-    worker. A handle that a request read earlier still uses, or whose op is still running, is
-    not freed with them: only once that request is done (a free never overtakes a use)."""
+    worker. Handles that a request read earlier still uses, or whose op is still running, are
+    not freed with them: only once that request is done (a free never overtakes a use), and
+    then together."""
     async def main() -> None:
         backend, outbox, a = parts()
         session = Session(1, proto_mod.MAX_PROTOCOL_VERSION, backend, Encoder(P))  # type: ignore[arg-type]
@@ -316,8 +317,8 @@ def test_a_destruct_of_a_step_s_arrays_leaves_in_one_release_and_waits_for_their
             session.handles.put(h, whole(Buf(b, "float32", (2,)), one))
         shared = whole(session.handles.peek(1000).parts[0].buf, one)  # a second array of the first's buffer
         session.handles.put(999, shared)
-        last = 999 + len(ids)
-        session.handles.claim([last])  # read by a request still running
+        used = [997 + len(ids), 998 + len(ids), 999 + len(ids)]  # the last three, read by a request
+        session.handles.claim(used)  # still running
         session.handles.reserve(998)  # an op's result not made yet
         handles = [*range(1000, 1000 + len(ids)), 998, 1000, 5]  # and a repeated and an unknown one
         release = asyncio.ensure_future(release_all(session, handles))
@@ -325,11 +326,11 @@ def test_a_destruct_of_a_step_s_arrays_leaves_in_one_release_and_waits_for_their
         (msg,) = [m for _, m in outbox.sent]
         outbox.sent.clear()
         assert msg.WhichOneof("msg") == "release" and msg.release.owner == backend._owner
-        assert list(msg.release.buffer_ids) == ids[1:-1]  # ids[0] is still read by 999, ids[-1] by the request
+        assert list(msg.release.buffer_ids) == ids[1:-3]  # ids[0] is still read by 999, the last by the request
         assert not release.done()
-        session.handles.unclaim([last])
+        session.handles.unclaim(used)  # they go together
         await passes(8)
-        assert [list(m.release.buffer_ids) for _, m in outbox.sent] == [[ids[-1]]]
+        assert [list(m.release.buffer_ids) for _, m in outbox.sent] == [ids[-3:]]
         outbox.sent.clear()
         assert not release.done()  # 998 still pending
         b = ids[-1] + 1  # its op's result

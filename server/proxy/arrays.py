@@ -432,14 +432,18 @@ async def check_value_ready(session: Session, req: Message, resp: Message, proto
 
 async def release_all(session: Session, handles: Sequence[int]) -> None:
     """Drops `handles` (a DestructArray's or DeleteArray's list). Those free now go at once, their
-    buffers in one `free`; one that an earlier request still uses (or whose op still runs) waits
-    for that (`pop_resolved`: a free never overtakes a use), in order, each freed as it comes."""
-    values, busy = session.handles.pop_free(handles)
+    buffers in one `free`; those that an earlier request still uses (or whose op still runs) wait
+    for that (`pop_resolved`: a free never overtakes a use), in order: once the first is free, it
+    goes with those after it that are free by then (the request that used them all is over), in
+    one `free` again, and so on."""
+    table = session.handles
+    values, busy = table.pop_free(handles)
     unref_all(session, (v for v in values if isinstance(v, ArrayRecord)))
-    for handle in busy:
-        value = await session.handles.pop_resolved(handle)
-        if isinstance(value, ArrayRecord):
-            unref(session, value)
+    i = 0
+    while i < len(busy):
+        first = await table.pop_resolved(busy[i])
+        values, i = table.pop_run(busy, i + 1)
+        unref_all(session, (v for v in (first, *values) if isinstance(v, ArrayRecord)))
 
 
 async def destruct_array(session: Session, req: Message, resp: Message, proto: Any) -> bytes:

@@ -57,15 +57,19 @@ def _at_hand(value: object) -> bool:
     round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md 2026-11-27 12:00)."""
     if isinstance(value, np.ndarray):
         return True
-    try:
+    try:  # is_deleted first: jaxlib 0.10.2's is_ready of a deleted (donated) array crashes the process
         return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
-                    and getattr(value, "is_ready", _false)())
-    except Exception:  # a deleted array: the pool thread's read reports it
+                    and not getattr(value, "is_deleted", _true)() and getattr(value, "is_ready", _false)())
+    except Exception:  # the pool thread's read reports what is wrong
         return False
 
 
 def _false() -> bool:
     return False
+
+
+def _true() -> bool:
+    return True
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:

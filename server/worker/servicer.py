@@ -54,7 +54,7 @@ def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | s
 def _at_hand(value: object) -> bool:
     """Whether `to_numpy(value)` returns at once: a host array, or a computed array of at most
     INLINE_FETCH_BYTES (a device's copy to the host costs the loop less than a pool thread's
-    round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md 2026-11-27 12:00)."""
+    round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md, 2026-11-27 11:41)."""
     if isinstance(value, np.ndarray):
         return True
     try:  # is_deleted first: jaxlib 0.10.2's is_ready of a deleted (donated) array crashes the process

@@ -106,10 +106,11 @@ def test_a_bulk_connection_serves_its_session_only(module_cluster: LocalCluster,
 
 def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: LocalCluster, the_worker: Any) -> None:
     """A connection closed mid-upload (the controller's staging discarded, or the controller gone)
-    is a cancelled `PutBuffers`: a reader already waiting fails with why, at once, and nothing is
-    kept; the id stays free."""
+    is a cancelled `PutBuffers`: a reader already waiting fails with why, at once, and a bulk
+    download after (the buffer settled, read on the connection's thread) with the same cause;
+    nothing is kept; the id stays free."""
     cluster = module_cluster
-    _, _, stub, cch = the_worker
+    address, _, stub, cch = the_worker
     a = open_session(cluster, cch)
     md = meta(cluster, a)
     data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=md, timeout=10).data_address
@@ -131,6 +132,16 @@ def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: Loca
             started = time.monotonic()
             chunks = waiting.result(timeout=20)
         assert time.monotonic() - started < 10 and why in chunks[0].error, chunks[0].error
+
+    async def failed() -> None:
+        ls = links(cluster, a.credential, data_address)
+        for buffer_id in (a.id(7), a.id(8)):
+            with pytest.raises(BackendError, match="cut off before its last byte") as e:
+                await download(ls, address, buffer_id)
+            assert e.value.code == "FAILED_PRECONDITION"
+        ls.close()
+
+    asyncio.run(failed())
     staged = wire.put_buffer_request(a.id(9), a.owner, "", (), [], 0, 1 << 20)
     with socket.create_connection((host, int(port)), timeout=10) as sock:  # all its bytes, no spec: dropped
         sock.sendall(HELLO.pack(bulklink.SESSION_MAGIC, len(secret)) + secret)

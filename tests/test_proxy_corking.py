@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_proxy_protocol import P
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
@@ -22,9 +23,14 @@ from server.controller.holders import Holders
 from server.controller.programs import ProgramRegistry
 from server.controller.sessions import SessionManager
 from server.controller.slices import Placement
+from server.proxy import protocol as proto_mod
+from server.proxy import shardings as sh
+from server.proxy.answers import Encoder
+from server.proxy.arrays import Buf, release_all, whole
 from server.proxy.backend import BackendError
 from server.proxy.cluster_backend import Controls, SliceSession
-from server.proxy.corking import FlushCork
+from server.proxy.corking import MAX_HELD, FlushCork
+from server.proxy.service import Session
 from server.scheduler import GangScheduler, Policy
 
 pytestmark = pytest.mark.timeout(30)
@@ -291,5 +297,49 @@ def test_held_runs_the_scheduler_fails_on_fail_their_outputs() -> None:
         assert y not in [t.output_ids[0] for e in enqueues(outbox) for t in e.tasks]
         del dispatcher.handle  # the class's again, for the session's end
         await session.close()
+
+    asyncio.run(main())
+
+
+def test_a_destruct_of_a_step_s_arrays_leaves_in_one_release_and_waits_for_their_readers() -> None:
+    """A DestructArray's list (a training step drops ~80 arrays at once: more than MAX_HELD, so
+    freed one by one they left in two messages) frees its arrays' buffers in one release to their
+    worker. Handles that a request read earlier still uses, or whose op is still running, are
+    not freed with them: only once that request is done (a free never overtakes a use), and
+    then together."""
+    async def main() -> None:
+        backend, outbox, a = parts()
+        session = Session(1, proto_mod.MAX_PROTOCOL_VERSION, backend, Encoder(P))  # type: ignore[arg-type]
+        one = sh.Sharding((0,))
+        ids = [(i + 1) | backend._client.id_prefix << 40 for i in range(MAX_HELD + 36)]
+        for h, b in enumerate(ids, start=1000):
+            backend.adopt(b, a.address)
+            session.handles.put(h, whole(Buf(b, "float32", (2,)), one))
+        shared = whole(session.handles.peek(1000).parts[0].buf, one)  # a second array of the first's buffer
+        session.handles.put(999, shared)
+        used = [997 + len(ids), 998 + len(ids), 999 + len(ids)]  # the last three, read by a request
+        session.handles.claim(used)  # still running
+        session.handles.reserve(998)  # an op's result not made yet
+        handles = [*range(1000, 1000 + len(ids)), 998, 1000, 5]  # and a repeated and an unknown one
+        release = asyncio.ensure_future(release_all(session, handles))
+        await passes(8)
+        (msg,) = [m for _, m in outbox.sent]
+        outbox.sent.clear()
+        assert msg.WhichOneof("msg") == "release" and msg.release.owner == backend._owner
+        assert list(msg.release.buffer_ids) == ids[1:-3]  # ids[0] is still read by 999, the last by the request
+        assert not release.done()
+        session.handles.unclaim(used)  # they go together
+        await passes(8)
+        assert [list(m.release.buffer_ids) for _, m in outbox.sent] == [ids[-3:]]
+        outbox.sent.clear()
+        assert not release.done()  # 998 still pending
+        b = ids[-1] + 1  # its op's result
+        backend.adopt(b, a.address)
+        session.handles.settle(998, whole(Buf(b, "float32", (2,)), one))
+        await asyncio.wait_for(release, 5)
+        await passes(8)
+        assert [list(m.release.buffer_ids) for _, m in outbox.sent] == [[b]]
+        assert session.handles.peek(999) is shared and len(session.handles) == 1
+        await backend.close()
 
     asyncio.run(main())

@@ -12,7 +12,7 @@ import pytest
 
 from server.worker.buffers import BufferStore
 from server.worker.executor import Executor
-from server.worker.servicer import MAX_CHECKED_NOW, WorkerServicer
+from server.worker.servicer import INLINE_FETCH_BYTES, MAX_CHECKED_NOW, WorkerServicer, _at_hand
 from server.worker.transfer import TransferSender
 
 X = np.arange(4, dtype=np.float32)
@@ -73,3 +73,20 @@ def test_too_many_buffers_are_left_to_a_pool_thread(servicer: WorkerServicer) ->
         put(servicer, b, x)
     assert servicer._values_now(ids[:-1], must_exist=True) is not None
     assert servicer._values_now(ids, must_exist=True) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_reads_on_the_loop_only_what_is_at_hand() -> None:
+    """`Fetch` reads a host array, or a computed device array of at most INLINE_FETCH_BYTES, on the
+    event loop; one still computing, a larger one, or a deleted (donated) one goes to a pool
+    thread, which reports what is wrong. jaxlib's `is_ready` of a deleted array crashes the
+    process: it must not be asked."""
+    small = jax.numpy.ones(8)
+    small.block_until_ready()
+    assert _at_hand(small) and _at_hand(np.ones(1 << 22))
+    assert not _at_hand(jax.numpy.ones(INLINE_FETCH_BYTES // 4 + 1))
+    assert not _at_hand(_slow(jax.numpy.ones(8)))  # still computing
+    donated = jax.numpy.ones(8)
+    jax.jit(lambda a: a + 1, donate_argnums=0)(donated).block_until_ready()
+    assert donated.is_deleted() and not _at_hand(donated)
+    assert not _at_hand(object())

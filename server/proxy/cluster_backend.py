@@ -454,8 +454,8 @@ class SliceSession(Uploading):
     def free(self, buffer_ids: Sequence[int]) -> None:
         made_by = self._made_by
         for b in buffer_ids:
-            self._failures.forget(b)
             made_by.pop(b, None)
+        self._failures.forget(buffer_ids)
         by_worker = self._held.forget(buffer_ids)
         manager = self._controls.sessions
         for address, ids in by_worker.items():

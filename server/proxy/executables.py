@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
 from .answers import message_field
-from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref, whole
+from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref_all, whole
 from .backend import ArraySpec, CompiledInfo
 from .handles import HandleError, Pending, bounded
 from .shardings import Index, Sharding
@@ -216,9 +216,7 @@ class Pins:
     def release(self) -> None:
         """Drops the references (after the run was submitted: a release waits for it)."""
         self._open = False
-        for rec in self.records:
-            if rec is not None:
-                unref(self._session, rec)
+        unref_all(self._session, (rec for rec in self.records if rec is not None))
         self.records = [None] * len(self.records)
 
 

@@ -60,8 +60,11 @@ class RunFailures:
         if error is not None:
             raise BackendError("FAILED_PRECONDITION", error)
 
-    def forget(self, buffer_id: int) -> None:
-        self._failed.pop(buffer_id, None)
+    def forget(self, buffer_ids: Sequence[int]) -> None:
+        failed = self._failed
+        if failed:
+            for b in buffer_ids:
+                failed.pop(b, None)
 
     def _failure(self, buffer_ids: Sequence[int]) -> asyncio.Future[str]:
         """Completes with the error of the first of `buffer_ids` whose run fails."""

@@ -207,6 +207,39 @@ class HandleTable:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
+    def pop_free(self, handles: Sequence[int]) -> tuple[list[Any], list[int]]:
+        """Removes those of `handles` that `pop_resolved` would remove without waiting (their op
+        finished and no request read before uses them): what they held (unknown and failed ones
+        left out), and the others, in order, for `pop_resolved`. One pass, no await: a
+        DestructArray's whole list at the cost of one handle's."""
+        values: list[Any] = []
+        busy: list[int] = []
+        for h in handles:
+            if not self._pop_into(h, values):
+                busy.append(h)
+        return values, busy
+
+    def pop_run(self, handles: Sequence[int], start: int) -> tuple[list[Any], int]:
+        """`pop_free` of `handles[start:]` up to the first it cannot remove yet: what they held,
+        and that one's index (len(handles): none)."""
+        values: list[Any] = []
+        for i in range(start, len(handles)):
+            if not self._pop_into(handles[i], values):
+                return values, i
+        return values, len(handles)
+
+    def _pop_into(self, handle: int, values: list[Any]) -> bool:
+        """Removes `handle` unless it must wait (`pop_resolved`), adding what it held to `values`;
+        False when it must wait."""
+        value = self._items.get(handle)
+        if isinstance(value, Pending) or self._claims.get(handle):
+            return False
+        if value is not None:
+            del self._items[handle]
+            if not isinstance(value, Failed):
+                values.append(value)
+        return True
+
     async def pop_resolved(self, handle: int) -> Any:
         """Removes a handle once its op finished and the requests read before that use it are done;
         returns what it held (None if unknown or failed)."""

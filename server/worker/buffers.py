@@ -406,6 +406,11 @@ class BufferStore:
             out.append(e.value)
         return out
 
+    def settled(self, buffer_id: int) -> bool:
+        """Whether the buffer exists and is ready or failed (no wait)."""
+        with self._lock:
+            return self._settled(buffer_id, must_exist=False)
+
     def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
         e = self._entries.get(buffer_id)
         if e is None:

@@ -4,9 +4,11 @@ The worker's transfer port (tcplink.py) hands over a connection whose hello is a
 it is served on its own thread, one request at a time. The checks are the gRPC handlers'
 (servicer.py `Fetch`, upload_service.py `PutBuffers`): the hello's cluster token and session
 credential (auth.py), then per request the caller's ids and owner, its bounds on waits, the
-upload's spec; they and the buffer store run on the worker's event loop, the bytes move on the
-connection's thread: a fetch's straight from the array's memory (`sendmsg` of views), an
-upload's straight into its preallocated, aligned array (`recv_into`).
+upload's spec. An upload's checks and store run on the worker's event loop; a fetch's checks and
+its read of a buffer already settled run on the connection's thread (the store's lock), only its
+wait for one not settled on the loop. The bytes move on the connection's thread: a fetch's
+straight from the array's memory (`sendmsg` of views), an upload's straight into its
+preallocated, aligned array (`recv_into`).
 
 An upload cut off (the connection closed before its last byte, or before a staged upload's
 spec) is dropped as a cancelled `PutBuffers` is: its buffer fails for what already waits on it,
@@ -25,13 +27,14 @@ import ssl
 import grpc
 import numpy as np
 
-from schemas.arrays import aligned_empty, byte_view
+from schemas.arrays import aligned_empty, byte_view, to_numpy
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .. import bulklink, wire
 from ..credentials import Caller, check_session
 from ..threadnames import name_native_thread
 from .servicer import WorkerServicer, fetched_range
+from .servicer import _bounded as bounded_wait
 from .uploads import check_spec
 
 log = logging.getLogger(__name__)
@@ -88,34 +91,51 @@ class BulkSessions:
     # ---- fetch ----
     def _fetch(self, conn: socket.socket, caller: Caller, header: bytes) -> None:
         request = wpb.FetchRequest.FromString(header)
-        got = self._on_loop(self._fetched(caller, request))
+        got = self._fetched(caller, request)
         if isinstance(got, tuple):
             conn.sendall(bulklink.reply(got[0], message=got[1]))
             return
-        assert isinstance(got, memoryview)
         parts: list[bytes | memoryview] = [bulklink.reply(0, len(got))]
         for off in range(0, len(got), bulklink.DATA_MESSAGE):
             piece = got[off : off + bulklink.DATA_MESSAGE]
             parts += [wire.len_field(1, len(piece)), piece]
         bulklink.send_parts(conn, parts)
 
-    async def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
+    def _fetched(self, caller: Caller, request: wpb.FetchRequest) -> memoryview | tuple[int, str]:
         """The bytes a fetch asks for (a view of the array), or its refusal (code, message): the
-        checks and the wait of servicer.py `Fetch` (`fetch_array`)."""
+        checks and the wait of servicer.py `Fetch`. On the connection's thread: the checks read
+        the store under its lock, and a buffer settled already (a proxy download asks only once
+        it is) is read here, with no hop to the event loop and its executor and back; only a wait
+        for one not settled is the loop's (the owner's wait slots are counted there). The view
+        may wait for the buffer's computation: this connection's thread only, as the executor's
+        did."""
         s = self._servicer
         if request.parts or not request.data_messages:
             return _code(grpc.StatusCode.INVALID_ARGUMENT), "a bulk fetch is of data messages, not by parts"
-        refused = s._refusal(caller, [request.buffer_id], request.timeout_s)
+        bid = request.buffer_id
+        refused = s._refusal(caller, [bid], request.timeout_s)
         if refused is not None:
             return _code(refused[0]), refused[1]
-        got = await s.fetch_array(caller, request.buffer_id, request.timeout_s)
-        if isinstance(got, tuple):
-            return _code(got[0]), got[1]
-        if isinstance(got, str):
-            return _code(grpc.StatusCode.FAILED_PRECONDITION), got
-        assert isinstance(got, np.ndarray)
-        data = fetched_range(byte_view(got), request)
+        timeout = bounded_wait(request.timeout_s)
+        if not s.store.settled(bid):
+            waited: tuple[grpc.StatusCode, str] | str | None = self._on_loop(  # type: ignore[assignment]
+                s.settle_for(caller, bid, timeout))
+            if isinstance(waited, tuple):
+                return _code(waited[0]), waited[1]
+            if waited is not None:
+                return _code(grpc.StatusCode.FAILED_PRECONDITION), waited
+        elif s._foreign(caller, bid):
+            return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {bid:#x} on this worker"
+        try:
+            arr = to_numpy(s.store.wait(bid, 0.0))  # settled: one gone since fails as gone
+        except Exception as e:
+            failure: str = self._on_loop(self._failure(e))  # type: ignore[assignment]
+            return _code(grpc.StatusCode.FAILED_PRECONDITION), failure
+        data = fetched_range(byte_view(arr), request)
         return (_code(grpc.StatusCode.OUT_OF_RANGE), data) if isinstance(data, str) else data
+
+    async def _failure(self, e: Exception) -> str:
+        return self._servicer._fetch_failure(e)  # on the loop: it may read the collective group's state
 
     # ---- put ----
     def _put(self, conn: socket.socket, caller: Caller, header: bytes) -> bool:

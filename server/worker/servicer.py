@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # the longest one fetch or wait waits; the client asks again (pwctl waits ~1 s a call)
 MAX_WAITS_PER_OWNER = 1024  # fetches and waits in progress per owner
 MAX_WAIT_IDS = 65536  # buffers named by one Wait, and by all the waits in progress of one owner
+INLINE_FETCH_BYTES = 1 << 20  # a computed array at most this large is read for a Fetch on the event loop
 
 
 def fetched_range(data: memoryview, request: wpb.FetchRequest) -> memoryview | str:
@@ -56,6 +57,27 @@ class LocalParts:
 
     parts: list[tuple[tuple[int, ...], np.ndarray]]
     global_shape: tuple[int, ...]
+
+
+def _at_hand(value: object) -> bool:
+    """Whether `to_numpy(value)` returns at once: a host array, or a computed array of at most
+    INLINE_FETCH_BYTES (a device's copy to the host costs the loop less than a pool thread's
+    round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md, 2026-11-27 11:41)."""
+    if isinstance(value, np.ndarray):
+        return True
+    try:  # is_deleted first: jaxlib 0.10.2's is_ready of a deleted (donated) array crashes the process
+        return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
+                    and not getattr(value, "is_deleted", _true)() and getattr(value, "is_ready", _false)())
+    except Exception:  # the pool thread's read reports what is wrong
+        return False
+
+
+def _false() -> bool:
+    return False
+
+
+def _true() -> bool:
+    return True
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
@@ -216,15 +238,11 @@ class WorkerServicer(Waits, UploadHandlers):
             yield wire.fetch_chunk_message(data[off : off + CHUNK], dtype if first else "", shape if first else (),
                                            off + CHUNK >= len(data))
 
-    async def fetch_array(self, caller: Caller, bid: int, timeout_s: float,
-                          parts: bool = False) -> tuple[grpc.StatusCode, str] | np.ndarray | LocalParts | str:
-        """A fetch of buffer `bid` whose request passed its checks (`_refusal`), for `Fetch` and a
-        proxy session's bulk connection (bulk_service.py): waits, holding one of the caller's wait
-        slots, up to `timeout_s` (bounded) for the buffer to settle. Its array; with `parts`, a
-        multi-host slice's array as this worker's parts; a str: why it has no value (it failed,
-        or is not ready in time); a refusal (status, message): no wait slot free, or the buffer
-        turned out another's or released meanwhile."""
-        timeout = _bounded(timeout_s)
+    async def settle_for(self, caller: Caller, bid: int, timeout: float) -> tuple[grpc.StatusCode, str] | str | None:
+        """Waits, holding one of the caller's wait slots, up to `timeout` for buffer `bid` to settle
+        (a fetch, for `fetch_array` and a bulk connection's fetch of a buffer not settled yet):
+        None once it has; a refusal (status, message): no wait slot free, or the buffer turned out
+        another's or released meanwhile; a str: it is not ready in time."""
         busy = self._take_slot(caller, 1)
         if busy:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, busy
@@ -236,12 +254,25 @@ class WorkerServicer(Waits, UploadHandlers):
             return grpc.StatusCode.NOT_FOUND, f"no buffer {bid:#x} on this worker"
         if not ready:
             return f"buffer {bid} is not ready after {timeout:g} s"
+        return None
+
+    async def fetch_array(self, caller: Caller, bid: int, timeout_s: float,
+                          parts: bool = False) -> tuple[grpc.StatusCode, str] | np.ndarray | LocalParts | str:
+        """A gRPC fetch of buffer `bid` whose request passed its checks (`_refusal`): waits up to
+        `timeout_s` (bounded) for it to settle (`settle_for`). Its array (read on the loop when at
+        hand, `_at_hand`, else on a pool thread); with `parts`, a multi-host slice's array as this
+        worker's parts; a str: why it has no value (it failed, or is not ready in time); a refusal
+        (status, message)."""
+        timeout = _bounded(timeout_s)
+        refused = await self.settle_for(caller, bid, timeout)
+        if refused is not None:
+            return refused
         loop = asyncio.get_running_loop()
         try:
             value = self.store.wait(bid, 0.0, False)
             if parts and is_partial(value):
                 return LocalParts(await loop.run_in_executor(self._pool, local_parts, value), tuple(value.shape))
-            return await loop.run_in_executor(self._pool, to_numpy, value)
+            return to_numpy(value) if _at_hand(value) else await loop.run_in_executor(self._pool, to_numpy, value)
         except Exception as e:
             return self._fetch_failure(e)
 

@@ -142,17 +142,13 @@ def unref(session: Session, rec: ArrayRecord) -> None:
 def unref_all(session: Session, recs: Iterable[ArrayRecord]) -> None:
     """`unref` of each of `recs`, whose freed buffers go in one `free` (one release a worker,
     one cork decision): a step's ~80 arrays, not ~80 calls down to the dispatcher."""
-    done = []
+    freed: list[Buf] = []
     for rec in recs:
         rec.refs -= 1
         if rec.refs == 0:
             bufs, rec.parts = rec.buffers, []
-            for b in bufs:
-                b.records -= 1
-                if b.records == 0:
-                    done.append(b.id)
-    if done:
-        session.backend.free(done)
+            freed += bufs
+    drop_buffers(session, freed)
 
 
 async def join(session: Session, rec: ArrayRecord, ids: dict[int, int] | None = None) -> int:

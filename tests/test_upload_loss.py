@@ -285,7 +285,10 @@ def test_a_run_whose_upload_is_given_up_fails_at_once_in_the_client_and_on_the_w
     assert "Traceback" not in worker_log(cluster)
 
 
-RESTARTED = """\
+# A client program's start (Scripted): a 1-device slice and `inc` over it, this client's uploads
+# to the worker through the relay at sys.argv[1] from its second call on (as rt.worker makes its
+# clients: `wc`; the controller still reaches the worker directly), its stream open, then "ready".
+RELAYED = """\
 import json, sys, time
 import numpy as np
 import pwctl as pw
@@ -296,18 +299,15 @@ s = pw.make_virtual_device_set().add_slice(devices=1)
 inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
 assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
 rt = Runtime.get()
-# from here this client's uploads to the worker go through the relay (sys.argv[1]), as rt.worker
-# makes its clients; the controller still reaches the worker directly
 wc = rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost,
                                            wanted=rt._upload_wanted)
-assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]  # its stream is open: uploads wait on it
+assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]  # its stream is open: uploads go on it
 print("ready", flush=True)
-sys.stdin.readline()  # the relay holds the link: the upload stays in it, unacknowledged
-f = inc(np.ones((1, 2)))
-start = time.monotonic()
-while not rt.run_failed(f.run_id) and time.monotonic() - start < 60:  # the worker is killed meanwhile
-    time.sleep(0.05)
-print(json.dumps({"error": rt.run_failed(f.run_id), "unacknowledged": wc.unacknowledged()}), flush=True)
+"""
+
+
+# The client's side of `assert_not_sent_again` (after a program that set `wc` up: RELAYED).
+AFTER_RESTART = """\
 sys.stdin.readline()  # the worker is back at its address; the relay broke the held link and copies again
 start = time.monotonic()
 while wc.unacknowledged() and time.monotonic() - start < 30:
@@ -318,6 +318,65 @@ print(json.dumps({"again": np.asarray(inc(np.full((1, 2), 2.0))).tolist()}), flu
 """
 
 
+class Scripted:
+    """A client program run as a subprocess in step with its test: it prints "ready" (checked
+    here), then, each time it reads a line (`go`), one JSON line (`read`); `step` is both."""
+
+    def __init__(self, program: str, arg: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", program, arg], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert self._line().strip() == "ready", self._stderr()
+        except BaseException:
+            self.close()
+            raise
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def _stderr(self) -> str:
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> Any:
+        line = self._line()
+        assert line, self._stderr()
+        return json.loads(line)
+
+    def step(self) -> Any:
+        self.go()
+        return self.read()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Scripted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+RESTARTED = RELAYED + """\
+sys.stdin.readline()  # the relay holds the link: the upload stays in it, unacknowledged
+f = inc(np.ones((1, 2)))
+start = time.monotonic()
+while not rt.run_failed(f.run_id) and time.monotonic() - start < 60:  # the worker is killed meanwhile
+    time.sleep(0.05)
+print(json.dumps({"error": rt.run_failed(f.run_id), "unacknowledged": wc.unacknowledged()}), flush=True)
+""" + AFTER_RESTART
+
+
 def test_an_upload_whose_run_failed_is_not_sent_again_to_the_restarted_worker(cluster: LocalCluster) -> None:
     """The worker is killed while a run's upload is unacknowledged; the controller fails the run
     (host lost) and the client learns it. When the link comes back, the worker has restarted at
@@ -325,51 +384,43 @@ def test_an_upload_whose_run_failed_is_not_sent_again_to_the_restarted_worker(cl
     (it never saw it, nor its release) and kept it until the session's buffers went."""
     address = cluster.hosts()["w-a"].address
     relay = Relay(address)
-    proc = subprocess.Popen([sys.executable, "-c", RESTARTED, relay.address], env=cluster.env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def step() -> dict:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        return json.loads(line)
-
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
-        relay.hold()
-        time.sleep(0.2)
-        proc.stdin.write("\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        time.sleep(1.0)  # the run is sent, its upload waits in the relay
-        cluster.kill_worker("w-a")
-        out = json.loads(proc.stdout.readline())
-        assert "w-a" in out["error"] and out["unacknowledged"] == 1, out
-        worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
-        assert cluster.hosts()["w-a"].address == address
-        with grpc.insecure_channel(address) as ch:
-            stub = wgrpc.WorkerStub(ch)
-
-            def buffers() -> int:
-                return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
-
-            before = buffers()
-            relay.cut()  # the held link breaks: the client opens a new stream, to the new worker
-            relay.release()
-            out = step()
-            assert out["unacknowledged"] == 0, out
-            time.sleep(1.0)  # an upload sent again would be stored by now (it is acknowledged after)
-            assert buffers() == before, "the failed run's upload was sent again and is kept"
-        assert step() == {"again": [[3.0, 3.0]]}  # the link and the restarted worker work
-        assert proc.wait(timeout=30) == 0
+        with Scripted(RESTARTED, relay.address, cluster.env()) as client:
+            relay.hold()
+            time.sleep(0.2)
+            client.go()
+            time.sleep(1.0)  # the run is sent, its upload waits in the relay
+            cluster.kill_worker("w-a")
+            out = client.read()
+            assert "w-a" in out["error"] and out["unacknowledged"] == 1, out
+            worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
+            assert cluster.hosts()["w-a"].address == address
+            assert_not_sent_again(cluster, relay, client, "the failed run's upload was sent again and is kept")
     finally:
-        if proc.poll() is None:
-            proc.kill()
         relay.close()
     assert "Traceback" not in worker.log.read_text(errors="replace")
+
+
+def assert_not_sent_again(cluster: LocalCluster, relay: Relay, client: Scripted, why: str) -> None:
+    """The worker restarted at its address: the relay breaks the link it held and copies again;
+    the client's upload not acknowledged was not sent again (the worker's buffers did not grow),
+    and its next call works."""
+    address = cluster.hosts()["w-a"].address
+    with grpc.insecure_channel(address) as ch:
+        stub = wgrpc.WorkerStub(ch)
+
+        def buffers() -> int:
+            return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
+
+        before = buffers()
+        relay.cut()  # the held link breaks: the client opens a new stream, to the new worker
+        relay.release()
+        out = client.step()
+        assert out["unacknowledged"] == 0, out
+        time.sleep(1.0)  # an upload sent again would be stored by now (it is acknowledged after)
+        assert buffers() == before, why
+    assert client.step() == {"again": [[3.0, 3.0]]}  # the link and the restarted worker work
+    assert client.wait(timeout=30) == 0
 
 
 CROWDED = """\

@@ -20,37 +20,19 @@ import subprocess
 import sys
 import time
 
-import grpc
 import numpy as np
 import pytest
 
 from pwctl.worker_client import WorkerClient
 from schemas.pathways.v1 import worker_pb2 as wpb
-from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 from tests.conftest import LocalCluster, wait_for
 from tests.relay import Relay
-from tests.test_trust_worker import fetch, meta
-from tests.test_upload_loss import opened_session
+from tests.test_trust_worker import fetch
+from tests.test_upload_loss import AFTER_RESTART, RELAYED, Scripted, assert_not_sent_again, opened_session
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=1, devices=1)]
 
-SUCCEEDED = """\
-import json, sys, time
-import numpy as np
-import pwctl as pw
-from pwctl.api.runtime import Runtime
-from pwctl.worker_client import WorkerClient
-
-s = pw.make_virtual_device_set().add_slice(devices=1)
-inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
-assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
-rt = Runtime.get()
-# from here this client's uploads to the worker go through the relay (sys.argv[1]), as rt.worker
-# makes its clients; the controller still reaches the worker directly
-wc = rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost,
-                                           wanted=rt._upload_wanted)
-assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]  # its stream is open: uploads go on it
-print("ready", flush=True)
+SUCCEEDED = RELAYED + """\
 sys.stdin.readline()  # the relay holds the worker's replies: the upload gets in, its acknowledgement does not
 f = inc(np.ones((1, 2)))
 start = time.monotonic()
@@ -58,14 +40,7 @@ while (rt.in_flight() or rt._sender.unacked) and time.monotonic() - start < 30: 
     time.sleep(0.05)
 print(json.dumps({"error": rt.run_failed(f.run_id), "in_flight": rt.in_flight(), "releases": len(rt._sender.unacked),
                   "unacknowledged": wc.unacknowledged()}), flush=True)
-sys.stdin.readline()  # the worker restarted at its address; the relay broke the held link and copies again
-start = time.monotonic()
-while wc.unacknowledged() and time.monotonic() - start < 30:
-    time.sleep(0.05)
-print(json.dumps({"unacknowledged": wc.unacknowledged(), "s": time.monotonic() - start}), flush=True)
-sys.stdin.readline()
-print(json.dumps({"again": np.asarray(inc(np.full((1, 2), 2.0))).tolist()}), flush=True)
-"""
+""" + AFTER_RESTART
 
 
 def test_a_succeeded_runs_upload_is_not_sent_again_to_the_restarted_worker(cluster: LocalCluster) -> None:
@@ -75,64 +50,21 @@ def test_a_succeeded_runs_upload_is_not_sent_again_to_the_restarted_worker(clust
     worker stored it (it never saw it, nor its release) and kept it until the session ended."""
     address = cluster.hosts()["w-a"].address
     relay = Relay(address)
-    proc = subprocess.Popen([sys.executable, "-c", SUCCEEDED, relay.address], env=cluster.env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def step() -> dict:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        return json.loads(line)
-
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
-        relay.hold_replies()
-        out = step()
-        assert out == {"error": "", "in_flight": 0, "releases": 0, "unacknowledged": 1}, out
-        cluster.kill_worker("w-a")
-        worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
-        assert cluster.hosts()["w-a"].address == address
-        with grpc.insecure_channel(address) as ch:
-            stub = wgrpc.WorkerStub(ch)
-
-            def buffers() -> int:
-                return stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster), timeout=10).buffers
-
-            before = buffers()
-            relay.cut()  # the held link breaks: a copy sent again would go on a new stream, to the new worker
-            relay.release()
-            out = step()
-            assert out["unacknowledged"] == 0, out
-            time.sleep(1.0)  # a copy sent again would be stored by now (it is acknowledged after)
-            assert buffers() == before, "the succeeded run's upload was sent again and is kept"
-        assert step() == {"again": [[3.0, 3.0]]}  # the link and the restarted worker work
-        assert proc.wait(timeout=30) == 0
+        with Scripted(SUCCEEDED, relay.address, cluster.env()) as client:
+            relay.hold_replies()
+            out = client.step()
+            assert out == {"error": "", "in_flight": 0, "releases": 0, "unacknowledged": 1}, out
+            cluster.kill_worker("w-a")
+            worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
+            assert cluster.hosts()["w-a"].address == address
+            assert_not_sent_again(cluster, relay, client, "the succeeded run's upload was sent again and is kept")
     finally:
-        if proc.poll() is None:
-            proc.kill()
         relay.close()
     assert "Traceback" not in worker.log.read_text(errors="replace")
 
 
-GIVEN_UP = """\
-import json, sys, time
-import numpy as np
-import pwctl as pw
-from pwctl.api.runtime import Runtime
-from pwctl.worker_client import WorkerClient
-
-s = pw.make_virtual_device_set().add_slice(devices=1)
-inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
-assert np.asarray(inc(np.zeros((1, 2)))).tolist() == [[1.0, 1.0]]
-rt = Runtime.get()
-wc = rt._workers[s.address] = WorkerClient(sys.argv[1], rt.client.token, rt._credential, on_lost=rt._uploads_lost,
-                                           wanted=rt._upload_wanted)
-assert np.asarray(inc(np.ones((1, 2)))).tolist() == [[2.0, 2.0]]
-print("ready", flush=True)
+GIVEN_UP = RELAYED + """\
 sys.stdin.readline()  # the relay holds the worker's replies
 f = inc(np.ones((1, 2)))
 start = time.monotonic()
@@ -155,24 +87,14 @@ def test_a_succeeded_runs_upload_that_cannot_be_sent_again_does_not_fail_its_run
     its run, which had succeeded, was failed in the client ("input buffer ... was lost") and
     cancelled on the controller. Now it is dropped at once and the run stays succeeded."""
     relay = Relay(module_cluster.hosts()["w-a"].address)
-    proc = subprocess.Popen([sys.executable, "-c", GIVEN_UP, relay.address], env=module_cluster.env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdin is not None and proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
-        relay.hold_replies()
-        for expected in ({"in_flight": 0, "releases": 0, "unacknowledged": 1}, {"unacknowledged": 0, "error": ""}):
-            proc.stdin.write("\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read() if proc.stderr else ""
-            assert json.loads(line) == expected
-            relay.refuse()
-        assert proc.wait(timeout=30) == 0
+        with Scripted(GIVEN_UP, relay.address, module_cluster.env()) as client:
+            relay.hold_replies()
+            for expected in ({"in_flight": 0, "releases": 0, "unacknowledged": 1}, {"unacknowledged": 0, "error": ""}):
+                assert client.step() == expected
+                relay.refuse()
+            assert client.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
         relay.close()
 
 

@@ -30,7 +30,7 @@ from .shards import is_partial
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .upload_service import UploadHandlers
-from .waits import MAX_CHECKED_NOW, Waits, wake, woken_within
+from .waits import MAX_CHECKED_NOW, Verdict, Waits, wake, woken_within
 
 log = logging.getLogger(__name__)
 
@@ -352,15 +352,16 @@ class WorkerServicer(Waits, UploadHandlers):
             return _refused(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
         if not ready:
             return wpb.WaitReply(ready=False)
-        values = self._values_now(ids, request.must_exist)
-        if (values is None and len(ids) <= MAX_CHECKED_NOW
+        now = self._values_now(ids, request.must_exist)
+        if (now is Verdict.WAIT and len(ids) <= MAX_CHECKED_NOW
                 and await self._launches_over(ids, timeout) is False):
             return wpb.WaitReply(ready=False)  # still computing after the timeout
-        if values is None:
-            values = self._values_now(ids, request.must_exist)
-        if values is not None:  # computed already (or failed): answered here, no pool thread woken
-            return self._computed(ids, request.must_exist, values)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
+        if now is Verdict.WAIT:
+            now = self._values_now(ids, request.must_exist)
+        if now is Verdict.WAIT:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
+        # computed already (or failed, or gone): answered here, no pool thread woken
+        return self._computed(ids, request.must_exist, None if now is Verdict.ANSWER else now)
 
     async def Transfer(
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext

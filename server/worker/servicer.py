@@ -26,6 +26,7 @@ from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, local_parts, part_chunks
+from .readiness import computed_now
 from .shards import is_partial
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
@@ -65,19 +66,9 @@ def _at_hand(value: object) -> bool:
     round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md, 2026-11-27 11:41)."""
     if isinstance(value, np.ndarray):
         return True
-    try:  # is_deleted first: jaxlib 0.10.2's is_ready of a deleted (donated) array crashes the process
-        return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
-                    and not getattr(value, "is_deleted", _true)() and getattr(value, "is_ready", _false)())
-    except Exception:  # the pool thread's read reports what is wrong
-        return False
-
-
-def _false() -> bool:
-    return False
-
-
-def _true() -> bool:
-    return True
+    # a deleted one (None) goes to the pool thread, whose read reports what is wrong
+    return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
+                and computed_now(value) is True)
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:

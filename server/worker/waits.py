@@ -19,6 +19,7 @@ import jax
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferFailed, BufferStore
+from .readiness import computed_now
 
 MAX_CHECKED_NOW = 64  # a Wait for at most this many buffers is answered on the event loop once all are computed
 
@@ -42,10 +43,6 @@ async def woken_within(fut: asyncio.Future[None], timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def _true() -> bool:
-    return True
 
 
 class Verdict(enum.Enum):
@@ -87,10 +84,8 @@ class Waits:
             return Verdict.ANSWER  # `_computed` reads the error at once
         if len(values) > MAX_CHECKED_NOW:
             return Verdict.WAIT
-        try:
-            return values if all(getattr(v, "is_ready", _true)() for v in values) else Verdict.WAIT
-        except Exception:  # a deleted array: the pool thread's wait reports it
-            return Verdict.WAIT
+        # one deleted (None) or computing: a pool thread's wait reports it, or waits for it
+        return values if all(computed_now(v) for v in values) else Verdict.WAIT
 
     def _computed(self, buffer_ids: list[int], must_exist: bool = False,
                   values: list[object] | None = None) -> wpb.WaitReply:

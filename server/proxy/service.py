@@ -53,11 +53,9 @@ EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an emp
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
-# Request kinds run in the session's reader up to their first wait (running.py): the per-call
-# ones of a training loop. Up to that wait their handlers must not bind the current task (no
-# `asyncio.timeout`, `wait_for` from Python 3.12, `TaskGroup`): it would be the reader's, not the
-# one they go on in. Runner.start makes that loud: the step runs with no current task, and such a
-# call raises RuntimeError there (answered INTERNAL as a server bug, and logged).
+# Request kinds run in the session's reader up to their first wait (running.py): the per-call ones
+# of a training loop. That step has no current task (no `asyncio.timeout`, 3.12's `wait_for` or
+# `TaskGroup` there: they raise RuntimeError, answered INTERNAL; running.py says why).
 INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`
 # (they are given None: no IfrtResponse made per call)

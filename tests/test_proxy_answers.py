@@ -234,3 +234,48 @@ def test_the_runner_answers_in_place_and_keeps_first_steps_in_order() -> None:
         assert answers[-1] == b"e" and not runner.pending
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_first_step_run_in_place_has_no_task_to_bind() -> None:
+    """An INLINE request's first step runs in the reader: `asyncio.timeout` there would bind the
+    reader's task (its expiry would cancel the reader). The runner takes the current task away for
+    that step, so such a call fails at once instead; after the first wait, in its own task, and in
+    a request run in a task from the start, a timeout works and binds that task."""
+    async def main() -> None:
+        out = AnswerWriter(lambda raw: asyncio.sleep(0))
+        runner = Runner(out, lambda used: None)
+        answers: list[bytes] = []
+        out.put = answers.append  # type: ignore[method-assign]
+        reader = asyncio.current_task()
+        never = asyncio.get_running_loop().create_future()
+        seen: list[object] = []
+
+        async def timed_first() -> bytes:
+            seen.append(asyncio.current_task())
+            async with asyncio.timeout(0.05):
+                await never
+            return b"unreachable"
+
+        async def timed_after_a_wait() -> bytes:
+            await asyncio.sleep(0)
+            seen.append(asyncio.current_task())
+            try:
+                async with asyncio.timeout(0.05):
+                    await never
+            except TimeoutError:
+                return b"timed out"
+            return b"unreachable"
+
+        with pytest.raises(RuntimeError, match="inside a task"):
+            runner.start(timed_first(), [1], inline=True)
+        assert seen == [None] and asyncio.current_task() is reader  # the reader is current again
+        runner.start(timed_first(), [2], inline=False)  # in a task from the start: its own
+        await asyncio.sleep(0)
+        runner.start(timed_after_a_wait(), [3], inline=True)
+        done = await asyncio.gather(*runner.pending, return_exceptions=True)
+        assert sorted(type(d).__name__ for d in done) == ["NoneType", "TimeoutError"]  # the set's order
+        assert seen[1] not in (None, reader) and seen[2] not in (None, reader)
+        assert answers == [b"timed out"] and not reader.cancelling()  # the reader was never cancelled
+
+    asyncio.run(main())

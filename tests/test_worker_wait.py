@@ -14,6 +14,7 @@ from server.worker.buffers import BufferStore
 from server.worker.executor import Executor
 from server.worker.servicer import INLINE_FETCH_BYTES, MAX_CHECKED_NOW, WorkerServicer, _at_hand
 from server.worker.transfer import TransferSender
+from server.worker.waits import Verdict
 
 X = np.arange(4, dtype=np.float32)
 
@@ -48,21 +49,22 @@ def test_buffers_whose_computations_are_over_are_answered_at_once(servicer: Work
     put(servicer, 1, x)
     put(servicer, 2, X)  # an upload kept as host memory is computed too
     values = servicer._values_now([1, 2], must_exist=True)
-    assert values is not None and [np.asarray(v).tolist() for v in values] == [X.tolist()] * 2
-    assert servicer._computed([1, 2], True, servicer._values_now([1, 2], must_exist=True)).ready
+    assert isinstance(values, list) and [np.asarray(v).tolist() for v in values] == [X.tolist()] * 2
+    assert servicer._computed([1, 2], True, values).ready
 
     y = _slow(x)
     put(servicer, 3, y)
-    assert servicer._values_now([1, 3], must_exist=True) is None  # still computing: a pool thread waits
+    assert servicer._values_now([1, 3], must_exist=True) is Verdict.WAIT  # still computing: a pool thread waits
     y.block_until_ready()
-    assert servicer._values_now([1, 3], must_exist=True) is not None
+    assert isinstance(servicer._values_now([1, 3], must_exist=True), list)
+    assert servicer._values_now([], must_exist=True) == []  # no buffers: no values, and nothing to wait for
 
     servicer.store.expect([4], owner="client:1", visible=[True])
     servicer.store.fail(4, "p/0 f: it broke")
-    assert servicer._values_now([1, 4], must_exist=True) == []  # answered at once, with the error
-    assert servicer._computed([1, 4], True, []).error == "p/0 f: it broke"
-    assert servicer._values_now([99], must_exist=True) == []  # gone: answered at once too
-    assert "does not exist" in servicer._computed([99], True, []).error
+    assert servicer._values_now([1, 4], must_exist=True) is Verdict.ANSWER  # answered at once, with the error
+    assert servicer._computed([1, 4], True).error == "p/0 f: it broke"
+    assert servicer._values_now([99], must_exist=True) is Verdict.ANSWER  # gone: answered at once too
+    assert "does not exist" in servicer._computed([99], True).error
 
 
 @pytest.mark.timeout(60)
@@ -71,8 +73,8 @@ def test_too_many_buffers_are_left_to_a_pool_thread(servicer: WorkerServicer) ->
     ids = list(range(1, MAX_CHECKED_NOW + 2))
     for b in ids:
         put(servicer, b, x)
-    assert servicer._values_now(ids[:-1], must_exist=True) is not None
-    assert servicer._values_now(ids, must_exist=True) is None
+    assert isinstance(servicer._values_now(ids[:-1], must_exist=True), list)
+    assert servicer._values_now(ids, must_exist=True) is Verdict.WAIT
 
 
 @pytest.mark.timeout(60)

@@ -223,6 +223,10 @@ class Pins:
 async def execute(session: Session, req: Message, resp: Message, proto: Any) -> bytes:
     """Answers the body of its `LoadedExecutableExecuteResponse` (serialized: answers.py)."""
     r = req.loaded_executable_execute_request
+    # `device_ids` and `execute_options.non_donatable_input_indices` are never read, so not
+    # `bounded`: no work here grows with them, and their decoding (before any handler runs, as
+    # every field's) is bounded by the server's gRPC message size; a check would only add to the
+    # hottest request
     exe = session.handles.get(r.loaded_executable_handle, LoadedExecutable)
     compiled = exe.compiled
     results = session.handles.reserve_all(r.result_array_handle, len(compiled.outputs))

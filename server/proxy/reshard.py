@@ -120,7 +120,7 @@ async def remap_arrays(session: Session, req: Message, resp: Message, proto: Any
     """Output shards taken from input shards, as the plan says (nothing moves: the outputs' parts
     are the inputs' parts)."""
     r = req.remap_arrays_request
-    plan = r.plan
+    plan = r.plan  # its `input_devices_for_output`, never read, is not bounded (as execute's unread fields)
     bounded(plan.output_specs, "remap_arrays_request.plan.output_specs", MAX_HANDLES)
     bounded(plan.mappings, "remap_arrays_request.plan.mappings", MAX_HANDLES)
     results = session.handles.reserve_all(r.result_handles, len(plan.output_specs))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Recent, Waiting
+from .readiness import computed_now
 from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
@@ -335,10 +336,7 @@ class BufferStore:
                 e = self._entries.get(b)
                 if e is None or e.state != READY or not e.launched:
                     return False
-                try:
-                    if e.value.is_ready():
-                        continue
-                except Exception:  # deleted, or its computation failed: not waited for here
+                if computed_now(e.value) is not False:  # computed; or deleted, failed: not waited for here
                     continue
                 computing.append(b)  # `computed(b)` comes after this: it follows readiness, under the lock
             if not computing:

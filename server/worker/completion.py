@@ -24,6 +24,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..threadnames import name_native_thread
 from .buffers import BufferFailed, BufferStore
+from .readiness import computed_now
 from .segments import Runners, SegmentInfo
 from .spans import DeviceSpans
 from .tasks import Task, info_of, wait_outputs
@@ -181,7 +182,4 @@ def all_ready(values: Sequence[Any]) -> bool:
     False for many outputs (not worth checking: a big step completes on the completion thread)."""
     if len(values) > INLINE_MAX_OUTPUTS:
         return False
-    try:
-        return all(v.is_ready() for v in values)
-    except Exception:  # not a JAX array, or deleted: the completion thread finds out what it is
-        return False
+    return all(computed_now(v) is True for v in values)  # deleted (None): the completion thread finds out

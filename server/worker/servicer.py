@@ -26,11 +26,12 @@ from .buffers import BufferFailed, BufferStore
 from .compiling import compile_function
 from .executor import Executor
 from .parts import Gathering, local_parts, part_chunks
+from .readiness import computed_now
 from .shards import is_partial
 from .shmring import RingReader, is_segment_name
 from .transfer import CHUNK, DATA_CHUNK, peer_array
 from .upload_service import UploadHandlers
-from .waits import MAX_CHECKED_NOW, Waits, wake, woken_within
+from .waits import MAX_CHECKED_NOW, Verdict, Waits, wake, woken_within
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +66,9 @@ def _at_hand(value: object) -> bool:
     round trip, ~0.1 ms against 1-4 ms on a busy host: bench/FINDINGS.md, 2026-11-27 11:41)."""
     if isinstance(value, np.ndarray):
         return True
-    try:  # is_deleted first: jaxlib 0.10.2's is_ready of a deleted (donated) array crashes the process
-        return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
-                    and not getattr(value, "is_deleted", _true)() and getattr(value, "is_ready", _false)())
-    except Exception:  # the pool thread's read reports what is wrong
-        return False
-
-
-def _false() -> bool:
-    return False
-
-
-def _true() -> bool:
-    return True
+    # a deleted one (None) goes to the pool thread, whose read reports what is wrong
+    return bool(getattr(value, "nbytes", INLINE_FETCH_BYTES + 1) <= INLINE_FETCH_BYTES
+                and computed_now(value) is True)
 
 
 def _refused(code: grpc.StatusCode, message: str) -> wpb.WaitReply:
@@ -352,15 +343,16 @@ class WorkerServicer(Waits, UploadHandlers):
             return _refused(grpc.StatusCode.NOT_FOUND, f"no buffer {bad:#x} on this worker")
         if not ready:
             return wpb.WaitReply(ready=False)
-        values = self._values_now(ids, request.must_exist)
-        if (values is None and len(ids) <= MAX_CHECKED_NOW
+        now = self._values_now(ids, request.must_exist)
+        if (now is Verdict.WAIT and len(ids) <= MAX_CHECKED_NOW
                 and await self._launches_over(ids, timeout) is False):
             return wpb.WaitReply(ready=False)  # still computing after the timeout
-        if values is None:
-            values = self._values_now(ids, request.must_exist)
-        if values is not None:  # computed already (or failed): answered here, no pool thread woken
-            return self._computed(ids, request.must_exist, values)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
+        if now is Verdict.WAIT:
+            now = self._values_now(ids, request.must_exist)
+        if now is Verdict.WAIT:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._computed, ids, request.must_exist)
+        # computed already (or failed, or gone): answered here, no pool thread woken
+        return self._computed(ids, request.must_exist, None if now is Verdict.ANSWER else now)
 
     async def Transfer(
         self, request_iterator: AsyncIterator[wpb.TransferChunk], context: aio.ServicerContext

@@ -11,6 +11,7 @@ many buffers, values that are not launches' outputs) waits in a pool thread.
 from __future__ import annotations
 
 import asyncio
+import enum
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -18,6 +19,7 @@ import jax
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from .buffers import BufferFailed, BufferStore
+from .readiness import computed_now
 
 MAX_CHECKED_NOW = 64  # a Wait for at most this many buffers is answered on the event loop once all are computed
 
@@ -43,8 +45,11 @@ async def woken_within(fut: asyncio.Future[None], timeout: float) -> bool:
         return False
 
 
-def _true() -> bool:
-    return True
+class Verdict(enum.Enum):
+    """What `Waits._values_now` says when it has no values to answer with."""
+
+    WAIT = enum.auto()  # something may still be computing, or too many to check on the loop: wait for them
+    ANSWER = enum.auto()  # one failed or is gone: `_computed` answers at once (with the error), no waiting
 
 
 class Waits:
@@ -68,27 +73,27 @@ class Waits:
         finally:
             self.store.forget_computed(buffer_ids, latch)
 
-    def _values_now(self, buffer_ids: list[int], must_exist: bool) -> list[object] | None:
-        """The settled buffers' values when the computations behind them are over, [] when the
-        answer needs no waiting either (one failed or is gone); None when something may still be
-        computing, or there are too many to check here (a pool thread then blocks on them)."""
+    def _values_now(self, buffer_ids: list[int], must_exist: bool) -> list[object] | Verdict:
+        """The settled buffers' values when the computations behind them are over; else
+        Verdict.ANSWER when the answer needs no waiting either (one failed or is gone), or
+        Verdict.WAIT when something may still be computing, or there are too many to check here
+        (a pool thread then blocks on them)."""
         try:
             values = self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist)
         except (TimeoutError, BufferFailed):
-            return []  # `_computed` answers it at once
+            return Verdict.ANSWER  # `_computed` reads the error at once
         if len(values) > MAX_CHECKED_NOW:
-            return None
-        try:
-            return values if all(getattr(v, "is_ready", _true)() for v in values) else None
-        except Exception:  # a deleted array: the pool thread's wait reports it
-            return None
+            return Verdict.WAIT
+        # one deleted (None) or computing: a pool thread's wait reports it, or waits for it
+        return values if all(computed_now(v) for v in values) else Verdict.WAIT
 
     def _computed(self, buffer_ids: list[int], must_exist: bool = False,
                   values: list[object] | None = None) -> wpb.WaitReply:
         """Waits for the computations behind settled buffers (launched is not computed);
-        `values`: theirs, when the caller read them already."""
+        `values`: theirs, when the caller read them already (None: they are read here)."""
         try:
-            jax.block_until_ready(values or self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
+            jax.block_until_ready(values if values is not None
+                                  else self.store.wait_all(buffer_ids, 0.0, must_exist=must_exist))
         except TimeoutError:
             return wpb.WaitReply(ready=False)
         except BufferFailed as e:

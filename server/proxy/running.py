@@ -11,21 +11,12 @@ Order: a request's first step (where it reserves its result handles and claims w
 handles.py) must come after every earlier request's first step. A request that runs in a task
 takes its first step when the task first runs, so while any such task has not started yet, a
 later request runs in a task too, behind it (tasks start in the order they were made).
-
-No current task: a first step run by hand runs in the reader's task, so anything in it that binds
-the current task (`asyncio.timeout`, and `asyncio.wait_for` from Python 3.12, which uses it; a
-`TaskGroup`) would bind the reader rather than the task the request goes on in: its timeout would
-cancel the session's reader. So `Runner.start` runs that step with no current task at all
-(`asyncio.current_task()` is None there): such a call raises RuntimeError at once ("Timeout
-should be used inside a task"), which the request's answer reports as a server bug (INTERNAL,
-logged), on the first test that takes that path, instead of a session cut off later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import types
-from asyncio.tasks import _enter_task, _leave_task  # (private: what asyncio's Task steps a coroutine with)
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, cast
 
@@ -61,25 +52,16 @@ class Runner:
         self._unclaim = unclaim
         self.pending: set[asyncio.Task[None]] = set()
         self._unstarted = 0  # tasks made whose first step has not run yet
-        self._loop = asyncio.get_running_loop()
 
     def start(self, answer: Coroutine[Any, Any, bytes], used: list[int], inline: bool) -> None:
         """Runs `answer` (a request that claimed `used`); `inline`: its handler may be stepped
-        here, up to its first wait, with no current task (the module's docstring)."""
+        here (it awaits nothing that binds the current task, such as `asyncio.timeout`)."""
         if not inline or self._unstarted:
             self._unstarted += 1
             self._spawn(self._finish(answer, used, first=True))
             return
-        loop = self._loop
-        reader = asyncio.current_task(loop)
-        if reader is not None:
-            _leave_task(loop, reader)
         try:
-            try:
-                waiting = answer.send(None)
-            finally:
-                if reader is not None:
-                    _enter_task(loop, reader)
+            waiting = answer.send(None)
         except StopIteration as done:
             self._unclaim(used)
             self.out.put(done.value)

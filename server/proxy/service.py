@@ -53,9 +53,9 @@ EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an emp
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
-# Request kinds run in the session's reader up to their first wait (running.py): the per-call ones
-# of a training loop. That step has no current task (no `asyncio.timeout`, 3.12's `wait_for` or
-# `TaskGroup` there: they raise RuntimeError, answered INTERNAL; running.py says why).
+# Request kinds run in the session's reader up to their first wait (running.py): the per-call
+# ones of a training loop. Their handlers, where they wait, await only futures (no
+# `asyncio.timeout`, which would bind the reader's task rather than the one they go on in).
 INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`
 # (they are given None: no IfrtResponse made per call)

@@ -66,6 +66,10 @@ UPLOADING, DOWNLOADING = "uploading to", "downloading from"
 # its client is slow (8 MiB of 2 MiB messages). The first hop reads one message: the client's
 # first bytes leave as soon as they came.
 READ_AHEAD = 2
+# a fetch's answer of at most this many bytes of data (one message), all arrived by the time it is
+# readable (the worker sends it in one `sendmsg`), is read on the event loop: no thread hop each
+# way, which cost a small download ~1 ms on a busy host (bench/FINDINGS.md, 2026-11-27 13:00)
+INLINE_BYTES = 1 << 20
 
 
 class Link:
@@ -333,7 +337,10 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
         await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
         await link.readable()  # the worker answers once the buffer is computed: no thread held meanwhile
-        answer, batch = await loop.run_in_executor(POOL, link.fetched, 1)  # and its first message
+        if bulklink.fetch_here(link.sock, INLINE_BYTES):  # small, and all here: read on the loop
+            answer, batch = link.fetched(1)
+        else:  # the answer and its first message, on a thread
+            answer, batch = await loop.run_in_executor(POOL, link.fetched, 1)
         if answer is None:
             raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer

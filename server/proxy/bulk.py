@@ -321,6 +321,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     the serialized `FetchData` messages of the fetch, each read when the consumer asks; the
     worker's FAILED_PRECONDITION keeps its code and cause, its other refusals are UNAVAILABLE
     naming the worker. `counts`: the download counted on its path."""
+    if watch is not None:
+        watch.check(address, DOWNLOADING)  # a lost host's, at once: not after a connection's timeout
     link = await links.take(address) if links is not None else None
     if link is None or links is None:
         if counts is not None:

@@ -26,6 +26,12 @@ step and then `--steps` steps back to back, waiting for the last loss; its rate 
 its CPU figures are the window's CPU over `--steps` (the warm-up step's included: 1/steps high).
 
     python -m bench.proxy_ab /tmp/base /tmp/new --modes transformer --pairs 6
+
+The `smallread` mode times a training loop's read of a small result each step (`float(loss)`):
+a jitted `v + 1` of a 1 KiB float32 array on device 0, then `np.asarray` of its output, a fixed
+number of calls per window (calls/s; `--calls`' third figure).
+
+    python -m bench.proxy_ab /tmp/base /tmp/new --modes smallread --pairs 8
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ step = jax.jit(lambda x: x + 1.0)
 double = jax.jit(lambda v: v * 2.0)
 x0 = jax.device_put(np.zeros((1,), np.float32), jax.devices()[0])
 step(x0).block_until_ready()
+small0 = jax.device_put(np.zeros((256,), np.float32), jax.devices()[0])  # the smallread mode's 1 KiB
 print(json.dumps({"ready": True, "backend": str(jax.devices()[0].client.platform_version)}), flush=True)
 trainer, first = None, 0
 for line in sys.stdin:
@@ -82,6 +89,15 @@ for line in sys.stdin:
         ok = bool(np.array_equal(back, host * np.float32(2)))
         print(json.dumps({"per_s": int(n) / up, "down_mib_s": int(n) / down, "calls": 1, "value": float(ok)}),
               flush=True)
+        continue
+    if mode == "smallread":  # n steps, each reading its 1 KiB result back (a loop's float(loss))
+        s, last = small0, np.zeros((256,), np.float32)
+        t0 = time.perf_counter()
+        for _ in range(int(n)):
+            s = step(s)
+            last = np.asarray(s)
+        dt = time.perf_counter() - t0
+        print(json.dumps({"per_s": int(n) / dt, "calls": int(n), "value": float(last[-1])}), flush=True)
         continue
     x = x0
     t0 = time.perf_counter()
@@ -219,9 +235,10 @@ def main() -> None:
     ap.add_argument("a", type=Path, help="tree A (the base)")
     ap.add_argument("b", type=Path, help="tree B")
     ap.add_argument("--pairs", type=int, default=10)
-    ap.add_argument("--calls", default="1500,6000", help="calls per window, op-by-op and pipelined")
+    ap.add_argument("--calls", default="1500,6000,500", help="calls per window: op-by-op, pipelined, smallread")
     ap.add_argument("--ports", default="7391,7392")
-    ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, updown, transformer")
+    ap.add_argument("--modes", default="opbyop,pipelined", help="of opbyop, pipelined, smallread, updown, "
+                    "transformer")
     ap.add_argument("--steps", type=int, default=8, help="the transformer mode's timed steps per window")
     ap.add_argument("--mib", type=int, default=64, help="the updown mode's array (MiB)")
     ap.add_argument("--tls", default="", choices=["", "A", "B", "AB"],
@@ -229,7 +246,8 @@ def main() -> None:
     args = ap.parse_args()
     ports = [int(p) for p in args.ports.split(",")]
     modes = args.modes.split(",")
-    calls = dict(zip(("opbyop", "pipelined"), (int(c) for c in args.calls.split(",")), strict=True))
+    calls = dict(zip(("opbyop", "pipelined", "smallread"), (int(c) for c in args.calls.split(",")), strict=False))
+    calls.setdefault("smallread", 500)
     calls["updown"] = args.mib
     calls["transformer"] = args.steps
     tmp = Path(tempfile.mkdtemp(prefix="proxy-ab-"))

@@ -24,9 +24,11 @@ the worker checks as it checks the gRPC calls' metadata; then its requests come 
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import ssl
 import struct
+import termios
 from collections.abc import Iterator, Sequence
 
 from . import wire
@@ -144,6 +146,27 @@ def reply_here(sock: socket.socket) -> bool:
     if not code or magic != REPLY_MAGIC or n > MAX_ERROR:
         return True  # all of it (a success), or malformed: read_reply raises at once
     return len(sock.recv(REPLY.size + n, socket.MSG_PEEK | socket.MSG_DONTWAIT)) == REPLY.size + n
+
+
+def fetch_here(sock: socket.socket, most: int) -> bool:
+    """Whether a fetch's whole answer is here, so that reading it returns without waiting: a
+    success's reply and all its messages, of at most `most` bytes of data (the worker sends them
+    in one `sendmsg`), a refusal's whole reply (`reply_here`), or the connection's end; False on TLS."""
+    if isinstance(sock, ssl.SSLSocket):
+        return False
+    try:
+        head = sock.recv(REPLY.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    if len(head) < REPLY.size:
+        return not head
+    magic, code, n = REPLY.unpack(head)
+    if code or magic != REPLY_MAGIC:
+        return reply_here(sock)
+    if n > most:
+        return False
+    here = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    return bool(here >= REPLY.size + sum(size for _, size in message_sizes(n)))
 
 
 def read_reply(sock: socket.socket) -> tuple[int, int, str] | None:

@@ -104,6 +104,82 @@ def test_a_bulk_connection_serves_its_session_only(module_cluster: LocalCluster,
     b.close()
 
 
+def test_fetch_here_says_whether_a_whole_answer_has_arrived() -> None:
+    """`bulklink.fetch_here` (a socket pair, the worker's side written by hand): True only once a
+    success's reply and all its data messages are readable, and its data is at most `most`
+    bytes; a refusal's once its whole reply is; the connection's end at once. What it passes is
+    read without waiting."""
+    mine, worker = socket.socketpair()
+    try:
+        data = bytes(range(256)) * 4
+        answer = bulklink.reply(0, len(data)) + wire.data_message(data)
+        assert not bulklink.fetch_here(mine, 1 << 20)  # nothing yet
+        worker.sendall(answer[: bulklink.REPLY.size + 10])
+        assert not bulklink.fetch_here(mine, 1 << 20)  # the reply, part of the message
+        worker.sendall(answer[bulklink.REPLY.size + 10 :])
+        assert not bulklink.fetch_here(mine, len(data) - 1)  # all here, but more data than `most`
+        assert bulklink.fetch_here(mine, len(data))
+        mine.setblocking(False)  # a read that would wait raises
+        got, messages = bulk.Link(mine).fetched(1)
+        assert got == (0, len(data), "") and [bytes(wire.data_field(m)) for m in messages] == [data]
+        refusal = bulklink.reply(5, message=f"no buffer {7:#x} on this worker")
+        worker.sendall(refusal[:-3])
+        assert not bulklink.fetch_here(mine, 1 << 20)
+        worker.sendall(refusal[-3:])
+        assert bulklink.fetch_here(mine, 1 << 20)
+        assert bulklink.read_reply(mine) == (5, 0, "no buffer 0x7 on this worker")
+        worker.sendall(bulklink.reply(0, 0))  # an empty array's answer: its reply, no message bytes
+        assert bulklink.fetch_here(mine, 0)
+        assert bulk.Link(mine).fetched(1) == ((0, 0, ""), [b""])
+        worker.close()
+        assert bulklink.fetch_here(mine, 1 << 20)  # the end: the read returns at once
+        assert bulklink.read_reply(mine) is None
+    finally:
+        mine.close()
+        worker.close()
+
+
+def test_a_small_download_is_read_on_the_event_loop(module_cluster: LocalCluster, the_worker: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download of at most `bulk.INLINE_BYTES` (a small array's: the proxy's `get`) is read on
+    the event loop once its worker's answer is readable, taking none of `bulk.POOL`'s threads:
+    with that pool shut down (any use raises) a 1 KiB download, another
+    session's buffer refused (its error as before) and a download that waits for its buffer all
+    go through; one a byte over the limit still reads on a thread (and raises here)."""
+    cluster = module_cluster
+    address, _, stub, cch = the_worker
+    a, b = open_session(cluster, cch), open_session(cluster, cch)
+    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+    small = np.arange(256, dtype=np.float32)
+    upload(stub, meta(cluster, a), a.id(1), small)
+    upload(stub, meta(cluster, b), b.id(1), small)
+    over = np.zeros(bulk.INLINE_BYTES + 1, np.uint8)
+
+    async def run() -> None:
+        ls = links(cluster, a.credential, data_address)
+        await put(ls, address, a.owner, a.id(2), over)  # and the connection made, on a pool thread
+        closed = ThreadPoolExecutor(1)
+        closed.shutdown()
+        monkeypatch.setattr(bulk, "POOL", closed)
+        messages = await download(ls, address, a.id(1))
+        assert [bytes(wire.data_field(m)) for m in messages] == [small.tobytes()]
+        with pytest.raises(BackendError, match=f"no buffer {b.id(1):#x}"):
+            await download(ls, address, b.id(1))
+        waiting = asyncio.ensure_future(download(ls, address, a.id(3)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await asyncio.to_thread(upload, stub, meta(cluster, a), a.id(3), small[:5])
+        assert [bytes(wire.data_field(m)) for m in await waiting] == [small[:5].tobytes()]
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await download(ls, address, a.id(2))
+        ls.close()
+
+    asyncio.run(run())
+    assert "Traceback" not in worker_log(cluster)
+    a.close()
+    b.close()
+
+
 def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: LocalCluster, the_worker: Any) -> None:
     """A connection closed mid-upload (the controller's staging discarded, or the controller gone)
     is a cancelled `PutBuffers`: a reader already waiting fails with why, at once, and a bulk

@@ -3,7 +3,9 @@
 cluster, once as it comes (on the workers' TCP transfer ports, server/proxy/bulk.py) and once on
 a controller started with --no-bulk-links (by gRPC, the fallback); the bytes arrive exactly
 either way, and the controller's Prometheus counters say which path each transfer took
-(`pathways_proxy_bulk_transfers_total`, `pathways_proxy_bulk_bytes_total`)."""
+(`pathways_proxy_bulk_transfers_total`, `pathways_proxy_bulk_bytes_total`). A small array's
+download takes the same path (where it is the TCP port, its answer is read on the controller's
+event loop) and is no bulk transfer: not counted."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from conftest import LocalCluster, wait_for
 from proxy_env import proxy_env
 from test_metrics import Samples, metrics_url, scrape, value
 from test_proxy_cluster import run_program, worker_buffers
+from test_trust_worker import worker_log
 
 MIB = 1 << 20
 SIZES = (4 * MIB, 9 * MIB + 12)  # bytes of each array: exactly the threshold, and messages and a partial one
@@ -28,6 +31,17 @@ for nbytes in SIZES:
     back, same = np.asarray(y), np.asarray(x)               # down, twice
     print(nbytes, back.tobytes() == (a ^ np.int32(0x5A5A5A5A)).tobytes(), same.tobytes() == a.tobytes(),
           hashlib.sha256(same.tobytes()).hexdigest() == hashlib.sha256(a.tobytes()).hexdigest())
+"""
+
+
+SMALL = """
+import numpy as np, jax
+a = np.arange(256, dtype=np.float32)                        # 1 KiB: up by gRPC (under 4 MiB)
+x, ok = jax.device_put(a), []
+for k in range(3):
+    x = jax.jit(lambda v: v + 1.0)(x)
+    ok.append(np.asarray(x).tobytes() == (a + (k + 1)).tobytes())   # down: a small download
+print(all(ok))
 """
 
 
@@ -45,8 +59,15 @@ def test_a_jax_programs_bulk_bytes_take_the_path_the_controller_says(
     before = scrape(url, cluster.token)
     for direction in ("upload", "download"):
         assert transfers(before, direction, "tcp") == transfers(before, direction, "grpc") == (0, 0)
+    env = proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1")
+    assert run_program(SMALL, env) == ["True"]
+    small = scrape(url, cluster.token)
+    for direction in ("upload", "download"):  # no bulk transfer
+        assert transfers(small, direction, "tcp") == transfers(small, direction, "grpc") == (0, 0)
+    # the small downloads made the session's only connection to the worker's transfer port, or none
+    assert ("bulk connection from" in worker_log(cluster)) == (path == "tcp")
     code = ROUND_TRIPS.replace("SIZES", repr(SIZES))
-    out = run_program(code, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="1"))
+    out = run_program(code, env)
     assert out == [f"{n} True True True" for n in SIZES], out
     after = scrape(url, cluster.token)
     other = "grpc" if path == "tcp" else "tcp"

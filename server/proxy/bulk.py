@@ -1,6 +1,7 @@
 """A proxy session's bulk bytes to and from its workers on TCP connections (server/bulklink.py).
 
-Downloads' `FetchData` messages and uploads of `BULK_MIN_BYTES` or more go on connections to
+Every download's `FetchData` messages (a small array's read whole too: cluster_backend.py `get`)
+and uploads of `BULK_MIN_BYTES` or more go on connections to
 the worker's transfer port (its `Stats` names it) instead of Python gRPC, whose receive copies
 each byte three times: a fetched message is read straight into the `bytes` that goes on to the
 client (`recv` with MSG_WAITALL), an upload's host bytes leave
@@ -13,7 +14,8 @@ worker, idle ones for its next request, and closes them with its channels. A sta
 goes from the event loop (the socket's buffer is empty between requests), and the worker's
 answer, which may come only once a buffer is computed (a fetch waits for it, an uploaded part
 for its sources), is awaited on the event loop (`Link.readable`); the thread then reads the
-reply and the bytes behind it. Many requests waiting on buffers not ready hold no thread. (A
+reply and the bytes behind it, or the loop does where they are few and all there already
+(`INLINE_BYTES`: a small download's). Many requests waiting on buffers not ready hold no thread. (A
 whole array's upload waits for nothing: the thread that sent its bytes reads its reply.)
 
 Not where the cluster has TLS (nor with the controller's --no-bulk-links): there they stay on
@@ -55,7 +57,7 @@ from .transfer_counts import TransferCounts
 
 log = logging.getLogger(__name__)
 
-BULK_MIN_BYTES = 4 << 20  # smaller transfers stay on gRPC (one round trip less to set up)
+BULK_MIN_BYTES = 4 << 20  # smaller uploads stay on gRPC (one round trip less to set up)
 MAX_LINKS = 8  # connections per session and worker; a request beyond them goes by gRPC
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
 POOL_THREADS = 64  # every session's: a thread is taken only to move bytes (`Link.readable`)
@@ -66,6 +68,10 @@ UPLOADING, DOWNLOADING = "uploading to", "downloading from"
 # its client is slow (8 MiB of 2 MiB messages). The first hop reads one message: the client's
 # first bytes leave as soon as they came.
 READ_AHEAD = 2
+# a fetch's answer of at most this many bytes of data (one message), all arrived by the time it is
+# readable (the worker sends it in one `sendmsg`), is read on the event loop: no thread hop each
+# way, which cost a small download ~1 ms on a busy host (bench/FINDINGS.md, 2026-11-27 12:32)
+INLINE_BYTES = 1 << 20
 
 
 class Link:
@@ -317,6 +323,8 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     the serialized `FetchData` messages of the fetch, each read when the consumer asks; the
     worker's FAILED_PRECONDITION keeps its code and cause, its other refusals are UNAVAILABLE
     naming the worker. `counts`: the download counted on its path."""
+    if watch is not None:
+        watch.check(address, DOWNLOADING)  # a lost host's, at once: not after a connection's timeout
     link = await links.take(address) if links is not None else None
     if link is None or links is None:
         if counts is not None:
@@ -333,7 +341,10 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     with _lent(links, address, link, watch, DOWNLOADING) as lease:
         await link.request(bulklink.request(bulklink.FETCH, request.SerializeToString()))
         await link.readable()  # the worker answers once the buffer is computed: no thread held meanwhile
-        answer, batch = await loop.run_in_executor(POOL, link.fetched, 1)  # and its first message
+        if bulklink.fetch_here(link.sock, INLINE_BYTES):  # small, and all here: read on the loop
+            answer, batch = link.fetched(1)
+        else:  # the answer and its first message, on a thread
+            answer, batch = await loop.run_in_executor(POOL, link.fetched, 1)
         if answer is None:
             raise broken(lease.guard, DOWNLOADING, address, "before its answer")
         code, nbytes, message = answer

@@ -37,6 +37,7 @@ are refused with an error naming the remap (holdings.py `check_placed`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -50,6 +51,7 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
+from .. import wire
 from ..controller.client_session import ClientSession
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
@@ -386,32 +388,33 @@ class SliceSession(Uploading):
         return self._held.address_of(buffer_id)
 
     async def get(self, buffer_id: int) -> HostData:
+        """A buffer's bytes (C order), whole: a download under downloads.STREAM_MIN_BYTES, read as
+        its worker's `FetchData` messages (`lookup_messages`; on a bulk connection, where a small
+        answer is read on the event loop, bulk.py), not counted among the bulk transfers. The
+        fetch waits for the buffer; its run's failure ends it with that run's error."""
         self._failures.check(buffer_id)
         self._address_of(buffer_id)
+        self._cork.waiting()  # the run making it is on its way to the worker
 
         async def fetch() -> HostData:
-            return HostData([part async for part in self.stream(buffer_id)])
+            async with contextlib.aclosing(self.lookup_messages(buffer_id, counted=False)) as messages:
+                return HostData([wire.data_field(message) async for message in messages])
 
         result: HostData = await self._failures.unless_failed([buffer_id], fetch())
         return result
 
-    def stream(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[memoryview, None]:
+    def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0,
+                        counted: bool = True) -> AsyncGenerator[bytes, None]:
         """A buffer's bytes (C order; `length` > 0: that many from `offset`) as the worker's
-        `Fetch` sends them, chunk by chunk, read as the consumer asks (fetching.py). The caller
-        knows the buffer exists (the fetch waits for it, not for its run's failure: see `get`)."""
-        address = self._address_of(buffer_id)
-        self._cork.waiting()  # the run making it is on its way to the worker
-        request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length)
-        return fetching.chunks(self._workers.fetch_raw(address), request, self._metadata, address, self._watch)
-
-    def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0) -> AsyncGenerator[bytes, None]:
-        """The same bytes as the worker's `FetchData` messages (`data_messages`), which a
-        HostBufferLookup sends on unchanged (downloads.py); a failed buffer is FAILED_PRECONDITION."""
+        `FetchData` messages (`data_messages`), read as the consumer asks, which a HostBufferLookup
+        sends on unchanged (downloads.py); a failed buffer is FAILED_PRECONDITION. `counted`: a bulk
+        transfer (transfer_counts.py)."""
         address = self._address_of(buffer_id)
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=WAIT_S, offset=offset, length=length,
                                    data_messages=True)
         return bulk.data_messages(self._workers.bulk, request, address, self._watch, lambda: fetching.data_messages(
-            self._workers.fetch_raw(address), request, self._metadata, address, self._watch), self._workers.counts)
+            self._workers.fetch_raw(address), request, self._metadata, address, self._watch),
+            self._workers.counts if counted else None)
 
     async def ready(self, buffer_ids: Sequence[int], blocking: bool = True) -> None:
         """Returns once the buffers are computed (BackendError if one failed). An output of a

@@ -22,8 +22,9 @@ the program an execute would use (arrays.join). A result sharded over a slice sp
 first gathered into a replicated copy (its own workers hold only their shards), which the
 downloads under way share (`SharedCopy`); what a download made is freed with it.
 
-Smaller arrays are read whole (one `Fetch`, no extra round trip to wait for them) and kept here
-until the lookup, as before.
+Smaller arrays are read whole (one fetch of their buffer's data messages, on the session's bulk
+connection where there is one, read on the event loop: cluster_backend.py `get`; no extra round
+trip to wait for them) and kept here until the lookup, which is answered from them at once.
 """
 
 from __future__ import annotations

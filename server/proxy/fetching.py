@@ -1,7 +1,7 @@
 """A buffer's bytes read from its worker's `Fetch` (the proxy's cluster backend, cluster_backend.py),
 its answers left serialized (server/wire.py): no protobuf parse, no copy of the bytes.
 
-Both readers take the next message only when their consumer asks for it, so gRPC's flow control
+The reader takes the next message only when its consumer asks for it, so gRPC's flow control
 holds the worker back while the consumer is slow, and closing the generator cancels the call
 (a consumer that stopped early, or went away: the worker stops sending). A call whose worker's
 host the controller declares lost is cancelled then, and its reader raises the error naming the
@@ -34,28 +34,12 @@ DOING = "downloading from"
 T = TypeVar("T")
 
 
-def chunks(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
-           watch: HostWatch | None = None) -> AsyncGenerator[memoryview, None]:
-    """The array bytes of each `FetchChunk` (views of what gRPC received); a chunk's error is
-    FAILED_PRECONDITION. `watch`: the call ends once its worker's host is lost."""
-
-    def data(raw: bytes) -> memoryview:
-        try:
-            data, error = wire.fetch_chunk(raw)
-        except wire.WireError as e:
-            raise BackendError("INTERNAL", f"undecodable fetch chunk from worker {address}: {e}") from None
-        if error:
-            raise BackendError("FAILED_PRECONDITION", error)
-        return data
-
-    return _answers(fetch, request, metadata, address, watch, data, keep_failed=False)
-
-
 def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
                   watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
     """The serialized `FetchData` messages of a fetch with `data_messages`, as they came (each
     one's header checked: `{bytes data = 1}` and nothing else, else INTERNAL); the call's
-    FAILED_PRECONDITION (the buffer failed) keeps its code and cause. `watch`: as `chunks`."""
+    FAILED_PRECONDITION (the buffer failed) keeps its code and cause. `watch`: the call ends once
+    its worker's host is lost."""
 
     def checked(raw: bytes) -> bytes:
         try:

@@ -116,6 +116,16 @@ class HostWatch:
         self._seen[address] = host
         return Guard(host, call, doing, address)
 
+    def check(self, address: str, doing: str) -> None:
+        """Raises `guard`'s error at once where the host this session last saw at `address` is
+        lost: for a request that would otherwise first wait on something else (a bulk connection
+        to make, whose hello a frozen worker never answers: bulk.py)."""
+        if self._host_of is None or self._host_of(address) is not None:
+            return
+        seen = self._seen.get(address)
+        if seen is not None and seen.state == LOST:
+            raise lost_error(doing, address, seen.name)
+
     async def unless_lost(self, address: str, call: Any, doing: str) -> Any:
         """Awaits `call` (a unary or stream-unary call to the worker at `address`); once its host
         is lost the call is cancelled and this raises the error naming it (`guard`)."""

@@ -131,9 +131,9 @@ def reply(code: int, length: int = 0, message: str = "") -> bytes:
     return REPLY.pack(REPLY_MAGIC, code, len(text) if code else length) + text
 
 
-def reply_here(sock: socket.socket) -> bool:
-    """Whether the whole reply (or the connection's end) is here, so that `read_reply` returns
-    without waiting (peeked at; a reply is one send: a success's is its 16 bytes); False on TLS."""
+def _peeked_reply(sock: socket.socket) -> bool | tuple[int, int, int]:
+    """A reply's head (magic, code, n) when all of it is here, peeked at; else whether reading it
+    cannot wait: True at the connection's end, False before the head is all here, and on TLS."""
     if isinstance(sock, ssl.SSLSocket):
         return False
     try:
@@ -142,7 +142,16 @@ def reply_here(sock: socket.socket) -> bool:
         return False
     if len(head) < REPLY.size:
         return not head
-    magic, code, n = REPLY.unpack(head)
+    return REPLY.unpack(head)
+
+
+def reply_here(sock: socket.socket) -> bool:
+    """Whether the whole reply (or the connection's end) is here, so that `read_reply` returns
+    without waiting (peeked at; a reply is one send: a success's is its 16 bytes); False on TLS."""
+    head = _peeked_reply(sock)
+    if isinstance(head, bool):
+        return head
+    magic, code, n = head
     if not code or magic != REPLY_MAGIC or n > MAX_ERROR:
         return True  # all of it (a success), or malformed: read_reply raises at once
     return len(sock.recv(REPLY.size + n, socket.MSG_PEEK | socket.MSG_DONTWAIT)) == REPLY.size + n
@@ -152,15 +161,10 @@ def fetch_here(sock: socket.socket, most: int) -> bool:
     """Whether a fetch's whole answer is here, so that reading it returns without waiting: a
     success's reply and all its messages, of at most `most` bytes of data (the worker sends them
     in one `sendmsg`), a refusal's whole reply (`reply_here`), or the connection's end; False on TLS."""
-    if isinstance(sock, ssl.SSLSocket):
-        return False
-    try:
-        head = sock.recv(REPLY.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
-    if len(head) < REPLY.size:
-        return not head
-    magic, code, n = REPLY.unpack(head)
+    head = _peeked_reply(sock)
+    if isinstance(head, bool):
+        return head
+    magic, code, n = head
     if code or magic != REPLY_MAGIC:
         return reply_here(sock)
     if n > most:

@@ -10,8 +10,8 @@ host (host_watch.py), rather than waiting for a worker that stopped answering.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import grpc
 
@@ -31,37 +31,25 @@ def fetch_method(channel: Any) -> Any:
 
 
 DOING = "downloading from"
-T = TypeVar("T")
 
 
-def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
-                  watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
+async def data_messages(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str,
+                        watch: HostWatch | None = None) -> AsyncGenerator[bytes, None]:
     """The serialized `FetchData` messages of a fetch with `data_messages`, as they came (each
     one's header checked: `{bytes data = 1}` and nothing else, else INTERNAL); the call's
     FAILED_PRECONDITION (the buffer failed) keeps its code and cause. `watch`: the call ends once
-    its worker's host is lost."""
-
-    def checked(raw: bytes) -> bytes:
-        try:
-            wire.data_length(raw)
-        except wire.WireError as e:
-            raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
-        return raw
-
-    return _answers(fetch, request, metadata, address, watch, checked, keep_failed=True)
-
-
-async def _answers(fetch: Any, request: wpb.FetchRequest, metadata: Any, address: str, watch: HostWatch | None,
-                   each: Callable[[bytes], T], keep_failed: bool) -> AsyncGenerator[T, None]:
-    """`each` of the call's serialized answers (it raises BackendError on a bad one); the call's
-    failure as `_failure` says; the call cancelled when the generator ends or is closed."""
+    its worker's host is lost. The call is cancelled when the generator ends or is closed."""
     call = fetch(request, metadata=metadata)
     guard = watch.guard(address, call, DOING) if watch is not None else None
     try:
         async for raw in call:
-            yield each(raw)
+            try:
+                wire.data_length(raw)
+            except wire.WireError as e:
+                raise BackendError("INTERNAL", f"undecodable fetch message from worker {address}: {e}") from None
+            yield raw
     except (grpc.RpcError, asyncio.CancelledError) as e:
-        failure = _failure(e, guard, address, keep_failed)
+        failure = _failure(e, guard, address)
         if failure is e:
             raise
         raise failure from None
@@ -69,17 +57,17 @@ async def _answers(fetch: Any, request: wpb.FetchRequest, metadata: Any, address
         _end(call, guard)
 
 
-def _failure(e: BaseException, guard: Guard | None, address: str, keep_failed: bool) -> BaseException:
+def _failure(e: BaseException, guard: Guard | None, address: str) -> BaseException:
     """What a fetch's failure `e` raises: the lost host's error where the guard ended the call
     (host_watch.py), `e` itself for a cancellation of the caller, FAILED_PRECONDITION with the
-    worker's cause where `keep_failed` (the buffer failed), else UNAVAILABLE naming the worker."""
+    worker's cause (the buffer failed), else UNAVAILABLE naming the worker."""
     lost = guard.error() if guard is not None else None
     if lost is not None:
         return lost
     if isinstance(e, asyncio.CancelledError) or not isinstance(e, grpc.RpcError):
         return e
     rpc: Any = e  # grpc.aio's AioRpcError: code() and details()
-    if keep_failed and rpc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+    if rpc.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return BackendError("FAILED_PRECONDITION", rpc.details() or "")
     return BackendError("UNAVAILABLE", f"downloading from worker {address} failed: {rpc.details()}")
 

@@ -60,11 +60,16 @@ async def put(ls: bulk.BulkLinks, address: str, owner: str, buffer_id: int, arr:
                                                                           HostData([arr.tobytes()]))], b"")
 
 
+def two_sessions(cluster: LocalCluster, cch: Any, stub: Any) -> tuple[Any, Any, str]:
+    """Two proxy-like sessions of the cluster, and the worker's transfer port (`data_address`)."""
+    a, b = open_session(cluster, cch), open_session(cluster, cch)
+    return a, b, stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+
+
 def test_a_bulk_connection_serves_its_session_only(module_cluster: LocalCluster, the_worker: Any) -> None:
     cluster = module_cluster
     address, wch, stub, cch = the_worker
-    a, b = open_session(cluster, cch), open_session(cluster, cch)
-    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+    a, b, data_address = two_sessions(cluster, cch, stub)
     theirs = np.arange(5, dtype=np.float32)
     upload(stub, meta(cluster, b), b.id(1), theirs)
     big = np.random.default_rng(0).standard_normal((3 << 20) // 8 * 3, dtype=np.float64)  # 9 MiB
@@ -148,8 +153,7 @@ def test_a_small_download_is_read_on_the_event_loop(module_cluster: LocalCluster
     go through; one a byte over the limit still reads on a thread (and raises here)."""
     cluster = module_cluster
     address, _, stub, cch = the_worker
-    a, b = open_session(cluster, cch), open_session(cluster, cch)
-    data_address = stub.Stats(wpb.WorkerStatsRequest(), metadata=meta(cluster, a), timeout=10).data_address
+    a, b, data_address = two_sessions(cluster, cch, stub)
     small = np.arange(256, dtype=np.float32)
     upload(stub, meta(cluster, a), a.id(1), small)
     upload(stub, meta(cluster, b), b.id(1), small)

@@ -393,12 +393,18 @@ def test_an_upload_whose_run_failed_is_not_sent_again_to_the_restarted_worker(cl
             cluster.kill_worker("w-a")
             out = client.read()
             assert "w-a" in out["error"] and out["unacknowledged"] == 1, out
-            worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
-            assert cluster.hosts()["w-a"].address == address
+            worker = restarted_at(cluster, address)
             assert_not_sent_again(cluster, relay, client, "the failed run's upload was sent again and is kept")
     finally:
         relay.close()
     assert "Traceback" not in worker.log.read_text(errors="replace")
+
+
+def restarted_at(cluster: LocalCluster, address: str) -> Any:
+    """Worker w-a (killed) started again at its old address; its process."""
+    worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
+    assert cluster.hosts()["w-a"].address == address
+    return worker
 
 
 def assert_not_sent_again(cluster: LocalCluster, relay: Relay, client: Scripted, why: str) -> None:

@@ -28,7 +28,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from tests.conftest import LocalCluster, wait_for
 from tests.relay import Relay
 from tests.test_trust_worker import fetch
-from tests.test_upload_loss import AFTER_RESTART, RELAYED, Scripted, assert_not_sent_again, opened_session
+from tests.test_upload_loss import AFTER_RESTART, RELAYED, Scripted, assert_not_sent_again, opened_session, restarted_at
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=1, devices=1)]
 
@@ -56,8 +56,7 @@ def test_a_succeeded_runs_upload_is_not_sent_again_to_the_restarted_worker(clust
             out = client.step()
             assert out == {"error": "", "in_flight": 0, "releases": 0, "unacknowledged": 1}, out
             cluster.kill_worker("w-a")
-            worker = cluster.add_worker("a", 1, name="w-a", program=("-m", "server.worker", "--listen", address))
-            assert cluster.hosts()["w-a"].address == address
+            worker = restarted_at(cluster, address)
             assert_not_sent_again(cluster, relay, client, "the succeeded run's upload was sent again and is kept")
     finally:
         relay.close()

@@ -24,6 +24,7 @@ from grpc import aio
 from proxy_env import client_env
 
 from pwctl import proxy_plugin
+from server import rpcguard
 from server.proxy import protocol as proto_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
@@ -526,7 +527,10 @@ async def _session(ch: aio.Channel, **init: Any) -> tuple[Any, int]:
 def test_a_lookup_never_read_then_dropped_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
     """Found by the chaos run's proxy fuzz (bench/chaos/proxyfuzz.py): a client that stops
     reading a HostBufferLookup, then hangs up, failed the service's pending write before gRPC
-    marked the call cancelled, and gRPC logged that as an ERROR with a traceback."""
+    marked the call cancelled, and gRPC logged that as an ERROR with a traceback. With the
+    controller's filter of gRPC's log (rpcguard.FinalStatusFilter, installed at its start): the
+    lookup's last message leaves with the call's status, which the filter makes one INFO line
+    when the caller has gone."""
     async def main() -> None:
         service = ProxyService(Cluster())
         server, port = await serve(service)
@@ -556,8 +560,13 @@ def test_a_lookup_never_read_then_dropped_logs_no_error(caplog: pytest.LogCaptur
         finally:
             await server.stop(None)
 
-    with caplog.at_level(logging.DEBUG):
-        asyncio.run(main())
+    grpc_log, final_status = logging.getLogger(rpcguard.GRPC_LOGGER), rpcguard.FinalStatusFilter()
+    grpc_log.addFilter(final_status)  # as the controller's start does (quiet_final_status), for this test only
+    try:
+        with caplog.at_level(logging.DEBUG):
+            asyncio.run(main())
+    finally:
+        grpc_log.removeFilter(final_status)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records
                                                                           if r.levelno >= logging.ERROR]
 

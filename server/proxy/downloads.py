@@ -5,12 +5,12 @@ then reads the buffer with one HostBufferLookup stream and deletes it. An array 
 `STREAM_MIN_BYTES` or more is not read into the controller: CopyToHostBuffer answers once the
 buffers it comes from are computed, and stores a `Download` under the host buffer's handle that
 holds those buffers (a DestructArray right after does not free them); the lookup then reads them
-from their workers' `Fetch` a message at a time and sends each on before reading the next
-(service.py), so the controller holds a few messages at once and reads no faster than the client
-takes them. The worker makes those messages wire-identical to the lookup's
-(`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so they go on unparsed and
-uncopied: the controller checks each one's header (`wire.data_length`) and counts its bytes.
-Deleting the host buffer, or the session's end, lets the buffers go.
+from their workers' `Fetch` a message at a time and sends each on once the next has come (the
+last goes with the call's status: service.py), so the controller holds a few messages at once
+and reads no faster than the client takes them. The worker makes those messages wire-identical
+to the lookup's (`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so they go on
+unparsed and uncopied: the controller checks each one's header (`wire.data_length`) and counts
+its bytes. Deleting the host buffer, or the session's end, lets the buffers go.
 
 An array is streamed as `Segment`s, byte ranges of worker buffers whose concatenation is its C-order
 bytes, each read with a `Fetch` of that range (the worker sends only those bytes): one buffer's
@@ -256,7 +256,8 @@ async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
 
 
 async def _fetch(session: Session, buf: Buf) -> bytes | HostData:
-    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
+    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch, in a task
+    of its own (which the backend's `get` cancels if the buffer's run fails)."""
     task = session.fetches.get(buf.id)
     if task is None:
         task = session.fetches[buf.id] = asyncio.ensure_future(_download(session, buf))
@@ -299,29 +300,35 @@ async def copy_to_host_buffer(session: Session, req: Message, resp: Message, pro
     resp.copy_to_host_buffer_response.SetInParent()
 
 
-async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> None:
-    """A HostBufferLookup's messages: bytes kept here in `chunk`s (serialized here, one copy of
-    each), or a download's messages read from a worker and each sent on, unparsed, before the
-    next is read, so the controller holds a few however slowly the client reads (BackendError
-    when the workers fail it). Each write waits for the client's flow-control window; a client
-    that goes away cancels the handler (rpcguard.write_or_cancel: no traceback logged, as one was
-    for a client that never read its lookup, then hung up: the chaos run's proxy fuzz), which
-    closes the download's `messages` and with it the worker's fetch."""
+async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> bytes:
+    """A HostBufferLookup's messages, all but the last written here, the last returned (the
+    handler's answer, which gRPC sends with the call's status: one write fewer; a small read's
+    only message goes so): bytes kept here in `chunk`s (serialized here, one copy of each), or a
+    download's messages read from a worker and each sent on, unparsed, once the next has come
+    (the controller holds a few however slowly the client reads; BackendError when the workers
+    fail it). Each write waits for the client's flow-control window; a client that goes away
+    cancels the handler (rpcguard.write_or_cancel: no traceback logged, as one was for a client
+    that never read its lookup, then hung up: the chaos run's proxy fuzz), which closes the
+    download's `messages` and with it the worker's fetch."""
+    last: bytes | None = None
     if isinstance(data, Streamed):
         sent = 0
         async with contextlib.aclosing(data.messages()) as messages:
             async for message in messages:
                 sent += wire.data_length(message)
-                await write_or_cancel(context, message)
+                if last is not None:
+                    await write_or_cancel(context, last)
+                last = message
         if sent != data.nbytes:
             raise BackendError("INTERNAL", f"host buffer {handle}: the workers sent {sent} bytes of {data.nbytes}")
-        return
-    if not data.nbytes:
-        await write_or_cancel(context, b"")
+        return last if last is not None else b""
     for part in data.parts:
         view = memoryview(part).cast("B")
         for offset in range(0, len(view), chunk):
-            await write_or_cancel(context, wire.data_message(view[offset : offset + chunk]))
+            if last is not None:
+                await write_or_cancel(context, last)
+            last = wire.data_message(view[offset : offset + chunk])
+    return last if last is not None else b""  # no bytes: one empty message
 
 
 HANDLERS = {"copy_to_host_buffer_request": copy_to_host_buffer}

@@ -8,10 +8,11 @@ buffer RPCs, which carry nothing but `{session_id, handle}`, are bound to their 
 Requests are read in order and answered as they finish: a request that waits (CheckFuture,
 CheckValueReady, a MakeArray whose bytes have not arrived) goes on in its own task, so later
 requests are answered before it (requirement 4 in docs/facts.md); the per-call kinds of a
-training loop (`INLINE`: Execute, DestructArray) run in the reader itself until they wait, and
-most are answered without a task. One writer task owns the stream's writes (answers.py); at
-most `MAX_PENDING` requests of a session wait at once, and reading stops while that many
-answers are unwritten, so a client that never reads holds only its own session.
+training loop (`INLINE`: Execute, DestructArray, and a read's FullyReplicatedShard) run in the
+reader itself until they wait, and most are answered without a task. One writer task owns the
+stream's writes (answers.py); at most `MAX_PENDING` requests of a session wait at once, and
+reading stops while that many answers are unwritten, so a client that never reads holds only its
+own session.
 
 Device work goes through the `ClusterBackend` (backend.py): arrays in arrays.py, compiles and
 executes in executables.py; request kinds this server does not
@@ -49,14 +50,16 @@ log = logging.getLogger(__name__)
 MAX_PENDING = 4096  # requests of one session in flight at once
 LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
 STREAM_MIN_BYTES = 4 << 20  # a host buffer this large streams on to its worker as it arrives (staging.py)
-EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an empty lookup chunk)
+EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse and DeleteResponse, an empty lookup chunk)
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
 # Request kinds run in the session's reader up to their first wait (running.py): the per-call
-# ones of a training loop. Their handlers, where they wait, await only futures (no
-# `asyncio.timeout`, which would bind the reader's task rather than the one they go on in).
-INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
+# ones of a training loop (np.asarray of a result: FullyReplicatedShard first). Their handlers,
+# where they wait, await only futures (no `asyncio.timeout`, which would bind the reader's task
+# rather than the one they go on in).
+INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request",
+                    "fully_replicated_shard_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`
 # (they are given None: no IfrtResponse made per call)
 BODIES = frozenset({"loaded_executable_execute_request", "destruct_array_request"})
@@ -181,11 +184,13 @@ class ProxyService:
                 "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, None),
                 # the bulk bytes skip protobuf's copies: read and written as wire format (wire.py)
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(self.HostBufferStore, None, None),
-                "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
+                # the client reads a stream; served unary, the lookup's last message (a small read's
+                # only one) leaves with the call's status in one batch: one write fewer (downloads.py)
+                "HostBufferLookup": grpc.unary_unary_rpc_method_handler(
                     self.HostBufferLookup, p.GrpcHostBufferLookupRequest.FromString, None
                 ),
                 "HostBufferDelete": grpc.unary_unary_rpc_method_handler(
-                    self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, ser
+                    self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, None
                 ),
             },
         )
@@ -261,25 +266,28 @@ class ProxyService:
                 staging.discard()
         return EMPTY
 
-    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> None:
+    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> bytes:
+        """The lookup's messages but its last written here, the last returned: gRPC sends it with
+        the status (the method is served unary: `generic_handler`)."""
         session = await self._session_of(request.session_id, context)
         try:
             data = await session.buffers.lookup_bytes(request.handle)
         except (HandleError, BackendError) as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
         try:  # the bytes kept here, or a download from the workers as the client reads (downloads.py)
-            await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
+            return await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
         except BackendError as e:
             log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, request.handle, e)
             await context.abort(grpc.StatusCode[e.code], str(e))
+            raise  # not reached: abort raises
 
-    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
+    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> bytes:
         session = await self._session_of(request.session_id, context)
         try:
             session.buffers.drop(request.handle)
         except HandleError as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
-        return self.p.GrpcHostBufferDeleteResponse()
+        return EMPTY  # GrpcHostBufferDeleteResponse, serialized
 
     # -- the session stream -------------------------------------------------------------------
 

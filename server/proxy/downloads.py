@@ -238,9 +238,12 @@ async def start(session: Session, rec: ArrayRecord, stream: Stream) -> Download:
 
 async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
     """The array's bytes (C order), read whole from its buffers (one buffer's: as the worker sent
-    them)."""
+    them). In a task of the caller's own (CopyToHostBuffer's, never an inline first step in the
+    session's reader), which the backend's `get` cancels if the buffer's run fails."""
     buf = rec.buffer()
     if buf is not None:
+        if buf.id not in session.fetches and not _spread(session, buf):
+            return await session.backend.get(buf.id)  # in the request's own task: no task of its own
         return await _fetch(session, buf)
     sources = rec.buffers
     datas = await asyncio.gather(*(_fetch(session, b) for b in sources))

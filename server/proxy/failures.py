@@ -90,8 +90,9 @@ class RunFailures:
 
     async def unless_failed_here(self, buffer_ids: Sequence[int], work: Coroutine[Any, Any, T]) -> T:
         """`unless_failed` with no task of its own: `work` runs in the caller's task, which the
-        failure cancels (as `asyncio.timeout` does). Only for a caller in a task whose cancellation
-        ends nothing else (a download's fetch task, downloads._fetch): a task less per fetch."""
+        failure cancels (as `asyncio.timeout` does), the cancellation caught here. Not for a
+        coroutine stepped by hand in another task (an inline first step in the proxy session's
+        reader, running.py): that task would be the one cancelled. A task less per download."""
         failure = self._failure(buffer_ids)
         task = asyncio.current_task()
         assert task is not None

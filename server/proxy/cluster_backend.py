@@ -392,8 +392,8 @@ class SliceSession(Uploading):
         its worker's `FetchData` messages (`lookup_messages`; on a bulk connection, where a small
         answer is read on the event loop, bulk.py), not counted among the bulk transfers. The
         fetch waits for the buffer; its run's failure ends it with that run's error, by cancelling
-        the caller's task (`RunFailures.unless_failed_here`): a request's own or a shared fetch's
-        (downloads.py), never the session's reader."""
+        the caller's task (`RunFailures.unless_failed_here`): a fetch's own (downloads.py), never
+        the session's reader."""
         self._failures.check(buffer_id)
         self._address_of(buffer_id)
         self._cork.waiting()  # the run making it is on its way to the worker

@@ -24,7 +24,9 @@ downloads under way share (`SharedCopy`); what a download made is freed with it.
 
 Smaller arrays are read whole (one fetch of their buffer's data messages, on the session's bulk
 connection where there is one, read on the event loop: cluster_backend.py `get`; no extra round
-trip to wait for them) and kept here until the lookup, which is answered from them at once.
+trip to wait for them) and kept here until the lookup. CopyToHostBuffer is answered as soon as
+their fetch has begun (`Fetching`), so the fetch goes on while the client takes the answer and
+sends its lookup, which waits for what is left of it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..rpcguard import write_or_cancel
 from .arrays import ArrayRecord, Buf, check_c_order, drop_buffers, full, join, joined_bytes, unref
 from .backend import BackendError
 from .compose import gather_function
-from .handles import HandleError, HostData, Streamed
+from .handles import Arriving, HandleError, HostData, Streamed
 from .shardings import Index
 
 if TYPE_CHECKING:
@@ -238,12 +240,12 @@ async def start(session: Session, rec: ArrayRecord, stream: Stream) -> Download:
 
 async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
     """The array's bytes (C order), read whole from its buffers (one buffer's: as the worker sent
-    them). In a task of the caller's own (CopyToHostBuffer's, never an inline first step in the
-    session's reader), which the backend's `get` cancels if the buffer's run fails."""
+    them). In a task of its own (`Fetching`'s), which the backend's `get` cancels if the buffer's
+    run fails."""
     buf = rec.buffer()
     if buf is not None:
         if buf.id not in session.fetches and not _spread(session, buf):
-            return await session.backend.get(buf.id)  # in the request's own task: no task of its own
+            return await session.backend.get(buf.id)  # in this task: no shared one
         return await _fetch(session, buf)
     sources = rec.buffers
     datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
@@ -278,27 +280,67 @@ async def _download(session: Session, buf: Buf) -> bytes | HostData:
         session.backend.free([copy])
 
 
+class Fetching(Arriving):
+    """A small array's bytes on their way from its workers (`host_bytes`, in a task of its own),
+    stored by CopyToHostBuffer without waiting for them: the client's lookup, which comes a round
+    trip of the client's later, waits for what is left of the fetch (bench/FINDINGS.md,
+    2026-11-27 15:xx). It holds the array's buffers until the bytes came (a DestructArray right
+    after must not free what is being read); `release` (the host buffer deleted, the session's
+    end) ends a fetch still under way."""
+
+    def __init__(self, session: Session, rec: ArrayRecord) -> None:
+        self.nbytes = rec.nbytes
+        self._session: Session | None = session
+        self._rec = rec
+        rec.refs += 1
+        self._task = asyncio.ensure_future(_fetched(session, rec))
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[HostData]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: a lookup that never comes leaves it unawaited
+        self._let_go()
+
+    def _let_go(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            unref(session, self._rec)
+
+    async def result(self) -> HostData:
+        return await asyncio.shield(self._task)
+
+    def release(self) -> None:
+        self._task.cancel()
+        self._let_go()  # now, not in the cancelled task's callback: the session may be closing
+
+
+async def _fetched(session: Session, rec: ArrayRecord) -> HostData:
+    data = await host_bytes(session, rec)
+    if len(data) != rec.nbytes:
+        raise BackendError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
+    return data if isinstance(data, HostData) else HostData([data])
+
+
 async def copy_to_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
+    """Answered once an array of `STREAM_MIN_BYTES` or more is computed (its bytes stay on the
+    workers: `Download`); a smaller one at once, its fetch begun (`Fetching`)."""
     r = req.copy_to_host_buffer_request
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     if r.HasField("byte_strides"):
         check_c_order(r.byte_strides, rec.dtype, rec.shape)
     stream = getattr(session.backend, "lookup_messages", None)  # the cluster's backend has it (cluster_backend.py)
-    rec.refs += 1  # a DestructArray right after must not free what is being read
-    try:
-        if stream is not None and rec.nbytes >= STREAM_MIN_BYTES:
-            data: bytes | HostData | Download = await start(session, rec, stream)
-        else:
-            data = await host_bytes(session, rec)
-    finally:
-        unref(session, rec)
-    if len(data) != rec.nbytes:
-        raise HandleError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
+    if stream is not None and rec.nbytes >= STREAM_MIN_BYTES:
+        rec.refs += 1  # a DestructArray right after must not free what is being read
+        try:
+            data: Download | Fetching = await start(session, rec, stream)
+        finally:
+            unref(session, rec)
+    else:
+        data = Fetching(session, rec)
     try:
         session.buffers.store(r.host_buffer_handle, data)
     except HandleError:
-        if isinstance(data, Download):
-            data.release()
+        data.release()
         raise
     resp.copy_to_host_buffer_response.SetInParent()
 

@@ -57,8 +57,7 @@ Message = Any  # a message class built at run time (protocol.py): no static type
 # Request kinds run in the session's reader up to their first wait (running.py): the per-call
 # ones of a training loop (np.asarray of a result: FullyReplicatedShard first). Their handlers,
 # where they wait, await only futures (no `asyncio.timeout`, which would bind the reader's task
-# rather than the one they go on in; nor CopyToHostBuffer: its fetch's failure watch cancels the
-# task it runs in, failures.py `unless_failed_here`).
+# rather than the one they go on in).
 INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request",
                     "fully_replicated_shard_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`

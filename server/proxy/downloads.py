@@ -284,7 +284,7 @@ class Fetching(Arriving):
     """A small array's bytes on their way from its workers (`host_bytes`, in a task of its own),
     stored by CopyToHostBuffer without waiting for them: the client's lookup, which comes a round
     trip of the client's later, waits for what is left of the fetch (bench/FINDINGS.md,
-    2026-11-27 15:xx). It holds the array's buffers until the bytes came (a DestructArray right
+    2026-11-27 14:41). It holds the array's buffers until the bytes came (a DestructArray right
     after must not free what is being read); `release` (the host buffer deleted, the session's
     end) ends a fetch still under way."""
 

@@ -8,11 +8,10 @@ buffer RPCs, which carry nothing but `{session_id, handle}`, are bound to their 
 Requests are read in order and answered as they finish: a request that waits (CheckFuture,
 CheckValueReady, a MakeArray whose bytes have not arrived) goes on in its own task, so later
 requests are answered before it (requirement 4 in docs/facts.md); the per-call kinds of a
-training loop (`INLINE`: Execute, DestructArray, and a read's FullyReplicatedShard) run in the
-reader itself until they wait, and most are answered without a task. One writer task owns the
-stream's writes (answers.py); at most `MAX_PENDING` requests of a session wait at once, and
-reading stops while that many answers are unwritten, so a client that never reads holds only its
-own session.
+training loop (`INLINE`: Execute, DestructArray, a read's FullyReplicatedShard) run in the reader
+until they wait, and most are answered without a task. One writer task owns the stream's writes
+(answers.py); at most `MAX_PENDING` requests of a session wait at once, and reading stops while
+that many answers are unwritten, so a client that never reads holds only its own session.
 
 Device work goes through the `ClusterBackend` (backend.py): arrays in arrays.py, compiles and
 executes in executables.py; request kinds this server does not
@@ -54,10 +53,9 @@ EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse and Del
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
-# Request kinds run in the session's reader up to their first wait (running.py): the per-call
-# ones of a training loop (np.asarray of a result: FullyReplicatedShard first). Their handlers,
-# where they wait, await only futures (no `asyncio.timeout`, which would bind the reader's task
-# rather than the one they go on in).
+# Request kinds run in the session's reader up to their first wait (running.py): the per-call ones
+# of a training loop (np.asarray's first: FullyReplicatedShard). Their handlers, where they wait,
+# await only futures (no `asyncio.timeout`: it would bind the reader, not the task they go on in).
 INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request",
                     "fully_replicated_shard_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`
@@ -267,8 +265,6 @@ class ProxyService:
         return EMPTY
 
     async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> bytes:
-        """The lookup's messages but its last written here, the last returned: gRPC sends it with
-        the status (the method is served unary: `generic_handler`)."""
         session = await self._session_of(request.session_id, context)
         try:
             data = await session.buffers.lookup_bytes(request.handle)

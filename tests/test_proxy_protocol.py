@@ -27,7 +27,8 @@ from pwctl import proxy_plugin
 from server.proxy import protocol as proto_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
-from server.proxy.service import TOKEN_KEY, ProxyService, default_layout
+from server.proxy.layouts import default_layout
+from server.proxy.service import TOKEN_KEY, ProxyService
 from server.proxy.shardings import MAX_RANK
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pwctl.tls import ENV_SERVER_NAME, TlsConfig
+from pwctl.settings import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
+from pwctl.tls import TlsConfig
 
 from ..credentials import JOB_SECRET_ENV
 from . import jobsup
@@ -105,9 +106,9 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
     if job_secret:
         env[JOB_SECRET_ENV] = job_secret
     if tls is not None and tls.ca:
-        env["PWCTL_TLS_CA"] = os.path.abspath(tls.ca)
+        env[ENV_CA] = os.path.abspath(tls.ca)
         if tls.require_client_cert and tls.cert and tls.key:
-            env["PWCTL_TLS_CERT"], env["PWCTL_TLS_KEY"] = os.path.abspath(tls.cert), os.path.abspath(tls.key)
+            env[ENV_CERT], env[ENV_KEY] = os.path.abspath(tls.cert), os.path.abspath(tls.key)
         if tls.server_name:
             env[ENV_SERVER_NAME] = tls.server_name
     # `import pwctl` works in the driver even when the project is not installed

@@ -262,7 +262,7 @@ def test_bad_settings_are_one_line(certs: Certs, pw_home: Path, tmp_path: Path) 
 def test_a_plaintext_start_removes_the_tls_files_clients_would_use(certs: Certs, pw_home: Path) -> None:
     config = tls.server_config(str(certs.host.cert), str(certs.host.key), str(certs.ca.cert), "pathways.cluster",
                                require_client_cert=True)
-    tlsfiles.publish(config)
+    tlsfiles.publish(config, tlsfiles.client_pair(config, str(certs.client.cert), str(certs.client.key)))
     names = {"tls-ca.pem", "tls-client.pem", "tls-client.key", "tls-server-name"}
     assert names <= {p.name for p in pw_home.iterdir()}
     from pwctl import settings

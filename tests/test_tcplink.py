@@ -315,6 +315,40 @@ def test_a_sender_slow_partway_through_a_header_is_dropped_within_the_dead_peer_
         rx.close()
 
 
+def test_a_peer_that_trickles_its_hello_is_dropped_within_the_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The hello has one deadline, CONNECT_TIMEOUT_S (1.5 s here) after the connection: a peer
+    sending it a byte every 0.4 s (each read's own timeout never passing; the old code waited out
+    the whole trickle, ~20 s) is dropped then, unheard."""
+    monkeypatch.setattr(tcplink, "CONNECT_TIMEOUT_S", 1.5)
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right" * 10, inbox.deliver)
+    host, _, port = rx.start().rpartition(":")
+    stop = threading.Event()
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        hello = HELLO.pack(HELLO_MAGIC, 50) + b"right" * 10
+
+        def trickle() -> None:
+            for i in range(len(hello)):
+                raw.sendall(hello[i:i + 1])
+                if stop.wait(0.4):
+                    return
+
+        with caplog.at_level("WARNING", logger="server.worker.tcplink"):
+            started = time.monotonic()
+            threading.Thread(target=trickle, daemon=True).start()
+            said = wait_for(lambda: [r.getMessage() for r in caplog.records if "ended" in r.getMessage()], 10,
+                            "the trickling peer dropped")
+            took = time.monotonic() - started
+        assert took < 2.4, took
+        assert "ended: timed out: the hello not whole in time" in said[0], said
+        raw.close()
+    finally:
+        stop.set()
+        rx.close()
+
+
 @pytest.mark.parametrize("value", ["abc", "0.5", "nan"])
 def test_a_bad_dead_peer_setting_is_refused_in_one_line(value: str) -> None:
     r = subprocess.run([sys.executable, "-c", "import server.worker.tcplink"], capture_output=True, text=True,

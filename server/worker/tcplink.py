@@ -274,9 +274,11 @@ class TcpReceiver:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             guard(conn)
-            # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
-            # nothing does not hold this thread (a peer sends its hello at once); then the
-            # progress timeout, which lets the connection idle between frames
+            # the hello whole within CONNECT_TIMEOUT_S of the connection (one deadline, as a frame's
+            # head: a peer that trickles it cannot stretch it), each of the TLS handshake's reads
+            # within it: a peer that connects and says nothing does not hold this thread (a peer
+            # sends its hello at once); then the progress timeout, which lets the connection idle
+            # between frames
             deadline = time.monotonic() + CONNECT_TIMEOUT_S
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:

@@ -33,6 +33,10 @@ CATCH_UP_S = 2.0  # how long `catch_up` waits for it (a call waits meanwhile)
 # after the controller did not answer a lookup, none is tried for this long: the calls meanwhile go
 # on as if it had said nothing, rather than each wait for the lookup's timeout (`_ask`)
 QUIET_S = 5.0
+# a slice read ahead of the session's events (`catch_up`) counts as such until the session delivers
+# that generation, or for this long at most (its events lag by far less; a session resumed at a new
+# controller may never send that one)
+AHEAD_S = 30.0
 
 T = TypeVar("T")
 
@@ -52,9 +56,10 @@ class Whereabouts:
         # link broken) with no word from the controller since: it may have moved, and the session
         # may not have told yet (its HostLost and SliceChanged behind other events, or held)
         self.ended: set[str] = set()
-        # slice name -> the generation `catch_up` read, newer than the session has delivered: the
-        # session's events until that generation's are older than what is known (`host_lost`)
-        self._ahead: dict[str, int] = {}
+        # slice name -> (the generation `catch_up` read, newer than the session has delivered, until
+        # when it counts): the session's events until that generation's are older than what is
+        # known (`host_lost`)
+        self._ahead: dict[str, tuple[int, float]] = {}
         # lookups on a connection of their own (`_ask`), opened at the first and kept; and until
         # when none is tried (the controller did not answer the last one)
         self._side: Client | None = None
@@ -133,12 +138,12 @@ class Whereabouts:
                         self.ended.discard(address)
                         self.lost.setdefault(address, f"slice {name!r} is degraded: {info.reason}")
             elif info.generation > vs.info.generation:
-                self._ahead[name] = info.generation
+                self._ahead[name] = (info.generation, time.monotonic() + AHEAD_S)
             self.slice_changed(vs, info)
 
     def streamed(self, vs: Any, info: cpb.Slice) -> None:
         """The session's `SliceChanged` for slice `vs`."""
-        if self._ahead.get(vs.name, -1) <= info.generation:
+        if self._ahead.get(vs.name, (-1, 0.0))[0] <= info.generation:
             self._ahead.pop(vs.name, None)
         self.slice_changed(vs, info)
 
@@ -175,9 +180,13 @@ class Whereabouts:
         or "" for news older than what `catch_up` read: a slice on that address was read placed
         there in a generation the session has not delivered yet, so the loss came before that
         placement (the host is back at the same address; its calls must go on)."""
-        if any(vs is not None and lost.address in (vs.address, *vs.peers)
-               for vs in map(self._rt.slices.get, list(self._ahead))):
-            return ""
+        now = time.monotonic()
+        for name, (_, until) in list(self._ahead.items()):
+            vs = self._rt.slices.get(name)
+            if until < now or vs is None:
+                self._ahead.pop(name, None)
+            elif lost.address in (vs.address, *vs.peers):
+                return ""
         why = (f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
                "(the controller declared it)")
         self.lost[lost.address] = why

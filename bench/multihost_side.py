@@ -11,7 +11,8 @@ others print one JSON line at the end.
   computation takes them on island b or on island a; and the same two programs keeping the NBYTES
   as an output (so that both write them).
 - `pipeline`: the pipeline suite's 4 stages (islands a and b) against the same stages in one
-  plain-JAX process (`bench.jaxrun pipeline_serve`), windows alternating.
+  plain-JAX process (`bench.jaxrun pipeline_serve`), windows alternating; `pipeline_pw`: its
+  Pathways side alone, served for bench.pw_ab_multihost.
 - `psum_member`: one process of a plain multi-controller `jax.distributed` group (gloo advertised
   at the host's own address, docs/multihost.md section 3), a blocking psum per call.
 - `psum_pw`: the same psum through `pw.pmap` over a 4-device slice of island `pod`.
@@ -192,6 +193,27 @@ def pipeline(stages: int, micro_batches: int, windows: int, window_s: float) -> 
     finally:
         jx.close()
     _say({"pw": pr, "jax": jr, "devices": [defs.stage_device(s, stages, "blocks") for s in range(stages)]})
+
+
+def pipeline_pw(stages: int, micro_batches: int, passes: int) -> None:
+    """The pipeline row's Pathways side alone, served (bench.pw_ab_multihost --mode pipeline):
+    prints {"ready"}, then for each line "go" on stdin `passes` passes of `micro_batches`
+    micro-batches and {"per_s"} (micro-batches/s). A one-micro-batch pass first opens the
+    cross-host link with one transfer, so that both trees of an A/B start with it up."""
+    from bench import pwside
+
+    (warm,) = pwside.pipeline_passes([(stages, "blocks")], 1)
+    warm()
+    (once,) = pwside.pipeline_passes([(stages, "blocks")], micro_batches)
+    once()
+    _say({"ready": True})
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            once()
+        _say({"per_s": passes * micro_batches / (time.perf_counter() - t0)})
 
 
 # ------------------------------------------------------------------------------------------ psum
@@ -388,6 +410,7 @@ TASKS: dict[str, Callable[..., None]] = {
     "tcp_send": tcp_send,
     "transfer_pw": transfer_pw,
     "pipeline": pipeline,
+    "pipeline_pw": pipeline_pw,
     "psum_member": psum_member,
     "psum_pw": psum_pw,
     "stream_recv": stream_recv,

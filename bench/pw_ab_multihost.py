@@ -1,12 +1,17 @@
-"""A/B of the issue-27 blocking psum (bench/multihost.py `psum`, the `pw` side) between two source
-trees (two commits' `git archive`s), both up at once on the same three hosts (network namespaces,
-bench/netns.py; needs root): per tree a controller and the `psum_pw` client on host 0 and a worker
-`--island pod --devices 2` on each of hosts A and B, every process started from that tree (its
-cwd and PYTHONPATH) with its own PATHWAYS_HOME. Windows of blocking calls alternate between the
-two, the order flipping every pair; per window, calls/s and the CPU per call of each process
-(from /proc). Prints one JSON line per window and a summary (medians, per-pair ratio B / A).
+"""A/B of the issue-27 blocking psum (bench/multihost.py `psum`, the `pw` side), or with `--mode
+pipeline` of its 4-stage one-hop pipeline (`pipeline`, the `pw` side), between two source trees
+(two commits' `git archive`s), both up at once on the same three hosts (network namespaces,
+bench/netns.py; needs root): per tree a controller and the client on host 0 and, for psum, a
+worker `--island pod --devices 2` on each of hosts A and B; for the pipeline, a worker `--island
+a --devices 4` on host A and `--island b --devices 4` on host B. Every process is started from its
+tree (its cwd and PYTHONPATH) with its own PATHWAYS_HOME; the pipeline's client is this
+repository's bench/multihost_side.py `pipeline_pw` (the trees' own may lack it) running on the
+tree's modules. Windows alternate between the two, the order flipping every pair; per window,
+calls/s (micro-batches/s) and the CPU per call (micro-batch) of each process (from /proc).
+Prints one JSON line per window and a summary (medians, per-pair ratio B / A).
 
     python -m bench.pw_ab_multihost /tmp/base /tmp/new --pairs 8 --calls 300
+    python -m bench.pw_ab_multihost /tmp/base /tmp/new --mode pipeline --pairs 8 --calls 640
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import netns
+from bench import defs, netns
 from bench.multihost import PSUM_DEVICES, Side, SideError
 from bench.proxy_ab import cpu_seconds, processes
 
 ENV = {"PATHWAYS_VALIDATE": "0"}
+SIDE = Path(__file__).resolve().parent / "multihost_side.py"
+STAGES = 4
 
 
 class TreeSide(Side):
@@ -44,7 +51,7 @@ class TreeSide(Side):
 
 
 class Tree:
-    """One tree's cluster on the hosts, and its psum client."""
+    """One tree's cluster on the hosts, and its client (psum, or pipeline)."""
 
     def __init__(self, label: str, tree: Path, hosts: list[netns.Host], root: Path) -> None:
         self.label, self.tree, self.hosts = label, tree, hosts
@@ -68,7 +75,7 @@ class Tree:
             raise SideError(f"{self.label}: pwctl {' '.join(args)}: {(r.stdout + r.stderr)[-1500:]}")
         return r.stdout
 
-    def up(self, calls: int) -> None:
+    def up(self, mode: str, calls: int) -> None:
         h0 = self.hosts[0]
         out = self.pwctl(0, "server", "start", "--listen", f"{h0.ip}:0")
         m = re.search(r"at (\S+:\d+)", out)
@@ -77,15 +84,20 @@ class Tree:
         self.address = m.group(1)
         self.token = (self.homes[0] / "token").read_text().strip()
         for i in (1, 2):
-            self.pwctl(i, "worker", "start", "--island", "pod", "--devices", str(PSUM_DEVICES), "--name", f"pod{i}",
+            island, devices = ("pod", PSUM_DEVICES) if mode == "psum" else ("ab"[i - 1], defs.PIPE_DEVICES // 2)
+            self.pwctl(i, "worker", "start", "--island", island, "--devices", str(devices), "--name", f"{island}{i}",
                        "--listen", f"{self.hosts[i].ip}:0", "--server", self.address, PWCTL_TOKEN=self.token)
-        args = {"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls}
-        proc = subprocess.Popen(self._argv(h0, [sys.executable, "-m", "bench.multihost_side", "psum_pw",
-                                                json.dumps(args)]),
+        if mode == "psum":
+            cmd = ["-m", "bench.multihost_side", "psum_pw",
+                   json.dumps({"island": "pod", "devices": 2 * PSUM_DEVICES, "calls": calls})]
+        else:  # -P: the tree's modules, not this file's directory's, come first
+            cmd = ["-P", str(SIDE), "pipeline_pw", json.dumps({"stages": STAGES, "micro_batches": defs.MICRO_BATCHES,
+                                                                "passes": calls // defs.MICRO_BATCHES})]
+        proc = subprocess.Popen(self._argv(h0, [sys.executable, *cmd]),
                                 env=self._env(0, PWCTL_SERVER=self.address, PWCTL_TOKEN=self.token),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 stdin=subprocess.PIPE)
-        self.client = TreeSide(proc, f"{self.label} psum_pw")
+        self.client = TreeSide(proc, f"{self.label} {mode}")
         ready = self.client.read(600)
         if "error" in ready:
             raise SideError(f"{self.label}: {ready['error']}")
@@ -98,7 +110,7 @@ class Tree:
             if i is None or "nsenter" in cmd:
                 continue
             words = cmd.split()
-            if "bench.multihost_side" in words:
+            if "bench.multihost_side" in words or str(SIDE) in words:
                 self.pids["client"] = pid
             elif "server.controller" in words:  # (not its island coordination service)
                 self.pids["controller"] = pid
@@ -123,8 +135,15 @@ def main() -> None:
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--mode", choices=("psum", "pipeline"), default="psum")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="calls per window (psum: 300); micro-batches per window for the pipeline, whole passes "
+                    f"of {defs.MICRO_BATCHES} (640)")
     args = ap.parse_args()
+    if args.calls is None:
+        args.calls = 300 if args.mode == "psum" else 640
+    if args.mode == "pipeline":
+        args.calls = max(1, args.calls // defs.MICRO_BATCHES) * defs.MICRO_BATCHES
     why = netns.unavailable()
     if why:
         sys.exit(f"cannot make hosts here: {why}")
@@ -137,7 +156,7 @@ def main() -> None:
         hosts = made.start(3)
         sides = [Tree("A", args.a.resolve(), hosts, tmp), Tree("B", args.b.resolve(), hosts, tmp)]
         for s in sides:
-            s.up(args.calls)
+            s.up(args.mode, args.calls)
         for s in sides:  # one untimed window each
             s.window(args.calls)
         for i in range(args.pairs):

@@ -118,8 +118,8 @@ class Client:
     def slices(self, owner: str = "") -> list[cpb.Slice]:
         return list(self._read(self._stub.ListSlices, cpb.ListSlicesRequest(owner=owner)).slices)
 
-    def get_slice(self, name: str) -> cpb.Slice:
-        return self._read(self._stub.GetSlice, cpb.GetSliceRequest(name=name))
+    def get_slice(self, name: str, timeout: float | None = None) -> cpb.Slice:
+        return self._read(self._stub.GetSlice, cpb.GetSliceRequest(name=name), timeout)
 
     def delete_slice(self, name: str, force: bool = False) -> None:
         self._write(self._stub.DeleteSlice, cpb.DeleteSliceRequest(name=name, force=force))

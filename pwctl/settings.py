@@ -10,8 +10,13 @@ TLS likewise (pwctl/tls.py): the CA bundle from --tls-ca ($PWCTL_TLS_CA), the co
 "tls_ca", then the copy `pwctl up`/`server start` left in the data directory (`tls-ca.pem`); none:
 plaintext. A client certificate (mutual TLS) from $PWCTL_TLS_CERT/$PWCTL_TLS_KEY, "tls_cert"/
 "tls_key", then the data directory's `tls-client.pem`/`.key`; the name to check in the server's
-certificate instead of the dialled host from $PATHWAYS_TLS_SERVER_NAME, "tls_server_name", then
+certificate instead of the dialled host from $PWCTL_TLS_SERVER_NAME, "tls_server_name", then
 the data directory's `tls-server-name`.
+
+A client's settings are all PWCTL_* (PWCTL_SERVER, PWCTL_TOKEN, PWCTL_TLS_{CA,CERT,KEY,SERVER_NAME}),
+a server's PATHWAYS_TLS_* (pwctl/tls.py). A client also takes the servers' $PATHWAYS_TLS_SERVER_NAME
+where $PWCTL_TLS_SERVER_NAME is unset: clients read it before, and a client in a server's pod
+(deploy/kubernetes/) finds the cluster's name there.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from dataclasses import dataclass
 
 from . import paths
 from .errors import InvalidArgument
-from .tls import ENV_SERVER_NAME, TlsConfig
+from .tls import ENV_SERVER_NAME as SERVER_ENV_SERVER_NAME
+from .tls import TlsConfig
 
 ENV_CA = "PWCTL_TLS_CA"
 ENV_CERT = "PWCTL_TLS_CERT"
 ENV_KEY = "PWCTL_TLS_KEY"
+ENV_SERVER_NAME = "PWCTL_TLS_SERVER_NAME"  # the servers' name ($PATHWAYS_TLS_SERVER_NAME) as its alias
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,8 @@ def resolve_tls(cfg: dict[str, str] | None = None) -> TlsConfig | None:
     if not cert and not key:  # the data directory's pair, where both are there
         cert, key = _existing(paths.tls_client_cert_path()), _existing(paths.tls_client_key_path())
         cert, key = (cert, key) if cert and key else (None, None)
-    name = env.get(ENV_SERVER_NAME) or cfg.get("tls_server_name") or paths.read_tls_server_name()
+    name = (env.get(ENV_SERVER_NAME) or env.get(SERVER_ENV_SERVER_NAME) or cfg.get("tls_server_name")
+            or paths.read_tls_server_name())
     try:
         return TlsConfig(ca=ca, cert=cert, key=key, server_name=name or "")
     except InvalidArgument as e:  # name the client-side settings, not the servers' flags

@@ -15,7 +15,8 @@ Hostnames: the server's certificate must name the address the client dialled (an
 (`grpc.ssl_target_name_override`) for clusters whose certificates name one cluster-wide name.
 
 Servers read PATHWAYS_TLS_{CERT,KEY,CA,SERVER_NAME,REQUIRE_CLIENT_CERT} (their flags win);
-clients (`pwctl`, the `pw` library, job drivers) find theirs in `pwctl.settings`.
+clients (`pwctl`, the `pw` library, job drivers) PWCTL_TLS_{CA,CERT,KEY,SERVER_NAME}, found in
+`pwctl.settings`.
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def wrong_ca(where: str, tls: TlsConfig | None, why: str = "") -> str:
 def wrong_name(where: str, name: str) -> str:
     """The advice when the certificate of `where` does not name `name`, the name checked."""
     return (f"TLS: the certificate of {where} does not name {name}: issue it with that IP or DNS name as a "
-            "subject alternative name, or set PATHWAYS_TLS_SERVER_NAME to the name it names")
+            "subject alternative name, or check the name it names instead (a client: PWCTL_TLS_SERVER_NAME; "
+            "a server: --tls-server-name, PATHWAYS_TLS_SERVER_NAME)")
 
 
 def not_tls(where: str) -> str:

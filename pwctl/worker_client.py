@@ -44,6 +44,7 @@ _REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISS
 
 Lost = Callable[[list["Upload"], str], None]
 Wanted = Callable[["Upload"], bool]
+Ended = Callable[[str], None]
 
 
 @dataclass(eq=False)
@@ -113,10 +114,15 @@ class WorkerClient:
     is one that `wanted(upload)` says nobody needs any more (the runtime: its run failed, or its
     release reached the worker, `released`, so its run is over); that one is dropped. Sent again
     to a worker that restarted meanwhile, it would be stored and kept until the session's
-    buffers go, as nothing would ever read or release it."""
+    buffers go, as nothing would ever read or release it.
+
+    The upload stream stays open between uploads, so its end is the client's first sign that the
+    worker went away (killed, restarted, its link broken): `on_ended(address)` is told of every
+    end not caused by `close`, whether uploads were pending or not (the runtime then asks the
+    controller where the worker's slices are before its next call there, `Runtime.catch_up`)."""
 
     def __init__(self, address: str, token: str | None, credential: str = "", on_lost: Lost | None = None,
-                 wanted: Wanted | None = None, tls: TlsConfig | None = None) -> None:
+                 wanted: Wanted | None = None, tls: TlsConfig | None = None, on_ended: Ended | None = None) -> None:
         self.address = address
         # the session credential (Welcome.worker_credential): the worker serves this session's
         # buffers only, and only to it
@@ -125,6 +131,7 @@ class WorkerClient:
         self._stub = wgrpc.WorkerStub(self._transport.channel)
         self.waits = WaitStream(self._transport, self._stub)  # `wait`'s stream (pwctl/waitstream.py)
         self.on_lost: Lost = on_lost or (lambda uploads, error: None)
+        self.on_ended: Ended = on_ended or (lambda address: None)
         # asked, with the lock held (it must be quick), of each upload not acknowledged before it
         # is sent again
         self.wanted: Wanted = wanted or (lambda upload: True)
@@ -231,6 +238,11 @@ class WorkerClient:
         refused: list[Upload] = []
         lost: list[Upload] = []
         pause: float | None = None
+        if self._stream is stream and not self._closed:  # (read unlocked: told before any pause)
+            try:
+                self.on_ended(self.address)
+            except Exception:  # the callback's bug must not stop the uploads still to send
+                log.exception("reporting the end of the upload stream to %s failed", self.address)
         with self._lock:
             if self._stream is not stream:
                 return

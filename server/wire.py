@@ -3,9 +3,10 @@
 Parsing a message with a large `bytes` field and reading the field copies the bytes (upb makes
 a new `bytes` object on every access), and building one copies them into the message and again
 to serialize it. The host-buffer messages (`GrpcHostBufferStoreRequest`,
-`GrpcHostBufferLookupResponse`: nothing but `bytes data = 1`) and the worker's `FetchChunk` are
-read and written here straight from and into the wire format instead: a field is a view of the
-bytes gRPC received, and a message is its bytes behind a 1-6 byte header. Wire format:
+`GrpcHostBufferLookupResponse`: nothing but `bytes data = 1`) and the worker's `PutBufferRequest`
+are read and written here straight from and into the wire format instead, and the worker's
+`FetchChunk` written: a field is a view of the bytes gRPC received, and a message is its bytes
+behind a 1-6 byte header. Wire format:
 https://protobuf.dev/programming-guides/encoding/.
 """
 
@@ -133,24 +134,6 @@ def put_buffer_request(buffer_id: int, owner: str, dtype: str, shape: Sequence[i
         uvarint(5 << 3 | VARINT) + uvarint(total_bytes) if total_bytes else b"",
         len_field(7, len(part_of)) + part_of if part_of else b"",
     ))
-
-
-def fetch_chunk(raw: bytes) -> tuple[memoryview, str]:
-    """The array bytes (`array.data`) and the error of a serialized `pathways.v1.FetchChunk`
-    (worker.proto: array = 1 {dtype = 1, shape = 2, data = 3, shm_name = 4}, last = 2,
-    error = 3, ...): views of `raw`, not copies."""
-    data, error = memoryview(b""), ""
-    for number, wire, value in fields(raw):
-        if number == 1 and wire == LEN:
-            assert isinstance(value, memoryview)
-            for n, w, v in fields(value):
-                if n == 3 and w == LEN:
-                    assert isinstance(v, memoryview)
-                    data = v
-        elif number == 3 and wire == LEN:
-            assert isinstance(value, memoryview)
-            error = bytes(value).decode(errors="replace")
-    return data, error
 
 
 def fetch_chunk_message(data: bytes | memoryview, dtype: str, shape: Sequence[int], last: bool) -> bytes:

@@ -38,7 +38,7 @@ import pytest
 from precompile import compile_checkout
 
 from pwctl.client import Client
-from pwctl.errors import ConnectionFailed, PathwaysError
+from pwctl.errors import PathwaysError
 from pwctl.local import stop_children, stop_island_services
 from pwctl.paths import load_or_create_token, read_token
 from schemas.pathways.v1 import common_pb2 as pb
@@ -126,6 +126,23 @@ def wait_for(predicate: Callable[[], T | None], timeout: float = 30.0, what: str
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}"
                                + (f" (last error: {last_error})" if last_error else ""))
         time.sleep(interval)
+
+
+CONTROLLER_START_CAP_S = 90.0  # the longest a starting controller is waited for: under pytest's 120 s a test
+
+
+def _progress(pid: int, log: Path) -> tuple[int, int]:
+    """(CPU clock ticks, log bytes) of a starting process: either growing is progress."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (the stat file's 14th and 15th)
+    except (OSError, ValueError, IndexError):
+        ticks = 0
+    try:
+        size = log.stat().st_size
+    except OSError:
+        size = 0
+    return ticks, size
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -289,11 +306,13 @@ class LocalCluster:
         return Client(server=self.address, token=self.token, timeout=timeout)
 
     # ---- controller ----
-    def start_controller(self, wait: bool = True) -> subprocess.Popen[bytes]:
+    def start_controller(self, wait: bool = True,
+                         program: Sequence[str] = ("-m", "server.controller")) -> subprocess.Popen[bytes]:
+        """Starts the controller (`program`: what Python runs, given the controller's flags)."""
         assert self.controller is None or self.controller.poll() is not None, "controller already running"
         log = self.home / f"controller-{self._restarts}.log"
         self._restarts += 1
-        args = [sys.executable, "-m", "server.controller", "--listen", self.address, "--db", self.db_url,
+        args = [sys.executable, *program, "--listen", self.address, "--db", self.db_url,
                 "--heartbeat-timeout", f"{self.heartbeat_timeout:g}", "--log-level", "INFO",
                 *self.controller_args]
         with open(log, "wb") as fh:
@@ -304,20 +323,34 @@ class LocalCluster:
             self.wait_controller()
         return self.controller
 
-    def wait_controller(self, timeout: float = 30.0) -> None:
-        def answers() -> bool:
-            assert self.controller is not None
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"controller exited with {self.controller.returncode}:\n"
-                                   + log_tail(self._controller_log))
+    def wait_controller(self, timeout: float = 30.0, cap: float = CONTROLLER_START_CAP_S) -> None:
+        """Until the controller answers. A controller that exited fails at once, with its log's
+        tail; one that makes no progress (neither its CPU time nor its log grows) for `timeout`
+        s fails then; one still starting (a loaded machine: at load 13-15 a start took over 30 s)
+        gets up to `cap` s in all."""
+        proc = self.controller
+        assert proc is not None
+        started = moved = time.monotonic()
+        seen = _progress(proc.pid, self._controller_log)
+        last_error: Exception | None = None
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"controller exited with {proc.returncode}:\n" + log_tail(self._controller_log))
             try:
                 with self.client(timeout=1.0) as c:
                     c.info(timeout=1.0)
-                return True
-            except ConnectionFailed:
-                return False
-
-        wait_for(answers, timeout, f"the controller at {self.address}")
+                return
+            except (PathwaysError, OSError) as e:
+                last_error = e
+            now = time.monotonic()
+            progress = _progress(proc.pid, self._controller_log)
+            if progress != seen:
+                seen, moved = progress, now
+            if now - moved > timeout or now - started > cap:
+                why = f"no progress for {timeout:g} s" if now - moved > timeout else f"still starting after {cap:g} s"
+                raise TimeoutError(f"the controller at {self.address} did not answer ({why}; last error: "
+                                   f"{last_error}):\n" + log_tail(self._controller_log))
+            time.sleep(POLL_S)
 
     def stop_controller(self, kill: bool = False) -> None:
         """SIGTERM (or SIGKILL) the controller and wait until it exited."""

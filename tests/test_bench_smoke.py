@@ -92,3 +92,18 @@ def test_multihost_sides_move_bytes_between_hosts(hosts: Any) -> None:  # noqa: 
         assert [c["messages"] for c in calls] == [4, 4]
     finally:
         _stop(*sides)
+
+
+def test_the_pipeline_side_of_the_multihost_a_b_serves_windows(hosts: Any) -> None:  # noqa: F811
+    """bench.pw_ab_multihost --mode pipeline's client (multihost_side `pipeline_pw`) on the suite's
+    cluster (islands a and b on hosts A and B): ready after its warm-up, then a rate per window."""
+    from bench.multihost import Cluster, Side, _stop
+
+    cl = Cluster(hosts(3))
+    side = Side(cl.hosts[0], "pipeline_pw", {"stages": 4, "micro_batches": 2, "passes": 2}, **cl.env())
+    try:
+        assert side.read(180) == {"ready": True}
+        assert side.ask("go", 60)["per_s"] > 0
+    finally:
+        _stop(side)
+    assert "by TCP link" in cl.worker_log(1, "wa")  # the hop crossed hosts

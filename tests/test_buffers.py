@@ -307,18 +307,18 @@ def test_a_wait_for_launched_buffers_is_called_back_when_the_executor_completes_
     s.launched([1, 2], [a, b], input_ids=[])
     s.put(3, np.zeros(1), 8)  # not a launch's output: the executor never completes it
     calls: list[int] = []
-    assert s.when_computed([3, 1], lambda: calls.append(0)) is False  # the caller waits on the values
-    assert s.when_computed([2], lambda: calls.append(1)) is True  # computed already
-    latch = s.when_computed([1, 2, 1], lambda: calls.append(2))
+    assert s.computations.when_computed([3, 1], lambda: calls.append(0)) is False  # the caller waits on the values
+    assert s.computations.when_computed([2], lambda: calls.append(1)) is True  # computed already
+    latch = s.computations.when_computed([1, 2, 1], lambda: calls.append(2))
     assert not isinstance(latch, bool)
-    s.computed([2])  # not what it waits for
+    s.computations.computed([2])  # not what it waits for
     assert calls == []
     a.ready = True
-    s.computed([1, 2])
+    s.computations.computed([1, 2])
     assert calls == [2]
-    s.computed([1])  # once
+    s.computations.computed([1])  # once
     assert calls == [2]
-    s.forget_computed([1, 2], latch)
+    s.computations.forget_computed([1, 2], latch)
 
 
 def test_a_forgotten_wait_for_launched_buffers_is_never_called_back() -> None:
@@ -326,12 +326,12 @@ def test_a_forgotten_wait_for_launched_buffers_is_never_called_back() -> None:
     s.expect([1], owner="client:1", visible=[True])
     s.launched([1], [Computing()], input_ids=[])
     calls: list[int] = []
-    latch = s.when_computed([1], lambda: calls.append(1))
+    latch = s.computations.when_computed([1], lambda: calls.append(1))
     assert not isinstance(latch, bool)
-    s.forget_computed([1], latch)  # the caller timed out or was cancelled
-    s.computed([1])
+    s.computations.forget_computed([1], latch)  # the caller timed out or was cancelled
+    s.computations.computed([1])
     assert calls == []
-    assert s.when_computed([4], lambda: None) is False  # unknown: not waited for here
+    assert s.computations.when_computed([4], lambda: None) is False  # unknown: not waited for here
 
 
 def test_a_buffer_never_made_fails_where_it_is_pending_and_goes_once_released() -> None:

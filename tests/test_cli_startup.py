@@ -70,7 +70,8 @@ def test_a_command_loads_what_it_uses_when_it_runs() -> None:
 
 @pytest.mark.parametrize("argv", [["slice", "list"], ["slice", "describe", "s"], ["island", "list", "-o", "json"],
                                   ["device", "list"], ["host", "list"], ["jobs", "list"], ["jobs", "describe", "j"],
-                                  ["server", "info"]])
+                                  ["server", "info"], ["status"], ["status", "-o", "json"],
+                                  ["status", "--watch", "-o", "json"], ["status", "--watch"]])
 def test_a_listing_loads_its_views_once_the_controller_answered(argv: list[str]) -> None:
     # no controller at port 1: the call fails (exit 1) without loading pydantic for the views
     found = loaded(RUN.format(argv=[*argv, "--server", "127.0.0.1:1"]))

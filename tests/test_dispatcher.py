@@ -761,3 +761,55 @@ def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body(
         for h in members:
             h.link.ack(h.link.next_seq - 1)  # type: ignore[union-attr]
         read()
+
+
+def test_the_gang_fast_path_and_dispatch_build_the_same_messages() -> None:
+    """`Dispatcher._dispatch_all` builds a gang member's Enqueue itself where `_dispatch`'s gang
+    branch would add nothing (dispatch.py); a dispatcher that sends every Dispatch through
+    `_dispatch` must send the same messages, run after run: a field one of them grew and the other
+    lacks fails this."""
+    # n1, the gang node, reads no program input (n0's output, sent from b) and is alone in its
+    # members' Dispatches: the fast path's case
+    graph = cpb.ProgramGraph(name="g", num_inputs=1, outputs=[out(2)], nodes=[
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[cpb.ValueRef(program_input=0)], num_outputs=1, name="n0"),
+        cpb.ProgramNode(function_id=F, slice="sg", inputs=[out(0)], num_outputs=1, name="n1"),
+        cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(1)], num_outputs=1, name="n2"),
+    ])
+    fast, slow = gang_parts()[0], gang_parts()[0]
+    slow.dispatcher._id_base = fast.dispatcher._id_base  # the same buffer ids in both
+    slow_d = slow.dispatcher
+
+    def every_dispatch_through_dispatch(actions: list[Any]) -> None:
+        for a in actions:
+            slow_d._other(a)  # a Dispatch: `_dispatch`
+
+    slow_d._apply = every_dispatch_through_dispatch  # type: ignore[method-assign]
+    dispatched: list[str] = []  # the hosts `_dispatch` built an Enqueue for, on the fast side
+    fast_dispatch = fast.dispatcher._dispatch
+
+    def counted(action: Any) -> None:
+        dispatched.append(action.host)
+        fast_dispatch(action)
+
+    fast.dispatcher._dispatch = counted  # type: ignore[method-assign]
+    sent: list[dict[str, list[cpb.ControllerToWorker]]] = []
+    for p in (fast, slow):
+        assert p.registry.add_functions([FUNCTION]) == []
+        prog = p.registry.register(graph, "client:c1")
+        s = session()
+        by_run = []
+        for run_id, output, prompt in ((7, 200, False), (8, 201, True), (9, 202, False)):
+            p.run(s, run_id, prog, output=output, prompt=prompt)
+            by_run.append(p.outbox.by_host())
+            p.report("b", run_id, 0)
+            for m in range(3):
+                p.report(f"g{m}", run_id, 1 + m)
+            p.report("b", run_id, 4)
+            assert p.finished[-1] == (run_id, True, "")
+            by_run.append(p.outbox.by_host())
+        sent.append({f"{i}/{h}": msgs for i, run in enumerate(by_run) for h, msgs in run.items()})
+    # the fast path was taken: in runs 8 and 9 (n1's segment known on its members), the members
+    # after the first (whose Dispatch builds the group's task) never reached `_dispatch`
+    assert dispatched == ["b", "g0", "g1", "g2", "b", "g0", "b", "g0"]
+    assert [[t.segment for t in m.enqueue.tasks] for m in sent[0]["2/g1"]] == [[2]]
+    assert sent[0] == sent[1]

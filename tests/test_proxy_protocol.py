@@ -28,7 +28,8 @@ from server import rpcguard
 from server.proxy import protocol as proto_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, Arriving, HandleError, HandleTable, HostBuffers, HostData
-from server.proxy.service import TOKEN_KEY, ProxyService, default_layout
+from server.proxy.layouts import default_layout
+from server.proxy.service import TOKEN_KEY, ProxyService
 from server.proxy.shardings import MAX_RANK
 
 REPO = Path(__file__).resolve().parent.parent

@@ -264,6 +264,91 @@ def test_a_sender_silent_in_the_middle_of_an_array_is_dropped_but_an_idle_one_st
         rx.close()
 
 
+@pytest.mark.parametrize("how", ["stalls", "trickles"])
+@pytest.mark.parametrize("use_tls", [False, True], ids=["plain", "tls"])
+def test_a_sender_slow_partway_through_a_header_is_dropped_within_the_dead_peer_time(
+        use_tls: bool, how: str, tls_config: tls.TlsConfig, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A frame's prefix and header have one deadline, DEAD_PEER_S (2 s here) after its first
+    byte: a sender that sends half a header and stalls, or sends its header a byte every 0.4 s
+    (each read's own timeout never passing), is dropped within it and nothing is delivered.
+    Before, a plain connection's MSG_WAITALL read and the read after it waited DEAD_PEER_S each,
+    and a trickle held the thread for as long as it went on."""
+    dead = 2.0
+    monkeypatch.setattr(tcplink, "DEAD_PEER_S", dead)
+    config = tls_config if use_tls else None
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right", inbox.deliver, tls=config)
+    host, _, port = rx.start().rpartition(":")
+    before = _receivers()
+    stop = threading.Event()
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        if config is not None:
+            raw = config.wrap_client(raw, host)
+        x = np.arange(256, dtype=np.float32)
+        h = _head(0x53, x).SerializeToString()
+        frame = FRAME.pack(FRAME_MAGIC, len(h)) + h
+        with caplog.at_level("WARNING", logger="server.worker.tcplink"):
+            raw.sendall(HELLO.pack(HELLO_MAGIC, 5) + b"right")
+            started = time.monotonic()
+            if how == "stalls":
+                raw.sendall(frame[: FRAME.size + len(h) // 2])
+            else:
+                def trickle() -> None:
+                    for i in range(len(frame)):
+                        raw.sendall(frame[i:i + 1])
+                        if stop.wait(0.4):
+                            return
+
+                threading.Thread(target=trickle, daemon=True).start()
+            said = wait_for(lambda: [r.getMessage() for r in caplog.records if "ended" in r.getMessage()], 10,
+                            "the slow sender dropped")
+            took = time.monotonic() - started
+        assert dead - 0.5 < took < dead + 0.9, took  # the old code: 2 x dead, or the whole trickle (~30 s)
+        assert "timed out: a frame's head not whole in time (2 s after its first byte)" in said[0], said
+        wait_for(lambda: not _receivers() - before, 5, "the slow sender's thread to end")
+        assert not inbox.items
+        raw.close()
+    finally:
+        stop.set()
+        rx.close()
+
+
+def test_a_peer_that_trickles_its_hello_is_dropped_within_the_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The hello has one deadline, CONNECT_TIMEOUT_S (1.5 s here) after the connection: a peer
+    sending it a byte every 0.4 s (each read's own timeout never passing; the old code waited out
+    the whole trickle, ~20 s) is dropped then, unheard."""
+    monkeypatch.setattr(tcplink, "CONNECT_TIMEOUT_S", 1.5)
+    inbox = Inbox()
+    rx = TcpReceiver("127.0.0.1", "right" * 10, inbox.deliver)
+    host, _, port = rx.start().rpartition(":")
+    stop = threading.Event()
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        hello = HELLO.pack(HELLO_MAGIC, 50) + b"right" * 10
+
+        def trickle() -> None:
+            for i in range(len(hello)):
+                raw.sendall(hello[i:i + 1])
+                if stop.wait(0.4):
+                    return
+
+        with caplog.at_level("WARNING", logger="server.worker.tcplink"):
+            started = time.monotonic()
+            threading.Thread(target=trickle, daemon=True).start()
+            said = wait_for(lambda: [r.getMessage() for r in caplog.records if "ended" in r.getMessage()], 10,
+                            "the trickling peer dropped")
+            took = time.monotonic() - started
+        assert took < 2.4, took
+        assert "ended: timed out: the hello not whole in time" in said[0], said
+        raw.close()
+    finally:
+        stop.set()
+        rx.close()
+
+
 @pytest.mark.parametrize("value", ["abc", "0.5", "nan"])
 def test_a_bad_dead_peer_setting_is_refused_in_one_line(value: str) -> None:
     r = subprocess.run([sys.executable, "-c", "import server.worker.tcplink"], capture_output=True, text=True,

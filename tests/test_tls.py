@@ -154,8 +154,8 @@ def test_up_with_tls_serves_only_tls_and_says_why_a_client_fails(certs: Certs, p
         one_line_error(run_pwctl("island", "list", env={**plain, "PWCTL_TLS_CA": str(certs.other.cert)}),
                        "does not sign", str(certs.other.cert))
         one_line_error(run_pwctl("island", "list", env={**plain, "PWCTL_TLS_CA": str(certs.ca.cert),
-                                                        "PATHWAYS_TLS_SERVER_NAME": "pathways.cluster"}),
-                       "does not name", "PATHWAYS_TLS_SERVER_NAME")
+                                                        "PWCTL_TLS_SERVER_NAME": "pathways.cluster"}),
+                       "does not name", "PWCTL_TLS_SERVER_NAME")
         # `--tls-ca` names the CA as PWCTL_TLS_CA does
         ok = run_pwctl("--tls-ca", str(certs.ca.cert), "island", "list", "-o", "name", env=plain)
         assert ok.returncode == 0 and ok.stdout.split() == ["a", "b"], ok.stderr
@@ -262,7 +262,7 @@ def test_bad_settings_are_one_line(certs: Certs, pw_home: Path, tmp_path: Path) 
 def test_a_plaintext_start_removes_the_tls_files_clients_would_use(certs: Certs, pw_home: Path) -> None:
     config = tls.server_config(str(certs.host.cert), str(certs.host.key), str(certs.ca.cert), "pathways.cluster",
                                require_client_cert=True)
-    tlsfiles.publish(config)
+    tlsfiles.publish(config, tlsfiles.client_pair(config, str(certs.client.cert), str(certs.client.key)))
     names = {"tls-ca.pem", "tls-client.pem", "tls-client.key", "tls-server-name"}
     assert names <= {p.name for p in pw_home.iterdir()}
     from pwctl import settings
@@ -405,7 +405,7 @@ def test_one_cluster_name_for_every_certificate(certs: Certs) -> None:
                 if ok:
                     assert t.unary(call, ask).status == health_pb2.HealthCheckResponse.SERVING
                 else:
-                    with pytest.raises(Unavailable, match=r"does not name 127\.0\.0\.1.*PATHWAYS_TLS_SERVER_NAME"):
+                    with pytest.raises(Unavailable, match=r"does not name 127\.0\.0\.1.*PWCTL_TLS_SERVER_NAME"):
                         t.unary(call, ask)
             finally:
                 t.close()

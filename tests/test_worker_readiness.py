@@ -69,7 +69,7 @@ s.launched([1], [x], input_ids=[])
 x.delete()
 assert x.is_deleted()
 print(json.dumps({"computed_now": computed_now(x), "all_ready": all_ready([x]), "at_hand": _at_hand(x),
-                  "when_computed": s.when_computed([1], lambda: None)}))
+                  "when_computed": s.computations.when_computed([1], lambda: None)}))
 """
 
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from typing import Any
 
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -39,8 +38,7 @@ from .packing import Release
 from .registration import Registrations
 from .resume import RECONNECT_S, Resume
 from .sender import STOP, Sender
-
-LOST_CHECK_S = 5.0  # how long `lost_host` waits for the controller's answer
+from .whereabouts import Whereabouts
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +101,11 @@ class Runtime:
         self._session_error = ""
         self._workers: dict[str, WorkerClient] = {}
         self._workers_lock = threading.Lock()
-        # worker address -> why (HostLost): its host was declared lost, and not known ready again
-        # since; a call to it asks the controller first (`still_lost`) rather than wait for a frozen
-        # worker's silence. An address leaves it once its host is known ready again (`still_lost`, or
-        # a slice placed there: `_slice_changed`).
-        self.lost_workers: dict[str, str] = {}
-        # whether a slice's worker is one of `lost_workers` (as this runtime last heard): a call
-        # then reads its slices again first (`catch_up`); kept by the reader, on its events
+        # lost and suspect workers, and lookups at the controller (whereabouts.py); whether a slice's
+        # worker is one of them (as this runtime last heard): a call then reads its slices again
+        # first (`catch_up`). `lost_workers`: address -> why, its host declared lost.
+        self.where = Whereabouts(self)
+        self.lost_workers = self.where.lost
         self.on_lost_worker = False
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
         self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
@@ -234,7 +230,7 @@ class Runtime:
                 elif kind == "slice_changed":
                     vs = self.slices.get(ev.slice_changed.slice.name)
                     if vs is not None:
-                        self._slice_changed(vs, ev.slice_changed.slice)
+                        self.where.streamed(vs, ev.slice_changed.slice)
                 elif kind == "releases_done":
                     self._releases_arrived(self._sender.releases_arrived(ev.releases_done))
                 elif kind == "host_lost":
@@ -335,76 +331,30 @@ class Runtime:
     # ---- workers ----
     def lost_host(self, address: str) -> str:
         """Whether the controller declared the host of the worker at `address` lost: why ("host
-        NAME was lost"), or "" (not lost, or the controller did not answer within
-        LOST_CHECK_S). Asked when that worker stops answering (futures.py `_poll`): a frozen
-        host keeps its connections open, so only the controller's verdict ends the wait."""
-        try:
-            with Client(server=self.client.address, token=self.client.token, timeout=LOST_CHECK_S) as c:
-                lost = c.hosts(state=pb.HOST_STATE_LOST)
-        except PathwaysError:
-            return ""
-        return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
+        NAME was lost"), or "" (not lost, or the controller did not answer). Asked when that worker
+        stops answering (futures.py `_poll`): a frozen host keeps its connections open, so only the
+        controller's verdict ends the wait."""
+        return self.where.lost_host(address)
 
     def still_lost(self, address: str) -> str:
         """For a worker in `lost_workers`: why, while the controller still has its host lost (a
-        call to it fails at once: futures.py `_poll`); "" once it is ready again (registered
-        again, or the controller did not answer: the call is made as usual), and it leaves
-        `lost_workers`."""
-        lost = self.lost_host(address)
-        if lost:
-            return f"the worker at {address} does not answer: its {lost} (the controller declared it)"
-        self.lost_workers.pop(address, None)
-        return ""
+        call to it fails at once: futures.py `_poll`); "" once it is ready again (whereabouts.py)."""
+        return self.where.still_lost(address)
 
     def catch_up(self, names: set[str]) -> None:
-        """Before a call on slices `names` while a host is in `lost_workers`: a slice whose worker
-        is a lost one is read again from the controller, as it may have moved on (its host back at
-        a new address, or remapped) before the session's reader took the `SliceChanged` (a call
-        uploading to, and waiting at, the old address failed: 'input 0 is held by the worker at
-        OLD, which is not ready'). Read within LOST_CHECK_S on a connection of its own (not behind
-        the session's events, unread); should the controller not answer, the call goes on as it
-        would have. A slice still on the lost host keeps its address: the controller refuses the
-        run, naming why."""
-        for name in names:
-            vs = self.slices.get(name)
-            if vs is None or not any(a in self.lost_workers for a in (vs.address, *vs.peers)):
-                continue
-            try:
-                with Client(server=self.client.address, token=self.client.token, timeout=LOST_CHECK_S,
-                            tls=self.client.tls, own_connection=True) as c:
-                    info = c.get_slice(name)
-            except PathwaysError:
-                continue
-            if info.devices:
-                self._slice_changed(vs, info)
-        self._check_lost_slices()
-
-    def _slice_changed(self, vs: Any, info: cpb.Slice) -> None:
-        """Slice `vs` is now as `info` says (its event, or read again by `catch_up`). Placed (not
-        degraded), it is on ready hosts: none of its workers is lost any more (a host back at
-        its old address leaves `lost_workers`, else each call would read the slice again)."""
-        vs._update(info)
-        if info.state != cpb.SLICE_STATE_DEGRADED:
-            for address in (vs.address, *vs.peers):
-                self.lost_workers.pop(address, None)
-        self._check_lost_slices()
-
-    def _check_lost_slices(self) -> None:
-        """Sets `on_lost_worker` (on a host's loss, on a slice's change: not on the usual path)."""
-        self.on_lost_worker = any(a in self.lost_workers for vs in list(self.slices.values())
-                                  for a in (vs.address, *vs.peers))
+        """Before a call on slices `names` while a worker is lost or suspect: reads those slices
+        again from the controller (whereabouts.py `Whereabouts.catch_up`)."""
+        self.where.catch_up(names)
 
     def _host_lost(self, lost: cpb.HostLost) -> None:
         """The controller declared a host lost: the calls waiting at its worker end now, naming
         it (futures.py `_poll` raises their error), not at their deadline; later calls to it fail
-        at once while it stays lost (`lost_workers`)."""
-        why = (f"the worker at {lost.address} does not answer: its host {lost.name} was lost "
-               "(the controller declared it)")
-        self.lost_workers[lost.address] = why
-        self._check_lost_slices()
+        at once while it stays lost (`lost_workers`). Not for a loss older than the slice placed
+        at that address again that `catch_up` read (whereabouts.py)."""
+        why = self.where.host_lost(lost)
         with self._workers_lock:
             conn = self._workers.get(lost.address)
-        if conn is not None:
+        if conn is not None and why:
             conn.abandon(why)
 
     def worker(self, address: str) -> WorkerClient:
@@ -413,7 +363,7 @@ class Runtime:
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
                                                              on_lost=self._uploads_lost, wanted=self._upload_wanted,
-                                                             tls=self.client.tls)
+                                                             tls=self.client.tls, on_ended=self.where.worker_ended)
             return conn
 
     def _upload_wanted(self, upload: Upload) -> bool:
@@ -486,6 +436,7 @@ class Runtime:
         except Exception:
             pass
         self.client.close()
+        self.where.close()
         deadline = time.monotonic() + CLOSE_THREADS_S
         if self._reader is not threading.current_thread():
             self._reader.join(CLOSE_THREADS_S)

@@ -14,11 +14,15 @@ from .common import (
     NoBulkLinksOpt,
     TlsCaOpt,
     TlsCertOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TlsKeyOpt,
     TlsRequireOpt,
     TlsServerNameOpt,
     confirm_or_exit,
     hint,
+    hint_local_clients,
+    local_client_tls,
     server_tls,
 )
 
@@ -45,15 +49,19 @@ def up(
     tls_ca: TlsCaOpt = None,
     tls_server_name: TlsServerNameOpt = None,
     tls_require_client_cert: TlsRequireOpt = False,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
 ) -> None:
     """Start a local cluster (controller + one worker per island) and wait until it is ready.
     Run again, it starts only what is missing and says what runs (--db, --no-token and
     --no-bulk-links reach only the processes it starts).
 
     With --tls-cert/--tls-key/--tls-ca every process serves TLS only (the certificate must name the
-    --listen address, e.g. IP:127.0.0.1) and clients here find the CA in the data directory."""
+    --listen address, e.g. IP:127.0.0.1) and clients here find the CA in the data directory; with
+    --tls-require-client-cert also --tls-client-cert/--tls-client-key, their own certificate."""
     count = _devices(devices)
     tls = server_tls(tls_cert, tls_key, tls_ca, tls_server_name, tls_require_client_cert)
+    client = local_client_tls(tls, tls_client_cert, tls_client_key)
     if count is None and islands not in (None, 1):
         raise typer.BadParameter("--devices all gives every accelerator of this machine to one worker, so one "
                                  "island: leave --islands out (more islands: `pwctl worker start` on other hosts)",
@@ -63,7 +71,7 @@ def up(
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
-                      no_token=no_token, bulk_links=not no_bulk_links, tls=tls)
+                      no_token=no_token, bulk_links=not no_bulk_links, tls=tls, client_tls=client)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
     secure = " (TLS)" if result.tls else ""
@@ -79,6 +87,8 @@ def up(
     if result.foreign_controller is not None:
         hint(f"the controller (pid {result.foreign_controller}) was started by `pwctl server start`, not by `pwctl "
              "up`: `pwctl down` leaves it running (`pwctl server stop` stops it)")
+    if result.controller_started:
+        hint_local_clients(result.tls, client)
     hint("next: `pwctl status --watch`, `pwctl island list`; stop with `pwctl down`")
     theirs = os.environ.get("PWCTL_TOKEN")
     if result.token and theirs and theirs != result.token:

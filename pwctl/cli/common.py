@@ -47,6 +47,14 @@ TlsRequireOpt = Annotated[bool, typer.Option(
     "--tls-require-client-cert", help="Mutual TLS: callers must present a certificate the CA signs "
                                       "(default: $PATHWAYS_TLS_REQUIRE_CLIENT_CERT; the token still applies)")]
 
+# the local clients' own pair under mutual TLS (`pwctl up`, `pwctl server start`; pwctl/local/tlsfiles.py)
+TlsClientCertOpt = Annotated[str | None, typer.Option(
+    "--tls-client-cert", show_default=False,
+    help="With --tls-require-client-cert: a certificate (PEM) the CA signs, with a key of its own, for clients "
+         "on this machine; left in the data directory for them (the server's key never is)")]
+TlsClientKeyOpt = Annotated[str | None, typer.Option("--tls-client-key", show_default=False,
+                                                     help="Its private key (PEM)")]
+
 # the controller's (`pwctl server start`, `pwctl up`)
 NoBulkLinksOpt = Annotated[bool, typer.Option("--no-bulk-links",
                                              help="The IFRT proxy's uploads and downloads of 4 MiB or more go "
@@ -61,6 +69,21 @@ def server_tls(cert: str | None, key: str | None, ca: str | None, server_name: s
     from ..tls import server_config
 
     return server_config(cert, key, ca, server_name, require_client_cert)
+
+
+def local_client_tls(tls: Any, cert: str | None, key: str | None) -> Any:
+    """The local clients' pair from --tls-client-cert/--tls-client-key (None: not given); a bad
+    one is one line and exit 2, before anything starts."""
+    from ..local.tlsfiles import client_pair
+
+    return client_pair(tls, cert, key)
+
+
+def hint_local_clients(tls: Any, client: Any) -> None:
+    """Under mutual TLS without a local clients' pair: where clients here get a certificate."""
+    if tls is not None and tls.require_client_cert and client is None:
+        hint("mutual TLS: clients here need a certificate of their own that the CA signs (PWCTL_TLS_CERT, "
+             "PWCTL_TLS_KEY; or start with --tls-client-cert/--tls-client-key to leave one in the data directory)")
 
 
 class Format(StrEnum):

@@ -18,12 +18,16 @@ from .common import (
     ServerOpt,
     TlsCaOpt,
     TlsCertOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TlsKeyOpt,
     TlsRequireOpt,
     TlsServerNameOpt,
     client,
     emit_item,
     hint,
+    hint_local_clients,
+    local_client_tls,
     server_tls,
     stdout,
 )
@@ -121,11 +125,14 @@ def start(
     tls_ca: TlsCaOpt = None,
     tls_server_name: TlsServerNameOpt = None,
     tls_require_client_cert: TlsRequireOpt = False,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
 ) -> None:
     """Start the controller (detached: pid file and log under the data directory)."""
     from .. import local
 
     tls = server_tls(tls_cert, tls_key, tls_ca, tls_server_name, tls_require_client_cert)
+    local_clients = local_client_tls(tls, tls_client_cert, tls_client_key)
     if heartbeat_timeout <= 0:
         raise typer.BadParameter("must be positive", param_hint="--heartbeat-timeout")
     if hang_timeout <= 0:
@@ -163,7 +170,8 @@ def start(
     if no_bulk_links:
         extra.append("--no-bulk-links")
     handle = local.start_controller(listen, db, foreground=foreground, dispatch=dispatch.value,
-                                    heartbeat_timeout=heartbeat_timeout, extra_args=extra, tls=tls)
+                                    heartbeat_timeout=heartbeat_timeout, extra_args=extra, tls=tls,
+                                    client_tls=local_clients)
     if handle.already_running:
         sys.stderr.write(f"already running (pid {handle.pid} at {handle.address})\n")
         return
@@ -174,6 +182,7 @@ def start(
     if tls is not None:
         hint(f"TLS only: clients elsewhere need the CA bundle {tls.ca} (PWCTL_TLS_CA)"
              + (" and a certificate it signs (PWCTL_TLS_CERT, PWCTL_TLS_KEY)" if tls.require_client_cert else ""))
+        hint_local_clients(tls, local_clients)
 
 
 @app.command("stop")

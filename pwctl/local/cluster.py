@@ -74,6 +74,7 @@ def up(
     no_token: bool = False,
     tls: TlsConfig | None = None,
     bulk_links: bool = True,
+    client_tls: TlsConfig | None = None,
 ) -> UpResult:
     """Starts (or completes) a local cluster: the controller and one worker per island.
 
@@ -85,7 +86,8 @@ def up(
     controller and the workers it starts require none (a private machine). `bulk_links` False: the
     controller it starts sends the IFRT proxy's bulk bytes by gRPC (--no-bulk-links). `tls`: the controller
     and the workers serve TLS only, with these files (one certificate for this machine), and
-    clients here find the CA in the data directory (tlsfiles.py).
+    clients here find the CA in the data directory (tlsfiles.py), and with mutual TLS
+    `client_tls`, their own certificate and key, where given.
     """
     if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
         raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
@@ -106,7 +108,7 @@ def up(
     if running is not None:
         address = running.address
     else:
-        publish_tls(tls)
+        publish_tls(tls, client_tls)
         flags = [*(("--no-token",) if no_token else ()), *(() if bulk_links else ("--no-bulk-links",)),
                  *(tls.args() if tls is not None else ())]
         proc, log_offset = _spawn_controller(listen, db, "parallel", 5.0, flags)

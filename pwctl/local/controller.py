@@ -151,20 +151,22 @@ def start_controller(
     heartbeat_timeout: float = 5.0,
     extra_args: Sequence[str] = (),
     tls: TlsConfig | None = None,
+    client_tls: TlsConfig | None = None,
 ) -> ControllerHandle:
     """Starts the controller detached and waits until it answers.
 
     Returns the running controller's handle (with `started=False`) when the pid file names one
     that answers. `foreground=True` runs it in this process until it stops (see
     `run_controller_foreground`) and returns only then. `tls`: it serves TLS only, and its CA
-    (and with mutual TLS its certificate) is left in the data directory for clients here.
+    (and with mutual TLS `client_tls`, the local clients' own pair) is left in the data directory
+    for clients here (tlsfiles.py).
     """
     _check_address(listen)
     db = db or paths.default_db_url()
     running = running_controller()
     if running is not None:
         return running
-    publish_tls(tls)
+    publish_tls(tls, client_tls)
     extra_args = [*extra_args, *(tls.args() if tls is not None else ())]
     if foreground:
         run_controller_foreground(listen, db, dispatch, heartbeat_timeout, extra_args)

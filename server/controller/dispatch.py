@@ -241,7 +241,7 @@ class Dispatcher:
 
         That is `_dispatch`'s gang branch where it adds nothing, inlined: every member through
         `_dispatch` costs 0.88 -> 1.91 ms for 512 members, 68 -> 87 lines of server/ per member
-        (bench/FINDINGS.md 2026-11-27), on the 5 ms gang-admission path. Change both alike."""
+        (bench/FINDINGS.md 2026-11-27), on the 5 ms gang-admission path. Change both alike (tests: test_dispatcher)."""
         msgs, runs, known = self._outbox.msgs, self.runs, self._host_segments
         run_id, run, templates, group_of, segment_ids, reads_input = -1, None, {}, [], [], []
         for k in range(start, len(actions)):

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pwctl.tls import ENV_SERVER_NAME, TlsConfig
+from pwctl import paths
+from pwctl.settings import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
+from pwctl.tls import TlsConfig
 
 from ..credentials import JOB_SECRET_ENV
 from . import jobsup
@@ -87,7 +89,8 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
     """The driver's environment: this one without PWCTL_*, plus where and as whom to connect
     (the cluster token, and the job's secret that proves to the controller it is this job's driver;
     with TLS the CA that signs the controller's certificate, and where the controller requires
-    client certificates its own, as the driver runs beside it as the same user)."""
+    client certificates the local clients' pair, or the controller's own, as the driver runs
+    beside it as the same user)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PWCTL_")}
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "::", "[::]", ""):
@@ -105,9 +108,14 @@ def driver_env(job_id: str, priority: int, weight: float, address: str, token: s
     if job_secret:
         env[JOB_SECRET_ENV] = job_secret
     if tls is not None and tls.ca:
-        env["PWCTL_TLS_CA"] = os.path.abspath(tls.ca)
+        env[ENV_CA] = os.path.abspath(tls.ca)
         if tls.require_client_cert and tls.cert and tls.key:
-            env["PWCTL_TLS_CERT"], env["PWCTL_TLS_KEY"] = os.path.abspath(tls.cert), os.path.abspath(tls.key)
+            # the local clients' own pair where `pwctl up`/`server start` left one (pwctl/local/
+            # tlsfiles.py), else the controller's (started otherwise: the driver runs beside it)
+            cert, key = data_dir / paths.tls_client_cert_path().name, data_dir / paths.tls_client_key_path().name
+            if not (cert.exists() and key.exists()):
+                cert, key = Path(tls.cert), Path(tls.key)
+            env[ENV_CERT], env[ENV_KEY] = os.path.abspath(cert), os.path.abspath(key)
         if tls.server_name:
             env[ENV_SERVER_NAME] = tls.server_name
     # `import pwctl` works in the driver even when the project is not installed

@@ -38,7 +38,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +74,7 @@ from .job_process import (
     read_usage,
     start_supervisor,
 )
+from .job_record import STATE_NAMES, STATES, JobRecord
 from .job_stats import ProgramStats
 from .programs import ProgramRecord
 
@@ -90,51 +90,6 @@ KILL_AFTER_S = 5.0  # a cancelled tree gets SIGKILL after this (its supervisor s
 RECENT_FINISHED = 20
 FLUSH_INTERVAL_S = 1.0
 LOG_POLL_S = 0.1
-
-STATE_NAMES = {
-    cpb.JOB_STATE_PENDING: "pending",
-    cpb.JOB_STATE_RUNNING: "running",
-    cpb.JOB_STATE_SUCCEEDED: "succeeded",
-    cpb.JOB_STATE_FAILED: "failed",
-    cpb.JOB_STATE_CANCELLED: "cancelled",
-}
-STATES = {v: k for k, v in STATE_NAMES.items()}
-ACTIVE = {cpb.JOB_STATE_PENDING, cpb.JOB_STATE_RUNNING}
-
-@dataclass(eq=False)
-class JobRecord:
-    """A job as the controller keeps it in memory (every job, also finished ones)."""
-
-    id: str
-    name: str
-    entrypoint: str
-    args: list[str]
-    priority: int
-    weight: float
-    state: cpb.JobState.ValueType
-    submitted_at: datetime
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
-    pid: int = 0
-    exit_code: int | None = None
-    reason: str = ""
-    slices: set[str] = field(default_factory=set)
-    programs: int = 0
-    runs: int = 0
-    # runtime only
-    program_ids: set[str] = field(default_factory=set)  # registered by this controller's sessions
-    sup: Supervisor | None = None
-    cancel_requested: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def owner(self) -> str:
-        return f"job:{self.id}"
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE
-
 
 def _now() -> datetime:
     return utcnow()

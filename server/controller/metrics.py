@@ -35,7 +35,7 @@ from .observe import Observer
 if TYPE_CHECKING:
     import ssl
 
-    from .jobs import JobRecord
+    from .job_record import JobRecord
     from .relays import Relays
 
 log = logging.getLogger(__name__)

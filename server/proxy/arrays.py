@@ -29,6 +29,7 @@ from . import shardings as sh
 from .backend import ArraySpec
 from .compose import Piece, piece_function
 from .handles import MAX_HANDLES, HandleError, HostData, Staged, bounded
+from .layouts import c_strides, check_size, numpy_dtype, strided
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:
@@ -36,13 +37,6 @@ if TYPE_CHECKING:
 
 Message = Any
 
-# xla.ifrt.DTypeProto.Kind names -> numpy dtype names (what the workers' buffers hold)
-DTYPES = {
-    "KIND_PRED": "bool", "KIND_S8": "int8", "KIND_S16": "int16", "KIND_S32": "int32", "KIND_S64": "int64",
-    "KIND_U8": "uint8", "KIND_U16": "uint16", "KIND_U32": "uint32", "KIND_U64": "uint64",
-    "KIND_F16": "float16", "KIND_F32": "float32", "KIND_F64": "float64", "KIND_BF16": "bfloat16",
-    "KIND_C64": "complex64", "KIND_C128": "complex128",
-}
 SINGLE_DEVICE = sh.SINGLE_DEVICE
 # a MakeArraysFromHostBufferShards shard: its shard indices, shape, host buffer message, and bytes
 ShardBuffer = tuple[list[int], tuple[int, ...], Any, "HostData | Staged"]
@@ -196,59 +190,8 @@ def joined_bytes(data: bytes | HostData) -> bytes:
     return data.tobytes() if isinstance(data, HostData) else data
 
 
-def numpy_dtype(dtype_proto: Message) -> str:
-    kind = dtype_proto.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number.get(dtype_proto.kind)
-    name = DTYPES.get(kind.name if kind is not None else "")
-    if name is None:
-        raise HandleError("UNIMPLEMENTED", f"arrays of dtype {kind.name if kind else dtype_proto.kind} "
-                          "are not supported by the Pathways IFRT proxy server")
-    return name
-
-
 def parse_sharding(session: Session, sharding: Message, proto: Any) -> Sharding:
     return sh.parse(sharding, proto, {d.id for d in session.backend.slice.devices})
-
-
-def c_strides(dtype: str, shape: tuple[int, ...]) -> list[int]:
-    """The byte strides of a C-order array."""
-    expected, step = [], resolve_dtype(dtype).itemsize
-    for d in reversed(shape):
-        expected.append(step)
-        step *= d
-    return expected[::-1]
-
-
-def check_c_order(strides: Message, dtype: str, shape: tuple[int, ...]) -> None:
-    if not strides.strides:
-        return
-    if list(sh.shape_of(strides.strides, "byte strides")) != c_strides(dtype, shape):
-        raise HandleError("UNIMPLEMENTED", f"byte strides {list(strides.strides)} (only C order is supported)")
-
-
-def strided(raw: bytes, dtype: str, shape: tuple[int, ...], strides: Message | None) -> np.ndarray:
-    """The array a host buffer holds: C order, or the byte strides the client sent (a shard sent
-    as a view into the host array it came from)."""
-    np_dtype = resolve_dtype(dtype)
-    if strides is None or not strides.strides:
-        _check_size(raw, dtype, shape)
-        return np.frombuffer(raw, np_dtype).reshape(shape)
-    st = sh.shape_of(strides.strides, "byte strides")
-    if len(st) != len(shape) or any(x < 0 for x in st):
-        raise HandleError("INVALID_ARGUMENT", f"byte strides {list(st)} for a {len(shape)}-d array")
-    span = 0 if 0 in shape else sum((d - 1) * x for d, x in zip(shape, st, strict=True)) + np_dtype.itemsize
-    if len(raw) < span:
-        raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(raw)} bytes for a {dtype}{list(shape)} array "
-                          f"with byte strides {list(st)} ({span} bytes)")
-    if span == 0:
-        return np.empty(shape, np_dtype)
-    return np.ascontiguousarray(np.ndarray(shape, np_dtype, buffer=raw, strides=st))
-
-
-def _check_size(data: bytes | HostData | Staged, dtype: str, shape: tuple[int, ...]) -> None:
-    expected = math.prod(shape) * resolve_dtype(dtype).itemsize
-    if len(data) != expected:
-        raise HandleError("INVALID_ARGUMENT", f"host buffer of {len(data)} bytes for a {dtype}{list(shape)} "
-                          f"array ({expected} bytes)")
 
 
 async def _put(session: Session, sharding: Sharding, dtype: str, shape: tuple[int, ...],
@@ -302,7 +245,7 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
             data: bytes | HostData = await _read_back(held)
         else:
             try:
-                _check_size(held, dtype, shape)
+                check_size(held, dtype, shape)
             except HandleError:
                 held.discard()
                 raise
@@ -320,7 +263,7 @@ async def make_array_from_host_buffer(session: Session, req: Message, resp: Mess
     # jax.device_put sends a contiguous array's C-order strides: then the parts go on as they came
     if strides and (strides != c_strides(dtype, shape) or len(data) != nbytes):
         data = strided(joined_bytes(data), dtype, shape, r.byte_strides).tobytes()
-    _check_size(data, dtype, shape)
+    check_size(data, dtype, shape)
     session.handles.settle(handle, await _put(session, sharding, dtype, shape, data))
     resp.make_array_from_host_buffer_response.array_handle = handle
 
@@ -408,7 +351,7 @@ async def _staged_parts(session: Session, sharding: Sharding, domains: list[Inde
     for _, hb_shape, hb, held in shards:
         if hb.HasField("byte_strides") and list(hb.byte_strides.strides) not in ([], c_strides(dtype, hb_shape)):
             return None
-        _check_size(held, dtype, hb_shape)
+        check_size(held, dtype, hb_shape)
     assert sharding.op_sharding is not None
     staged = [(indices, held, hb_shape) for indices, hb_shape, _, held in shards]
     buffer_id = await put(sharding.devices, sharding.op_sharding, domains, dtype, shape, staged)

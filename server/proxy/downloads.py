@@ -44,10 +44,11 @@ from schemas.arrays import resolve_dtype
 
 from .. import wire
 from ..rpcguard import write_or_cancel
-from .arrays import ArrayRecord, Buf, check_c_order, drop_buffers, full, join, joined_bytes, unref
+from .arrays import ArrayRecord, Buf, drop_buffers, full, join, joined_bytes, unref
 from .backend import BackendError
 from .compose import gather_function
 from .handles import Arriving, HandleError, HostData, Streamed
+from .layouts import check_c_order
 from .shardings import Index
 
 if TYPE_CHECKING:

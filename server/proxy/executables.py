@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
 from .answers import message_field
-from .arrays import DTYPES, ArrayRecord, Buf, drop_buffers, materialize, unref_all, whole
+from .arrays import ArrayRecord, Buf, drop_buffers, materialize, unref_all, whole
 from .backend import ArraySpec, CompiledInfo
 from .handles import HandleError, Pending, bounded
+from .layouts import DTYPES
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import shardings as sh
-from .arrays import ArrayRecord, Part, full, new_record, numpy_dtype, parse_sharding
+from .arrays import ArrayRecord, Part, full, new_record, parse_sharding
 from .handles import MAX_HANDLES, HandleError, bounded
+from .layouts import numpy_dtype
 from .shardings import Index, Sharding
 
 if TYPE_CHECKING:

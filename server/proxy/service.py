@@ -3,7 +3,8 @@
 A session is one `IfrtSession` stream. Its metadata header carries the protocol version and the
 initialization data the plugin (pwctl/proxy_plugin.py) filled: the cluster token and the slice.
 The service answers `InitResponse` with an unguessable session id (64 random bits); the host
-buffer RPCs, which carry nothing but `{session_id, handle}`, are bound to their session by it.
+buffer RPCs (host_buffer_rpcs.py), which carry nothing but `{session_id, handle}`, are bound to
+their session by it.
 
 Requests are read in order and answered as they finish: a request that waits (CheckFuture,
 CheckValueReady, a MakeArray whose bytes have not arrived) goes on in its own task, so later
@@ -34,22 +35,19 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from .. import wire
 from ..rpcguard import write_or_cancel
 from . import arrays, downloads, executables, reshard, shardings
 from . import protocol as proto_mod
 from .answers import AnswerWriter, Encoder
 from .backend import BackendError, ClusterBackend, SessionBackend
 from .handles import MAX_HANDLES, HandleError, HandleTable, HostBuffers, HostData
+from .host_buffer_rpcs import HostBufferRpcs
+from .layouts import default_layout
 from .running import Runner
-from .staging import Staging
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # requests of one session in flight at once
-LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
-STREAM_MIN_BYTES = 4 << 20  # a host buffer this large streams on to its worker as it arrives (staging.py)
-EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse and DeleteResponse, an empty lookup chunk)
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
@@ -85,11 +83,6 @@ class Session:
     fetches: dict[int, asyncio.Future[bytes | HostData]] = field(default_factory=dict)  # downloads under way, by buffer
     gathers: dict[int, downloads.SharedCopy] = field(default_factory=dict)  # streamed downloads' shared copies
     place: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # its caller's place, until it ends
-
-
-def default_layout(rank: int) -> bytes:
-    """XLA layout text of the descending (row-major) layout, e.g. `{1,0}` (requirement 3)."""
-    return ("{" + ",".join(str(d) for d in reversed(range(rank))) + "}").encode()
 
 
 def _attributes(attr_map: Message) -> dict[str, Any]:
@@ -135,7 +128,7 @@ def _slice_request(init: dict[str, Any]) -> tuple[str | None, int | None]:
 Admit = Callable[[str], AbstractContextManager[None]]  # the caller's peer -> its place (BackendError: none left)
 
 
-class ProxyService:
+class ProxyService(HostBufferRpcs):
     """The servicer. `token`: the cluster token sessions must present (None: no check).
     `max_sessions`: proxy sessions open at once; `admit`: holds a place among its caller's
     sessions for a session's life (the controller's per-caller cap, shared with `pw` sessions)."""
@@ -209,81 +202,6 @@ class ProxyService:
         resp.version.protocol_version = v.protocol_version
         resp.version.ifrt_serdes_version_number = v.serdes_version
         return resp
-
-    async def _session_of(self, session_id: int, context: aio.ServicerContext) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no proxy session {session_id}")
-        assert session is not None
-        return session
-
-    async def HostBufferStore(self, requests: AsyncIterator[bytes], context: aio.ServicerContext) -> bytes:
-        raw = dict(context.invocation_metadata() or ()).get(proto_mod.HOST_BUFFER_METADATA_HEADER)
-        meta = self.p.GrpcHostBufferStoreMetadata()
-        try:
-            meta.ParseFromString(raw if isinstance(raw, bytes) else b"")
-        except Exception:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable host buffer metadata")
-        if raw is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HostBufferStore without its metadata header")
-        session = await self._session_of(meta.session_id, context)
-        staging: Staging | None = None
-        stored = False
-        try:
-            session.buffers.reserve(meta.buffer_size)
-            stage = getattr(session.backend, "stage", None)
-            if stage is not None and meta.buffer_size >= STREAM_MIN_BYTES:
-                staging = stage(meta.buffer_size)  # the bytes go on to the worker as they come
-            # the chunks stay views of the bytes gRPC received (wire.py): no copy to parse or join
-            chunks: list[bytes | memoryview] = []
-            size = 0
-            async for message in requests:
-                try:
-                    data = wire.data_field(message)
-                except wire.WireError as e:
-                    raise HandleError("INVALID_ARGUMENT", f"host buffer {meta.handle}: undecodable "
-                                      f"GrpcHostBufferStoreRequest ({e})") from None
-                size += len(data)
-                if size > meta.buffer_size:
-                    break
-                if staging is not None:
-                    await staging.write(data)
-                else:
-                    chunks.append(data)
-            if size != meta.buffer_size:
-                raise HandleError(
-                    "INVALID_ARGUMENT", f"host buffer {meta.handle}: {meta.buffer_size} bytes announced, {size} sent"
-                )
-            session.buffers.store(meta.handle, staging if staging is not None else HostData(chunks))
-            stored = True
-        except (HandleError, BackendError) as e:
-            log.info("proxy: session %x: HostBufferStore refused: %s", session.id, e)
-            await context.abort(grpc.StatusCode[e.code], str(e))
-        finally:
-            if staging is not None and not stored:
-                staging.discard()
-        return EMPTY
-
-    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> bytes:
-        session = await self._session_of(request.session_id, context)
-        try:
-            data = await session.buffers.lookup_bytes(request.handle)
-        except (HandleError, BackendError) as e:
-            await context.abort(grpc.StatusCode[e.code], str(e))
-        try:  # the bytes kept here, or a download from the workers as the client reads (downloads.py)
-            return await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
-        except BackendError as e:
-            log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, request.handle, e)
-            await context.abort(grpc.StatusCode[e.code], str(e))
-            raise  # not reached: abort raises
-
-    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> bytes:
-        session = await self._session_of(request.session_id, context)
-        try:
-            session.buffers.drop(request.handle)
-        except HandleError as e:
-            await context.abort(grpc.StatusCode[e.code], str(e))
-        return EMPTY  # GrpcHostBufferDeleteResponse, serialized
 
     # -- the session stream -------------------------------------------------------------------
 

@@ -12,11 +12,11 @@ Thread-safe: the executor thread, the completion thread and the gRPC handlers sh
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Recent, Waiting
-from .readiness import computed_now
+from .computations import Computations
 from .shards import held_nbytes
 
 # client uploads freed, remembered so that a copy sent again after a broken stream (`again`) is
@@ -40,8 +40,9 @@ class BufferStore:
         self._entries: dict[int, Entry] = {}
         # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
         self._waiters = Waiting()
-        # waits for launched buffers' computations to be over, per buffer (`when_computed`)
-        self._computing = Waiting()
+        # waits for launched buffers' computations to be over (`when_computed`, the executor's
+        # `computed`): under this lock, reading these entries
+        self.computations = Computations(self._lock, self._entries)
         self._freed_uploads: Recent[int] = Recent(MAX_FREED_UPLOADS)
         self._unwanted: Recent[int] = Recent(MAX_UNWANTED)
         self._tombstones: Recent[int] = Recent(MAX_TOMBSTONES)  # their ids
@@ -321,42 +322,6 @@ class BufferStore:
         with self._lock:
             latch.callback = None
             self._waiters.remove(dict.fromkeys(buffer_ids), latch)
-
-    # ---- computed: launched is not computed ----
-    def when_computed(self, buffer_ids: Sequence[int], callback: Callable[[], None]) -> Latch | bool:
-        """Calls `callback` once the computations behind these ready buffers are over, from the
-        thread that completes the last (the executor's, through `computed`), so that a wait for
-        them holds no thread. True when they are all computed already (then it is not called);
-        False when one is not a launch's output (an upload, a peer's array: not the executor's to
-        complete) or is not ready: the caller waits on the values itself. `forget_computed`
-        forgets the latch."""
-        with self._lock:
-            computing = []
-            for b in dict.fromkeys(buffer_ids):
-                e = self._entries.get(b)
-                if e is None or e.state != READY or not e.launched:
-                    return False
-                if computed_now(e.value) is not False:  # computed; or deleted, failed: not waited for here
-                    continue
-                computing.append(b)  # `computed(b)` comes after this: it follows readiness, under the lock
-            if not computing:
-                return True
-            latch = Latch(len(computing), callback)
-            self._computing.add(computing, latch)
-            return latch
-
-    def computed(self, buffer_ids: Iterable[int]) -> None:
-        """(the executor, once these launched buffers' computations are over, failed or not)"""
-        if not self._computing.by_id:  # nobody waits (the hot path: no lock)
-            return
-        with self._lock:
-            for b in buffer_ids:
-                self._computing.settle(b)
-
-    def forget_computed(self, buffer_ids: Sequence[int], latch: Latch) -> None:
-        with self._lock:
-            latch.callback = None
-            self._computing.remove(dict.fromkeys(buffer_ids), latch)
 
     def owner_of(self, buffer_id: int) -> str | None:
         """The owner recorded for a buffer ("" when none was), None when the store has no entry."""

@@ -123,7 +123,7 @@ class Completion:
         # read only where a Wait waits for them (the store looks first): no list on the hot path
         outputs = (b for task in batch for b in task.output_ids)
         if not failed:  # the Waits for them are answered now (waits.py), before the bookkeeping below
-            self.store.computed(outputs)
+            self.store.computations.computed(outputs)
         group = self.runners.group
         for i, info in enumerate(infos):
             if errors[i] and info.definition.group_generation:
@@ -147,7 +147,7 @@ class Completion:
             nbytes += task.nbytes
             prompt = prompt or task.prompt
         if failed:
-            self.store.computed(outputs)  # after their failure
+            self.store.computations.computed(outputs)  # after their failure
         self._completed += len(batch)
         self._completions.extend(batch)  # for the machine, taken when the launch thread next wakes
         if len(self._completions) > COMPLETIONS_BOUND:

@@ -2,7 +2,7 @@
 
 jaxlib 0.10.2's `Array.is_ready()` on an explicitly deleted array (`x.delete()`) kills the process
 with SIGSEGV; on a donated one it raises. `is_deleted()` is safe, so it is asked first. Every
-readiness check of the worker goes through `computed_now` (waits.py, completion.py, buffers.py,
+readiness check of the worker goes through `computed_now` (waits.py, completion.py, computations.py,
 servicer.py); tests/test_worker_readiness.py holds the crash's reproduction.
 """
 

@@ -25,13 +25,17 @@ within DEAD_PEER_S on both ends, set up once per connection, nothing per frame:
   long as it likes. On the sending end TCP_USER_TIMEOUT also fails a `sendall` whose bytes stay
   unacknowledged (or whose receiver stopped reading, a zero window) for DEAD_PEER_S, instead of
   SEND_TIMEOUT_S or the kernel's ~15 minutes of retransmissions; the sender then falls back.
-- A progress timeout on the receiver: no byte for DEAD_PEER_S in the middle of a frame drops the
-  frame and the connection (the reader's run fails as when a sender dies), which also covers a
-  sender process frozen on a live host (its kernel answers the keepalive). Plain connections use
-  the kernel's SO_RCVTIMEO (a Python socket timeout would poll before every recv: 40 recv calls
-  per 64 MiB instead of 21, ~10% slower on loopback); TLS ones the socket timeout, as the ssl
-  module retries a read that SO_RCVTIMEO interrupted. Before a frame's first byte the timeout only
-  wakes the thread, which waits on.
+- A progress timeout on the receiver: no byte for DEAD_PEER_S in the middle of a frame's array
+  drops the frame and the connection (the reader's run fails as when a sender dies), which also
+  covers a sender process frozen on a live host (its kernel answers the keepalive). Plain
+  connections use the kernel's SO_RCVTIMEO (a Python socket timeout would poll before every recv:
+  40 recv calls per 64 MiB instead of 21, ~10% slower on loopback); TLS ones the socket timeout,
+  as the ssl module retries a read that SO_RCVTIMEO interrupted. Before a frame's first byte the
+  timeout only wakes the thread, which waits on. A frame's prefix and header have one deadline,
+  DEAD_PEER_S after the frame's first byte, not one per read: a peer that stalls partway through
+  a header, or sends it a byte now and then, is dropped within DEAD_PEER_S (the hello likewise
+  within CONNECT_TIMEOUT_S of the connection). The array's bytes keep the progress timeout: a
+  large array on a slow link may take longer than DEAD_PEER_S as a whole.
 DEAD_PEER_S is 30 s: a live sender writes a frame straight from memory and never pauses for
 seconds, and the controller finds a silent host within its heartbeat timeout (5 s by default,
 at most ~15 s in a large cluster), so by then
@@ -63,7 +67,7 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..bulklink import SESSION_MAGIC, recv_bytes, recv_exact
+from ..bulklink import SESSION_MAGIC, recv_exact
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -107,6 +111,8 @@ def _stalled(e: OSError) -> bool:
 
 
 def _why(e: OSError) -> str:
+    if isinstance(e, _Late):
+        return f"{e} ({DEAD_PEER_S:g} s after its first byte)"
     if _stalled(e):
         return f"no bytes for {DEAD_PEER_S:g} s"
     if e.errno == errno.ETIMEDOUT:
@@ -114,23 +120,86 @@ def _why(e: OSError) -> str:
     return str(e)
 
 
-def _next_prefix(conn: socket.socket) -> bytes | None:
-    """The next frame's prefix, however long the peer stays idle before it (a connection waits
-    between transfers; keepalive ends it if the peer's host vanishes); None when the peer closed."""
-    buf = bytearray(FRAME.size)
-    view = memoryview(buf)
+class _Late(TimeoutError):
+    """What was read under a deadline (`_fill`) was not all here by it."""
+
+
+def _fill(conn: socket.socket, view: memoryview, deadline: float, what: str, then: float | None) -> bool:
+    """Fills `view` by `deadline` (time.monotonic()): each read waits at most what is left of it
+    (a socket timeout), so a peer that sends a few bytes now and then cannot stretch it; False
+    when the peer closed first; `_Late` ("`what` not whole ...") past it. The connection's socket
+    timeout is `then` again afterwards (None on a plain framing one: its SO_RCVTIMEO stays)."""
     got = 0
-    while got < len(buf):
+    try:
+        while got < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Late(f"timed out: {what} not whole in time")
+            conn.settimeout(max(left, 1e-3))
+            try:
+                n = conn.recv_into(view[got:])
+            except OSError as e:
+                if _stalled(e):
+                    continue  # the deadline passed: said above
+                raise
+            if n == 0:
+                return False
+            got += n
+    finally:
+        conn.settimeout(then)
+    return True
+
+
+def _next_prefix(conn: socket.socket, then: float | None) -> tuple[bytes, float | None] | None:
+    """The next frame's prefix, however long the peer stays idle before it (a connection waits
+    between transfers; keepalive ends it if the peer's host vanishes), and the frame's deadline
+    for its header: DEAD_PEER_S after its first byte. The deadline is None where the prefix came
+    whole in its first read (the common case): the connection's read timeout, DEAD_PEER_S, then
+    starts within microseconds of that first byte and stands for it (`_header`). None when the
+    peer closed. `then`: the connection's socket timeout (`_fill`)."""
+    buf = bytearray(FRAME.size)
+    while True:
         try:
-            n = conn.recv_into(view[got:])
+            n = conn.recv_into(buf)
         except OSError as e:
-            if got == 0 and _stalled(e):
+            if _stalled(e):
                 continue
             raise
-        if n == 0:
-            return None
-        got += n
-    return bytes(buf)
+        break
+    if n == 0:
+        return None
+    if n == len(buf):
+        return bytes(buf), None
+    deadline = time.monotonic() + DEAD_PEER_S
+    if not _fill(conn, memoryview(buf)[n:], deadline, "a frame's head", then):
+        return None
+    return bytes(buf), deadline
+
+
+def _header(conn: socket.socket, n: int, deadline: float | None, then: float | None) -> bytes | None:
+    """A frame's header of `n` bytes, whole by the frame's `deadline` (`_next_prefix`); None when
+    the peer closed first. A plain connection reads it in one MSG_WAITALL call where the deadline
+    is the read timeout just started: the kernel bounds that call's waits together, by
+    SO_RCVTIMEO; what a cut-short call left, and a TLS connection, read under the deadline."""
+    if n == 0:
+        return b""
+    if deadline is None:
+        deadline = time.monotonic() + DEAD_PEER_S
+        if then is None:  # a plain connection
+            data = conn.recv(n, socket.MSG_WAITALL)
+            if len(data) == n or not data:
+                return data or None
+            rest = bytearray(n - len(data))
+            return data + bytes(rest) if _fill(conn, memoryview(rest), deadline, "a frame's head", then) else None
+    buf = bytearray(n)
+    return bytes(buf) if _fill(conn, memoryview(buf), deadline, "a frame's head", then) else None
+
+
+def _hello_bytes(conn: socket.socket, n: int, deadline: float) -> bytes | None:
+    """`n` bytes of a hello, here by `deadline` (CONNECT_TIMEOUT_S after the connection came);
+    None when the peer closed first."""
+    buf = bytearray(n)
+    return bytes(buf) if _fill(conn, memoryview(buf), deadline, "the hello", CONNECT_TIMEOUT_S) else None
 
 
 def guard(sock: socket.socket) -> None:
@@ -205,13 +274,16 @@ class TcpReceiver:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             guard(conn)
-            # the handshake and the hello within CONNECT_TIMEOUT_S: a peer that connects and says
-            # nothing does not hold this thread (a peer sends its hello at once); then the
-            # progress timeout, which lets the connection idle between frames
+            # the hello whole within CONNECT_TIMEOUT_S of the connection (one deadline, as a frame's
+            # head: a peer that trickles it cannot stretch it), each of the TLS handshake's reads
+            # within it: a peer that connects and says nothing does not hold this thread (a peer
+            # sends its hello at once); then the progress timeout, which lets the connection idle
+            # between frames
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is not None:
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
-            secret = self._hello(conn)
+            secret = self._hello(conn, deadline)
             if isinstance(secret, bytes):  # a proxy session's bulk connection (server/bulklink.py)
                 conn.settimeout(None)
                 assert self._session is not None
@@ -232,33 +304,36 @@ class TcpReceiver:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _hello(self, conn: socket.socket) -> bool | bytes:
-        """Whether a peer's hello is right; a proxy session's hello: its secret (bytes)."""
-        head = recv_bytes(conn, HELLO.size)
+    def _hello(self, conn: socket.socket, deadline: float) -> bool | bytes:
+        """Whether a peer's hello, whole by `deadline`, is right; a proxy session's hello: its
+        secret (bytes)."""
+        head = _hello_bytes(conn, HELLO.size, deadline)
         if head is None:
             return False
         magic, n = HELLO.unpack(head)
         if magic == SESSION_MAGIC and self._session is not None:
-            secret = recv_bytes(conn, n)
+            secret = _hello_bytes(conn, n, deadline)
             return secret or False
         if magic != HELLO_MAGIC:
             if head[:1] == TLS_HANDSHAKE and self._tls is None:
                 raise ValueError("the peer speaks TLS and this worker does not (no --tls-cert)")
             return False
-        token = recv_bytes(conn, n)
+        token = _hello_bytes(conn, n, deadline)
         if token is None:
             return False
         return self._check(token) if self._check is not None else hmac.compare_digest(token, self._token)
 
     def _frame(self, conn: socket.socket, peer: object) -> bool:
         """Reads one frame and delivers it; False when the peer closed the connection."""
-        prefix = _next_prefix(conn)
-        if prefix is None:
+        then = DEAD_PEER_S if self._tls is not None else None  # the socket timeout (_progress_timeout)
+        got = _next_prefix(conn, then)
+        if got is None:
             return False
+        prefix, deadline = got
         magic, n = FRAME.unpack(prefix)
         if magic != FRAME_MAGIC or n > MAX_HEADER:
             raise ValueError("malformed frame")
-        raw = recv_bytes(conn, n)
+        raw = _header(conn, n, deadline, then)
         if raw is None:
             return False
         header = wpb.TransferChunk.FromString(raw)

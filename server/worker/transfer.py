@@ -141,6 +141,7 @@ class TransferSender:
         self._token = token
         self._peer_secret = ""  # the peer credential (set_key): what TCP links present in their hello
         self._tcp: dict[str, TcpPeer | float] = {}  # peer -> its TCP link, or when to try again
+        self._tcp_setup: dict[str, threading.Lock] = {}  # peer -> held while its link is opened
         # peers already sent to, per transport: the first send of each kind to a peer is logged
         # ("first transfer to ADDRESS by KIND"), which is how tests see which transport an edge used
         self._used: dict[str, set[str]] = {RING: set(), SEGMENT: set(), STREAM: set(), TCP: set()}
@@ -178,12 +179,31 @@ class TransferSender:
     def _tcp_peer(self, address: str) -> TcpPeer | None:
         """The TCP link to the worker at `address` (opened on first use: its `Stats` names the
         port), or None where it has none or it failed lately (then the gRPC stream carries it)."""
+        known, entry = self._tcp_known(address)
+        if known:
+            return entry
+        with self._lock:
+            setup = self._tcp_setup.setdefault(address, threading.Lock())
+        # one thread opens a peer's link and the others wait for it: two pool threads opening it at
+        # once (a burst of first sends, as a pipeline's first micro-batches) made two links, the
+        # second closing the first under the send on it (EBADF), after which the transfers to that
+        # peer went by the gRPC stream for TCP_RETRY_S (tests/test_transfer_link.py)
+        with setup:
+            known, entry = self._tcp_known(address)
+            return entry if known else self._tcp_open(address)
+
+    def _tcp_known(self, address: str) -> tuple[bool, TcpPeer | None]:
+        """(True, the link) where it is up, (True, None) while a failed one waits for its retry,
+        (False, None) where one is to be opened."""
         with self._lock:
             entry = self._tcp.get(address)
-            if isinstance(entry, TcpPeer) and not entry.broken:
-                return entry
-            if isinstance(entry, float) and time.monotonic() < entry:
-                return None
+        if isinstance(entry, TcpPeer) and not entry.broken:
+            return True, entry
+        if isinstance(entry, float) and time.monotonic() < entry:
+            return True, None
+        return False, None
+
+    def _tcp_open(self, address: str) -> TcpPeer | None:
         try:
             stats = self._peer(address).stub.Stats(wpb.WorkerStatsRequest(), metadata=self._metadata,
                                                     timeout=TCP_SETUP_S)

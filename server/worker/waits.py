@@ -3,7 +3,7 @@
 Settled is not computed: a launched buffer is ready as soon as its computation is launched
 (JAX's asynchronous dispatch). A Wait for buffers computed already is answered on the event
 loop; one for launches still computing waits for the executor's completion of them
-(BufferStore.when_computed, called back from the completion thread), so no thread blocks on
+(Computations.when_computed, called back from the completion thread), so no thread blocks on
 them and the answer leaves with one thread hand-off less (bench/FINDINGS.md); anything else (too
 many buffers, values that are not launches' outputs) waits in a pool thread.
 """
@@ -59,11 +59,11 @@ class Waits:
     _pool: ThreadPoolExecutor
 
     async def _launches_over(self, buffer_ids: list[int], timeout: float) -> bool | None:
-        """Waits for the executor's completion of these launched buffers (BufferStore.when_computed):
+        """Waits for the executor's completion of these launched buffers (computations.py):
         no pool thread blocks on them. False after `timeout`; None when not all are launches'."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        latch = self.store.when_computed(buffer_ids, lambda: wake(loop, fut))
+        latch = self.store.computations.when_computed(buffer_ids, lambda: wake(loop, fut))
         if latch is False:
             return None
         if latch is True:
@@ -71,7 +71,7 @@ class Waits:
         try:
             return await woken_within(fut, timeout)
         finally:
-            self.store.forget_computed(buffer_ids, latch)
+            self.store.computations.forget_computed(buffer_ids, latch)
 
     def _values_now(self, buffer_ids: list[int], must_exist: bool) -> list[object] | Verdict:
         """The settled buffers' values when the computations behind them are over; else

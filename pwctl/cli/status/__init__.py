@@ -72,10 +72,6 @@ def status(
     queues), what each device runs now, jobs and the longest waits. With --watch, a live view that
     fits the terminal; piped or with -o json, one JSON document (kind ClusterStatus) per line per
     update, with everything the screen shows. Ctrl-C stops watching."""
-    from schemas.views import ClusterStatusView, dump
-
-    from .screen import render
-
     if interval is not None and not watch:
         raise typer.BadParameter("only with --watch (without it, status shows one snapshot)",
                                  param_hint="--interval")
@@ -87,16 +83,21 @@ def status(
         {"device_limit": SCREEN_DEVICES, "queue_limit": SCREEN_QUEUE}
     with client(server) as c:
         if not watch:
-            view = ClusterStatusView.of(c.status(**query))
+            answer = c.status(**query)
+            from schemas.views import ClusterStatusView, dump  # pydantic: once the controller answered
+
+            view = ClusterStatusView.of(answer)
             if as_json:
                 sys.stdout.write(dump(view) + "\n")
                 _page_hint(view)
             else:
+                from .screen import render  # Rich
+
                 console = stdout()
                 console.print(render(view, console.width, None, c.address), crop=True)
             return
         try:
-            updates = (ClusterStatusView.of(s) for s in c.watch(interval or 1.0, **query))
+            updates = _views(c.watch(interval or 1.0, **query))
             if as_json:
                 _json_lines(updates)
             else:
@@ -106,6 +107,19 @@ def status(
             pass
         except BrokenPipeError:  # `pwctl status --watch | head`: the reader left; say nothing
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _views(statuses: Iterator[Any]) -> Iterator[ClusterStatusView]:
+    """The views of a Watch stream's updates, the views' module (pydantic) loaded once the first
+    arrived: a controller that is not there fails the command before it is."""
+    first = next(statuses, None)
+    if first is None:
+        return
+    from schemas.views import ClusterStatusView
+
+    yield ClusterStatusView.of(first)
+    for s in statuses:
+        yield ClusterStatusView.of(s)
 
 
 def _page_hint(view: ClusterStatusView) -> None:
@@ -122,14 +136,14 @@ def _json_lines(updates: Iterator[ClusterStatusView]) -> None:
 
 def _live(updates: Iterator[ClusterStatusView], address: str) -> None:
     """A full-screen view, redrawn for each update at the terminal's size of the moment."""
+    first = next(updates, None)
+    if first is None:
+        return
     from rich.live import Live
 
     from .screen import render
 
     console = common.stdout()
-    first = next(updates, None)
-    if first is None:
-        return
 
     def draw(view: ClusterStatusView) -> object:
         width, height = console.size

@@ -6,11 +6,11 @@ then reads the buffer with one HostBufferLookup stream and deletes it. An array 
 buffers it comes from are computed, and stores a `Download` under the host buffer's handle that
 holds those buffers (a DestructArray right after does not free them); the lookup then reads them
 from their workers' `Fetch` a message at a time and sends each on once the next has come (the
-last goes with the call's status: service.py), so the controller holds a few messages at once
-and reads no faster than the client takes them. The worker makes those messages wire-identical
-to the lookup's (`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so they go on
-unparsed and uncopied: the controller checks each one's header (`wire.data_length`) and counts
-its bytes. Deleting the host buffer, or the session's end, lets the buffers go.
+last goes with the call's status: host_buffer_rpcs.py), so the controller holds a few messages
+at once and reads no faster than the client takes them. The worker makes those messages
+wire-identical to the lookup's (`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so
+they go on unparsed and uncopied: the controller checks each one's header (`wire.data_length`)
+and counts its bytes. Deleting the host buffer, or the session's end, lets the buffers go.
 
 An array is streamed as `Segment`s, byte ranges of worker buffers whose concatenation is its C-order
 bytes, each read with a `Fetch` of that range (the worker sends only those bytes): one buffer's

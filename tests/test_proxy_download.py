@@ -8,6 +8,7 @@ buffers arrive exactly, in order."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,50 @@ def test_a_download_is_forwarded_as_lookup_messages_and_only_to_its_session(modu
         await until(lambda: worker_buffers(cluster) == 0, "the session's buffers to be freed")
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_small_copy_is_answered_before_its_bytes_come_and_the_lookup_waits(module_cluster: LocalCluster) -> None:
+    """CopyToHostBuffer of an array under 4 MiB is answered once its fetch has begun, not once its
+    bytes came (downloads.Fetching): here its worker is frozen meanwhile, and the answer comes at
+    once all the same; the lookup waits for the bytes, which come once the worker goes on. The
+    array's buffer stays held until they came, although the array is destroyed at once."""
+    cluster = module_cluster  # left as found: its session ends, its buffers freed
+    (name,) = cluster.workers
+    data = np.arange(256, dtype=np.float32).tobytes()  # 1 KiB
+
+    async def main() -> None:
+        async with raw_session(cluster) as s:
+            await s.store(10, data)
+            assert (await s.make(10, 20, (256,))).response_metadata.status.code == 0
+            assert await s.read_back(20, 21) == data  # on its worker, the session's connection open
+            await s.delete(21)
+            cluster.stop_worker(name)
+            try:
+                started = time.monotonic()
+                copied = asyncio.ensure_future(_copy_to_host(s, 20, 30))
+                await asyncio.wait_for(asyncio.shield(copied), 5)  # before: only once the worker went on
+                answered = time.monotonic() - started
+
+                def destroy(req: Any) -> None:
+                    req.destruct_array_request.array_handle.append(20)
+
+                assert (await s.ask(destroy)).response_metadata.status.code == 0
+                lookup = asyncio.ensure_future(_collect(await _lookup_call(s, 30)))
+                await asyncio.sleep(1.0)
+                assert not lookup.done()  # the bytes are not here yet
+            finally:
+                cluster.cont_worker(name)
+            assert await asyncio.wait_for(lookup, 30) == data
+            assert answered < 1.0, answered
+            await s.delete(30)
+        await until(lambda: worker_buffers(cluster) == 0, "the session's buffers to be freed")
+
+    asyncio.run(main())
+
+
+async def _collect(call: aio.UnaryStreamCall) -> bytes:
+    return b"".join([r.data async for r in call])
 
 
 def _rec(shape: tuple[int, ...], domains: Sequence[Index], parts: Sequence[tuple[Buf, Index]]) -> Any:

@@ -24,9 +24,10 @@ from grpc import aio
 from proxy_env import client_env
 
 from pwctl import proxy_plugin
+from server import rpcguard
 from server.proxy import protocol as proto_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
-from server.proxy.handles import SERVER_HANDLE_BASE, HandleError, HandleTable, HostBuffers
+from server.proxy.handles import SERVER_HANDLE_BASE, Arriving, HandleError, HandleTable, HostBuffers, HostData
 from server.proxy.layouts import default_layout
 from server.proxy.service import TOKEN_KEY, ProxyService
 from server.proxy.shardings import MAX_RANK
@@ -115,6 +116,52 @@ def test_host_buffers_wait_for_late_stores_and_are_bounded() -> None:
         quick = HostBuffers(wait_s=0.05)
         with pytest.raises(HandleError, match=r"did not arrive within 0\.05 s"):
             await quick.take(1)
+
+    asyncio.run(main())
+
+
+class Coming(Arriving):
+    """Bytes still on their way (as downloads.Fetching's from a worker), here set by the test."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.bytes: asyncio.Future[HostData] = asyncio.get_running_loop().create_future()
+        self.released = 0
+
+    async def result(self) -> HostData:
+        return await asyncio.shield(self.bytes)
+
+    def release(self) -> None:
+        self.released += 1
+        self.bytes.cancel()
+
+
+def test_arriving_host_buffers_count_against_the_limit_and_are_waited_for() -> None:
+    """A small download CopyToHostBuffer answered before its bytes came (downloads.Fetching)
+    counts as the bytes it will hold, its lookup waits for them and leaves it stored, a request
+    taking it waits too, and deleting it (or the session's end) lets its fetch go."""
+    async def main() -> None:
+        buffers = HostBuffers(limit_bytes=10)
+        first = Coming(6)
+        buffers.store(1, first)
+        assert buffers.held_bytes == 6
+        with pytest.raises(HandleError, match="at most 10 bytes"):
+            buffers.store(2, Coming(5))
+        looking = asyncio.create_task(buffers.lookup_bytes(1))
+        await asyncio.sleep(0)
+        assert not looking.done()
+        first.bytes.set_result(HostData([b"abcdef"]))
+        got = await looking
+        assert isinstance(got, HostData) and got.tobytes() == b"abcdef" and buffers.held_bytes == 6
+        assert (await buffers.take(1)).tobytes() == b"abcdef"  # a MakeArray of it: taken, let go
+        assert buffers.held_bytes == 0 and first.released == 1
+        second, third = Coming(4), Coming(4)
+        buffers.store(2, second)
+        buffers.store(3, third)
+        buffers.drop(2)
+        assert second.released == 1 and buffers.held_bytes == 4
+        buffers.clear()
+        assert third.released == 1 and buffers.held_bytes == 0
 
     asyncio.run(main())
 
@@ -527,7 +574,10 @@ async def _session(ch: aio.Channel, **init: Any) -> tuple[Any, int]:
 def test_a_lookup_never_read_then_dropped_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
     """Found by the chaos run's proxy fuzz (bench/chaos/proxyfuzz.py): a client that stops
     reading a HostBufferLookup, then hangs up, failed the service's pending write before gRPC
-    marked the call cancelled, and gRPC logged that as an ERROR with a traceback."""
+    marked the call cancelled, and gRPC logged that as an ERROR with a traceback. With the
+    controller's filter of gRPC's log (rpcguard.FinalStatusFilter, installed at its start): the
+    lookup's last message leaves with the call's status, which the filter makes one INFO line
+    when the caller has gone."""
     async def main() -> None:
         service = ProxyService(Cluster())
         server, port = await serve(service)
@@ -557,8 +607,13 @@ def test_a_lookup_never_read_then_dropped_logs_no_error(caplog: pytest.LogCaptur
         finally:
             await server.stop(None)
 
-    with caplog.at_level(logging.DEBUG):
-        asyncio.run(main())
+    grpc_log, final_status = logging.getLogger(rpcguard.GRPC_LOGGER), rpcguard.FinalStatusFilter()
+    grpc_log.addFilter(final_status)  # as the controller's start does (quiet_final_status), for this test only
+    try:
+        with caplog.at_level(logging.DEBUG):
+            asyncio.run(main())
+    finally:
+        grpc_log.removeFilter(final_status)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records
                                                                           if r.levelno >= logging.ERROR]
 

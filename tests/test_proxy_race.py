@@ -157,8 +157,9 @@ def test_a_destruct_waits_for_earlier_readers_of_its_handle() -> None:
             answered[resp.response_metadata.op_id] = resp
             if len(answered) == 6:
                 (session,) = service.sessions.values()
-                try:
-                    data: bytes | None = session.buffers.lookup(8).tobytes()
+                try:  # the read's bytes may still be arriving (downloads.Fetching): as a lookup, waited for
+                    held = await session.buffers.lookup_bytes(8)
+                    data: bytes | None = held.tobytes() if isinstance(held, HostData) else None
                 except HandleError:
                     data = None
                 answered[0] = (data, session.handles.peek(25), session.handles.peek(26),

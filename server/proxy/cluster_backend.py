@@ -391,7 +391,9 @@ class SliceSession(Uploading):
         """A buffer's bytes (C order), whole: a download under downloads.STREAM_MIN_BYTES, read as
         its worker's `FetchData` messages (`lookup_messages`; on a bulk connection, where a small
         answer is read on the event loop, bulk.py), not counted among the bulk transfers. The
-        fetch waits for the buffer; its run's failure ends it with that run's error."""
+        fetch waits for the buffer; its run's failure ends it with that run's error, by cancelling
+        the caller's task (`RunFailures.unless_failed_here`): a fetch's own (downloads.py), never
+        the session's reader."""
         self._failures.check(buffer_id)
         self._address_of(buffer_id)
         self._cork.waiting()  # the run making it is on its way to the worker
@@ -400,8 +402,7 @@ class SliceSession(Uploading):
             async with contextlib.aclosing(self.lookup_messages(buffer_id, counted=False)) as messages:
                 return HostData([wire.data_field(message) async for message in messages])
 
-        result: HostData = await self._failures.unless_failed([buffer_id], fetch())
-        return result
+        return await self._failures.unless_failed_here([buffer_id], fetch())
 
     def lookup_messages(self, buffer_id: int, offset: int = 0, length: int = 0,
                         counted: bool = True) -> AsyncGenerator[bytes, None]:

@@ -5,12 +5,12 @@ then reads the buffer with one HostBufferLookup stream and deletes it. An array 
 `STREAM_MIN_BYTES` or more is not read into the controller: CopyToHostBuffer answers once the
 buffers it comes from are computed, and stores a `Download` under the host buffer's handle that
 holds those buffers (a DestructArray right after does not free them); the lookup then reads them
-from their workers' `Fetch` a message at a time and sends each on before reading the next
-(service.py), so the controller holds a few messages at once and reads no faster than the client
-takes them. The worker makes those messages wire-identical to the lookup's
-(`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so they go on unparsed and
-uncopied: the controller checks each one's header (`wire.data_length`) and counts its bytes.
-Deleting the host buffer, or the session's end, lets the buffers go.
+from their workers' `Fetch` a message at a time and sends each on once the next has come (the
+last goes with the call's status: host_buffer_rpcs.py), so the controller holds a few messages
+at once and reads no faster than the client takes them. The worker makes those messages
+wire-identical to the lookup's (`FetchRequest.data_messages`: `{bytes data = 1}`, 2 MiB each), so
+they go on unparsed and uncopied: the controller checks each one's header (`wire.data_length`)
+and counts its bytes. Deleting the host buffer, or the session's end, lets the buffers go.
 
 An array is streamed as `Segment`s, byte ranges of worker buffers whose concatenation is its C-order
 bytes, each read with a `Fetch` of that range (the worker sends only those bytes): one buffer's
@@ -24,7 +24,9 @@ downloads under way share (`SharedCopy`); what a download made is freed with it.
 
 Smaller arrays are read whole (one fetch of their buffer's data messages, on the session's bulk
 connection where there is one, read on the event loop: cluster_backend.py `get`; no extra round
-trip to wait for them) and kept here until the lookup, which is answered from them at once.
+trip to wait for them) and kept here until the lookup. CopyToHostBuffer is answered as soon as
+their fetch has begun (`Fetching`), so the fetch goes on while the client takes the answer and
+sends its lookup, which waits for what is left of it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..rpcguard import write_or_cancel
 from .arrays import ArrayRecord, Buf, drop_buffers, full, join, joined_bytes, unref
 from .backend import BackendError
 from .compose import gather_function
-from .handles import HandleError, HostData, Streamed
+from .handles import Arriving, HandleError, HostData, Streamed
 from .layouts import check_c_order
 from .shardings import Index
 
@@ -239,9 +241,12 @@ async def start(session: Session, rec: ArrayRecord, stream: Stream) -> Download:
 
 async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
     """The array's bytes (C order), read whole from its buffers (one buffer's: as the worker sent
-    them)."""
+    them). In a task of its own (`Fetching`'s), which the backend's `get` cancels if the buffer's
+    run fails."""
     buf = rec.buffer()
     if buf is not None:
+        if buf.id not in session.fetches and not _spread(session, buf):
+            return await session.backend.get(buf.id)  # in this task: no shared one
         return await _fetch(session, buf)
     sources = rec.buffers
     datas = await asyncio.gather(*(_fetch(session, b) for b in sources))
@@ -257,7 +262,8 @@ async def host_bytes(session: Session, rec: ArrayRecord) -> bytes | HostData:
 
 
 async def _fetch(session: Session, buf: Buf) -> bytes | HostData:
-    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch."""
+    """A buffer's bytes; downloads of shards of one buffer that overlap share one fetch, in a task
+    of its own (which the backend's `get` cancels if the buffer's run fails)."""
     task = session.fetches.get(buf.id)
     if task is None:
         task = session.fetches[buf.id] = asyncio.ensure_future(_download(session, buf))
@@ -275,54 +281,100 @@ async def _download(session: Session, buf: Buf) -> bytes | HostData:
         session.backend.free([copy])
 
 
+class Fetching(Arriving):
+    """A small array's bytes on their way from its workers (`host_bytes`, in a task of its own),
+    stored by CopyToHostBuffer without waiting for them: the client's lookup, which comes a round
+    trip of the client's later, waits for what is left of the fetch (bench/FINDINGS.md,
+    2026-11-27 14:41). It holds the array's buffers until the bytes came (a DestructArray right
+    after must not free what is being read); `release` (the host buffer deleted, the session's
+    end) ends a fetch still under way."""
+
+    def __init__(self, session: Session, rec: ArrayRecord) -> None:
+        self.nbytes = rec.nbytes
+        self._session: Session | None = session
+        self._rec = rec
+        rec.refs += 1
+        self._task = asyncio.ensure_future(_fetched(session, rec))
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[HostData]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: a lookup that never comes leaves it unawaited
+        self._let_go()
+
+    def _let_go(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            unref(session, self._rec)
+
+    async def result(self) -> HostData:
+        return await asyncio.shield(self._task)
+
+    def release(self) -> None:
+        self._task.cancel()
+        self._let_go()  # now, not in the cancelled task's callback: the session may be closing
+
+
+async def _fetched(session: Session, rec: ArrayRecord) -> HostData:
+    data = await host_bytes(session, rec)
+    if len(data) != rec.nbytes:
+        raise BackendError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
+    return data if isinstance(data, HostData) else HostData([data])
+
+
 async def copy_to_host_buffer(session: Session, req: Message, resp: Message, proto: Any) -> None:
+    """Answered once an array of `STREAM_MIN_BYTES` or more is computed (its bytes stay on the
+    workers: `Download`); a smaller one at once, its fetch begun (`Fetching`)."""
     r = req.copy_to_host_buffer_request
     rec = await session.handles.resolve(r.array_handle, ArrayRecord)
     if r.HasField("byte_strides"):
         check_c_order(r.byte_strides, rec.dtype, rec.shape)
     stream = getattr(session.backend, "lookup_messages", None)  # the cluster's backend has it (cluster_backend.py)
-    rec.refs += 1  # a DestructArray right after must not free what is being read
-    try:
-        if stream is not None and rec.nbytes >= STREAM_MIN_BYTES:
-            data: bytes | HostData | Download = await start(session, rec, stream)
-        else:
-            data = await host_bytes(session, rec)
-    finally:
-        unref(session, rec)
-    if len(data) != rec.nbytes:
-        raise HandleError("INTERNAL", f"worker returned {len(data)} bytes for a {rec.nbytes}-byte array")
+    if stream is not None and rec.nbytes >= STREAM_MIN_BYTES:
+        rec.refs += 1  # a DestructArray right after must not free what is being read
+        try:
+            data: Download | Fetching = await start(session, rec, stream)
+        finally:
+            unref(session, rec)
+    else:
+        data = Fetching(session, rec)
     try:
         session.buffers.store(r.host_buffer_handle, data)
     except HandleError:
-        if isinstance(data, Download):
-            data.release()
+        data.release()
         raise
     resp.copy_to_host_buffer_response.SetInParent()
 
 
-async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> None:
-    """A HostBufferLookup's messages: bytes kept here in `chunk`s (serialized here, one copy of
-    each), or a download's messages read from a worker and each sent on, unparsed, before the
-    next is read, so the controller holds a few however slowly the client reads (BackendError
-    when the workers fail it). Each write waits for the client's flow-control window; a client
-    that goes away cancels the handler (rpcguard.write_or_cancel: no traceback logged, as one was
-    for a client that never read its lookup, then hung up: the chaos run's proxy fuzz), which
-    closes the download's `messages` and with it the worker's fetch."""
+async def write_lookup(context: Any, data: HostData | Streamed, chunk: int, handle: int) -> bytes:
+    """A HostBufferLookup's messages, all but the last written here, the last returned (the
+    handler's answer, which gRPC sends with the call's status: one write fewer; a small read's
+    only message goes so): bytes kept here in `chunk`s (serialized here, one copy of each), or a
+    download's messages read from a worker and each sent on, unparsed, once the next has come
+    (the controller holds a few however slowly the client reads; BackendError when the workers
+    fail it). Each write waits for the client's flow-control window; a client that goes away
+    cancels the handler (rpcguard.write_or_cancel: no traceback logged, as one was for a client
+    that never read its lookup, then hung up: the chaos run's proxy fuzz), which closes the
+    download's `messages` and with it the worker's fetch."""
+    last: bytes | None = None
     if isinstance(data, Streamed):
         sent = 0
         async with contextlib.aclosing(data.messages()) as messages:
             async for message in messages:
                 sent += wire.data_length(message)
-                await write_or_cancel(context, message)
+                if last is not None:
+                    await write_or_cancel(context, last)
+                last = message
         if sent != data.nbytes:
             raise BackendError("INTERNAL", f"host buffer {handle}: the workers sent {sent} bytes of {data.nbytes}")
-        return
-    if not data.nbytes:
-        await write_or_cancel(context, b"")
+        return last if last is not None else b""
     for part in data.parts:
         view = memoryview(part).cast("B")
         for offset in range(0, len(view), chunk):
-            await write_or_cancel(context, wire.data_message(view[offset : offset + chunk]))
+            if last is not None:
+                await write_or_cancel(context, last)
+            last = wire.data_message(view[offset : offset + chunk])
+    return last if last is not None else b""  # no bytes: one empty message
 
 
 HANDLERS = {"copy_to_host_buffer_request": copy_to_host_buffer}

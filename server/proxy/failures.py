@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .backend import BackendError
 
+T = TypeVar("T")
 RECENT_RUNS = 4096  # runs whose outputs a refusal can still fail (refusals come at once)
 
 
@@ -86,6 +87,39 @@ class RunFailures:
                 waiters.remove(fut)
                 if not waiters:
                     del self._waiters[b]
+
+    async def unless_failed_here(self, buffer_ids: Sequence[int], work: Coroutine[Any, Any, T]) -> T:
+        """`unless_failed` with no task of its own: `work` runs in the caller's task, which the
+        failure cancels (as `asyncio.timeout` does), the cancellation caught here. Not for a
+        coroutine stepped by hand in another task (an inline first step in the proxy session's
+        reader, running.py): that task would be the one cancelled. A task less per download."""
+        failure = self._failure(buffer_ids)
+        task = asyncio.current_task()
+        assert task is not None
+        watching, fired = True, False
+
+        def cancel(_: asyncio.Future[str]) -> None:  # scheduled when the failure came: the work may be over
+            nonlocal fired
+            if watching:
+                fired = True
+                task.cancel()
+
+        try:
+            if failure.done():
+                work.close()
+                raise BackendError("FAILED_PRECONDITION", failure.result())
+            failure.add_done_callback(cancel)
+            before = task.cancelling()
+            try:
+                return await work
+            except asyncio.CancelledError:
+                if fired and task.uncancel() <= before:  # this failure's cancellation, and no other
+                    raise BackendError("FAILED_PRECONDITION", failure.result()) from None
+                raise
+        finally:
+            watching = False
+            failure.remove_done_callback(cancel)
+            self._unwatch(buffer_ids, failure)
 
     async def unless_failed(self, buffer_ids: Sequence[int], work: Any) -> Any:
         """Awaits `work` unless one of `buffer_ids` fails first (then BackendError with its error)."""

@@ -323,7 +323,26 @@ class Streamed:
         raise NotImplementedError
 
 
-Entry = HostData | Staged | Streamed
+class Arriving:
+    """A host buffer whose bytes are on their way from the workers (downloads.py `Fetching`: a
+    small array CopyToHostBuffer answered for before its bytes came): a lookup waits for them.
+    Counted against the session's limit as the bytes it will hold."""
+
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    async def result(self) -> HostData:
+        """The bytes, once they came (BackendError if the fetch failed)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Lets go of the fetch and what it holds on the workers (idempotent)."""
+        raise NotImplementedError
+
+
+Entry = HostData | Staged | Streamed | Arriving
 
 
 def _held(data: Entry) -> int:
@@ -380,11 +399,14 @@ class HostBuffers:
         return data
 
     async def lookup_bytes(self, handle: int) -> HostData | Streamed:
-        """The bytes stored under `handle`, read back here if they were staged (and kept here); a
-        streamed download as it is (the caller reads its `chunks`)."""
+        """The bytes stored under `handle`, read back here if they were staged (and kept here), or
+        waited for if they are arriving (the entry stays until deleted); a streamed download as it
+        is (the caller reads its `chunks`)."""
         data = self.lookup(handle)
         if isinstance(data, HostData | Streamed):
             return data
+        if isinstance(data, Arriving):
+            return await data.result()
         self.delete(handle)
         try:
             held = await data.materialize()
@@ -422,6 +444,11 @@ class HostBuffers:
                     "DEADLINE_EXCEEDED", f"host buffer {handle} did not arrive within {self._wait_s:g} s"
                 ) from None
         data = self.delete(handle)
+        if isinstance(data, Arriving):
+            try:
+                return await data.result()
+            finally:
+                data.release()
         if not isinstance(data, Streamed):
             return data
         try:
@@ -455,7 +482,7 @@ class HostBuffers:
 
 def _let_go(data: Entry) -> None:
     """Frees what an entry holds on the workers."""
-    if isinstance(data, Streamed):
+    if isinstance(data, Streamed | Arriving):
         data.release()
     elif not isinstance(data, HostData):
         data.discard()

@@ -4,7 +4,8 @@ The bulk bytes of a session's uploads and downloads, beside its `IfrtSession` st
 carries nothing but `{session_id, handle}` (and the bytes), bound to its session by the id.
 They skip protobuf's copies: read and written as wire format (wire.py). A host buffer of
 `STREAM_MIN_BYTES` or more streams on to its worker as it arrives (staging.py); a lookup streams
-the bytes kept here, or a download from the workers as the client reads (downloads.py).
+the bytes kept here (waited for while they arrive), or a download from the workers as the client
+reads (downloads.py); its last message leaves with the call's status (served unary).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 LOOKUP_CHUNK = 1 << 20  # HostBufferLookup streams in chunks of this many bytes
 STREAM_MIN_BYTES = 4 << 20  # a host buffer this large streams on to its worker as it arrives (staging.py)
-EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse, an empty lookup chunk)
+EMPTY = b""  # an empty message, serialized (GrpcHostBufferStoreResponse and DeleteResponse, an empty lookup chunk)
 
 Message = Any  # a message class built at run time (protocol.py): no static type
 
@@ -95,22 +96,25 @@ class HostBufferRpcs:
                 staging.discard()
         return EMPTY
 
-    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> None:
+    async def HostBufferLookup(self, request: Message, context: aio.ServicerContext) -> bytes:
+        """The lookup's messages but its last written here, the last returned: gRPC sends it with
+        the call's status (the method is served unary: service.py `generic_handler`)."""
         session = await self._session_of(request.session_id, context)
         try:
             data = await session.buffers.lookup_bytes(request.handle)
         except (HandleError, BackendError) as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
         try:  # the bytes kept here, or a download from the workers as the client reads (downloads.py)
-            await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
+            return await downloads.write_lookup(context, data, LOOKUP_CHUNK, request.handle)
         except BackendError as e:
             log.info("proxy: session %x: lookup of host buffer %d failed: %s", session.id, request.handle, e)
             await context.abort(grpc.StatusCode[e.code], str(e))
+            raise  # not reached: abort raises
 
-    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> Message:
+    async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> bytes:
         session = await self._session_of(request.session_id, context)
         try:
             session.buffers.drop(request.handle)
         except HandleError as e:
             await context.abort(grpc.StatusCode[e.code], str(e))
-        return self.p.GrpcHostBufferDeleteResponse()
+        return EMPTY  # GrpcHostBufferDeleteResponse, serialized

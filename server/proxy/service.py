@@ -9,10 +9,10 @@ their session by it.
 Requests are read in order and answered as they finish: a request that waits (CheckFuture,
 CheckValueReady, a MakeArray whose bytes have not arrived) goes on in its own task, so later
 requests are answered before it (requirement 4 in docs/facts.md); the per-call kinds of a
-training loop (`INLINE`: Execute, DestructArray) run in the reader itself until they wait, and
-most are answered without a task. One writer task owns the stream's writes (answers.py); at
-most `MAX_PENDING` requests of a session wait at once, and reading stops while that many
-answers are unwritten, so a client that never reads holds only its own session.
+training loop (`INLINE`: Execute, DestructArray, a read's FullyReplicatedShard) run in the reader
+until they wait, and most are answered without a task. One writer task owns the stream's writes
+(answers.py); at most `MAX_PENDING` requests of a session wait at once, and reading stops while
+that many answers are unwritten, so a client that never reads holds only its own session.
 
 Device work goes through the `ClusterBackend` (backend.py): arrays in arrays.py, compiles and
 executes in executables.py; request kinds this server does not
@@ -51,10 +51,11 @@ MAX_PENDING = 4096  # requests of one session in flight at once
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
-# Request kinds run in the session's reader up to their first wait (running.py): the per-call
-# ones of a training loop. Their handlers, where they wait, await only futures (no
-# `asyncio.timeout`, which would bind the reader's task rather than the one they go on in).
-INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request"})
+# Request kinds run in the session's reader up to their first wait (running.py): the per-call ones
+# of a training loop (np.asarray's first: FullyReplicatedShard). Their handlers, where they wait,
+# await only futures (no `asyncio.timeout`: it would bind the reader, not the task they go on in).
+INLINE = frozenset({"loaded_executable_execute_request", "destruct_array_request", "delete_array_request",
+                    "fully_replicated_shard_request"})
 # Request kinds whose handlers return their answer's body serialized and never fill `resp`
 # (they are given None: no IfrtResponse made per call)
 BODIES = frozenset({"loaded_executable_execute_request", "destruct_array_request"})
@@ -174,11 +175,13 @@ class ProxyService(HostBufferRpcs):
                 "IfrtSession": grpc.stream_stream_rpc_method_handler(self.IfrtSession, None, None),
                 # the bulk bytes skip protobuf's copies: read and written as wire format (wire.py)
                 "HostBufferStore": grpc.stream_unary_rpc_method_handler(self.HostBufferStore, None, None),
-                "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
+                # the client reads a stream; served unary, the lookup's last message (a small read's
+                # only one) leaves with the call's status in one batch: one write fewer (downloads.py)
+                "HostBufferLookup": grpc.unary_unary_rpc_method_handler(
                     self.HostBufferLookup, p.GrpcHostBufferLookupRequest.FromString, None
                 ),
                 "HostBufferDelete": grpc.unary_unary_rpc_method_handler(
-                    self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, ser
+                    self.HostBufferDelete, p.GrpcHostBufferDeleteRequest.FromString, None
                 ),
             },
         )

@@ -60,8 +60,8 @@ class SegmentInfo:
     def label(self) -> str:
         return self.definition.label
 
-    @property
-    def size(self) -> int:
+    @functools.cached_property
+    def size(self) -> int:  # read twice per completed task (completion.py): a protobuf field's len is not free
         return len(self.definition.nodes)
 
 

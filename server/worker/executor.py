@@ -5,8 +5,8 @@ worker; see server/controller/segments.py) and holds one seq of this worker's ga
 `WorkerState` decides what to launch when; this module only feeds it stimuli and carries out
 its instructions:
 
-- the controller link's thread (`submit`, `drop`, `reset`, `peer_lost`) puts stimuli on an
-  inbox queue, one put per message;
+- the controller link's thread (`submit`, `drop`, `reset`, `peer_lost`) appends stimuli to an
+  inbox, one lock round trip per message;
 - the launch thread (`pw-executor`) is the machine's only user: it takes the inbox, hands each
   stimulus to the machine and carries out the instructions, feeding back each launch's outcome
   (launched, inputs missing, failed). Launches never happen on gRPC handler threads
@@ -45,7 +45,7 @@ from ..invariants import InvariantError
 from ..threadnames import name_native_thread
 from . import state as st
 from .buffers import BufferFailed, BufferStore
-from .completion import COMPLETIONS_BATCH, INLINE_BATCH, Completion, all_ready
+from .completion import COMPLETIONS_BATCH, COMPLETIONS_BOUND, INLINE_BATCH, Completion, all_ready
 from .fusion import NodeFailed
 from .segments import Runners, SegmentInfo, switch_group
 from .shards import held_nbytes
@@ -77,10 +77,8 @@ class Executor(Completion):
         self.cache = self.runners.cache
         self._segments: dict[int, SegmentInfo] = {}
         self.state = st.WorkerState()  # the launch thread's alone
-        # stimuli for the launch thread, one item per `_feed` (its stimuli stay together; an empty
-        # one only wakes it): a C queue, whose put and blocking get cost a few µs less per message
-        # than a threading.Condition's Python-level wait and notify (bench/FINDINGS.md, 2026-11-27 15:20)
-        self._inbox: queue.SimpleQueue[tuple[st.Stimulus_ | Exclusive, ...]] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._inbox: list[st.Stimulus_ | Exclusive] = []  # under _cond
         self._completions: deque[Task] = deque()  # completer -> launch thread, lock-free
         self._launched: list[st.Task] = []  # launched, not told to the machine yet (launch thread)
         self._drop_hints: dict[int, str] = {}  # run -> reason, for launches blocked on inputs
@@ -119,7 +117,9 @@ class Executor(Completion):
 
     # ---- called from the controller link (event loop thread) ----
     def _feed(self, *stimuli: st.Stimulus_ | Exclusive) -> None:
-        self._inbox.put(stimuli)
+        with self._cond:
+            self._inbox.extend(stimuli)
+            self._cond.notify_all()
 
     def reset(self, reason: str) -> None:
         """A new registration: sequence numbers restart, segment ids are the new controller's;
@@ -199,7 +199,9 @@ class Executor(Completion):
         def switch() -> None:
             done(switch_group(join, self.runners, self._segments.values()))
 
-        self._feed(Exclusive(switch))
+        with self._cond:
+            self._inbox.append(Exclusive(switch))
+            self._cond.notify_all()
 
     def _run_exclusive(self, item: Exclusive) -> None:
         """Runs `item` with nothing launched still computing."""
@@ -216,8 +218,9 @@ class Executor(Completion):
         self._feed(st.PeerLost(peer, reason))
 
     def stop(self) -> None:
-        self._stop = True
-        self._inbox.put(())
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         self._done_q.put(None)
 
     # ---- launch thread ----
@@ -231,13 +234,12 @@ class Executor(Completion):
 
     def _launch_until_stopped(self) -> None:
         while True:
-            # wakes for stimuli, for `stop`, and for completions past COMPLETIONS_BOUND (the
-            # completion thread feeds nothing then)
-            inbox = list(self._inbox.get())
-            while not self._inbox.empty():  # the only reader: what is there is taken at once
-                inbox.extend(self._inbox.get_nowait())
-            if self._stop:
-                return
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or bool(self._inbox)
+                                    or len(self._completions) > COMPLETIONS_BOUND)
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
             if len(self._completions) >= COMPLETIONS_BATCH:
                 self._take_completions()
             for stimulus in inbox:

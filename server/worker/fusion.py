@@ -15,7 +15,6 @@ node donates an input, or fusing fails) runs its nodes one by one.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +46,8 @@ class Segment:
     devices: tuple[int, ...]
     node_devices: tuple[tuple[int, ...], ...]
 
-    @functools.cached_property
-    def num_inputs(self) -> int:  # read at every launch (executor.py): computed once
+    @property
+    def num_inputs(self) -> int:
         return 1 + max((w[1] for ws in self.wiring for w in ws if w[0] == 0), default=-1)
 
     @classmethod

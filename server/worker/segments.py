@@ -60,8 +60,8 @@ class SegmentInfo:
     def label(self) -> str:
         return self.definition.label
 
-    @functools.cached_property
-    def size(self) -> int:  # read twice per completed task (completion.py): a protobuf field's len is not free
+    @property
+    def size(self) -> int:
         return len(self.definition.nodes)
 
 

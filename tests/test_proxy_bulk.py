@@ -184,6 +184,46 @@ def test_a_small_download_is_read_on_the_event_loop(module_cluster: LocalCluster
     b.close()
 
 
+def test_a_small_upload_is_sent_and_answered_on_the_event_loop(module_cluster: LocalCluster, the_worker: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload of at most `bulk.SMALL_PUT_BYTES` (a training step's batch) is sent from the
+    event loop and its reply read there, taking none of `bulk.POOL`'s threads: with that pool
+    shut down (any use raises) a 1 KiB upload is stored (read back exact), another session's id
+    is refused as before, and a part of a global array is answered; one a byte over the limit
+    still goes on a thread (and raises here)."""
+    cluster = module_cluster
+    address, _, stub, cch = the_worker
+    a, b, data_address = two_sessions(cluster, cch, stub)
+    small = np.arange(256, dtype=np.float32)
+    over = np.zeros(bulk.SMALL_PUT_BYTES + 1, np.uint8)
+
+    async def run() -> None:
+        ls = links(cluster, a.credential, data_address)
+        await put(ls, address, a.owner, a.id(1), over)  # and the connection made, on a pool thread
+        closed = ThreadPoolExecutor(1)
+        closed.shutdown()
+        monkeypatch.setattr(bulk, "POOL", closed)
+        await put(ls, address, a.owner, a.id(2), small)
+        assert [bytes(wire.data_field(m)) for m in await download(ls, address, a.id(2))] == [small.tobytes()]
+        with pytest.raises(BackendError, match="not one of this session's ids"):
+            await put(ls, address, a.owner, b.id(2), small)
+        part_of = wpb.PartOf(global_shape=[8], op_sharding=b"\x08\x03", devices=[0, 65536], group_generation=3,
+                             sources=[a.id(2)]).SerializeToString()
+        link = await ls.take(address)
+        assert link is not None
+        with pytest.raises(BackendError, match="generation 3"):  # its source is there: checked, refused
+            await bulk.put_arrays(ls, link, address, None, a.owner, [a.id(3)],
+                                  [("float32", (1,), HostData([bytes(4)]))], part_of)
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await put(ls, address, a.owner, a.id(4), over)
+        ls.close()
+
+    asyncio.run(run())
+    assert "Traceback" not in worker_log(cluster)
+    a.close()
+    b.close()
+
+
 def test_an_upload_cut_off_on_its_connection_leaves_nothing(module_cluster: LocalCluster, the_worker: Any) -> None:
     """A connection closed mid-upload (the controller's staging discarded, or the controller gone)
     is a cancelled `PutBuffers`: a reader already waiting fails with why, at once, and a bulk

@@ -36,7 +36,7 @@ for nbytes in SIZES:
 
 SMALL = """
 import numpy as np, jax
-a = np.arange(256, dtype=np.float32)                        # 1 KiB: up by gRPC (under 4 MiB)
+a = np.arange(256, dtype=np.float32)                        # 1 KiB: no bulk transfer (under 4 MiB)
 x, ok = jax.device_put(a), []
 for k in range(3):
     x = jax.jit(lambda v: v + 1.0)(x)
@@ -64,7 +64,7 @@ def test_a_jax_programs_bulk_bytes_take_the_path_the_controller_says(
     small = scrape(url, cluster.token)
     for direction in ("upload", "download"):  # no bulk transfer
         assert transfers(small, direction, "tcp") == transfers(small, direction, "grpc") == (0, 0)
-    # the small downloads made the session's only connection to the worker's transfer port, or none
+    # the small upload and downloads made the session's only connection to the worker's transfer port, or none
     assert ("bulk connection from" in worker_log(cluster)) == (path == "tcp")
     code = ROUND_TRIPS.replace("SIZES", repr(SIZES))
     out = run_program(code, env)

@@ -1,7 +1,7 @@
 """A proxy session's bulk bytes to and from its workers on TCP connections (server/bulklink.py).
 
 Every download's `FetchData` messages (a small array's read whole too: cluster_backend.py `get`)
-and uploads of `BULK_MIN_BYTES` or more go on connections to
+and uploads of `BULK_MIN_BYTES` or more, or of at most `SMALL_PUT_BYTES`, go on connections to
 the worker's transfer port (its `Stats` names it) instead of Python gRPC, whose receive copies
 each byte three times: a fetched message is read straight into the `bytes` that goes on to the
 client (`recv` with MSG_WAITALL), an upload's host bytes leave
@@ -57,7 +57,10 @@ from .transfer_counts import TransferCounts
 
 log = logging.getLogger(__name__)
 
-BULK_MIN_BYTES = 4 << 20  # smaller uploads stay on gRPC (one round trip less to set up)
+BULK_MIN_BYTES = 4 << 20  # smaller uploads stay on gRPC (one round trip less to set up), but for
+SMALL_PUT_BYTES = 256 << 10  # uploads of at most this, on a connection where one is idle or can be
+# made: sent from the event loop, the reply read there (a training step's batch: a gRPC `Put` cost
+# the controller and the worker more; bench/FINDINGS.md, 2026-11-27 15:30)
 MAX_LINKS = 8  # connections per session and worker; a request beyond them goes by gRPC
 RETRY_S = 30.0  # a worker whose connection could not be made is tried again after this
 POOL_THREADS = 64  # every session's: a thread is taken only to move bytes (`Link.readable`)
@@ -108,15 +111,22 @@ class Link:
         poll.register(self.sock, select.POLLIN)
         return not poll.poll(0)
 
-    async def request(self, request: bytes) -> None:
-        """Sends a request's header from the event loop where the socket takes it whole at once
-        (its buffer is empty between requests), else the rest from a `POOL` thread."""
+    async def request(self, *parts: bytes | memoryview) -> None:
+        """Sends a request (its header, and a small upload's bytes) from the event loop where the
+        socket takes it whole at once (its buffer is empty between requests), else the rest
+        from a `POOL` thread."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
         try:
-            sent = self.sock.send(request, socket.MSG_DONTWAIT)
+            sent = self.sock.sendmsg(views[:64], [], socket.MSG_DONTWAIT)
         except BlockingIOError:
             sent = 0
-        if sent < len(request):
-            await asyncio.get_running_loop().run_in_executor(POOL, self.send, [memoryview(request)[sent:]])
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
+        if views:
+            await asyncio.get_running_loop().run_in_executor(POOL, self.send, views)
 
     async def readable(self) -> None:
         """Returns once the worker's answer can be read (or the connection's end, or its error),
@@ -395,7 +405,10 @@ async def put_arrays(links: BulkLinks, link: Link, address: str, watch: HostWatc
         for buffer_id, (dtype, shape, data) in zip(ids, arrays, strict=True):
             header = wire.put_buffer_request(buffer_id, owner, dtype, shape, [], 0, len(data), part_of)
             parts = [bulklink.request(bulklink.PUT, header), *data.parts]
-            if part_of:  # a part of a global array may wait for its sources: awaited on the loop
+            if len(data) <= SMALL_PUT_BYTES:  # sent from the loop, the reply awaited there: no thread hop
+                await link.request(*parts)
+                answer = await link.reply()
+            elif part_of:  # a part of a global array may wait for its sources: awaited on the loop
                 await loop.run_in_executor(POOL, link.send, parts)
                 answer = await link.reply()
             else:  # stored at once, waiting for nothing: the reply read by the thread that sent the bytes

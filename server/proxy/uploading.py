@@ -219,10 +219,11 @@ class Uploading:
         self._worker(address)
         links, counts = self._workers.bulk, self._workers.counts
         nbytes = sum(len(d) for _, _, d in arrays)
-        if links is not None and all(len(d) for _, _, d in arrays) and nbytes >= bulk.BULK_MIN_BYTES:
+        if links is not None and all(len(d) for _, _, d in arrays) and (
+                nbytes >= bulk.BULK_MIN_BYTES or all(len(d) <= bulk.SMALL_PUT_BYTES for _, _, d in arrays)):
             link = await links.take(address)
             if link is not None:  # on the worker's transfer port (bulk.py); else by gRPC
-                if counts is not None:
+                if counts is not None and nbytes >= bulk.BULK_MIN_BYTES:
                     counts.started("upload", "tcp", nbytes)
                 await bulk.put_arrays(links, link, address, self._watch, self._owner, ids, arrays, part_of)
                 return

@@ -82,8 +82,14 @@ def test_a_killed_bridge_fails_the_programs_calls_at_once_and_is_named(tmp_path:
                 proc.kill()
                 proc.wait()
     got = {k: v for line in out.splitlines() for k, v in json.loads(line).items()}
+    # the read in flight waits in its host-buffer lookup (a small read's CopyToHostBuffer is
+    # answered once its fetch began: server/proxy/downloads.py `Fetching`), whose end the jaxlib
+    # client reports as the lookup's transport error (or the session's end, should it see that
+    # first); the next call, as the session's end
+    assert any(m in got["in flight"].get("error", "") for m in
+               ("UNAVAILABLE: Socket closed", "Connection to IFRT proxy server was terminated")), got
+    assert "Connection to IFRT proxy server was terminated" in got["after"].get("error", ""), got
     for what in ("in flight", "after"):
-        assert "Connection to IFRT proxy server was terminated" in got[what].get("error", ""), got
         assert got[what]["s"] < 5, got
     named = [ln for ln in err.splitlines() if "TLS bridge" in ln]
     assert len(named) == 1, err[-3000:]

@@ -162,9 +162,7 @@ def test_a_small_download_is_read_on_the_event_loop(module_cluster: LocalCluster
     async def run() -> None:
         ls = links(cluster, a.credential, data_address)
         await put(ls, address, a.owner, a.id(2), over)  # and the connection made, on a pool thread
-        closed = ThreadPoolExecutor(1)
-        closed.shutdown()
-        monkeypatch.setattr(bulk, "POOL", closed)
+        _without_pool(monkeypatch)
         messages = await download(ls, address, a.id(1))
         assert [bytes(wire.data_field(m)) for m in messages] == [small.tobytes()]
         with pytest.raises(BackendError, match=f"no buffer {b.id(1):#x}"):
@@ -184,6 +182,13 @@ def test_a_small_download_is_read_on_the_event_loop(module_cluster: LocalCluster
     b.close()
 
 
+def _without_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bulk.POOL` shut down: any use of its threads raises from now on."""
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    monkeypatch.setattr(bulk, "POOL", closed)
+
+
 def test_a_small_upload_is_sent_and_answered_on_the_event_loop(module_cluster: LocalCluster, the_worker: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """An upload of at most `bulk.SMALL_PUT_BYTES` (a training step's batch) is sent from the
@@ -200,9 +205,7 @@ def test_a_small_upload_is_sent_and_answered_on_the_event_loop(module_cluster: L
     async def run() -> None:
         ls = links(cluster, a.credential, data_address)
         await put(ls, address, a.owner, a.id(1), over)  # and the connection made, on a pool thread
-        closed = ThreadPoolExecutor(1)
-        closed.shutdown()
-        monkeypatch.setattr(bulk, "POOL", closed)
+        _without_pool(monkeypatch)
         await put(ls, address, a.owner, a.id(2), small)
         assert [bytes(wire.data_field(m)) for m in await download(ls, address, a.id(2))] == [small.tobytes()]
         with pytest.raises(BackendError, match="not one of this session's ids"):

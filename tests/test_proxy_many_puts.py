@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import LocalCluster, wait_for
+from proxy_env import plain_lines, proxy_env, start_plain
 from test_proxy_cluster import matches_local
 from test_proxy_protocol import P
 from test_proxy_stream import BASE, raw_session, ser
@@ -85,3 +86,21 @@ def test_a_session_cancelled_with_a_request_waiting_says_so_in_the_log(cluster: 
     # grpc.aio shows the client's cancel as the stream's end, or as the cancellation of its reader
     assert ends in ([f"{service.ENDED}, 1 requests unanswered then"],
                     [f"{service.CANCELLED}, 1 requests unanswered"]), ends
+
+
+SMALL = """
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P, Mesh
+mesh = Mesh(np.array(jax.devices()), ("x",))
+xs = [jax.device_put(np.full((64, 8), i, np.float32), NamedSharding(mesh, P("x"))) for i in range(20)]
+print(sum(float(x.sum()) for x in xs))
+"""
+
+
+def test_every_session_of_an_exited_client_ends(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Six small programs one after another: each one's session ends, and says so, once it exits
+    (its close is shielded from its reader's cancellation: service.py)."""
+    for i in range(6):  # unshielded, one never ended in 4 of 5 runs (3 of 5 by hand)
+        assert plain_lines(start_plain(SMALL, proxy_env(cluster, tmp_path, PATHWAYS_DEVICES="4"))) == ["97280.0"]
+        wait_for(lambda i=i: len(re.findall(r"proxy: session \w+ closed: ", cluster.controller_logs())) == i + 1,
+                 30, f"session {i + 1}'s end in the controller's log")

@@ -37,10 +37,30 @@ if TYPE_CHECKING:  # the proxy's modules (and NumPy) load with the first proxy c
 
 log = logging.getLogger(__name__)
 
+# gRPC core holds the calls that arrive faster than grpc.aio's loop accepts them (one at a time)
+# and cancels new ones once about `max_pending_requests` wait (its default: 1,000, all callers
+# together): with nothing in its log or ours, and CANCELLED the only status the caller sees. An
+# unmodified JAX program's `device_put`s are one HostBufferStore call per shard, all in flight at
+# once (1,000 arrays over 4 devices: 4,000 calls), and the jaxlib client ends its session on the
+# first that fails (issue 28). So each connection carries at most `MAX_STREAMS_PER_CONNECTION`
+# calls at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's further calls wait in the
+# client, back-pressure instead of a cancelled call, and a busy connection cannot fill the
+# queue alone. It exceeds every bound on one caller's long-lived streams (`Session`, `Watch`,
+# `StreamLogs`: limits.py), so none waits behind the others. The queue's bounds (`MAX_PENDING_CALLS`
+# before gRPC starts refusing, twice that refusing all) stay the guard against a flood of
+# connections. gRPC's overload protection is off: it refuses (REFUSED_STREAM, which jaxlib's
+# client does not retry) a stream under the limit while the server still holds calls the client
+# saw end, i.e. it turns the limit into failed calls.
+MAX_STREAMS_PER_CONNECTION = 1024
+MAX_PENDING_CALLS = 4 * MAX_STREAMS_PER_CONNECTION
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 512 * 1024 * 1024),
     ("grpc.max_receive_message_length", 512 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ("grpc.http.overload_protection", 0),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
 ]
 
 

@@ -17,6 +17,7 @@ bound has a name, a default and, where an operator may need another, a controlle
 | a worker's address / machine id | 256 / 128 characters (the database's columns) | - |
 | a listing page (`ListHosts`, `ListDevices`) | 10,000 entries (0 or more asks for a full page) | - |
 | events queued for a client that does not read them | 10,000, then its session ends (`client_session.py`) | - |
+| calls at once on one connection (HTTP/2 streams) | 1,024; the client's further calls wait for one (`app.py`) | - |
 
 A request over a bound is answered INVALID_ARGUMENT (a size) or RESOURCE_EXHAUSTED (a count of
 things open at once) with one line naming the limit.

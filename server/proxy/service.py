@@ -48,6 +48,9 @@ from .running import Runner
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # requests of one session in flight at once
+# how a session's stream ended, in its last log line
+ENDED = "the client ended its stream (closed or cancelled it)"
+CANCELLED = "its stream was cancelled (by the client, or the controller stopping)"
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
@@ -284,6 +287,10 @@ class ProxyService(HostBufferRpcs):
 
         writer.add_done_callback(writer_done)
         undecodable = False
+        # how the stream ended, for the log (jaxlib's client ends it as it exits, or, with requests
+        # unanswered, after a call of its own failed); grpc.aio's reader sees a client's cancel as
+        # the stream's end or as this task's cancellation, and `context.cancelled()` tells neither
+        why = CANCELLED
         try:
             while (raw := await context.read()) is not aio.EOF:
                 req = self._parse(raw)
@@ -302,6 +309,8 @@ class ProxyService(HostBufferRpcs):
                     await asyncio.wait(runner.pending, return_when=asyncio.FIRST_COMPLETED)
                 if out.full:
                     await out.room()
+            why = "undecodable request" if undecodable else ENDED
+            why += f", {len(runner.pending)} requests unanswered then" if runner.pending else ""
             if runner.pending:
                 await asyncio.gather(*runner.pending, return_exceptions=True)
             out.close()
@@ -309,12 +318,21 @@ class ProxyService(HostBufferRpcs):
             if undecodable:
                 log.info("proxy: session %x: undecodable request; the session ends", session.id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
+        except asyncio.CancelledError:
+            if why == CANCELLED:  # while reading (else the stream had ended: said already)
+                if writer.done() and not writer.cancelled() and writer.exception() is not None:
+                    why = f"its stream broke ({writer.exception()!r})"
+                why += f", {len(runner.pending)} requests unanswered" if runner.pending else ""
+            raise
         finally:
             ending = True  # writer_done may be scheduled already (a failed write as the caller was killed)
             writer.remove_done_callback(writer_done)
             writer.cancel()
             runner.cancel()
-            await self._close(session)
+            # shielded: the client's leaving (its connection closing) cancels this task, also while
+            # it closes, which cut `_close` short (issue 28: 3 of 5 sessions of exited clients never
+            # closed their cluster sessions nor logged their end)
+            await asyncio.shield(self._close(session, why))
 
     def _parse(self, raw: bytes) -> Message | None:
         try:
@@ -322,7 +340,8 @@ class ProxyService(HostBufferRpcs):
         except Exception:  # DecodeError, or whatever the C extension raises for garbage
             return None
 
-    async def _close(self, session: Session) -> None:
+    async def _close(self, session: Session, why: str) -> None:
+        """Ends `session`; `why` (how its stream ended) goes in the log's one line."""
         self._sessions.pop(session.id, None)
         session.place.close()  # the stream is over: its caller's place is free
         session.buffers.clear()
@@ -330,7 +349,7 @@ class ProxyService(HostBufferRpcs):
             await session.backend.close()
         except BackendError as e:
             log.warning("proxy: session %x: closing its cluster session failed: %s", session.id, e)
-        log.info("proxy: session %x closed", session.id)
+        log.info("proxy: session %x closed: %s", session.id, why)
 
     async def _answer(self, session: Session, req: Message, kind: str) -> bytes:
         """The serialized answer to `req`. A handler fills `resp`, or returns the answer's body

@@ -144,6 +144,7 @@ class ProxyService(HostBufferRpcs):
         self._max_sessions = max_sessions
         self._admit = admit
         self._sessions: dict[int, Session] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # sessions' closes under way (IfrtSession)
         self._request = self.p.IfrtRequest.FromString
         self._response = self.p.IfrtResponse
         self._encoder = Encoder(self.p)
@@ -321,7 +322,7 @@ class ProxyService(HostBufferRpcs):
         except asyncio.CancelledError:
             if why == CANCELLED:  # while reading (else the stream had ended: said already)
                 if writer.done() and not writer.cancelled() and writer.exception() is not None:
-                    why = f"its stream broke ({writer.exception()!r})"
+                    why = "its answers could not be written (the client gone)"
                 why += f", {len(runner.pending)} requests unanswered" if runner.pending else ""
             raise
         finally:
@@ -329,10 +330,13 @@ class ProxyService(HostBufferRpcs):
             writer.remove_done_callback(writer_done)
             writer.cancel()
             runner.cancel()
-            # shielded: the client's leaving (its connection closing) cancels this task, also while
-            # it closes, which cut `_close` short (issue 28: 3 of 5 sessions of exited clients never
-            # closed their cluster sessions nor logged their end)
-            await asyncio.shield(self._close(session, why))
+            # in a task of its own, not awaited: the client's leaving cancels this handler, also
+            # once here, which cut an awaited close short (issue 28: 3 of 5 sessions of exited
+            # clients never closed their cluster sessions nor logged their end); a wait here would
+            # also be one more point for grpc.aio's cancellations to land after it handled one
+            closing = asyncio.ensure_future(self._close(session, why))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _parse(self, raw: bytes) -> Message | None:
         try:
@@ -341,7 +345,8 @@ class ProxyService(HostBufferRpcs):
             return None
 
     async def _close(self, session: Session, why: str) -> None:
-        """Ends `session`; `why` (how its stream ended) goes in the log's one line."""
+        """Ends `session`; `why` (how its stream ended) goes in the log's one line. In a task of
+        its own (IfrtSession), so nothing the client does cuts it short."""
         self._sessions.pop(session.id, None)
         session.place.close()  # the stream is over: its caller's place is free
         session.buffers.clear()
@@ -349,6 +354,8 @@ class ProxyService(HostBufferRpcs):
             await session.backend.close()
         except BackendError as e:
             log.warning("proxy: session %x: closing its cluster session failed: %s", session.id, e)
+        except Exception:  # a bug: said here, as nothing awaits this task
+            log.exception("proxy: session %x: closing its cluster session failed", session.id)
         log.info("proxy: session %x closed: %s", session.id, why)
 
     async def _answer(self, session: Session, req: Message, kind: str) -> bytes:

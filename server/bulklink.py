@@ -93,21 +93,30 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf) if recv_exact(sock, memoryview(buf)) else None
 
 
+def byte_views(parts: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """`parts` as flat byte views, the empty ones left out (what a gathered send takes)."""
+    return [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+
+
+def drop_sent(views: list[memoryview], sent: int) -> None:
+    """Drops from `views`, in place, the `sent` bytes a gathered send (`sendmsg`) took."""
+    while sent and views:
+        if sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+
+
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
     """Sends `parts` one after another (a plain socket: gathered, `sendmsg`, no copy)."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    views = byte_views(parts)
     if isinstance(sock, ssl.SSLSocket):
         for v in views:
             sock.sendall(v)
         return
     while views:
-        sent = sock.sendmsg(views[:64])
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        drop_sent(views, sock.sendmsg(views[:64]))
 
 
 def request(kind: bytes, header: bytes) -> bytes:

@@ -115,16 +115,11 @@ class Link:
         """Sends a request (its header, and a small upload's bytes) from the event loop where the
         socket takes it whole at once (its buffer is empty between requests), else the rest
         from a `POOL` thread."""
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        views = bulklink.byte_views(parts)
         try:
-            sent = self.sock.sendmsg(views[:64], [], socket.MSG_DONTWAIT)
+            bulklink.drop_sent(views, self.sock.sendmsg(views[:64], [], socket.MSG_DONTWAIT))
         except BlockingIOError:
-            sent = 0
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0], sent = views[0][sent:], 0
+            pass  # nothing sent: all of it from a thread
         if views:
             await asyncio.get_running_loop().run_in_executor(POOL, self.send, views)
 

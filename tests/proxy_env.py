@@ -89,7 +89,7 @@ class Program:
         """Sends `send` (if any), closes the program's input; the rest of its output once it
         exited 0."""
         out, err = self.proc.communicate(send, timeout=timeout)
-        assert self.proc.returncode == 0, err[-3000:]
+        assert self.proc.returncode == 0, f"exit status {self.proc.returncode}: {err[-3000:]}"
         return out
 
 

@@ -462,6 +462,13 @@ def test_host_buffer_rpcs_are_bound_to_a_live_session() -> None:
                 await call.done_writing()
                 assert await call.read() == aio.EOF
             assert sid not in service.sessions
+            # a delete that arrives after its session ended (a client exiting right after a
+            # download) is answered OK: it frees nothing, and an error would crash the exiting
+            # jaxlib client, which logs it (host_buffer_rpcs.HostBufferDelete)
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                delete = ch.unary_unary(base + "HostBufferDelete", ser, P.GrpcHostBufferDeleteResponse.FromString)
+                assert await delete(P.GrpcHostBufferDeleteRequest(session_id=sid, handle=6)) == \
+                    P.GrpcHostBufferDeleteResponse()
         finally:
             await server.stop(None)
 

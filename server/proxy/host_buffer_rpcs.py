@@ -112,7 +112,15 @@ class HostBufferRpcs:
             raise  # not reached: abort raises
 
     async def HostBufferDelete(self, request: Message, context: aio.ServicerContext) -> bytes:
-        session = await self._session_of(request.session_id, context)
+        """Frees a host buffer of a live session (NOT_FOUND for a handle it does not hold). A
+        session that is gone (or never was) holds nothing, so its delete answers OK: the jaxlib
+        client deletes a download's host buffer after handing the bytes over, and a program that
+        exits at once can end its session before that delete arrives; an error answer then is
+        logged by the client during its exit, which crashes it (SIGSEGV/SIGABRT in jaxlib 0.10.2:
+        17 of 20 exits when the answer came 0.1 s late, 0 of 20 with OK)."""
+        session = self._sessions.get(request.session_id)
+        if session is None:
+            return EMPTY
         try:
             session.buffers.drop(request.handle)
         except HandleError as e:

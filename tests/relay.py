@@ -7,15 +7,18 @@ and `target`. `hold()` stops copying (bytes wait in the sockets' buffers, as on 
 that takes uploads whose acknowledgements are lost), `hold_open_replies()` the same for the
 connections open now only (a session's events held while new connections work), `cut()` resets
 every connection open now (both ends see the connection break), `refuse()` also stops accepting
-new ones, `release()` goes back to copying."""
+new ones, `release()` goes back to copying. `delay_replies(s)` passes the target's bytes on `s`
+seconds after they came, in order (a long link: every answer a round trip late)."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import select
 import socket
 import struct
 import threading
+import time
 
 
 class Relay:
@@ -33,6 +36,7 @@ class Relay:
         self._held: set[socket.socket] = set()  # targets' sides held by `hold_open_replies`
         self._refusing = False
         self._closed = False
+        self._reply_delay = 0.0  # `delay_replies`
         self.accepted = 0
         threading.Thread(target=self._accept, name="test-relay", daemon=True).start()
 
@@ -57,6 +61,8 @@ class Relay:
 
     def _copy(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
+        late: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()  # the target's bytes, when due
+        threading.Thread(target=self._pass_late, args=(late, a), daemon=True).start()
         try:
             while not self._closed:
                 self._running.wait()
@@ -71,12 +77,32 @@ class Relay:
                     data = s.recv(1 << 16)
                     if not data:
                         return
-                    peers[s].sendall(data)
+                    if s is b and self._reply_delay > 0:
+                        late.put((time.monotonic() + self._reply_delay, data))
+                    else:
+                        peers[s].sendall(data)
         except (OSError, ValueError):  # cut meanwhile
             return
         finally:
+            late.put((0.0, b""))
             _reset(a)
             _reset(b)
+
+    @staticmethod
+    def _pass_late(late: queue.SimpleQueue[tuple[float, bytes]], client: socket.socket) -> None:
+        while True:
+            due, data = late.get()
+            if not data:
+                return
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                client.sendall(data)
+            except OSError:
+                return
+
+    def delay_replies(self, seconds: float) -> None:
+        """The target's bytes reach the client `seconds` after they came (0: at once again)."""
+        self._reply_delay = seconds
 
     def hold(self) -> None:
         self._running.clear()

@@ -338,6 +338,25 @@ class ProxyService(HostBufferRpcs):
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
 
+    async def closed(self, timeout: float) -> bool:
+        """Waits, at most `timeout` s, until no session is open or closing: at the controller's
+        stop, once its server stopped (which cancelled every stream left, so each session's close
+        is under way or about to start), before the database and the worker links close under the
+        closes. False (and a warning) when some were still open or closing then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._sessions or self._closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("proxy: %d sessions still open and %d closing after %g s of the controller's stop",
+                            len(self._sessions), len(self._closing), timeout)
+                return False
+            if self._closing:
+                await asyncio.wait(set(self._closing), timeout=left)
+            else:  # a stream's cancellation not yet delivered to its handler
+                await asyncio.sleep(min(0.01, left))
+        return True
+
     def _parse(self, raw: bytes) -> Message | None:
         try:
             return self._request(raw)

@@ -20,6 +20,9 @@ the worker checks as it checks the gRPC calls' metadata; then its requests come 
   spec follows as a `REQUEST` with `SPEC` (the `PutBufferRequest` of an empty last piece);
   then the worker's `REPLY`. A connection closed before the reply is an upload cut off: the
   worker drops it as a cancelled `PutBuffers` (nothing is kept).
+
+The worker reads a request (bulk_service.py `_read_request`) with tcplink.py's deadlines: none
+while the connection idles, DEAD_PEER_S for a request's head once its first byte came.
 """
 
 from __future__ import annotations
@@ -121,18 +124,6 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None
 
 def request(kind: bytes, header: bytes) -> bytes:
     return REQUEST.pack(kind, len(header)) + header
-
-
-def read_request(sock: socket.socket) -> tuple[bytes, bytes] | None:
-    """(kind, header) of the next request; None when the connection closed; ValueError when malformed."""
-    prefix = recv_bytes(sock, REQUEST.size)
-    if prefix is None:
-        return None
-    kind, n = REQUEST.unpack(prefix)
-    if kind not in (FETCH, PUT, SPEC) or n > MAX_HEADER:
-        raise ValueError("malformed request")
-    header = recv_bytes(sock, n)
-    return None if header is None else (kind, header)
 
 
 def reply(code: int, length: int = 0, message: str = "") -> bytes:

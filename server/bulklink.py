@@ -32,7 +32,7 @@ import socket
 import ssl
 import struct
 import termios
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import wire
 
@@ -79,21 +79,25 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytes | None:
-    """`n` bytes read into a fresh `bytes` (a plain socket: straight into it, MSG_WAITALL; TLS:
-    through a bytearray); None when the connection closed first."""
+def recv_bytes(sock: socket.socket, n: int, fill: Callable[[socket.socket, memoryview], bool] = recv_exact,
+               waitall: bool = True) -> bytes | None:
+    """`n` bytes read into a fresh `bytes`; None when the connection closed first. A plain socket
+    with `waitall`: straight into it, one MSG_WAITALL call, and what a signal (or the socket's read
+    timeout) left of it by `fill`, joined; else (TLS, or not `waitall`) all of it by `fill`,
+    through a bytearray. `fill(sock, view)` fills `view`, False when the peer closed first:
+    `recv_exact` (no deadline), or a deadline's (tcplink.py `head_rest`: a frame's or request's head)."""
     if n == 0:
         return b""
-    if not isinstance(sock, ssl.SSLSocket):
+    if waitall and not isinstance(sock, ssl.SSLSocket):
         data = sock.recv(n, socket.MSG_WAITALL)
         if len(data) == n:
             return data
         if not data:
             return None
-        rest = bytearray(n - len(data))  # a signal cut the wait short: the rest, joined
-        return data + bytes(rest) if recv_exact(sock, memoryview(rest)) else None
+        rest = bytearray(n - len(data))
+        return data + bytes(rest) if fill(sock, memoryview(rest)) else None
     buf = bytearray(n)
-    return bytes(buf) if recv_exact(sock, memoryview(buf)) else None
+    return bytes(buf) if fill(sock, memoryview(buf)) else None
 
 
 def byte_views(parts: Sequence[bytes | memoryview]) -> list[memoryview]:

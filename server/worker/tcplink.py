@@ -70,7 +70,7 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..bulklink import SESSION_MAGIC, recv_exact
+from ..bulklink import SESSION_MAGIC, recv_bytes, recv_exact
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -187,19 +187,11 @@ def head_rest(conn: socket.socket, n: int, deadline: float | None, then: float |
     """A frame's header of `n` bytes, whole by the frame's `deadline` (`next_prefix`); None when
     the peer closed first. A plain connection reads it in one MSG_WAITALL call where the deadline
     is the read timeout just started: the kernel bounds that call's waits together, by
-    SO_RCVTIMEO; what a cut-short call left, and a TLS connection, read under the deadline."""
-    if n == 0:
-        return b""
-    if deadline is None:
-        deadline = time.monotonic() + DEAD_PEER_S
-        if then is None:  # a plain connection
-            data = conn.recv(n, socket.MSG_WAITALL)
-            if len(data) == n or not data:
-                return data or None
-            rest = bytearray(n - len(data))
-            return data + bytes(rest) if _fill(conn, memoryview(rest), deadline, what, then) else None
-    buf = bytearray(n)
-    return bytes(buf) if _fill(conn, memoryview(buf), deadline, what, then) else None
+    SO_RCVTIMEO; what a cut-short call left, and a TLS connection, read under the deadline
+    (bulklink.recv_bytes, with `_fill` for the deadline)."""
+    fresh = deadline is None
+    end = time.monotonic() + DEAD_PEER_S if deadline is None else deadline
+    return recv_bytes(conn, n, lambda c, view: _fill(c, view, end, what, then), waitall=fresh)
 
 
 def _hello_bytes(conn: socket.socket, n: int, deadline: float) -> bytes | None:

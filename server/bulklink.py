@@ -20,6 +20,9 @@ the worker checks as it checks the gRPC calls' metadata; then its requests come 
   spec follows as a `REQUEST` with `SPEC` (the `PutBufferRequest` of an empty last piece);
   then the worker's `REPLY`. A connection closed before the reply is an upload cut off: the
   worker drops it as a cancelled `PutBuffers` (nothing is kept).
+
+The worker reads a request (bulk_service.py `_read_request`) with tcplink.py's deadlines: none
+while the connection idles, DEAD_PEER_S for a request's head once its first byte came.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import socket
 import ssl
 import struct
 import termios
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from . import wire
 
@@ -76,21 +79,25 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytes | None:
-    """`n` bytes read into a fresh `bytes` (a plain socket: straight into it, MSG_WAITALL; TLS:
-    through a bytearray); None when the connection closed first."""
+def recv_bytes(sock: socket.socket, n: int, fill: Callable[[socket.socket, memoryview], bool] = recv_exact,
+               waitall: bool = True) -> bytes | None:
+    """`n` bytes read into a fresh `bytes`; None when the connection closed first. A plain socket
+    with `waitall`: straight into it, one MSG_WAITALL call, and what a signal (or the socket's read
+    timeout) left of it by `fill`, joined; else (TLS, or not `waitall`) all of it by `fill`,
+    through a bytearray. `fill(sock, view)` fills `view`, False when the peer closed first:
+    `recv_exact` (no deadline), or a deadline's (tcplink.py `head_rest`: a frame's or request's head)."""
     if n == 0:
         return b""
-    if not isinstance(sock, ssl.SSLSocket):
+    if waitall and not isinstance(sock, ssl.SSLSocket):
         data = sock.recv(n, socket.MSG_WAITALL)
         if len(data) == n:
             return data
         if not data:
             return None
-        rest = bytearray(n - len(data))  # a signal cut the wait short: the rest, joined
-        return data + bytes(rest) if recv_exact(sock, memoryview(rest)) else None
+        rest = bytearray(n - len(data))
+        return data + bytes(rest) if fill(sock, memoryview(rest)) else None
     buf = bytearray(n)
-    return bytes(buf) if recv_exact(sock, memoryview(buf)) else None
+    return bytes(buf) if fill(sock, memoryview(buf)) else None
 
 
 def byte_views(parts: Sequence[bytes | memoryview]) -> list[memoryview]:
@@ -121,18 +128,6 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None
 
 def request(kind: bytes, header: bytes) -> bytes:
     return REQUEST.pack(kind, len(header)) + header
-
-
-def read_request(sock: socket.socket) -> tuple[bytes, bytes] | None:
-    """(kind, header) of the next request; None when the connection closed; ValueError when malformed."""
-    prefix = recv_bytes(sock, REQUEST.size)
-    if prefix is None:
-        return None
-    kind, n = REQUEST.unpack(prefix)
-    if kind not in (FETCH, PUT, SPEC) or n > MAX_HEADER:
-        raise ValueError("malformed request")
-    header = recv_bytes(sock, n)
-    return None if header is None else (kind, header)
 
 
 def reply(code: int, length: int = 0, message: str = "") -> bytes:

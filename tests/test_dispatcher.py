@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sys
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def two_step_graph(name: str = "p") -> cpb.ProgramGraph:
 class Parts:
     """A dispatcher and its real collaborators (no network, no processes)."""
 
-    def __init__(self, max_inflight_nodes: int = 256) -> None:
+    def __init__(self, max_inflight_nodes: int = 256, gang_fast_path: bool = True) -> None:
         self.hosts = {"a": host("a", [10, 11]), "b": host("b", [20, 21])}
         self.outbox = RecordingOutbox()
         self.slices = Slices(self.hosts)
@@ -99,7 +100,7 @@ class Parts:
         self.scheduler = GangScheduler(hang_timeout_s=None, default_policy=Policy("fifo"),
                                        max_inflight_nodes=max_inflight_nodes)
         self.dispatcher = Dispatcher(self.scheduler, self.registry, self.slices, self.hosts, self.by_address,
-                                     self.outbox)
+                                     self.outbox, gang_fast_path=gang_fast_path)
         self.finished: list[tuple[int, bool, str]] = []
         self.dispatcher.run_listeners.append(lambda run, ok, error: self.finished.append((run.run_id, ok, error)))
         for h in self.hosts.values():
@@ -424,11 +425,11 @@ def test_a_session_remembers_a_bounded_number_of_outputs_that_will_never_be_comp
                                                                            "refused")
 
 
-def gang_parts() -> tuple[Parts, list[HostInfo]]:
+def gang_parts(gang_fast_path: bool = True) -> tuple[Parts, list[HostInfo]]:
     """Parts with slice "sg" over hosts g0, g1, g2 (island p, 2 devices each: a gang)."""
     from server.controller.segments import Gang
 
-    p = Parts()
+    p = Parts(gang_fast_path=gang_fast_path)
     members = [HostInfo(id=100 + m, name=f"g{m}", island="p", address=f"g{m}:1", pid=1, kind="cpu",
                         machine_id=f"m-g{m}", device_ids=[30 + 2 * m, 31 + 2 * m], state="ready") for m in range(3)]
     for h in members:
@@ -765,9 +766,9 @@ def test_a_relayed_gang_node_s_members_each_get_their_task_from_one_shared_body(
 
 def test_the_gang_fast_path_and_dispatch_build_the_same_messages() -> None:
     """`Dispatcher._dispatch_all` builds a gang member's Enqueue itself where `_dispatch`'s gang
-    branch would add nothing (dispatch.py); a dispatcher that sends every Dispatch through
-    `_dispatch` must send the same messages, run after run: a field one of them grew and the other
-    lacks fails this."""
+    branch would add nothing (dispatch.py); a dispatcher without it (`gang_fast_path=False`), which
+    sends every Dispatch through `_dispatch`, must send the same messages, run after run: a field
+    one of them grew and the other lacks fails this."""
     # n1, the gang node, reads no program input (n0's output, sent from b) and is alone in its
     # members' Dispatches: the fast path's case
     graph = cpb.ProgramGraph(name="g", num_inputs=1, outputs=[out(2)], nodes=[
@@ -775,23 +776,16 @@ def test_the_gang_fast_path_and_dispatch_build_the_same_messages() -> None:
         cpb.ProgramNode(function_id=F, slice="sg", inputs=[out(0)], num_outputs=1, name="n1"),
         cpb.ProgramNode(function_id=F, slice="sb", inputs=[out(1)], num_outputs=1, name="n2"),
     ])
-    fast, slow = gang_parts()[0], gang_parts()[0]
+    fast, slow = gang_parts()[0], gang_parts(gang_fast_path=False)[0]
     slow.dispatcher._id_base = fast.dispatcher._id_base  # the same buffer ids in both
-    slow_d = slow.dispatcher
+    # the hosts `_dispatch` built an Enqueue for, per side: watched (sys.setprofile), not replaced
+    dispatched: dict[int, list[str]] = {id(fast.dispatcher): [], id(slow.dispatcher): []}
+    dispatch_code = Dispatcher._dispatch.__code__
 
-    def every_dispatch_through_dispatch(actions: list[Any]) -> None:
-        for a in actions:
-            slow_d._other(a)  # a Dispatch: `_dispatch`
+    def watch(frame: Any, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code is dispatch_code:
+            dispatched[id(frame.f_locals["self"])].append(frame.f_locals["action"].host)
 
-    slow_d._apply = every_dispatch_through_dispatch  # type: ignore[method-assign]
-    dispatched: list[str] = []  # the hosts `_dispatch` built an Enqueue for, on the fast side
-    fast_dispatch = fast.dispatcher._dispatch
-
-    def counted(action: Any) -> None:
-        dispatched.append(action.host)
-        fast_dispatch(action)
-
-    fast.dispatcher._dispatch = counted  # type: ignore[method-assign]
     sent: list[dict[str, list[cpb.ControllerToWorker]]] = []
     for p in (fast, slow):
         assert p.registry.add_functions([FUNCTION]) == []
@@ -799,7 +793,11 @@ def test_the_gang_fast_path_and_dispatch_build_the_same_messages() -> None:
         s = session()
         by_run = []
         for run_id, output, prompt in ((7, 200, False), (8, 201, True), (9, 202, False)):
-            p.run(s, run_id, prog, output=output, prompt=prompt)
+            sys.setprofile(watch)
+            try:
+                p.run(s, run_id, prog, output=output, prompt=prompt)
+            finally:
+                sys.setprofile(None)
             by_run.append(p.outbox.by_host())
             p.report("b", run_id, 0)
             for m in range(3):
@@ -809,7 +807,9 @@ def test_the_gang_fast_path_and_dispatch_build_the_same_messages() -> None:
             by_run.append(p.outbox.by_host())
         sent.append({f"{i}/{h}": msgs for i, run in enumerate(by_run) for h, msgs in run.items()})
     # the fast path was taken: in runs 8 and 9 (n1's segment known on its members), the members
-    # after the first (whose Dispatch builds the group's task) never reached `_dispatch`
-    assert dispatched == ["b", "g0", "g1", "g2", "b", "g0", "b", "g0"]
+    # after the first (whose Dispatch builds the group's task) never reached `_dispatch`; without
+    # it, every member did
+    assert dispatched[id(fast.dispatcher)] == ["b", "g0", "g1", "g2", "b", "g0", "b", "g0"]
+    assert dispatched[id(slow.dispatcher)] == ["b", "g0", "g1", "g2"] * 3
     assert [[t.segment for t in m.enqueue.tasks] for m in sent[0]["2/g1"]] == [[2]]
     assert sent[0] == sent[1]

@@ -231,3 +231,30 @@ def test_a_final_status_the_caller_did_not_live_to_see_is_one_line_and_nothing_e
     finally:
         for f in [f for f in logger.filters if isinstance(f, rpcguard.FinalStatusFilter)]:
             logger.removeFilter(f)
+
+
+@pytest.mark.parametrize("client", ["killed", "connected"])
+def test_a_controller_stopping_waits_for_proxy_sessions_to_close(cluster: LocalCluster, client: str) -> None:
+    """A proxy client killed just before the controller is told to stop (its session's close is
+    then under way, in a task nothing awaits), or one still connected (the server's stop cancels
+    its stream): the orderly stop waits for the close before it closes the database and the
+    worker links, so the log has the session's close line and no error."""
+    proc = subprocess.Popen([sys.executable, "-c", CALLER, "IfrtSession", cluster.address, cluster.token or "", ""],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "reading\n", proc.stderr.read() if proc.stderr else ""
+        if client == "killed":
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        cluster.stop_controller()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert cluster.controller is not None and cluster.controller.returncode == 0
+    logs = cluster.controller_logs()
+    opened = re.findall(r"proxy: session ([0-9a-f]+) opened", logs)
+    assert len(opened) == 1, logs[-4000:]
+    assert f"proxy: session {opened[0]} closed" in logs, logs[-4000:]
+    assert "Traceback" not in logs and " ERROR " not in logs, logs[-4000:]

@@ -62,6 +62,10 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
 ]
+# At an orderly stop, how long the controller waits for proxy sessions' closes under way (each
+# releases its buffers and slice, written to the database) before it closes the database and the
+# worker links: a close takes milliseconds; the bound keeps a stuck one from holding the stop.
+PROXY_CLOSE_WAIT_S = 5.0
 
 
 def write_pid_file(path: Path, address: str, db: str) -> None:
@@ -139,7 +143,8 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
     cgrpc.add_ControllerServicer_to_server(ControllerServicer(core), server)
     # unmodified JAX programs (JAX_PLATFORMS=proxy) on the same port; their sessions check the token
     proxy_token = None if config.no_token else config.token
-    server.add_generic_rpc_handlers([LazyProxyHandler(lambda: proxy_service(core, proxy_token))])
+    proxy = LazyProxyHandler(lambda: proxy_service(core, proxy_token))
+    server.add_generic_rpc_handlers([proxy])
     health = Health("pathways.v1.Controller")
     await health.attach(server)
     bound = tls.add_port(server, config.listen, config.tls)  # TLS only, where configured
@@ -175,6 +180,7 @@ async def serve(config: ControllerConfig, pid_file: Path | None = None) -> None:
         if metrics is not None:
             await metrics.stop()
         await server.stop(grace=1.0)
+        await proxy.closed(PROXY_CLOSE_WAIT_S)  # proxy sessions' closes (release, slice) before the database goes
         if probes is not None:
             await probes.stop(grace=None)
         await core.stop()

@@ -63,11 +63,13 @@ class Dispatcher:
 
     Collaborators: the scheduler, the program registry, where slices run (`placements`), the
     hosts by name (the cluster's live dict) and by address, and the outbox a flush sends to.
+    `gang_fast_path=False` sends every Dispatch the general way (`_dispatch`), without
+    `_dispatch_all`'s inlined gang members: the same messages, the reference tests compare with.
     """
 
     def __init__(self, scheduler: GangScheduler, registry: ProgramRegistry, placements: Placements,
                  hosts: Mapping[str, HostInfo], host_by_address: Callable[[str], HostInfo | None],
-                 outbox: WorkerOutbox) -> None:
+                 outbox: WorkerOutbox, gang_fast_path: bool = True) -> None:
         self.scheduler = scheduler
         self.registry = registry
         self.placements = placements
@@ -94,6 +96,8 @@ class Dispatcher:
         self._unmade: dict[ClientSession, dict[int, str]] = {}
         self.probe = DispatchProbe.from_env()  # None unless benchmarking (dispatch_probe.py)
         self.release_acks = ReleaseAcks(host_by_address)  # which releases reached their workers (release_acks.py)
+        self._dispatches: Callable[[list[Action], int], None] = (
+            self._dispatch_all if gang_fast_path else self._dispatch_each)
 
     # ---- runs ----
     def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
@@ -216,9 +220,13 @@ class Dispatcher:
     def _apply(self, actions: list[Action]) -> None:
         for i, a in enumerate(actions):
             if type(a) is Dispatch:  # the scheduler gives them last
-                self._dispatch_all(actions, i)
+                self._dispatches(actions, i)
                 return
             self._other(a)
+
+    def _dispatch_each(self, actions: list[Action], start: int) -> None:  # gang_fast_path=False
+        for k in range(start, len(actions)):
+            self._other(actions[k])
 
     def _other(self, a: Action) -> None:
         if isinstance(a, Dispatch):

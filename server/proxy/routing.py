@@ -44,13 +44,21 @@ class LazyProxyHandler(grpc.GenericRpcHandler):
     def __init__(self, make: Callable[[], ProxyService]) -> None:
         self._make = make
         self._handler: grpc.GenericRpcHandler | None = None
+        self.built: ProxyService | None = None  # the service, once a proxy call built it
+
+    async def closed(self, timeout: float) -> None:
+        """At the controller's stop, once the server stopped: waits (at most `timeout` s) for the
+        closes of the proxy sessions under way (ProxyService.closed); nothing when none was built."""
+        if self.built is not None:
+            await self.built.closed(timeout)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if not is_proxy_method(handler_call_details.method):
             return None
         if self._handler is None:
             try:
-                self._handler = self._make().generic_handler()
+                self.built = self._make()
+                self._handler = self.built.generic_handler()
             except proto_mod.ProtocolError as e:  # the installed jaxlib: every proxy call says why, once logged
                 why = f"this controller cannot serve IFRT proxy clients: {e}"
                 log.warning("proxy: %s", why)

@@ -14,6 +14,15 @@ An upload cut off (the connection closed before its last byte, or before a stage
 spec) is dropped as a cancelled `PutBuffers` is: its buffer fails for what already waits on it,
 else nothing is kept. A refused upload's remaining bytes are read and dropped, so the
 connection stays usable and the controller reads the refusal.
+
+Reads are bounded as tcplink.py's frames (the same DEAD_PEER_S): a connection may idle between
+requests for as long as it likes (the wait for a staged upload's spec too: it comes with the
+client's MakeArray), but a request's head must be whole within DEAD_PEER_S of its first byte and
+an upload's bytes may pause no longer than that. A client that stalls midway (a frozen
+controller on a live host, or a caller holding the session's credential that sends half a
+request) loses the connection, and an upload's buffer fails as cut off, saying why; before,
+the connection's thread, and an upload's preallocated array and its buffer's readers, waited for
+ever.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from .. import bulklink, wire
 from ..credentials import Caller, check_session
 from ..threadnames import name_native_thread
+from . import tcplink
 from .servicer import WorkerServicer, fetched_range
 from .servicer import _bounded as bounded_wait
 from .uploads import check_spec
@@ -73,7 +83,7 @@ class BulkSessions:
         log.info("bulk connection from %s for %s%s", peer, caller.owner,
                  " (TLS)" if isinstance(conn, ssl.SSLSocket) else "")
         while True:
-            got = bulklink.read_request(conn)
+            got = _read_request(conn)
             if got is None:
                 return
             kind, header = got
@@ -160,13 +170,24 @@ class BulkSessions:
             out = aligned_empty((total,), np.uint8)  # XLA on CPU adopts it without a copy (schemas/arrays.py)
         except (ValueError, MemoryError) as e:
             return self._refused(conn, total, *self._refuse(req, caller, e, held=spec is not None))
-        if not bulklink.recv_exact(conn, byte_view(out)):
-            self._cut(caller, bid, f"the upload of buffer {bid:#x} was cut off before its last byte")
+        cut = f"the upload of buffer {bid:#x} was cut off before its last byte"
+        try:
+            whole = bulklink.recv_exact(conn, byte_view(out))
+        except OSError as e:  # a stall (tcplink's progress timeout) or a broken connection
+            self._cut(caller, bid, f"{cut}: {tcplink.why(e)}")
+            raise
+        if not whole:
+            self._cut(caller, bid, cut)
             return False
-        if spec is None:  # a staged upload: its spec follows
-            got = bulklink.read_request(conn)
+        if spec is None:  # a staged upload: its spec follows (whenever the client's MakeArray comes)
+            unspecified = f"the upload of buffer {bid:#x} ended without its dtype and shape"
+            try:
+                got = _read_request(conn)
+            except (OSError, ValueError) as e:
+                self._cut(caller, bid, f"{unspecified}: {tcplink.why(e) if isinstance(e, OSError) else e}")
+                raise
             if got is None:  # the controller dropped it unused (staging.py `discard`)
-                self._cut(caller, bid, f"the upload of buffer {bid:#x} ended without its dtype and shape")
+                self._cut(caller, bid, unspecified)
                 return False
             kind, raw = got
             if kind != bulklink.SPEC:
@@ -227,3 +248,19 @@ class BulkSessions:
                            again=req.again):
             return _code(grpc.StatusCode.NOT_FOUND), f"no buffer {req.buffer_id:#x} on this worker"
         return 0, ""
+
+
+def _read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
+    """(kind, header) of the next request, whenever it comes; once its first byte came, whole
+    within tcplink.DEAD_PEER_S (tcplink._Late past it). None when the connection closed;
+    ValueError when malformed."""
+    then = tcplink.DEAD_PEER_S if isinstance(conn, ssl.SSLSocket) else None  # its socket timeout
+    got = tcplink.next_prefix(conn, bulklink.REQUEST.size, then, "a request's head")
+    if got is None:
+        return None
+    prefix, deadline = got
+    kind, n = bulklink.REQUEST.unpack(prefix)
+    if kind not in (bulklink.FETCH, bulklink.PUT, bulklink.SPEC) or n > bulklink.MAX_HEADER:
+        raise ValueError("malformed request")
+    header = tcplink.head_rest(conn, n, deadline, then, "a request's head")
+    return None if header is None else (kind, header)

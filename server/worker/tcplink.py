@@ -44,7 +44,10 @@ PATHWAYS_TCP_DEAD_PEER_S (seconds, >= 1) sets it (the tests use a few seconds).
 
 The same port takes the controller's connections for a proxy session's bulk bytes: their hello
 has its own magic (server/bulklink.py) and is handed, connection and secret, to `session`
-(server/worker/bulk_service.py), which checks the session credential and serves it.
+(server/worker/bulk_service.py), which checks the session credential and serves it. Its reads
+are bounded as a frame's are (`next_prefix`, `head_rest`, the progress timeout): none while it
+idles between requests (a session may idle for hours), a request's head whole within DEAD_PEER_S
+of its first byte, an upload's bytes no pause of DEAD_PEER_S.
 """
 
 from __future__ import annotations
@@ -67,12 +70,12 @@ from pwctl.tls import TlsConfig
 from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
-from ..bulklink import SESSION_MAGIC, recv_exact
+from ..bulklink import SESSION_MAGIC, recv_bytes, recv_exact
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TcpPeer", "TcpReceiver", "guard"]
+__all__ = ["TcpPeer", "TcpReceiver", "guard", "head_rest", "next_prefix", "progress_timeout", "why"]
 
 HELLO = struct.Struct("!4sH")  # magic, token length; the token follows
 FRAME = struct.Struct("!4sI")  # magic, header length; the header and the payload follow
@@ -110,7 +113,8 @@ def _stalled(e: OSError) -> bool:
     return isinstance(e, BlockingIOError) or (isinstance(e, TimeoutError) and e.errno != errno.ETIMEDOUT)
 
 
-def _why(e: OSError) -> str:
+def why(e: OSError) -> str:
+    """A read's failure, in words (a timeout's says which and how long)."""
     if isinstance(e, _Late):
         return f"{e} ({DEAD_PEER_S:g} s after its first byte)"
     if _stalled(e):
@@ -150,14 +154,16 @@ def _fill(conn: socket.socket, view: memoryview, deadline: float, what: str, the
     return True
 
 
-def _next_prefix(conn: socket.socket, then: float | None) -> tuple[bytes, float | None] | None:
-    """The next frame's prefix, however long the peer stays idle before it (a connection waits
+def next_prefix(conn: socket.socket, size: int, then: float | None,
+                what: str = "a frame's head") -> tuple[bytes, float | None] | None:
+    """The next frame's prefix (`size` bytes), however long the peer stays idle before it (a connection waits
     between transfers; keepalive ends it if the peer's host vanishes), and the frame's deadline
     for its header: DEAD_PEER_S after its first byte. The deadline is None where the prefix came
     whole in its first read (the common case): the connection's read timeout, DEAD_PEER_S, then
-    starts within microseconds of that first byte and stands for it (`_header`). None when the
-    peer closed. `then`: the connection's socket timeout (`_fill`)."""
-    buf = bytearray(FRAME.size)
+    starts within microseconds of that first byte and stands for it (`head_rest`). None when the
+    peer closed. `then`: the connection's socket timeout (`_fill`); `what`: the frame's head, in
+    the error past the deadline."""
+    buf = bytearray(size)
     while True:
         try:
             n = conn.recv_into(buf)
@@ -171,28 +177,21 @@ def _next_prefix(conn: socket.socket, then: float | None) -> tuple[bytes, float 
     if n == len(buf):
         return bytes(buf), None
     deadline = time.monotonic() + DEAD_PEER_S
-    if not _fill(conn, memoryview(buf)[n:], deadline, "a frame's head", then):
+    if not _fill(conn, memoryview(buf)[n:], deadline, what, then):
         return None
     return bytes(buf), deadline
 
 
-def _header(conn: socket.socket, n: int, deadline: float | None, then: float | None) -> bytes | None:
-    """A frame's header of `n` bytes, whole by the frame's `deadline` (`_next_prefix`); None when
+def head_rest(conn: socket.socket, n: int, deadline: float | None, then: float | None,
+              what: str = "a frame's head") -> bytes | None:
+    """A frame's header of `n` bytes, whole by the frame's `deadline` (`next_prefix`); None when
     the peer closed first. A plain connection reads it in one MSG_WAITALL call where the deadline
     is the read timeout just started: the kernel bounds that call's waits together, by
-    SO_RCVTIMEO; what a cut-short call left, and a TLS connection, read under the deadline."""
-    if n == 0:
-        return b""
-    if deadline is None:
-        deadline = time.monotonic() + DEAD_PEER_S
-        if then is None:  # a plain connection
-            data = conn.recv(n, socket.MSG_WAITALL)
-            if len(data) == n or not data:
-                return data or None
-            rest = bytearray(n - len(data))
-            return data + bytes(rest) if _fill(conn, memoryview(rest), deadline, "a frame's head", then) else None
-    buf = bytearray(n)
-    return bytes(buf) if _fill(conn, memoryview(buf), deadline, "a frame's head", then) else None
+    SO_RCVTIMEO; what a cut-short call left, and a TLS connection, read under the deadline
+    (bulklink.recv_bytes, with `_fill` for the deadline)."""
+    fresh = deadline is None
+    end = time.monotonic() + DEAD_PEER_S if deadline is None else deadline
+    return recv_bytes(conn, n, lambda c, view: _fill(c, view, end, what, then), waitall=fresh)
 
 
 def _hello_bytes(conn: socket.socket, n: int, deadline: float) -> bytes | None:
@@ -213,7 +212,7 @@ def guard(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(value)))
 
 
-def _progress_timeout(conn: socket.socket, tls: bool) -> None:
+def progress_timeout(conn: socket.socket, tls: bool) -> None:
     """No byte for DEAD_PEER_S fails a read: the kernel's SO_RCVTIMEO on a plain connection
     (nothing per read), the socket timeout on a TLS one (module docstring)."""
     if tls:
@@ -285,19 +284,20 @@ class TcpReceiver:
                 conn = self._tls.ssl_server_context.wrap_socket(conn, server_side=True)
             secret = self._hello(conn, deadline)
             if isinstance(secret, bytes):  # a proxy session's bulk connection (server/bulklink.py)
-                conn.settimeout(None)
                 assert self._session is not None
+                progress_timeout(conn, self._tls is not None)  # its reads are bounded as a frame's
+                framing = True
                 self._session(conn, secret, peer)
                 return
             if not secret:
                 log.warning("TCP transfer connection from %s refused: wrong token", peer)
                 return
-            _progress_timeout(conn, self._tls is not None)
+            progress_timeout(conn, self._tls is not None)
             framing = True
             while self._frame(conn, peer):
                 pass
         except OSError as e:  # ssl.SSLError too: a failed handshake, in one line
-            log.warning("TCP transfer connection from %s ended: %s", peer, _why(e) if framing else e)
+            log.warning("TCP transfer connection from %s ended: %s", peer, why(e) if framing else e)
         except ValueError as e:
             log.warning("TCP transfer connection from %s ended: %s", peer, e)
         finally:
@@ -325,15 +325,15 @@ class TcpReceiver:
 
     def _frame(self, conn: socket.socket, peer: object) -> bool:
         """Reads one frame and delivers it; False when the peer closed the connection."""
-        then = DEAD_PEER_S if self._tls is not None else None  # the socket timeout (_progress_timeout)
-        got = _next_prefix(conn, then)
+        then = DEAD_PEER_S if self._tls is not None else None  # the socket timeout (progress_timeout)
+        got = next_prefix(conn, FRAME.size, then)
         if got is None:
             return False
         prefix, deadline = got
         magic, n = FRAME.unpack(prefix)
         if magic != FRAME_MAGIC or n > MAX_HEADER:
             raise ValueError("malformed frame")
-        raw = _header(conn, n, deadline, then)
+        raw = head_rest(conn, n, deadline, then)
         if raw is None:
             return False
         header = wpb.TransferChunk.FromString(raw)
@@ -351,7 +351,7 @@ class TcpReceiver:
             # a sender gone silent (its host vanished, or it froze) or a broken connection: as
             # below. Said here, in a string: a log record holding `e` would keep `arr` alive
             log.warning("TCP transfer connection from %s lost in the middle of buffer %#x (%d bytes): %s", peer,
-                        header.buffer_id, arr.nbytes, _why(e))
+                        header.buffer_id, arr.nbytes, why(e))
             return False
         if not whole:
             # the sender died or closed mid-array: nothing is delivered; the reader's run fails

@@ -46,11 +46,11 @@ def test_a_thousand_sharded_puts_in_flight_all_arrive(cluster: LocalCluster, tmp
     lines = matches_local(cluster, tmp_path, PROGRAM, 4)
     assert lines == [f"puts {PUTS} P('x',) {256 * 256 * PUTS * (PUTS - 1) / 2} [0.0, 65536.0, "
                      f"{256 * 256 * (PUTS - 1):.1f}]"]
-    # the session's end is in the controller's log with how it ended: the client, exiting, cancels
+    # the session's end is in the controller's log with how it ended: the client, exiting, ends
     # its stream, with nothing unanswered
     ends = wait_for(lambda: re.findall(r"proxy: session \w+ closed: (.*)", cluster.controller_logs()), 30,
                     "the proxy session's end in the controller's log")
-    assert ends == [service.CANCELLED], ends
+    assert ends in ([service.ENDED], [service.CANCELLED]), ends
 
 
 def test_a_session_cancelled_with_a_request_waiting_says_so_in_the_log(cluster: LocalCluster) -> None:
@@ -83,11 +83,9 @@ def test_a_session_cancelled_with_a_request_waiting_says_so_in_the_log(cluster: 
         asyncio.run(main())
     ends = wait_for(lambda: re.findall(r"proxy: session \w+ closed: (.*)", cluster.controller_logs()), 30,
                     "the proxy session's end in the controller's log")
-    # grpc.aio shows the client's cancel as the cancellation of its reader, or as the stream's end
-    # (the request unanswered then) and the reader's cancellation a moment later: a cancel either
-    # way (service.py IfrtSession)
-    assert ends in ([f"{service.CANCELLED}, 1 requests unanswered"],
-                    [f"{service.CANCELLED}, 1 requests unanswered then"]), ends
+    # grpc.aio shows the client's cancel as the stream's end, or as the cancellation of its reader
+    assert ends in ([f"{service.ENDED}, 1 requests unanswered then"],
+                    [f"{service.CANCELLED}, 1 requests unanswered"]), ends
 
 
 SMALL = """

@@ -26,7 +26,6 @@ from proxy_env import client_env
 from pwctl import proxy_plugin
 from server import rpcguard
 from server.proxy import protocol as proto_mod
-from server.proxy import service as service_mod
 from server.proxy.backend import BackendError, CompiledInfo, DeviceInfo, SliceInfo
 from server.proxy.handles import SERVER_HANDLE_BASE, Arriving, HandleError, HandleTable, HostBuffers, HostData
 from server.proxy.layouts import default_layout
@@ -522,7 +521,6 @@ def test_hostile_input_fails_only_its_own_request(caplog: pytest.LogCaptureFixtu
                         pass
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
                 await good.done_writing()
-                assert await good.read() == aio.EOF  # the session ended before the server stops
         finally:
             await server.stop(None)
 
@@ -676,7 +674,6 @@ def test_requests_the_proxy_fuzz_broke_get_their_own_answer(caplog: pytest.LogCa
                 assert status.message == "handle 77 is not a future"
                 assert session.handles.peek(77) is not None  # a wrong CheckFuture takes nothing
                 await call.done_writing()
-                assert await call.read() == aio.EOF  # the session ended before the server stops
         finally:
             await server.stop(None)
 
@@ -715,79 +712,7 @@ def test_a_shape_of_too_many_dimensions_is_refused_before_any_work() -> None:
                 resp = P.IfrtResponse.FromString(await call.read())
                 assert resp.get_default_layout_response.serialized_pjrt_layout.startswith(b"{4095,4094,")
                 await call.done_writing()
-                assert await call.read() == aio.EOF  # the session ended before the server stops
         finally:
             await server.stop(None)
 
     asyncio.run(main())
-
-
-# Opens sessions one after another on one channel (the address in argv[1]), each ended as argv[2]
-# says, in turn: "close" ends its requests (a half-close) and reads its answers to the end,
-# "cancel" cancels the call once its Init is answered. Prints each session's id (hex) and how it ended.
-ENDING_CLIENT = """
-import queue, sys, grpc
-from server.proxy import protocol as proto_mod
-P = proto_mod.protocol()
-meta = P.GrpcIfrtSessionMetadata()
-meta.version.protocol_version = proto_mod.MAX_PROTOCOL_VERSION
-with grpc.insecure_channel(sys.argv[1]) as ch:
-    for how in sys.argv[2].split(","):
-        q = queue.SimpleQueue()
-        def requests():
-            while (m := q.get()) is not None:
-                yield m
-        call = ch.stream_stream("/" + proto_mod.SERVICE_NAME + "/IfrtSession")(
-            requests(), metadata=[(proto_mod.SESSION_METADATA_HEADER, meta.SerializeToString())])
-        init = P.IfrtRequest()
-        init.request_metadata.op_id = 1
-        init.init_request.SetInParent()
-        q.put(init.SerializeToString())
-        sid = P.IfrtResponse.FromString(next(call)).init_response.session_id
-        if how == "close":
-            q.put(None)
-            assert list(call) == []
-        else:
-            call.cancel()
-            q.put(None)
-        print(f"{sid:x} {how}", flush=True)
-"""
-
-
-@pytest.mark.timeout(60)
-def test_a_sessions_end_line_says_whether_the_client_closed_or_cancelled_its_stream(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """grpc.aio gives the handler a half-close and a cancel alike, as the reader's EOF; a cancel
-    then also cancels the handler (service.py IfrtSession), which the line reads."""
-    ends = ["close", "cancel"] * 10
-
-    async def main() -> str:
-        service = ProxyService(Cluster())
-        server, port = await serve(service)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", ENDING_CLIENT, f"127.0.0.1:{port}", ",".join(ends), cwd=REPO,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            out, err = await asyncio.wait_for(proc.communicate(), 50)
-            assert proc.returncode == 0, err.decode()[-3000:]
-            for _ in range(100):  # the last session's close, in a task of its own
-                if not service.sessions:
-                    break
-                await asyncio.sleep(0.05)
-            return out.decode()
-        finally:
-            await server.stop(None)
-
-    with caplog.at_level(logging.INFO, logger="server.proxy.service"):
-        out = asyncio.run(main())
-    said = dict(line.split() for line in out.splitlines())
-    assert sorted(said.values()) == sorted(ends)
-    logged = {}
-    for r in caplog.records:
-        if r.getMessage().startswith("proxy: session ") and " closed: " in r.getMessage():
-            sid, why = r.getMessage().removeprefix("proxy: session ").split(" closed: ")
-            logged[sid] = why
-    assert sorted(logged) == sorted(said)
-    wrong = {sid: (how, logged[sid]) for sid, how in said.items()
-             if logged[sid] != (service_mod.CLOSED if how == "close" else service_mod.CANCELLED)}
-    assert not wrong, wrong

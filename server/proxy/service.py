@@ -48,10 +48,9 @@ from .running import Runner
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096  # requests of one session in flight at once
-# how a session's stream ended, in its last log line (IfrtSession says how it tells them apart)
-CLOSED = "the client closed its stream (its requests over)"
-CANCELLED = "its stream was cancelled (by the client or its exit, or the controller stopping)"
-END_GRACE_S = 0.005  # how long a stream ended by EOF waits for a cancel's cancellation (IfrtSession)
+# how a session's stream ended, in its last log line
+ENDED = "the client ended its stream (closed or cancelled it)"
+CANCELLED = "its stream was cancelled (by the client, or the controller stopping)"
 TOKEN_KEY, SLICE_KEY, DEVICES_KEY = "pathways.token", "pathways.slice", "pathways.devices"
 
 Message = Any  # a message class built at run time (protocol.py): no static type
@@ -290,12 +289,8 @@ class ProxyService(HostBufferRpcs):
         writer.add_done_callback(writer_done)
         undecodable = False
         # how the stream ended, for the log (jaxlib's client ends it as it exits, or, with requests
-        # unanswered, after a call of its own failed). grpc.aio's reader gives a client's half-close
-        # (its requests over) and its cancel (or its death) alike, as EOF, and `context.cancelled()`
-        # is False in both (in a done callback too; grpc 1.85); a cancel also cancels this task,
-        # while reading or a moment after its EOF (0.03-0.2 ms, measured). So once its answers are
-        # written a stream ended by EOF waits END_GRACE_S, once per session, for that cancellation:
-        # without it, 2 of 30 cancels (tests/test_proxy_protocol.py) returned first, logged CLOSED
+        # unanswered, after a call of its own failed); grpc.aio's reader sees a client's cancel as
+        # the stream's end or as this task's cancellation, and `context.cancelled()` tells neither
         why = CANCELLED
         try:
             while (raw := await context.read()) is not aio.EOF:
@@ -315,24 +310,20 @@ class ProxyService(HostBufferRpcs):
                     await asyncio.wait(runner.pending, return_when=asyncio.FIRST_COMPLETED)
                 if out.full:
                     await out.room()
-            why = "undecodable request" if undecodable else CLOSED
+            why = "undecodable request" if undecodable else ENDED
             why += f", {len(runner.pending)} requests unanswered then" if runner.pending else ""
             if runner.pending:
                 await asyncio.gather(*runner.pending, return_exceptions=True)
             out.close()
             await writer
-            if not undecodable:
-                await asyncio.sleep(END_GRACE_S)
-            else:
+            if undecodable:
                 log.info("proxy: session %x: undecodable request; the session ends", session.id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "undecodable IfrtRequest: the session ends")
         except asyncio.CancelledError:
-            if why == CANCELLED:  # while reading
+            if why == CANCELLED:  # while reading (else the stream had ended: said already)
                 if writer.done() and not writer.cancelled() and writer.exception() is not None:
                     why = "its answers could not be written (the client gone)"
                 why += f", {len(runner.pending)} requests unanswered" if runner.pending else ""
-            elif why.startswith(CLOSED):  # the EOF was a cancel's (its count of unanswered requests kept)
-                why = CANCELLED + why[len(CLOSED):]
             raise
         finally:
             ending = True  # writer_done may be scheduled already (a failed write as the caller was killed)

@@ -94,7 +94,7 @@ def test_a_release_waits_for_every_run_submitted_before_it() -> None:
     assert p.outbox.take() == []
     p.report("b", 1, 1)  # run 1 is over: now the release goes
     assert p.outbox.take() == [("b", release_msg(200))]
-    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2))
+    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2, last_run=2))
 
     # with no run open a release goes at once; one to an unknown address goes nowhere
     p.send(s, release(300, 301), release(5, address="nowhere:1"))
@@ -348,8 +348,10 @@ def test_a_run_planned_on_an_older_generation_is_refused_before_anything_of_it_a
     assert done == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2, last_run=2))  # both over, handled
     # sent again, planned on generation 1, with the same outputs: admitted, and the reader too
     p.send(s, planned(3, prog, 201, [1, 0]), planned(4, prog, 202, [1, 0], input_id=201, home="b:1"))
-    assert enqueued(p) == [3, 4]
-    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2, last_run=4))  # (one per flush)
-    # an older client's run (no generations) is admitted as before, and told nothing more
+    assert enqueued(p) == [3, 4] and events(s) == []  # (that they were handled is told with the next over)
+    # an older client's run (no generations) is admitted as before
     p.send(s, run(5, prog, 205))
     assert enqueued(p) == [5] and events(s) == []
+    p.report("a", 3, 0)
+    p.report("b", 3, 1)
+    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=3, last_run=5))

@@ -71,7 +71,6 @@ class ClientSession:
     _reported: int = 0
     # the last run message handled (admitted or refused), told with RunsDone (Welcome.checks_generations)
     last_run: int = 0
-    _reported_run: int = 0
     overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
@@ -150,10 +149,11 @@ class ClientSession:
         return None
 
     def report_finished(self) -> None:
-        """Tells the client how many of its runs are over, and the last it handled, if that
-        changed since last time."""
-        if self.finished != self._reported or self.last_run != self._reported_run:
-            self._reported, self._reported_run = self.finished, self.last_run
+        """Tells the client how many of its runs are over, if that changed since last time, and
+        the last run it handled (no event of its own: a run admitted is told with the next that
+        is over, not to cost an op-by-op client a second event per call)."""
+        if self.finished != self._reported:
+            self._reported = self.finished
             self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished, last_run=self.last_run)))
 
     def run_opened(self, run_id: int) -> None:

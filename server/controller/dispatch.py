@@ -163,12 +163,6 @@ class Dispatcher:
         else:
             batch.append(event)
 
-    def handled(self, session: ClientSession, run_id: int) -> None:
-        """The session's run `run_id` was admitted or refused: the client hears so with the next
-        flush (RunsDone.last_run)."""
-        session.last_run = run_id
-        self._progressed.add(session)
-
     def refuse(self, session: ClientSession, run_id: int, why: str, outputs: Sequence[int] = (),
                root: str = "", generations: list[int] | None = None) -> None:
         """Refuses a run before it started: the client hears `why` as the run's error (a

@@ -286,8 +286,7 @@ class SessionManager:
         """Refuses a run or a registration (the messages that wait for a group) with `why`."""
         if msg.WhichOneof("msg") == "run":
             self.dispatcher.refuse(session, msg.run.run_id, why, msg.run.output_ids)
-            if msg.run.slice_generations:
-                self.dispatcher.handled(session, msg.run.run_id)
+            session.last_run = msg.run.run_id
         else:
             session.send(cpb.SessionEvent(registered=cpb.ProgramRegistered(request_id=msg.register.request_id,
                                                                            error=why)))
@@ -353,8 +352,7 @@ class SessionManager:
         wait for it: `ClientSession.when_over`)."""
         if self._own_ids(session, run):
             self.dispatcher.submit(session, run, batch, wait=wait, prompt=prompt)
-        if run.slice_generations:  # its client keeps it until told it was handled (not waiting for a group)
-            self.dispatcher.handled(session, run.run_id)
+        session.last_run = run.run_id  # handled, not waiting for its group: told with RunsDone
 
     def submit_batch(self, submits: list[Submit]) -> None:
         """Hands the Submits collected by `run(..., batch)` to the scheduler in one pass."""

@@ -1932,9 +1932,10 @@ class RunsDone(_message.Message):
     LAST_RUN_FIELD_NUMBER: _builtins.int
     count: _builtins.int
     last_run: _builtins.int
-    """With Welcome.checks_generations: the last run message of this session the controller handled
-    (admitted or refused): every run the client sent up to it has had its admission answer, and
-    the client lets go of what it kept to send them again (RunFinished.replan).
+    """The last run message of this session the controller handled (admitted or refused) when it
+    sent this: every run the client sent up to it has had its admission answer, and the client
+    lets go of what it kept to send them again (RunFinished.replan). Told with the runs over,
+    not on its own.
     """
     def __init__(
         self,

@@ -119,7 +119,13 @@ class Future:
 
     def block_until_ready(self, timeout: float | None = None) -> Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
-        return block_until_ready(self, timeout)
+        while self._value is None:
+            try:
+                _wait_computed(self._rt, self.home, [self], timeout)
+                break
+            except _Moved:  # sent again elsewhere (replan.py): waited for where it is now
+                continue
+        return self
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         value = self.result()

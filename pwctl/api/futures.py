@@ -248,13 +248,11 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
         failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "") if runs_first else ""
         return ProgramError(failed or error)
 
-    if moved(run_ids):
-        raise _Moved
-    if home in rt.lost_workers and (lost := rt.still_lost(home)):
-        raise fail(lost)
     while True:
         if moved(run_ids):
             raise _Moved
+        if home in rt.lost_workers and (lost := rt.still_lost(home)):  # (or told since the last look)
+            raise fail(lost)
         failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
         if failed:
             raise ProgramError(failed)

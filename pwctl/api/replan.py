@@ -93,9 +93,9 @@ class Replans:
     def refused(self, finished: cpb.RunFinished) -> bool:
         """The controller refused a run for its plan (`finished.replan`): reads the slices that
         moved and sends it again; False when it cannot (not kept, sent again already, a slice not
-        read anew): the run fails with the controller's reason."""
-        with self._lock:
-            sent = self._kept.pop(finished.run_id, None)
+        read anew): the run fails with the controller's reason (the runtime records that before
+        the next `handled` lets go of it: a wait on its futures sees one or the other)."""
+        sent = self._kept.get(finished.run_id)  # (kept until then: a wait on its futures waits for this)
         if sent is None or sent.again:
             return False
         rt = self._rt
@@ -111,6 +111,8 @@ class Replans:
             self.replanned[finished.run_id] = sent.send_again(rt)
         except PathwaysError:  # the session ended meanwhile: the run fails with the controller's reason
             return False
+        with self._lock:
+            self._kept.pop(finished.run_id, None)
         return True
 
     def moved(self, run_ids: Iterable[int]) -> bool:

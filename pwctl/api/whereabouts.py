@@ -8,7 +8,8 @@ the reader taking its `SliceChanged` uploaded to, and waited at, the old address
 suspect (its host declared lost, or the client's upload stream to it ended: the first sign, often
 before the session says anything) first reads the slice from the controller, on a connection of
 its own (`catch_up`). The controller stays the authority on placement; the client only asks it
-sooner.
+sooner. A call with no such sign (a worker it never uploaded to, an old process frozen with its
+connections open) is refused by the controller for its plan and sent again (replan.py).
 """
 
 from __future__ import annotations

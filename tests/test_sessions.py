@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from server.controller.client_session import ClientSession
 from server.controller.errors import GroupForming
 from server.controller.programs import ProgramRecord
 from server.controller.sessions import SessionManager
+from server.controller.slices import Placement
 from tests.test_dispatcher import FUNCTION, Parts, Slices, events, session, two_step_graph
 
 pytestmark = pytest.mark.timeout(30)
@@ -92,7 +94,7 @@ def test_a_release_waits_for_every_run_submitted_before_it() -> None:
     assert p.outbox.take() == []
     p.report("b", 1, 1)  # run 1 is over: now the release goes
     assert p.outbox.take() == [("b", release_msg(200))]
-    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2))
+    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2, last_run=2))
 
     # with no run open a release goes at once; one to an unknown address goes nowhere
     p.send(s, release(300, 301), release(5, address="nowhere:1"))
@@ -298,3 +300,58 @@ def test_a_group_that_does_not_form_within_the_bound_refuses_the_waiting_calls_n
         assert [(h, [t.run_id for t in m.enqueue.tasks]) for h, m in p.outbox.take()] == [("a", [3]), ("b", [3])]
 
     asyncio.run(main())
+
+
+class MovingSlices(Slices):
+    """The dispatcher tests' slices, whose generations a test moves on (a new epoch each)."""
+
+    def __init__(self, hosts: dict[str, Any]) -> None:
+        super().__init__(hosts)
+        self.generation = {"sa": 0, "sb": 0}
+
+    def placement(self, name: str) -> Placement:
+        return replace(super().placement(name), generation=self.generation[name])
+
+    def move(self, name: str) -> None:
+        self.generation[name] += 1
+        self.epoch += 1
+
+
+def planned(run_id: int, prog: ProgramRecord, output: int, generations: list[int], input_id: int = 100,
+            home: str = "a:1") -> cpb.ClientMessage:
+    """A run planned on these generations of the program's slices (sa, sb)."""
+    return cpb.ClientMessage(run=cpb.RunProgram(run_id=run_id, program_id=prog.program_id, input_ids=[input_id],
+                                                output_ids=[output], input_homes=[home],
+                                                slice_generations=generations))
+
+
+def enqueued(p: Sessions) -> list[int]:
+    return sorted({t.run_id for _, m in p.outbox.take() if m.HasField("enqueue") for t in m.enqueue.tasks})
+
+
+def test_a_run_planned_on_an_older_generation_is_refused_before_anything_of_it_and_so_are_its_readers() -> None:
+    p = Sessions()
+    moving = MovingSlices(p.hosts)
+    p.slices = p.manager.slices = p.dispatcher.placements = moving  # type: ignore[assignment]
+    s = p.open()
+    prog = p.register(s)
+    moving.move("sa")  # before the client heard of it: it plans on generation 0
+    p.send(s, cpb.ClientMessage(batch=cpb.ClientBatch(messages=[
+        planned(1, prog, 201, [0, 0]),
+        planned(2, prog, 202, [1, 0], input_id=201, home="b:1")])))  # planned anew, but reads run 1's output
+    assert p.outbox.take() == []  # nothing of either dispatched
+    first, second, done = events(s)
+    assert first.finished.replan and list(first.finished.slice_generations) == [1, 0], first
+    assert "'sa' (generation 0 -> 1)" in first.finished.error and not first.finished.ok
+    assert second.finished.replan and not second.finished.slice_generations, second
+    assert "will never be computed" in second.finished.error
+    assert done == cpb.SessionEvent(runs_done=cpb.RunsDone(count=2, last_run=2))  # both over, handled
+    # sent again, planned on generation 1, with the same outputs: admitted, and the reader too
+    p.send(s, planned(3, prog, 201, [1, 0]), planned(4, prog, 202, [1, 0], input_id=201, home="b:1"))
+    assert enqueued(p) == [3, 4] and events(s) == []  # (that they were handled is told with the next over)
+    # an older client's run (no generations) is admitted as before
+    p.send(s, run(5, prog, 205))
+    assert enqueued(p) == [5] and events(s) == []
+    p.report("a", 3, 0)
+    p.report("b", 3, 1)
+    assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=3, last_run=5))

@@ -17,6 +17,11 @@ FETCH_POLL_S = 1.0
 SILENT_S = 4.0
 
 
+class _Moved(Exception):
+    """A run of the futures waited on was sent again, planned anew (its slice moved: replan.py):
+    they are waited for again where they are now (their `home` and `run_id` were changed first)."""
+
+
 class Future:
     """A (possibly sharded) array on a worker. Passing it to another call never moves its
     bytes through the client; `result()`, `np.asarray(f)` and `print(f)` fetch the value.
@@ -46,6 +51,13 @@ class Future:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Fetches the value from the worker that owns it (cached afterwards)."""
+        while True:
+            try:
+                return self._result(timeout)
+            except _Moved:
+                continue
+
+    def _result(self, timeout: float | None) -> np.ndarray:
         if self._value is None and self.peers:
             self._value = self._gather(timeout)
         if self._value is None:
@@ -107,8 +119,12 @@ class Future:
 
     def block_until_ready(self, timeout: float | None = None) -> Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
-        if self._value is None:
-            _wait_computed(self._rt, self.home, [self], timeout)
+        while self._value is None:
+            try:
+                _wait_computed(self._rt, self.home, [self], timeout)
+                break
+            except _Moved:  # sent again elsewhere (replan.py): waited for where it is now
+                continue
         return self
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -141,13 +157,17 @@ def block_until_ready(x: Any, timeout: float | None = None) -> Any:
     moved) and returns `x`, as `jax.block_until_ready`; raises ProgramError if one failed."""
     import jax
 
-    by_home: dict[tuple[int, str], list[Future]] = {}
-    for leaf in jax.tree_util.tree_leaves(x):
-        if isinstance(leaf, Future) and leaf._value is None:
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if isinstance(leaf, Future) and leaf._value is None]
+    while True:
+        by_home: dict[tuple[int, str], list[Future]] = {}
+        for leaf in leaves:
             by_home.setdefault((id(leaf._rt), leaf.home), []).append(leaf)
-    for (_, home), futures in by_home.items():
-        _wait_computed(futures[0]._rt, home, futures, timeout)
-    return x
+        try:
+            for (_, home), futures in by_home.items():
+                _wait_computed(futures[0]._rt, home, futures, timeout)
+            return x
+        except _Moved:  # looked for again where they are now (those computed already answer at once)
+            continue
 
 
 def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
@@ -210,11 +230,29 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
     lost: a frozen host (stopped, swapped out, paused) keeps its connections, so the calls would
     otherwise go on until it continues, however long after its loss. A worker whose host the
     controller declared lost (`rt.lost_workers`, told by the session) fails the call at once while
-    it stays lost, rather than after a call's deadline."""
-    if home in rt.lost_workers and (lost := rt.still_lost(home)):
-        raise ProgramError(lost)
+    it stays lost, rather than after a call's deadline. Raises _Moved once one of the runs was
+    sent again (replan.py): its futures are elsewhere now. Before failing for its worker, a wait
+    waits for the controller's answer to the runs (their refusal for their plan, should one come,
+    is behind the news of the worker's loss on the session's stream)."""
+    replans = rt.replans
+    moved = replans.moved
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def fail(error: str, runs_first: bool = False) -> ProgramError:
+        """The error to raise (the first run's failure first, with `runs_first`); raises _Moved
+        instead when a run was sent again meanwhile."""
+        if replans.unanswered(run_ids):
+            replans.wait_answer(run_ids, deadline)
+        if moved(run_ids):
+            raise _Moved
+        failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "") if runs_first else ""
+        return ProgramError(failed or error)
+
     while True:
+        if moved(run_ids):
+            raise _Moved
+        if home in rt.lost_workers and (lost := rt.still_lost(home)):  # (or told since the last look)
+            raise fail(lost)
         failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
         if failed:
             raise ProgramError(failed)
@@ -224,8 +262,8 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
         if done:
             return
         if error:
-            raise ProgramError(next((msg for msg in map(rt.run_failed, run_ids) if msg), "") or error)
+            raise fail(error, runs_first=True)
         if home and time.monotonic() - started >= wait + SILENT_S and (lost := rt.lost_host(home)):
-            raise ProgramError(f"the worker at {home} does not answer: its {lost} (the controller declared it)")
+            raise fail(f"the worker at {home} does not answer: its {lost} (the controller declared it)")
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"{what} after {timeout:g} s")

@@ -129,6 +129,7 @@ class Registered:
     output_slice: list[str]
     output_avals: list[tuple[tuple[int, ...], np.dtype[Any]]]
     result_tree: Any  # the program's return structure with _Slot leaves
+    slices: list[str] = field(default_factory=list)  # every slice it runs on, in name order
 
 
 def register_trace(rt: Runtime, trace: Trace, result: Any) -> Registered:
@@ -174,6 +175,7 @@ def register_trace(rt: Runtime, trace: Trace, result: Any) -> Registered:
         output_slice=[trace.node_slices[n] for n, _ in outputs],
         output_avals=avals,
         result_tree=jax.tree_util.tree_unflatten(tree, slots),
+        slices=sorted(set(trace.node_slices)),
     )
 
 
@@ -184,48 +186,84 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
         rt.registrations.ensure(reg.program_id)
     rt.wait_for_room()
     if rt.on_lost_worker:  # a slice's host was lost: has it moved since? (not on the usual path)
-        rt.catch_up({s for s in reg.input_slice if s is not None} | set(reg.output_slice))
+        rt.catch_up(set(reg.slices))
     values: list[Any] = list(flat_args) + [None] * (reg.num_inputs - len(flat_args))
     for i, v in reg.captured:
         values[i] = v
-    input_ids: list[int] = []
-    homes: list[str] = []
-    uploads: list[tuple[int, str]] = []
-    run_id = rt.new_id()  # named with its uploads: should one be lost, the run fails at once (worker_client.py)
-    for i, v in enumerate(values):
-        slice_name = reg.input_slice[i]
-        if isinstance(v, Future):
-            if rt.resume.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
+    if rt.resume.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
+        for v in values:
+            if isinstance(v, Future):
                 settle(rt, v.home, [v], None)
-            input_ids.append(v.id)
-            homes.append(v.wire_home)
-            continue
-        if slice_name is None:  # not read by any node
-            input_ids.append(0)
-            homes.append("")
-            continue
-        address = rt.slices[slice_name].address
-        bid = rt.new_id()
-        rt.worker(address).put(bid, np.asarray(v), run_id)
-        input_ids.append(bid)
-        homes.append(address)
-        uploads.append((bid, address))
-    out_ids = [rt.new_id() for _ in reg.outputs]
-    rt.send_run(cpb.ClientMessage(run=cpb.RunProgram(
-        run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=out_ids, input_homes=homes)))
-    for bid, address in uploads:  # the run holds them now; ours go (ordered after the run)
-        rt.release(bid, address)
-    # once per slice, not per output
-    addresses = {s: (rt.slices[s].address, rt.slices[s].peers) for s in set(reg.output_slice)}
-    futures = [
-        Future(rt, oid, addresses[s][0], shape, dtype, run_id, addresses[s][1])
-        for oid, s, (shape, dtype) in zip(out_ids, reg.output_slice, reg.output_avals, strict=True)
-    ]
+    futures = _Sent(reg, values).send(rt)
 
     def pick(slot: _Slot) -> Any:
         return futures[slot.index] if slot.is_output else values[slot.index]
 
     return jax.tree_util.tree_map(pick, reg.result_tree)
+
+
+class _Sent:
+    """A run of a registered program, as sent: what sends it (again: replan.py `Sent`)."""
+
+    __slots__ = ("again", "futures", "out_ids", "reg", "run_id", "slices", "values")
+
+    def __init__(self, reg: Registered, values: list[Any]) -> None:
+        self.reg = reg
+        self.slices = reg.slices
+        self.values = values
+        self.out_ids: list[int] = []
+        self.futures: list[Future] = []
+        self.again = False
+        self.run_id = 0
+
+    def send(self, rt: Runtime) -> list[Future]:
+        """Uploads the array inputs to the worker of the slice that reads each and sends the run;
+        its outputs' futures. Planned on the slices as the runtime knows them: their generations
+        are read before their addresses (a move meanwhile is then refused, not missed)."""
+        reg, slices = self.reg, rt.slices
+        gens = [slices[s].info.generation for s in reg.slices] if rt.checks_generations else None
+        run_id = self.run_id = rt.new_id()  # named with its uploads: should one be lost, the run fails at once
+        input_ids: list[Any] = [0] * len(self.values)  # (worker_client.py)
+        homes: list[str] = [""] * len(self.values)
+        uploads: list[tuple[int, str]] = []
+        for i, v in enumerate(self.values):
+            slice_name = reg.input_slice[i]
+            if slice_name is None or isinstance(v, Future):  # not read by any node; a future (below)
+                continue
+            address = slices[slice_name].address
+            bid = rt.new_id()
+            rt.worker(address).put(bid, np.asarray(v), run_id)
+            input_ids[i], homes[i] = bid, address
+            uploads.append((bid, address))
+        with rt.plan_lock:  # futures' homes read, and the run sent, in order with a re-sending (replan.py)
+            for i, v in enumerate(self.values):
+                if isinstance(v, Future):
+                    input_ids[i], homes[i] = v.id, v.wire_home
+            # once per slice, not per output
+            addresses = {s: (slices[s].address, slices[s].peers) for s in set(reg.output_slice)}
+            if self.again:  # the same outputs, made where the slices are now
+                for f, s in zip(self.futures, reg.output_slice, strict=True):
+                    f.home, f.peers, f.run_id = addresses[s][0], addresses[s][1], run_id
+            else:
+                self.out_ids = [rt.new_id() for _ in reg.outputs]
+                self.futures = [
+                    Future(rt, oid, addresses[s][0], shape, dtype, run_id, addresses[s][1])
+                    for oid, s, (shape, dtype) in zip(self.out_ids, reg.output_slice, reg.output_avals, strict=True)
+                ]
+            rt.send_run(cpb.ClientMessage(run=cpb.RunProgram(
+                run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=self.out_ids,
+                input_homes=homes, slice_generations=gens)))
+            if gens is not None:
+                rt.replans.keep(run_id, self)
+        for bid, address in uploads:  # the run holds them now; ours go (ordered after the run)
+            rt.release(bid, address)
+        return self.futures
+
+    def send_again(self, rt: Runtime) -> int:
+        """replan.py: sent again (once), planned on the slices as they are now."""
+        self.again = True
+        self.send(rt)
+        return self.run_id
 
 
 class Program:

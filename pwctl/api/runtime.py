@@ -36,6 +36,7 @@ from .bounded import Bounded
 from .env import env_amount, keep_local_jax_on_cpu
 from .packing import Release
 from .registration import Registrations
+from .replan import Replans
 from .resume import RECONNECT_S, Resume
 from .sender import STOP, Sender
 from .whereabouts import Whereabouts
@@ -108,6 +109,13 @@ class Runtime:
         self.lost_workers = self.where.lost
         self.on_lost_worker = False
         self.slices: dict[str, Any] = {}  # name -> VirtualSlice, refreshed on SliceChanged
+        # runs refused for their plan, sent again (replan.py): calls read their futures' homes and
+        # send under `plan_lock`, as a re-sending does; with a controller that checks the slice
+        # generations a run was planned with (Welcome.checks_generations), a run is kept until it
+        # says it handled it
+        self.plan_lock = threading.Lock()
+        self.replans = Replans(self, self.plan_lock)
+        self.checks_generations = False
         self.reconnect_s = env_amount("PWCTL_RECONNECT_S", os.environ.get("PWCTL_RECONNECT_S", ""),
                                       RECONNECT_S, float, "seconds (0: never reconnect)")
         self._done_base = 0  # runs over before the current stream (its RunsDone counts from there)
@@ -146,6 +154,9 @@ class Runtime:
         self.client_id = welcome.client_id
         self._resume_token = welcome.resume_token
         self._sender.set_acks(welcome.acks_releases)
+        self.checks_generations = welcome.checks_generations
+        if not welcome.checks_generations:  # it will not say which it handled
+            self.replans.forget()
 
     # ---- ids ----
     def new_id(self) -> int:
@@ -219,9 +230,11 @@ class Runtime:
                 elif kind == "registered":
                     self.registrations.answered(ev.registered)
                 elif kind == "finished":
-                    if not ev.finished.ok:
+                    if not ev.finished.ok and not (ev.finished.replan and self.replans.refused(ev.finished)):
                         self._fail_run(ev.finished.run_id, ev.finished.error)
                 elif kind == "runs_done":
+                    if ev.runs_done.last_run:
+                        self.replans.handled(ev.runs_done.last_run)
                     with self._progress:
                         self._runs_done = self._done_base + ev.runs_done.count
                         if self._runs_done >= self._runs_sent:
@@ -376,7 +389,7 @@ class Runtime:
         Unless the run was in flight at a controller restart (uncertain, resume.py): the release
         sent again then passed a new controller that never knew the run, which a worker may
         still hold, waiting for this input."""
-        if upload.run_id and upload.run_id in self._failed_runs:
+        if upload.run_id and (upload.run_id in self._failed_runs or upload.run_id in self.replans.replanned):
             return False
         return not (upload.released and not self.resume.is_uncertain(upload.run_id))
 
@@ -403,7 +416,8 @@ class Runtime:
         cancels = []
         with self._lost_lock:
             for upload in uploads:
-                if upload.run_id and upload.run_id not in self._failed_runs:  # a run's first lost input names it
+                if (upload.run_id and upload.run_id not in self._failed_runs  # a run's first lost input names it
+                        and upload.run_id not in self.replans.replanned):  # sent again elsewhere
                     reason = f"input buffer {upload.buffer_id:#x} of this run was lost: {error}"
                     self._fail_run(upload.run_id, reason)
                     cancels.append(cpb.CancelRun(run_id=upload.run_id, reason=reason))

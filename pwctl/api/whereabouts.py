@@ -8,7 +8,8 @@ the reader taking its `SliceChanged` uploaded to, and waited at, the old address
 suspect (its host declared lost, or the client's upload stream to it ended: the first sign, often
 before the session says anything) first reads the slice from the controller, on a connection of
 its own (`catch_up`). The controller stays the authority on placement; the client only asks it
-sooner.
+sooner. A call with no such sign (a worker it never uploaded to, an old process frozen with its
+connections open) is refused by the controller for its plan and sent again (replan.py).
 """
 
 from __future__ import annotations
@@ -124,22 +125,30 @@ class Whereabouts:
         suspect = self.lost.keys() | self.ended
         for name in names:
             vs = self._rt.slices.get(name)
-            if vs is None or not any(a in suspect for a in (vs.address, *vs.peers)):
-                continue
-            try:
-                info = self._ask(functools.partial(Client.get_slice, name=name, timeout=CATCH_UP_S))
-            except PathwaysError:  # gone (NotFound), or refused: the call says why
-                continue
-            if info is None or not info.devices:
-                continue
-            if info.state == cpb.SLICE_STATE_DEGRADED:
-                for address in (vs.address, *vs.peers):
-                    if address in self.ended:
-                        self.ended.discard(address)
-                        self.lost.setdefault(address, f"slice {name!r} is degraded: {info.reason}")
-            elif info.generation > vs.info.generation:
-                self._ahead[name] = (info.generation, time.monotonic() + AHEAD_S)
-            self.slice_changed(vs, info)
+            if vs is not None and any(a in suspect for a in (vs.address, *vs.peers)):
+                self.read(name)
+
+    def read(self, name: str) -> None:
+        """Reads slice `name` again from the controller, ahead of the session's events (`catch_up`,
+        and a run the controller refused for its plan: replan.py), within CATCH_UP_S; left as it
+        was when the controller does not answer, or says it is gone."""
+        vs = self._rt.slices.get(name)
+        if vs is None:
+            return
+        try:
+            info = self._ask(functools.partial(Client.get_slice, name=name, timeout=CATCH_UP_S))
+        except PathwaysError:  # gone (NotFound), or refused: the call says why
+            return
+        if info is None or not info.devices:
+            return
+        if info.state == cpb.SLICE_STATE_DEGRADED:
+            for address in (vs.address, *vs.peers):
+                if address in self.ended:
+                    self.ended.discard(address)
+                    self.lost.setdefault(address, f"slice {name!r} is degraded: {info.reason}")
+        elif info.generation > vs.info.generation:
+            self._ahead[name] = (info.generation, time.monotonic() + AHEAD_S)
+        self.slice_changed(vs, info)
 
     def streamed(self, vs: Any, info: cpb.Slice) -> None:
         """The session's `SliceChanged` for slice `vs`."""

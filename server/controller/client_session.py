@@ -30,6 +30,27 @@ MAX_NEVER_COMPUTED = 65_536
 MAX_REFUSED_PROGRAMS = 256
 
 
+class Replan(str):
+    """Why a run was refused before anything of it was admitted, its client to plan it anew and
+    send it again (RunFinished.replan): it was planned on an older placement of its slices. Kept
+    as the reason its outputs will never be computed (`never_made`), so that a run reading one is
+    refused the same way."""
+
+    __slots__ = ()
+
+
+def planned_on_older(run: cpb.RunProgram, names: list[str], now: list[int]) -> Replan:
+    """Why `run` is refused: its client planned it on older generations of its program's slices
+    (`names`, in name order) than `now` (one moved since: a host lost and back at a new address, a
+    remap). It is refused before anything of it is admitted, its client to plan it anew and send it
+    again; its outputs are never made by it (a run pipelined behind it that reads one is refused
+    the same way: `never_made`)."""
+    moved = [f"{n!r} (generation {g} -> {c})" for n, g, c in zip(names, run.slice_generations, now, strict=False)
+             if g != c]
+    return Replan(f"run {run.run_id:#x} was planned on an older placement of slice "
+                  f"{', '.join(moved) or 'generations ' + str(list(run.slice_generations))}: send it again")
+
+
 @dataclass(eq=False)
 class ClientSession:
     client_id: str
@@ -48,6 +69,8 @@ class ClientSession:
     held_releases: deque[tuple[int, str, list[int]]] = field(default_factory=deque)
     finished: int = 0  # runs over (ran, failed or refused): the client's bound on runs in flight
     _reported: int = 0
+    # the last run message handled (admitted or refused), told with RunsDone (Welcome.checks_generations)
+    last_run: int = 0
     overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
@@ -78,9 +101,15 @@ class ClientSession:
     def run_failed(self, run_id: int, error: str) -> None:
         self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error)))
 
-    def run_refused(self, run_id: int, error: str) -> None:
-        """A run that never started (unknown program, wrong arity): failed, and over."""
-        self.run_failed(run_id, error)
+    def run_refused(self, run_id: int, error: str, generations: list[int] | None = None) -> None:
+        """A run that never started (unknown program, wrong arity): failed, and over. An `error`
+        that is a `Replan` tells the client to plan it anew (RunFinished.replan), `generations`
+        its slices' now."""
+        if isinstance(error, Replan):
+            self.send(cpb.SessionEvent(finished=cpb.RunFinished(run_id=run_id, ok=False, error=error, replan=True,
+                                                                slice_generations=generations)))
+        else:
+            self.run_failed(run_id, error)
         self.finished += 1
 
     def never_made(self, buffer_ids: Iterable[int], why: str) -> None:
@@ -120,10 +149,12 @@ class ClientSession:
         return None
 
     def report_finished(self) -> None:
-        """Tells the client how many of its runs are over, if that changed since last time."""
+        """Tells the client how many of its runs are over, if that changed since last time, and
+        the last run it handled (no event of its own: a run admitted is told with the next that
+        is over, not to cost an op-by-op client a second event per call)."""
         if self.finished != self._reported:
             self._reported = self.finished
-            self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished)))
+            self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished, last_run=self.last_run)))
 
     def run_opened(self, run_id: int) -> None:
         self.open_runs[run_id] = self.submitted

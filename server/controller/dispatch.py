@@ -42,7 +42,7 @@ from ..scheduler import (
     Submit,
     Tick,
 )
-from .client_session import ClientSession
+from .client_session import ClientSession, Replan, planned_on_older
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
@@ -111,8 +111,8 @@ class Dispatcher:
         lost = session.uncomputable(run.input_ids)
         if lost is not None:  # pipelined behind a run refused a moment ago
             k, b, why = lost
-            self.refuse(session, run.run_id, f"input {k} (buffer {b:#x}) will never be computed: {why}",
-                        run.output_ids, why)
+            error = f"input {k} (buffer {b:#x}) will never be computed: {why}"
+            self.refuse(session, run.run_id, Replan(error) if isinstance(why, Replan) else error, run.output_ids, why)
             return
         prog = self.registry.programs.get(run.program_id)
         try:
@@ -125,6 +125,10 @@ class Dispatcher:
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
             plan = self._plan(prog, session.sequential)
+            if run.slice_generations and run.slice_generations != plan.generations:  # a slice moved since
+                self.refuse(session, run.run_id, planned_on_older(run, sorted(prog.slices), plan.generations),
+                            run.output_ids, generations=plan.generations)
+                return
             check_spread_inputs(plan, run.input_homes)
             reads_from = input_hosts(plan, run.input_homes, self.host_by_address)
         except ControllerError as e:
@@ -133,6 +137,9 @@ class Dispatcher:
             self.refuse(session, run.run_id, str(e), run.output_ids)
             return
         session.run_opened(run.run_id)
+        if session.never_computed:  # a run sent again (RunFinished.replan) makes what the refused one did not
+            for b in run.output_ids:
+                session.never_computed.pop(b, None)
         out_ids = list(run.output_ids)
         # one id per program value: the members of a gang node hold their parts of it under one id
         # (and share one list of them: nothing changes a run's lists)
@@ -161,13 +168,15 @@ class Dispatcher:
             batch.append(event)
 
     def refuse(self, session: ClientSession, run_id: int, why: str, outputs: Sequence[int] = (),
-               root: str = "") -> None:
-        """Refuses a run before it started: the client hears `why` as the run's error. Its
-        `outputs` will never be computed: the session's later runs that read one are refused
-        too, naming `root` (the first refusal of a chain: by default, this one)."""
-        session.run_refused(run_id, why)
+               root: str = "", generations: list[int] | None = None) -> None:
+        """Refuses a run before it started: the client hears `why` as the run's error (a
+        `Replan`: to plan it anew, its slices' `generations` now). Its `outputs` will never be
+        computed: the session's later runs that read one are refused too, naming `root` (the
+        first refusal of a chain: by default, this one)."""
+        session.run_refused(run_id, why, generations)
         if outputs:
-            session.never_made(outputs, root or f"run {run_id:#x} that computes it was refused: {why}")
+            session.never_made(outputs, root or (Replan(why) if isinstance(why, Replan) else
+                                                 f"run {run_id:#x} that computes it was refused: {why}"))
         self._progressed.add(session)
         if self.probe is not None:
             self.probe.finished(run_id, False, 0)

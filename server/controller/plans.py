@@ -42,6 +42,9 @@ class Plan:
     # path for a gang member, `Dispatcher._dispatch_all`, takes neither from the segment)
     segment_ids: list[int] = field(default_factory=list)
     reads_input: list[bool] = field(default_factory=list)
+    # the generation of each of the program's slices (in name order) it was made for: a run planned
+    # by its client on others is refused (RunProgram.slice_generations, `Dispatcher.submit`)
+    generations: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         index: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
@@ -141,7 +144,8 @@ def placed_plan(prog: ProgramRecord, placements: Mapping[str, Placement], key: t
     segments = cut(prog, hosts, devices, [p.island for p in nodes], segment_ids, across_devices=not sequential,
                    gangs=gangs)
     return Plan(key, segments, tuple(s.spec for s in segments), epoch, gathered_count(segments),
-                frozenset(s.host.address for s in segments))
+                frozenset(s.host.address for s in segments),
+                generations=[placements[n].generation for n in sorted(placements)])
 
 
 class Placements(Protocol):

@@ -223,7 +223,7 @@ class SessionManager:
         yield cpb.SessionEvent(welcome=cpb.Welcome(
             client_id=session.client_id, id_prefix=session.id_prefix,
             worker_credential=self.credential(session.owner, session.id_prefix),
-            resume_token=token, resumed=resumed, acks_releases=hello.ack_releases))
+            resume_token=token, resumed=resumed, acks_releases=hello.ack_releases, checks_generations=True))
         gave_up: dict[str, tuple[int, str]] = {}
         for msg in rest:
             await self._take(session, msg, gave_up)
@@ -286,6 +286,7 @@ class SessionManager:
         """Refuses a run or a registration (the messages that wait for a group) with `why`."""
         if msg.WhichOneof("msg") == "run":
             self.dispatcher.refuse(session, msg.run.run_id, why, msg.run.output_ids)
+            session.last_run = msg.run.run_id
         else:
             session.send(cpb.SessionEvent(registered=cpb.ProgramRegistered(request_id=msg.register.request_id,
                                                                            error=why)))
@@ -351,6 +352,7 @@ class SessionManager:
         wait for it: `ClientSession.when_over`)."""
         if self._own_ids(session, run):
             self.dispatcher.submit(session, run, batch, wait=wait, prompt=prompt)
+        session.last_run = run.run_id  # handled, not waiting for its group: told with RunsDone
 
     def submit_batch(self, submits: list[Submit]) -> None:
         """Hands the Submits collected by `run(..., batch)` to the scheduler in one pass."""

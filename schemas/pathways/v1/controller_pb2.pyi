@@ -1498,6 +1498,7 @@ class RunProgram(_message.Message):
     INPUT_IDS_FIELD_NUMBER: _builtins.int
     OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     INPUT_HOMES_FIELD_NUMBER: _builtins.int
+    SLICE_GENERATIONS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     """client-chosen"""
     program_id: _builtins.str
@@ -1513,6 +1514,15 @@ class RunProgram(_message.Message):
     def input_homes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """where each input sits: the worker address it was put on or produced at"""
 
+    @_builtins.property
+    def slice_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generation (Slice.generation) of each slice the program runs on, in the order of their
+        names, that the client planned the run with (where it uploaded its inputs and will wait for
+        its outputs). A run planned on an older placement than the controller's is refused before
+        anything of it is admitted (RunFinished.replan). Empty (an older client, the IFRT proxy):
+        admitted as before, unchecked.
+        """
+
     def __init__(
         self,
         *,
@@ -1521,10 +1531,11 @@ class RunProgram(_message.Message):
         input_ids: _abc.Iterable[_builtins.int] | None = ...,
         output_ids: _abc.Iterable[_builtins.int] | None = ...,
         input_homes: _abc.Iterable[_builtins.str] | None = ...,
+        slice_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_homes", b"input_homes", "input_ids", b"input_ids", "output_ids", b"output_ids", "program_id", b"program_id", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_homes", b"input_homes", "input_ids", b"input_ids", "output_ids", b"output_ids", "program_id", b"program_id", "run_id", b"run_id", "slice_generations", b"slice_generations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1689,6 +1700,7 @@ class Welcome(_message.Message):
     RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
     ACKS_RELEASES_FIELD_NUMBER: _builtins.int
+    CHECKS_GENERATIONS_FIELD_NUMBER: _builtins.int
     client_id: _builtins.str
     id_prefix: _builtins.int
     """client buffer/run ids are (id_prefix << 40) | counter"""
@@ -1702,6 +1714,10 @@ class Welcome(_message.Message):
     """the Hello resumed an earlier session"""
     acks_releases: _builtins.bool
     """it answers Hello.ack_releases (SessionEvent.releases_done)"""
+    checks_generations: _builtins.bool
+    """it checks RunProgram.slice_generations (RunFinished.replan) and says which runs it handled
+    (RunsDone.last_run)
+    """
     def __init__(
         self,
         *,
@@ -1711,10 +1727,11 @@ class Welcome(_message.Message):
         resume_token: _builtins.str = ...,
         resumed: _builtins.bool = ...,
         acks_releases: _builtins.bool = ...,
+        checks_generations: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks_releases", b"acks_releases", "client_id", b"client_id", "id_prefix", b"id_prefix", "resume_token", b"resume_token", "resumed", b"resumed", "worker_credential", b"worker_credential"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks_releases", b"acks_releases", "checks_generations", b"checks_generations", "client_id", b"client_id", "id_prefix", b"id_prefix", "resume_token", b"resume_token", "resumed", b"resumed", "worker_credential", b"worker_credential"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1758,19 +1775,35 @@ class RunFinished(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     OK_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    REPLAN_FIELD_NUMBER: _builtins.int
+    SLICE_GENERATIONS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     ok: _builtins.bool
     error: _builtins.str
+    replan: _builtins.bool
+    """Refused before anything of it was admitted (nothing dispatched, no upload consumed), because
+    it was planned on an older placement: a slice it runs on moved since the generation the
+    client sent (RunProgram.slice_generations), or it reads an output of such a run. The client
+    reads the slices again and sends the call once more, planned anew.
+    """
+    @_builtins.property
+    def slice_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With replan: the generations of the run's program's slices now, in RunProgram's order (empty
+        when the run was refused for reading an output of such a run).
+        """
+
     def __init__(
         self,
         *,
         run_id: _builtins.int = ...,
         ok: _builtins.bool = ...,
         error: _builtins.str = ...,
+        replan: _builtins.bool = ...,
+        slice_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ok", b"ok", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ok", b"ok", "replan", b"replan", "run_id", b"run_id", "slice_generations", b"slice_generations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1896,15 +1929,23 @@ class RunsDone(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COUNT_FIELD_NUMBER: _builtins.int
+    LAST_RUN_FIELD_NUMBER: _builtins.int
     count: _builtins.int
+    last_run: _builtins.int
+    """The last run message of this session the controller handled (admitted or refused) when it
+    sent this: every run the client sent up to it has had its admission answer, and the client
+    lets go of what it kept to send them again (RunFinished.replan). Told with the runs over,
+    not on its own.
+    """
     def __init__(
         self,
         *,
         count: _builtins.int = ...,
+        last_run: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "last_run", b"last_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,138 @@
+"""Calls the controller refused because they were planned on an older placement of their slices,
+planned anew and sent again, once (controller.proto `RunFinished.replan`).
+
+A `pw` call is planned on the client: its inputs are uploaded to the worker of its slice as the
+client last heard of it, and its futures wait there. The controller is the authority on
+placement: a run carries the generation of each of its slices the client planned with
+(`RunProgram.slice_generations`), and a run planned on an older one is refused before anything of
+it is admitted (nothing dispatched, no upload consumed), as is a run pipelined behind it that
+reads one of its outputs. The client keeps what it needs to send each run again (`Sent`) until
+the controller says it handled it (`RunsDone.last_run`); on such a refusal it reads the slices
+that moved (`Whereabouts.read`), uploads the run's array inputs again where they run now, sends
+the run again with the same output ids, and moves its futures there: the caller sees nothing but
+the time it took. A run sent again and refused again fails with the controller's reason.
+
+Runs are refused in the order they were sent, and each re-sending happens, in that order, on the
+session's reader: a run reading an output of another one sent again is sent again after it, with
+that output's new home (`Runtime.plan_lock` orders a call's reading of its futures' homes and its
+sending against a re-sending).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+
+from ..errors import PathwaysError
+from .bounded import Bounded
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+# Runs kept to be sent again, before the controller said it handled them; beyond this many (a
+# controller that stopped saying so) the oldest are forgotten: refused, they fail as before.
+MAX_KEPT = 4096
+# Runs sent again remembered (old run id -> new), for the waits on their futures (futures.py)
+MAX_REPLANNED = 4096
+# How long a wait whose worker failed waits at most for the controller's answer to its run (it
+# comes right behind the session's events before it: milliseconds; a session whose events are
+# held, far behind, fails such a wait after this long), and how often it looks
+ANSWER_S = 1.0
+ANSWER_POLL_S = 0.01
+
+
+class Sent(Protocol):
+    """What is kept of a run sent (programs.py): its program's slices (in name order) and how to
+    send it again."""
+
+    slices: list[str]
+    again: bool  # itself sent again already: refused again, it fails
+
+    def send_again(self, rt: Runtime) -> int:
+        """Uploads its array inputs again and sends the run again, planned on the slices as the
+        runtime knows them now, its futures moved there; returns the new run's id."""
+        ...
+
+
+class Replans:
+    """The runs kept to be sent again, and those sent again. `plan_lock` is the runtime's: calls
+    keep their runs under it, in the order they send them."""
+
+    def __init__(self, rt: Runtime, plan_lock: threading.Lock) -> None:
+        self._rt = rt
+        self._lock = plan_lock
+        self._kept: OrderedDict[int, Sent] = OrderedDict()
+        self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
+
+    def keep(self, run_id: int, sent: Sent) -> None:
+        """Run `run_id` was sent (under `plan_lock`): kept until the controller handled it."""
+        kept = self._kept
+        kept[run_id] = sent
+        if len(kept) > MAX_KEPT:
+            kept.popitem(last=False)
+
+    def handled(self, last_run: int) -> None:
+        """The controller handled every run up to `last_run` (RunsDone.last_run): none of them
+        will be refused for its plan any more; what was kept of them goes."""
+        with self._lock:
+            kept = self._kept
+            if last_run not in kept:
+                return
+            while kept.popitem(last=False)[0] != last_run:
+                pass
+
+    def forget(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def refused(self, finished: cpb.RunFinished) -> bool:
+        """The controller refused a run for its plan (`finished.replan`): reads the slices that
+        moved and sends it again; False when it cannot (not kept, sent again already, a slice not
+        read anew): the run fails with the controller's reason (the runtime records that before
+        the next `handled` lets go of it: a wait on its futures sees one or the other)."""
+        sent = self._kept.get(finished.run_id)  # (kept until then: a wait on its futures waits for this)
+        if sent is None or sent.again:
+            return False
+        rt = self._rt
+        for name, now in zip(sent.slices, finished.slice_generations, strict=False):
+            vs = rt.slices.get(name)
+            if vs is None:
+                return False
+            if vs.info.generation < now:  # (the session's SliceChanged, before this, says so already)
+                rt.where.read(name)
+                if vs.info.generation < now:  # not answered, or gone meanwhile
+                    return False
+        try:
+            self.replanned[finished.run_id] = sent.send_again(rt)
+        except PathwaysError:  # the session ended meanwhile: the run fails with the controller's reason
+            return False
+        with self._lock:
+            self._kept.pop(finished.run_id, None)
+        return True
+
+    def moved(self, run_ids: Iterable[int]) -> bool:
+        """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
+        replanned = self.replanned
+        return bool(replanned) and any(r in replanned for r in run_ids)
+
+    def unanswered(self, run_ids: Iterable[int]) -> bool:
+        """Whether the controller may still refuse one of `run_ids` for its plan (it has not said it
+        handled it): a wait on its futures that fails at their worker (lost, the session's
+        `HostLost` coming before the refusal) waits for that answer first (`wait_answer`)."""
+        kept = self._kept
+        return bool(kept) and any(r in kept for r in run_ids)
+
+    def wait_answer(self, run_ids: Iterable[int], deadline: float | None) -> None:
+        """Returns once the controller handled `run_ids` (or refused one, sent again), the
+        session ended, `deadline` (monotonic) passed, or ANSWER_S at most."""
+        ids = list(run_ids)
+        end = time.monotonic() + ANSWER_S
+        if deadline is not None:
+            end = min(end, deadline)
+        while self.unanswered(ids) and not self._rt.run_failed(0) and time.monotonic() < end:  # (0: the session's end)
+            time.sleep(ANSWER_POLL_S)

@@ -1,0 +1,149 @@
+"""A `pw` call planned on a slice that moved before the client heard of it, with no other sign,
+runs where the slice is now: the controller refuses a run planned on an older generation of its
+slices before admitting anything of it (RunProgram.slice_generations, RunFinished.replan), and the
+client sends it again, planned anew (pwctl/api/replan.py).
+
+The slice's worker is frozen (SIGSTOP: its connections stay open, so the client's upload stream to
+it does not end), declared lost, and a new worker takes its place at a new address, while the
+session's events are held (a TCP relay, tests/relay.py): the client has no sign of the move when it
+calls. Before, the run went out with its input uploaded to, and its outputs waited for at, the old
+address, and the controller refused it ('input 0 is held by the worker at OLD, which is not
+ready'): the call failed. With several calls pipelined on it, across two islands (a call on the
+slice that did not move reads an output of one on the moved slice: refused too, as it reads an
+output the refused run never made), every one runs, in order. A slice whose worker is really lost
+(not back) fails the call, naming the lost host, in one line.
+
+Real processes: a controller (3 s heartbeat timeout) and a worker per island, the `pw` program in
+its own process reaching the controller through the relay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from schemas.pathways.v1 import common_pb2 as pb
+from schemas.pathways.v1 import controller_pb2 as cpb
+from tests.conftest import LocalCluster, wait_for
+from tests.relay import Relay
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=3)]
+
+PROGRAM = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+
+vds = pw.make_virtual_device_set()
+a = vds.add_slice(devices=1, island="a")
+b = vds.add_slice(devices=1, island="b")
+g = pw.pmap(lambda v: v + 1.0, devices=a.devices)
+k = pw.pmap(lambda v: v * 2.0, devices=b.devices)
+x = np.ones((1, 2), np.float32)
+warm = [np.asarray(g(x)).tolist(), np.asarray(k(x)).tolist()]
+print(json.dumps({"warm": warm, "address": a.address, "generation": a.info.generation}), flush=True)
+sys.stdin.readline()  # a's worker is frozen and declared lost (and another took its place); nothing heard
+start = time.monotonic()
+if sys.argv[1] == "chain":  # pipelined: each reads the one before, a -> b -> a -> b
+    y = g(x)
+    z = k(y)
+    u = g(z)
+    calls = [y, z, u, k(u)]
+else:
+    calls = [g(x)]
+print(json.dumps({"sent": len(calls), "address": a.address, "generation": a.info.generation}), flush=True)
+try:
+    out = {"values": [np.asarray(f.result(timeout=30)).tolist() for f in reversed(calls)], "error": ""}
+except Exception as e:
+    out = {"values": None, "error": f"{type(e).__name__}: {e}"[:500]}
+out.update(s=time.monotonic() - start, address=a.address)
+print(json.dumps(out), flush=True)
+print(json.dumps({"after": np.asarray(k(g(x))).tolist()}), flush=True)
+"""
+
+
+def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line, f"the program ended: {proc.stderr.read()[-3000:] if proc.stderr else ''}"
+    return json.loads(line)
+
+
+def _say(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+
+
+def _freeze_and_lose(cluster: LocalCluster) -> None:
+    """Freezes w-a and waits until the controller declared its host lost; the frozen process stays
+    in the cluster's care under another key (stopped with it)."""
+    cluster.stop_worker("w-a")
+    cluster.workers["w-a (frozen)"] = cluster.workers.pop("w-a")
+    wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 30, "w-a declared lost")
+
+
+@pytest.mark.parametrize("calls", ["one", "chain"])
+def test_a_call_planned_on_a_slice_that_moved_unheard_runs_where_it_is_now(cluster: LocalCluster,
+                                                                          calls: str) -> None:
+    relay = Relay(cluster.address)
+    env = cluster.env()
+    env["PWCTL_SERVER"] = relay.address
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, calls], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = _line(proc)
+        assert first["warm"] == [[[2.0, 2.0]], [[2.0, 2.0]]], first
+        relay.hold_open_replies()  # the session tells nothing: not the loss, not the move
+        _freeze_and_lose(cluster)
+        cluster.add_worker("a", 1, name="w-a")  # at a new address
+        new = cluster.hosts()["w-a"].address
+        assert new != first["address"]
+        wait_for(lambda: _address_on(cluster, "a") == new, 30, "the slice on the new worker")
+        _say(proc)
+        sent = _line(proc)
+        # planned on what it knew: the old address, the old generation
+        assert sent["address"] == first["address"] and sent["generation"] == first["generation"], sent
+        relay.release()  # the session's events (the loss, the move, the refusals) go through now
+        out = _line(proc)
+        # before: "input 0 is held by the worker at OLD, which is not ready" (refused)
+        assert out["error"] == "", out
+        # the chain's last first: ((1 + 1) * 2 + 1) * 2, (1 + 1) * 2 + 1, (1 + 1) * 2, 1 + 1
+        want = [[[2.0, 2.0]]] if calls == "one" else [[[10.0, 10.0]], [[5.0, 5.0]], [[4.0, 4.0]], [[2.0, 2.0]]]
+        assert out["values"] == want, out
+        assert out["address"] == new and out["s"] < 5, out  # (not after a wait at the frozen worker: 6 s)
+        assert _line(proc) == {"after": [[4.0, 4.0]]}
+        assert proc.wait(timeout=30) == 0
+    finally:
+        relay.release()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        relay.close()
+
+
+def test_a_call_on_a_slice_whose_frozen_worker_is_lost_fails_naming_its_host(cluster: LocalCluster) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, "one"], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _line(proc)["warm"] == [[[2.0, 2.0]], [[2.0, 2.0]]]
+        _freeze_and_lose(cluster)  # and not back: the slice is degraded
+        _say(proc)
+        _line(proc)
+        out = _line(proc)
+        assert out["values"] is None and "w-a" in out["error"] and "lost" in out["error"], out
+        assert "\n" not in out["error"] and out["s"] < 5, out
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _address_on(cluster: LocalCluster, island: str) -> str:
+    """Where the (one) slice on `island` runs, as the controller says ("" while degraded)."""
+    with cluster.client() as c:
+        placed = [s for s in c.slices() if s.spec.island == island]
+    assert len(placed) == 1, placed
+    s = placed[0]
+    return s.devices[0].address if s.devices and s.state != cpb.SLICE_STATE_DEGRADED else ""

@@ -448,7 +448,7 @@ def gang_parts(gang_fast_path: bool = True) -> tuple[Parts, list[HostInfo]]:
 
     p.slices = GangSlices(p.hosts)
     p.slices.where = where
-    p.dispatcher.placements = p.slices
+    p.dispatcher.plans.placements = p.slices
     return p, members
 
 

@@ -244,7 +244,7 @@ class FormingSlices(Slices):
 def forming(wait_s: float) -> tuple[Sessions, FormingSlices, ClientSession, ProgramRecord]:
     p = Sessions()
     prog = p.register(s := p.open())  # registered while the group was usable
-    p.slices = p.manager.slices = p.dispatcher.placements = FormingSlices(p.hosts, wait_s)  # type: ignore[assignment]
+    p.slices = p.manager.slices = p.dispatcher.plans.placements = FormingSlices(p.hosts, wait_s)  # type: ignore[assignment]
     return p, p.slices, s, prog  # type: ignore[return-value]
 
 
@@ -332,7 +332,7 @@ def enqueued(p: Sessions) -> list[int]:
 def test_a_run_planned_on_an_older_generation_is_refused_before_anything_of_it_and_so_are_its_readers() -> None:
     p = Sessions()
     moving = MovingSlices(p.hosts)
-    p.slices = p.manager.slices = p.dispatcher.placements = moving  # type: ignore[assignment]
+    p.slices = p.manager.slices = p.dispatcher.plans.placements = moving  # type: ignore[assignment]
     s = p.open()
     prog = p.register(s)
     moving.move("sa")  # before the client heard of it: it plans on generation 0

@@ -1,7 +1,8 @@
 """The dispatcher: the I/O around the gang scheduler.
 
 A registered program, once placed, is cut into segments (`segments.py`: consecutive nodes on
-one worker); each segment is registered on its worker once. A run becomes
+one worker); each segment is registered on its worker once (the plans and what each worker
+registered of them: plan_cache.py). A run becomes
 a scheduler `RunSpec` with one node per segment, and the scheduler's actions become worker
 messages: every segment a worker runs, as a `Task` naming the segment and the run's buffer
 ids, leaves as ONE batched Enqueue per worker per flush, before any predecessor ran (parallel
@@ -47,8 +48,9 @@ from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
 from .outbox import GangEnqueue, Outbox, WorkerOutbox, add_member, materialized
-from .plans import Placements, Plan, check_spread_inputs, input_hosts, placed_plan, placement_key
-from .programs import ProgramRecord, ProgramRegistry
+from .plan_cache import PlanCache
+from .plans import Placements, check_spread_inputs, input_hosts
+from .programs import ProgramRegistry
 from .release_acks import ReleaseAcks
 from .runs import RunState, never_reading, peer_inputs_by_host, task_fields, unmade_inputs_elsewhere
 from .segments import PROGRAM_INPUT, same_machine
@@ -61,8 +63,9 @@ RECENT_RUNS = 4_000  # finished runs kept to attribute their late node events
 class Dispatcher:
     """Turns runs into scheduler events and the scheduler's actions into worker messages.
 
-    Collaborators: the scheduler, the program registry, where slices run (`placements`), the
-    hosts by name (the cluster's live dict) and by address, and the outbox a flush sends to.
+    Collaborators: the scheduler, the program registry, where slices run (`placements`, which
+    its plans follow: `plans`, plan_cache.py), the hosts by name (the cluster's live dict) and by
+    address, and the outbox a flush sends to.
     `gang_fast_path=False` sends every Dispatch the general way (`_dispatch`), without
     `_dispatch_all`'s inlined gang members: the same messages, the reference tests compare with.
     """
@@ -72,15 +75,14 @@ class Dispatcher:
                  outbox: WorkerOutbox, gang_fast_path: bool = True) -> None:
         self.scheduler = scheduler
         self.registry = registry
-        self.placements = placements
         self.hosts = hosts
         self.host_by_address = host_by_address
         self.sink = outbox
         self.runs: dict[int, RunState] = {}
-        self._plans: dict[tuple[str, bool], Plan] = {}  # (program, sequential) -> its plan
-        self._host_functions: dict[str, set[str]] = {}  # host -> function ids it has
-        self._host_segments: dict[str, set[int]] = {}  # host -> segment ids registered there
-        self._segment_ids = itertools.count(1)
+        self.plans = PlanCache(placements, self._forgotten)
+        self._plan = self.plans.plan
+        # what each worker registered (the cache's: `_dispatch` adds to them)
+        self._host_functions, self._host_segments = self.plans.host_functions, self.plans.host_segments
         self._ids = itertools.count(1)
         self._id_base = random.getrandbits(20) << 40 | (1 << 62)  # controller ids never meet client ids
         self._outbox = Outbox()
@@ -89,7 +91,6 @@ class Dispatcher:
         self.run_listeners: list[Callable[[RunState, bool, str], None]] = []
         self.hang_listeners: list[Callable[[HangDetected], None]] = []
         self._recent: OrderedDict[int, RunState] = OrderedDict()
-        self._host_epoch = 0
         self._progressed: set[ClientSession] = set()  # sessions with runs finished since the last flush
         # outputs of runs failed before they started, whose session's runs reading them are yet
         # to be failed (`_fail_readers`): session -> buffer id -> why it will never be computed
@@ -181,41 +182,14 @@ class Dispatcher:
         if self.probe is not None:
             self.probe.finished(run_id, False, 0)
 
-    def _plan(self, prog: ProgramRecord, sequential: bool) -> Plan:
-        """The program's segments under its slices' current placement. Sequential dispatch
-        (the baseline that waits for each computation before sending the next) keeps the nodes
-        on different devices of a worker in segments of their own."""
-        epoch = (self.placements.epoch, self._host_epoch)
-        plan = self._plans.get((prog.program_id, sequential))
-        if plan is not None and plan.epoch == epoch:
-            return plan  # nothing about slices or hosts changed since it was made
-        placements = {name: self.placements.placement(name) for name in sorted(prog.slices)}
-        key = placement_key(placements)
-        if plan is not None and plan.key == key:
-            plan.epoch = epoch
-            return plan
-        if plan is not None:
-            self._forget(plan)
-        plan = placed_plan(prog, placements, key, epoch, self._segment_ids, sequential)
-        self._plans[(prog.program_id, sequential)] = plan
-        return plan
-
     def forget_programs(self, program_ids: list[str]) -> None:
         """Programs no client uses any more: their segments leave the workers."""
-        for pid in program_ids:
-            for sequential in (False, True):
-                plan = self._plans.pop((pid, sequential), None)
-                if plan is not None:
-                    self._forget(plan)
+        self.plans.forget(program_ids)
         self.flush()
 
-    def _forget(self, plan: Plan) -> None:
-        for seg in plan.segments:
-            sid = seg.definition.segment_id
-            known = self._host_segments.get(seg.host.name)
-            if known is not None and sid in known:
-                known.discard(sid)
-                self._outbox.enqueue(seg.host.name).forget_segments.append(sid)
+    def _forgotten(self, host: str, segment_id: int) -> None:
+        """The plan cache's: the worker `host` is to forget a segment (at the next flush)."""
+        self._outbox.enqueue(host).forget_segments.append(segment_id)
 
     # ---- scheduler I/O ----
     def handle(self, event: Event) -> None:
@@ -492,16 +466,12 @@ class Dispatcher:
         self.flush()
 
     def host_up(self, host: HostInfo) -> None:
-        self._host_epoch += 1
-        self._host_functions.pop(host.name, None)
-        self._host_segments.pop(host.name, None)
+        self.plans.host_changed(host.name)
         self.handle(HostUp(host.name, time.monotonic()))
         self.flush()
 
     def host_lost(self, host: HostInfo, reason: str) -> None:
-        self._host_epoch += 1
-        self._host_functions.pop(host.name, None)
-        self._host_segments.pop(host.name, None)
+        self.plans.host_changed(host.name)
         self.handle(HostLost(host.name, time.monotonic()))
         self.flush()
 

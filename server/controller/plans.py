@@ -1,7 +1,7 @@
 """A program's plan for one placement of its slices: its segments (`segments.py`), the scheduler's
 node specs, and what lets a run's per-segment work be shared (output layouts, task groups).
-The dispatcher (`dispatch.py`) caches one per (program, dispatch mode) and checks it against the
-slices' epoch before each run."""
+The dispatcher caches one per (program, dispatch mode) and checks it against the slices' and
+hosts' epochs before each run (`plan_cache.py`)."""
 
 from __future__ import annotations
 

@@ -251,3 +251,11 @@ def test_trace_by_a_prefix_names_the_whole_job_id(module_cluster: LocalCluster, 
     # it said "node runs of job job-0f" (the prefix given) rather than the job
     assert f"wrote {out}: 3 node runs of job {job} on " in r.stderr, r.stderr
     assert json.loads(out.read_text())["otherData"]["node_runs"] == 3
+    # a path that cannot be written is the caller's mistake: one line, exit 2 (it was "internal
+    # error: FileNotFoundError", exit 1); a directory in place of the file fails only at the write
+    (tmp_path / "a-dir").mkdir()
+    for bad, why in ((tmp_path / "no" / "such" / "t.json", f"no directory {tmp_path / 'no' / 'such'}"),
+                     (tmp_path / "a-dir", "Is a directory")):
+        r = c.pwctl("trace", job, "-o", str(bad))
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+        assert f"cannot write {bad}: {why}" in r.stderr and "internal error" not in r.stderr, r.stderr

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ...errors import NotFound
+from ...errors import InvalidArgument, NotFound
 from ..common import ServerOpt, client, hint
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ def trace(
     https://ui.perfetto.dev or chrome://tracing): one track per device, one slice per node run.
     A long job's trace is a window: the newest 200,000 node runs unless --last/--since say."""
     since_ns = parse_since(since) if since else 0
+    if str(out) != "-" and not out.parent.is_dir():  # before the controller builds the trace
+        raise InvalidArgument(f"cannot write {out}: no directory {out.parent}")
     with client(server) as c:
         try:
             resp, what = c.trace_window(job=target, since_unix_ns=since_ns, last=last or 0), "job"
@@ -56,7 +58,10 @@ def trace(
         sys.stdout.write(text + "\n")
         where = "stdout"
     else:
-        out.write_text(text)
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise InvalidArgument(f"cannot write {out}: {e.strerror or e}") from None
         where = str(out)
     hosts = sum(1 for e in doc["traceEvents"] if e.get("ph") == "M" and e.get("name") == "process_name")
     hint(f"wrote {where}: {other.get('node_runs', '?')} node runs of {what} {target} on "

@@ -90,6 +90,32 @@ def test_an_invalid_config_file_is_an_error(pw_home: Path, content: str, message
     assert str(pw_home / "config.json") in r.stderr and message in r.stderr
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("where", "address", "source"), [
+    ("flag", "nonsense", "--server"),                  # no port
+    ("subcommand", "127.0.0.1:99999", "--server"),      # no such port
+    ("env", "grpc://127.0.0.1:7070", "PWCTL_SERVER"),  # JAX_BACKEND_TARGET's form
+    ("config", "10.0.0.5", '"server" in'),
+])
+def test_a_controller_address_that_is_no_host_port_is_a_usage_error(pw_home: Path, where: str, address: str,
+                                                                     source: str) -> None:
+    """Said as such, naming where it came from: it was "cannot reach the server at nonsense: is it
+    running?", exit 1, as if a controller were down."""
+    env, args = base_env(pw_home), ["island", "list"]
+    if where == "flag":
+        args = ["--server", address, *args]
+    elif where == "subcommand":
+        args = [*args, "--server", address]
+    elif where == "env":
+        env["PWCTL_SERVER"] = address
+    else:
+        (pw_home / "config.json").write_text(json.dumps({"server": address}))
+    r = run_pwctl(*args, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
+    assert r.stderr.startswith(f"error: {source}") and f"invalid address {address!r}" in r.stderr, r.stderr
+
+
 def test_versions_are_compatible_within_a_minor_release() -> None:
     assert release("0.1.0") == (0, 1) and release("1.12.3rc1") == (1, 12) and release("dev") is None
     assert compatible("0.1.0", "0.1.7") and not compatible("0.1.0", "0.2.0") and not compatible("0.1.0", "")

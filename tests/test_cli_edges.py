@@ -73,6 +73,9 @@ def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluste
         assert "Traceback" not in err and f"job {job} goes on" in err
     finally:
         assert c.pwctl("cancel", job, "-y").returncode == 0
+    described = c.pwctl("jobs", "describe", job)
+    # the state once, not "cancelled (cancelled)": a reason shows only where it says more
+    assert described.returncode == 0 and "\nstate:      cancelled\n" in described.stdout, described.stdout
 
 
 def test_server_before_the_subcommand_and_unknown_islands(module_cluster: LocalCluster, tmp_path: Path) -> None:

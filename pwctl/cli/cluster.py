@@ -160,6 +160,8 @@ def _cancel_running_jobs(address: str, yes: bool) -> None:
             ids = ", ".join(j.id for j in live)
             if not yes:
                 confirm_or_exit(f"cancel running job(s) {ids} and stop the cluster?",
+                                f"job {ids} is still running; pass -y to cancel it and stop the cluster"
+                                if len(live) == 1 else
                                 f"jobs {ids} are still running; pass -y to cancel them and stop the cluster",
                                 "nothing stopped")
             for j in live:

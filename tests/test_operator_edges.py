@@ -45,6 +45,12 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         assert "nothing started" in again.stdout
         assert f"local-a pid {worker_pid}" in again.stdout
         assert json.loads((pw_home / "cluster.json").read_text()) == state
+        # another --listen cannot be honoured while this controller runs: said, not silently dropped
+        elsewhere = f"127.0.0.1:{free_port()}"
+        moved = run_pwctl("up", "--devices", "all", "--listen", elsewhere, env=env, timeout=60)
+        assert moved.returncode == 0 and moved.stdout.startswith(f"already up at {address}: "), moved.stderr
+        assert f"--listen {elsewhere} not used: this data directory's controller runs at {address}" in moved.stderr
+        assert "not used" not in again.stderr  # the same address again, or none: nothing to say
 
         # usage errors: exit 2, one line, nothing started (refusals: run at once, tests/together.py)
         usage = ((["--devices", "all", "--islands", "2"], "one island"),

@@ -157,8 +157,11 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
 def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended
-    listed_doc, info_doc, table_r = together(lambda: c.pwctl_json("jobs", "list", "--all"),
-                                             lambda: c.pwctl_json("server", "info"), lambda: c.pwctl("server", "info"))
+    listed_doc, info_doc, table_r, name_r = together(
+        lambda: c.pwctl_json("jobs", "list", "--all"), lambda: c.pwctl_json("server", "info"),
+        lambda: c.pwctl("server", "info"), lambda: c.pwctl("server", "info", "-o", "name"))
+    # -o name names the controller by its address (it printed an empty line: a ServerInfo has no name)
+    assert name_r.returncode == 0 and name_r.stdout == f"{info_doc['item']['address']}\n", name_r.stdout
     listed = listed_doc["items"]
     info = info_doc["item"]
     active = sum(j["state"] in ("pending", "running") for j in listed)

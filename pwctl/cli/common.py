@@ -174,8 +174,9 @@ def emit_item(fmt: Format, kind: str, item: BaseModel, render: Callable[[Any], N
         from schemas import views
 
         sys.stdout.write(views.dump(views.ItemDocument[Any](kind=kind, item=item)) + "\n")
-    elif fmt == Format.name:
-        sys.stdout.write(str(getattr(item, "name", "")) + "\n")
+    elif fmt == Format.name:  # what names it: a name, else an id (a job), else an address (the controller)
+        sys.stdout.write(str(getattr(item, "name", "") or getattr(item, "id", "") or getattr(item, "address", ""))
+                         + "\n")
     else:
         render(item)
 

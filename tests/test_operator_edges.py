@@ -122,6 +122,20 @@ def test_a_controller_address_that_is_no_host_port_is_a_usage_error(pw_home: Pat
     assert r.stderr.startswith(f"error: {source}") and f"invalid address {address!r}" in r.stderr, r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_data_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    """It was "internal error: NotADirectoryError", exit 1, for any command."""
+    (tmp_path / "a-file").write_text("")
+    home = tmp_path / "a-file" / "home"
+    runs = together(*(lambda args=args: run_pwctl(*args, env=base_env(home))
+                      for args in (["island", "list"], ["up", "--listen", "127.0.0.1:9"])))
+    for r in runs:
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (f"error: cannot use {home} ($PATHWAYS_HOME) as the data "
+                                                     "directory: Not a directory"), r.stderr
+        assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_versions_are_compatible_within_a_minor_release() -> None:
     assert release("0.1.0") == (0, 1) and release("1.12.3rc1") == (1, 12) and release("dev") is None
     assert compatible("0.1.0", "0.1.7") and not compatible("0.1.0", "0.2.0") and not compatible("0.1.0", "")

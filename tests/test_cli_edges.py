@@ -196,6 +196,27 @@ def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) ->
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
+    """They were "internal error: ValueError: Value out of range", exit 1 (protobuf building the
+    request); checked before anything is sent, so no controller is needed."""
+    big = "3000000000"
+    cases = ((["slice", "create", "--devices", big], f"--devices {big} is out of range"),
+             (["slice", "create", "--mesh", "50000x50000"], "--mesh 50000x50000: its size 2500000000 is out of range"),
+             (["slice", "create", "--devices", "2", "--mesh", f"{big}x1"], f"--mesh {big} is out of range"),
+             (["slice", "create", "--mesh", "1x2", "--host-axis", big], f"--host-axis {big} is out of range"),
+             (["logs", "job-1", "--tail", big], f"--tail {big} is out of range"),
+             (["trace", "job-1", "--last", big], f"--last {big} is out of range"),
+             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"))
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
+                                                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                      for args, _ in cases))
+    for (args, message), r in zip(cases, runs, strict=True):
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert r.stderr == f"error: {message}: at most 2,147,483,647\n", (args, r.stderr)
+
+
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     for name, sub in getattr(group, "commands", {}).items():
         if getattr(sub, "commands", None):

@@ -16,13 +16,23 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
+from ..errors import EXIT_FAILED, EXIT_USAGE, InvalidArgument, PathwaysError
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from rich.console import Console
 
     from ..client import Client
+
+INT32_MAX = 2**31 - 1  # the controller's API carries counts, sizes and limits as int32
+
+
+def check_int32(flag: str, value: int | None) -> None:
+    """A number bound for an int32 field of a request: past that range one line, exit 2 (protobuf
+    raised ValueError building the request: "internal error")."""
+    if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise InvalidArgument(f"{flag} {value} is out of range: at most {INT32_MAX:,}")
+
 
 ServerOpt = Annotated[
     str | None,

@@ -21,6 +21,7 @@ from .common import (
     OutputOpt,
     ServerOpt,
     age,
+    check_int32,
     client,
     confirm_or_exit,
     emit_item,
@@ -245,6 +246,8 @@ def logs(
 ) -> None:
     """Print a job's output (stdout and stderr of its driver)."""
     from schemas.pathways.v1 import controller_pb2 as cpb
+
+    check_int32("--tail", tail)
 
     with client(server) as c:
         job = c.get_job(job_id)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ...errors import InvalidArgument, NotFound
-from ..common import ServerOpt, client, hint
+from ..common import ServerOpt, check_int32, client, hint
 
 if TYPE_CHECKING:
     from schemas.pathways.v1 import controller_pb2 as cpb
@@ -37,6 +37,7 @@ def trace(
     """Write the gang-scheduled timeline of a job or program as a Chrome trace (open it in
     https://ui.perfetto.dev or chrome://tracing): one track per device, one slice per node run.
     A long job's trace is a window: the newest 200,000 node runs unless --last/--since say."""
+    check_int32("--last", last)
     since_ns = parse_since(since) if since else 0
     if str(out) != "-" and not out.parent.is_dir():  # before the controller builds the trace
         raise InvalidArgument(f"cannot write {out}: no directory {out.parent}")

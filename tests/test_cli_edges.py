@@ -207,7 +207,9 @@ def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
              (["slice", "create", "--mesh", "1x2", "--host-axis", big], f"--host-axis {big} is out of range"),
              (["logs", "job-1", "--tail", big], f"--tail {big} is out of range"),
              (["trace", "job-1", "--last", big], f"--last {big} is out of range"),
-             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"))
+             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"),
+             (["submit", str(REPO / "examples" / "seed_program.py"), "--priority", big],
+              f"--priority {big} is out of range"))
     env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
     runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
                                                        cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -215,6 +217,10 @@ def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
     for (args, message), r in zip(cases, runs, strict=True):
         assert r.returncode == 2, (args, r.returncode, r.stderr)
         assert r.stderr == f"error: {message}: at most 2,147,483,647\n", (args, r.stderr)
+    # a --since so long ago it is before 1970 (its Unix ns went negative: the same ValueError)
+    r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "trace", "job-1", "--since", "99999999999d"],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'99999999999d' ago is before 1970" in r.stderr, r.stderr
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

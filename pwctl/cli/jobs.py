@@ -180,6 +180,7 @@ def submit(
 
     if weight <= 0:
         raise InvalidArgument(f"--weight must be > 0, not {weight:g}")
+    check_int32("--priority", priority)  # its range (-1000..1000) is the controller's to say
     try:
         data = script.read_bytes()
     except OSError as e:

@@ -99,7 +99,10 @@ def parse_since(text: str) -> int:
     parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", t)
     if t and parts is not None and any(parts.groups()):
         d, h, m, s = (float(g) if g else 0.0 for g in parts.groups())
-        return time.time_ns() - int((((d * 24 + h) * 60 + m) * 60 + s) * 1e9)
+        ago = time.time_ns() - int((((d * 24 + h) * 60 + m) * 60 + s) * 1e9)
+        if ago < 0:
+            raise typer.BadParameter(f"{text!r} ago is before 1970", param_hint="--since")
+        return ago
     try:
         at = datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:

@@ -81,7 +81,13 @@ def data_dir() -> Path:
         import platformdirs  # here: every pwctl command and process imports this module
 
         path = Path(platformdirs.user_data_dir("pathways", appauthor=False))
-    return private_dir(path)
+    try:
+        return private_dir(path)
+    except OSError as e:  # a caller's mistake (a file in the way, no permission): one line, not a traceback
+        from .errors import InvalidArgument
+
+        where = "$PATHWAYS_HOME" if root else "the user's data directory"
+        raise InvalidArgument(f"cannot use {path} ({where}) as the data directory: {e.strerror or e}") from None
 
 
 def default_db_url() -> str:

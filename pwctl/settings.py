@@ -91,10 +91,25 @@ def local_controller() -> str | None:
     return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]', '') else host}:{port}"
 
 
+def checked_address(address: str, source: str) -> str:
+    """An address the user gave (`source` says where): HOST:PORT, else InvalidArgument (exit 2),
+    not a connection that fails as "cannot reach the server" (a typo, a port left out, grpc://)."""
+    try:
+        host, port = paths.split_address(address)
+    except ValueError as e:
+        raise InvalidArgument(f"{source}: {e}") from None
+    if "://" in host or not 0 < port < 65536:
+        raise InvalidArgument(f"{source}: invalid address {address!r}: expected HOST:PORT with no scheme, "
+                              "e.g. 127.0.0.1:7070")
+    return address
+
+
 def resolve(server: str | None = None, token: str | None = None) -> Target:
     cfg = _config()
-    address = (server or os.environ.get("PWCTL_SERVER") or cfg.get("server") or local_controller()
-               or paths.DEFAULT_ADDRESS)
+    given = ((server, "--server"), (os.environ.get("PWCTL_SERVER"), "PWCTL_SERVER"),
+             (cfg.get("server"), f"\"server\" in {paths.data_dir() / 'config.json'}"))
+    address = next((checked_address(a, source) for a, source in given if a), None)
+    address = address or local_controller() or paths.DEFAULT_ADDRESS
     tok = token or os.environ.get("PWCTL_TOKEN") or cfg.get("token")
     return Target(address=address, token=tok or paths.read_token(), tls=resolve_tls(cfg))
 

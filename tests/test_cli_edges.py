@@ -73,6 +73,9 @@ def test_wait_timeout_exits_124_and_ctrl_c_exits_130(module_cluster: LocalCluste
         assert "Traceback" not in err and f"job {job} goes on" in err
     finally:
         assert c.pwctl("cancel", job, "-y").returncode == 0
+    described = c.pwctl("jobs", "describe", job)
+    # the state once, not "cancelled (cancelled)": a reason shows only where it says more
+    assert described.returncode == 0 and "\nstate:      cancelled\n" in described.stdout, described.stdout
 
 
 def test_server_before_the_subcommand_and_unknown_islands(module_cluster: LocalCluster, tmp_path: Path) -> None:
@@ -154,8 +157,11 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
 def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended
-    listed_doc, info_doc, table_r = together(lambda: c.pwctl_json("jobs", "list", "--all"),
-                                             lambda: c.pwctl_json("server", "info"), lambda: c.pwctl("server", "info"))
+    listed_doc, info_doc, table_r, name_r = together(
+        lambda: c.pwctl_json("jobs", "list", "--all"), lambda: c.pwctl_json("server", "info"),
+        lambda: c.pwctl("server", "info"), lambda: c.pwctl("server", "info", "-o", "name"))
+    # -o name names the controller by its address (it printed an empty line: a ServerInfo has no name)
+    assert name_r.returncode == 0 and name_r.stdout == f"{info_doc['item']['address']}\n", name_r.stdout
     listed = listed_doc["items"]
     info = info_doc["item"]
     active = sum(j["state"] in ("pending", "running") for j in listed)
@@ -188,6 +194,33 @@ def test_server_start_checks_the_relay_and_group_wait_settings(pw_home: Path) ->
         env=base_env(pw_home), cwd=REPO, capture_output=True, text=True, timeout=60) for flag, value in cases))
     for (flag, _), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
+    """They were "internal error: ValueError: Value out of range", exit 1 (protobuf building the
+    request); checked before anything is sent, so no controller is needed."""
+    big = "3000000000"
+    cases = ((["slice", "create", "--devices", big], f"--devices {big} is out of range"),
+             (["slice", "create", "--mesh", "50000x50000"], "--mesh 50000x50000: its size 2500000000 is out of range"),
+             (["slice", "create", "--devices", "2", "--mesh", f"{big}x1"], f"--mesh {big} is out of range"),
+             (["slice", "create", "--mesh", "1x2", "--host-axis", big], f"--host-axis {big} is out of range"),
+             (["logs", "job-1", "--tail", big], f"--tail {big} is out of range"),
+             (["trace", "job-1", "--last", big], f"--last {big} is out of range"),
+             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"),
+             (["submit", str(REPO / "examples" / "seed_program.py"), "--priority", big],
+              f"--priority {big} is out of range"))
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
+                                                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                      for args, _ in cases))
+    for (args, message), r in zip(cases, runs, strict=True):
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert r.stderr == f"error: {message}: at most 2,147,483,647\n", (args, r.stderr)
+    # a --since so long ago it is before 1970 (its Unix ns went negative: the same ValueError)
+    r = subprocess.run([sys.executable, "-m", "pwctl.cli.main", "trace", "job-1", "--since", "99999999999d"],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'99999999999d' ago is before 1970" in r.stderr, r.stderr
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -251,3 +284,11 @@ def test_trace_by_a_prefix_names_the_whole_job_id(module_cluster: LocalCluster, 
     # it said "node runs of job job-0f" (the prefix given) rather than the job
     assert f"wrote {out}: 3 node runs of job {job} on " in r.stderr, r.stderr
     assert json.loads(out.read_text())["otherData"]["node_runs"] == 3
+    # a path that cannot be written is the caller's mistake: one line, exit 2 (it was "internal
+    # error: FileNotFoundError", exit 1); a directory in place of the file fails only at the write
+    (tmp_path / "a-dir").mkdir()
+    for bad, why in ((tmp_path / "no" / "such" / "t.json", f"no directory {tmp_path / 'no' / 'such'}"),
+                     (tmp_path / "a-dir", "Is a directory")):
+        r = c.pwctl("trace", job, "-o", str(bad))
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+        assert f"cannot write {bad}: {why}" in r.stderr and "internal error" not in r.stderr, r.stderr

@@ -45,6 +45,12 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         assert "nothing started" in again.stdout
         assert f"local-a pid {worker_pid}" in again.stdout
         assert json.loads((pw_home / "cluster.json").read_text()) == state
+        # another --listen cannot be honoured while this controller runs: said, not silently dropped
+        elsewhere = f"127.0.0.1:{free_port()}"
+        moved = run_pwctl("up", "--devices", "all", "--listen", elsewhere, env=env, timeout=60)
+        assert moved.returncode == 0 and moved.stdout.startswith(f"already up at {address}: "), moved.stderr
+        assert f"--listen {elsewhere} not used: this data directory's controller runs at {address}" in moved.stderr
+        assert "not used" not in again.stderr  # the same address again, or none: nothing to say
 
         # usage errors: exit 2, one line, nothing started (refusals: run at once, tests/together.py)
         usage = ((["--devices", "all", "--islands", "2"], "one island"),
@@ -88,6 +94,46 @@ def test_an_invalid_config_file_is_an_error(pw_home: Path, content: str, message
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
     assert str(pw_home / "config.json") in r.stderr and message in r.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("where", "address", "source"), [
+    ("flag", "nonsense", "--server"),                  # no port
+    ("subcommand", "127.0.0.1:99999", "--server"),      # no such port
+    ("env", "grpc://127.0.0.1:7070", "PWCTL_SERVER"),  # JAX_BACKEND_TARGET's form
+    ("config", "10.0.0.5", '"server" in'),
+])
+def test_a_controller_address_that_is_no_host_port_is_a_usage_error(pw_home: Path, where: str, address: str,
+                                                                     source: str) -> None:
+    """Said as such, naming where it came from: it was "cannot reach the server at nonsense: is it
+    running?", exit 1, as if a controller were down."""
+    env, args = base_env(pw_home), ["island", "list"]
+    if where == "flag":
+        args = ["--server", address, *args]
+    elif where == "subcommand":
+        args = [*args, "--server", address]
+    elif where == "env":
+        env["PWCTL_SERVER"] = address
+    else:
+        (pw_home / "config.json").write_text(json.dumps({"server": address}))
+    r = run_pwctl(*args, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
+    assert r.stderr.startswith(f"error: {source}") and f"invalid address {address!r}" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_data_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    """It was "internal error: NotADirectoryError", exit 1, for any command."""
+    (tmp_path / "a-file").write_text("")
+    home = tmp_path / "a-file" / "home"
+    runs = together(*(lambda args=args: run_pwctl(*args, env=base_env(home))
+                      for args in (["island", "list"], ["up", "--listen", "127.0.0.1:9"])))
+    for r in runs:
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (f"error: cannot use {home} ($PATHWAYS_HOME) as the data "
+                                                     "directory: Not a directory"), r.stderr
+        assert "internal error" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_versions_are_compatible_within_a_minor_release() -> None:

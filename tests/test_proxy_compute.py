@@ -7,11 +7,14 @@ the module; each test checks its own program's lines."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import LocalCluster, wait_for
-from test_proxy_cluster import Outputs, local_and_proxied, matches_local, same_as_local, worker_buffers
+from conftest import REPO, LocalCluster, wait_for
+from proxy_env import proxy_env
+from test_proxy_cluster import Outputs, local_and_proxied, local_env, matches_local, same_as_local, worker_buffers
 
 JITTED = """
 import numpy as np, jax, jax.numpy as jnp
@@ -113,3 +116,20 @@ def test_jitted_programs_run_on_the_cluster(module_cluster: LocalCluster, output
 def test_a_training_loop_with_donation(module_cluster: LocalCluster, outputs: Outputs) -> None:
     local = same_as_local(*outputs, "TRAIN")
     assert local[-1] == "decreased True"
+
+
+@pytest.mark.timeout(180)
+def test_the_readmes_example_runs_unchanged_through_the_proxy(module_cluster: LocalCluster, tmp_path: Path) -> None:
+    """examples/jax_train.py, the README's unmodified JAX program, as its docstring runs it: the
+    same lines on the cluster's 2 devices as on 2 local CPU devices."""
+    example, args = str(REPO / "examples" / "jax_train.py"), ["--steps", "21"]
+    procs = [subprocess.Popen([sys.executable, example, *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for env in (local_env(tmp_path, 2), proxy_env(module_cluster, tmp_path, PATHWAYS_DEVICES="2"))]
+    (local, local_err), (proxied, proxied_err) = (p.communicate(timeout=150) for p in procs)
+    assert procs[0].returncode == 0, local_err[-2000:]
+    assert procs[1].returncode == 0, proxied_err[-2000:]
+    lines = local.splitlines()
+    assert lines[0] == "2 device(s)" and [ln.split(":")[0] for ln in lines[1:]] == ["step 0", "step 10", "step 20"]
+    assert float(lines[-1].split()[-1]) < float(lines[1].split()[-1]) / 10, lines  # it trains
+    assert proxied.splitlines() == lines

@@ -58,7 +58,10 @@ def _root(
     if debug:
         os.environ["PWCTL_DEBUG"] = "1"
     if server:
-        os.environ["PWCTL_SERVER"] = server  # the same place in the precedence as the flag
+        from ..settings import checked_address
+
+        # the same place in the precedence as the flag; a bad one named as the flag it came from
+        os.environ["PWCTL_SERVER"] = checked_address(server, "--server")
     if tls_ca:
         os.environ["PWCTL_TLS_CA"] = tls_ca  # likewise (pwctl/settings.py)
 

@@ -30,7 +30,8 @@ IslandsOpt = Annotated[int | None, typer.Option(
     "--islands", min=1, show_default=False, help="Islands, one worker each (default 2; 1 with --devices all)")]
 DevicesOpt = Annotated[str, typer.Option(
     "--devices", help="Virtual CPU devices per island, or 'all': every accelerator of this machine, one island")]
-ListenOpt = Annotated[str, typer.Option("--listen", help="Controller address, HOST:PORT")]
+ListenOpt = Annotated[str | None, typer.Option(
+    "--listen", show_default=False, help=f"Controller address, HOST:PORT (default: {paths.DEFAULT_ADDRESS})")]
 DbOpt = Annotated[str | None, typer.Option("--db", show_default=False,
                                            help="Database URL (default: SQLite in the data directory)")]
 NoTokenOpt = Annotated[bool, typer.Option(
@@ -40,7 +41,7 @@ NoTokenOpt = Annotated[bool, typer.Option(
 def up(
     islands: IslandsOpt = None,
     devices: DevicesOpt = "4",
-    listen: ListenOpt = paths.DEFAULT_ADDRESS,
+    listen: ListenOpt = None,
     db: DbOpt = None,
     no_token: NoTokenOpt = False,
     no_bulk_links: NoBulkLinksOpt = False,
@@ -70,7 +71,8 @@ def up(
 
     n = islands or (2 if count is not None else 1)
     hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
-    result = local.up(islands=n, devices=devices if count is None else count, listen=listen, db=db,
+    result = local.up(islands=n, devices=devices if count is None else count, listen=listen or paths.DEFAULT_ADDRESS,
+                      db=db,
                       no_token=no_token, bulk_links=not no_bulk_links, tls=tls, client_tls=client)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
@@ -84,6 +86,9 @@ def up(
     else:
         sys.stdout.write(f"cluster up at {result.address}{secure}: {len(result.islands)} island(s): "
                          f"{what}, {total} device(s) in all\n")
+    if listen and not result.controller_started and listen != result.address:
+        hint(f"--listen {listen} not used: this data directory's controller runs at {result.address} (`pwctl down` "
+             "first to start it elsewhere; another cluster: another PATHWAYS_HOME)")
     if result.foreign_controller is not None:
         hint(f"the controller (pid {result.foreign_controller}) was started by `pwctl server start`, not by `pwctl "
              "up`: `pwctl down` leaves it running (`pwctl server stop` stops it)")
@@ -160,6 +165,8 @@ def _cancel_running_jobs(address: str, yes: bool) -> None:
             ids = ", ".join(j.id for j in live)
             if not yes:
                 confirm_or_exit(f"cancel running job(s) {ids} and stop the cluster?",
+                                f"job {ids} is still running; pass -y to cancel it and stop the cluster"
+                                if len(live) == 1 else
                                 f"jobs {ids} are still running; pass -y to cancel them and stop the cluster",
                                 "nothing stopped")
             for j in live:

@@ -16,13 +16,23 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
+from ..errors import EXIT_FAILED, EXIT_USAGE, InvalidArgument, PathwaysError
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from rich.console import Console
 
     from ..client import Client
+
+INT32_MAX = 2**31 - 1  # the controller's API carries counts, sizes and limits as int32
+
+
+def check_int32(flag: str, value: int | None) -> None:
+    """A number bound for an int32 field of a request: past that range one line, exit 2 (protobuf
+    raised ValueError building the request: "internal error")."""
+    if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise InvalidArgument(f"{flag} {value} is out of range: at most {INT32_MAX:,}")
+
 
 ServerOpt = Annotated[
     str | None,
@@ -174,8 +184,9 @@ def emit_item(fmt: Format, kind: str, item: BaseModel, render: Callable[[Any], N
         from schemas import views
 
         sys.stdout.write(views.dump(views.ItemDocument[Any](kind=kind, item=item)) + "\n")
-    elif fmt == Format.name:
-        sys.stdout.write(str(getattr(item, "name", "")) + "\n")
+    elif fmt == Format.name:  # what names it: a name, else an id (a job), else an address (the controller)
+        sys.stdout.write(str(getattr(item, "name", "") or getattr(item, "id", "") or getattr(item, "address", ""))
+                         + "\n")
     else:
         render(item)
 

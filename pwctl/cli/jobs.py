@@ -21,6 +21,7 @@ from .common import (
     OutputOpt,
     ServerOpt,
     age,
+    check_int32,
     client,
     confirm_or_exit,
     emit_item,
@@ -140,7 +141,8 @@ def _detach_hint(job_id: str) -> None:
 
 # ---------------------------------------------------------------- submit
 def submit(
-    script: Annotated[Path, typer.Argument(help="The driver script (Python) to run on the server")],
+    script: Annotated[Path, typer.Argument(help="The driver script to run on the server (.py: with Python, "
+                                                ".sh: with bash)")],
     args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script: put them after --",
                                                      show_default=False)] = None,
     name: Annotated[str, typer.Option("--name", help="Job name (default: the script's name)")] = "",
@@ -165,7 +167,7 @@ def submit(
         "--slice", help="With --proxy: the named slice the script computes on (default: $PATHWAYS_SLICE)")] = "",
     devices: Annotated[int, typer.Option(
         "--devices", help="With --proxy and no slice: the size of the fresh slice (default: $PATHWAYS_DEVICES, "
-                          "else every free device of the island with the most)")] = 0,
+                          "else every free device of the island with the most)", show_default=False)] = 0,
 ) -> None:
     """Run a driver script on the server as a job; attached, stream its output and exit with its code.
 
@@ -178,6 +180,7 @@ def submit(
 
     if weight <= 0:
         raise InvalidArgument(f"--weight must be > 0, not {weight:g}")
+    check_int32("--priority", priority)  # its range (-1000..1000) is the controller's to say
     try:
         data = script.read_bytes()
     except OSError as e:
@@ -244,6 +247,8 @@ def logs(
 ) -> None:
     """Print a job's output (stdout and stderr of its driver)."""
     from schemas.pathways.v1 import controller_pb2 as cpb
+
+    check_int32("--tail", tail)
 
     with client(server) as c:
         job = c.get_job(job_id)
@@ -364,7 +369,8 @@ def list_(
 def render(v: JobView) -> None:
     out = stdout()
     command = " ".join([v.entrypoint, *v.args])
-    rows = [("id", v.id), ("name", v.name), ("state", v.state + (f" ({v.reason})" if v.reason else "")),
+    reason = f" ({v.reason})" if v.reason and v.reason != v.state else ""  # not "cancelled (cancelled)"
+    rows = [("id", v.id), ("name", v.name), ("state", v.state + reason),
             ("exit code", _exit(v)), ("command", command), ("priority", str(v.priority)),
             ("weight", f"{v.weight:g}"), ("pid", str(v.pid or "-")),
             ("submitted", v.submitted_at or "-"), ("started", v.started_at or "-"),

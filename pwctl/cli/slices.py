@@ -8,7 +8,19 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import InvalidArgument
-from .common import Format, OutputOpt, ServerOpt, age, client, delete_each, emit_item, emit_list, hint, stdout
+from .common import (
+    Format,
+    OutputOpt,
+    ServerOpt,
+    age,
+    check_int32,
+    client,
+    delete_each,
+    emit_item,
+    emit_list,
+    hint,
+    stdout,
+)
 
 if TYPE_CHECKING:
     from schemas.views import SliceView
@@ -104,6 +116,9 @@ def create(
         if not shape:
             raise InvalidArgument("give --devices N (or --mesh, whose size is the device count)")
         devices = math.prod(shape)
+        check_int32(f"--mesh {mesh}: its size", devices)
+    for flag, value in (("--devices", devices), *(("--mesh", d) for d in shape), ("--host-axis", host_axis)):
+        check_int32(flag, value)
     spec = cpb.SliceSpec(name=name, devices=devices, mesh=shape, island=island, kind=kind,
                          exclusive=exclusive, host_axis=host_axis)
     with client(server) as c:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from .. import common
-from ..common import ServerOpt, client, hint, stdout
+from ..common import ServerOpt, check_int32, client, hint, stdout
 from .trace import parse_since, trace
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ def status(
     queues), what each device runs now, jobs and the longest waits. With --watch, a live view that
     fits the terminal; piped or with -o json, one JSON document (kind ClusterStatus) per line per
     update, with everything the screen shows. Ctrl-C stops watching."""
+    check_int32("--limit", limit)
     if interval is not None and not watch:
         raise typer.BadParameter("only with --watch (without it, status shows one snapshot)",
                                  param_hint="--interval")

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ...errors import NotFound
-from ..common import ServerOpt, client, hint
+from ...errors import InvalidArgument, NotFound
+from ..common import ServerOpt, check_int32, client, hint
 
 if TYPE_CHECKING:
     from schemas.pathways.v1 import controller_pb2 as cpb
@@ -37,7 +37,10 @@ def trace(
     """Write the gang-scheduled timeline of a job or program as a Chrome trace (open it in
     https://ui.perfetto.dev or chrome://tracing): one track per device, one slice per node run.
     A long job's trace is a window: the newest 200,000 node runs unless --last/--since say."""
+    check_int32("--last", last)
     since_ns = parse_since(since) if since else 0
+    if str(out) != "-" and not out.parent.is_dir():  # before the controller builds the trace
+        raise InvalidArgument(f"cannot write {out}: no directory {out.parent}")
     with client(server) as c:
         try:
             resp, what = c.trace_window(job=target, since_unix_ns=since_ns, last=last or 0), "job"
@@ -56,7 +59,10 @@ def trace(
         sys.stdout.write(text + "\n")
         where = "stdout"
     else:
-        out.write_text(text)
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise InvalidArgument(f"cannot write {out}: {e.strerror or e}") from None
         where = str(out)
     hosts = sum(1 for e in doc["traceEvents"] if e.get("ph") == "M" and e.get("name") == "process_name")
     hint(f"wrote {where}: {other.get('node_runs', '?')} node runs of {what} {target} on "
@@ -93,7 +99,10 @@ def parse_since(text: str) -> int:
     parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", t)
     if t and parts is not None and any(parts.groups()):
         d, h, m, s = (float(g) if g else 0.0 for g in parts.groups())
-        return time.time_ns() - int((((d * 24 + h) * 60 + m) * 60 + s) * 1e9)
+        ago = time.time_ns() - int((((d * 24 + h) * 60 + m) * 60 + s) * 1e9)
+        if ago < 0:
+            raise typer.BadParameter(f"{text!r} ago is before 1970", param_hint="--since")
+        return ago
     try:
         at = datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:

@@ -223,6 +223,22 @@ def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
     assert r.returncode == 2 and "'99999999999d' ago is before 1970" in r.stderr, r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_local_island_counts_and_watch_intervals_are_bounded(pw_home: Path) -> None:
+    """`up --islands 99999999999` spent minutes naming islands before anything started, and
+    `status --watch --interval 1e400` (infinity) never updated: both are refused at once, exit 2,
+    with nothing started."""
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    cases = ((["up", "--islands", "99999999999"], "--islands"), (["up", "--islands", "65"], "--islands"),
+             (["status", "--watch", "--interval", "1e400"], "--interval"))
+    runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
+                                                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                      for args, _ in cases))
+    for (args, flag), r in zip(cases, runs, strict=True):
+        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert not (pw_home / "server.pid").exists()  # nothing started
+
+
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     for name, sub in getattr(group, "commands", {}).items():
         if getattr(sub, "commands", None):

@@ -26,8 +26,11 @@ from .common import (
     server_tls,
 )
 
+MAX_LOCAL_ISLANDS = 64  # `pwctl up` starts a worker process per island on this machine
 IslandsOpt = Annotated[int | None, typer.Option(
-    "--islands", min=1, show_default=False, help="Islands, one worker each (default 2; 1 with --devices all)")]
+    "--islands", min=1, max=MAX_LOCAL_ISLANDS, show_default=False,
+    help=f"Islands, one worker process each on this machine (default 2; 1 with --devices all; at most "
+         f"{MAX_LOCAL_ISLANDS})")]
 DevicesOpt = Annotated[str, typer.Option(
     "--devices", help="Virtual CPU devices per island, or 'all': every accelerator of this machine, one island")]
 ListenOpt = Annotated[str | None, typer.Option(

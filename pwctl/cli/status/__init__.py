@@ -57,8 +57,9 @@ StatusOutputOpt = Annotated[
 def status(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Keep updating: a live view fed by the server.")
                      ] = False,
-    interval: Annotated[float | None, typer.Option("--interval", "-n", min=0.1, show_default=False,
-                                                   help="Seconds between updates with --watch (default 1).")
+    interval: Annotated[float | None, typer.Option("--interval", "-n", min=0.1, max=3600, show_default=False,
+                                                   help="Seconds between updates with --watch (default 1; at "
+                                                        "most 3600).")
                         ] = None,
     limit: Annotated[int, typer.Option("--limit", "-l", min=0, help="-o json: devices per document (0: all); "
                                        "the next page with --page-token")] = 0,

@@ -229,7 +229,10 @@ def test_local_island_counts_and_watch_intervals_are_bounded(pw_home: Path) -> N
     `status --watch --interval 1e400` (infinity) never updated: both are refused at once, exit 2,
     with nothing started."""
     env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
-    cases = ((["up", "--islands", "99999999999"], "--islands"), (["up", "--islands", "65"], "--islands"),
+    # (an address no controller can listen on: were the bound gone, `up` fails instead of starting one)
+    nowhere = ["--listen", "192.0.2.1:7070"]
+    cases = ((["up", "--islands", "99999999999", *nowhere], "--islands"),
+             (["up", "--islands", "65", *nowhere], "--islands"),
              (["status", "--watch", "--interval", "1e400"], "--interval"))
     runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
                                                        cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -44,11 +44,10 @@ def planned_on_older(run: cpb.RunProgram, names: list[str], now: list[int]) -> R
     (`names`, in name order) than `now` (one moved since: a host lost and back at a new address, a
     remap). It is refused before anything of it is admitted, its client to plan it anew and send it
     again; its outputs are never made by it (a run pipelined behind it that reads one is refused
-    the same way: `never_made`)."""
+    the same way: `never_made`). `run` carries one generation per slice (`Dispatcher.submit`)."""
     moved = [f"{n!r} (generation {g} -> {c})" for n, g, c in zip(names, run.slice_generations, now, strict=False)
              if g != c]
-    return Replan(f"run {run.run_id:#x} was planned on an older placement of slice "
-                  f"{', '.join(moved) or 'generations ' + str(list(run.slice_generations))}: send it again")
+    return Replan(f"run {run.run_id:#x} was planned on an older placement of slice {', '.join(moved)}: send it again")
 
 
 @dataclass(eq=False)

@@ -126,6 +126,10 @@ class Dispatcher:
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
             plan = self._plan(prog, session.sequential)
+            if run.slice_generations and len(run.slice_generations) != len(plan.generations):
+                raise ControllerError(  # not its client's plan (not to be sent again): a short line
+                    f"run {run.run_id:#x} carries {len(run.slice_generations)} slice generations; its program "
+                    f"runs on {len(plan.generations)} slices ({', '.join(map(repr, sorted(prog.slices)))})")
             if run.slice_generations and run.slice_generations != plan.generations:  # a slice moved since
                 self.refuse(session, run.run_id, planned_on_older(run, sorted(prog.slices), plan.generations),
                             run.output_ids, generations=plan.generations)

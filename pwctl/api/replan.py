@@ -127,6 +127,10 @@ class Replans:
                 self._answered.notify_all()
         return True
 
+    def kept(self) -> int:
+        """How many runs are kept to be sent again (tests, diagnostics)."""
+        return len(self._kept)
+
     def moved(self, run_ids: Iterable[int]) -> bool:
         """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
         replanned = self.replanned

@@ -28,6 +28,11 @@ MAX_NEVER_COMPUTED = 65_536
 # once, so a call of a refused program may come before the client read the refusal; its error
 # then says why the program is unknown.
 MAX_REFUSED_PROGRAMS = 256
+# The runs carrying slice generations that a session's `RunsDone.last_run` is told after at the
+# latest, when none is over meanwhile: its client keeps each run (its inputs with it) until told,
+# to send it again should it be refused for its plan (pwctl replan.py), and a pipelining client
+# whose runs do not end (a first step compiling, a frozen worker) would keep all it has in flight.
+TELL_HANDLED_EVERY = 64
 
 
 class Replan(str):
@@ -70,6 +75,7 @@ class ClientSession:
     _reported: int = 0
     # the last run message handled (admitted or refused), told with RunsDone (Welcome.checks_generations)
     last_run: int = 0
+    untold: int = 0  # runs carrying generations admitted since `last_run` was last told (TELL_HANDLED_EVERY)
     overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
@@ -150,9 +156,11 @@ class ClientSession:
     def report_finished(self) -> None:
         """Tells the client how many of its runs are over, if that changed since last time, and
         the last run it handled (no event of its own: a run admitted is told with the next that
-        is over, not to cost an op-by-op client a second event per call)."""
-        if self.finished != self._reported:
+        is over, not to cost an op-by-op client a second event per call; or after TELL_HANDLED_EVERY
+        admitted, none over)."""
+        if self.finished != self._reported or self.untold >= TELL_HANDLED_EVERY:
             self._reported = self.finished
+            self.untold = 0
             self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished, last_run=self.last_run)))
 
     def run_opened(self, run_id: int) -> None:

@@ -43,7 +43,7 @@ from ..scheduler import (
     Submit,
     Tick,
 )
-from .client_session import ClientSession, Replan, planned_on_older
+from .client_session import TELL_HANDLED_EVERY, ClientSession, Replan, planned_on_older
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
@@ -142,6 +142,10 @@ class Dispatcher:
             self.refuse(session, run.run_id, str(e), run.output_ids)
             return
         session.run_opened(run.run_id)
+        if run.slice_generations:  # its client keeps it until told it was handled (client_session.py)
+            session.untold += 1
+            if session.untold >= TELL_HANDLED_EVERY:
+                self._progressed.add(session)
         if session.never_computed:  # a run sent again (RunFinished.replan) makes what the refused one did not
             for b in run.output_ids:
                 session.never_computed.pop(b, None)

@@ -77,6 +77,8 @@ class Replans:
         kept[run_id] = sent
         if len(kept) > MAX_KEPT:
             kept.popitem(last=False)
+            if self._waiting:  # (a wait for that one's answer ends: forgotten, it fails as before)
+                self._answered.notify_all()
 
     def handled(self, last_run: int) -> None:
         """The controller handled every run up to `last_run` (RunsDone.last_run): none of them

@@ -355,3 +355,32 @@ def test_a_run_planned_on_an_older_generation_is_refused_before_anything_of_it_a
     p.report("a", 3, 0)
     p.report("b", 3, 1)
     assert events(s)[-1] == cpb.SessionEvent(runs_done=cpb.RunsDone(count=3, last_run=5))
+
+
+def test_a_run_with_the_wrong_number_of_slice_generations_is_refused_in_one_short_line() -> None:
+    """A hostile or broken client's `slice_generations` (not one per slice of the program: here two
+    slices, sa and sb, and a million generations, huge values) cost it its run, refused with a short
+    line and not to be sent again (no `replan`: planning anew gives the same wrong list), and
+    nothing else. Before, a list whose first two matched was refused as planned on an older
+    placement with every generation in the error (megabytes, on the controller's event loop, in the
+    client's event), and the client told to send it again."""
+    p = Sessions()
+    moving = MovingSlices(p.hosts)
+    p.slices = p.manager.slices = p.dispatcher.placements = moving  # type: ignore[assignment]
+    s = p.open()
+    prog = p.register(s)
+    for run_id, gens in [(1, [0, 0] + [2**64 - 1] * 1_000_000), (2, [0]), (3, [2**64 - 1] * 3)]:
+        p.send(s, planned(run_id, prog, 200 + run_id, gens))
+        finished, done = events(s)
+        assert not finished.finished.ok and not finished.finished.replan, finished.finished.replan
+        assert finished.finished.error == (f"run {run_id:#x} carries {len(gens)} slice generations; its program "
+                                           f"runs on 2 slices ('sa', 'sb')"), finished.finished.error[:300]
+        assert done.runs_done.last_run == run_id
+    assert p.outbox.take() == []
+    # huge values of the right number: planned on an older placement (sent again), in one short line
+    p.send(s, planned(4, prog, 204, [2**64 - 1, 0]))
+    finished, _ = events(s)
+    assert finished.finished.replan and len(finished.finished.error) < 200, finished.finished.error
+    # and the session goes on: a run planned on the slices as they are is admitted
+    p.send(s, planned(5, prog, 205, [0, 0]))
+    assert enqueued(p) == [5]

@@ -147,3 +147,110 @@ def _address_on(cluster: LocalCluster, island: str) -> str:
     assert len(placed) == 1, placed
     s = placed[0]
     return s.devices[0].address if s.devices and s.state != cpb.SLICE_STATE_DEGRADED else ""
+
+
+PIPELINED = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+
+vds = pw.make_virtual_device_set()
+a = vds.add_slice(devices=1, island="a")
+g = pw.pmap(lambda v: v + 1.0, devices=a.devices)
+assert np.asarray(g(np.ones((1, 2), np.float32))).tolist() == [[2.0, 2.0]]
+rt = Runtime.get()
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()  # a's worker is frozen: no run will be over until it continues
+calls = [g(np.full((1, 2), i, np.float32)) for i in range(400)]
+start = time.monotonic()
+while rt.replans.kept() > 200 and time.monotonic() - start < 4:  # the controller admitted them (milliseconds)
+    time.sleep(0.05)
+print(json.dumps({"kept": rt.replans.kept()}), flush=True)
+sys.stdin.readline()  # continued
+values = [np.asarray(f.result(timeout=30)).tolist() for f in calls]
+while rt.replans.kept() and time.monotonic() - start < 30:  # the controller's word on the last comes after it
+    time.sleep(0.05)
+print(json.dumps({"ok": values == [[[i + 1.0] * 2] for i in range(400)], "kept": rt.replans.kept()}), flush=True)
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=1)  # (the usual heartbeat timeout: the worker is frozen for seconds)
+def test_runs_kept_to_be_sent_again_are_let_go_while_none_is_over(cluster: LocalCluster) -> None:
+    """A run is kept (its inputs with it) until the controller says it handled it; it says so with
+    the runs over, and also after every few runs it handled (`ClientSession.report_finished`): a
+    pipelining client whose runs do not end (a first step compiling, a slow or frozen worker) no
+    longer keeps every one it sent, up to its bound on runs in flight (1,024 by default, each with
+    its input arrays). Before, the 400 here stayed kept until one was over."""
+    proc = subprocess.Popen([sys.executable, "-c", PIPELINED], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _line(proc) == {"ready": True}
+        cluster.stop_worker("w-a")
+        try:
+            _say(proc)
+            kept = _line(proc)["kept"]
+        finally:
+            cluster.cont_worker("w-a")
+        assert kept <= 200, kept  # before: 400
+        _say(proc)
+        assert _line(proc) == {"ok": True, "kept": 0}
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+EARLIER = """\
+import json, sys, time
+import numpy as np
+import pwctl as pw
+
+vds = pw.make_virtual_device_set()
+a = vds.add_slice(devices=1, island="a")
+g = pw.pmap(lambda v: v + 1.0, devices=a.devices)
+w = g(np.ones((1, 2), np.float32)).block_until_ready(timeout=60)  # computed at a's worker, not fetched
+old = a.address
+print(json.dumps({"address": old}), flush=True)
+sys.stdin.readline()  # a's worker is frozen, declared lost, and a new one took its place
+start = time.monotonic()
+while a.address == old and time.monotonic() - start < 30:  # the session told of the loss, then of the move
+    time.sleep(0.05)
+start = time.monotonic()
+try:
+    out = {"value": np.asarray(w.result(timeout=20)).tolist(), "error": ""}
+except Exception as e:
+    out = {"value": None, "error": f"{type(e).__name__}: {e}"[:500]}
+out.update(s=time.monotonic() - start, moved=a.address != old)
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=3)
+def test_a_future_left_at_a_frozen_worker_whose_host_came_back_elsewhere_fails_at_once(cluster: LocalCluster) -> None:
+    """A future computed on a worker that was then frozen, declared lost and replaced by a new one
+    at another address fails at once, naming the lost host: the host is back, but not at that
+    address, so the worker there is still lost. Before, the wait asked the controller whether the
+    host at that address was still lost, heard no (the host is ready, elsewhere), forgot the loss
+    and waited at the frozen worker until its deadline (6 s per look, for ever). The same made a
+    call pipelined on the moved slice wait 6 s at the frozen worker when its wait looked in the
+    moment between the session's news of the loss and the re-sending of its run (replan.py: the
+    `[one]` case above, about 1 in 7 loaded runs)."""
+    proc = subprocess.Popen([sys.executable, "-c", EARLIER], env=cluster.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        old = _line(proc)["address"]
+        _freeze_and_lose(cluster)
+        cluster.add_worker("a", 1, name="w-a")  # at a new address
+        wait_for(lambda: _address_on(cluster, "a") not in ("", old), 30, "the slice on the new worker")
+        _say(proc)
+        out = _line(proc)
+        assert out["moved"] and out["value"] is None, out
+        assert "w-a" in out["error"] and "lost" in out["error"] and old in out["error"], out  # before: TimeoutError
+        assert "\n" not in out["error"] and out["s"] < 3, out
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)

@@ -41,9 +41,8 @@ MAX_KEPT = 4096
 MAX_REPLANNED = 4096
 # How long a wait whose worker failed waits at most for the controller's answer to its run (it
 # comes right behind the session's events before it: milliseconds; a session whose events are
-# held, far behind, fails such a wait after this long), and how often it looks
+# held, far behind, fails such a wait after this long)
 ANSWER_S = 1.0
-ANSWER_POLL_S = 0.01
 
 
 class Sent(Protocol):
@@ -68,6 +67,9 @@ class Replans:
         self._lock = plan_lock
         self._kept: OrderedDict[int, Sent] = OrderedDict()
         self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
+        # notified (when someone waits: `_waiting`) where runs stop being kept and at the session's end
+        self._answered = threading.Condition(plan_lock)
+        self._waiting = 0
 
     def keep(self, run_id: int, sent: Sent) -> None:
         """Run `run_id` was sent (under `plan_lock`): kept until the controller handled it."""
@@ -75,6 +77,8 @@ class Replans:
         kept[run_id] = sent
         if len(kept) > MAX_KEPT:
             kept.popitem(last=False)
+            if self._waiting:  # (a wait for that one's answer ends: forgotten, it fails as before)
+                self._answered.notify_all()
 
     def handled(self, last_run: int) -> None:
         """The controller handled every run up to `last_run` (RunsDone.last_run): none of them
@@ -85,10 +89,18 @@ class Replans:
                 return
             while kept.popitem(last=False)[0] != last_run:
                 pass
+            if self._waiting:
+                self._answered.notify_all()
 
     def forget(self) -> None:
         with self._lock:
             self._kept.clear()
+            self._answered.notify_all()
+
+    def session_over(self) -> None:
+        """The session ended (`Runtime.run_failed(0)` says why): waits for answers end."""
+        with self._lock:
+            self._answered.notify_all()
 
     def refused(self, finished: cpb.RunFinished) -> bool:
         """The controller refused a run for its plan (`finished.replan`): reads the slices that
@@ -113,7 +125,13 @@ class Replans:
             return False
         with self._lock:
             self._kept.pop(finished.run_id, None)
+            if self._waiting:
+                self._answered.notify_all()
         return True
+
+    def kept(self) -> int:
+        """How many runs are kept to be sent again (tests, diagnostics)."""
+        return len(self._kept)
 
     def moved(self, run_ids: Iterable[int]) -> bool:
         """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
@@ -134,5 +152,13 @@ class Replans:
         end = time.monotonic() + ANSWER_S
         if deadline is not None:
             end = min(end, deadline)
-        while self.unanswered(ids) and not self._rt.run_failed(0) and time.monotonic() < end:  # (0: the session's end)
-            time.sleep(ANSWER_POLL_S)
+        with self._answered:
+            self._waiting += 1
+            try:
+                while self.unanswered(ids) and not self._rt.run_failed(0):  # (0: the session's end)
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._answered.wait(left)
+            finally:
+                self._waiting -= 1

@@ -216,6 +216,7 @@ class Runtime:
             if not self._welcome.done():
                 self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
             self.registrations.session_over(self._session_error or "session closed")
+            self.replans.session_over()  # waits for the controller's answer to a run end
 
     def _serve(self, events: Iterator[cpb.SessionEvent]) -> None:
         """Handles a stream's events; raises _Lost when it ends (returns when we closed it)."""

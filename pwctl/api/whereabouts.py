@@ -105,12 +105,23 @@ class Whereabouts:
         return next((f"host {h.name} was lost" for h in lost if h.address == address), "")
 
     def still_lost(self, address: str) -> str:
-        """For a worker in `lost`: why, while the controller still has its host lost; "" once it is
-        ready again (registered again, or the controller did not answer: the call is made as
-        usual), and it leaves `lost`."""
-        lost = self.lost_host(address)
-        if lost:
-            return f"the worker at {address} does not answer: its {lost} (the controller declared it)"
+        """For a worker in `lost`: why, while the controller still has its host lost, or no host at
+        that address at all (its host registered again at another one: nothing there answers, a
+        frozen old worker keeps its connections open); "" once a host is there again (registered
+        again at it, or the controller did not answer: the call is made as usual), and it leaves
+        `lost`."""
+        try:
+            hosts = self._ask(lambda c: c.hosts())
+        except PathwaysError:
+            hosts = None
+        if hosts is not None:
+            at = [h for h in hosts if h.address == address]
+            lost = next((h for h in at if h.state == pb.HOST_STATE_LOST), None)
+            if lost is not None:
+                return (f"the worker at {address} does not answer: its host {lost.name} was lost "
+                        "(the controller declared it)")
+            if not at and address in self.lost:
+                return self.lost[address]
         self.lost.pop(address, None)
         return ""
 

@@ -28,6 +28,11 @@ MAX_NEVER_COMPUTED = 65_536
 # once, so a call of a refused program may come before the client read the refusal; its error
 # then says why the program is unknown.
 MAX_REFUSED_PROGRAMS = 256
+# The runs carrying slice generations that a session's `RunsDone.last_run` is told after at the
+# latest, when none is over meanwhile: its client keeps each run (its inputs with it) until told,
+# to send it again should it be refused for its plan (pwctl replan.py), and a pipelining client
+# whose runs do not end (a first step compiling, a frozen worker) would keep all it has in flight.
+TELL_HANDLED_EVERY = 64
 
 
 class Replan(str):
@@ -44,11 +49,10 @@ def planned_on_older(run: cpb.RunProgram, names: list[str], now: list[int]) -> R
     (`names`, in name order) than `now` (one moved since: a host lost and back at a new address, a
     remap). It is refused before anything of it is admitted, its client to plan it anew and send it
     again; its outputs are never made by it (a run pipelined behind it that reads one is refused
-    the same way: `never_made`)."""
+    the same way: `never_made`). `run` carries one generation per slice (`Dispatcher.submit`)."""
     moved = [f"{n!r} (generation {g} -> {c})" for n, g, c in zip(names, run.slice_generations, now, strict=False)
              if g != c]
-    return Replan(f"run {run.run_id:#x} was planned on an older placement of slice "
-                  f"{', '.join(moved) or 'generations ' + str(list(run.slice_generations))}: send it again")
+    return Replan(f"run {run.run_id:#x} was planned on an older placement of slice {', '.join(moved)}: send it again")
 
 
 @dataclass(eq=False)
@@ -71,6 +75,7 @@ class ClientSession:
     _reported: int = 0
     # the last run message handled (admitted or refused), told with RunsDone (Welcome.checks_generations)
     last_run: int = 0
+    untold: int = 0  # runs carrying generations admitted since `last_run` was last told (TELL_HANDLED_EVERY)
     overflowed: bool = False  # MAX_QUEUED events were waiting: the session ends, later events are dropped
     # outputs of runs refused before they started: no worker will ever compute them (buffer id ->
     # the first refusal's reason); the last MAX_NEVER_COMPUTED, less those the client released
@@ -151,9 +156,11 @@ class ClientSession:
     def report_finished(self) -> None:
         """Tells the client how many of its runs are over, if that changed since last time, and
         the last run it handled (no event of its own: a run admitted is told with the next that
-        is over, not to cost an op-by-op client a second event per call)."""
-        if self.finished != self._reported:
+        is over, not to cost an op-by-op client a second event per call; or after TELL_HANDLED_EVERY
+        admitted, none over)."""
+        if self.finished != self._reported or self.untold >= TELL_HANDLED_EVERY:
             self._reported = self.finished
+            self.untold = 0
             self.send(cpb.SessionEvent(runs_done=cpb.RunsDone(count=self.finished, last_run=self.last_run)))
 
     def run_opened(self, run_id: int) -> None:

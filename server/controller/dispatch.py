@@ -43,7 +43,7 @@ from ..scheduler import (
     Submit,
     Tick,
 )
-from .client_session import ClientSession, Replan, planned_on_older
+from .client_session import TELL_HANDLED_EVERY, ClientSession, Replan, planned_on_older
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
@@ -126,6 +126,10 @@ class Dispatcher:
                     f"the run has {len(run.input_ids)} and {len(run.output_ids)}"
                 )
             plan = self._plan(prog, session.sequential)
+            if run.slice_generations and len(run.slice_generations) != len(plan.generations):
+                raise ControllerError(  # not its client's plan (not to be sent again): a short line
+                    f"run {run.run_id:#x} carries {len(run.slice_generations)} slice generations; its program "
+                    f"runs on {len(plan.generations)} slices ({', '.join(map(repr, sorted(prog.slices)))})")
             if run.slice_generations and run.slice_generations != plan.generations:  # a slice moved since
                 self.refuse(session, run.run_id, planned_on_older(run, sorted(prog.slices), plan.generations),
                             run.output_ids, generations=plan.generations)
@@ -138,6 +142,10 @@ class Dispatcher:
             self.refuse(session, run.run_id, str(e), run.output_ids)
             return
         session.run_opened(run.run_id)
+        if run.slice_generations:  # its client keeps it until told it was handled (client_session.py)
+            session.untold += 1
+            if session.untold >= TELL_HANDLED_EVERY:
+                self._progressed.add(session)
         if session.never_computed:  # a run sent again (RunFinished.replan) makes what the refused one did not
             for b in run.output_ids:
                 session.never_computed.pop(b, None)

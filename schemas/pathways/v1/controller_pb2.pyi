@@ -1935,7 +1935,8 @@ class RunsDone(_message.Message):
     """The last run message of this session the controller handled (admitted or refused) when it
     sent this: every run the client sent up to it has had its admission answer, and the client
     lets go of what it kept to send them again (RunFinished.replan). Told with the runs over,
-    not on its own.
+    and after every 64 runs carrying slice generations admitted while none is over (a
+    pipelining client whose runs do not end would keep every one in flight).
     """
     def __init__(
         self,

@@ -284,9 +284,11 @@ class WorkerClient:
         except Exception:  # the callback's bug must not stop the uploads still to send
             log.exception("reporting %d lost uploads failed", len(uploads))
 
-    def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0) -> tuple[np.ndarray | None, str]:
+    def fetch(self, buffer_id: int, timeout_s: float, nbytes: int = 0,
+              gone: Callable[[], str] | None = None) -> tuple[np.ndarray | None, str]:
         """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")
-        on timeout; any other failure raises a typed error.
+        on timeout; any other failure raises a typed error. `gone`: why the worker's host is lost
+        ("" while it is not), asked once the call counts as started (`_gone_now`).
 
         The call's deadline is the worker's wait plus time to stream `nbytes` at a slow 50 MB/s: a
         worker that stalls (stopped, wedged) then costs the caller seconds, not a fixed 30, before
@@ -295,6 +297,8 @@ class WorkerClient:
         parts: list[bytes] = []
         deadline = timeout_s + 5.0 + nbytes / 50e6
         mark = self._abandoned
+        if why := _gone_now(gone):
+            return None, why
         try:
             for chunk in self._streamed(self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
                                       deadline):
@@ -312,7 +316,7 @@ class WorkerClient:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
-    def fetch_parts(self, buffer_id: int, timeout_s: float, nbytes: int = 0
+    def fetch_parts(self, buffer_id: int, timeout_s: float, nbytes: int = 0, gone: Callable[[], str] | None = None
                     ) -> tuple[list[tuple[tuple[int, ...], np.ndarray]] | None, str]:
         """As `fetch`, for an array of a multi-host slice: the parts this worker holds, each with
         where it starts in the global array (a whole array is one part starting at 0)."""
@@ -321,6 +325,8 @@ class WorkerClient:
         deadline = timeout_s + 5.0 + nbytes / 50e6
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s, parts=True)
         mark = self._abandoned
+        if why := _gone_now(gone):
+            return None, why
         try:
             for chunk in self._streamed(self._stub.Fetch, request, deadline):
                 if chunk.error:
@@ -341,14 +347,18 @@ class WorkerClient:
             parts.append((start, arr))
         return parts, ""
 
-    def wait(self, buffer_ids: list[int], timeout_s: float, must_exist: bool = False) -> tuple[bool, str]:
+    def wait(self, buffer_ids: list[int], timeout_s: float, must_exist: bool = False,
+             gone: Callable[[], str] | None = None) -> tuple[bool, str]:
         """(True, "") once every buffer is computed, (False, error) when one failed or the worker
         is unreachable, (False, "") on timeout; no bytes move. Other failures raise. With
         `must_exist`, a buffer the worker does not know fails at once (else it is waited for).
+        `gone` as `fetch`'s.
         Asked on the `Waits` stream when it can be (pwctl/waitstream.py), else a unary `Wait`:
         the same answers either way."""
         request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
         mark = self._abandoned
+        if why := _gone_now(gone):
+            return False, why
         reply = self.waits.ask(request, timeout_s + 5.0)
         if reply is None:
             if why := self._why_abandoned(mark):
@@ -448,3 +458,12 @@ def _lost(e: ConnectionFailed) -> str:
     """A fetch or wait that could not finish: the error to report, or "" when it only ran out of
     time (the caller checks whether the run failed and asks again)."""
     return "" if isinstance(e, DeadlineExceeded) else str(e)
+
+
+def _gone_now(gone: Callable[[], str] | None) -> str:
+    """Why the worker's host is lost, asked after a call took its `abandon` mark: the runtime
+    records a loss before it abandons the worker's calls (runtime.py `_host_lost`), so a loss
+    recorded before the mark is seen here and one after it abandons the call. (A caller's own
+    look before it called can miss a loss told in between: its call then waited at a frozen
+    worker for its whole deadline.)"""
+    return gone() if gone is not None else ""

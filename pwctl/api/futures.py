@@ -68,7 +68,7 @@ class Future:
                 unsure = _check_uncertain(self._rt, self.home, [self], wait_s)
                 if unsure is not None and not unsure[0]:
                     return unsure
-                value, error = conn.fetch(self.id, wait_s, nbytes)
+                value, error = conn.fetch(self.id, wait_s, nbytes, gone=_gone(self._rt, self.home))
                 if value is not None:
                     value.flags.writeable = False
                     self._value = value
@@ -98,7 +98,8 @@ class Future:
                 unsure = _check_uncertain(self._rt, conn.address, [self], wait_s)
                 if unsure is not None and not unsure[0]:
                     return unsure
-                parts, error = conn.fetch_parts(self.id, wait_s, self.size * self.dtype.itemsize)
+                parts, error = conn.fetch_parts(self.id, wait_s, self.size * self.dtype.itemsize,
+                                                gone=_gone(self._rt, conn.address))
                 if parts is not None:
                     got.append(parts)
                 return parts is not None, error
@@ -178,9 +179,15 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
         unsure = _check_uncertain(rt, home, futures, wait_s)
         if unsure is not None and not unsure[0]:
             return unsure
-        return conn.wait(ids, wait_s)
+        return conn.wait(ids, wait_s, gone=_gone(rt, home))
 
     _poll(rt, {f.run_id for f in futures}, timeout, wait, "not computed", home)
+
+
+def _gone(rt: Runtime, home: str) -> Callable[[], str]:
+    """For a worker call: why the worker at `home` is lost now ("" while it is not), as `_poll`
+    looks before each call (worker_client.py `_gone_now`)."""
+    return lambda: rt.still_lost(home) if home in rt.lost_workers else ""
 
 
 def _check_uncertain(rt: Runtime, home: str, futures: list[Future], wait_s: float) -> tuple[bool, str] | None:

@@ -207,9 +207,7 @@ def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
              (["slice", "create", "--mesh", "1x2", "--host-axis", big], f"--host-axis {big} is out of range"),
              (["logs", "job-1", "--tail", big], f"--tail {big} is out of range"),
              (["trace", "job-1", "--last", big], f"--last {big} is out of range"),
-             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"),
-             (["submit", str(REPO / "examples" / "seed_program.py"), "--priority", big],
-              f"--priority {big} is out of range"))
+             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"))
     env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
     runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
                                                        cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -240,6 +238,36 @@ def test_local_island_counts_and_watch_intervals_are_bounded(pw_home: Path) -> N
     for (args, flag), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     assert not (pw_home / "server.pid").exists()  # nothing started
+
+
+@pytest.mark.timeout(60)
+def test_priority_is_checked_in_the_controllers_range(pw_home: Path) -> None:
+    """`submit --priority` past -1000..1000 said "at most 2,147,483,647" (the int32 check) and left
+    the real range to the controller; both sides check the one constant (pwctl/limits.py)."""
+    from pwctl.limits import MAX_PRIORITY
+    from server.controller import errors
+    from server.controller.job_files import validate_submit
+
+    seed = str(REPO / "examples" / "seed_program.py")
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    values = (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, 3_000_000_000, MAX_PRIORITY, -MAX_PRIORITY)
+    runs = together(*(lambda value=value: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", "submit", seed, "--priority", str(value), "-d"], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=60) for value in values))
+    for value, r in zip(values, runs, strict=True):
+        if abs(value) > MAX_PRIORITY:
+            assert r.returncode == 2, (value, r.returncode, r.stderr)
+            assert r.stderr == f"error: --priority {value} is out of range: use -1000..1000\n", (value, r.stderr)
+        else:  # accepted: on to the (absent) controller
+            assert r.returncode == 1 and "cannot reach the server at 127.0.0.1:9" in r.stderr, (value, r.stderr)
+    request = cpb.SubmitJobRequest(entrypoint="a.py", script=b"print(1)\n")
+    for value in (MAX_PRIORITY, -MAX_PRIORITY):
+        request.priority = value
+        validate_submit(request)
+    for value in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1):
+        request.priority = value
+        with pytest.raises(errors.InvalidArgument, match=r"out of range: use -1000\.\.1000$"):
+            validate_submit(request)
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

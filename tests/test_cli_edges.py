@@ -207,9 +207,7 @@ def test_numbers_past_the_apis_int32_are_one_line(pw_home: Path) -> None:
              (["slice", "create", "--mesh", "1x2", "--host-axis", big], f"--host-axis {big} is out of range"),
              (["logs", "job-1", "--tail", big], f"--tail {big} is out of range"),
              (["trace", "job-1", "--last", big], f"--last {big} is out of range"),
-             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"),
-             (["submit", str(REPO / "examples" / "seed_program.py"), "--priority", big],
-              f"--priority {big} is out of range"))
+             (["status", "-o", "json", "--limit", big], f"--limit {big} is out of range"))
     env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
     runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
                                                        cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -238,8 +236,69 @@ def test_local_island_counts_and_watch_intervals_are_bounded(pw_home: Path) -> N
                                                        cwd=REPO, capture_output=True, text=True, timeout=60)
                       for args, _ in cases))
     for (args, flag), r in zip(cases, runs, strict=True):
-        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.returncode == 2 and flag in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
     assert not (pw_home / "server.pid").exists()  # nothing started
+
+
+@pytest.mark.timeout(60)
+def test_priority_is_checked_in_the_controllers_range(pw_home: Path) -> None:
+    """`submit --priority` past -1000..1000 said "at most 2,147,483,647" (the int32 check) and left
+    the real range to the controller; both sides check the one constant (pwctl/limits.py)."""
+    from pwctl.limits import MAX_PRIORITY
+    from server.controller import errors
+    from server.controller.job_files import validate_submit
+
+    seed = str(REPO / "examples" / "seed_program.py")
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    values = (MAX_PRIORITY + 1, -MAX_PRIORITY - 1, 3_000_000_000, MAX_PRIORITY, -MAX_PRIORITY)
+    runs = together(*(lambda value=value: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", "submit", seed, "--priority", str(value), "-d"], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=60) for value in values))
+    for value, r in zip(values, runs, strict=True):
+        if abs(value) > MAX_PRIORITY:
+            assert r.returncode == 2, (value, r.returncode, r.stderr)
+            assert r.stderr == f"error: --priority {value} is out of range: use -1000..1000\n", (value, r.stderr)
+        else:  # accepted: on to the (absent) controller
+            assert r.returncode == 1 and "cannot reach the server at 127.0.0.1:9" in r.stderr, (value, r.stderr)
+    request = cpb.SubmitJobRequest(entrypoint="a.py", script=b"print(1)\n")
+    for value in (MAX_PRIORITY, -MAX_PRIORITY):
+        request.priority = value
+        validate_submit(request)
+    for value in (MAX_PRIORITY + 1, -MAX_PRIORITY - 1):
+        request.priority = value
+        with pytest.raises(errors.InvalidArgument, match=r"out of range: use -1000\.\.1000$"):
+            validate_submit(request)
+
+
+@pytest.mark.timeout(60)
+def test_click_usage_errors_are_one_line(pw_home: Path) -> None:
+    """Typer's own parse errors printed Click's usage line, a "Try --help" line, a blank line and
+    "Error: ..." (exit 2): now one line in pwctl's form, naming the option, still exit 2; the help
+    (asked for, or for a group given no command) is as it was."""
+    env = base_env(pw_home, PWCTL_SERVER="127.0.0.1:9")  # nobody there: nothing may be sent
+    seed = str(REPO / "examples" / "seed_program.py")
+    cases = ((["up", "--bogus"], "No such option: --bogus"),
+             (["cancel"], "Missing argument 'job_ids'."),
+             (["slice", "create", "--devices", "abc"], "Invalid value for '--devices' / '-n': Input should be"),
+             (["up", "--islands", "0"], "Invalid value for '--islands': Input should be greater than or equal to 1"),
+             (["submit", seed, "--priority", "high"], "Invalid value for '--priority': "),
+             (["up", "--devices", "abc"], "Invalid value for --devices: 'abc' is neither a positive number nor 'all'"),
+             (["worker", "start", "--devices", "1"], "Missing option '--island' / '-i'."),
+             (["jobs", "list", "-o", "yaml"], "Invalid value for '--output' / '-o': "),
+             (["up", "--islands"], "Option '--islands' requires an argument."),
+             (["bogus"], "No such command 'bogus'."))
+    runs = together(*(lambda args=args: subprocess.run([sys.executable, "-m", "pwctl.cli.main", *args], env=env,
+                                                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                      for args, _ in cases))
+    for (args, message), r in zip(cases, runs, strict=True):
+        assert r.returncode == 2 and r.stdout == "", (args, r.returncode, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"error: {message}") and r.stderr.count("\n") == 1, (args, r.stderr)
+    helped, grouped = together(*(lambda args=args: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", *args], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=60) for args in (["up", "--help"], ["island"])))
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage: ") and "--islands" in helped.stdout
+    assert helped.stderr == "", helped.stderr
+    assert grouped.returncode == 2 and grouped.stderr.startswith("Usage: ") and "list" in grouped.stderr
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -35,6 +35,7 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         found = run_pwctl("island", "list", "-o", "name", env=base_env(pw_home))
         assert found.returncode == 0 and found.stdout.split() == ["a"], found.stderr
         assert r.stdout.startswith(f"cluster up at {address}: 1 island(s): a ({islands[0]['devices']} device(s))")
+        assert r.stderr.startswith("starting 1 island(s) x all ...\n"), r.stderr
 
         # twice: says what runs, starts nothing, exits 0
         state = json.loads((pw_home / "cluster.json").read_text())
@@ -42,7 +43,7 @@ def test_up_with_every_device_then_again(pw_home: Path) -> None:
         assert again.returncode == 0, again.stderr
         worker_pid = state["worker_pids"]["local-a"]
         assert again.stdout.startswith(f"already up at {address}: 1 island(s): a (")
-        assert "nothing started" in again.stdout
+        assert "nothing started" in again.stdout and "starting" not in again.stderr, again.stderr
         assert f"local-a pid {worker_pid}" in again.stdout
         assert json.loads((pw_home / "cluster.json").read_text()) == state
         # another --listen cannot be honoured while this controller runs: said, not silently dropped
@@ -129,10 +130,9 @@ def test_a_data_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> Non
     home = tmp_path / "a-file" / "home"
     runs = together(*(lambda args=args: run_pwctl(*args, env=base_env(home))
                       for args in (["island", "list"], ["up", "--listen", "127.0.0.1:9"])))
-    for r in runs:
+    for r in runs:  # `up` said "starting 1 island(s) ..." first: nothing starts
         assert r.returncode == 2, r.stdout + r.stderr
-        assert r.stderr.strip().splitlines()[-1] == (f"error: cannot use {home} ($PATHWAYS_HOME) as the data "
-                                                     "directory: Not a directory"), r.stderr
+        assert r.stderr == f"error: cannot use {home} ($PATHWAYS_HOME) as the data directory: Not a directory\n"
         assert "internal error" not in r.stderr and "Traceback" not in r.stderr
 
 
@@ -339,7 +339,8 @@ def test_down_says_which_workers_it_left_running(pw_home: Path) -> None:
 def test_up_passes_no_bulk_links_to_the_controller_it_starts(pw_home: Path) -> None:
     """`pwctl up --no-bulk-links` starts the controller with --no-bulk-links, as `pwctl server start`
     does (test_cli_edges.py; what the flag does: test_proxy_bulk_paths.py); run again, it says
-    what runs and leaves the controller as it is."""
+    what runs, leaves the controller as it is and does not say it starts anything; with one more
+    island, it starts that island's worker alone and says so."""
     address = f"127.0.0.1:{free_port()}"
     env = base_env(pw_home, PWCTL_SERVER=address)
 
@@ -353,7 +354,12 @@ def test_up_passes_no_bulk_links_to_the_controller_it_starts(pw_home: Path) -> N
         assert "--no-bulk-links" in controller_args()
         again = run_pwctl("up", "--islands", "1", "--devices", "1", "--listen", address, env=env, timeout=90)
         assert again.returncode == 0 and again.stdout.startswith("already up"), again.stdout + again.stderr
+        assert "starting" not in again.stderr, again.stderr  # it said "starting 1 island(s) ..." all the same
         assert "--no-bulk-links" in controller_args()
+        # one more island: only its worker starts, and it says so
+        more = run_pwctl("up", "--islands", "2", "--devices", "1", "--listen", address, env=env, timeout=90)
+        assert more.returncode == 0 and more.stdout.startswith(f"cluster up at {address}: 2 island(s)"), more.stderr
+        assert more.stderr.startswith("starting worker(s) local-b (1 device(s) each) ...\n"), more.stderr
     finally:
         down = run_pwctl("down", "-y", env=env, timeout=60)
     assert down.returncode == 0, down.stderr

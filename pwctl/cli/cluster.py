@@ -73,10 +73,20 @@ def up(
     from .. import local
 
     n = islands or (2 if count is not None else 1)
-    hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
+
+    def starting(controller: bool, workers: list[str]) -> None:  # only when something starts
+        if controller and len(workers) == n:
+            hint(f"starting {n} island(s) x {devices if count is None else f'{count} device(s)'} ...")
+            return
+        what = ["the controller"] if controller else []
+        if workers:
+            each = "this machine's accelerators" if count is None else f"{count} device(s) each"
+            what.append(f"worker(s) {', '.join(workers)} ({each})")
+        hint(f"starting {' and '.join(what)} ...")
+
     result = local.up(islands=n, devices=devices if count is None else count, listen=listen or paths.DEFAULT_ADDRESS,
-                      db=db,
-                      no_token=no_token, bulk_links=not no_bulk_links, tls=tls, client_tls=client)
+                      db=db, no_token=no_token, bulk_links=not no_bulk_links, tls=tls, client_tls=client,
+                      starting=starting)
     sizes = _island_sizes(result.address, result.islands, result.token)
     already = not result.started_workers and not result.controller_started
     secure = " (TLS)" if result.tls else ""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
+from ..limits import MAX_PRIORITY
 from .common import (
     Format,
     OutputOpt,
@@ -147,7 +148,7 @@ def submit(
                                                      show_default=False)] = None,
     name: Annotated[str, typer.Option("--name", help="Job name (default: the script's name)")] = "",
     priority: Annotated[int, typer.Option("--priority", help="Scheduling priority of its programs "
-                                                             "(higher first, -1000..1000)")] = 0,
+                                                             f"(higher first, -{MAX_PRIORITY}..{MAX_PRIORITY})")] = 0,
     weight: Annotated[float, typer.Option("--weight", help="Proportional-share weight (> 0)")] = 1.0,
     working_dir: Annotated[Path | None, typer.Option(
         "--working-dir", show_default=False,
@@ -180,7 +181,8 @@ def submit(
 
     if weight <= 0:
         raise InvalidArgument(f"--weight must be > 0, not {weight:g}")
-    check_int32("--priority", priority)  # its range (-1000..1000) is the controller's to say
+    if abs(priority) > MAX_PRIORITY:  # the controller's range (pwctl/limits.py), said before the upload
+        raise InvalidArgument(f"--priority {priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
     try:
         data = script.read_bytes()
     except OSError as e:

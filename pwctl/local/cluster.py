@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def up(
     tls: TlsConfig | None = None,
     bulk_links: bool = True,
     client_tls: TlsConfig | None = None,
+    starting: Callable[[bool, list[str]], None] | None = None,
 ) -> UpResult:
     """Starts (or completes) a local cluster: the controller and one worker per island.
 
@@ -87,7 +89,9 @@ def up(
     controller it starts sends the IFRT proxy's bulk bytes by gRPC (--no-bulk-links). `tls`: the controller
     and the workers serve TLS only, with these files (one certificate for this machine), and
     clients here find the CA in the data directory (tlsfiles.py), and with mutual TLS
-    `client_tls`, their own certificate and key, where given.
+    `client_tls`, their own certificate and key, where given. `starting(controller, workers)` is
+    called once before anything starts, with whether the controller starts and the names of the
+    workers that do; not at all when everything already runs.
     """
     if islands < 1 or (devices != "all" and (not str(devices).isdigit() or int(devices) < 1)):
         raise InvalidArgument("--islands must be at least 1 and --devices at least 1 or 'all'")
@@ -100,6 +104,18 @@ def up(
     if tls is None and running is not None and isinstance(state.get("tls"), dict):
         # run again without the flags: workers it starts join the running cluster with its TLS
         tls = TlsConfig(**{k: v for k, v in state["tls"].items() if k in TLS_FIELDS})
+    names = island_names(islands)
+    worker_pids: dict[str, int] = {}
+    for name, pid in dict(state.get("worker_pids", {})).items():
+        if runs_module(int(pid), WORKER_MODULE):
+            worker_pids[name] = int(pid)
+    for name in (f"local-{island}" for island in names):
+        pid = worker_pids.get(name) or running_worker(name)
+        if pid is not None:
+            worker_pids[name] = pid
+    missing = [island for island in names if f"local-{island}" not in worker_pids]
+    if starting is not None and (running is None or missing):
+        starting(running is None, [f"local-{island}" for island in missing])
     proc: subprocess.Popen[bytes] | None = None
     log_offset = 0
     # the local cluster's own token: workers started here present it even where the caller's
@@ -117,19 +133,11 @@ def up(
         # the port is known only once the controller serves: workers must wait for it
         address = _wait_controller(proc, log_offset, db, tls=tls).address
 
-    names = island_names(islands)
-    worker_pids: dict[str, int] = {}
-    for name, pid in dict(state.get("worker_pids", {})).items():
-        if runs_module(int(pid), WORKER_MODULE):
-            worker_pids[name] = int(pid)
     started: list[str] = []
-    for island in names:
+    for island in missing:
         name = f"local-{island}"
-        pid = worker_pids.get(name) or running_worker(name)
-        if pid is None:
-            pid = start_worker(address, island, devices, name, no_token=no_token, token=token, tls=tls)
-            started.append(name)
-        worker_pids[name] = pid
+        worker_pids[name] = start_worker(address, island, devices, name, no_token=no_token, token=token, tls=tls)
+        started.append(name)
 
     controller_pid = state.get("controller_pid")
     if proc is not None:

@@ -19,12 +19,12 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from pwctl.limits import MAX_PRIORITY
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from . import jobsup
 from .errors import InvalidArgument
 
-MAX_PRIORITY = 1000
 MAX_SCRIPT_BYTES = 10 * 1024 * 1024
 MAX_ZIP_BYTES = 50 * 1024 * 1024
 MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # a zip bomb stops here

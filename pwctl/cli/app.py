@@ -22,15 +22,6 @@ import typer
 from ..errors import EXIT_FAILED, EXIT_USAGE, PathwaysError
 from .fastparams import FastGroup
 
-# Typer 0.29 carries its own Click and exports only BadParameter of its errors: a bad command line
-# is a UsageError (a TyperException), and `pwctl` or a group given no command a NoArgsIsHelpError,
-# whose message is the help.
-try:
-    from typer._click.exceptions import NoArgsIsHelpError
-except ImportError:  # pragma: no cover (another Typer's layout: that help comes on one line)
-    class NoArgsIsHelpError(Exception):  # type: ignore[no-redef]
-        """Matches nothing."""
-
 # The top-level commands each module under pwctl/cli registers (`register(root)`); the modules'
 # order is the help's. tests/test_cli_startup.py checks this against what they register.
 COMMANDS: dict[str, tuple[str, ...]] = {
@@ -124,6 +115,13 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _is_help(e: typer.TyperException) -> bool:
+    """Whether `e` is Click's answer to a group given no command: its message is the help (Typer
+    0.29 carries its own Click and does not export that error's class)."""
+    ctx = getattr(e, "ctx", None)
+    return ctx is not None and e.format_message() == ctx.get_help()
+
+
 def run(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args or bool(os.environ.get("PWCTL_DEBUG"))
@@ -136,11 +134,11 @@ def run(argv: list[str] | None = None) -> None:
     except typer.Abort:
         sys.stderr.write("aborted\n")
         sys.exit(130)
-    except NoArgsIsHelpError as e:  # `pwctl`, `pwctl jobs`: the help, as --help shows it (on stderr, exit 2)
-        e.show()
-        sys.exit(EXIT_USAGE)
     except typer.TyperException as e:  # usage errors (exit 2) and other CLI errors: one line, as pwctl's own
-        sys.stderr.write(f"error: {one_line(e.format_message())}\n")
+        if _is_help(e):  # `pwctl`, `pwctl jobs`: the help, as --help shows it (on stderr, exit 2)
+            sys.stderr.write(e.format_message().rstrip("\n") + "\n")
+        else:
+            sys.stderr.write(f"error: {one_line(e.format_message())}\n")
         sys.exit(e.exit_code if e.exit_code else EXIT_USAGE)
     except PathwaysError as e:
         if debug:

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -65,9 +65,12 @@ class WaitStream:
         self._watchdog: threading.Thread | None = None
         self.opened = 0  # streams opened (tests)
 
-    def ask(self, request: wpb.WaitRequest, deadline_s: float) -> wpb.WaitReply | None:
+    def ask(self, request: wpb.WaitRequest, deadline_s: float,
+            abandoned: Callable[[], bool] | None = None) -> wpb.WaitReply | None:
         """The worker's reply to `request` (its `code` set when refused, or DEADLINE_EXCEEDED when
-        none came within `deadline_s`), or None: make the unary call instead."""
+        none came within `deadline_s`), or None: make the unary call instead, unless `abandoned()`
+        says the caller's worker was abandoned since it took its mark (worker_client.py): looked at
+        once the wait is where `abandon` finds it, so an `abandon` either ends it or is seen here."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -78,6 +81,8 @@ class WaitStream:
             self._seq += 1
             request.seq = self._seq
             self._due = (call, time.monotonic() + deadline_s)
+            if abandoned is not None and abandoned():
+                return None
             q.put(request)
             try:
                 while True:

@@ -301,7 +301,7 @@ class WorkerClient:
             return None, why
         try:
             for chunk in self._streamed(self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
-                                      deadline):
+                                      deadline, mark):
                 if chunk.error:
                     if "not ready after" in chunk.error:
                         return None, ""
@@ -328,7 +328,7 @@ class WorkerClient:
         if why := _gone_now(gone):
             return None, why
         try:
-            for chunk in self._streamed(self._stub.Fetch, request, deadline):
+            for chunk in self._streamed(self._stub.Fetch, request, deadline, mark):
                 if chunk.error:
                     if "not ready after" in chunk.error:
                         return None, ""
@@ -359,13 +359,13 @@ class WorkerClient:
         mark = self._abandoned
         if why := _gone_now(gone):
             return False, why
-        reply = self.waits.ask(request, timeout_s + 5.0)
+        reply = self.waits.ask(request, timeout_s + 5.0, abandoned=lambda: self._abandoned != mark)
         if reply is None:
             if why := self._why_abandoned(mark):
                 return False, why
             request.seq = 0
             try:
-                reply = self._unary_wait(request, timeout_s + 5.0)
+                reply = self._unary_wait(request, timeout_s + 5.0, mark)
             except ConnectionFailed as e:
                 return False, self._why_abandoned(mark) or _lost(e)
         elif reply.code:  # refused, as the unary call would have been with this status
@@ -393,11 +393,22 @@ class WorkerClient:
         abandoned since."""
         return self._abandoned_why if self._abandoned != mark else ""
 
-    def _streamed(self, rpc: Callable[..., Any], request: Any, deadline: float) -> Iterator[Any]:
-        """A server-streamed call's messages (`Transport.server_stream`), `abandon` able to end it."""
-        call = rpc(request, timeout=deadline, metadata=self._transport.metadata)
+    def _started(self, call: Any, mark: int) -> None:
+        """Registers a call for `abandon`, made by a caller that took its mark (`_abandoned`) before:
+        one abandoned since (between the mark and now, so not among the calls `abandon` cancelled)
+        is cancelled here. Else a loss told while the call was being made left it to wait at a
+        frozen worker for its whole deadline."""
         with self._lock:
             self._calls.add(call)
+            abandoned = self._abandoned != mark
+        if abandoned:
+            call.cancel()
+
+    def _streamed(self, rpc: Callable[..., Any], request: Any, deadline: float, mark: int) -> Iterator[Any]:
+        """A server-streamed call's messages (`Transport.server_stream`), `abandon` able to end it
+        (from `mark` on: `_started`)."""
+        call = rpc(request, timeout=deadline, metadata=self._transport.metadata)
+        self._started(call, mark)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -408,11 +419,10 @@ class WorkerClient:
             with self._lock:
                 self._calls.discard(call)
 
-    def _unary_wait(self, request: wpb.WaitRequest, deadline: float) -> wpb.WaitReply:
-        """A unary `Wait` (`Transport.unary`, not retried), `abandon` able to end it."""
+    def _unary_wait(self, request: wpb.WaitRequest, deadline: float, mark: int) -> wpb.WaitReply:
+        """A unary `Wait` (`Transport.unary`, not retried), `abandon` able to end it (from `mark` on)."""
         call = self._stub.Wait.future(request, timeout=deadline, metadata=self._transport.metadata)
-        with self._lock:
-            self._calls.add(call)
+        self._started(call, mark)
         try:
             reply: wpb.WaitReply = call.result()
             return reply

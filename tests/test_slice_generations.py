@@ -113,9 +113,9 @@ def test_a_call_planned_on_a_slice_that_moved_unheard_runs_where_it_is_now(clust
         # the chain's last first: ((1 + 1) * 2 + 1) * 2, (1 + 1) * 2 + 1, (1 + 1) * 2, 1 + 1
         want = [[[2.0, 2.0]]] if calls == "one" else [[[10.0, 10.0]], [[5.0, 5.0]], [[4.0, 4.0]], [[2.0, 2.0]]]
         assert out["values"] == want, out
-        # 0.3-0.6 s as a rule; under load, 1 in 3-7 runs took 6 s (a call's deadline at the frozen
-        # worker: the path is not found yet); never the 30 s of the call's own timeout
-        assert out["address"] == new and out["s"] < 10, out
+        # 0.3-0.6 s as a rule; not a worker call's deadline (6 s) at the frozen worker, as when the
+        # loss was told while the fetch there was being made (tests/test_worker_abandon.py)
+        assert out["address"] == new and out["s"] < 5, out
         assert _line(proc) == {"after": [[4.0, 4.0]]}
         assert proc.wait(timeout=30) == 0
     finally:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, wait_for
+from stepped import line as _line
 from test_release_leaks import buffers
 
 from schemas.pathways.v1 import common_pb2 as pb
@@ -76,12 +77,6 @@ out["again"] = np.asarray(pipe(x)).tolist()
 print(json.dumps(out), flush=True)
 sys.stdin.readline()
 """
-
-
-def _line(proc: subprocess.Popen[str]) -> dict:
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
-    return json.loads(line)
 
 
 def test_a_late_output_of_a_thawed_worker_does_not_stay_on_its_receiver(cluster: LocalCluster,

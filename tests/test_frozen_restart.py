@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from conftest import LocalCluster, wait_for
 from proxy_env import proxy_env
+from stepped import line as _line
 from test_proxy_cluster import worker_buffers
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.cluster(islands=2, devices=2, heartbeat_timeout=60)]
@@ -70,12 +71,6 @@ start = time.monotonic()
 value = np.asarray(h(np.arange(8, dtype=np.float32).reshape(2, 4)).result(timeout=float(sys.argv[1]))).tolist()
 print(json.dumps({"value": value, "s": time.monotonic() - start}), flush=True)
 """
-
-
-def _line(proc: subprocess.Popen[str]) -> dict:
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
-    return json.loads(line)
 
 
 def test_a_collective_waiting_on_a_frozen_peer_lets_its_worker_go_after_a_controller_restart(

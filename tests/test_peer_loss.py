@@ -14,7 +14,6 @@ Real processes: a controller and two workers whose transfers use the TCP link
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalCluster, socket_inodes, wait_for
+from stepped import line as _line
 
 # 180 s was tight: 146 s for one run at load 12 on 2 cores (a Python start and a JAX compile per step)
 pytestmark = [pytest.mark.timeout(300),
@@ -80,12 +80,6 @@ def in_flight(sender: int, receiver: int) -> bool:
     return any(inode in mine and tx > 0 and (peer := ends.get((remote, local))) is not None
                and peer[0] in theirs and peer[2] > 0
                for (local, remote), (inode, tx, _) in ends.items())
-
-
-def _line(proc: subprocess.Popen[str]) -> dict:
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line, f"the program ended: {proc.stderr.read() if proc.stderr else ''}"
-    return json.loads(line)
 
 
 @pytest.mark.parametrize("runs", ["one run", "two runs"])

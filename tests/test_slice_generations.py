@@ -18,12 +18,13 @@ its own process reaching the controller through the relay."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from typing import Any
 
 import pytest
+from stepped import end
+from stepped import line as _line
+from stepped import say as _say
 
 from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
@@ -63,18 +64,6 @@ out.update(s=time.monotonic() - start, address=a.address)
 print(json.dumps(out), flush=True)
 print(json.dumps({"after": np.asarray(k(g(x))).tolist()}), flush=True)
 """
-
-
-def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line, f"the program ended: {proc.stderr.read()[-3000:] if proc.stderr else ''}"
-    return json.loads(line)
-
-
-def _say(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write("\n")
-    proc.stdin.flush()
 
 
 def _freeze_and_lose(cluster: LocalCluster) -> None:
@@ -119,11 +108,7 @@ def test_a_call_planned_on_a_slice_that_moved_unheard_runs_where_it_is_now(clust
         assert _line(proc) == {"after": [[4.0, 4.0]]}
         assert proc.wait(timeout=30) == 0
     finally:
-        relay.release()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        relay.close()
+        end(proc, relay)
 
 
 def test_a_call_on_a_slice_whose_frozen_worker_is_lost_fails_naming_its_host(cluster: LocalCluster) -> None:
@@ -138,8 +123,7 @@ def test_a_call_on_a_slice_whose_frozen_worker_is_lost_fails_naming_its_host(clu
         assert out["values"] is None and "w-a" in out["error"] and "lost" in out["error"], out
         assert "\n" not in out["error"] and out["s"] < 5, out
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        end(proc)
 
 
 def _address_on(cluster: LocalCluster, island: str) -> str:
@@ -199,9 +183,7 @@ def test_runs_kept_to_be_sent_again_are_let_go_while_none_is_over(cluster: Local
         assert _line(proc) == {"ok": True, "kept": 0}
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        end(proc)
 
 
 EARLIER = """\
@@ -253,6 +235,4 @@ def test_a_future_left_at_a_frozen_worker_whose_host_came_back_elsewhere_fails_a
         assert "\n" not in out["error"] and out["s"] < 3, out
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        end(proc)

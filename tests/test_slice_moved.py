@@ -21,12 +21,13 @@ connections open then (the session's stream: its `SliceChanged`), while new conn
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from typing import Any
 
 import pytest
+from stepped import end
+from stepped import line as _line
+from stepped import say as _say
 
 from schemas.pathways.v1 import common_pb2 as pb
 from tests.conftest import LocalCluster, wait_for
@@ -60,18 +61,6 @@ print(json.dumps(out), flush=True)
 sys.stdin.readline()  # the events go through again
 print(json.dumps({"after": np.asarray(inc(x)).tolist()}), flush=True)
 """
-
-
-def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line, f"the program ended: {proc.stderr.read()[-3000:] if proc.stderr else ''}"
-    return json.loads(line)
-
-
-def _say(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write("\n")
-    proc.stdin.flush()
 
 
 def _start(cluster: LocalCluster, relay: Relay, told: str) -> subprocess.Popen[str]:
@@ -111,11 +100,7 @@ def test_a_call_before_the_session_heard_of_the_worker_back_runs_there(cluster: 
         assert _line(proc) == {"after": [[2.0, 2.0]]}
         assert proc.wait(timeout=30) == 0
     finally:
-        relay.release()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        relay.close()
+        end(proc, relay)
 
 
 def test_a_call_on_a_slice_whose_worker_is_lost_fails_at_once_naming_its_host(cluster: LocalCluster) -> None:
@@ -134,10 +119,7 @@ def test_a_call_on_a_slice_whose_worker_is_lost_fails_at_once_naming_its_host(cl
         assert out["value"] is None and "w-a" in out["error"] and "lost" in out["error"], out
         assert "\n" not in out["error"] and out["s"] < 3, out
     finally:
-        relay.release()
-        proc.kill()
-        proc.wait(timeout=10)
-        relay.close()
+        end(proc, relay)
 
 
 LOOKUPS = """\
@@ -189,7 +171,4 @@ def test_calls_on_a_lost_workers_slice_share_one_connection_and_skip_an_unreacha
         # before: 5 s each; now the first waits for its lookup (2 s), the next ones do not
         assert took[0] < 4 and max(took[1:]) < 1, took
     finally:
-        relay.release()
-        proc.kill()
-        proc.wait(timeout=10)
-        relay.close()
+        end(proc, relay)

@@ -185,8 +185,8 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
 
 
 def _gone(rt: Runtime, home: str) -> Callable[[], str]:
-    """For a worker call: why the worker at `home` is lost now ("" while it is not), as `_poll`
-    looks before each call (worker_client.py `_gone_now`)."""
+    """Why the worker at `home` is lost now ("" while it is not): `_poll` looks before each call,
+    and the call itself once it took its abandon mark (worker_client.py `_gone_now`)."""
     return lambda: rt.still_lost(home) if home in rt.lost_workers else ""
 
 
@@ -243,7 +243,12 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
     is behind the news of the worker's loss on the session's stream)."""
     replans = rt.replans
     moved = replans.moved
+    gone = _gone(rt, home)
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def first_failure() -> str:
+        """The controller's reason for the first of the runs that failed, or ""."""
+        return next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
 
     def fail(error: str, runs_first: bool = False) -> ProgramError:
         """The error to raise (the first run's failure first, with `runs_first`); raises _Moved
@@ -252,15 +257,14 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
             replans.wait_answer(run_ids, deadline)
         if moved(run_ids):
             raise _Moved
-        failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "") if runs_first else ""
-        return ProgramError(failed or error)
+        return ProgramError((first_failure() if runs_first else "") or error)
 
     while True:
         if moved(run_ids):
             raise _Moved
-        if home in rt.lost_workers and (lost := rt.still_lost(home)):  # (or told since the last look)
+        if lost := gone():  # (or told since the last look)
             raise fail(lost)
-        failed = next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
+        failed = first_failure()
         if failed:
             raise ProgramError(failed)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))

@@ -188,28 +188,21 @@ class Runtime:
 
     # ---- incoming ----
     def _read(self) -> None:
-        call: Any = self._call
-        events: Iterator[cpb.SessionEvent] = iter(call)
+        """The session thread: reads the stream's events, resuming the session when it breaks.
+
+        Closing (`close`, at exit) may come at any point of it, resuming included: it closes the
+        channel and the workers' connections under this thread, whose next call then fails
+        (gRPC's ValueError for a closed channel, say). The thread then ends quietly: the program
+        exits as it would have, its exit status unchanged (its one line about the lost session,
+        if it lost it, was said already: resume.py)."""
         try:
-            while True:
-                try:
-                    self._serve(events)
-                    return  # closed by us
-                except _Lost as lost:
-                    if self.closed:
-                        return
-                    if lost.final or not self._welcome.done():
-                        self._session_error = lost.reason
-                        return
-                    if self.reconnect_s <= 0:
-                        address = self.client.address
-                        self._session_error = f"lost the session with the server at {address}: {lost.reason}"
-                        return
-                    resumed, error = self.resume.reconnect(lost.reason)
-                    if resumed is None:
-                        self._session_error = error
-                        return
-                    events = resumed
+            self._follow(iter(self._call))
+        except Exception as e:
+            if self.closed:
+                return
+            # not closing: a fault of this thread's own; calls fail with it rather than wait
+            self._session_error = f"the session with the server at {self.client.address} ended: {e!r}"
+            raise
         finally:
             with self._progress:  # calls waiting for room see the session's end
                 self._progress.notify_all()
@@ -217,6 +210,28 @@ class Runtime:
                 self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
             self.registrations.session_over(self._session_error or "session closed")
             self.replans.session_over()  # waits for the controller's answer to a run end
+
+    def _follow(self, events: Iterator[cpb.SessionEvent]) -> None:
+        """Serves the session's streams, one after another as it is resumed, until it ends."""
+        while True:
+            try:
+                self._serve(events)
+                return  # closed by us
+            except _Lost as lost:
+                if self.closed:
+                    return
+                if lost.final or not self._welcome.done():
+                    self._session_error = lost.reason
+                    return
+                if self.reconnect_s <= 0:
+                    address = self.client.address
+                    self._session_error = f"lost the session with the server at {address}: {lost.reason}"
+                    return
+                resumed, error = self.resume.reconnect(lost.reason)
+                if resumed is None:
+                    self._session_error = error
+                    return
+                events = resumed
 
     def _serve(self, events: Iterator[cpb.SessionEvent]) -> None:
         """Handles a stream's events; raises _Lost when it ends (returns when we closed it)."""

@@ -97,6 +97,13 @@ class Replans:
             if self._waiting:
                 self._answered.notify_all()
 
+    def never_sent(self, run_id: int) -> None:
+        """Kept run `run_id` was taken out of the queue, never sent, and failed (resume.py
+        `_check_queued`): no answer will come for it, nothing waits for one."""
+        with self._lock:
+            if self._kept.pop(run_id, None) is not None and self._waiting:
+                self._answered.notify_all()
+
     def forget(self) -> None:
         with self._lock:
             self._kept.clear()

@@ -33,7 +33,7 @@ from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
 from ..worker_client import Upload, WorkerClient
 from .bounded import Bounded
-from .env import env_amount, keep_local_jax_on_cpu
+from .env import env_amount, env_priority, env_weight, keep_local_jax_on_cpu
 from .packing import Release
 from .registration import Registrations
 from .replan import Replans
@@ -84,6 +84,9 @@ class Runtime:
 
     def __init__(self, server: str | None = None) -> None:
         keep_local_jax_on_cpu()
+        # the session's, read first: a bad one is said in one line before anything is opened
+        priority = env_priority(os.environ.get("PWCTL_PRIORITY", ""))
+        weight = env_weight(os.environ.get("PWCTL_WEIGHT", ""))
         self.client = Client(server=server)
         self.job_id = os.environ.get("PWCTL_JOB_ID", "")
         self.closed = False
@@ -126,8 +129,8 @@ class Runtime:
             client_name=f"pid-{os.getpid()}",
             job_id=self.job_id,
             job_secret=os.environ.get("PWCTL_JOB_SECRET", "") if self.job_id else "",  # proves it is the driver
-            priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
-            weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
+            priority=priority,
+            weight=weight,
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
             ack_releases=True,  # releases not acknowledged are sent again on resuming (sender.py)
         )

@@ -75,3 +75,31 @@ def test_a_program_exiting_while_its_session_resumes_says_one_line_and_no_traceb
     assert "Traceback" not in err and "Exception in thread" not in err, err
     assert err.strip() == "", err  # the one line above, nothing after it
     assert proc.returncode == status, err
+
+
+CLOSED = """\
+import numpy as np
+import pwctl as pw
+from pwctl.api.runtime import Runtime
+
+s = pw.make_virtual_device_set().add_slice(devices=1)
+f = pw.jit(lambda x: x + 1.0, mesh=s.mesh("x"))
+y = f(np.zeros(2))
+rt = Runtime.get()
+rt.close()
+try:
+    y.result()
+    print("fetched")
+except pw.PathwaysError as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def test_a_future_of_a_closed_runtime_says_so_in_one_line(cluster: LocalCluster) -> None:
+    """A runtime opens no worker connection once closed (its session thread, resuming, asks for
+    one: close() would not close it): a call on a closed runtime's future says it is closed."""
+    r = subprocess.run([sys.executable, "-c", CLOSED], env=cluster.env(), cwd=REPO, capture_output=True, text=True,
+                       timeout=90)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stdout == (f"ConnectionFailed: the pw runtime's session with the server at {cluster.address} is "
+                        "closed\n"), r.stdout + r.stderr[-3000:]

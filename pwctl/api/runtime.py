@@ -390,7 +390,12 @@ class Runtime:
             conn.abandon(why)
 
     def worker(self, address: str) -> WorkerClient:
-        with self._workers_lock:
+        """The connection to the worker at `address` (opened at the first call). None is opened
+        once the runtime is closed (its session thread still resuming, say): close() would not
+        close it, and its calls would be left to the interpreter's finalization."""
+        with self._workers_lock:  # (close() takes the connections to close under it, once closed)
+            if self.closed:
+                raise ConnectionFailed(f"the pw runtime's session with the server at {self.client.address} is closed")
             conn = self._workers.get(address)
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
@@ -461,7 +466,8 @@ class Runtime:
         self._drain(CLOSE_DRAIN_S)
         self.closed = True
         self._out.put(STOP)
-        workers = list(self._workers.values())
+        with self._workers_lock:  # none opened from now on (`worker`)
+            workers = list(self._workers.values())
         for conn in workers:
             conn.close()
         try:

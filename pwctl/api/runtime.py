@@ -204,7 +204,7 @@ class Runtime:
             if self.closed:
                 return
             # not closing: a fault of this thread's own; calls fail with it rather than wait
-            self._session_error = f"the session with the server at {self.client.address} ended: {e!r}"
+            self._session_error = f"the session with the server at {self.client.address} ended: {type(e).__name__}: {e}"
             raise
         finally:
             with self._progress:  # calls waiting for room see the session's end

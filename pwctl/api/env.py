@@ -3,10 +3,12 @@ JAX kept on the CPU in the client (the workers own the accelerators)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import InvalidArgument
+from ..limits import MAX_PRIORITY
 
 N = TypeVar("N", int, float)
 
@@ -23,6 +25,30 @@ def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], exp
     if n < 0:
         raise InvalidArgument(f"{name}={value!r}: expected {expected}")
     return n
+
+
+def env_priority(value: str) -> int:
+    """PWCTL_PRIORITY (`value`; a job's driver gets its job's): the session's priority, an integer
+    in -MAX_PRIORITY..MAX_PRIORITY (the controller's range, pwctl/limits.py); 0 when blank."""
+    try:
+        priority = int(value) if value.strip() else 0
+    except ValueError:
+        priority = MAX_PRIORITY + 1
+    if abs(priority) > MAX_PRIORITY:
+        raise InvalidArgument(f"PWCTL_PRIORITY={value!r}: expected an integer in -{MAX_PRIORITY}..{MAX_PRIORITY}")
+    return priority
+
+
+def env_weight(value: str) -> float:
+    """PWCTL_WEIGHT (`value`; a job's driver gets its job's): the session's proportional-share
+    weight, a finite number >= 0 (1 when blank; 0: not set, the controller counts it as 1)."""
+    try:
+        weight = float(value) if value.strip() else 1.0
+    except ValueError:
+        weight = -1.0
+    if not (math.isfinite(weight) and weight >= 0):
+        raise InvalidArgument(f"PWCTL_WEIGHT={value!r}: expected a number > 0")
+    return weight
 
 
 def keep_local_jax_on_cpu() -> None:

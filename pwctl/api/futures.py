@@ -238,9 +238,10 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
     otherwise go on until it continues, however long after its loss. A worker whose host the
     controller declared lost (`rt.lost_workers`, told by the session) fails the call at once while
     it stays lost, rather than after a call's deadline. Raises _Moved once one of the runs was
-    sent again (replan.py): its futures are elsewhere now. Before failing for its worker, a wait
-    waits for the controller's answer to the runs (their refusal for their plan, should one come,
-    is behind the news of the worker's loss on the session's stream)."""
+    sent again (replan.py): its futures are elsewhere now. Before failing, for its worker or for a
+    run that failed here (an input's upload lost: `Runtime._uploads_lost`), a wait waits for the
+    controller's answer to the runs (their refusal for their plan, should one come, is behind the
+    news of the worker's loss on the session's stream, or not told yet when the upload failed)."""
     replans = rt.replans
     moved = replans.moved
     gone = _gone(rt, home)
@@ -264,9 +265,8 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
             raise _Moved
         if lost := gone():  # (or told since the last look)
             raise fail(lost)
-        failed = first_failure()
-        if failed:
-            raise ProgramError(failed)
+        if failed := first_failure():  # (failed here, an input's upload lost, it may still be sent again)
+            raise fail(failed, runs_first=True)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))
         started = time.monotonic()
         done, error = attempt(wait)

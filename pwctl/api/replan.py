@@ -65,7 +65,9 @@ class Replans:
     def __init__(self, rt: Runtime, plan_lock: threading.Lock) -> None:
         self._rt = rt
         self._lock = plan_lock
-        self._kept: OrderedDict[int, Sent] = OrderedDict()
+        # in the order sent (that of the session's stream; not that of their ids, taken before a
+        # call's uploads, outside `plan_lock`); None: refused and sent again, its place kept (`handled`)
+        self._kept: OrderedDict[int, Sent | None] = OrderedDict()
         self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
         # notified (when someone waits: `_waiting`) where runs stop being kept and at the session's end
         self._answered = threading.Condition(plan_lock)
@@ -82,7 +84,10 @@ class Replans:
 
     def handled(self, last_run: int) -> None:
         """The controller handled every run up to `last_run` (RunsDone.last_run): none of them
-        will be refused for its plan any more; what was kept of them goes."""
+        will be refused for its plan any more; what was kept of them goes. `last_run` is found
+        where it was sent among the kept runs: one refused and sent again keeps its place there
+        (`refused`), as a run not found (let go of already, forgotten past MAX_KEPT, or sent
+        before the controller checked generations) came before every run kept."""
         with self._lock:
             kept = self._kept
             if last_run not in kept:
@@ -90,6 +95,13 @@ class Replans:
             while kept.popitem(last=False)[0] != last_run:
                 pass
             if self._waiting:
+                self._answered.notify_all()
+
+    def never_sent(self, run_id: int) -> None:
+        """Kept run `run_id` was taken out of the queue, never sent, and failed (resume.py
+        `_check_queued`): no answer will come for it, nothing waits for one."""
+        with self._lock:
+            if self._kept.pop(run_id, None) is not None and self._waiting:
                 self._answered.notify_all()
 
     def forget(self) -> None:
@@ -120,18 +132,25 @@ class Replans:
                 if vs.info.generation < now:  # not answered, or gone meanwhile
                     return False
         try:
-            self.replanned[finished.run_id] = sent.send_again(rt)
+            again = sent.send_again(rt)
         except PathwaysError:  # the session ended meanwhile: the run fails with the controller's reason
             return False
+        self.sent_again(finished.run_id, again)
+        return True
+
+    def sent_again(self, run_id: int, again: int) -> None:
+        """Kept run `run_id` was refused and sent again as run `again` (kept in its turn): what
+        was kept of it goes, its place among the kept runs stays (`handled`)."""
         with self._lock:
-            self._kept.pop(finished.run_id, None)
+            self.replanned[run_id] = again
+            if run_id in self._kept:
+                self._kept[run_id] = None
             if self._waiting:
                 self._answered.notify_all()
-        return True
 
     def kept(self) -> int:
         """How many runs are kept to be sent again (tests, diagnostics)."""
-        return len(self._kept)
+        return sum(1 for sent in list(self._kept.values()) if sent is not None)
 
     def moved(self, run_ids: Iterable[int]) -> bool:
         """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
@@ -143,7 +162,7 @@ class Replans:
         handled it): a wait on its futures that fails at their worker (lost, the session's
         `HostLost` coming before the refusal) waits for that answer first (`wait_answer`)."""
         kept = self._kept
-        return bool(kept) and any(r in kept for r in run_ids)
+        return bool(kept) and any(kept.get(r) is not None for r in run_ids)
 
     def wait_answer(self, run_ids: Iterable[int], deadline: float | None) -> None:
         """Returns once the controller handled `run_ids` (or refused one, sent again), the

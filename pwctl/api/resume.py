@@ -162,6 +162,7 @@ class Resume:
                             break
             if why:
                 rt._fail_run(run.run_id, f"an input of this call was lost at the controller restart: {why}")
+                rt.replans.never_sent(run.run_id)
                 lost.update(dict.fromkeys(run.output_ids, why))
                 failed_runs += 1
             else:

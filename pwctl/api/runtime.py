@@ -33,7 +33,7 @@ from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
 from ..worker_client import Upload, WorkerClient
 from .bounded import Bounded
-from .env import env_amount, keep_local_jax_on_cpu
+from .env import env_amount, env_priority, env_weight, keep_local_jax_on_cpu
 from .packing import Release
 from .registration import Registrations
 from .replan import Replans
@@ -84,6 +84,9 @@ class Runtime:
 
     def __init__(self, server: str | None = None) -> None:
         keep_local_jax_on_cpu()
+        # the session's, read first: a bad one is said in one line before anything is opened
+        priority = env_priority(os.environ.get("PWCTL_PRIORITY", ""))
+        weight = env_weight(os.environ.get("PWCTL_WEIGHT", ""))
         self.client = Client(server=server)
         self.job_id = os.environ.get("PWCTL_JOB_ID", "")
         self.closed = False
@@ -126,8 +129,8 @@ class Runtime:
             client_name=f"pid-{os.getpid()}",
             job_id=self.job_id,
             job_secret=os.environ.get("PWCTL_JOB_SECRET", "") if self.job_id else "",  # proves it is the driver
-            priority=int(os.environ.get("PWCTL_PRIORITY", "0") or 0),
-            weight=float(os.environ.get("PWCTL_WEIGHT", "1") or 1),
+            priority=priority,
+            weight=weight,
             dispatch=os.environ.get("PWCTL_DISPATCH", ""),
             ack_releases=True,  # releases not acknowledged are sent again on resuming (sender.py)
         )
@@ -188,28 +191,21 @@ class Runtime:
 
     # ---- incoming ----
     def _read(self) -> None:
-        call: Any = self._call
-        events: Iterator[cpb.SessionEvent] = iter(call)
+        """The session thread: reads the stream's events, resuming the session when it breaks.
+
+        Closing (`close`, at exit) may come at any point of it, resuming included: it closes the
+        channel and the workers' connections under this thread, whose next call then fails
+        (gRPC's ValueError for a closed channel, say). The thread then ends quietly: the program
+        exits as it would have, its exit status unchanged (its one line about the lost session,
+        if it lost it, was said already: resume.py)."""
         try:
-            while True:
-                try:
-                    self._serve(events)
-                    return  # closed by us
-                except _Lost as lost:
-                    if self.closed:
-                        return
-                    if lost.final or not self._welcome.done():
-                        self._session_error = lost.reason
-                        return
-                    if self.reconnect_s <= 0:
-                        address = self.client.address
-                        self._session_error = f"lost the session with the server at {address}: {lost.reason}"
-                        return
-                    resumed, error = self.resume.reconnect(lost.reason)
-                    if resumed is None:
-                        self._session_error = error
-                        return
-                    events = resumed
+            self._follow(iter(self._call))
+        except Exception as e:
+            if self.closed:
+                return
+            # not closing: a fault of this thread's own; calls fail with it rather than wait
+            self._session_error = f"the session with the server at {self.client.address} ended: {type(e).__name__}: {e}"
+            raise
         finally:
             with self._progress:  # calls waiting for room see the session's end
                 self._progress.notify_all()
@@ -217,6 +213,28 @@ class Runtime:
                 self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
             self.registrations.session_over(self._session_error or "session closed")
             self.replans.session_over()  # waits for the controller's answer to a run end
+
+    def _follow(self, events: Iterator[cpb.SessionEvent]) -> None:
+        """Serves the session's streams, one after another as it is resumed, until it ends."""
+        while True:
+            try:
+                self._serve(events)
+                return  # closed by us
+            except _Lost as lost:
+                if self.closed:
+                    return
+                if lost.final or not self._welcome.done():
+                    self._session_error = lost.reason
+                    return
+                if self.reconnect_s <= 0:
+                    address = self.client.address
+                    self._session_error = f"lost the session with the server at {address}: {lost.reason}"
+                    return
+                resumed, error = self.resume.reconnect(lost.reason)
+                if resumed is None:
+                    self._session_error = error
+                    return
+                events = resumed
 
     def _serve(self, events: Iterator[cpb.SessionEvent]) -> None:
         """Handles a stream's events; raises _Lost when it ends (returns when we closed it)."""
@@ -372,7 +390,12 @@ class Runtime:
             conn.abandon(why)
 
     def worker(self, address: str) -> WorkerClient:
-        with self._workers_lock:
+        """The connection to the worker at `address` (opened at the first call). None is opened
+        once the runtime is closed (its session thread still resuming, say): close() would not
+        close it, and its calls would be left to the interpreter's finalization."""
+        with self._workers_lock:  # (close() takes the connections to close under it, once closed)
+            if self.closed:
+                raise ConnectionFailed(f"the pw runtime's session with the server at {self.client.address} is closed")
             conn = self._workers.get(address)
             if conn is None:
                 conn = self._workers[address] = WorkerClient(address, self.client.token, self._credential,
@@ -443,7 +466,8 @@ class Runtime:
         self._drain(CLOSE_DRAIN_S)
         self.closed = True
         self._out.put(STOP)
-        workers = list(self._workers.values())
+        with self._workers_lock:  # none opened from now on (`worker`)
+            workers = list(self._workers.values())
         for conn in workers:
             conn.close()
         try:

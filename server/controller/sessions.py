@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
 
+from pwctl.limits import MAX_PRIORITY
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -35,7 +36,7 @@ from ..scheduler import Batch, CancelRun, Submit
 from .callers import CallerSessions, caller_of
 from .client_session import ClientSession
 from .dispatch import Dispatcher
-from .errors import ControllerError, GroupForming, PermissionDenied
+from .errors import ControllerError, GroupForming, InvalidArgument, PermissionDenied
 from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
 from .programs import ProgramRecord, ProgramRegistry, check_devices, program_id_of
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
@@ -175,6 +176,9 @@ class SessionManager:
         if dispatch not in ("parallel", "sequential"):
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
+        if abs(hello.priority) > MAX_PRIORITY:  # (pwctl/limits.py: a job's range, which its driver's session gets)
+            raise InvalidArgument(f"session priority {hello.priority} is out of range: use "
+                                  f"-{MAX_PRIORITY}..{MAX_PRIORITY}")
         if hello.job_id and not check_job_secret(self.job_key, hello.job_id, hello.job_secret):
             shown = hello.job_id if len(hello.job_id) <= 40 else hello.job_id[:40] + "..."
             raise PermissionDenied(

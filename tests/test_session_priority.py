@@ -1,0 +1,79 @@
+"""A session's priority is in the controller's range (pwctl/limits.py MAX_PRIORITY), as a job's is.
+
+The controller took any priority in a session's hello (a job's is checked at submission, its
+driver's session gets it through PWCTL_PRIORITY, but any client may say what it likes): now it
+refuses one out of range with INVALID_ARGUMENT, in one line, and goes on serving. The `pw`
+client read PWCTL_PRIORITY with `int(...)`: a value that is not an integer raised ValueError from
+inside the runtime (a traceback, not a pwctl error), one out of range went to the controller; now
+both are a one-line InvalidArgument (exit status 2 where pwctl maps it), before anything is opened.
+PWCTL_WEIGHT likewise (`float(...)`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from schemas.pathways.v1 import controller_pb2 as cpb
+from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from tests.conftest import REPO, LocalCluster, base_env
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
+
+# says a pwctl error as pwctl does (one line, its exit status); anything else goes up as it would
+PROGRAM = """\
+import sys
+import pwctl as pw
+
+try:
+    pw.make_virtual_device_set()
+except pw.PathwaysError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
+print("connected")
+"""
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [
+    ("PWCTL_PRIORITY", "high", "an integer in -1000..1000"),
+    ("PWCTL_PRIORITY", "1001", "an integer in -1000..1000"),
+    ("PWCTL_PRIORITY", "-3000000000", "an integer in -1000..1000"),
+    ("PWCTL_WEIGHT", "heavy", "a number > 0"),
+    ("PWCTL_WEIGHT", "nan", "a number > 0"),
+])
+def test_a_bad_session_priority_or_weight_in_the_environment_is_one_line(tmp_path: Path, name: str, value: str,
+                                                                         expected: str) -> None:
+    env = base_env(tmp_path, PWCTL_SERVER="127.0.0.1:9", **{name: value})  # nobody there: nothing may be sent
+    r = subprocess.run([sys.executable, "-c", PROGRAM], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stderr == f"error: {name}={value!r}: expected {expected}\n", r.stderr[-3000:]
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+
+
+def _hello(priority: int) -> Iterator[cpb.ClientMessage]:
+    yield cpb.ClientMessage(hello=cpb.Hello(client_name="raw", priority=priority))
+
+
+def test_the_controller_refuses_a_session_priority_out_of_range_and_goes_on(module_cluster: LocalCluster) -> None:
+    channel = module_cluster.channel()
+    stub = cgrpc.ControllerStub(channel)
+    try:
+        for priority in (1001, -1001, 2**31 - 1):
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(stub.Session(_hello(priority), timeout=30)))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert info.value.details() == f"session priority {priority} is out of range: use -1000..1000"
+        for priority in (1000, -1000, 0):  # in range: welcomed, and the controller serves on
+            call = stub.Session(_hello(priority), timeout=30)
+            assert next(iter(call)).WhichOneof("msg") == "welcome"
+            call.cancel()
+        assert stub.GetInfo(cpb.GetInfoRequest(), timeout=10).version
+    finally:
+        channel.close()
+    logs = module_cluster.controller_logs()
+    assert "Traceback" not in logs, logs[logs.find("Traceback") - 500:][:3000]

@@ -368,3 +368,32 @@ def test_a_late_peer_copy_of_a_dropped_runs_intermediate_is_not_kept() -> None:
     s.add_consumers([8], owner="client:1")
     s.consumer_done(8)
     assert live(s) == 0
+
+
+def test_the_activity_the_idle_trimmer_watches_changes_whenever_a_buffer_comes_settles_or_goes() -> None:
+    """`activity()` (read every half second, in O(1): `stats()` reads every entry) changes for each
+    kind of change the trimmer waits out, a peer's copy settling a declared buffer included (the
+    entry count stays)."""
+    s = BufferStore()
+    seen = [s.activity()]
+
+    def changed() -> bool:
+        seen.append(s.activity())
+        return seen[-1] != seen[-2]
+
+    s.expect([1, 2], owner="client:1", visible=[True, False])
+    assert changed()
+    s.add_consumers([2], owner="client:1")
+    s.launched([1], [np.zeros(2, np.float32)], input_ids=[])
+    assert changed()
+    s.put(2, np.ones(2, np.float32), 8, from_peer=True)  # settles a declared buffer: same count
+    assert changed()
+    s.consumer_done(2)  # its reader is over: it goes
+    assert changed() and live(s) == 1
+    s.release([1])
+    assert changed() and live(s) == 0
+    assert not changed()  # nothing happened since
+    s.expect([3], owner="client:1", visible=[True])
+    assert changed()
+    s.fail(3, "its run failed")  # settles as failed, kept for the client: same count
+    assert changed() and live(s) == 1

@@ -66,6 +66,22 @@ def test_a_task_waiting_for_a_transfer_lets_the_task_behind_it_run_and_runs_when
     assert ex.backlog() == 0
 
 
+def test_tasks_behind_a_waiting_one_that_read_its_outputs_wait_for_them_and_run_in_order(executor: Rig) -> None:
+    """A task deferred for a transfer, and the tasks after it that read its output (a training step
+    behind one waiting for its upload): they wait for their pending inputs and run in order once
+    the transfer lands."""
+    ex, store, events = executor
+    ex.submit(wpb.Enqueue(tasks=[task(1, run=1, inp=10, out=20), task(2, run=2, inp=20, out=21),
+                                 task(3, run=3, inp=21, out=22)]))
+    time.sleep(0.2)
+    assert events.empty() and ex.backlog() == 3
+    store.put(10, X, X.nbytes, from_peer=True)  # the transfer lands
+    done = [next_event(events) for _ in range(3)]
+    assert [(e.run_id, e.ok) for e in done] == [(1, True), (2, True), (3, True)]
+    np.testing.assert_array_equal(np.asarray(store.wait(22, timeout=10)), X + 3)
+    assert ex.backlog() == 0
+
+
 def test_a_dropped_run_fails_its_waiting_task_with_the_reason_and_the_order_goes_on(executor: Rig) -> None:
     ex, store, events = executor
     ex.submit(wpb.Enqueue(tasks=[task(1, run=1, inp=10, out=20)]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 K = TypeVar("K")
@@ -20,23 +19,37 @@ class BufferFailed(Exception):
     """The buffer's producer failed; the message is the cause."""
 
 
-@dataclass
 class Entry:
-    state: str = PENDING
-    value: Any = None
-    error: str = ""
-    client_ref: bool = False  # held for the client until it releases
-    released: bool = False  # the client released it (maybe before it existed)
-    consumers: int = 0  # enqueued readers that have not finished
-    owner: str = ""
-    nbytes: int = 0
-    hold: bool = False  # arrived from a peer before the enqueue that reads it: keep it
-    uploaded: bool = False  # a client's upload supplied it
-    # every reader enqueued here ended before it existed (they failed: a run dropped before its
-    # reader arrived fails that reader on arrival), and nothing else holds it
-    unread: bool = False
-    callbacks: list[Callable[[], None]] = field(default_factory=list)
-    launched: bool = False  # a launch's output: the executor says when its computation is over
+    """One buffer's record. Slotted, with one constructor that sets every field: a training step
+    makes one per output (hundreds), and a dataclass's (keyword defaults, a list per entry) cost
+    twice as much."""
+
+    __slots__ = ("callbacks", "client_ref", "consumers", "error", "hold", "launched", "nbytes", "owner",
+                 "released", "state", "unread", "uploaded", "value")
+
+    def __init__(self, owner: str = "", *, released: bool = False, client_ref: bool = False,
+                 hold: bool = False) -> None:
+        self.state = PENDING
+        self.value: Any = None
+        self.error = ""
+        self.client_ref = client_ref  # held for the client until it releases
+        self.released = released  # the client released it (maybe before it existed)
+        self.consumers = 0  # enqueued readers that have not finished
+        self.owner = owner
+        self.nbytes = 0
+        self.hold = hold  # arrived from a peer before the enqueue that reads it: keep it
+        self.uploaded = False  # a client's upload supplied it
+        # every reader enqueued here ended before it existed (they failed: a run dropped before its
+        # reader arrived fails that reader on arrival), and nothing else holds it
+        self.unread = False
+        # called once it settles; None (most buffers: nothing waits on them) until one is added
+        self.callbacks: list[Callable[[], None]] | None = None
+        self.launched = False  # a launch's output: the executor says when its computation is over
+
+    def take_callbacks(self) -> list[Callable[[], None]]:
+        """Its callbacks (to call once settled), forgotten here."""
+        callbacks, self.callbacks = self.callbacks, None
+        return callbacks or []
 
     @property
     def tombstone(self) -> bool:

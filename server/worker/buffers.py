@@ -47,6 +47,8 @@ class BufferStore:
         self._unwanted: Recent[int] = Recent(MAX_UNWANTED)
         self._tombstones: Recent[int] = Recent(MAX_TOMBSTONES)  # their ids
         self._ended: Recent[str] = Recent(MAX_ENDED_OWNERS)
+        # values set and entries forgotten so far (`activity`); new entries show in the entry count
+        self._changes = 0
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -60,25 +62,32 @@ class BufferStore:
     # the worker's time per step.
     def expect(self, buffer_ids: Sequence[int], owner: str, visible: Sequence[bool] = ()) -> None:
         """An enqueued node will produce these buffers; `visible[i]` keeps buffer i for the client."""
+        keeps = list(visible)  # a protobuf repeated field is slow to index: read once, not per id
+        if len(keeps) < len(buffer_ids):
+            keeps.extend([False] * (len(buffer_ids) - len(keeps)))
         with self._lock:
+            entries = self._entries
             ended = owner in self._ended  # once a task, not per buffer (`_new`)
-            for i, buffer_id in enumerate(buffer_ids):
-                e = self._entries.get(buffer_id)
-                if e is None:
-                    e = self._entries[buffer_id] = Entry(owner=owner, released=True) if ended else Entry(owner=owner)
-                if i < len(visible) and visible[i] and not e.released:
+            for buffer_id, keep in zip(buffer_ids, keeps, strict=False):
+                e = entries.get(buffer_id)
+                if e is None:  # the usual case: set up whole, in one constructor call
+                    entries[buffer_id] = Entry(owner, released=True) if ended else Entry(owner, client_ref=keep)
+                    continue
+                if keep and not e.released:
                     e.client_ref = True
-                e.owner = e.owner or owner
+                if not e.owner:
+                    e.owner = owner
                 e.unread = False
 
     def add_consumers(self, buffer_ids: Sequence[int], owner: str = "") -> None:
         """An enqueued reader (a node, or a send to another worker) will read each of these once."""
         with self._lock:
+            entries = self._entries
             ended = owner in self._ended  # once a task, not per buffer (`_new`)
             for buffer_id in buffer_ids:
-                e = self._entries.get(buffer_id)
+                e = entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = Entry(owner=owner, released=True) if ended else Entry(owner=owner)
+                    e = entries[buffer_id] = Entry(owner, released=True) if ended else Entry(owner)
                 e.consumers += 1
                 e.hold = False
                 e.unread = False
@@ -138,7 +147,8 @@ class BufferStore:
                 e.client_ref = True
             e.uploaded = same_owner
             e.state, e.value, e.nbytes, e.error = READY, value, nbytes, ""
-            callbacks, e.callbacks = e.callbacks, []
+            self._changes += 1
+            callbacks = e.take_callbacks()
             self._waiters.settle(buffer_id)
             self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
@@ -193,7 +203,8 @@ class BufferStore:
         """Settles a pending entry as failed (call with the lock held): its waiters woken, the
         entry freed if nothing holds it; the callbacks to call once the lock is released."""
         e.state, e.error, e.value = FAILED, error, None
-        callbacks, e.callbacks = e.callbacks, []
+        self._changes += 1
+        callbacks = e.take_callbacks()
         self._waiters.settle(buffer_id)
         self._maybe_free(buffer_id, e, [])  # its value is gone already: nothing to deallocate
         return callbacks
@@ -229,6 +240,7 @@ class BufferStore:
                 e = self._entries.get(buffer_id)
                 if e is not None and e.state == READY:
                     e.state, e.error, e.value, e.nbytes = FAILED, error, None, 0
+                    self._changes += 1
 
     def launched(self, output_ids: Sequence[int], values: Sequence[Any], input_ids: Sequence[int],
                  sizes: Sequence[int] | None = None) -> int:
@@ -242,25 +254,35 @@ class BufferStore:
             sizes = [held_nbytes(v) for v in values]
         gone: list[Entry] = []  # freed under the lock, deallocated after it
         with self._lock:
+            self._changes += 1
+            entries = self._entries
+            # nothing that runs under the lock adds a wait: looked at once, not per output
+            settle = self._waiters.settle if self._waiters.by_id else None
             for buffer_id, value, nbytes in zip(output_ids, values, sizes, strict=False):
                 total += nbytes
-                e = self._entries.get(buffer_id)
+                e = entries.get(buffer_id)
                 if e is None:
-                    e = self._entries[buffer_id] = Entry()
+                    e = entries[buffer_id] = Entry()
                 if e.state == READY:
                     continue
-                e.state, e.value, e.nbytes, e.error, e.launched = READY, value, nbytes, "", True
+                e.state = READY
+                e.value = value
+                e.nbytes = nbytes
+                e.error = ""
+                e.launched = True
                 if e.callbacks:
-                    callbacks.extend(e.callbacks)
-                    e.callbacks = []
-                if self._waiters.by_id:
-                    self._waiters.settle(buffer_id)
-                self._maybe_free(buffer_id, e, gone)
-            for buffer_id in input_ids:
-                e = self._entries.get(buffer_id)
-                if e is not None:
-                    e.consumers = max(0, e.consumers - 1)
+                    callbacks.extend(e.take_callbacks())
+                if settle is not None:
+                    settle(buffer_id)
+                if not (e.client_ref or e.consumers or e.hold):  # (usually something holds it)
                     self._maybe_free(buffer_id, e, gone)
+            for buffer_id in input_ids:
+                e = entries.get(buffer_id)
+                if e is not None:
+                    if e.consumers > 0:
+                        e.consumers -= 1
+                    if not (e.client_ref or e.consumers or e.hold):
+                        self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
         return total
@@ -269,12 +291,9 @@ class BufferStore:
         """The ids among these that exist and are still pending (unknown ids count as settled:
         the launch reports them)."""
         with self._lock:
-            out = []
-            for b in buffer_ids:
-                e = self._entries.get(b)
-                if e is not None and e.state == PENDING and b not in out:
-                    out.append(b)
-            return out
+            entries = self._entries
+            out = [b for b in buffer_ids if (e := entries.get(b)) is not None and e.state == PENDING]
+        return list(dict.fromkeys(out)) if len(out) > 1 else out
 
     # ---- reading ----
     def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
@@ -288,6 +307,15 @@ class BufferStore:
         With must_exist=False (a client fetch, which may overtake the enqueue that declares the
         buffer) an unknown id is waited for instead of failing."""
         with self._lock:
+            entries = self._entries
+            values = []
+            for b in buffer_ids:  # the usual case first: all ready, one pass
+                e = entries.get(b)
+                if e is None or e.state != READY:
+                    break
+                values.append(e.value)
+            else:
+                return values
             pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
             if not pending:
                 return self._values(buffer_ids)
@@ -385,7 +413,10 @@ class BufferStore:
         with self._lock:
             e = self._entries.get(buffer_id)
             if e is not None and e.state == PENDING:
-                e.callbacks.append(cb)
+                if e.callbacks is None:
+                    e.callbacks = [cb]
+                else:
+                    e.callbacks.append(cb)
                 return
         cb()
 
@@ -400,11 +431,12 @@ class BufferStore:
             for buffer_id in buffer_ids:
                 e = self._entries.get(buffer_id)
                 if e is None:
-                    self._entries[buffer_id] = Entry(released=True, owner=owner)
+                    self._entries[buffer_id] = Entry(owner, released=True)
                     for old in self._tombstones.add(buffer_id):  # the oldest go (some became live since)
                         forgotten = self._entries.get(old)
                         if forgotten is not None and forgotten.tombstone:
                             del self._entries[old]
+                            self._changes += 1
                     continue
                 e.released, e.client_ref = True, False
                 self._maybe_free(buffer_id, e, gone)
@@ -413,9 +445,9 @@ class BufferStore:
         """A new entry (call with the lock held). One of an owner that ended here is released
         from the start and never held: it goes once produced and read (`_maybe_free`)."""
         if owner and owner in self._ended:
-            e = self._entries[buffer_id] = Entry(owner=owner, released=True)
+            e = self._entries[buffer_id] = Entry(owner, released=True)
         else:
-            e = self._entries[buffer_id] = Entry(owner=owner, hold=hold)
+            e = self._entries[buffer_id] = Entry(owner, hold=hold)
         return e
 
     def release_owner(self, owner: str) -> int:
@@ -432,6 +464,7 @@ class BufferStore:
                 e.released, e.client_ref = True, False
                 if e.tombstone:
                     del self._entries[i]
+                    self._changes += 1
                     self._tombstones.pop(i, None)
                     continue
                 self._maybe_free(i, e, gone)
@@ -454,6 +487,7 @@ class BufferStore:
         if e.state == PENDING and e.released and not e.callbacks:
             return  # tombstone: keep until the upload arrives, then drop it
         del self._entries[buffer_id]
+        self._changes += 1
         gone.append(e)
         if self._tombstones:
             self._tombstones.pop(buffer_id, None)
@@ -461,6 +495,13 @@ class BufferStore:
             self._freed_uploads.add(buffer_id)
 
     # ---- stats ----
+    def activity(self) -> tuple[int, int]:
+        """A value that changes whenever a buffer is added, settles or goes (the worker's idle
+        trimmer looks every half second): O(1), where `stats` reads every entry (tens of
+        thousands while a client's steps are queued: milliseconds under the lock)."""
+        with self._lock:
+            return len(self._entries), self._changes
+
     def stats(self) -> tuple[int, int]:
         """(live buffers, bytes), not counting tombstones."""
         with self._lock:

@@ -200,7 +200,7 @@ class WorkerProcess:
         pieces left freed memory: a staged 64 MiB upload that a client deleted left ~20 MiB
         resident, untrimmed, when the worker had read it slowly)."""
         uploads = self.servicer.upload_messages if self.servicer is not None else 0
-        return (self.executor.nodes_executed, *self.store.stats(), uploads)
+        return (self.executor.nodes_executed, *self.store.activity(), uploads)
 
     async def _release_memory_when_idle(self) -> None:
         """Once the worker has been idle for TRIM_IDLE_S: unloads the compiled programs nobody

@@ -236,7 +236,11 @@ class SchedulerBook:
         return host
 
     def _share(self, island: str, client: str) -> Share:
-        return self._shares.setdefault(island, {}).setdefault(client, Share())
+        shares = self._shares.get(island)
+        share = shares.get(client) if shares is not None else None
+        if share is None:  # made only when missing (a `setdefault` made one per call: ~4 a run)
+            share = self._shares.setdefault(island, {})[client] = Share()
+        return share
 
     def _live_node(self, run_id: int, index: int) -> NodeRecord | None:
         run = self._runs.get(run_id)

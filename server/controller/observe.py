@@ -217,10 +217,7 @@ class Observer:
             for a in acts:
                 a.started(key, label, start_ns, job)
             return
-        busy_from = start_ns
-        for a in acts:
-            if a.last_end_ns > busy_from:
-                busy_from = a.last_end_ns
+        busy_from = max([start_ns] + [a.last_end_ns for a in acts])
         for a in acts:
             a.finished(key, busy_from, end_ns, label, job)
         size = seg.size if seg is not None else 1  # program nodes in the segment (1: the run is gone)

@@ -580,7 +580,8 @@ def test_a_gang_runs_work_is_linear_in_its_members(make_core: MakeCore) -> None:
         assert by_n[16] - by_n[8] == 8 * per_member, f"{what}: not linear in the members: {lines}"
         assert all(w[what].statements == 0 for w in works.values()), what
     per = {what: (by_n[8] - by_n[4]) / 4 for what, by_n in lines.items()}
-    # lines of server/ per member host: today 74, 133 and 106 (99, 134 and 131 before a gang
+    # lines of server/ per member host: today 68, 134 and 105 (135 for completion before h/ctlproxy's
+    # observer and scheduler trims, bench/FINDINGS.md 2026-11-27; 99, 134 and 131 before a gang
     # node's admission took its nodes' checks once per plan and its members' tasks were kept as
     # their numbers, outbox.py; 90, 128 and 130 before each message was numbered in its host's
     # order and looked up in the relay groups, relays.py; before bench/FINDINGS.md's 2026-11-25

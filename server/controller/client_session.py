@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 
@@ -44,7 +45,38 @@ class Replan(str):
     __slots__ = ()
 
 
-def planned_on_older(run: cpb.RunProgram, names: list[str], now: list[int]) -> Replan:
+class RunRequest(Protocol):
+    """What the dispatcher reads of a run to start (`Dispatcher.submit`): a client's
+    `RunProgram`, or a `LocalRun`."""
+
+    @property
+    def run_id(self) -> int: ...
+    @property
+    def program_id(self) -> str: ...
+    @property
+    def input_ids(self) -> Sequence[int]: ...
+    @property
+    def output_ids(self) -> Sequence[int]: ...
+    @property
+    def input_homes(self) -> Sequence[str]: ...
+    @property
+    def slice_generations(self) -> Sequence[int]: ...
+
+
+class LocalRun(NamedTuple):
+    """A run made inside the controller (the IFRT proxy's, one per Execute:
+    server/proxy/cluster_backend.py), handed to `SessionManager.run` as these fields of a
+    `RunProgram`: no message built per call for the dispatcher to read back field by field."""
+
+    run_id: int
+    program_id: str
+    input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    input_homes: Sequence[str]
+    slice_generations: Sequence[int] = ()
+
+
+def planned_on_older(run: RunRequest, names: list[str], now: list[int]) -> Replan:
     """Why `run` is refused: its client planned it on older generations of its program's slices
     (`names`, in name order) than `now` (one moved since: a host lost and back at a new address, a
     remap). It is refused before anything of it is admitted, its client to plan it anew and send it

@@ -43,7 +43,7 @@ from ..scheduler import (
     Submit,
     Tick,
 )
-from .client_session import TELL_HANDLED_EVERY, ClientSession, Replan, planned_on_older
+from .client_session import TELL_HANDLED_EVERY, ClientSession, Replan, RunRequest, planned_on_older
 from .cluster import HostInfo
 from .dispatch_probe import DispatchProbe
 from .errors import ControllerError, GroupForming
@@ -101,7 +101,7 @@ class Dispatcher:
             self._dispatch_all if gang_fast_path else self._dispatch_each)
 
     # ---- runs ----
-    def submit(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
+    def submit(self, session: ClientSession, run: RunRequest, batch: list[Submit] | None = None,
                wait: bool = False, prompt: bool = False) -> None:
         """Starts a run; with `batch`, its Submit is collected for one scheduler pass. With
         `wait`, a run on a slice whose island group is forming raises GroupForming (nothing

@@ -39,7 +39,6 @@ from schemas.pathways.v1 import controller_pb2 as cpb
 
 from .cluster import Cluster
 from .errors import InvalidArgument, NotFound
-from .runs import segment_size
 from .status_view import StatusQuery, build_status
 from .trace import DeviceKey, NodeRun, TraceBuilder, _Ring, chrome_trace
 from .trace_store import FLUSH_INTERVAL_S, Segment, TraceStore
@@ -53,6 +52,7 @@ log = logging.getLogger(__name__)
 
 RING_SIZE = 20_000  # finished segment runs kept for traces (~0.12 KiB each)
 MAX_INFLIGHT_PER_DEVICE = 4096  # started, unfinished nodes remembered per device
+MAX_DEVICE_SETS = 4096  # (host, device set)s whose activities are kept at hand (`Observer._activities`)
 UTIL_WINDOW_S = 5.0
 RATE_WINDOW_S = 3.0
 BUCKET_S = 0.1
@@ -179,6 +179,9 @@ class Observer:
         self._written = 0  # ring position up to which records went to the store
         self.devices: dict[DeviceKey, DeviceActivity] = {}
         self._by_host: dict[str, list[DeviceActivity]] = {}  # the same activities, by host
+        # the activities of each (host, device set) events came for (`_node_event`), at most
+        # MAX_DEVICE_SETS sets: activities are never removed, so an entry never goes stale
+        self._activities: dict[tuple[str, tuple[int, ...]], list[DeviceActivity]] = {}
         self._rate = BucketWindow(RATE_WINDOW_S)
         self.computations_total = 0
         self._cached: dict[StatusQuery, tuple[float, cpb.ClusterStatus]] = {}
@@ -193,29 +196,40 @@ class Observer:
             log.exception("observer: cannot record node event %s/%s from %s", ev.run_id, ev.segment, host)
 
     def _node_event(self, host: str, ev: cpb.NodeEvent, run: RunState | None) -> None:
-        key = (ev.run_id, ev.segment)
-        label = _label(ev, run)
+        # every field read once (each read of a protobuf field builds its value anew), and the
+        # event's devices' activities looked up once per device set (`_activities`): a
+        # pipelined proxy call costs one finished event here (bench/FINDINGS.md 2026-11-27 h/ctlproxy)
+        run_id, segment, start_ns, end_ns = ev.run_id, ev.segment, ev.start_ns, ev.end_ns
+        devices = self._ring.shared_devices(tuple(ev.local_devices))
+        acts = self._activities.get((host, devices))
+        if acts is None:
+            acts = [self._device(host, d) for d in devices]
+            if len(self._activities) < MAX_DEVICE_SETS:
+                self._activities[(host, devices)] = acts
+        segments = run.plan.segments if run is not None else ()
+        seg = segments[segment] if 0 <= segment < len(segments) else None
+        # one str shared by every run of the plan
+        label = seg.spec.label if seg is not None else f"run {run_id} segment {segment}"
         session = run.session if run is not None else None
         job = session.job_id if session is not None else ""
-        acts = [self._device(host, d) for d in ev.local_devices]
-        if ev.end_ns == 0:
+        key = (run_id, segment)
+        if end_ns == 0:
             for a in acts:
-                a.started(key, label, ev.start_ns, job)
+                a.started(key, label, start_ns, job)
             return
-        busy_from = max([ev.start_ns] + [a.last_end_ns for a in acts])
+        busy_from = max([start_ns] + [a.last_end_ns for a in acts])
         for a in acts:
-            a.finished(key, busy_from, ev.end_ns, label, job)
-        size = segment_size(run, ev.segment)
+            a.finished(key, busy_from, end_ns, label, job)
+        size = seg.size if seg is not None else 1  # program nodes in the segment (1: the run is gone)
         self.computations_total += size
-        self._rate.add_point(ev.end_ns, size)
+        self._rate.add_point(end_ns, size)
         h = self.cluster.hosts.get(host)
         program = run.program if run is not None else None
         self._ring.append(
-            (host, h.island if h is not None else "", self._ring.shared_devices(tuple(ev.local_devices)),
+            (host, h.island if h is not None else "", devices,
              program.program_id if program is not None else "", program.name if program is not None else "",
-             session.job_id if session is not None else "", session.client_id if session is not None else "",
-             label, ev.error),
-            (ev.run_id, ev.segment, size, ev.seq, min(busy_from, ev.end_ns), ev.end_ns, int(ev.ok)),
+             job, session.client_id if session is not None else "", label, ev.error),
+            (run_id, segment, size, ev.seq, min(busy_from, end_ns), end_ns, int(ev.ok)),
         )
 
     def host_lost(self, host: object, reason: str = "") -> None:
@@ -415,12 +429,6 @@ class Observer:
 
     def _device_ids(self) -> dict[DeviceKey, int]:
         return {(h.name, i): d for h in self.cluster.hosts.values() for i, d in enumerate(h.device_ids)}
-
-
-def _label(ev: cpb.NodeEvent, run: RunState | None) -> str:
-    if run is not None and 0 <= ev.segment < len(run.plan.segments):
-        return run.plan.segments[ev.segment].spec.label  # one str shared by every run of the plan
-    return f"run {ev.run_id} segment {ev.segment}"
 
 
 def _resolve(name: str, candidates: list[str], what: str) -> str | None:

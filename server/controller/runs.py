@@ -122,10 +122,3 @@ def peer_inputs_by_host(run: RunState) -> dict[str, tuple[list[int], list[int], 
                 if not segments[source].visible[k]:
                     unread[run.buffers[source][k]] = None
     return {h: (list(g), list(r), list(u)) for h, (g, r, u) in out.items() if g or r}
-
-
-def segment_size(run: RunState | None, segment: int) -> int:
-    """Program nodes in a run's segment (1 when the run is gone)."""
-    if run is None or not 0 <= segment < len(run.plan.segments):
-        return 1
-    return run.plan.segments[segment].size

@@ -34,7 +34,7 @@ from ..credentials import JOB_SECRET_ENV, PREFIX_SHIFT, check_job_secret, sessio
 from ..invariants import InvariantError
 from ..scheduler import Batch, CancelRun, Submit
 from .callers import CallerSessions, caller_of
-from .client_session import ClientSession
+from .client_session import ClientSession, RunRequest
 from .dispatch import Dispatcher
 from .errors import ControllerError, GroupForming, InvalidArgument, PermissionDenied
 from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
@@ -347,9 +347,9 @@ class SessionManager:
         self.submit_batch(submits)
         return None
 
-    def run(self, session: ClientSession, run: cpb.RunProgram, batch: list[Submit] | None = None,
+    def run(self, session: ClientSession, run: RunRequest, batch: list[Submit] | None = None,
             wait: bool = False, prompt: bool = False) -> None:
-        """A `run` message of the session (also the IFRT proxy's way in, without the
+        """A `run` message of the session (also the IFRT proxy's way in, a `LocalRun`, without the
         ClientMessage). With `batch`, its Submit is collected there for one scheduler pass
         (`submit_batch`); with `wait`, a slice whose island group is forming raises GroupForming
         (Dispatcher.submit); with `prompt`, its workers report its end at once (the caller will
@@ -375,7 +375,7 @@ class SessionManager:
             self.dispatcher.release(where, ids, session.owner)
             self.dispatcher.release_acks.released(session, where)
 
-    def _own_ids(self, session: ClientSession, run: cpb.RunProgram) -> bool:
+    def _own_ids(self, session: ClientSession, run: RunRequest) -> bool:
         """Whether a run reads and writes only the session's own buffer ids; refuses it if not
         (as an unknown buffer: another session's ids are not revealed to exist)."""
         for b in (*run.input_ids, *run.output_ids):

@@ -90,7 +90,10 @@ class ArrayRecord:
 
     @property
     def buffers(self) -> list[Buf]:
-        return list({id(p.buf): p.buf for p in self.parts}.values())
+        parts = self.parts
+        if len(parts) == 1:  # an array on one device (most of a loop's)
+            return [parts[0].buf]
+        return list({id(p.buf): p.buf for p in parts}.values())
 
 
 def full(shape: tuple[int, ...]) -> Index:

@@ -52,7 +52,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from .. import wire
-from ..controller.client_session import ClientSession
+from ..controller.client_session import ClientSession, LocalRun
 from ..controller.errors import ControllerError
 from ..credentials import SESSION_HEADER
 from ..resource_manager import ResourceManager
@@ -306,8 +306,7 @@ class SliceSession(Uploading):
         outputs = [next(self._ids) for _ in range(self._num_outputs[program_id])]
         run_id = next(self._ids)  # run ids are the cluster's, like buffer ids: unique by the prefix
         self._failures.ran(run_id, outputs)
-        run = cpb.RunProgram(run_id=run_id, program_id=program_id, input_ids=inputs, output_ids=outputs,
-                             input_homes=homes)
+        run = LocalRun(run_id, program_id, inputs, outputs, homes)
         prompt, self._blocking = self._blocking, False
         if prompt:
             for b in outputs:

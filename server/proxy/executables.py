@@ -252,7 +252,10 @@ async def execute(session: Session, req: Message, resp: Message, proto: Any) -> 
                 if (a.dtype, a.shape) != (spec.dtype, spec.shape):
                     raise HandleError("INVALID_ARGUMENT", f"argument {i} of {compiled.name}: a {a.dtype}"
                                       f"{list(a.shape)} array where {spec.dtype}{list(spec.shape)} is expected")
-            bufs: list[Buf] = [await materialize(session, a) for a in args]
+            bufs: list[Buf] = []
+            for a in args:  # most are one buffer already: no coroutine made for those
+                buf = a.buffer()
+                bufs.append(buf if buf is not None else await materialize(session, a))
             program = compiled.program_id
             # a donated buffer that another array (or another argument) still reads is not given up
             if compiled.donated and any(bufs[i].records > 1 or bufs.count(bufs[i]) > 1 for i in compiled.donated):

@@ -39,6 +39,7 @@ from server.scheduler.stats import RunStats
 
 _SHAPES = 1_024  # run shapes kept (one per program plan in use)
 _FINISHED_MEMORY = 16_384  # finished run ids remembered so that a repeated Submit is ignored (~0.1 KiB each)
+_NO_SHARES: dict[str, Share] = {}  # an island without accounts (`_share`; never written)
 
 
 __all__ = ["InvariantError", "SchedulerBook", "check_spec"]
@@ -236,7 +237,13 @@ class SchedulerBook:
         return host
 
     def _share(self, island: str, client: str) -> Share:
-        return self._shares.setdefault(island, {}).setdefault(client, Share())
+        # made only when missing (a `setdefault` made a Share per call, ~4 a run; one line, as
+        # tests/test_scale_costs.py counts them per gang member)
+        return self._shares.get(island, _NO_SHARES).get(client) or self._new_share(island, client)
+
+    def _new_share(self, island: str, client: str) -> Share:
+        share = self._shares.setdefault(island, {})[client] = Share()
+        return share
 
     def _live_node(self, run_id: int, index: int) -> NodeRecord | None:
         run = self._runs.get(run_id)

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from relay import Relay
+
+
+def start(env: dict[str, str], relay: Relay, program: str, *args: str) -> subprocess.Popen[str]:
+    """`program` (Python source) as a subprocess whose pw session goes through `relay`, with
+    `env` (a cluster's) and `args` as its argv."""
+    env = {**env, "PWCTL_SERVER": relay.address}
+    return subprocess.Popen([sys.executable, "-c", program, *args], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def line(proc: subprocess.Popen[str]) -> dict[str, Any]:

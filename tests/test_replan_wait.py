@@ -16,11 +16,8 @@ controller through the relay."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from stepped import end
+from stepped import end, start
 from stepped import line as _line
 from stepped import say as _say
 
@@ -69,10 +66,7 @@ def _address(cluster: LocalCluster) -> str:
 def test_a_wait_on_a_call_whose_upload_failed_waits_for_its_refusal_and_gets_the_value(
         cluster: LocalCluster) -> None:
     relay = Relay(cluster.address)
-    env = cluster.env()
-    env["PWCTL_SERVER"] = relay.address
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(cluster.env(), relay, PROGRAM)
     try:
         old = _line(proc)["address"]
         relay.hold_open_replies()  # the session tells nothing: not the loss, not the move, not the refusal

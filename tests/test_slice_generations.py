@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from stepped import end
+from stepped import end, start
 from stepped import line as _line
 from stepped import say as _say
 
@@ -78,10 +78,7 @@ def _freeze_and_lose(cluster: LocalCluster) -> None:
 def test_a_call_planned_on_a_slice_that_moved_unheard_runs_where_it_is_now(cluster: LocalCluster,
                                                                           calls: str) -> None:
     relay = Relay(cluster.address)
-    env = cluster.env()
-    env["PWCTL_SERVER"] = relay.address
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, calls], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(cluster.env(), relay, PROGRAM, calls)
     try:
         first = _line(proc)
         assert first["warm"] == [[[2.0, 2.0]], [[2.0, 2.0]]], first

@@ -22,10 +22,9 @@ connections open then (the session's stream: its `SliceChanged`), while new conn
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-from stepped import end
+from stepped import end, start
 from stepped import line as _line
 from stepped import say as _say
 
@@ -64,10 +63,7 @@ print(json.dumps({"after": np.asarray(inc(x)).tolist()}), flush=True)
 
 
 def _start(cluster: LocalCluster, relay: Relay, told: str) -> subprocess.Popen[str]:
-    env = cluster.env()
-    env["PWCTL_SERVER"] = relay.address
-    return subprocess.Popen([sys.executable, "-c", PROGRAM, told], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start(cluster.env(), relay, PROGRAM, told)
 
 
 @pytest.mark.parametrize("told", ["told", "untold"])
@@ -152,10 +148,7 @@ def test_calls_on_a_lost_workers_slice_share_one_connection_and_skip_an_unreacha
     kept for that (before: a new one each); and once the controller did not answer, the calls go on
     at once for a while (before: each waited 5 s for its own lookup)."""
     relay = Relay(cluster.address)
-    env = cluster.env()
-    env["PWCTL_SERVER"] = relay.address
-    proc = subprocess.Popen([sys.executable, "-c", LOOKUPS], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(cluster.env(), relay, LOOKUPS)
     try:
         assert _line(proc)["warm"] == [[2.0, 2.0]]
         cluster.kill_worker("w-a")

@@ -250,11 +250,11 @@ class _Sent:
                     Future(rt, oid, addresses[s][0], shape, dtype, run_id, addresses[s][1])
                     for oid, s, (shape, dtype) in zip(self.out_ids, reg.output_slice, reg.output_avals, strict=True)
                 ]
+            if gens is not None:  # kept before it is sent: its refusal, read on the session's thread, finds it
+                rt.replans.keep(run_id, self)
             rt.send_run(cpb.ClientMessage(run=cpb.RunProgram(
                 run_id=run_id, program_id=reg.program_id, input_ids=input_ids, output_ids=self.out_ids,
                 input_homes=homes, slice_generations=gens)))
-            if gens is not None:
-                rt.replans.keep(run_id, self)
         for bid, address in uploads:  # the run holds them now; ours go (ordered after the run)
             rt.release(bid, address)
         return self.futures

@@ -370,3 +370,22 @@ def test_trace_by_a_prefix_names_the_whole_job_id(module_cluster: LocalCluster, 
         r = c.pwctl("trace", job, "-o", str(bad))
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
         assert f"cannot write {bad}: {why}" in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+def test_piped_tables_have_no_trailing_spaces(module_cluster: LocalCluster) -> None:
+    """Rich pads every cell to its column's width, the last column's too: piped into a script or a
+    diff, each row ended in spaces. Piped tables end where their text does (common.print_table)."""
+    c = module_cluster
+    created = c.pwctl("slice", "create", "trailing", "--devices", "1")
+    assert created.returncode == 0, created.stderr
+    try:
+        for args in (["island", "list"], ["host", "list"], ["slice", "list"], ["slice", "describe", "trailing"],
+                     ["server", "info"]):
+            r = c.pwctl(*args)
+            assert r.returncode == 0, (args, r.stderr)
+            lines = r.stdout.splitlines()
+            assert len(lines) >= 2, (args, r.stdout)
+            padded = [line for line in lines if line != line.rstrip()]
+            assert not padded, (args, padded)
+    finally:
+        c.pwctl("slice", "delete", "trailing", "-y")

@@ -21,6 +21,7 @@ from ..errors import EXIT_FAILED, EXIT_USAGE, InvalidArgument, PathwaysError
 if TYPE_CHECKING:
     from pydantic import BaseModel
     from rich.console import Console
+    from rich.table import Table
 
     from ..client import Client
 
@@ -120,6 +121,17 @@ def stderr() -> Console:
     return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or not sys.stderr.isatty())
 
 
+def print_table(console: Console, table: Table) -> None:
+    """A table on stdout. Piped (no terminal), its lines go without the spaces Rich pads every
+    cell with, the last column's included: what a script or a diff reads ends where the text does."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    with console.capture() as captured:
+        console.print(table)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
 def hint(message: str) -> None:
     """Hints and progress go to stderr, never mixed with data on stdout."""
     stderr().print(message, highlight=False, soft_wrap=True)
@@ -174,7 +186,7 @@ def emit_list(
     console = stdout()
     if not sys.stdout.isatty():
         console.width = PIPED_WIDTH  # piped: every row on one line, whatever its length (as kubectl)
-    console.print(table)
+    print_table(console, table)
     if not items:
         hint(f"no {kind.removesuffix('List').lower()}s")
 

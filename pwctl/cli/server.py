@@ -28,6 +28,7 @@ from .common import (
     hint,
     hint_local_clients,
     local_client_tls,
+    print_table,
     server_tls,
     stdout,
 )
@@ -224,7 +225,7 @@ def _render(v: ServerInfoView) -> None:
         ("metrics", v.metrics_url or "off"),
     ]:
         table.add_row(key, value)
-    stdout().print(table)
+    print_table(stdout(), table)
 
 
 def _duration(seconds: float) -> str:

@@ -19,6 +19,7 @@ from .common import (
     emit_item,
     emit_list,
     hint,
+    print_table,
     stdout,
 )
 
@@ -71,7 +72,7 @@ def render(v: SliceView) -> None:
         table.add_row(str(d.index), str(d.device_id), d.island, d.host or "-",
                       str(d.local_index) if d.local_index >= 0 else "-", d.kind or "-", d.address or "-")
     out.print("devices:", highlight=False)
-    out.print(table)
+    print_table(out, table)
     if v.history:
         out.print("history:", highlight=False)
         for r in v.history:

@@ -3,12 +3,11 @@ JAX kept on the CPU in the client (the workers own the accelerators)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import InvalidArgument
-from ..limits import MAX_PRIORITY
+from ..limits import MAX_PRIORITY, MAX_WEIGHT
 
 N = TypeVar("N", int, float)
 
@@ -41,13 +40,14 @@ def env_priority(value: str) -> int:
 
 def env_weight(value: str) -> float:
     """PWCTL_WEIGHT (`value`; a job's driver gets its job's): the session's proportional-share
-    weight, a finite number >= 0 (1 when blank; 0: not set, the controller counts it as 1)."""
+    weight, a number in 0..MAX_WEIGHT (the controller's range, pwctl/limits.py; 1 when blank; 0: not
+    set, the controller counts it as 1)."""
     try:
         weight = float(value) if value.strip() else 1.0
     except ValueError:
         weight = -1.0
-    if not (math.isfinite(weight) and weight >= 0):
-        raise InvalidArgument(f"PWCTL_WEIGHT={value!r}: expected a number > 0")
+    if not 0 <= weight <= MAX_WEIGHT:  # (NaN: neither)
+        raise InvalidArgument(f"PWCTL_WEIGHT={value!r}: expected a number in (0, {MAX_WEIGHT:g}]")
     return weight
 
 

@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from pwctl.limits import MAX_PRIORITY
+from pwctl.limits import MAX_PRIORITY, MAX_WEIGHT
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from . import jobsup
@@ -67,7 +67,7 @@ def validate_submit(req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
         raise InvalidArgument(
             f"priority {req.priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
     weight = req.weight if req.weight != 0 else 1.0  # 0: not set
-    if not math.isfinite(weight) or weight <= 0 or weight > 1e6:
+    if not math.isfinite(weight) or weight <= 0 or weight > MAX_WEIGHT:
         raise InvalidArgument(f"weight {req.weight:g} is invalid: it must be a number > 0")
     if len(req.name) > 128 or any(not c.isprintable() for c in req.name):
         raise InvalidArgument("the job name must be at most 128 printable characters")

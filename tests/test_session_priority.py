@@ -60,40 +60,33 @@ def _hello(priority: int, weight: float = 0.0) -> Iterator[cpb.ClientMessage]:
     yield cpb.ClientMessage(hello=cpb.Hello(client_name="raw", priority=priority, weight=weight))
 
 
-def test_the_controller_refuses_a_session_priority_out_of_range_and_goes_on(module_cluster: LocalCluster) -> None:
+PRIORITY_ERROR = "session priority {:d} is out of range: use -1000..1000"
+WEIGHT_ERROR = "session weight {:g} is out of range: use a number in (0, 1e+06]"
+
+
+@pytest.mark.parametrize("field,refused,welcomed,error", [
+    ("priority", (1001, -1001, 2**31 - 1), (1000, -1000, 0), PRIORITY_ERROR),
+    # a job's weight is a finite number in (0, 1e6] (job_files.py); a session's went to the
+    # scheduler as sent (0 or less: 1): an infinite one made its share's used time NaN as another
+    # client was active (policy.catch_up: 0 * inf), its fair-share order undefined from then on
+    ("weight", (float("inf"), float("nan"), -1.0, 1e7), (1e6, 0.5, 0.0), WEIGHT_ERROR),  # 0: not set (1)
+])
+def test_the_controller_refuses_a_session_priority_or_weight_out_of_range_and_goes_on(
+        module_cluster: LocalCluster, field: str, refused: tuple[float, ...], welcomed: tuple[float, ...],
+        error: str) -> None:
+    def hello(value: float) -> Iterator[cpb.ClientMessage]:
+        return _hello(int(value)) if field == "priority" else _hello(0, value)
+
     channel = module_cluster.channel()
     stub = cgrpc.ControllerStub(channel)
     try:
-        for priority in (1001, -1001, 2**31 - 1):
+        for value in refused:
             with pytest.raises(grpc.RpcError) as info:
-                next(iter(stub.Session(_hello(priority), timeout=30)))
+                next(iter(stub.Session(hello(value), timeout=30)))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
-            assert info.value.details() == f"session priority {priority} is out of range: use -1000..1000"
-        for priority in (1000, -1000, 0):  # in range: welcomed, and the controller serves on
-            call = stub.Session(_hello(priority), timeout=30)
-            assert next(iter(call)).WhichOneof("msg") == "welcome"
-            call.cancel()
-        assert stub.GetInfo(cpb.GetInfoRequest(), timeout=10).version
-    finally:
-        channel.close()
-    logs = module_cluster.controller_logs()
-    assert "Traceback" not in logs, logs[logs.find("Traceback") - 500:][:3000]
-
-
-def test_the_controller_refuses_a_session_weight_out_of_range_and_goes_on(module_cluster: LocalCluster) -> None:
-    """A job's weight is a finite number in (0, 1e6] (job_files.py); a session's went to the
-    scheduler as sent (0 or less: 1): an infinite one made its share's used time NaN as another
-    client was active (policy.catch_up: 0 * inf), its fair-share order undefined from then on."""
-    channel = module_cluster.channel()
-    stub = cgrpc.ControllerStub(channel)
-    try:
-        for weight in (float("inf"), float("nan"), -1.0, 1e7):
-            with pytest.raises(grpc.RpcError) as info:
-                next(iter(stub.Session(_hello(0, weight), timeout=30)))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
-            assert info.value.details() == f"session weight {weight:g} is out of range: use a number in (0, 1e+06]"
-        for weight in (1e6, 0.5, 0.0):  # in range (0: not set, 1): welcomed, and the controller serves on
-            call = stub.Session(_hello(0, weight), timeout=30)
+            assert info.value.details() == error.format(value)
+        for value in welcomed:  # in range: welcomed, and the controller serves on
+            call = stub.Session(hello(value), timeout=30)
             assert next(iter(call)).WhichOneof("msg") == "welcome"
             call.cancel()
         assert stub.GetInfo(cpb.GetInfoRequest(), timeout=10).version

@@ -3,6 +3,7 @@ JAX kept on the CPU in the client (the workers own the accelerators)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -12,16 +13,18 @@ from ..limits import MAX_PRIORITY, MAX_WEIGHT
 N = TypeVar("N", int, float)
 
 
-def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], expected: str) -> N:
-    """The value of environment variable `name` (`value`) as an amount >= 0 (`parse`: int or
-    float); `default` when it is blank; InvalidArgument saying what was `expected` otherwise."""
+def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], expected: str,
+               low: float = 0, high: float = math.inf) -> N:
+    """The value of environment variable `name` (`value`) as a number in low..high (`parse`: int
+    or float; NaN is in no range); `default` when it is blank; InvalidArgument saying what was
+    `expected` otherwise."""
     if not value.strip():
         return default
     try:
         n = parse(value)
     except ValueError:
-        n = parse("-1")
-    if n < 0:
+        raise InvalidArgument(f"{name}={value!r}: expected {expected}") from None
+    if not low <= n <= high:
         raise InvalidArgument(f"{name}={value!r}: expected {expected}")
     return n
 
@@ -29,26 +32,15 @@ def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], exp
 def env_priority(value: str) -> int:
     """PWCTL_PRIORITY (`value`; a job's driver gets its job's): the session's priority, an integer
     in -MAX_PRIORITY..MAX_PRIORITY (the controller's range, pwctl/limits.py); 0 when blank."""
-    try:
-        priority = int(value) if value.strip() else 0
-    except ValueError:
-        priority = MAX_PRIORITY + 1
-    if abs(priority) > MAX_PRIORITY:
-        raise InvalidArgument(f"PWCTL_PRIORITY={value!r}: expected an integer in -{MAX_PRIORITY}..{MAX_PRIORITY}")
-    return priority
+    return env_amount("PWCTL_PRIORITY", value, 0, int, f"an integer in -{MAX_PRIORITY}..{MAX_PRIORITY}",
+                      low=-MAX_PRIORITY, high=MAX_PRIORITY)
 
 
 def env_weight(value: str) -> float:
     """PWCTL_WEIGHT (`value`; a job's driver gets its job's): the session's proportional-share
     weight, a number in 0..MAX_WEIGHT (the controller's range, pwctl/limits.py; 1 when blank; 0: not
     set, the controller counts it as 1)."""
-    try:
-        weight = float(value) if value.strip() else 1.0
-    except ValueError:
-        weight = -1.0
-    if not 0 <= weight <= MAX_WEIGHT:  # (NaN: neither)
-        raise InvalidArgument(f"PWCTL_WEIGHT={value!r}: expected a number in (0, {MAX_WEIGHT:g}]")
-    return weight
+    return env_amount("PWCTL_WEIGHT", value, 1.0, float, f"a number in (0, {MAX_WEIGHT:g}]", high=MAX_WEIGHT)
 
 
 def keep_local_jax_on_cpu() -> None:

@@ -99,8 +99,7 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is not None:
                 e.consumers = max(0, e.consumers - 1)
-                if (e.consumers == 0 and e.state == PENDING and not e.client_ref and not e.released
-                        and not e.hold):
+                if e.state == PENDING and not e.released and not e.held:
                     e.unread = unread = True  # its last reader gave up before it existed
                 self._maybe_free(buffer_id, e, gone)
         if unread and self.on_unread is not None:
@@ -274,14 +273,14 @@ class BufferStore:
                     callbacks.extend(e.take_callbacks())
                 if settle is not None:
                     settle(buffer_id)
-                if not (e.client_ref or e.consumers or e.hold):  # (usually something holds it)
+                if not (e.client_ref or e.consumers or e.hold):  # not Entry.held, inline (usually it is)
                     self._maybe_free(buffer_id, e, gone)
             for buffer_id in input_ids:
                 e = entries.get(buffer_id)
                 if e is not None:
                     if e.consumers > 0:
                         e.consumers -= 1
-                    if not (e.client_ref or e.consumers or e.hold):
+                    if not (e.client_ref or e.consumers or e.hold):  # not Entry.held, inline
                         self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
@@ -369,8 +368,7 @@ class BufferStore:
         it existed, and neither the client nor a new reader holds it."""
         with self._lock:
             e = self._entries.get(buffer_id)
-            return (e is not None and e.unread and e.state == PENDING and e.consumers == 0
-                    and not e.client_ref and not e.hold)
+            return e is not None and e.unread and e.state == PENDING and not e.held
 
     def released(self, buffer_id: int) -> bool:
         """Whether the client released this buffer before it existed (a tombstone)."""
@@ -479,8 +477,11 @@ class BufferStore:
         """Forgets the buffer when nobody needs it any more. Its entry goes to `gone`, which the
         caller drops after leaving the lock: dropping the last reference to a JAX array runs
         XLA's deallocation (tens of µs, more while a computation still reads it), which must not
-        keep the launch thread waiting for the lock."""
-        if e.client_ref or e.consumers > 0 or e.hold:
+        keep the launch thread waiting for the lock. One that something holds stays: `Entry.held`,
+        spelled out here and in `launched` (which calls this only where it is false) so that the
+        hot path (`launched`, `release`) pays no call per array; tests/test_buffers.py checks that
+        the copies agree with it."""
+        if e.client_ref or e.consumers or e.hold:  # Entry.held, inline
             return
         if e.state == PENDING and not e.released:
             return  # produced later for a reader that has not been enqueued yet

@@ -6,3 +6,17 @@ from __future__ import annotations
 
 MAX_PRIORITY = 1000  # a job's priority (SubmitJobRequest.priority) is -MAX_PRIORITY..MAX_PRIORITY
 MAX_WEIGHT = 1e6  # a job's (and a session's) proportional-share weight is a number in (0, MAX_WEIGHT]
+
+
+def share_problem(what: str, priority: int, weight: float) -> str:
+    """What is wrong with a `what`'s ("job", "session") priority and proportional-share weight as the
+    controller takes them (weight 0: not set, counted as 1: a request's field left at its default),
+    in one line; "" when both are in range. One wording for a job's and a session's, which are
+    checked alike: a job's driver's session gets its job's."""
+    if abs(priority) > MAX_PRIORITY:
+        return f"{what} priority {priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}"
+    # not `weight <= 0 or weight > MAX_WEIGHT`: NaN is in no range (an infinite or NaN weight made
+    # the scheduler's account of a session NaN, policy.catch_up: 0 * inf)
+    if weight != 0 and not 0 < weight <= MAX_WEIGHT:
+        return f"{what} weight {weight:g} is out of range: use a number in (0, {MAX_WEIGHT:g}]"
+    return ""

@@ -288,31 +288,17 @@ class WorkerClient:
               gone: Callable[[], str] | None = None) -> tuple[np.ndarray | None, str]:
         """(array, "") when ready, (None, error) when failed or the worker is unreachable, (None, "")
         on timeout; any other failure raises a typed error. `gone`: why the worker's host is lost
-        ("" while it is not), asked once the call counts as started (`_gone_now`).
+        ("" while it is not), asked once the call counts as started (`_mark`).
 
         The call's deadline is the worker's wait plus time to stream `nbytes` at a slow 50 MB/s: a
         worker that stalls (stopped, wedged) then costs the caller seconds, not a fixed 30, before
         it looks again whether the run failed (hang detection fails it on the controller)."""
-        head: pb.ArrayProto | None = None
         parts: list[bytes] = []
-        deadline = timeout_s + 5.0 + nbytes / 50e6
-        mark = self._abandoned
-        if why := _gone_now(gone):
-            return None, why
-        try:
-            for chunk in self._streamed(self._stub.Fetch, wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s),
-                                      deadline, mark):
-                if chunk.error:
-                    if "not ready after" in chunk.error:
-                        return None, ""
-                    return None, chunk.error
-                if head is None:
-                    head = chunk.array
-                parts.append(chunk.array.data)
-        except ConnectionFailed as e:
-            return None, _lost(e)
-        if head is None:
-            return None, self._why_abandoned(mark) or f"empty reply from {self.address}"
+        first, error = self._fetched(wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s), timeout_s, nbytes,
+                                     gone, lambda chunk: parts.append(chunk.array.data))
+        if first is None:
+            return None, error
+        head = first.array
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return from_bytes(head.dtype, list(head.shape), data).copy(), ""
 
@@ -322,30 +308,43 @@ class WorkerClient:
         where it starts in the global array (a whole array is one part starting at 0)."""
         heads: dict[int, wpb.FetchChunk] = {}
         data: dict[int, list[bytes]] = {}
-        deadline = timeout_s + 5.0 + nbytes / 50e6
+
+        def take(chunk: wpb.FetchChunk) -> None:
+            heads.setdefault(chunk.part, chunk)
+            data.setdefault(chunk.part, []).append(chunk.array.data)
+
         request = wpb.FetchRequest(buffer_id=buffer_id, timeout_s=timeout_s, parts=True)
-        mark = self._abandoned
-        if why := _gone_now(gone):
-            return None, why
-        try:
-            for chunk in self._streamed(self._stub.Fetch, request, deadline, mark):
-                if chunk.error:
-                    if "not ready after" in chunk.error:
-                        return None, ""
-                    return None, chunk.error
-                if chunk.part not in heads:
-                    heads[chunk.part] = chunk
-                data.setdefault(chunk.part, []).append(chunk.array.data)
-        except ConnectionFailed as e:
-            return None, _lost(e)
-        if not heads:
-            return None, self._why_abandoned(mark) or f"empty reply from {self.address}"
+        first, error = self._fetched(request, timeout_s, nbytes, gone, take)
+        if first is None:
+            return None, error
         parts = []
         for k, head in sorted(heads.items()):
             arr = from_bytes(head.array.dtype, list(head.array.shape), b"".join(data[k])).copy()
             start = tuple(head.part_start) if head.global_shape else (0,) * arr.ndim
             parts.append((start, arr))
         return parts, ""
+
+    def _fetched(self, request: wpb.FetchRequest, timeout_s: float, nbytes: int, gone: Callable[[], str] | None,
+                 take: Callable[[wpb.FetchChunk], None]) -> tuple[wpb.FetchChunk | None, str]:
+        """Streams a `Fetch` (`fetch`'s deadline), handing each chunk to `take` as it comes (not
+        kept here: a large array's chunks are not held twice): (the first chunk, "") when it ended
+        with chunks; else (None, error), the error "" on timeout."""
+        mark, why = self._mark(gone)
+        if why:
+            return None, why
+        first: wpb.FetchChunk | None = None
+        try:
+            for chunk in self._streamed(self._stub.Fetch, request, timeout_s + 5.0 + nbytes / 50e6, mark):
+                if chunk.error:
+                    return None, "" if "not ready after" in chunk.error else chunk.error
+                if first is None:
+                    first = chunk
+                take(chunk)
+        except ConnectionFailed as e:
+            return None, _lost(e)
+        if first is None:
+            return None, self._why_abandoned(mark) or f"empty reply from {self.address}"
+        return first, ""
 
     def wait(self, buffer_ids: list[int], timeout_s: float, must_exist: bool = False,
              gone: Callable[[], str] | None = None) -> tuple[bool, str]:
@@ -356,8 +355,8 @@ class WorkerClient:
         Asked on the `Waits` stream when it can be (pwctl/waitstream.py), else a unary `Wait`:
         the same answers either way."""
         request = wpb.WaitRequest(buffer_ids=buffer_ids, timeout_s=timeout_s, must_exist=must_exist)
-        mark = self._abandoned
-        if why := _gone_now(gone):
+        mark, why = self._mark(gone)
+        if why:
             return False, why
         reply = self.waits.ask(request, timeout_s + 5.0, abandoned=lambda: self._abandoned != mark)
         if reply is None:
@@ -387,6 +386,15 @@ class WorkerClient:
         self.waits.abandon()
         for call in calls:
             call.cancel()
+
+    def _mark(self, gone: Callable[[], str] | None) -> tuple[int, str]:
+        """A fetch's or wait's `abandon` mark, taken now, and why the worker's host is lost ("" while
+        it is not: `gone`), asked after the mark: the runtime records a loss before it abandons the
+        worker's calls (runtime.py `_host_lost`), so a loss recorded before the mark is seen here
+        and one after it abandons the call. (A caller's own look before it called can miss a loss
+        told in between: its call then waited at a frozen worker for its whole deadline.)"""
+        mark = self._abandoned
+        return mark, gone() if gone is not None else ""
 
     def _why_abandoned(self, mark: int) -> str:
         """Why a call that started when `abandon` had been called `mark` times ended: "" unless
@@ -469,11 +477,3 @@ def _lost(e: ConnectionFailed) -> str:
     time (the caller checks whether the run failed and asks again)."""
     return "" if isinstance(e, DeadlineExceeded) else str(e)
 
-
-def _gone_now(gone: Callable[[], str] | None) -> str:
-    """Why the worker's host is lost, asked after a call took its `abandon` mark: the runtime
-    records a loss before it abandons the worker's calls (runtime.py `_host_lost`), so a loss
-    recorded before the mark is seen here and one after it abandons the call. (A caller's own
-    look before it called can miss a loss told in between: its call then waited at a frozen
-    worker for its whole deadline.)"""
-    return gone() if gone is not None else ""

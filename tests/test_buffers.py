@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
 import pytest
 
+from server.worker.buffer_entry import Entry
 from server.worker.buffers import BufferFailed, BufferStore
 
 pytestmark = pytest.mark.timeout(30)
@@ -397,3 +399,42 @@ def test_the_activity_the_idle_trimmer_watches_changes_whenever_a_buffer_comes_s
     assert changed()
     s.fail(3, "its run failed")  # settles as failed, kept for the client: same count
     assert changed() and live(s) == 1
+
+
+def test_launched_and_release_free_a_buffer_exactly_when_entry_held_says_nothing_holds_it() -> None:
+    """`launched` and `_maybe_free` (which `release` calls) spell out `Entry.held` inline, so that
+    the hot path pays no call per array for it: they must free a buffer exactly when it is false.
+    The holders are read off `Entry.held` itself (each counter or flag of an entry that makes it
+    true), so one added there and not to the inline copies fails here. White-box: the fields are
+    set on the store's entries directly, for every combination of the holders."""
+    holders = []
+    for name in Entry.__slots__:
+        e = Entry()
+        value = getattr(e, name)
+        if type(value) in (bool, int):
+            setattr(e, name, type(value)(1))
+            if e.held:
+                holders.append(name)
+    assert {"client_ref", "consumers", "hold"} <= set(holders), holders
+
+    def hold(e: Entry, which: tuple[str, ...], consumers: int) -> None:
+        for name in holders:
+            setattr(e, name, type(getattr(e, name))(name in which))
+        e.consumers += consumers  # (a launch's input: the reader that launches counts as one)
+
+    for n in range(len(holders) + 1):
+        for which in itertools.combinations(holders, n):
+            s = BufferStore()
+            s.expect([1], owner="c")  # a launch's output, pending
+            hold(s._entries[1], which, 0)
+            s.put(2, np.zeros(1), 8, owner="c", client_ref=True)  # a launch's input, ready
+            hold(s._entries[2], which, 1)
+            s.launched([1], [np.zeros(1)], input_ids=[2])
+            for buffer_id in (1, 2):
+                assert (buffer_id in s._entries) == bool(which), (buffer_id, which)
+            s = BufferStore()
+            s.put(3, np.zeros(1), 8, owner="c", client_ref=True)
+            others = tuple(h for h in which if h != "client_ref")  # release drops the client's reference
+            hold(s._entries[3], (*others, "client_ref"), 0)
+            s.release([3])
+            assert (3 in s._entries) == bool(others), which

@@ -191,6 +191,12 @@ def test_working_dir_is_uploaded_and_validation(module_cluster: LocalCluster, tm
     assert r.returncode == 2 and "empty" in r.stderr
     r = c.pwctl("submit", str(wd / "main.py"), "--weight", "0")
     assert r.returncode == 2 and "weight" in r.stderr
+    # past what pwctl checks (> 0): the controller's range, worded as a session's (pwctl/limits.py
+    # share_problem); it said "it must be a number > 0" of 1e7
+    for weight in ("1e7", "inf", "nan"):
+        r = c.pwctl("submit", str(wd / "main.py"), "--weight", weight)
+        assert (r.returncode, r.stderr) == (2, f"error: job weight {float(weight):g} is out of range: use a number "
+                                               "in (0, 1e+06]\n"), (weight, r.returncode, r.stderr)
 
 
 def test_jobs_list_and_describe_json(module_cluster: LocalCluster, tmp_path: Path) -> None:

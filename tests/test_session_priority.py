@@ -46,6 +46,10 @@ print("connected")
     ("PWCTL_WEIGHT", "heavy", "a number in (0, 1e+06]"),
     ("PWCTL_WEIGHT", "nan", "a number in (0, 1e+06]"),
     ("PWCTL_WEIGHT", "1e7", "a number in (0, 1e+06]"),
+    # 0 was taken as "not set" while the message said (0, ...]: refused now, as the message says
+    ("PWCTL_WEIGHT", "0", "a number in (0, 1e+06]"),
+    ("PWCTL_WEIGHT", "-0.0", "a number in (0, 1e+06]"),
+    ("PWCTL_WEIGHT", "1e-400", "a number in (0, 1e+06]"),  # a float of 0
 ])
 def test_a_bad_session_priority_or_weight_in_the_environment_is_one_line(tmp_path: Path, name: str, value: str,
                                                                          expected: str) -> None:

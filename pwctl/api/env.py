@@ -38,9 +38,11 @@ def env_priority(value: str) -> int:
 
 def env_weight(value: str) -> float:
     """PWCTL_WEIGHT (`value`; a job's driver gets its job's): the session's proportional-share
-    weight, a number in 0..MAX_WEIGHT (the controller's range, pwctl/limits.py; 1 when blank; 0: not
-    set, the controller counts it as 1)."""
-    return env_amount("PWCTL_WEIGHT", value, 1.0, float, f"a number in (0, {MAX_WEIGHT:g}]", high=MAX_WEIGHT)
+    weight, a number in (0, MAX_WEIGHT] (the controller's range, pwctl/limits.py); 1 when blank.
+    0 is refused as the message says: it is no weight (a blank variable is the way to not set one)."""
+    # the least positive float: a float is >= it exactly when it is > 0
+    return env_amount("PWCTL_WEIGHT", value, 1.0, float, f"a number in (0, {MAX_WEIGHT:g}]", low=math.ulp(0.0),
+                      high=MAX_WEIGHT)
 
 
 def keep_local_jax_on_cpu() -> None:

@@ -186,7 +186,7 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
 
 def _gone(rt: Runtime, home: str) -> Callable[[], str]:
     """Why the worker at `home` is lost now ("" while it is not): `_poll` looks before each call,
-    and the call itself once it took its abandon mark (worker_client.py `_gone_now`)."""
+    and the call itself once it took its abandon mark (worker_client.py `WorkerClient._mark`)."""
     return lambda: rt.still_lost(home) if home in rt.lost_workers else ""
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import re
 import shutil
@@ -19,7 +18,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from pwctl.limits import MAX_PRIORITY, MAX_WEIGHT
+from pwctl.limits import share_problem
 from schemas.pathways.v1 import controller_pb2 as cpb
 
 from . import jobsup
@@ -63,18 +62,15 @@ def validate_submit(req: cpb.SubmitJobRequest) -> tuple[PurePosixPath, float]:
             f"the working directory is {len(req.working_dir_zip) / 2**20:.1f} MiB zipped; the limit is "
             f"{MAX_ZIP_BYTES // 2**20} MiB"
         )
-    if abs(req.priority) > MAX_PRIORITY:
-        raise InvalidArgument(
-            f"priority {req.priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
-    weight = req.weight if req.weight != 0 else 1.0  # 0: not set
-    if not math.isfinite(weight) or weight <= 0 or weight > MAX_WEIGHT:
-        raise InvalidArgument(f"weight {req.weight:g} is invalid: it must be a number > 0")
+    problem = share_problem("job", req.priority, req.weight)
+    if problem:
+        raise InvalidArgument(problem)
     if len(req.name) > 128 or any(not c.isprintable() for c in req.name):
         raise InvalidArgument("the job name must be at most 128 printable characters")
     for a in req.args:
         if "\0" in a:
             raise InvalidArgument("arguments must not contain NUL characters")
-    return entry, weight
+    return entry, req.weight or 1.0  # 0: not set
 
 
 def _safe_member(name: str) -> PurePosixPath | None:

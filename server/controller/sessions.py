@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
 
-from pwctl.limits import MAX_PRIORITY, MAX_WEIGHT
+from pwctl.limits import share_problem
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -176,14 +176,9 @@ class SessionManager:
         if dispatch not in ("parallel", "sequential"):
             yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
             return
-        if abs(hello.priority) > MAX_PRIORITY:  # (pwctl/limits.py: a job's range, which its driver's session gets)
-            raise InvalidArgument(f"session priority {hello.priority} is out of range: use "
-                                  f"-{MAX_PRIORITY}..{MAX_PRIORITY}")
-        # 0: not set (1). A job's range (job_files.py): an infinite weight made the scheduler's
-        # account of the session NaN (policy.catch_up: 0 * inf), its fair-share order undefined
-        if hello.weight != 0 and not 0 < hello.weight <= MAX_WEIGHT:
-            raise InvalidArgument(f"session weight {hello.weight:g} is out of range: use a number in "
-                                  f"(0, {MAX_WEIGHT:g}]")
+        problem = share_problem("session", hello.priority, hello.weight)  # a job's range, which its driver's gets
+        if problem:
+            raise InvalidArgument(problem)
         if hello.job_id and not check_job_secret(self.job_key, hello.job_id, hello.job_secret):
             shown = hello.job_id if len(hello.job_id) <= 40 else hello.job_id[:40] + "..."
             raise PermissionDenied(

@@ -52,10 +52,18 @@ class Entry:
         return callbacks or []
 
     @property
+    def held(self) -> bool:
+        """Whether something keeps the buffer: the client's reference, an enqueued reader that has
+        not finished, or a peer's copy kept for a reader to come. A buffer is freed only when this
+        is false (BufferStore `_maybe_free`). The one definition: the store's hot path (`launched`,
+        and `_maybe_free`, which `release` calls per buffer) spells it out inline instead of paying
+        a call per array, and tests/test_buffers.py checks that they agree with it."""
+        return bool(self.client_ref or self.consumers or self.hold)
+
+    @property
     def tombstone(self) -> bool:
         """Released before it existed, and nothing waits for it or reads it."""
-        return (self.released and self.state == PENDING and not self.callbacks and not self.client_ref
-                and self.consumers == 0 and not self.hold)
+        return self.released and self.state == PENDING and not self.callbacks and not self.held
 
 
 class Latch:

@@ -6,16 +6,20 @@ when nobody needs it any more: the client released it (or never held it: program
 intermediates) and no enqueued consumer still has to read it. A release that comes
 before the buffer exists leaves a tombstone so a late upload is dropped, not leaked.
 
+What changes buffers is here (declaring, producing, failing, releasing); waits for them and looks
+at them are in buffer_reads.py, the store's base class, which holds the entries and their lock.
+
 Thread-safe: the executor thread, the completion thread and the gRPC handlers share it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .buffer_entry import FAILED, PENDING, READY, BufferFailed, Entry, Latch, Recent, Waiting
+from .buffer_entry import FAILED, PENDING, READY, Entry, Recent
+from .buffer_entry import BufferFailed as BufferFailed  # what the store's readers catch, taken from here
+from .buffer_reads import BufferReads
 from .computations import Computations
 from .shards import held_nbytes
 
@@ -34,12 +38,12 @@ MAX_TOMBSTONES = 16384
 MAX_ENDED_OWNERS = 4096
 
 
-class BufferStore:
+class BufferStore(BufferReads):
+    """The worker's buffers: what changes them, on the entries and under the lock of its base
+    (`BufferReads`: waits and looks)."""
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[int, Entry] = {}
-        # threads blocked in wait_all(), per buffer: only a settling of that buffer counts them down
-        self._waiters = Waiting()
+        super().__init__()
         # waits for launched buffers' computations to be over (`when_computed`, the executor's
         # `computed`): under this lock, reading these entries
         self.computations = Computations(self._lock, self._entries)
@@ -47,8 +51,6 @@ class BufferStore:
         self._unwanted: Recent[int] = Recent(MAX_UNWANTED)
         self._tombstones: Recent[int] = Recent(MAX_TOMBSTONES)  # their ids
         self._ended: Recent[str] = Recent(MAX_ENDED_OWNERS)
-        # values set and entries forgotten so far (`activity`); new entries show in the entry count
-        self._changes = 0
         # told each buffer `fail` settled as failed (outside the lock): the servicer drops the
         # parts it was gathering for it (parts.py, Gathering)
         self.on_failed: Callable[[int], None] | None = None
@@ -99,8 +101,7 @@ class BufferStore:
             e = self._entries.get(buffer_id)
             if e is not None:
                 e.consumers = max(0, e.consumers - 1)
-                if (e.consumers == 0 and e.state == PENDING and not e.client_ref and not e.released
-                        and not e.hold):
+                if e.state == PENDING and not e.released and not e.held:
                     e.unread = unread = True  # its last reader gave up before it existed
                 self._maybe_free(buffer_id, e, gone)
         if unread and self.on_unread is not None:
@@ -274,151 +275,18 @@ class BufferStore:
                     callbacks.extend(e.take_callbacks())
                 if settle is not None:
                     settle(buffer_id)
-                if not (e.client_ref or e.consumers or e.hold):  # (usually something holds it)
+                if not (e.client_ref or e.consumers or e.hold):  # not Entry.held, inline (usually it is)
                     self._maybe_free(buffer_id, e, gone)
             for buffer_id in input_ids:
                 e = entries.get(buffer_id)
                 if e is not None:
                     if e.consumers > 0:
                         e.consumers -= 1
-                    if not (e.client_ref or e.consumers or e.hold):
+                    if not (e.client_ref or e.consumers or e.hold):  # not Entry.held, inline
                         self._maybe_free(buffer_id, e, gone)
         for cb in callbacks:
             cb()
         return total
-
-    def pending_of(self, buffer_ids: Sequence[int]) -> list[int]:
-        """The ids among these that exist and are still pending (unknown ids count as settled:
-        the launch reports them)."""
-        with self._lock:
-            entries = self._entries
-            out = [b for b in buffer_ids if (e := entries.get(b)) is not None and e.state == PENDING]
-        return list(dict.fromkeys(out)) if len(out) > 1 else out
-
-    # ---- reading ----
-    def wait(self, buffer_id: int, timeout: float | None = None, must_exist: bool = True) -> Any:
-        """Blocks until the buffer is ready; raises BufferFailed or TimeoutError (see `wait_all`)."""
-        return self.wait_all((buffer_id,), timeout, must_exist)[0]
-
-    def wait_all(self, buffer_ids: Sequence[int], timeout: float | None = None, must_exist: bool = True) -> list[Any]:
-        """Blocks until every buffer is ready; their values. Raises BufferFailed when one failed or
-        does not exist (any more), TimeoutError when one is still pending after `timeout`.
-
-        With must_exist=False (a client fetch, which may overtake the enqueue that declares the
-        buffer) an unknown id is waited for instead of failing."""
-        with self._lock:
-            entries = self._entries
-            values = []
-            for b in buffer_ids:  # the usual case first: all ready, one pass
-                e = entries.get(b)
-                if e is None or e.state != READY:
-                    break
-                values.append(e.value)
-            else:
-                return values
-            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist)]
-            if not pending:
-                return self._values(buffer_ids)
-            latch = Latch(len(pending))
-            self._waiters.add(pending, latch)
-        latch.event.wait(timeout)
-        with self._lock:
-            if latch.left > 0:
-                self._waiters.remove(pending, latch)
-            late = next((b for b in pending if not self._settled(b, must_exist)), None)
-            if late is not None:
-                raise TimeoutError(f"buffer {late} is not ready after {timeout} s")
-            return self._values(buffer_ids)
-
-    def watch(self, buffer_ids: Sequence[int], callback: Callable[[], None],
-              must_exist: bool = False) -> Latch | None:
-        """Calls `callback` once every buffer settled (ready, failed, or gone), from the thread that
-        settles the last; None when all are settled already (then it is not called). Unknown ids
-        are waited for (a fetch may overtake the enqueue that declares them) unless `must_exist`,
-        when they count as settled (gone). No thread blocks:
-        the worker's RPC handlers wait on an asyncio future the callback completes, so a caller
-        that gives up (cancels, times out) costs nothing; `unwatch` forgets the latch."""
-        with self._lock:
-            pending = [b for b in dict.fromkeys(buffer_ids) if not self._settled(b, must_exist=must_exist)]
-            if not pending:
-                return None
-            latch = Latch(len(pending), callback)
-            self._waiters.add(pending, latch)
-            return latch
-
-    def unwatch(self, buffer_ids: Sequence[int], latch: Latch) -> None:
-        with self._lock:
-            latch.callback = None
-            self._waiters.remove(dict.fromkeys(buffer_ids), latch)
-
-    def owner_of(self, buffer_id: int) -> str | None:
-        """The owner recorded for a buffer ("" when none was), None when the store has no entry."""
-        with self._lock:
-            e = self._entries.get(buffer_id)
-            return None if e is None else e.owner
-
-    def gathering_over(self, buffer_id: int) -> bool:
-        """Whether parts arriving for this buffer can no longer make it: it settled already
-        (ready or failed) or the client released it before it existed."""
-        with self._lock:
-            e = self._entries.get(buffer_id)
-            return e is not None and (e.state != PENDING or e.released)
-
-    def unread(self, buffer_id: int) -> bool:
-        """Whether the buffer is pending and `unread`: the readers enqueued here all ended before
-        it existed, and neither the client nor a new reader holds it."""
-        with self._lock:
-            e = self._entries.get(buffer_id)
-            return (e is not None and e.unread and e.state == PENDING and e.consumers == 0
-                    and not e.client_ref and not e.hold)
-
-    def released(self, buffer_id: int) -> bool:
-        """Whether the client released this buffer before it existed (a tombstone)."""
-        with self._lock:
-            e = self._entries.get(buffer_id)
-            return e is not None and e.released and e.state == PENDING
-
-    def waiting_ids(self) -> int:
-        """How many buffer ids have waits on them (tests: waits that ended leave nothing)."""
-        with self._lock:
-            return len(self._waiters)
-
-    def _values(self, buffer_ids: Sequence[int]) -> list[Any]:
-        """The values of settled buffers (call with the lock held); BufferFailed for the first
-        that failed or does not exist."""
-        out = []
-        for buffer_id in buffer_ids:
-            e = self._entries.get(buffer_id)
-            if e is None:
-                raise BufferFailed(f"buffer {buffer_id} does not exist (released or never produced)")
-            if e.state == FAILED:
-                raise BufferFailed(e.error)
-            assert e.state == READY, "read only once every buffer settled, under the same lock"
-            out.append(e.value)
-        return out
-
-    def settled(self, buffer_id: int) -> bool:
-        """Whether the buffer exists and is ready or failed (no wait)."""
-        with self._lock:
-            return self._settled(buffer_id, must_exist=False)
-
-    def _settled(self, buffer_id: int, must_exist: bool = True) -> bool:
-        e = self._entries.get(buffer_id)
-        if e is None:
-            return must_exist
-        return e.state != PENDING
-
-    def on_settled(self, buffer_id: int, cb: Callable[[], None]) -> None:
-        """Calls cb (from whichever thread settles it) once the buffer is ready or failed."""
-        with self._lock:
-            e = self._entries.get(buffer_id)
-            if e is not None and e.state == PENDING:
-                if e.callbacks is None:
-                    e.callbacks = [cb]
-                else:
-                    e.callbacks.append(cb)
-                return
-        cb()
 
     # ---- releasing ----
     def release(self, buffer_ids: Sequence[int], owner: str = "") -> None:
@@ -470,17 +338,15 @@ class BufferStore:
                 self._maybe_free(i, e, gone)
             return len(ids)
 
-    def tombstones(self) -> int:
-        """How many tombstones the store keeps (tests, the worker's stats)."""
-        with self._lock:
-            return sum(1 for e in self._entries.values() if e.released and e.state == PENDING)
-
     def _maybe_free(self, buffer_id: int, e: Entry, gone: list[Entry]) -> None:
         """Forgets the buffer when nobody needs it any more. Its entry goes to `gone`, which the
         caller drops after leaving the lock: dropping the last reference to a JAX array runs
         XLA's deallocation (tens of µs, more while a computation still reads it), which must not
-        keep the launch thread waiting for the lock."""
-        if e.client_ref or e.consumers > 0 or e.hold:
+        keep the launch thread waiting for the lock. One that something holds stays: `Entry.held`,
+        spelled out here and in `launched` (which calls this only where it is false) so that the
+        hot path (`launched`, `release`) pays no call per array; tests/test_buffers.py checks that
+        the copies agree with it."""
+        if e.client_ref or e.consumers or e.hold:  # Entry.held, inline
             return
         if e.state == PENDING and not e.released:
             return  # produced later for a reader that has not been enqueued yet
@@ -493,17 +359,3 @@ class BufferStore:
             self._tombstones.pop(buffer_id, None)
         if e.uploaded:
             self._freed_uploads.add(buffer_id)
-
-    # ---- stats ----
-    def activity(self) -> tuple[int, int]:
-        """A value that changes whenever a buffer is added, settles or goes (the worker's idle
-        trimmer looks every half second): O(1), where `stats` reads every entry (tens of
-        thousands while a client's steps are queued: milliseconds under the lock)."""
-        with self._lock:
-            return len(self._entries), self._changes
-
-    def stats(self) -> tuple[int, int]:
-        """(live buffers, bytes), not counting tombstones."""
-        with self._lock:
-            live = [e for e in self._entries.values() if not (e.released and e.state == PENDING)]
-            return len(live), sum(e.nbytes for e in live)

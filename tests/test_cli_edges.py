@@ -269,6 +269,20 @@ def test_priority_is_checked_in_the_controllers_range(pw_home: Path) -> None:
         with pytest.raises(errors.InvalidArgument) as info:
             validate_submit(request)
         assert str(info.value) == f"job priority {value} is out of range: use -1000..1000"  # a session's wording
+    # a weight past the controller's range is refused by pwctl before anything is sent (nobody at
+    # :9 to reach), in the controller's words, which validate_submit gives too
+    weights = ("1e7", "inf", "nan")
+    runs = together(*(lambda weight=weight: subprocess.run(
+        [sys.executable, "-m", "pwctl.cli.main", "submit", seed, "--weight", weight, "-d"], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=60) for weight in weights))
+    request.priority = 0
+    for weight, r in zip(weights, runs, strict=True):
+        said = f"job weight {float(weight):g} is out of range: use a number in (0, 1e+06]"
+        assert (r.returncode, r.stderr) == (2, f"error: {said}\n"), (weight, r.returncode, r.stderr)
+        request.weight = float(weight)
+        with pytest.raises(errors.InvalidArgument) as info:
+            validate_submit(request)
+        assert str(info.value) == said
 
 
 @pytest.mark.timeout(60)

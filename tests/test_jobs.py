@@ -191,8 +191,8 @@ def test_working_dir_is_uploaded_and_validation(module_cluster: LocalCluster, tm
     assert r.returncode == 2 and "empty" in r.stderr
     r = c.pwctl("submit", str(wd / "main.py"), "--weight", "0")
     assert r.returncode == 2 and "weight" in r.stderr
-    # past what pwctl checks (> 0): the controller's range, worded as a session's (pwctl/limits.py
-    # share_problem); it said "it must be a number > 0" of 1e7
+    # past the controller's range: refused before the upload (it was by the controller, after it),
+    # worded as a session's (pwctl/limits.py share_problem); it said "it must be a number > 0" of 1e7
     for weight in ("1e7", "inf", "nan"):
         r = c.pwctl("submit", str(wd / "main.py"), "--weight", weight)
         assert (r.returncode, r.stderr) == (2, f"error: job weight {float(weight):g} is out of range: use a number "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT, InvalidArgument, PathwaysError
-from ..limits import MAX_PRIORITY
+from ..limits import MAX_PRIORITY, MAX_WEIGHT, share_problem
 from .common import (
     Format,
     OutputOpt,
@@ -183,6 +183,8 @@ def submit(
         raise InvalidArgument(f"--weight must be > 0, not {weight:g}")
     if abs(priority) > MAX_PRIORITY:  # the controller's range (pwctl/limits.py), said before the upload
         raise InvalidArgument(f"--priority {priority} is out of range: use -{MAX_PRIORITY}..{MAX_PRIORITY}")
+    if not weight <= MAX_WEIGHT:  # likewise (NaN included), in the controller's words
+        raise InvalidArgument(share_problem("job", priority, weight))
     try:
         data = script.read_bytes()
     except OSError as e:

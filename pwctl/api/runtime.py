@@ -249,8 +249,9 @@ class Runtime:
                 elif kind == "registered":
                     self.registrations.answered(ev.registered)
                 elif kind == "finished":
-                    if not ev.finished.ok and not (ev.finished.replan and self.replans.refused(ev.finished)):
-                        self._fail_run(ev.finished.run_id, ev.finished.error)
+                    fin = ev.finished
+                    if not fin.ok and (error := self.replans.refused(fin) if fin.replan else fin.error) is not None:
+                        self._fail_run(fin.run_id, error)  # (None: refused for its plan, sent again)
                 elif kind == "runs_done":
                     if ev.runs_done.last_run:
                         self.replans.handled(ev.runs_done.last_run)

@@ -79,6 +79,9 @@ class Replans:
         # call's uploads, outside `plan_lock`); None: refused and sent again, its place kept (`handled`)
         self._kept: OrderedDict[int, Sent | None] = OrderedDict()
         self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
+        # runs refused for their plan and not sent again (failed: `refused`), never admitted: a wait
+        # on their futures reports that, not their worker's loss (futures.py `_poll`)
+        self.given_up: Bounded[int, None] = Bounded(MAX_REPLANNED)
         # notified (when someone waits: `_waiting`) where runs stop being kept and at the session's end
         self._answered = threading.Condition(plan_lock)
         self._waiting = 0
@@ -131,6 +134,13 @@ class Replans:
         with: the controller's reason, and how many times it was sent again if it was (the runtime
         records that before the next `handled` lets go of it: a wait on its futures sees one or
         the other)."""
+        error = self._send_again(finished)
+        if error is not None:
+            self.given_up[finished.run_id] = None
+        return error
+
+    def _send_again(self, finished: cpb.RunFinished) -> str | None:
+        """`refused`, but for remembering the runs given up."""
         sent = self._kept.get(finished.run_id)  # (kept until then: a wait on its futures waits for this)
         if sent is None:
             return finished.error
@@ -170,6 +180,11 @@ class Replans:
         """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
         replanned = self.replanned
         return bool(replanned) and any(r in replanned for r in run_ids)
+
+    def gave_up(self, run_ids: Iterable[int]) -> bool:
+        """Whether one of `run_ids` was refused for its plan and not sent again (it failed)."""
+        given_up = self.given_up
+        return bool(given_up) and any(r in given_up for r in run_ids)
 
     def unanswered(self, run_ids: Iterable[int]) -> bool:
         """Whether the controller may still refuse one of `run_ids` for its plan (it has not said it

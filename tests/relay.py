@@ -8,7 +8,10 @@ that takes uploads whose acknowledgements are lost), `hold_open_replies()` the s
 connections open now only (a session's events held while new connections work), `cut()` resets
 every connection open now (both ends see the connection break), `refuse()` also stops accepting
 new ones, `release()` goes back to copying. `delay_replies(s)` passes the target's bytes on `s`
-seconds after they came, in order (a long link: every answer a round trip late)."""
+seconds after they came, in order (a long link: every answer a round trip late).
+`hold_open_requests()` keeps the client's bytes on the connections open now (read, so the client's
+writes go on, and passed on in order by `pass_requests()`, which keeps holding the later ones, or
+by `release()`): a client's messages held on their way, its session's events still coming."""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ class Relay:
         self._refusing = False
         self._closed = False
         self._reply_delay = 0.0  # `delay_replies`
+        # client's side -> (target's side, its bytes kept): `hold_open_requests`
+        self._requests: dict[socket.socket, tuple[socket.socket, list[bytes]]] = {}
         self.accepted = 0
         threading.Thread(target=self._accept, name="test-relay", daemon=True).start()
 
@@ -79,6 +84,8 @@ class Relay:
                         return
                     if s is b and self._reply_delay > 0:
                         late.put((time.monotonic() + self._reply_delay, data))
+                    elif s is a and self._kept(a, data):
+                        pass
                     else:
                         peers[s].sendall(data)
         except (OSError, ValueError):  # cut meanwhile
@@ -100,6 +107,35 @@ class Relay:
             except OSError:
                 return
 
+    def _kept(self, client: socket.socket, data: bytes) -> bool:
+        """Keeps `data`, the client's, when its requests are held (`hold_open_requests`)."""
+        with self._lock:
+            held = self._requests.get(client)
+            if held is not None:
+                held[1].append(data)
+            return held is not None
+
+    def hold_open_requests(self) -> None:
+        """The client's bytes on the connections open now are kept from now on (later connections
+        copy both ways), until `pass_requests` or `release`."""
+        with self._lock:
+            self._requests = {a: (b, []) for a, b in self._pairs}
+
+    def pass_requests(self, stop: bool = False) -> int:
+        """The client's bytes kept so far go on, in order; later ones are kept still (unless
+        `stop`). Returns how many bytes went."""
+        sent = 0
+        with self._lock:
+            for up, kept in self._requests.values():
+                for data in kept:
+                    with contextlib.suppress(OSError):
+                        up.sendall(data)
+                    sent += len(data)
+                kept.clear()
+            if stop:
+                self._requests = {}
+        return sent
+
     def delay_replies(self, seconds: float) -> None:
         """The target's bytes reach the client `seconds` after they came (0: at once again)."""
         self._reply_delay = seconds
@@ -117,6 +153,7 @@ class Relay:
             self._held = {up for _, up in self._pairs}
 
     def release(self) -> None:
+        self.pass_requests(stop=True)
         self._held = set()
         self._refusing = False
         self._replies.set()

@@ -31,7 +31,7 @@ class _Run:
     """What is kept of a run (replan.py `Sent`); never sent again here."""
 
     slices: list[str] = field(default_factory=list)
-    again: bool = False
+    replans: int = 0
 
     def send_again(self, rt: Runtime) -> int:
         raise AssertionError("not sent again in these tests")

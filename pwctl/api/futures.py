@@ -263,8 +263,8 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
     while True:
         if moved(run_ids):
             raise _Moved
-        if lost := gone():  # (or told since the last look)
-            raise fail(lost)
+        if lost := gone():  # (or told since the last look; a run refused, never admitted: its reason)
+            raise fail(lost, runs_first=replans.gave_up(run_ids))
         if failed := first_failure():  # (failed here, an input's upload lost, it may still be sent again)
             raise fail(failed, runs_first=True)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))

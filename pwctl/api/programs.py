@@ -205,7 +205,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
 class _Sent:
     """A run of a registered program, as sent: what sends it (again: replan.py `Sent`)."""
 
-    __slots__ = ("again", "futures", "out_ids", "reg", "run_id", "slices", "values")
+    __slots__ = ("futures", "out_ids", "reg", "replans", "run_id", "slices", "values")
 
     def __init__(self, reg: Registered, values: list[Any]) -> None:
         self.reg = reg
@@ -213,7 +213,7 @@ class _Sent:
         self.values = values
         self.out_ids: list[int] = []
         self.futures: list[Future] = []
-        self.again = False
+        self.replans = 0  # times sent again (replan.py)
         self.run_id = 0
 
     def send(self, rt: Runtime) -> list[Future]:
@@ -241,7 +241,7 @@ class _Sent:
                     input_ids[i], homes[i] = v.id, v.wire_home
             # once per slice, not per output
             addresses = {s: (slices[s].address, slices[s].peers) for s in set(reg.output_slice)}
-            if self.again:  # the same outputs, made where the slices are now
+            if self.replans:  # the same outputs, made where the slices are now
                 for f, s in zip(self.futures, reg.output_slice, strict=True):
                     f.home, f.peers, f.run_id = addresses[s][0], addresses[s][1], run_id
             else:
@@ -260,8 +260,8 @@ class _Sent:
         return self.futures
 
     def send_again(self, rt: Runtime) -> int:
-        """replan.py: sent again (once), planned on the slices as they are now."""
-        self.again = True
+        """replan.py: sent again, planned on the slices as they are now."""
+        self.replans += 1
         self.send(rt)
         return self.run_id
 

@@ -1,5 +1,5 @@
 """Calls the controller refused because they were planned on an older placement of their slices,
-planned anew and sent again, once (controller.proto `RunFinished.replan`).
+planned anew and sent again, up to MAX_REPLANS times (controller.proto `RunFinished.replan`).
 
 A `pw` call is planned on the client: its inputs are uploaded to the worker of its slice as the
 client last heard of it, and its futures wait there. The controller is the authority on
@@ -10,7 +10,10 @@ reads one of its outputs. The client keeps what it needs to send each run again 
 the controller says it handled it (`RunsDone.last_run`); on such a refusal it reads the slices
 that moved (`Whereabouts.read`), uploads the run's array inputs again where they run now, sends
 the run again with the same output ids, and moves its futures there: the caller sees nothing but
-the time it took. A run sent again and refused again fails with the controller's reason.
+the time it took. A run sent again may be refused again (its slice moved again between the
+client's reading of it and the run's arrival: a host flapping, an island re-forming twice within
+a round trip); it is planned anew each time, the slices read again, until MAX_REPLANS re-sendings:
+refused once more, it fails with the controller's reason and how many times it was sent again.
 
 Runs are refused in the order they were sent, and each re-sending happens, in that order, on the
 session's reader: a run reading an output of another one sent again is sent again after it, with
@@ -43,6 +46,13 @@ MAX_REPLANNED = 4096
 # comes right behind the session's events before it: milliseconds; a session whose events are
 # held, far behind, fails such a wait after this long)
 ANSWER_S = 1.0
+# How many times a run refused for its plan is planned anew and sent again before it fails. Each
+# refusal means a slice of its moved between the client's reading of it and the run's arrival at
+# the controller (each re-sending reads the moved slices again first): a slice moving twice within
+# one round trip needs two, a few more cover a flapping host; past that the slice is not settling
+# (or the controller refuses whatever it is sent), and the call fails after this many round trips
+# rather than never.
+MAX_REPLANS = 3
 
 
 class Sent(Protocol):
@@ -50,7 +60,7 @@ class Sent(Protocol):
     send it again."""
 
     slices: list[str]
-    again: bool  # itself sent again already: refused again, it fails
+    replans: int  # how many times it was sent again already (MAX_REPLANS: refused again, it fails)
 
     def send_again(self, rt: Runtime) -> int:
         """Uploads its array inputs again and sends the run again, planned on the slices as the
@@ -69,6 +79,9 @@ class Replans:
         # call's uploads, outside `plan_lock`); None: refused and sent again, its place kept (`handled`)
         self._kept: OrderedDict[int, Sent | None] = OrderedDict()
         self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
+        # runs refused for their plan and not sent again (failed: `refused`), never admitted: a wait
+        # on their futures reports that, not their worker's loss (futures.py `_poll`)
+        self.given_up: Bounded[int, None] = Bounded(MAX_REPLANNED)
         # notified (when someone waits: `_waiting`) where runs stop being kept and at the session's end
         self._answered = threading.Condition(plan_lock)
         self._waiting = 0
@@ -114,29 +127,40 @@ class Replans:
         with self._lock:
             self._answered.notify_all()
 
-    def refused(self, finished: cpb.RunFinished) -> bool:
+    def refused(self, finished: cpb.RunFinished) -> str | None:
         """The controller refused a run for its plan (`finished.replan`): reads the slices that
-        moved and sends it again; False when it cannot (not kept, sent again already, a slice not
-        read anew): the run fails with the controller's reason (the runtime records that before
-        the next `handled` lets go of it: a wait on its futures sees one or the other)."""
+        moved and sends it again, and returns None. When it cannot (not kept, sent again MAX_REPLANS
+        times already, a slice not read anew, the session over) it returns the error the run fails
+        with: the controller's reason, and how many times it was sent again if it was (the runtime
+        records that before the next `handled` lets go of it: a wait on its futures sees one or
+        the other)."""
+        error = self._send_again(finished)
+        if error is not None:
+            self.given_up[finished.run_id] = None
+        return error
+
+    def _send_again(self, finished: cpb.RunFinished) -> str | None:
+        """`refused`, but for remembering the runs given up."""
         sent = self._kept.get(finished.run_id)  # (kept until then: a wait on its futures waits for this)
-        if sent is None or sent.again:
-            return False
+        if sent is None:
+            return finished.error
+        if sent.replans >= MAX_REPLANS:
+            return _failed(finished.error, sent.replans, ": its slices kept moving")
         rt = self._rt
         for name, now in zip(sent.slices, finished.slice_generations, strict=False):
             vs = rt.slices.get(name)
             if vs is None:
-                return False
+                return _failed(finished.error, sent.replans)
             if vs.info.generation < now:  # (the session's SliceChanged, before this, says so already)
                 rt.where.read(name)
                 if vs.info.generation < now:  # not answered, or gone meanwhile
-                    return False
+                    return _failed(finished.error, sent.replans)
         try:
             again = sent.send_again(rt)
         except PathwaysError:  # the session ended meanwhile: the run fails with the controller's reason
-            return False
+            return _failed(finished.error, sent.replans)
         self.sent_again(finished.run_id, again)
-        return True
+        return None
 
     def sent_again(self, run_id: int, again: int) -> None:
         """Kept run `run_id` was refused and sent again as run `again` (kept in its turn): what
@@ -156,6 +180,11 @@ class Replans:
         """Whether one of `run_ids` was sent again (its futures moved: futures.py looks again)."""
         replanned = self.replanned
         return bool(replanned) and any(r in replanned for r in run_ids)
+
+    def gave_up(self, run_ids: Iterable[int]) -> bool:
+        """Whether one of `run_ids` was refused for its plan and not sent again (it failed)."""
+        given_up = self.given_up
+        return bool(given_up) and any(r in given_up for r in run_ids)
 
     def unanswered(self, run_ids: Iterable[int]) -> bool:
         """Whether the controller may still refuse one of `run_ids` for its plan (it has not said it
@@ -181,3 +210,12 @@ class Replans:
                     self._answered.wait(left)
             finally:
                 self._waiting -= 1
+
+
+def _failed(error: str, replans: int, why: str = "") -> str:
+    """The controller's reason `error` for a run refused for its plan, and not sent again, after
+    it was sent again `replans` times."""
+    if not replans:
+        return error
+    times = "once" if replans == 1 else f"{replans} times"
+    return f"{error} (planned anew and sent again {times} already{why})"

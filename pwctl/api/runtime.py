@@ -61,12 +61,14 @@ CLOSE_THREADS_S = 2.0
 
 
 class _Lost(Exception):
-    """The session stream ended; `reason` says why (reconnect, unless `final`)."""
+    """The session stream ended; `reason` says why (reconnect, unless `final`); `error`: the
+    controller's refusal, typed (before the welcome: the caller gets it as it is)."""
 
-    def __init__(self, reason: str, final: bool = False) -> None:
+    def __init__(self, reason: str, final: bool = False, error: PathwaysError | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.final = final
+        self.error = error
 
 
 class Runtime:
@@ -103,6 +105,7 @@ class Runtime:
         self._runs_done = 0  # as the controller last reported (RunsDone)
         self._progress = threading.Condition()
         self._session_error = ""
+        self._refused: PathwaysError | None = None  # the session refused before its welcome (`_follow`)
         self._workers: dict[str, WorkerClient] = {}
         self._workers_lock = threading.Lock()
         # lost and suspect workers, and lookups at the controller (whereabouts.py); whether a slice's
@@ -210,7 +213,7 @@ class Runtime:
             with self._progress:  # calls waiting for room see the session's end
                 self._progress.notify_all()
             if not self._welcome.done():
-                self._welcome.set_exception(ConnectionFailed(self._session_error or "session closed"))
+                self._welcome.set_exception(self._refused or ConnectionFailed(self._session_error or "session closed"))
             self.registrations.session_over(self._session_error or "session closed")
             self.replans.session_over()  # waits for the controller's answer to a run end
 
@@ -224,7 +227,7 @@ class Runtime:
                 if self.closed:
                     return
                 if lost.final or not self._welcome.done():
-                    self._session_error = lost.reason
+                    self._session_error, self._refused = lost.reason, lost.error
                     return
                 if self.reconnect_s <= 0:
                     address = self.client.address
@@ -249,8 +252,9 @@ class Runtime:
                 elif kind == "registered":
                     self.registrations.answered(ev.registered)
                 elif kind == "finished":
-                    if not ev.finished.ok and not (ev.finished.replan and self.replans.refused(ev.finished)):
-                        self._fail_run(ev.finished.run_id, ev.finished.error)
+                    fin = ev.finished
+                    if not fin.ok and (error := self.replans.refused(fin) if fin.replan else fin.error) is not None:
+                        self._fail_run(fin.run_id, error)  # (None: refused for its plan, sent again)
                 elif kind == "runs_done":
                     if ev.runs_done.last_run:
                         self.replans.handled(ev.runs_done.last_run)
@@ -274,8 +278,8 @@ class Runtime:
         except PathwaysError as e:
             if self.closed:
                 return
-            if not self._welcome.done():  # never connected: the usual one-line advice
-                raise _Lost(str(e), final=True) from None
+            if not self._welcome.done():  # never connected, or refused: its type (exit status) kept
+                raise _Lost(str(e), final=True, error=e) from None
             code = e.code.name.lower() if e.code is not None else "error"
             raise _Lost(going_away or f"{code} {e.details}".strip()) from None
         if not self.closed:

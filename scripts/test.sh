@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 # System packages some tests need: Slurm and munge (tests/test_slurm.py runs a real Slurm),
 # iproute2 (tests/hosts.py: separate hosts from network namespaces), tmux (tests/test_watch_tmux.py:
 # `pwctl status --watch` in a real terminal), openssl (tests/tlscerts.py: a throwaway CA for the TLS
-# tests). Installed only when missing,
+# tests), postgresql (tests/test_postgres.py). Installed only when missing,
 # and only as root with apt-get; otherwise those tests skip and say why. Nothing is fetched when
 # everything is there, so this works offline once installed.
 missing=()
@@ -15,6 +15,8 @@ command -v munged > /dev/null || missing+=(munge)
 command -v ip > /dev/null || missing+=(iproute2)
 command -v tmux > /dev/null || missing+=(tmux)
 command -v openssl > /dev/null || missing+=(openssl)
+# postgresql: tests/test_postgres.py (the controller on PostgreSQL, in a throwaway server)
+command -v initdb > /dev/null || compgen -G "/usr/lib/postgresql/*/bin/initdb" > /dev/null || missing+=(postgresql)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get > /dev/null; then
     mkdir -p .venv

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 MAX_PRIORITY = 1000  # a job's priority (SubmitJobRequest.priority) is -MAX_PRIORITY..MAX_PRIORITY
 MAX_WEIGHT = 1e6  # a job's (and a session's) proportional-share weight is a number in (0, MAX_WEIGHT]
+DISPATCH_MODES = ("parallel", "sequential")  # a session's dispatch (Hello.dispatch; PWCTL_DISPATCH)
 
 
 def share_problem(what: str, priority: int, weight: float) -> str:

@@ -6,7 +6,7 @@ refuses one out of range with INVALID_ARGUMENT, in one line, and goes on serving
 client read PWCTL_PRIORITY with `int(...)`: a value that is not an integer raised ValueError from
 inside the runtime (a traceback, not a pwctl error), one out of range went to the controller; now
 both are a one-line InvalidArgument (exit status 2 where pwctl maps it), before anything is opened.
-PWCTL_WEIGHT likewise (`float(...)`).
+PWCTL_WEIGHT likewise (`float(...)`), and PWCTL_DISPATCH (one of parallel and sequential).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import controller_pb2_grpc as cgrpc
+from schemas.pathways.v1 import worker_pb2 as wpb
 from tests.conftest import REPO, LocalCluster, base_env
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster(islands=1, devices=1)]
@@ -50,6 +51,8 @@ print("connected")
     ("PWCTL_WEIGHT", "0", "a number in (0, 1e+06]"),
     ("PWCTL_WEIGHT", "-0.0", "a number in (0, 1e+06]"),
     ("PWCTL_WEIGHT", "1e-400", "a number in (0, 1e+06]"),  # a float of 0
+    # the controller refused it after connecting, untyped: "unknown dispatch mode", exit 1
+    ("PWCTL_DISPATCH", "eager", "parallel or sequential"),
 ])
 def test_a_bad_session_priority_or_weight_in_the_environment_is_one_line(tmp_path: Path, name: str, value: str,
                                                                          expected: str) -> None:
@@ -93,6 +96,33 @@ def test_the_controller_refuses_a_session_priority_or_weight_out_of_range_and_go
             call = stub.Session(hello(value), timeout=30)
             assert next(iter(call)).WhichOneof("msg") == "welcome"
             call.cancel()
+        assert stub.GetInfo(cpb.GetInfoRequest(), timeout=10).version
+    finally:
+        channel.close()
+    logs = module_cluster.controller_logs()
+    assert "Traceback" not in logs, logs[logs.find("Traceback") - 500:][:3000]
+
+
+def test_a_session_without_hello_or_with_an_unknown_dispatch_mode_is_invalid_argument(
+        module_cluster: LocalCluster) -> None:
+    """Refused before the welcome with INVALID_ARGUMENT and the reason in one line, as a bad priority
+    is (a `pw` client keeps the type: exit 2); it was a SessionEvent(error=...) on an OK stream,
+    which the client could only report as a failed connection (exit 1)."""
+    channel = module_cluster.channel()
+    stub = cgrpc.ControllerStub(channel)
+    cases = [
+        (iter([cpb.ClientMessage(hello=cpb.Hello(client_name="raw", dispatch="eager"))]),
+         "unknown dispatch mode 'eager': use parallel or sequential"),
+        (iter([cpb.ClientMessage(hello=cpb.Hello(client_name="raw", dispatch="x" * 5000))]),
+         f"unknown dispatch mode '{'x' * 40}...': use parallel or sequential"),
+        (iter([cpb.ClientMessage(release=wpb.ReleaseBuffers())]), "a session starts with a hello message"),
+        (iter([]), "a session starts with a hello message"),
+    ]
+    try:
+        for messages, error in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(stub.Session(messages, timeout=30)))
+            assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, error)
         assert stub.GetInfo(cpb.GetInfoRequest(), timeout=10).version
     finally:
         channel.close()

@@ -14,7 +14,7 @@ import pytest
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 from server.controller.client_session import ClientSession
-from server.controller.errors import GroupForming
+from server.controller.errors import GroupForming, InvalidArgument
 from server.controller.programs import ProgramRecord
 from server.controller.sessions import SessionManager
 from server.controller.slices import Placement
@@ -206,10 +206,11 @@ def test_a_stream_without_hello_or_with_an_unknown_mode_is_refused() -> None:
         hold.set()
         return [ev async for ev in p.manager.serve(_stream(msgs, hold), None)]  # type: ignore[arg-type]
 
-    assert asyncio.run(first([])) == [cpb.SessionEvent(error="a session starts with a hello message")]
+    with pytest.raises(InvalidArgument, match=r"^a session starts with a hello message$"):
+        asyncio.run(first([]))
     bad = cpb.ClientMessage(hello=cpb.Hello(client_name="t", dispatch="eager"))
-    assert asyncio.run(first([bad])) == [
-        cpb.SessionEvent(error="unknown dispatch mode 'eager': use parallel or sequential")]
+    with pytest.raises(InvalidArgument, match=r"^unknown dispatch mode 'eager': use parallel or sequential$"):
+        asyncio.run(first([bad]))
     assert p.manager.sessions == {}
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import InvalidArgument
-from ..limits import MAX_PRIORITY, MAX_WEIGHT
+from ..limits import DISPATCH_MODES, MAX_PRIORITY, MAX_WEIGHT
 
 N = TypeVar("N", int, float)
 
@@ -43,6 +43,15 @@ def env_weight(value: str) -> float:
     # the least positive float: a float is >= it exactly when it is > 0
     return env_amount("PWCTL_WEIGHT", value, 1.0, float, f"a number in (0, {MAX_WEIGHT:g}]", low=math.ulp(0.0),
                       high=MAX_WEIGHT)
+
+
+def env_dispatch(value: str) -> str:
+    """PWCTL_DISPATCH (`value`): the session's dispatch mode, one of DISPATCH_MODES; "" when blank
+    (the controller's default, `pwctl server start --dispatch`)."""
+    mode = value.strip()
+    if mode and mode not in DISPATCH_MODES:
+        raise InvalidArgument(f"PWCTL_DISPATCH={value!r}: expected {' or '.join(DISPATCH_MODES)}")
+    return mode
 
 
 def keep_local_jax_on_cpu() -> None:

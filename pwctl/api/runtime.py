@@ -33,7 +33,7 @@ from ..client import Client
 from ..errors import ConnectionFailed, PathwaysError
 from ..worker_client import Upload, WorkerClient
 from .bounded import Bounded
-from .env import env_amount, env_priority, env_weight, keep_local_jax_on_cpu
+from .env import env_amount, env_dispatch, env_priority, env_weight, keep_local_jax_on_cpu
 from .packing import Release
 from .registration import Registrations
 from .replan import Replans
@@ -89,6 +89,7 @@ class Runtime:
         # the session's, read first: a bad one is said in one line before anything is opened
         priority = env_priority(os.environ.get("PWCTL_PRIORITY", ""))
         weight = env_weight(os.environ.get("PWCTL_WEIGHT", ""))
+        dispatch = env_dispatch(os.environ.get("PWCTL_DISPATCH", ""))
         self.client = Client(server=server)
         self.job_id = os.environ.get("PWCTL_JOB_ID", "")
         self.closed = False
@@ -134,7 +135,7 @@ class Runtime:
             job_secret=os.environ.get("PWCTL_JOB_SECRET", "") if self.job_id else "",  # proves it is the driver
             priority=priority,
             weight=weight,
-            dispatch=os.environ.get("PWCTL_DISPATCH", ""),
+            dispatch=dispatch,
             ack_releases=True,  # releases not acknowledged are sent again on resuming (sender.py)
         )
         sender = self._sender

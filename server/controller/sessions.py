@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from grpc import aio
 
-from pwctl.limits import share_problem
+from pwctl.limits import DISPATCH_MODES, share_problem
 from schemas.pathways.v1 import controller_pb2 as cpb
 from schemas.pathways.v1 import worker_pb2 as wpb
 
@@ -168,14 +168,14 @@ class SessionManager:
             first = first.batch.messages[0]
         else:
             rest = []
+        # refusals before the welcome are typed (INVALID_ARGUMENT), as a client's other usage errors
         if first is None or first.WhichOneof("msg") != "hello":
-            yield cpb.SessionEvent(error="a session starts with a hello message")
-            return
+            raise InvalidArgument("a session starts with a hello message")
         hello = first.hello
         dispatch = hello.dispatch or self.default_dispatch
-        if dispatch not in ("parallel", "sequential"):
-            yield cpb.SessionEvent(error=f"unknown dispatch mode {dispatch!r}: use parallel or sequential")
-            return
+        if dispatch not in DISPATCH_MODES:
+            shown = dispatch if len(dispatch) <= 40 else dispatch[:40] + "..."
+            raise InvalidArgument(f"unknown dispatch mode {shown!r}: use parallel or sequential")
         problem = share_problem("session", hello.priority, hello.weight)  # a job's range, which its driver's gets
         if problem:
             raise InvalidArgument(problem)

@@ -252,19 +252,22 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
         return next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
 
     def fail(error: str, runs_first: bool = False) -> ProgramError:
-        """The error to raise (the first run's failure first, with `runs_first`); raises _Moved
-        instead when a run was sent again meanwhile."""
+        """The error to raise (the first run's failure first, with `runs_first`, or when a run was
+        refused for its plan and not sent again: it never reached the worker, whose loss does not
+        say why the call failed); raises _Moved instead when a run was sent again meanwhile. Both
+        are looked at after the controller's answer came (the refusal, behind the news of the
+        worker's loss on the session's stream, often comes during this wait)."""
         if replans.unanswered(run_ids):
             replans.wait_answer(run_ids, deadline)
         if moved(run_ids):
             raise _Moved
-        return ProgramError((first_failure() if runs_first else "") or error)
+        return ProgramError((first_failure() if runs_first or replans.gave_up(run_ids) else "") or error)
 
     while True:
         if moved(run_ids):
             raise _Moved
         if lost := gone():  # (or told since the last look; a run refused, never admitted: its reason)
-            raise fail(lost, runs_first=replans.gave_up(run_ids))
+            raise fail(lost)
         if failed := first_failure():  # (failed here, an input's upload lost, it may still be sent again)
             raise fail(failed, runs_first=True)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))

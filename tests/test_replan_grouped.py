@@ -21,6 +21,8 @@ controller through the relay."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from stepped import end, start
 from stepped import line as _line
@@ -65,6 +67,7 @@ def watch():
 print(json.dumps({"b": fb.home}), flush=True)
 sys.stdin.readline()  # a's worker is frozen
 threading.Thread(target=watch, daemon=True).start()
+print(json.dumps({"waiting": True}), flush=True)
 try:
     pw.block_until_ready((fa, fb), timeout=60)
     out = {"value": np.asarray(fb).tolist(), "error": ""}
@@ -97,6 +100,8 @@ def test_a_wait_on_several_workers_finds_a_future_whose_run_was_sent_again_meanw
         assert _line(proc) == {"b": old}  # planned on what it knew
         cluster.stop_worker("w-a")  # the wait on a's future, the first group, lasts meanwhile
         _say(proc)
+        assert _line(proc) == {"waiting": True}
+        time.sleep(0.5)  # (grouped meanwhile, a's group waited on)
         relay.release()  # b's move, then the refusal: b's run sent again while a's group is waited on
         assert _line(proc) == {"sent_again": True}
         cluster.cont_worker("w-a")

@@ -13,12 +13,16 @@ on an older placement of slice ...: send it again'); now it is sent again where 
 A slice that keeps moving (each time between the client's sending of the run and its arrival: the
 relay holds the client's messages while the slice moves, then passes them on) fails the call after
 MAX_REPLANS re-sendings, at the next refusal, in one line naming how many times it was sent again;
-not a call sent again for ever.
+not a call sent again for ever. So does a wait on it that began before that refusal came (its
+worker's host declared lost meanwhile): it waits for the controller's answer, then says its reason
+(futures.py `_poll`), not the loss of a worker the refused run never reached.
 
 Real processes: a controller and its workers in turn (each frozen, declared lost, and replaced at
 a new address), the `pw` program in its own process reaching the controller through the relay."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from stepped import end, start
@@ -67,8 +71,11 @@ MOVING = """\
 import json, sys, time
 import numpy as np
 import pwctl as pw
+from pwctl.api import replan
 from pwctl.api.runtime import Runtime
 
+# a wait that began before the last refusal waits for it (the relay lets it through a second later)
+replan.ANSWER_S = 60.0
 a = pw.make_virtual_device_set().add_slice(devices=1)
 g = pw.pmap(lambda v: v + 1.0, devices=a.devices)
 x = np.ones((1, 2), np.float32)
@@ -80,10 +87,15 @@ f = g(x)
 print(json.dumps({"address": a.address}), flush=True)
 while True:
     run = f.run_id
-    sys.stdin.readline()  # the slice moved, and the run went on to the controller
-    start = time.monotonic()
-    while f.run_id == run and not rt.run_failed(run) and time.monotonic() - start < 30:
-        time.sleep(0.01)  # refused: sent again, or failed
+    if sys.stdin.readline().strip() == "wait":  # the slice moved again, the run still held: waited on now
+        start = time.monotonic()
+        while f.home not in rt.lost_workers and time.monotonic() - start < 30:
+            time.sleep(0.01)  # (its worker's host declared lost: the session said so)
+        print(json.dumps({"lost": f.home in rt.lost_workers, "failed": rt.run_failed(run)}), flush=True)
+    else:  # the slice moved, and the run went on to the controller
+        start = time.monotonic()
+        while f.run_id == run and not rt.run_failed(run) and time.monotonic() - start < 30:
+            time.sleep(0.01)  # refused: sent again, or failed
     out = {"sent_again": f.run_id != run, "address": a.address, "error": ""}
     if not out["sent_again"]:
         try:
@@ -140,7 +152,13 @@ def test_a_call_whose_slice_moved_twice_within_its_round_trip_gets_the_value(clu
                 cluster.kill_worker(name)
 
 
-def test_a_call_whose_slice_keeps_moving_fails_after_max_replans_in_one_line(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("wait", ["after", "before"])
+def test_a_call_whose_slice_keeps_moving_fails_after_max_replans_in_one_line(cluster: LocalCluster,
+                                                                             wait: str) -> None:
+    """`wait`: whether the caller waits on the call after its last refusal (the run failed already)
+    or before it (its worker's host declared lost, the run not answered yet: the wait waits for the
+    controller's answer, then says the refusal's reason; it said the worker's loss, 'the worker at
+    ... does not answer', though the refused run never reached that worker)."""
     relay = Relay(cluster.address)
     proc = start(cluster.env(), relay, MOVING)
     frozen = [f"frozen-{k}" for k in range(MAX_REPLANS + 1)]
@@ -151,10 +169,19 @@ def test_a_call_whose_slice_keeps_moving_fails_after_max_replans_in_one_line(clu
         assert _line(proc) == {"address": old}
         for k, name in enumerate(frozen):
             new = _move(cluster, name)  # (the run, planned before, waits meanwhile)
-            assert relay.pass_requests() > 0  # the run goes on: refused, planned on an older placement
-            _say(proc)
+            last = k == MAX_REPLANS
+            if last and wait == "before":
+                assert proc.stdin is not None
+                proc.stdin.write("wait\n")
+                proc.stdin.flush()
+                assert _line(proc) == {"lost": True, "failed": ""}  # the run not refused yet: still held
+                time.sleep(1.0)  # (the wait began meanwhile)
+                assert relay.pass_requests() > 0  # refused a 4th time now, while the caller waits
+            else:
+                assert relay.pass_requests() > 0  # the run goes on: refused, planned on an older placement
+                _say(proc)
             out = _line(proc)
-            if k < MAX_REPLANS:  # sent again where the slice is now (its SliceChanged came first)
+            if not last:  # sent again where the slice is now (its SliceChanged came first)
                 assert out["sent_again"] and out["address"] == new and not out["error"], (k, out)
                 continue
             # before: sent again once (refused again: failed), or, unbounded, sent again for ever

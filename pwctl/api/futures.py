@@ -22,6 +22,15 @@ class _Moved(Exception):
     they are waited for again where they are now (their `home` and `run_id` were changed first)."""
 
 
+# `_where`: a wait reads a future's run id before its home (its members' addresses), and waits
+# there under that run id. A re-sending (programs.py `_Sent.send`, on the session's reader) moves a
+# future's home and peers first, then its run id, and then says the old run was sent again
+# (replan.py `replanned`): a run id read first is the old one (the wait sees it moved: `_Moved`, and
+# looks again) or the new one with the new home. Read the other way round, an old home could go
+# with the new run id, which nothing moves any more: the wait looked for the future at its old
+# worker until it failed there.
+
+
 class Future:
     """A (possibly sharded) array on a worker. Passing it to another call never moves its
     bytes through the client; `result()`, `np.asarray(f)` and `print(f)` fetch the value.
@@ -61,20 +70,21 @@ class Future:
         if self._value is None and self.peers:
             self._value = self._gather(timeout)
         if self._value is None:
-            conn = self._rt.worker(self.home)
+            run_ids, home = {self.run_id}, self.home  # in this order (`_where`)
+            conn = self._rt.worker(home)
             nbytes = self.size * self.dtype.itemsize
 
             def fetch(wait_s: float) -> tuple[bool, str]:
-                unsure = _check_uncertain(self._rt, self.home, [self], wait_s)
+                unsure = _check_uncertain(self._rt, home, [self], wait_s)
                 if unsure is not None and not unsure[0]:
                     return unsure
-                value, error = conn.fetch(self.id, wait_s, nbytes, gone=_gone(self._rt, self.home))
+                value, error = conn.fetch(self.id, wait_s, nbytes, gone=_gone(self._rt, home))
                 if value is not None:
                     value.flags.writeable = False
                     self._value = value
                 return value is not None, error
 
-            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready", self.home)
+            _poll(self._rt, run_ids, timeout, fetch, f"future {self.id:#x} not ready", home)
         assert self._value is not None
         return self._value
 
@@ -90,6 +100,7 @@ class Future:
         out = np.empty(self.shape, dtype=self.dtype)
         covered = 0
         seen: set[tuple[int, ...]] = set()
+        run_ids = {self.run_id}  # before its members' addresses (`_where`)
         for address in (self.home, *self.peers):
             conn = self._rt.worker(address)
             got: list[list[tuple[tuple[int, ...], np.ndarray]]] = []
@@ -104,7 +115,7 @@ class Future:
                     got.append(parts)
                 return parts is not None, error
 
-            _poll(self._rt, {self.run_id}, timeout, fetch, f"future {self.id:#x} not ready", conn.address)
+            _poll(self._rt, run_ids, timeout, fetch, f"future {self.id:#x} not ready", conn.address)
             for start, part in got[0]:
                 if start in seen:
                     continue
@@ -122,7 +133,8 @@ class Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
         while self._value is None:
             try:
-                _wait_computed(self._rt, self.home, [self], timeout)
+                run_ids = {self.run_id}  # before its home (`_where`)
+                _wait_computed(self._rt, self.home, [self], run_ids, timeout)
                 break
             except _Moved:  # sent again elsewhere (replan.py): waited for where it is now
                 continue
@@ -160,18 +172,24 @@ def block_until_ready(x: Any, timeout: float | None = None) -> Any:
 
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if isinstance(leaf, Future) and leaf._value is None]
     while True:
-        by_home: dict[tuple[int, str], list[Future]] = {}
+        # grouped by worker, each group's run ids read with its homes (before them: `_where`), not
+        # when its turn comes: a run sent again while an earlier group is waited on is seen moved
+        by_home: dict[tuple[int, str], tuple[list[Future], set[int]]] = {}
         for leaf in leaves:
-            by_home.setdefault((id(leaf._rt), leaf.home), []).append(leaf)
+            run_id = leaf.run_id
+            futures, run_ids = by_home.setdefault((id(leaf._rt), leaf.home), ([], set()))
+            futures.append(leaf)
+            run_ids.add(run_id)
         try:
-            for (_, home), futures in by_home.items():
-                _wait_computed(futures[0]._rt, home, futures, timeout)
+            for (_, home), (futures, run_ids) in by_home.items():
+                _wait_computed(futures[0]._rt, home, futures, run_ids, timeout)
             return x
         except _Moved:  # looked for again where they are now (those computed already answer at once)
             continue
 
 
-def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
+def _wait_computed(rt: Runtime, home: str, futures: list[Future], run_ids: set[int], timeout: float | None) -> None:
+    """Waits until `futures` (at `home`, of runs `run_ids`, read before `home`: `_where`) are computed."""
     conn = rt.worker(home)
     ids = [f.id for f in futures]
 
@@ -181,7 +199,7 @@ def _wait_computed(rt: Runtime, home: str, futures: list[Future], timeout: float
             return unsure
         return conn.wait(ids, wait_s, gone=_gone(rt, home))
 
-    _poll(rt, {f.run_id for f in futures}, timeout, wait, "not computed", home)
+    _poll(rt, run_ids, timeout, wait, "not computed", home)
 
 
 def _gone(rt: Runtime, home: str) -> Callable[[], str]:
@@ -252,19 +270,22 @@ def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callab
         return next((msg for msg in map(rt.run_failed, run_ids) if msg), "")
 
     def fail(error: str, runs_first: bool = False) -> ProgramError:
-        """The error to raise (the first run's failure first, with `runs_first`); raises _Moved
-        instead when a run was sent again meanwhile."""
+        """The error to raise (the first run's failure first, with `runs_first`, or when a run was
+        refused for its plan and not sent again: it never reached the worker, whose loss does not
+        say why the call failed); raises _Moved instead when a run was sent again meanwhile. Both
+        are looked at after the controller's answer came (the refusal, behind the news of the
+        worker's loss on the session's stream, often comes during this wait)."""
         if replans.unanswered(run_ids):
             replans.wait_answer(run_ids, deadline)
         if moved(run_ids):
             raise _Moved
-        return ProgramError((first_failure() if runs_first else "") or error)
+        return ProgramError((first_failure() if runs_first or replans.gave_up(run_ids) else "") or error)
 
     while True:
         if moved(run_ids):
             raise _Moved
         if lost := gone():  # (or told since the last look; a run refused, never admitted: its reason)
-            raise fail(lost, runs_first=replans.gave_up(run_ids))
+            raise fail(lost)
         if failed := first_failure():  # (failed here, an input's upload lost, it may still be sent again)
             raise fail(failed, runs_first=True)
         wait = FETCH_POLL_S if deadline is None else max(0.001, min(FETCH_POLL_S, deadline - time.monotonic()))

@@ -241,7 +241,7 @@ class _Sent:
                     input_ids[i], homes[i] = v.id, v.wire_home
             # once per slice, not per output
             addresses = {s: (slices[s].address, slices[s].peers) for s in set(reg.output_slice)}
-            if self.replans:  # the same outputs, made where the slices are now
+            if self.replans:  # the same outputs, made where the slices are now (the run id last: futures.py `_where`)
                 for f, s in zip(self.futures, reg.output_slice, strict=True):
                     f.home, f.peers, f.run_id = addresses[s][0], addresses[s][1], run_id
             else:

@@ -149,7 +149,8 @@ def submit(
     name: Annotated[str, typer.Option("--name", help="Job name (default: the script's name)")] = "",
     priority: Annotated[int, typer.Option("--priority", help="Scheduling priority of its programs "
                                                              f"(higher first, -{MAX_PRIORITY}..{MAX_PRIORITY})")] = 0,
-    weight: Annotated[float, typer.Option("--weight", help="Proportional-share weight (> 0)")] = 1.0,
+    weight: Annotated[float, typer.Option("--weight", help="Proportional-share weight, a number in "
+                                                           f"(0, {MAX_WEIGHT:g}]")] = 1.0,
     working_dir: Annotated[Path | None, typer.Option(
         "--working-dir", show_default=False,
         help="Directory uploaded with the script (at most 50 MiB zipped); the driver runs in it",

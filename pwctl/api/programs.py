@@ -193,7 +193,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     if rt.resume.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
         for v in values:
             if isinstance(v, Future):
-                settle(rt, v.home, [v], None)
+                settle(rt, v, None)
     futures = _Sent(reg, values).send(rt)
 
     def pick(slot: _Slot) -> Any:

@@ -247,6 +247,10 @@ futures = [f(np.full(2, float(i))) for i in range(5)]
 time.sleep(1.0)  # handed to the controller
 print("sent", flush=True)
 sys.stdin.readline()  # the controller was killed and started again, the worker continued
+try:  # a call reading a future of a run in flight at the restart waits until it is known computed (settle)
+    print("ok" if np.asarray(f(futures[0])).tolist() == [2.0] * 2 else "WRONG", flush=True)
+except pw.PathwaysError as e:
+    print("error", e, flush=True)
 for i, fu in enumerate(futures):
     try:
         print("ok" if fu.result(timeout=60).tolist() == [i + 1.0] * 2 else "WRONG", flush=True)
@@ -260,7 +264,8 @@ print("after", np.asarray(f(np.ones(2))).tolist(), flush=True)
 def test_calls_in_flight_at_a_crash_complete_or_fail_naming_the_restart(cluster: LocalCluster) -> None:
     """Calls handed to the controller while their worker cannot run them (stopped), then the
     controller is killed: after the restart each call's future gives its value or a clear error
-    naming the restart (none waits for ever), and the program's next call works."""
+    naming the restart (none waits for ever), as does a call reading one of them (futures.py
+    `settle`), and the program's next call works."""
     proc = subprocess.Popen([sys.executable, "-c", IN_FLIGHT], env=cluster.env(), cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
@@ -281,7 +286,7 @@ def test_calls_in_flight_at_a_crash_complete_or_fail_naming_the_restart(cluster:
     lines = out.splitlines()
     assert lines[-1] == "after [2.0, 2.0]", out + err[-3000:]
     outcomes = lines[:-1]
-    assert len(outcomes) == 5, out
+    assert len(outcomes) == 6, out
     for line in outcomes:
         assert line == "ok" or (line.startswith("error") and "restarted" in line), line
 

@@ -22,13 +22,19 @@ class _Moved(Exception):
     they are waited for again where they are now (their `home` and `run_id` were changed first)."""
 
 
-# `_where`: a wait reads a future's run id before its home (its members' addresses), and waits
-# there under that run id. A re-sending (programs.py `_Sent.send`, on the session's reader) moves a
-# future's home and peers first, then its run id, and then says the old run was sent again
-# (replan.py `replanned`): a run id read first is the old one (the wait sees it moved: `_Moved`, and
-# looks again) or the new one with the new home. Read the other way round, an old home could go
-# with the new run id, which nothing moves any more: the wait looked for the future at its old
-# worker until it failed there.
+def _where(future: Future) -> tuple[set[int], str]:
+    """The run id of `future` and its home, read in this order (`settle`; the waits below read
+    them inline, in the same order).
+
+    A wait reads a future's run id before its home (its members' addresses), and waits there
+    under that run id. A re-sending (programs.py `_Sent.send`, on the session's reader) moves a
+    future's home and peers first, then its run id, and then says the old run was sent again
+    (replan.py `replanned`): a run id read first is the old one (the wait sees it moved: `_Moved`,
+    and looks again) or the new one with the new home. Read the other way round, an old home could
+    go with the new run id, which nothing moves any more: the wait looked for the future at its old
+    worker until it failed there."""
+    run_ids = {future.run_id}
+    return run_ids, future.home
 
 
 class Future:
@@ -229,22 +235,28 @@ def _check_uncertain(rt: Runtime, home: str, futures: list[Future], wait_s: floa
     return done, error
 
 
-def settle(rt: Runtime, home: str, futures: list[Future], timeout: float | None) -> None:
-    """Returns once the futures of runs in flight at a controller restart among `futures` are
-    known computed; ProgramError when one failed or never reached its worker (a call made with
-    it as an input would wait for it for ever)."""
+def settle(rt: Runtime, future: Future, timeout: float | None) -> None:
+    """Returns once `future`, if its run was in flight at a controller restart, is known computed;
+    ProgramError when it failed or never reached its worker (a call made with it as an input would
+    wait for it for ever). Its run sent again meanwhile (replan.py), it is looked for where it is
+    now (its run id read before its home: `_where`)."""
     lost_buffers = rt.resume.lost_buffers
     if not rt.resume.uncertain:
         return
-    why = next((lost_buffers[f.id] for f in futures if f.id in lost_buffers), "")
+    why = lost_buffers.get(future.id, "")
     if why:
         raise ProgramError(f"an input of this call was lost at the controller restart: {why}")
+    while True:
+        run_ids, home = _where(future)
 
-    def attempt(wait_s: float) -> tuple[bool, str]:
-        return _check_uncertain(rt, home, futures, wait_s) or (True, "")
+        def attempt(wait_s: float, home: str = home) -> tuple[bool, str]:
+            return _check_uncertain(rt, home, [future], wait_s) or (True, "")
 
-    _poll(rt, {f.run_id for f in futures}, timeout, attempt, "inputs of runs in flight at a restart not computed",
-          home)
+        try:
+            _poll(rt, run_ids, timeout, attempt, "inputs of runs in flight at a restart not computed", home)
+            return
+        except _Moved:
+            continue
 
 
 def _poll(rt: Runtime, run_ids: set[int], timeout: float | None, attempt: Callable[[float], tuple[bool, str]],

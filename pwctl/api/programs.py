@@ -193,7 +193,7 @@ def execute(rt: Runtime, reg: Registered, flat_args: list[Any]) -> Any:
     if rt.resume.uncertain:  # an input computed by a run in flight at a controller restart: does it exist?
         for v in values:
             if isinstance(v, Future):
-                settle(rt, v.home, [v], None)
+                settle(rt, v, None)
     futures = _Sent(reg, values).send(rt)
 
     def pick(slot: _Slot) -> Any:
@@ -216,10 +216,11 @@ class _Sent:
         self.replans = 0  # times sent again (replan.py)
         self.run_id = 0
 
-    def send(self, rt: Runtime) -> list[Future]:
+    def send(self, rt: Runtime, again: bool = False) -> list[Future]:
         """Uploads the array inputs to the worker of the slice that reads each and sends the run;
-        its outputs' futures. Planned on the slices as the runtime knows them: their generations
-        are read before their addresses (a move meanwhile is then refused, not missed)."""
+        its outputs' futures (`again`: those made when it was first sent, moved). Planned on the
+        slices as the runtime knows them: their generations are read before their addresses (a
+        move meanwhile is then refused, not missed)."""
         reg, slices = self.reg, rt.slices
         gens = [slices[s].info.generation for s in reg.slices] if rt.checks_generations else None
         run_id = self.run_id = rt.new_id()  # named with its uploads: should one be lost, the run fails at once
@@ -241,7 +242,7 @@ class _Sent:
                     input_ids[i], homes[i] = v.id, v.wire_home
             # once per slice, not per output
             addresses = {s: (slices[s].address, slices[s].peers) for s in set(reg.output_slice)}
-            if self.replans:  # the same outputs, made where the slices are now (the run id last: futures.py `_where`)
+            if again:  # the same outputs, made where the slices are now (the run id last: futures.py `_where`)
                 for f, s in zip(self.futures, reg.output_slice, strict=True):
                     f.home, f.peers, f.run_id = addresses[s][0], addresses[s][1], run_id
             else:
@@ -260,10 +261,15 @@ class _Sent:
         return self.futures
 
     def send_again(self, rt: Runtime) -> int:
-        """replan.py: sent again, planned on the slices as they are now."""
+        """replan.py: sent again, planned on the slices as they are now. Counted once it went out
+        (a send that raised, the runtime closing, is not: the run's error says how many did)."""
+        self.send(rt, again=True)
         self.replans += 1
-        self.send(rt)
         return self.run_id
+
+    def producers(self) -> list[tuple[int, int]]:
+        """replan.py: (input index, its run's id) for each input that is a future."""
+        return [(k, v.run_id) for k, v in enumerate(self.values) if isinstance(v, Future)]
 
 
 class Program:

@@ -14,6 +14,9 @@ the time it took. A run sent again may be refused again (its slice moved again b
 client's reading of it and the run's arrival: a host flapping, an island re-forming twice within
 a round trip); it is planned anew each time, the slices read again, until MAX_REPLANS re-sendings:
 refused once more, it fails with the controller's reason and how many times it was sent again.
+A run that reads an output of a run given up so (refused MAX_REPLANS times, or not sent again)
+fails at once when it is refused, naming that run's failure: nothing will ever compute its input
+(the controller refuses every run that reads it), so sending it again would only be refused again.
 
 Runs are refused in the order they were sent, and each re-sending happens, in that order, on the
 session's reader: a run reading an output of another one sent again is sent again after it, with
@@ -60,11 +63,18 @@ class Sent(Protocol):
     send it again."""
 
     slices: list[str]
-    replans: int  # how many times it was sent again already (MAX_REPLANS: refused again, it fails)
+    # how many times it was sent again already (MAX_REPLANS: refused again, it fails); a send that
+    # raised, never gone out, is not counted
+    replans: int
 
     def send_again(self, rt: Runtime) -> int:
         """Uploads its array inputs again and sends the run again, planned on the slices as the
         runtime knows them now, its futures moved there; returns the new run's id."""
+        ...
+
+    def producers(self) -> Iterable[tuple[int, int]]:
+        """(input index, the id of the run that computes it) for each of its inputs that is a
+        future, that run id read now (one sent again since: the one it was sent again as)."""
         ...
 
 
@@ -80,8 +90,10 @@ class Replans:
         self._kept: OrderedDict[int, Sent | None] = OrderedDict()
         self.replanned: Bounded[int, int] = Bounded(MAX_REPLANNED)  # old run id -> the one sent again
         # runs refused for their plan and not sent again (failed: `refused`), never admitted: a wait
-        # on their futures reports that, not their worker's loss (futures.py `_poll`)
-        self.given_up: Bounded[int, None] = Bounded(MAX_REPLANNED)
+        # on their futures reports that, not their worker's loss (futures.py `_poll`); and why: the
+        # error it failed with, or, for a run given up because it reads an output of one given up
+        # (`_send_again`), that run's why (a chain of such runs names its first failure, once)
+        self.given_up: Bounded[int, str] = Bounded(MAX_REPLANNED)
         # notified (when someone waits: `_waiting`) where runs stop being kept and at the session's end
         self._answered = threading.Condition(plan_lock)
         self._waiting = 0
@@ -133,17 +145,29 @@ class Replans:
         times already, a slice not read anew, the session over) it returns the error the run fails
         with: the controller's reason, and how many times it was sent again if it was (the runtime
         records that before the next `handled` lets go of it: a wait on its futures sees one or
-        the other)."""
-        error = self._send_again(finished)
+        the other). A run that reads an output of a run given up fails at once, naming that run's
+        failure (the controller refused it for that output, which nothing will ever compute)."""
+        error, why = self._send_again(finished)
         if error is not None:
-            self.given_up[finished.run_id] = None
+            self.given_up[finished.run_id] = why or error
         return error
 
-    def _send_again(self, finished: cpb.RunFinished) -> str | None:
-        """`refused`, but for remembering the runs given up."""
+    def _send_again(self, finished: cpb.RunFinished) -> tuple[str | None, str]:
+        """`refused`, but for remembering the runs given up: also, for a run given up because it
+        reads an output of a run given up, that run's why (else "")."""
         sent = self._kept.get(finished.run_id)  # (kept until then: a wait on its futures waits for this)
         if sent is None:
-            return finished.error
+            return finished.error, ""
+        given_up = self.given_up
+        if given_up:  # (read on this thread, where runs are given up, the producer's refusal first)
+            for k, producer in sent.producers():
+                why = given_up.get(producer)
+                if why is not None:
+                    return f"input {k} reads an output of run {producer:#x}, which failed: {why}", why
+        return self._replan(finished, sent), ""
+
+    def _replan(self, finished: cpb.RunFinished, sent: Sent) -> str | None:
+        """Reads the slices that moved and sends `sent` again (None), or the error it fails with."""
         if sent.replans >= MAX_REPLANS:
             return _failed(finished.error, sent.replans, ": its slices kept moving")
         rt = self._rt

@@ -6,6 +6,10 @@ closed the first's connection under the send on it (EBADF), so the transfers to 
 the gRPC stream for the next 30 s (a pipeline's first micro-batches do exactly this; found in the
 issue-27 pipeline's profile, bench/FINDINGS.md, 2026-11-27 14:41).
 
+A peer on another host gets a sending thread of its own (a lane, transfer.py), which sends
+one array at a time; the pool's threads send to the peers past MAX_LANES, and this test runs them
+(PATHWAYS_SEND_LANES=0). The second test sends the same burst through a lane.
+
 Real processes: a controller and two workers whose transfers use the TCP link
 (PATHWAYS_TRANSFER=tcp, as between hosts); a `pw` program in its own process."""
 
@@ -20,7 +24,8 @@ import pytest
 from conftest import LocalCluster
 
 pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.cluster(islands=2, devices=1, worker_env={"PATHWAYS_TRANSFER": "tcp"})]
+              pytest.mark.cluster(islands=2, devices=1,
+                                  worker_env={"PATHWAYS_TRANSFER": "tcp", "PATHWAYS_SEND_LANES": "0"})]
 
 OUTPUTS = 3
 TILE = 1 << 21  # (1, 4) -> 32 MiB: a send of many writes, under way when a second link would close it
@@ -49,6 +54,15 @@ print(json.dumps({{"got": np.asarray(across(x)).tolist()}}), flush=True)
 
 
 def test_a_first_burst_of_transfers_to_a_peer_opens_one_tcp_link(cluster: LocalCluster) -> None:
+    _burst_goes_by_one_tcp_link(cluster)
+
+
+@pytest.mark.cluster(islands=2, devices=1, worker_env={"PATHWAYS_TRANSFER": "tcp"})
+def test_a_burst_through_the_peers_lane_goes_by_its_tcp_link(cluster: LocalCluster) -> None:
+    _burst_goes_by_one_tcp_link(cluster)
+
+
+def _burst_goes_by_one_tcp_link(cluster: LocalCluster) -> None:
     out = subprocess.run([sys.executable, "-c", PROGRAM], env=cluster.env(), capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]

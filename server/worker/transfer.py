@@ -46,6 +46,19 @@ DATA_CHUNK = 2 * 1024 * 1024
 # every buffer afresh (~21k minor faults per 64 MiB, none at 1 MiB) (bench/FINDINGS.md, "Multi-host")
 TRANSFER_CHUNK = 1024 * 1024
 SHM_MIN_BYTES = 1024 * 1024  # a full ring sends smaller arrays inline: a segment costs more than copying them
+
+
+def _lanes() -> int:
+    raw = os.environ.get("PATHWAYS_SEND_LANES", "8")
+    value = int(raw) if raw.strip().isdigit() else -1
+    if not 0 <= value <= 1024:
+        raise ValueError(f"PATHWAYS_SEND_LANES={raw!r}: want a number of peers from 0 to 1024")
+    return value
+
+
+# peers on other hosts with a sending thread of their own (`TransferSender`; the rest share the
+# pool); PATHWAYS_SEND_LANES sets it (0: every send from the pool, as the tests of the pool's path do)
+MAX_LANES = _lanes()
 CHANNEL_OPTIONS = [  # the worker's server's, and with keepalive its channels'
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -121,13 +134,42 @@ def _head(arr: np.ndarray) -> pb.ArrayProto:
     return pb.ArrayProto(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
 
 
+class _Lane:
+    """One peer's network sends, in order, on a thread of its own (`TransferSender.send`)."""
+
+    def __init__(self, send: Callable[[int, Any, str, bool, Callable[[], None]], None], name: str) -> None:
+        self._send = send
+        self._queue: queue.SimpleQueue[tuple[int, Any, str, Callable[[], None]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, buffer_id: int, value: Any, address: str, done: Callable[[], None]) -> None:
+        self._queue.put((buffer_id, value, address, done))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        name_native_thread()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._send(item[0], item[1], item[2], False, item[3])  # never raises (it reports failures)
+            item = None  # hold no array while idle
+
+
 class TransferSender:
-    """Sends buffers to peers from a small thread pool, over one stream per peer."""
+    """Sends buffers to peers: to a peer on another host (by its TCP link, else its stream) from
+    a thread of that peer's own (a lane, for the first MAX_LANES such peers), the rest from a
+    small thread pool. A lane saves each array the pool's bookkeeping and the turns its threads
+    took at one link's lock (a pipeline stage's outputs go to one peer, one after another)."""
 
     def __init__(self, token: str | None = None, threads: int = 2, tls: TlsConfig | None = None) -> None:
         self._tls = tls  # streams and TCP links over TLS, this worker's certificate presented (pwctl/tls.py)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pw-transfer",
                                         initializer=name_native_thread)
+        self._lanes: dict[str, _Lane] = {}  # peer on another host -> its sending thread
+        self._max_lanes = MAX_LANES  # 0 once closed: a send then meets the pool's refusal
         self._peers: dict[str, _PeerStream] = {}
         self._local = LocalPeers()  # same-host peers: shared-memory ring + Unix socket
         self._lock = threading.Lock()
@@ -174,7 +216,19 @@ class TransferSender:
             return peer
 
     def send(self, buffer_id: int, value: Any, address: str, same_host: bool, done: Callable[[], None]) -> None:
-        self._pool.submit(self._send, buffer_id, value, address, same_host and not self.network_only, done)
+        local = same_host and not self.network_only
+        lane = None if local or not self.use_tcp else self._lane(address)
+        if lane is not None:
+            lane.put(buffer_id, value, address, done)
+        else:
+            self._pool.submit(self._send, buffer_id, value, address, local, done)
+
+    def _lane(self, address: str) -> _Lane | None:
+        with self._lock:
+            lane = self._lanes.get(address)
+            if lane is None and len(self._lanes) < self._max_lanes:
+                lane = self._lanes[address] = _Lane(self._send, f"pw-send_{len(self._lanes)}")
+            return lane
 
     def _tcp_peer(self, address: str) -> TcpPeer | None:
         """The TCP link to the worker at `address` (opened on first use: its `Stats` names the
@@ -290,6 +344,10 @@ class TransferSender:
 
     def close(self) -> None:
         self._local.close()
+        with self._lock:
+            lanes, self._lanes, self._max_lanes = list(self._lanes.values()), {}, 0
+        for lane in lanes:
+            lane.close()
         for entry in list(self._tcp.values()):
             if isinstance(entry, TcpPeer):
                 entry.close()

@@ -349,11 +349,17 @@ def test_a_peer_that_trickles_its_hello_is_dropped_within_the_connect_timeout(
         rx.close()
 
 
-@pytest.mark.parametrize("value", ["abc", "0.5", "nan"])
-def test_a_bad_dead_peer_setting_is_refused_in_one_line(value: str) -> None:
-    r = subprocess.run([sys.executable, "-c", "import server.worker.tcplink"], capture_output=True, text=True,
-                       timeout=30, env={**os.environ, "PATHWAYS_TCP_DEAD_PEER_S": value},
+@pytest.mark.parametrize(("name", "value", "want"), [
+    ("PATHWAYS_TCP_DEAD_PEER_S", "abc", "a number of seconds, at least 1"),
+    ("PATHWAYS_TCP_DEAD_PEER_S", "0.5", "a number of seconds, at least 1"),
+    ("PATHWAYS_TCP_DEAD_PEER_S", "nan", "a number of seconds, at least 1"),
+    ("PATHWAYS_SEND_LANES", "-1", "a number of peers from 0 to 1024"),
+    ("PATHWAYS_SEND_LANES", "many", "a number of peers from 0 to 1024"),
+])
+def test_a_bad_tuning_setting_stops_the_worker_in_one_line(name: str, value: str, want: str) -> None:
+    """A worker with a malformed PATHWAYS_* tuning setting stops at start with one line and exit 2;
+    it printed the traceback of the module import that read it."""
+    r = subprocess.run([sys.executable, "-m", "server.worker", "--island", "x", "--server", "127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, name: value},
                        cwd=Path(__file__).resolve().parent.parent)
-    assert r.returncode != 0
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"ValueError: PATHWAYS_TCP_DEAD_PEER_S={value!r}: want a number of seconds, at least 1"), r.stderr
+    assert (r.returncode, r.stderr) == (2, f"error: {name}={value!r}: want {want}\n"), (r.returncode, r.stderr)

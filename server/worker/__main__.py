@@ -78,8 +78,14 @@ def main() -> None:
 
     install_backend_factory()  # before anything creates the CPU backend
 
+    from ..envsetting import SettingError
     from .config import WorkerConfig
-    from .process import run_worker
+
+    try:  # the modules read their PATHWAYS_* tuning settings as they load
+        from .process import run_worker
+    except SettingError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
 
     name = ns.name or f"{socket.gethostname()}-{ns.island}"
     run_worker(

@@ -57,7 +57,6 @@ import errno
 import hmac
 import logging
 import math
-import os
 import socket
 import struct
 import threading
@@ -71,6 +70,7 @@ from schemas.arrays import aligned_empty, byte_view, resolve_dtype
 from schemas.pathways.v1 import worker_pb2 as wpb
 
 from ..bulklink import SESSION_MAGIC, recv_bytes, recv_exact
+from ..envsetting import env_number
 from ..threadnames import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -88,18 +88,8 @@ CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 120.0
 
 
-def _dead_peer_s() -> float:
-    raw = os.environ.get("PATHWAYS_TCP_DEAD_PEER_S", "30")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value >= 1:  # NaN too
-        raise ValueError(f"PATHWAYS_TCP_DEAD_PEER_S={raw!r}: want a number of seconds, at least 1")
-    return value
-
-
-DEAD_PEER_S = _dead_peer_s()  # a peer silent this long is gone (module docstring)
+# a peer silent this long is gone (module docstring)
+DEAD_PEER_S = env_number("PATHWAYS_TCP_DEAD_PEER_S", "30", float, 1, math.inf, "a number of seconds, at least 1")
 KEEPCNT = 3  # probes unanswered, where TCP_USER_TIMEOUT is not there to decide
 
 Deliver = Callable[[wpb.TransferChunk, "np.ndarray | None"], object]  # what it returns is not read

@@ -25,6 +25,7 @@ from schemas.pathways.v1 import worker_pb2 as wpb
 from schemas.pathways.v1 import worker_pb2_grpc as wgrpc
 
 from ..credentials import PEER_HEADER, peer_credential
+from ..envsetting import env_number
 from ..threadnames import name_native_thread
 from .locallink import LocalPeers
 from .parts import local_parts
@@ -48,17 +49,9 @@ TRANSFER_CHUNK = 1024 * 1024
 SHM_MIN_BYTES = 1024 * 1024  # a full ring sends smaller arrays inline: a segment costs more than copying them
 
 
-def _lanes() -> int:
-    raw = os.environ.get("PATHWAYS_SEND_LANES", "8")
-    value = int(raw) if raw.strip().isdigit() else -1
-    if not 0 <= value <= 1024:
-        raise ValueError(f"PATHWAYS_SEND_LANES={raw!r}: want a number of peers from 0 to 1024")
-    return value
-
-
 # peers on other hosts with a sending thread of their own (`TransferSender`; the rest share the
 # pool); PATHWAYS_SEND_LANES sets it (0: every send from the pool, as the tests of the pool's path do)
-MAX_LANES = _lanes()
+MAX_LANES = env_number("PATHWAYS_SEND_LANES", "8", int, 0, 1024, "a number of peers from 0 to 1024")
 CHANNEL_OPTIONS = [  # the worker's server's, and with keepalive its channels'
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),

@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from pwctl.limits import number_in
+
 N = TypeVar("N", int, float)
 
 
@@ -20,10 +22,7 @@ def env_number(name: str, default: str, parse: Callable[[str], N], low: float, h
     """Environment variable `name` (`default` when unset) as a number in low..high (NaN is in no
     range); SettingError "NAME='VALUE': want WANT" otherwise."""
     raw = os.environ.get(name, default)
-    try:
-        value = parse(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r}: want {want}") from None
-    if not low <= value <= high:
+    value = number_in(raw, parse, low, high)
+    if value is None:
         raise SettingError(f"{name}={raw!r}: want {want}")
     return value

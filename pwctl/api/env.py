@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..errors import InvalidArgument
-from ..limits import DISPATCH_MODES, MAX_PRIORITY, MAX_WEIGHT
+from ..limits import DISPATCH_MODES, MAX_PRIORITY, MAX_WEIGHT, number_in
 
 N = TypeVar("N", int, float)
 
@@ -20,11 +20,8 @@ def env_amount(name: str, value: str, default: N, parse: Callable[[str], N], exp
     `expected` otherwise."""
     if not value.strip():
         return default
-    try:
-        n = parse(value)
-    except ValueError:
-        raise InvalidArgument(f"{name}={value!r}: expected {expected}") from None
-    if not low <= n <= high:
+    n = number_in(value, parse, low, high)
+    if n is None:
         raise InvalidArgument(f"{name}={value!r}: expected {expected}")
     return n
 

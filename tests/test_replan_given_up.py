@@ -30,9 +30,9 @@ from stepped import line as _line
 from stepped import say as _say
 
 from pwctl.api.replan import MAX_REPLANS, Replans
-from schemas.pathways.v1 import common_pb2 as pb
 from schemas.pathways.v1 import controller_pb2 as cpb
-from tests.conftest import LocalCluster, wait_for
+from tests.conftest import LocalCluster
+from tests.moves import move
 from tests.relay import Relay
 
 if TYPE_CHECKING:
@@ -84,26 +84,6 @@ print(json.dumps({"error": error, "sent_again": sent, "s": time.monotonic() - st
 """
 
 
-def _address(cluster: LocalCluster) -> str:
-    with cluster.client() as c:
-        s = next(s for s in c.slices() if s.devices and s.devices[0].island == "a")
-    return s.devices[0].address if s.state != cpb.SLICE_STATE_DEGRADED else ""
-
-
-def _move(cluster: LocalCluster, frozen: str) -> str:
-    """Freezes slice a's worker (kept as `frozen`) until its host is declared lost, and starts
-    another in its place, at a new address: the slice's new address."""
-    old = cluster.hosts()["w-a"].address
-    cluster.stop_worker("w-a")
-    cluster.workers[frozen] = cluster.workers.pop("w-a")
-    wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 30, "w-a declared lost")
-    cluster.add_worker("a", 1, name="w-a")
-    new = cluster.hosts()["w-a"].address
-    assert new != old
-    wait_for(lambda: _address(cluster) == new, 30, "slice a on the new worker")
-    return new
-
-
 @pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=3)
 def test_a_call_reading_an_output_of_a_run_given_up_fails_at_once_naming_it(cluster: LocalCluster) -> None:
     relay = Relay(cluster.address)
@@ -115,7 +95,7 @@ def test_a_call_reading_an_output_of_a_run_given_up_fails_at_once_naming_it(clus
         _say(proc)
         assert _line(proc) == {"address": old}
         for k, name in enumerate(frozen):  # a's run refused MAX_REPLANS + 1 times: given up
-            _move(cluster, name)
+            move(cluster, name)
             assert relay.pass_requests() > 0
             _say(proc)
             out = _line(proc)

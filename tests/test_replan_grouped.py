@@ -29,8 +29,8 @@ from stepped import line as _line
 from stepped import say as _say
 
 from schemas.pathways.v1 import common_pb2 as pb
-from schemas.pathways.v1 import controller_pb2 as cpb
 from tests.conftest import LocalCluster, wait_for
+from tests.moves import slice_address
 from tests.relay import Relay
 
 # (a's worker is frozen for seconds: not declared lost meanwhile; b's is killed, lost at once)
@@ -78,12 +78,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-def _address(cluster: LocalCluster, island: str) -> str:
-    with cluster.client() as c:
-        s = next(s for s in c.slices() if s.devices and s.devices[0].island == island)
-    return s.devices[0].address if s.state != cpb.SLICE_STATE_DEGRADED else ""
-
-
 def test_a_wait_on_several_workers_finds_a_future_whose_run_was_sent_again_meanwhile(cluster: LocalCluster) -> None:
     relay = Relay(cluster.address)
     proc = start(cluster.env(), relay, PROGRAM)
@@ -95,7 +89,7 @@ def test_a_wait_on_several_workers_finds_a_future_whose_run_was_sent_again_meanw
         cluster.add_worker("b", 1, name="w-b")
         new = cluster.hosts()["w-b"].address
         assert new != old
-        wait_for(lambda: _address(cluster, "b") == new, 30, "slice b on the new worker")
+        wait_for(lambda: slice_address(cluster, "b") == new, 30, "slice b on the new worker")
         _say(proc)
         assert _line(proc) == {"b": old}  # planned on what it knew
         cluster.stop_worker("w-a")  # the wait on a's future, the first group, lasts meanwhile

@@ -30,9 +30,8 @@ from stepped import line as _line
 from stepped import say as _say
 
 from pwctl.api.replan import MAX_REPLANS
-from schemas.pathways.v1 import common_pb2 as pb
-from schemas.pathways.v1 import controller_pb2 as cpb
-from tests.conftest import LocalCluster, wait_for
+from tests.conftest import LocalCluster
+from tests.moves import move
 from tests.relay import Relay
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=3)]
@@ -109,36 +108,16 @@ while True:
 """
 
 
-def _address(cluster: LocalCluster) -> str:
-    with cluster.client() as c:
-        (s,) = c.slices()
-    return s.devices[0].address if s.devices and s.state != cpb.SLICE_STATE_DEGRADED else ""
-
-
-def _move(cluster: LocalCluster, frozen: str) -> str:
-    """Freezes the slice's worker (kept as `frozen`) until its host is declared lost, and starts
-    another in its place, at a new address: the slice's new address."""
-    old = cluster.hosts()["w-a"].address
-    cluster.stop_worker("w-a")
-    cluster.workers[frozen] = cluster.workers.pop("w-a")
-    wait_for(lambda: cluster.hosts()["w-a"].state == pb.HOST_STATE_LOST, 30, "w-a declared lost")
-    cluster.add_worker("a", 1, name="w-a")
-    new = cluster.hosts()["w-a"].address
-    assert new != old
-    wait_for(lambda: _address(cluster) == new, 30, "the slice on the new worker")
-    return new
-
-
 def test_a_call_whose_slice_moved_twice_within_its_round_trip_gets_the_value(cluster: LocalCluster) -> None:
     relay = Relay(cluster.address)
     proc = start(cluster.env(), relay, PROGRAM)
     try:
         old = _line(proc)["address"]
         relay.hold_open_replies()  # the session tells nothing: not the moves, not the refusal
-        _move(cluster, "frozen-1")
+        move(cluster, "frozen-1")
         _say(proc)
         assert _line(proc) == {"address": old}  # planned on what it knew; refused at once (held)
-        new = _move(cluster, "frozen-2")  # (taking the heartbeat timeout: the run was refused before)
+        new = move(cluster, "frozen-2")  # (taking the heartbeat timeout: the run was refused before)
         relay.release()
         _say(proc)
         out = _line(proc)
@@ -168,7 +147,7 @@ def test_a_call_whose_slice_keeps_moving_fails_after_max_replans_in_one_line(clu
         _say(proc)
         assert _line(proc) == {"address": old}
         for k, name in enumerate(frozen):
-            new = _move(cluster, name)  # (the run, planned before, waits meanwhile)
+            new = move(cluster, name)  # (the run, planned before, waits meanwhile)
             last = k == MAX_REPLANS
             if last and wait == "before":
                 assert proc.stdin is not None

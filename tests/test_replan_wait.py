@@ -22,8 +22,8 @@ from stepped import line as _line
 from stepped import say as _say
 
 from schemas.pathways.v1 import common_pb2 as pb
-from schemas.pathways.v1 import controller_pb2 as cpb
 from tests.conftest import LocalCluster, wait_for
+from tests.moves import slice_address
 from tests.relay import Relay
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster(islands=1, devices=1, heartbeat_timeout=3)]
@@ -57,12 +57,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-def _address(cluster: LocalCluster) -> str:
-    with cluster.client() as c:
-        (s,) = c.slices()
-    return s.devices[0].address if s.devices and s.state != cpb.SLICE_STATE_DEGRADED else ""
-
-
 def test_a_wait_on_a_call_whose_upload_failed_waits_for_its_refusal_and_gets_the_value(
         cluster: LocalCluster) -> None:
     relay = Relay(cluster.address)
@@ -76,7 +70,7 @@ def test_a_wait_on_a_call_whose_upload_failed_waits_for_its_refusal_and_gets_the
         cluster.add_worker("a", 1, name="w-a")  # at a new address
         new = cluster.hosts()["w-a"].address
         assert new != old
-        wait_for(lambda: _address(cluster) == new, 30, "the slice on the new worker")
+        wait_for(lambda: slice_address(cluster) == new, 30, "the slice on the new worker")
         _say(proc)
         assert _line(proc) == {"address": old}  # planned on what it knew
         cluster.kill_worker("frozen")

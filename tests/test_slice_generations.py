@@ -27,8 +27,8 @@ from stepped import line as _line
 from stepped import say as _say
 
 from schemas.pathways.v1 import common_pb2 as pb
-from schemas.pathways.v1 import controller_pb2 as cpb
 from tests.conftest import LocalCluster, wait_for
+from tests.moves import slice_address
 from tests.relay import Relay
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster(islands=2, devices=1, heartbeat_timeout=3)]
@@ -87,7 +87,7 @@ def test_a_call_planned_on_a_slice_that_moved_unheard_runs_where_it_is_now(clust
         cluster.add_worker("a", 1, name="w-a")  # at a new address
         new = cluster.hosts()["w-a"].address
         assert new != first["address"]
-        wait_for(lambda: _address_on(cluster, "a") == new, 30, "the slice on the new worker")
+        wait_for(lambda: slice_address(cluster, "a") == new, 30, "the slice on the new worker")
         _say(proc)
         sent = _line(proc)
         # planned on what it knew: the old address, the old generation
@@ -121,15 +121,6 @@ def test_a_call_on_a_slice_whose_frozen_worker_is_lost_fails_naming_its_host(clu
         assert "\n" not in out["error"] and out["s"] < 5, out
     finally:
         end(proc)
-
-
-def _address_on(cluster: LocalCluster, island: str) -> str:
-    """Where the (one) slice on `island` runs, as the controller says ("" while degraded)."""
-    with cluster.client() as c:
-        placed = [s for s in c.slices() if s.spec.island == island]
-    assert len(placed) == 1, placed
-    s = placed[0]
-    return s.devices[0].address if s.devices and s.state != cpb.SLICE_STATE_DEGRADED else ""
 
 
 PIPELINED = """\
@@ -224,7 +215,7 @@ def test_a_future_left_at_a_frozen_worker_whose_host_came_back_elsewhere_fails_a
         old = _line(proc)["address"]
         _freeze_and_lose(cluster)
         cluster.add_worker("a", 1, name="w-a")  # at a new address
-        wait_for(lambda: _address_on(cluster, "a") not in ("", old), 30, "the slice on the new worker")
+        wait_for(lambda: slice_address(cluster, "a") not in ("", old), 30, "the slice on the new worker")
         _say(proc)
         out = _line(proc)
         assert out["moved"] and out["value"] is None, out

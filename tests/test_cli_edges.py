@@ -154,6 +154,47 @@ def test_ctrl_c_while_pwctl_starts_exits_130_without_a_traceback(tmp_path: Path)
         assert proc.returncode == 130 and "Traceback" not in err, (module, proc.returncode, err)
 
 
+# A sitecustomize for the CLI's process: the first dataclass that module INTERRUPT_IN builds gets a
+# KeyboardInterrupt inside the string `exec` that makes its methods, as a Ctrl-C landing there does.
+INTERRUPT_A_DATACLASS = """\
+import builtins, os, sys
+_exec = builtins.exec
+def _interrupted(source, *args):
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_globals.get("__name__") == "dataclasses":
+        caller = caller.f_back
+    if (isinstance(source, str) and "__create_fn__" in source and caller is not None
+            and caller.f_globals.get("__name__") == os.environ["INTERRUPT_IN"]):
+        builtins.exec = _exec
+        sys.stderr.write("interrupting\\n")
+        return _exec("raise KeyboardInterrupt", {})
+    return _exec(source, *args)
+builtins.exec = _interrupted
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["pwctl.cli.fastparams", "pwctl.settings"])
+def test_ctrl_c_inside_a_dataclass_exec_still_exits_130(tmp_path: Path, where: str) -> None:
+    """The flake of the test above under load, made certain: a Ctrl-C that lands while a dataclass
+    builds its methods (a string `exec`) made `python -m pwctl` die by SIGINT (-2, nothing
+    printed) although the CLI caught it and exited 130: CPython marks a KeyboardInterrupt that
+    leaves a string `exec` as unhandled and, under `-m`, acts on the mark at exit (main.py).
+    Once while the CLI imports (main.py catches it), once while the root options are read
+    (pwctl/settings.py, imported by `--server`: app.run catches it)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(INTERRUPT_A_DATACLASS)
+    env = base_env(tmp_path, INTERRUPT_IN=where)
+    env["PYTHONPATH"] += os.pathsep + str(hook)
+    runs = together(*(lambda module=module: subprocess.run(
+        [sys.executable, "-m", module, "--server", "127.0.0.1:9", "wait", "job-x"], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=60) for module in ("pwctl", "pwctl.cli.main")))
+    for r in runs:
+        assert r.stderr.startswith("interrupting\n"), r.stderr  # the Ctrl-C came where meant
+        assert r.returncode == 130 and "Traceback" not in r.stderr, (r.args, r.returncode, r.stderr)
+
+
 def test_server_info_counts_every_job_not_only_running_ones(module_cluster: LocalCluster, tmp_path: Path) -> None:
     c = module_cluster
     assert c.pwctl("submit", str(write(tmp_path, "quick.py", "print('hi')\n"))).returncode == 0  # ended

@@ -150,6 +150,23 @@ def shows_work(job: str) -> Callable[[list[str]], bool]:
     return ok
 
 
+def queues_agree(screen: list[str]) -> bool:
+    """Whether the islands' WAITING counts add up to the waiting gangs the queues' section lists
+    (a row's RUNS in each of its islands, and its "... and N more"), as they do in one frame. A
+    capture can hold the islands of a new frame over the queues of the previous one (shows_work):
+    with 0 waiting at the top and the old waits below it (seen on a loaded machine), or the
+    reverse; the two halves of one update always agree (server/controller/status_view.py)."""
+    try:
+        waiting = sum(int(row.split()[6]) for row in section(screen, "ISLAND "))
+        rows = section(screen, "WAITING ")
+        listed = sum(int(row.split()[4]) * len(row.split()[1].split(",")) for row in rows)
+    except (ValueError, IndexError, StopIteration):  # a row torn mid-line
+        return False
+    end = next(i for i, line in enumerate(screen) if line.startswith("WAITING ")) + 1 + len(rows)
+    more = re.match(r"\.\.\. and (\d+) more waiting gang", screen[end]) if end < len(screen) else None
+    return waiting == listed + (int(more.group(1)) if more else 0)
+
+
 def check_common(screen: list[str], width: int, address: str, job: str) -> None:
     assert len(screen) <= width and all(len(line) <= width for line in screen)
     assert screen[0].startswith(address) and "island" in screen[0], screen[0]  # the cluster line first
@@ -202,8 +219,8 @@ def test_watch_at_160x45(busy: tuple[LocalCluster, str], tmux: Callable[..., Tmu
     assert screen[1] == ""  # room for blank lines between the sections
     # the queues: the island's waiting count and longest wait, then the longest waits, one row per
     # program, job and reason, with how many runs it stands for
-    screen = t.wait_screen(lambda s: any(line.startswith("WAITING ") for line in s) and shows_work(job)(s), 40,
-                           "the job's waiting gangs on the screen")
+    screen = t.wait_screen(lambda s: any(line.startswith("WAITING ") for line in s) and shows_work(job)(s)
+                           and queues_agree(s), 40, "the job's waiting gangs on the screen, one frame's")
     check_common(screen, 160, cluster.address, job)
     header = next(i for i, line in enumerate(screen) if line.startswith("WAITING "))
     assert screen[header].split()[:7] == ["WAITING", "ISLAND", "PROGRAM", "JOB", "RUNS", "PRIORITY", "WHY"]

@@ -225,9 +225,11 @@ class BulkLinks:
         self._open: dict[str, int] = {}  # worker -> its connections (idle or in use)
         self._closed = False
 
-    async def take(self, address: str) -> Link | None:
+    async def take(self, address: str, watch: HostWatch | None = None, doing: str = "") -> Link | None:
         """A connection to the worker at `address` for one request (`give` it back), or None:
-        the request goes by gRPC."""
+        the request goes by gRPC. With `watch`, asking a new worker for its transfer port ends
+        once its host is lost, raising the error naming it (`doing` it): a frozen worker's
+        `Stats` would hold the request for its whole timeout."""
         idle = self._idle.get(address)
         while idle:
             link = idle.pop()
@@ -243,7 +245,7 @@ class BulkLinks:
         try:
             known = isinstance(port, str)
             if not isinstance(port, str):
-                port = self._ports[address] = await self._data_address(address)
+                port = self._ports[address] = await self._port(address, watch, doing)
             try:
                 if not port:
                     raise OSError("it has no TCP transfer port")
@@ -252,7 +254,7 @@ class BulkLinks:
                 if not known:
                     raise
                 # the port it had: a worker restarted at this address has another
-                port = self._ports[address] = await self._data_address(address)
+                port = self._ports[address] = await self._port(address, watch, doing)
                 link = await loop.run_in_executor(POOL, _connect, port, self._secret)
         except BaseException as e:
             self._open[address] -= 1
@@ -265,6 +267,12 @@ class BulkLinks:
             self.drop(address, link)
             return None
         return link
+
+    async def _port(self, address: str, watch: HostWatch | None, doing: str) -> str:
+        """The worker's transfer port (`data_address`), asked until its host is lost (`take`)."""
+        if watch is None:
+            return await self._data_address(address)
+        return str(await watch.unless_lost(address, asyncio.ensure_future(self._data_address(address)), doing))
 
     def give(self, address: str, link: Link) -> None:
         """A connection back after a request that ended well."""
@@ -330,7 +338,7 @@ async def data_messages(links: BulkLinks | None, request: wpb.FetchRequest, addr
     naming the worker. `counts`: the download counted on its path."""
     if watch is not None:
         watch.check(address, DOWNLOADING)  # a lost host's, at once: not after a connection's timeout
-    link = await links.take(address) if links is not None else None
+    link = await links.take(address, watch, DOWNLOADING) if links is not None else None
     if link is None or links is None:
         if counts is not None:
             counts.started("download", "grpc")

@@ -41,7 +41,7 @@ class BulkStaging(Staging):
 
     async def _start(self) -> None:
         self._started = True
-        link = await self._links.take(self.address)
+        link = await self._links.take(self.address, self._watch, UPLOADING)
         if link is None:
             self._inner = self._fallback()
             return

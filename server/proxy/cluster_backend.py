@@ -154,7 +154,9 @@ class SliceSession(Uploading):
         self._functions: dict[tuple[str, tuple[int, ...]], str] = {}  # server-made function, devices -> program
         self._watcher = asyncio.get_running_loop().create_task(self._failures.watch())
         # a call to a worker ends once the controller declares its host lost (host_watch.py)
-        self._watch = HostWatch(controls.sessions.dispatcher.host_by_address if controls.sessions is not None else None)
+        dispatcher = controls.sessions.dispatcher if controls.sessions is not None else None
+        self._watch = HostWatch(dispatcher.host_by_address if dispatcher is not None else None,
+                                dispatcher.hosts if dispatcher is not None else None)
         metadata = [("authorization", f"Bearer {controls.token}")] if controls.token else []
         credential = ""
         if controls.sessions is not None:  # the session credential workers check (server/credentials.py)

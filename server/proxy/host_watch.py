@@ -7,7 +7,10 @@ minutes), and the unmodified JAX client waits on them. The controller declares s
 once its heartbeats stop (its --heartbeat-timeout); each call in flight to a worker holds a
 `Guard`, a timer that looks at the state of the worker's host every LOST_POLL_S and cancels the
 call once it is lost; the caller then raises `Guard.error()`, UNAVAILABLE naming the host. A call
-to a worker whose host this session saw lost fails at once, before it is sent.
+to a worker whose host is lost fails at once, before it is sent: one this session saw lost, or,
+where the session never called that worker before (a session opened just before its worker froze:
+its first upload), one the cluster's registry holds lost at that address. Such a call is never
+left unwatched: a frozen worker's new connection waits for gRPC's 20 s connect timeout, then on.
 
 The cost is one timer a call (re-armed while the call lasts, stopped when it ends), no task: a
 call over sooner than LOST_POLL_S costs one `call_later` and its cancel. Streaming calls (a
@@ -18,7 +21,7 @@ their reader turns the cancellation into the same error (fetching.py, staging.py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -92,11 +95,28 @@ class Guard:
 
 class HostWatch:
     """The hosts of one session's worker calls. `host_of`: the controller's ready host at an
-    address (the dispatcher's `host_by_address`); None: nothing is watched (no controller)."""
+    address (the dispatcher's `host_by_address`); None: nothing is watched (no controller).
+    `hosts`: the cluster's registry by name, any state (the dispatcher's `hosts`), where a lost
+    host at an address this session never called is found (`_lost_at`)."""
 
-    def __init__(self, host_of: HostOf | None) -> None:
+    def __init__(self, host_of: HostOf | None, hosts: Mapping[str, Any] | None = None) -> None:
         self._host_of = host_of
+        self._hosts = hosts
         self._seen: dict[str, Any] = {}  # address -> the host last found ready there
+
+    def _lost_at(self, address: str) -> Any:
+        """The lost host at `address` where no ready host is there (None: none known lost): the
+        one this session last saw there, else one of the registry's (scanned: only once a host
+        at an address the session calls is no longer ready)."""
+        seen = self._seen.get(address)
+        if seen is not None:
+            return seen if seen.state == LOST else None
+        if self._hosts is not None:
+            for host in list(self._hosts.values()):
+                if host.address == address and host.state == LOST:
+                    self._seen[address] = host
+                    return host
+        return None
 
     def guard(self, address: str, call: Any, doing: str) -> Guard | None:
         """A guard on `call`, just made, to the worker at `address` (`doing` it: "downloading
@@ -108,10 +128,10 @@ class HostWatch:
             return None
         host = self._host_of(address)
         if host is None:
-            seen = self._seen.get(address)
-            if seen is not None and seen.state == LOST:
+            lost = self._lost_at(address)
+            if lost is not None:
                 call.cancel()
-                raise lost_error(doing, address, seen.name)
+                raise lost_error(doing, address, lost.name)
             return None
         self._seen[address] = host
         return Guard(host, call, doing, address)
@@ -122,9 +142,9 @@ class HostWatch:
         to make, whose hello a frozen worker never answers: bulk.py)."""
         if self._host_of is None or self._host_of(address) is not None:
             return
-        seen = self._seen.get(address)
-        if seen is not None and seen.state == LOST:
-            raise lost_error(doing, address, seen.name)
+        lost = self._lost_at(address)
+        if lost is not None:
+            raise lost_error(doing, address, lost.name)
 
     async def unless_lost(self, address: str, call: Any, doing: str) -> Any:
         """Awaits `call` (a unary or stream-unary call to the worker at `address`); once its host

@@ -221,7 +221,7 @@ class Uploading:
         nbytes = sum(len(d) for _, _, d in arrays)
         if links is not None and all(len(d) for _, _, d in arrays) and (
                 nbytes >= bulk.BULK_MIN_BYTES or all(len(d) <= bulk.SMALL_PUT_BYTES for _, _, d in arrays)):
-            link = await links.take(address)
+            link = await links.take(address, self._watch, "uploading to")
             if link is not None:  # on the worker's transfer port (bulk.py); else by gRPC
                 if counts is not None and nbytes >= bulk.BULK_MIN_BYTES:
                     counts.started("upload", "tcp", nbytes)

@@ -83,6 +83,7 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
         """(seconds, CPU seconds of the sender on A, CPU seconds of B's receiver and worker)."""
         n = arr.nbytes
         a0, b0 = cpu_ns(), b_cpu()
+        sent: threading.Event | None = None  # a worker path's: set once the sender's thread is done
         if method == "tcp":
             t0 = time.perf_counter()
             send_msg(ctl, f"tcp {n}")
@@ -105,12 +106,16 @@ def send_role(ip: str, peer: str, grpc_port: int, sizes: list[int], chunk_sizes:
                 set_chunk(method)
                 sender = senders["grpc"]
             bid = next(ids)
-            done = threading.Event()
+            sent = threading.Event()
             t0 = time.perf_counter()
-            sender.send(bid, arr, wstub[0], False, done.set)
+            sender.send(bid, arr, wstub[0], False, sent.set)
             w = wstub[1].Wait(wpb.WaitRequest(buffer_ids=[bid], timeout_s=120), metadata=meta)
             reply = "ok" if w.ready else f"not ready: {w.error}"
         dt = time.perf_counter() - t0
+        # the receiver can hold the bytes before the sender's thread, back from its last write, notes
+        # which transport it used (`check_workers` reads that): wait for it, outside the timing
+        if sent is not None and not sent.wait(60):
+            raise RuntimeError(f"{method}: the sender's thread did not finish")
         if reply != "ok":
             raise RuntimeError(f"{method}: {reply}")
         if method == "tcp" or method == "jax":

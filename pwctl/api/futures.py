@@ -23,8 +23,9 @@ class _Moved(Exception):
 
 
 def _where(future: Future) -> tuple[set[int], str]:
-    """The run id of `future` and its home, read in this order (`settle`; the waits below read
-    them inline, in the same order).
+    """The run id of `future` and its home, read in this order (`Future.result`,
+    `Future.block_until_ready`, `settle`; `_gather` and `block_until_ready` read the run ids before
+    the addresses inline, in the same order).
 
     A wait reads a future's run id before its home (its members' addresses), and waits there
     under that run id. A re-sending (programs.py `_Sent.send`, on the session's reader) moves a
@@ -76,7 +77,7 @@ class Future:
         if self._value is None and self.peers:
             self._value = self._gather(timeout)
         if self._value is None:
-            run_ids, home = {self.run_id}, self.home  # in this order (`_where`)
+            run_ids, home = _where(self)
             conn = self._rt.worker(home)
             nbytes = self.size * self.dtype.itemsize
 
@@ -139,8 +140,8 @@ class Future:
         """Waits until the value is computed, without fetching it (as `jax.Array.block_until_ready`)."""
         while self._value is None:
             try:
-                run_ids = {self.run_id}  # before its home (`_where`)
-                _wait_computed(self._rt, self.home, [self], run_ids, timeout)
+                run_ids, home = _where(self)
+                _wait_computed(self._rt, home, [self], run_ids, timeout)
                 break
             except _Moved:  # sent again elsewhere (replan.py): waited for where it is now
                 continue

@@ -57,11 +57,15 @@ class Limits:
     max_log_streams: int = MAX_LOG_STREAMS
 
 
+def shown(text: str, longest: int = 40) -> str:
+    """`text` as an error quotes a caller's string: at most `longest` characters, then "..."."""
+    return text if len(text) <= longest else text[:longest] + "..."
+
+
 def check_name(what: str, name: str, longest: int) -> None:
     """Raises InvalidArgument unless `name` is a valid host or island name."""
     if len(name) > longest or not NAME_RE.fullmatch(name):
-        shown = name if len(name) <= 40 else name[:40] + "..."
-        raise InvalidArgument(f"invalid {what} name {shown!r} ({len(name)} characters): use 1-{longest} of "
+        raise InvalidArgument(f"invalid {what} name {shown(name)!r} ({len(name)} characters): use 1-{longest} of "
                               "letters, digits and _ . : + -, not starting with a sign")
 
 

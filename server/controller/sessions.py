@@ -37,7 +37,7 @@ from .callers import CallerSessions, caller_of
 from .client_session import ClientSession, RunRequest
 from .dispatch import Dispatcher
 from .errors import ControllerError, GroupForming, InvalidArgument, PermissionDenied
-from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER
+from .limits import DEFAULT_MAX_SESSIONS_PER_CALLER, shown
 from .programs import ProgramRecord, ProgramRegistry, check_devices, program_id_of
 from .session_store import DEFAULT_GRACE_S, Resumable, SessionStore, new_token, token_hash
 
@@ -174,16 +174,14 @@ class SessionManager:
         hello = first.hello
         dispatch = hello.dispatch or self.default_dispatch
         if dispatch not in DISPATCH_MODES:
-            shown = dispatch if len(dispatch) <= 40 else dispatch[:40] + "..."
-            raise InvalidArgument(f"unknown dispatch mode {shown!r}: use parallel or sequential")
+            raise InvalidArgument(f"unknown dispatch mode {shown(dispatch)!r}: use parallel or sequential")
         problem = share_problem("session", hello.priority, hello.weight)  # a job's range, which its driver's gets
         if problem:
             raise InvalidArgument(problem)
         if hello.job_id and not check_job_secret(self.job_key, hello.job_id, hello.job_secret):
-            shown = hello.job_id if len(hello.job_id) <= 40 else hello.job_id[:40] + "..."
             raise PermissionDenied(
-                f"this session cannot act as job {shown!r}: only the job's driver can, with the secret the "
-                f"controller gave it (${JOB_SECRET_ENV})")
+                f"this session cannot act as job {shown(hello.job_id)!r}: only the job's driver can, with the "
+                f"secret the controller gave it (${JOB_SECRET_ENV})")
         with self.callers.enter(caller_of(context.peer() if context is not None else "", hello.job_id)):
             async with contextlib.aclosing(self._open(hello, dispatch, rest, it)) as events:  # its finally runs now
                 async for ev in events:
